@@ -1,0 +1,231 @@
+"""Celeris: a small bidirectional Llama-style transformer for masked diffusion.
+
+The model maps token ids to logits and nothing else: no sampling, training or
+compile logic lives here. Architecture (Llama, arXiv:2302.13971, made
+bidirectional as in LLaDA arXiv:2502.09992): token embedding, ``num_layers``
+pre-norm blocks of RMSNorm -> multi-head attention with rotary position
+embeddings (RoPE, arXiv:2104.09864) -> RMSNorm -> SwiGLU MLP, a final RMSNorm,
+and an output head tied to the embedding. Attention is
+``scaled_dot_product_attention`` with no causal mask (``is_causal=False``), so
+every position sees every other non-padding position. Setting ``is_causal`` in
+the config gives the autoregressive twin with the same weights layout.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass
+class CelerisConfig:
+    """Hyper-parameters of a Celeris model, stored as the checkpoint's ``config.json``.
+
+    Special token ids (``mask_token_id``, ``eos_token_id``, ``pad_token_id``) come
+    from the tokenizer when the checkpoint is made; code never uses literals.
+    """
+
+    vocab_size: int = 4096
+    hidden_size: int = 256
+    num_layers: int = 6
+    num_heads: int = 4
+    intermediate_size: int = 704
+    max_position_embeddings: int = 512
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-5
+    mask_token_id: int = 1
+    eos_token_id: int = 0
+    pad_token_id: int = 2
+    is_causal: bool = False
+    model_type: str = "celeris"
+
+    def __post_init__(self) -> None:
+        if self.hidden_size % self.num_heads:
+            raise ValueError(
+                f"hidden_size ({self.hidden_size}) must be divisible by num_heads ({self.num_heads})"
+            )
+        for name in ("mask_token_id", "eos_token_id", "pad_token_id"):
+            value = getattr(self, name)
+            if not 0 <= value < self.vocab_size:
+                raise ValueError(f"{name}={value} is outside the vocabulary [0, {self.vocab_size})")
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    @classmethod
+    def from_json(cls, path: str | Path) -> CelerisConfig:
+        """Read ``config.json``; unknown keys (e.g. ``architectures``) are ignored."""
+        raw = json.loads(Path(path).read_text())
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in raw.items() if k in known})
+
+    def to_json(self, path: str | Path) -> None:
+        data = {"architectures": ["CelerisForMaskedDiffusion"], **asdict(self)}
+        Path(path).write_text(json.dumps(data, indent=2) + "\n")
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square layer norm (arXiv:1910.07467); computed in float32."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (xf * self.weight.float()).to(x.dtype)
+
+
+def rope_cos_sin(
+    positions: torch.Tensor, head_dim: int, theta: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotary tables for integer ``positions`` (B, L) -> cos, sin each (B, 1, L, head_dim), float32."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=positions.device).float() / head_dim)
+    angles = positions.float()[..., None] * inv_freq  # (B, L, head_dim/2)
+    angles = torch.cat([angles, angles], dim=-1)  # (B, L, head_dim)
+    return angles.cos()[:, None], angles.sin()[:, None]
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x`` (B, H, L, D) by the half-split RoPE convention used by Llama."""
+    x1, x2 = x.chunk(2, dim=-1)
+    rotated = torch.cat([-x2, x1], dim=-1)
+    return (x.float() * cos + rotated.float() * sin).to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: CelerisConfig) -> None:
+        super().__init__()
+        self.num_heads, self.head_dim, self.is_causal = cfg.num_heads, cfg.head_dim, cfg.is_causal
+        self.qkv_proj = nn.Linear(cfg.hidden_size, 3 * cfg.hidden_size, bias=False)
+        self.o_proj = nn.Linear(cfg.hidden_size, cfg.hidden_size, bias=False)
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn_mask: torch.Tensor | None
+    ) -> torch.Tensor:
+        b, length, _ = x.shape
+        q, k, v = self.qkv_proj(x).view(b, length, 3, self.num_heads, self.head_dim).unbind(2)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, H, L, D)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=attn_mask, is_causal=self.is_causal and attn_mask is None
+        )  # (B, H, L, D)
+        return self.o_proj(out.transpose(1, 2).reshape(b, length, -1))
+
+
+class MLP(nn.Module):
+    """SwiGLU feed-forward (arXiv:2002.05202)."""
+
+    def __init__(self, cfg: CelerisConfig) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: CelerisConfig) -> None:
+        super().__init__()
+        self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.attn = Attention(cfg)
+        self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn_mask: torch.Tensor | None
+    ) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), cos, sin, attn_mask)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class CelerisModel(nn.Module):
+    """Token ids -> logits. See the module docstring for the architecture."""
+
+    def __init__(self, cfg: CelerisConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    @torch.no_grad()
+    def init_weights(self, std: float = 0.02) -> None:
+        """GPT-2 style init: N(0, std) weights, output projections scaled by 1/sqrt(2 * layers)."""
+        for name, p in self.named_parameters():
+            if p.dim() == 1:
+                p.fill_(1.0)
+            else:
+                scale = (2 * self.config.num_layers) ** -0.5 if name.endswith(("o_proj.weight", "down_proj.weight")) else 1.0
+                p.normal_(0.0, std * scale)
+
+    def hidden_states(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Final normed hidden states.
+
+        Args:
+            input_ids: (B, L) int64 token ids.
+            attention_mask: optional (B, L) bool, True for real tokens and False for
+                padding. Padding keys are never attended, and positions (RoPE) count
+                only real tokens, so a left-padded row computes exactly what the
+                unpadded row computes.
+
+        Returns:
+            (B, L, hidden_size) in the parameter dtype.
+        """
+        b, length = input_ids.shape
+        if attention_mask is None:
+            positions = torch.arange(length, device=input_ids.device).expand(b, length)
+            attn_mask = None
+        else:
+            positions = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)  # (B, L)
+            attn_mask = attention_mask[:, None, None, :]  # (B, 1, 1, L) keys
+            if self.config.is_causal:
+                causal = torch.ones(length, length, dtype=torch.bool, device=input_ids.device).tril()
+                attn_mask = attn_mask & causal  # (B, 1, L, L)
+        cos, sin = rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta)
+        x = self.embed_tokens(input_ids)  # (B, L, d)
+        for layer in self.layers:
+            x = layer(x, cos, sin, attn_mask)
+        return self.norm(x)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Tied output head: (..., hidden_size) -> (..., vocab_size) float32 logits."""
+        return F.linear(hidden, self.embed_tokens.weight).float()
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        logits_slice: slice | None = None,
+        return_hidden: bool = False,
+    ) -> torch.Tensor:
+        """(B, L) token ids -> (B, L', vocab_size) float32 logits.
+
+        ``logits_slice`` restricts the output head to a span of positions (L' is
+        its length); the samplers only need logits of the block being denoised.
+        ``return_hidden`` returns the (B, L, hidden_size) hidden states instead
+        (training computes the head only at masked positions).
+        """
+        hidden = self.hidden_states(input_ids, attention_mask)
+        if return_hidden:
+            return hidden
+        if logits_slice is not None:
+            hidden = hidden[:, logits_slice]
+        return self.logits(hidden)
+
+
+def count_parameters(model: nn.Module) -> int:
+    """Number of distinct parameters (tied weights counted once)."""
+    return sum(p.numel() for p in model.parameters())

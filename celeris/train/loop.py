@@ -1,0 +1,231 @@
+"""`celeris train`: the training loop (single process or DDP under torchrun).
+
+AdamW with linear warm-up and cosine decay, gradient clipping, periodic
+checkpoints with exact resume (model, optimiser, step; batches are a pure
+function of (seed, step, rank), so a resumed run sees the same data), held-out
+loss every ``eval_every`` steps, a tqdm progress bar with tokens/s and loss,
+and export to a checkpoint folder at the end.
+
+Under ``torchrun`` (``WORLD_SIZE`` > 1) it wraps the model in
+DistributedDataParallel with gloo on CPU and NCCL on CUDA; each rank draws its
+own batches and gradients are averaged.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from tqdm import tqdm
+
+from celeris.models.celeris import CelerisConfig, CelerisModel, count_parameters
+from celeris.models.loader import save_checkpoint
+from celeris.tokenizer import write_tokenizer_config
+from celeris.train.data import load_tokens
+from celeris.train.objective import OBJECTIVES
+
+
+@dataclass(slots=True)
+class TrainConfig:
+    """Settings of one training run; saved beside its checkpoints as ``train_config.json``."""
+
+    data_dir: str
+    out_dir: str
+    export_dir: str | None = None
+    objective: str = "diffusion"
+    model: dict = field(default_factory=dict)
+    seq_len: int = 512
+    batch_size: int = 8
+    max_steps: int = 1000
+    lr: float = 2e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 100
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0
+    eval_every: int = 200
+    eval_batches: int = 16
+    save_every: int = 100
+    seed: int = 0
+    threads: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.objective not in OBJECTIVES:
+            raise ValueError(f"objective must be one of {sorted(OBJECTIVES)}, got '{self.objective}'")
+        for name in ("seq_len", "batch_size", "max_steps", "eval_every", "save_every", "eval_batches"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.lr <= 0:
+            raise ValueError(f"lr must be > 0, got {self.lr}")
+
+
+def lr_at(step: int, cfg: TrainConfig) -> float:
+    """Linear warm-up to ``lr`` over ``warmup_steps``, then cosine decay to ``lr * min_lr_ratio``."""
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    progress = min(1.0, (step - cfg.warmup_steps) / max(1, cfg.max_steps - cfg.warmup_steps))
+    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def get_batch(tokens: np.ndarray, batch_size: int, seq_len: int, seed: int) -> torch.Tensor:
+    """Random windows of ``seq_len`` tokens: (batch_size, seq_len) int64, a pure function of ``seed``."""
+    rng = np.random.default_rng(seed)
+    starts = rng.integers(0, len(tokens) - seq_len, size=batch_size)
+    return torch.from_numpy(np.stack([tokens[s : s + seq_len].astype(np.int64) for s in starts]))
+
+
+@torch.no_grad()
+def evaluate(model: CelerisModel, tokens: np.ndarray, cfg: TrainConfig, device: torch.device) -> float:
+    """Held-out loss (nats/token) on ``eval_batches`` fixed batches with fixed noise draws."""
+    loss_fn = OBJECTIVES[cfg.objective]
+    was_training = model.training
+    model.eval()
+    total = 0.0
+    for i in range(cfg.eval_batches):
+        batch = get_batch(tokens, cfg.batch_size, cfg.seq_len, seed=10_000_000 + i).to(device)
+        gen = torch.Generator().manual_seed(20_000_000 + i)
+        total += float(loss_fn(model, batch, gen)[0])
+    model.train(was_training)
+    return total / cfg.eval_batches
+
+
+def _dist_setup() -> tuple[int, int, torch.device]:
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world == 1:
+        return 0, 1, torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    dist.init_process_group(backend)
+    rank = dist.get_rank()
+    if torch.cuda.is_available():
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local)
+        return rank, world, torch.device("cuda", local)
+    return rank, world, torch.device("cpu")
+
+
+def _atomic_torch_save(obj: dict, path: Path) -> None:
+    tmp = path.with_suffix(".tmp")
+    torch.save(obj, tmp)
+    os.replace(tmp, path)
+
+
+def train(cfg: TrainConfig, default_generation: dict | None = None) -> dict:
+    """Run (or resume) training; returns a summary dict (steps, tokens, losses, seconds).
+
+    Resumes from ``out_dir/last.pt`` when it exists. Exports a checkpoint folder
+    to ``export_dir`` at the end (rank 0 only).
+    """
+    rank, world, device = _dist_setup()
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    out = Path(cfg.out_dir)
+    data = Path(cfg.data_dir)
+    train_tokens, val_tokens = load_tokens(data / "train.bin"), load_tokens(data / "val.bin")
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(data / "tokenizer.json"))
+    special = {
+        "vocab_size": tok.get_vocab_size(),
+        "eos_token_id": tok.token_to_id("<|endoftext|>"),
+        "mask_token_id": tok.token_to_id("<|mask|>"),
+        "pad_token_id": tok.token_to_id("<|pad|>"),
+        "is_causal": cfg.objective == "ar",
+    }
+    model_cfg = CelerisConfig(**{**cfg.model, **special, "max_position_embeddings": cfg.seq_len})
+    torch.manual_seed(cfg.seed)
+    model = CelerisModel(model_cfg)
+    model.init_weights()
+    model.to(device).train()
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    optim = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=cfg.lr,
+        betas=(0.9, 0.95),
+    )
+    step, tokens_seen, wall = 0, 0, 0.0
+    history: list[dict] = []
+    ckpt_path = out / "last.pt"
+    if ckpt_path.exists():
+        state = torch.load(ckpt_path, map_location=device, weights_only=False)
+        model.load_state_dict(state["model"])
+        optim.load_state_dict(state["optim"])
+        step, tokens_seen, wall, history = state["step"], state["tokens_seen"], state["wall"], state["history"]
+    ddp_model = torch.nn.parallel.DistributedDataParallel(model) if world > 1 else model
+    if rank == 0:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "train_config.json").write_text(json.dumps(asdict(cfg), indent=2) + "\n")
+        print(
+            f"model: {count_parameters(model):,} parameters, objective {cfg.objective}, "
+            f"world {world}, device {device}, resuming at step {step}",
+            flush=True,
+        )
+    loss_fn = OBJECTIVES[cfg.objective]
+    bar = tqdm(total=cfg.max_steps, initial=step, disable=rank != 0, dynamic_ncols=True, mininterval=5)
+    while step < cfg.max_steps:
+        t0 = time.perf_counter()
+        for group in optim.param_groups:
+            group["lr"] = lr_at(step, cfg)
+        seed = cfg.seed * 1_000_003 + step * world + rank
+        batch = get_batch(train_tokens, cfg.batch_size, cfg.seq_len, seed).to(device)
+        loss, _ = loss_fn(ddp_model if world == 1 else _DDPView(ddp_model, model), batch, torch.Generator().manual_seed(seed))
+        optim.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        optim.step()
+        step += 1
+        tokens_seen += batch.numel() * world
+        dt = time.perf_counter() - t0
+        wall += dt
+        bar.update(1)
+        bar.set_postfix(loss=f"{float(loss):.3f}", tok_s=f"{batch.numel() * world / dt:,.0f}", lr=f"{lr_at(step, cfg):.2e}")
+        record: dict = {"step": step, "loss": float(loss), "tokens_seen": tokens_seen, "wall_s": round(wall, 1)}
+        if step % cfg.eval_every == 0 or step == cfg.max_steps:
+            record["val_loss"] = evaluate(model, val_tokens, cfg, device)
+            if rank == 0:
+                bar.write(f"step {step}: held-out loss {record['val_loss']:.4f} nats/token")
+        history.append(record)
+        if rank == 0 and (step % cfg.save_every == 0 or step == cfg.max_steps):
+            _atomic_torch_save(
+                {"model": model.state_dict(), "optim": optim.state_dict(), "step": step,
+                 "tokens_seen": tokens_seen, "wall": wall, "history": history},
+                ckpt_path,
+            )
+    bar.close()
+    val = [h["val_loss"] for h in history if "val_loss" in h]
+    summary = {"steps": step, "tokens_seen": tokens_seen, "wall_s": round(wall, 1),
+               "final_val_loss": val[-1] if val else None, "parameters": count_parameters(model)}
+    if rank == 0:
+        (out / "history.json").write_text(json.dumps(history) + "\n")
+        (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        if cfg.export_dir:
+            write_tokenizer_config(data)
+            save_checkpoint(model, cfg.export_dir, data, default_generation)
+            print(f"exported checkpoint to {cfg.export_dir}", flush=True)
+    if world > 1:
+        dist.barrier()
+        dist.destroy_process_group()
+    return summary
+
+
+class _DDPView:
+    """Lets the objective call ``hidden_states``/``logits`` while gradients sync through DDP.
+
+    DDP only hooks ``forward``; the objectives call the model's sub-functions, so
+    we route them through DDP's forward with a small dispatch.
+    """
+
+    def __init__(self, ddp: torch.nn.parallel.DistributedDataParallel, model: CelerisModel) -> None:
+        self.ddp, self.model, self.config = ddp, model, model.config
+
+    def hidden_states(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.ddp(input_ids, return_hidden=True)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.model.logits(hidden)
