@@ -1,0 +1,208 @@
+"""`celeris generate | chat | train | data`: the command line.
+
+Every user mistake ends with one line on stderr naming the problem and exit
+code 2, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+from celeris.models.loader import CheckpointError
+
+MASK_GLYPH = "\u2591"  # light shade: a still-masked position in --show-denoising
+
+
+class UsageError(Exception):
+    """A bad command line; printed as one line, exit code 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one line instead of usage + message
+        raise UsageError(message)
+
+
+def _sampling_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", help="checkpoint folder (default: the embedded celeris-code-6m)")
+    p.add_argument("--device", help="cpu, cuda, cuda:1 ... (default: cuda when available)")
+    p.add_argument("--max-new-tokens", type=int, help="answer length in tokens")
+    p.add_argument("--steps", type=int, help="denoising steps for the whole answer")
+    p.add_argument("--block-length", type=int, help="tokens per semi-autoregressive block")
+    p.add_argument("--temperature", type=float, help="0 = greedy")
+    p.add_argument("--top-p", type=float, help="nucleus mass in (0, 1]")
+    p.add_argument("--seed", type=int, help="RNG seed")
+    p.add_argument("--remasking", help="low_confidence or random")
+    p.add_argument("--decoding", help="fixed, threshold, factor or entropy")
+    p.add_argument("--threshold", type=float, help="confidence threshold for --decoding threshold")
+    p.add_argument("--cfg-scale", type=float, help="classifier-free guidance scale (0 = off)")
+    p.add_argument("--stop", action="append", help="stop string (repeatable)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="celeris", description="Celeris: a diffusion language model engine.")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    g = sub.add_parser("generate", help="generate text for one prompt")
+    g.add_argument("prompt")
+    _sampling_args(g)
+    g.add_argument("--suffix", help="text after the gap: fill the span between prompt and suffix")
+    g.add_argument("--json", action="store_true", help="print one JSON object")
+    g.add_argument("--show-denoising", action="store_true", help="redraw the answer after every step")
+
+    c = sub.add_parser("chat", help="interactive chat loop (uses the chat template)")
+    _sampling_args(c)
+
+    t = sub.add_parser("train", help="train a model (masked diffusion or autoregressive)")
+    t.add_argument("--data", required=True, help="corpus folder from `celeris data stdlib`")
+    t.add_argument("--out", required=True, help="run folder: checkpoints, history (resumes if present)")
+    t.add_argument("--export", help="write a checkpoint folder here at the end")
+    t.add_argument("--objective", default="diffusion", help="diffusion or ar")
+    for name, typ, default in [
+        ("max-steps", int, 1000), ("batch-size", int, 8), ("seq-len", int, 512), ("lr", float, 1.5e-3),
+        ("warmup-steps", int, 100), ("eval-every", int, 300), ("eval-batches", int, 16),
+        ("save-every", int, 100), ("seed", int, 0), ("threads", int, None),
+        ("hidden-size", int, 256), ("num-layers", int, 6), ("num-heads", int, 4), ("intermediate-size", int, 704),
+    ]:
+        t.add_argument(f"--{name}", type=typ, default=default)
+
+    d = sub.add_parser("data", help="build a training corpus")
+    d.add_argument("corpus", choices=["stdlib"], help="stdlib: this Python's standard library")
+    d.add_argument("--out", default="data/stdlib")
+    d.add_argument("--vocab-size", type=int, default=4096)
+    return parser
+
+
+def _params(llm_defaults: dict, args: argparse.Namespace):
+    from celeris.params import SamplingParams
+
+    return SamplingParams.from_defaults(
+        llm_defaults,
+        max_new_tokens=args.max_new_tokens, steps=args.steps, block_length=args.block_length,
+        temperature=args.temperature, top_p=args.top_p, seed=args.seed, remasking=args.remasking,
+        decoding=args.decoding, threshold=args.threshold, cfg_scale=args.cfg_scale, stop=args.stop,
+    )
+
+
+def _load(args: argparse.Namespace):
+    from celeris.llm import DEFAULT_MODEL, LLM
+
+    folder = Path(args.model) if args.model else DEFAULT_MODEL
+    gen_path = folder / "generation_config.json"
+    if not folder.is_dir():
+        raise CheckpointError(f"checkpoint folder '{folder}' does not exist")
+    defaults = json.loads(gen_path.read_text()) if gen_path.is_file() else {}
+    params = _params(defaults, args)  # validate before the (slower) model load
+    return LLM(folder, device=args.device), params
+
+
+def _render(tokenizer, answer_row: list[int], mask_id: int) -> str:
+    pieces, run = [], []
+    for tid in answer_row:
+        if tid == mask_id:
+            if run:
+                pieces.append(tokenizer.decode(run))
+                run = []
+            pieces.append(MASK_GLYPH)
+        else:
+            run.append(tid)
+    if run:
+        pieces.append(tokenizer.decode(run))
+    return "".join(pieces)
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    start = time.perf_counter()
+    llm, params = _load(args)
+    on_step = None
+    if args.show_denoising:
+        mask_id, tty = llm.model.config.mask_token_id, sys.stdout.isatty()
+        counter = {"step": 0}
+
+        def on_step(answer):  # noqa: ANN001
+            counter["step"] += 1
+            text = _render(llm.tokenizer, answer[0].tolist(), mask_id)
+            prefix = "\x1b[2J\x1b[H" if tty else f"--- step {counter['step']} ---\n"
+            print(f"{prefix}{args.prompt}{text}", flush=True)
+
+    out = llm.generate(args.prompt, params, suffixes=[args.suffix], on_step=on_step)[0]
+    if args.json:
+        record = {"prompt": args.prompt, "text": out.text, "token_ids": out.token_ids, "nfe": out.nfe,
+                  "seconds": round(out.seconds, 4), "ttft_s": out.ttft_s and round(out.ttft_s, 4),
+                  "finish_reason": out.finish_reason, "total_seconds": round(time.perf_counter() - start, 4)}
+        print(json.dumps(record))
+    elif args.suffix:
+        print(f"{args.prompt}{out.text}{args.suffix}")
+    else:
+        print(f"{args.prompt}{out.text}")
+    return 0
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    llm, params = _load(args)
+    messages: list[dict[str, str]] = []
+    print("celeris chat: empty line or Ctrl-D to quit", file=sys.stderr)
+    while True:
+        try:
+            line = input("you> ").strip()
+        except EOFError:
+            break
+        if not line:
+            break
+        messages.append({"role": "user", "content": line})
+        prompt = llm.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        try:
+            answer = llm.generate(prompt, params)[0].text
+        except ValueError as exc:  # e.g. the conversation outgrew the context window
+            print(f"celeris: error: {exc}", file=sys.stderr)
+            messages.pop()
+            continue
+        print(f"model> {answer}")
+        messages.append({"role": "assistant", "content": answer})
+    return 0
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from celeris.train.loop import TrainConfig, train
+
+    if not (Path(args.data) / "train.bin").is_file():
+        raise UsageError(f"--data {args.data} has no train.bin; build it with `celeris data stdlib --out {args.data}`")
+    model = {"hidden_size": args.hidden_size, "num_layers": args.num_layers, "num_heads": args.num_heads,
+             "intermediate_size": args.intermediate_size}
+    cfg = TrainConfig(
+        data_dir=args.data, out_dir=args.out, export_dir=args.export, objective=args.objective, model=model,
+        seq_len=args.seq_len, batch_size=args.batch_size, max_steps=args.max_steps, lr=args.lr,
+        warmup_steps=args.warmup_steps, eval_every=args.eval_every, eval_batches=args.eval_batches,
+        save_every=args.save_every, seed=args.seed, threads=args.threads,
+    )
+    print(json.dumps(train(cfg)))
+    return 0
+
+
+def cmd_data(args: argparse.Namespace) -> int:
+    from celeris.train.data import build_stdlib_corpus
+
+    print(json.dumps(build_stdlib_corpus(args.out, args.vocab_size), indent=2))
+    return 0
+
+
+COMMANDS = {"generate": cmd_generate, "chat": cmd_chat, "train": cmd_train, "data": cmd_data}
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        args = build_parser().parse_args(argv)
+        return COMMANDS[args.command](args)
+    except (UsageError, ValueError, CheckpointError, FileNotFoundError) as exc:
+        message = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        print(f"celeris: error: {message}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

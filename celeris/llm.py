@@ -1,0 +1,123 @@
+"""Offline facade mirroring vLLM: ``LLM(model).generate(prompts, SamplingParams(...))``."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from celeris.models.loader import CheckpointError, load_model
+from celeris.params import SamplingParams
+from celeris.sampling.generate import generate
+from celeris.tokenizer import Tokenizer
+
+DEFAULT_MODEL = Path(__file__).parent / "checkpoints" / "celeris-code-6m"
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """One answer.
+
+    Attributes:
+        text: decoded answer, cut before the first end-of-text token and the first stop string.
+        token_ids: the answer's token ids (same cut).
+        finish_reason: "stop" (end-of-text or a stop string) or "length".
+        nfe: forward passes spent on the batch this answer was part of.
+        seconds: wall time of that batch (submit to full answer), in seconds.
+        ttft_s: seconds until the answer's first token was final.
+    """
+
+    prompt: str
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+    nfe: int
+    seconds: float
+    ttft_s: float | None
+
+
+class LLM:
+    """A loaded checkpoint (model, tokenizer, default sampling settings) ready to generate.
+
+    Args:
+        model: checkpoint folder; None uses the embedded default model.
+        device: "cpu", "cuda", ...; None picks CUDA when available.
+        max_batch_size: prompts per sampler call.
+
+    Raises:
+        CheckpointError: the folder is missing, incomplete or inconsistent.
+    """
+
+    def __init__(self, model: str | Path | None = None, device: str | None = None, max_batch_size: int = 8) -> None:
+        self.path = Path(model) if model is not None else DEFAULT_MODEL
+        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.model = load_model(self.path, device=self.device)
+        try:
+            self.tokenizer = Tokenizer(self.path)
+        except Exception as exc:  # tokenizers raises plain Exception subclasses on corrupt files
+            raise CheckpointError(f"{self.path / 'tokenizer.json'} could not be read: {exc}") from exc
+        gen_path = self.path / "generation_config.json"
+        self.generation_config: dict = json.loads(gen_path.read_text()) if gen_path.is_file() else {}
+        self.max_batch_size = max_batch_size
+        self.context_length = self.model.config.max_position_embeddings
+
+    def default_params(self, **overrides: object) -> SamplingParams:
+        """SamplingParams from the model's ``generation_config.json`` with ``overrides`` applied."""
+        return SamplingParams.from_defaults(self.generation_config, **overrides)
+
+    def encode_prompt(self, prompt: str, params: SamplingParams, suffix: str | None = None) -> tuple[list[int], list[int]]:
+        """Tokenize and check against the context window; raises ValueError naming both numbers."""
+        if not prompt:
+            raise ValueError("prompt must not be empty")
+        ids = self.tokenizer.encode(prompt)
+        suffix_ids = self.tokenizer.encode(suffix) if suffix else []
+        need = len(ids) + params.max_new_tokens + len(suffix_ids)
+        if need > self.context_length:
+            raise ValueError(
+                f"prompt ({len(ids)} tokens) + suffix ({len(suffix_ids)}) + max_new_tokens "
+                f"({params.max_new_tokens}) = {need} tokens exceeds the context window of "
+                f"{self.context_length} tokens"
+            )
+        return ids, suffix_ids
+
+    def finish(self, token_ids: list[int], params: SamplingParams, hit_eos: bool) -> tuple[str, list[int], str]:
+        """Apply stop strings: returns (text, token_ids, finish_reason)."""
+        text = self.tokenizer.decode(token_ids)
+        cuts = [i for i in (text.find(s) for s in params.stop) if i >= 0]
+        if not cuts:
+            return text, token_ids, "stop" if hit_eos else "length"
+        text = text[: min(cuts)]
+        n = 0
+        while n < len(token_ids) and len(self.tokenizer.decode(token_ids[: n + 1])) <= len(text):
+            n += 1
+        return text, token_ids[:n], "stop"
+
+    def generate(
+        self,
+        prompts: str | list[str],
+        params: SamplingParams | None = None,
+        suffixes: list[str | None] | None = None,
+        on_step: Callable[[torch.Tensor], None] | None = None,
+    ) -> list[RequestOutput]:
+        """Generate one answer per prompt, in order.
+
+        Raises:
+            ValueError: an empty prompt or one that does not fit the context window.
+        """
+        prompts = [prompts] if isinstance(prompts, str) else list(prompts)
+        params = params or self.default_params()
+        suffixes = suffixes or [None] * len(prompts)
+        encoded = [self.encode_prompt(p, params, s) for p, s in zip(prompts, suffixes, strict=True)]
+        outputs: list[RequestOutput] = []
+        for i in range(0, len(prompts), self.max_batch_size):
+            chunk = encoded[i : i + self.max_batch_size]
+            result = generate(self.model, [c[0] for c in chunk], params, [c[1] for c in chunk], on_step=on_step)
+            for j, ids in enumerate(result.token_ids):
+                hit_eos = len(ids) < params.max_new_tokens
+                text, ids, reason = self.finish(ids, params, hit_eos)
+                outputs.append(RequestOutput(prompts[i + j], text, ids, reason, result.nfe, result.seconds,
+                                             result.first_token_s[j]))
+        return outputs

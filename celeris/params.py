@@ -1,0 +1,84 @@
+"""SamplingParams: per-request generation settings and their validation."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+
+REMASKING = ("low_confidence", "random")
+DECODING = ("fixed", "threshold", "factor", "entropy")
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    """Settings of one generation request (names follow vLLM and LLaDA).
+
+    Attributes:
+        max_new_tokens: answer length in tokens (the masked canvas), >= 1.
+        steps: denoising steps for the whole answer (``fixed`` decoding), >= 1.
+            See ``celeris.sampling.schedule.block_plan`` for how steps that do not
+            divide evenly over the blocks are rounded.
+        block_length: tokens per semi-autoregressive block, >= 1; capped at
+            ``max_new_tokens``; a last block may be shorter.
+        temperature: 0 is greedy; > 0 samples by Gumbel-max in float64.
+        top_p: nucleus mass in (0, 1].
+        remasking: ``low_confidence`` (commit the most confident predictions) or
+            ``random`` (commit random masked positions), LLaDA arXiv:2502.09992.
+        decoding: how many tokens a step commits: ``fixed`` (linear schedule,
+            LLaDA), ``threshold`` (confidence > ``threshold``), ``factor``
+            (Fast-dLLM factor rule) or ``entropy`` (EB-sampler, summed entropy <=
+            ``entropy_bound``).
+        cfg_scale: classifier-free guidance scale s >= 0 (0 disables it).
+        seed: per-request RNG seed; None draws a fresh one.
+        stop: strings that end the answer (the stop string is not returned).
+        early_exit: stop denoising once every answer holds an end-of-text token
+            with all positions before it filled; returns the same text.
+    """
+
+    max_new_tokens: int = 128
+    steps: int = 128
+    block_length: int = 32
+    temperature: float = 0.0
+    top_p: float = 1.0
+    remasking: str = "low_confidence"
+    decoding: str = "fixed"
+    threshold: float = 0.9
+    factor: float = 1.0
+    entropy_bound: float = 0.5
+    cfg_scale: float = 0.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    early_exit: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        checks = [
+            (self.max_new_tokens >= 1, f"max_new_tokens must be >= 1, got {self.max_new_tokens}"),
+            (self.steps >= 1, f"steps must be >= 1, got {self.steps}"),
+            (self.block_length >= 1, f"block_length must be >= 1, got {self.block_length}"),
+            (self.temperature >= 0, f"temperature must be >= 0, got {self.temperature}"),
+            (0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}"),
+            (self.remasking in REMASKING, f"remasking must be one of {', '.join(REMASKING)}; got '{self.remasking}'"),
+            (self.decoding in DECODING, f"decoding must be one of {', '.join(DECODING)}; got '{self.decoding}'"),
+            (0 < self.threshold <= 1, f"threshold must be in (0, 1], got {self.threshold}"),
+            (self.factor > 0, f"factor must be > 0, got {self.factor}"),
+            (self.entropy_bound >= 0, f"entropy_bound must be >= 0, got {self.entropy_bound}"),
+            (self.cfg_scale >= 0, f"cfg_scale must be >= 0, got {self.cfg_scale}"),
+            (all(isinstance(s, str) and s for s in self.stop), "stop must be a non-empty string or a list of them"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ValueError(message)
+
+    @classmethod
+    def from_defaults(cls, defaults: dict | None = None, **overrides: object) -> SamplingParams:
+        """Build from a model's ``generation_config.json`` dict, then apply non-None overrides."""
+        known = {f.name for f in fields(cls)}
+        merged = {k: v for k, v in (defaults or {}).items() if k in known}
+        merged.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(**merged)
+
+    def structure_key(self) -> tuple:
+        """Settings that must be equal for requests to share one batched sampler call."""
+        return (self.max_new_tokens, self.steps, self.block_length, self.remasking, self.decoding,
+                self.threshold, self.factor, self.entropy_bound, self.cfg_scale > 0, self.early_exit)

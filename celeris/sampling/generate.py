@@ -1,0 +1,194 @@
+"""The masked-diffusion sampler: a plain function of (model, prompt ids, params).
+
+Semi-autoregressive remasking (LLaDA arXiv:2502.09992, Sec. 2.4 and App. B):
+the answer starts fully masked and is denoised block by block, left to right.
+At every denoising step the model predicts all positions at once; a commit
+rule (``celeris.sampling.select.COMMIT_RULES``) decides which masked positions
+of the current block take their prediction, the rest stay masked. Committed
+tokens never change.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from celeris.params import SamplingParams
+from celeris.sampling.schedule import block_plan, num_transfer_tokens
+from celeris.sampling.select import COMMIT_RULES, CONFIDENCE, NEG_INF, sample_tokens, top_p_filter
+
+
+@dataclass(slots=True)
+class GenerationOutput:
+    """Result of one batched sampler call.
+
+    Attributes:
+        answer_ids: (B, max_new_tokens) int64 final canvas of the answer span
+            (positions never reached by early exit hold the mask id).
+        token_ids: per row, the answer cut before the first end-of-text token.
+        nfe: forward passes of the model (a CFG step counts as 2).
+        steps: denoising steps run.
+        first_token_s: per row, seconds from the call's start until answer
+            position 0 was final (time to first token), or None.
+        seconds: wall time of the call.
+    """
+
+    answer_ids: torch.Tensor
+    token_ids: list[list[int]]
+    nfe: int
+    steps: int
+    first_token_s: list[float | None] = field(default_factory=list)
+    seconds: float = 0.0
+
+
+def build_canvas(
+    prompt_ids: list[list[int]],
+    max_new_tokens: int,
+    mask_id: int,
+    pad_id: int,
+    suffix_ids: list[list[int]] | None = None,
+    device: torch.device | str = "cpu",
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """Lay out [left padding | prompt | masked answer | suffix | right padding] for each row.
+
+    Returns:
+        canvas (B, T) int64, attention_mask (B, T) bool (False on padding),
+        is_prompt (B, T) bool (prompt and suffix tokens, masked out by CFG's
+        unconditional pass), and the answer's start column.
+    """
+    b = len(prompt_ids)
+    suffix_ids = suffix_ids or [[] for _ in range(b)]
+    lp = max(len(p) for p in prompt_ids)
+    ls = max(len(s) for s in suffix_ids)
+    total = lp + max_new_tokens + ls
+    canvas = torch.full((b, total), pad_id, dtype=torch.long)
+    attn = torch.zeros((b, total), dtype=torch.bool)
+    for i, (p, s) in enumerate(zip(prompt_ids, suffix_ids, strict=True)):
+        canvas[i, lp - len(p) : lp] = torch.tensor(p, dtype=torch.long)
+        canvas[i, lp : lp + max_new_tokens] = mask_id
+        canvas[i, lp + max_new_tokens : lp + max_new_tokens + len(s)] = torch.tensor(s, dtype=torch.long)
+        attn[i, lp - len(p) : lp + max_new_tokens + len(s)] = True
+    is_prompt = attn.clone()
+    is_prompt[:, lp : lp + max_new_tokens] = False
+    return canvas.to(device), attn.to(device), is_prompt.to(device), lp
+
+
+def cut_at_eos(answer: torch.Tensor, eos_id: int, mask_id: int) -> list[list[int]]:
+    """Rows of (B, N) answer ids cut before the first end-of-text (and any never-filled mask)."""
+    rows = []
+    for row in answer.tolist():
+        for stop_id in (eos_id, mask_id):
+            if stop_id in row:
+                row = row[: row.index(stop_id)]
+        rows.append(row)
+    return rows
+
+
+def answer_done(answer: torch.Tensor, eos_id: int, mask_id: int) -> torch.Tensor:
+    """(B, N) -> (B,) bool: the answer holds an end-of-text token and nothing before it is masked."""
+    is_eos = answer == eos_id
+    first_eos = torch.where(is_eos.any(-1), is_eos.long().argmax(-1), answer.shape[1])  # (B,)
+    cols = torch.arange(answer.shape[1], device=answer.device)
+    masked_before = ((answer == mask_id) & (cols[None] < first_eos[:, None])).any(-1)
+    return is_eos.any(-1) & ~masked_before
+
+
+@torch.no_grad()
+def generate(
+    model: torch.nn.Module,
+    prompt_ids: list[list[int]],
+    params: SamplingParams | list[SamplingParams],
+    suffix_ids: list[list[int]] | None = None,
+    on_step: Callable[[torch.Tensor], None] | None = None,
+) -> GenerationOutput:
+    """Generate answers for a batch of prompts by masked diffusion.
+
+    Args:
+        model: maps (B, T) ids + (B, T) bool attention mask to logits; must
+            accept ``logits_slice`` and have ``config.mask_token_id``,
+            ``eos_token_id`` and ``pad_token_id``.
+        prompt_ids: B non-empty lists of token ids (lengths may differ; rows are
+            left-padded and padding is never attended).
+        params: one SamplingParams for all rows, or one per row. Rows may differ
+            in temperature, top_p, seed, stop and cfg_scale only; the rest must
+            match (``SamplingParams.structure_key``).
+        suffix_ids: optional per-row text after the gap (infilling).
+        on_step: called after every step with the (B, max_new_tokens) answer canvas.
+
+    Raises:
+        ValueError: empty prompt or mismatched structural settings.
+    """
+    start = time.perf_counter()
+    rows = params if isinstance(params, list) else [params] * len(prompt_ids)
+    if len(rows) != len(prompt_ids) or not prompt_ids:
+        raise ValueError("need one SamplingParams per prompt and at least one prompt")
+    if any(not p for p in prompt_ids):
+        raise ValueError("prompt must not be empty")
+    if len({r.structure_key() for r in rows}) > 1:
+        raise ValueError("rows of one batch must share max_new_tokens, steps, block_length, remasking and decoding")
+    sp = rows[0]
+    cfg = model.config
+    device = next(model.parameters()).device
+    mask_id, eos_id = cfg.mask_token_id, cfg.eos_token_id
+    canvas, attn, is_prompt, lp = build_canvas(
+        prompt_ids, sp.max_new_tokens, mask_id, cfg.pad_token_id, suffix_ids, device
+    )
+    b = canvas.shape[0]
+    temperature = torch.tensor([r.temperature for r in rows], device=device)
+    top_p = torch.tensor([r.top_p for r in rows], device=device)
+    cfg_scale = torch.tensor([r.cfg_scale for r in rows], device=device)[:, None, None]
+    use_cfg = bool((cfg_scale > 0).any())
+    generators = [torch.Generator().manual_seed(r.seed if r.seed is not None else random.getrandbits(63)) for r in rows]
+    banned = torch.tensor([mask_id, cfg.pad_token_id], device=device)
+    commit = COMMIT_RULES[sp.decoding]
+    confidence_fn = CONFIDENCE[sp.remasking]
+    blocks, steps_per_block = block_plan(sp.max_new_tokens, sp.block_length, sp.steps)
+    nfe = steps = 0
+    first_token_s: list[float | None] = [None] * b
+    for s, e in blocks:
+        span = slice(lp + s, lp + e)
+        block_steps = min(steps_per_block, e - s)
+        schedule = num_transfer_tokens((canvas[:, span] == mask_id).sum(-1), block_steps)  # (B, S)
+        step_in_block = 0
+        while bool((canvas[:, span] == mask_id).any()):
+            logits = model(canvas, attn, logits_slice=span)  # (B, L, V)
+            nfe += 1
+            if use_cfg:  # unconditional pass: prompt (and suffix) replaced by the mask token
+                uncond = model(canvas.masked_fill(is_prompt, mask_id), attn, logits_slice=span)
+                nfe += 1
+                logits = uncond + (cfg_scale + 1) * (logits - uncond)  # LLaDA Eq. 16 / SMDM
+            logits[..., banned] = NEG_INF
+            logits = top_p_filter(logits, top_p) if bool((top_p < 1).any()) else logits
+            x0 = sample_tokens(logits, temperature, generators)  # (B, L)
+            probs = logits.softmax(-1)  # (B, L, V)
+            is_masked = canvas[:, span] == mask_id  # (B, L)
+            conf = confidence_fn(probs, x0, generators).masked_fill(~is_masked, NEG_INF)  # (B, L)
+            entropy = -(probs * probs.clamp_min(1e-30).log()).sum(-1)  # (B, L) nats
+            k = schedule[:, min(step_in_block, block_steps - 1)]
+            chosen = commit(conf, num_tokens=k, threshold=sp.threshold, factor=sp.factor,
+                            entropy=entropy, entropy_bound=sp.entropy_bound)
+            canvas[:, span] = torch.where(chosen & is_masked, x0, canvas[:, span])
+            steps += 1
+            step_in_block += 1
+            answer = canvas[:, lp : lp + sp.max_new_tokens]
+            now = time.perf_counter() - start
+            for i in (answer[:, 0] != mask_id).nonzero().flatten().tolist():
+                if first_token_s[i] is None:
+                    first_token_s[i] = now
+            if on_step is not None:
+                on_step(answer)
+        if sp.early_exit and bool(answer_done(canvas[:, lp : lp + e], eos_id, mask_id).all()):
+            break
+    answer = canvas[:, lp : lp + sp.max_new_tokens]
+    return GenerationOutput(
+        answer_ids=answer.cpu(),
+        token_ids=cut_at_eos(answer.cpu(), eos_id, mask_id),
+        nfe=nfe,
+        steps=steps,
+        first_token_s=first_token_s,
+        seconds=time.perf_counter() - start,
+    )

@@ -1,0 +1,139 @@
+"""Per-step token choice and commit rules for masked diffusion.
+
+Every function is vectorised over the batch; shapes use B (batch), L (positions
+of the block being denoised) and V (vocabulary).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+NEG_INF = float("-inf")
+
+
+def uniform(shape: tuple[int, ...], generators: list[torch.Generator], device: torch.device) -> torch.Tensor:
+    """U(0, 1) float64 draws of ``shape`` = (B, ...), row b from ``generators[b]``.
+
+    One generator per request keeps a request's randomness independent of which
+    other requests share its batch (so a seed means the same thing alone or
+    batched); that is why this draws row by row.
+    """
+    rows = [torch.rand(shape[1:], generator=g, dtype=torch.float64) for g in generators]
+    return torch.stack(rows).to(device)
+
+
+def top_p_filter(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Nucleus filtering (arXiv:1904.09751): keep the smallest set of tokens whose mass >= top_p.
+
+    Args:
+        logits: (B, L, V) float32.
+        top_p: (B,) float in (0, 1]; rows with 1.0 are unchanged.
+
+    Returns:
+        (B, L, V) logits with the excluded tokens set to -inf (the top token is always kept).
+    """
+    sorted_logits, order = logits.sort(dim=-1, descending=True)  # (B, L, V)
+    cum = sorted_logits.softmax(-1).cumsum(-1)  # (B, L, V)
+    drop_sorted = (cum - sorted_logits.softmax(-1)) >= top_p[:, None, None]  # mass before this token
+    drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+    return logits.masked_fill(drop, NEG_INF)
+
+
+def sample_tokens(
+    logits: torch.Tensor, temperature: torch.Tensor, generators: list[torch.Generator]
+) -> torch.Tensor:
+    """Gumbel-max sampling in float64 (arXiv:2409.02908: low-precision noise hurts quality).
+
+    argmax(logits / T + g), g = -log(-log U), is an exact sample from softmax(logits / T);
+    rows with T = 0 take argmax(logits).
+
+    Args:
+        logits: (B, L, V) float32. temperature: (B,) float.
+
+    Returns:
+        (B, L) int64 token ids.
+    """
+    greedy = logits.argmax(-1)  # (B, L)
+    if not bool((temperature > 0).any()):
+        return greedy
+    u = uniform(tuple(logits.shape), generators, logits.device).clamp_(min=1e-300)  # (B, L, V)
+    gumbel = -torch.log(-torch.log(u))
+    t = temperature.double().clamp(min=1e-6)[:, None, None]
+    sampled = (logits.double() / t + gumbel).argmax(-1)  # (B, L)
+    return torch.where(temperature[:, None] > 0, sampled, greedy)
+
+
+def low_confidence(
+    probs: torch.Tensor, x0: torch.Tensor, generators: list[torch.Generator]
+) -> torch.Tensor:
+    """Confidence = model probability of the predicted token: (B, L, V), (B, L) -> (B, L) float64."""
+    return probs.gather(-1, x0[..., None]).squeeze(-1).double()
+
+
+def random_confidence(
+    probs: torch.Tensor, x0: torch.Tensor, generators: list[torch.Generator]
+) -> torch.Tensor:
+    """Random remasking: a uniform score per position, so committed positions are random."""
+    return uniform(tuple(x0.shape), generators, x0.device)
+
+
+CONFIDENCE: dict[str, Callable[..., torch.Tensor]] = {
+    "low_confidence": low_confidence,
+    "random": random_confidence,
+}
+
+
+def rank_desc(scores: torch.Tensor) -> torch.Tensor:
+    """Rank of every entry within its row when sorted descending (0 = highest); (B, L) -> (B, L)."""
+    order = scores.argsort(dim=-1, descending=True, stable=True)
+    return order.argsort(dim=-1)
+
+
+def commit_fixed(conf: torch.Tensor, num_tokens: torch.Tensor, **_: object) -> torch.Tensor:
+    """Commit the ``num_tokens`` (B,) most confident masked positions (LLaDA low-confidence remasking).
+
+    ``conf`` (B, L) is -inf at positions that are not masked. Returns (B, L) bool.
+    """
+    return (rank_desc(conf) < num_tokens[:, None]) & (conf > NEG_INF)
+
+
+def _at_least_one(conf: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
+    """Add each row's most confident masked position, so every step makes progress."""
+    return chosen | ((rank_desc(conf) == 0) & (conf > NEG_INF))
+
+
+def commit_threshold(conf: torch.Tensor, threshold: float, **_: object) -> torch.Tensor:
+    """Fast-dLLM (arXiv:2505.22618, Sec. 3.3): commit every masked position with confidence > threshold,
+    and at least the most confident one. Returns (B, L) bool."""
+    return _at_least_one(conf, conf > threshold)
+
+
+def commit_factor(conf: torch.Tensor, factor: float, **_: object) -> torch.Tensor:
+    """Fast-dLLM factor rule: with confidences sorted c_1 >= c_2 >= ..., commit the n most
+    confident for the largest n with c_j >= 1 - factor / (j + 1) for all j <= n (at least one)."""
+    sorted_conf, order = conf.sort(dim=-1, descending=True)  # (B, L)
+    j = torch.arange(1, conf.shape[-1] + 1, device=conf.device, dtype=conf.dtype)
+    ok = (sorted_conf >= 1 - factor / (j + 1)) & (sorted_conf > NEG_INF)
+    prefix = ok.long().cumprod(-1).bool()  # accepted while every earlier one was accepted
+    chosen = torch.zeros_like(prefix).scatter(-1, order, prefix)
+    return _at_least_one(conf, chosen)
+
+
+def commit_entropy(conf: torch.Tensor, entropy: torch.Tensor, entropy_bound: float, **_: object) -> torch.Tensor:
+    """EB-sampler (arXiv:2505.24857): in confidence order, commit positions while the summed
+    entropy (nats) of the committed set stays <= entropy_bound; at least one per step."""
+    _, order = conf.sort(dim=-1, descending=True)
+    ent_sorted = entropy.gather(-1, order).masked_fill(conf.gather(-1, order) == NEG_INF, float("inf"))
+    prefix = ent_sorted.cumsum(-1) <= entropy_bound
+    chosen = torch.zeros_like(prefix).scatter(-1, order, prefix)
+    return _at_least_one(conf, chosen)
+
+
+COMMIT_RULES: dict[str, Callable[..., torch.Tensor]] = {
+    "fixed": commit_fixed,
+    "threshold": commit_threshold,
+    "factor": commit_factor,
+    "entropy": commit_entropy,
+}
