@@ -174,7 +174,8 @@ def train(cfg: TrainConfig, default_generation: dict | None = None) -> dict:
             group["lr"] = lr_at(step, cfg)
         seed = cfg.seed * 1_000_003 + step * world + rank
         batch = get_batch(train_tokens, cfg.batch_size, cfg.seq_len, seed).to(device)
-        loss, _ = loss_fn(ddp_model if world == 1 else _DDPView(ddp_model, model), batch, torch.Generator().manual_seed(seed))
+        runner = model if world == 1 else _DDPView(ddp_model, model)
+        loss, _ = loss_fn(runner, batch, torch.Generator().manual_seed(seed))
         optim.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
