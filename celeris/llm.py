@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from celeris.config import EngineConfig
+from celeris.engine import Engine, Request
 from celeris.models.loader import CheckpointError, load_model
 from celeris.params import SamplingParams
-from celeris.sampling.generate import generate
 from celeris.tokenizer import Tokenizer
 
 DEFAULT_MODEL = Path(__file__).parent / "checkpoints" / "celeris-code-6m"
@@ -25,8 +27,8 @@ class RequestOutput:
         text: decoded answer, cut before the first end-of-text token and the first stop string.
         token_ids: the answer's token ids (same cut).
         finish_reason: "stop" (end-of-text or a stop string) or "length".
-        nfe: forward passes spent on the batch this answer was part of.
-        seconds: wall time of that batch (submit to full answer), in seconds.
+        nfe: forward passes this answer took part in (a CFG step counts 2).
+        seconds: submit to full answer, in seconds.
         ttft_s: seconds until the answer's first token was final.
     """
 
@@ -45,7 +47,7 @@ class LLM:
     Args:
         model: checkpoint folder; None uses the embedded default model.
         device: "cpu", "cuda", ...; None picks CUDA when available.
-        max_batch_size: prompts per sampler call.
+        max_batch_size: most requests denoised together in one forward pass.
 
     Raises:
         CheckpointError: the folder is missing, incomplete or inconsistent.
@@ -61,7 +63,7 @@ class LLM:
             raise CheckpointError(f"{self.path / 'tokenizer.json'} could not be read: {exc}") from exc
         gen_path = self.path / "generation_config.json"
         self.generation_config: dict = json.loads(gen_path.read_text()) if gen_path.is_file() else {}
-        self.max_batch_size = max_batch_size
+        self.engine = Engine(self.model, EngineConfig(max_num_seqs=max_batch_size, max_waiting=1 << 30))
         self.context_length = self.model.config.max_position_embeddings
 
     def default_params(self, **overrides: object) -> SamplingParams:
@@ -111,13 +113,17 @@ class LLM:
         params = params or self.default_params()
         suffixes = suffixes or [None] * len(prompts)
         encoded = [self.encode_prompt(p, params, s) for p, s in zip(prompts, suffixes, strict=True)]
-        outputs: list[RequestOutput] = []
-        for i in range(0, len(prompts), self.max_batch_size):
-            chunk = encoded[i : i + self.max_batch_size]
-            result = generate(self.model, [c[0] for c in chunk], params, [c[1] for c in chunk], on_step=on_step)
-            for j, ids in enumerate(result.token_ids):
-                hit_eos = len(ids) < params.max_new_tokens
-                text, ids, reason = self.finish(ids, params, hit_eos)
-                outputs.append(RequestOutput(prompts[i + j], text, ids, reason, result.nfe, result.seconds,
-                                             result.first_token_s[j]))
-        return outputs
+        requests = [self.engine.add_request(ids, params, suffix_ids) for ids, suffix_ids in encoded]
+        while any(not r.is_finished for r in requests):
+            self.engine.step()
+            if on_step is not None:
+                on_step(torch.stack([r.answer for r in requests]))
+        return [self.to_output(prompt, r) for prompt, r in zip(prompts, requests, strict=True)]
+
+    def to_output(self, prompt: str, request: Request) -> RequestOutput:
+        """Decode a finished request into a RequestOutput (stop strings applied)."""
+        ids = request.final_prefix(self.tokenizer.eos_token_id)
+        text, ids, reason = self.finish(ids, request.params, request.finish_reason == "stop")
+        end = request.finish_time or time.perf_counter()
+        ttft = request.first_token_time - request.arrival_time if request.first_token_time else None
+        return RequestOutput(prompt, text, ids, reason, request.nfe, end - request.arrival_time, ttft)

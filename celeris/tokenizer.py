@@ -1,4 +1,9 @@
-"""Thin wrapper on the ``tokenizers`` library: special ids, decoding, chat template."""
+"""Thin wrapper on the ``tokenizers`` library: special ids, decoding, chat template.
+
+Reads the Hugging Face tokenizer files of a checkpoint folder: ``tokenizer.json``,
+``tokenizer_config.json`` (special tokens as strings or ``{"content": ...}``
+dicts, and a Jinja ``chat_template``) and, where present, ``chat_template.jinja``.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +11,11 @@ import json
 from pathlib import Path
 
 from tokenizers import Tokenizer as HFTokenizer
+
+# The special tokens the engine needs, with the names Celeris checkpoints give them. A
+# published folder may name them differently (tokenizer_config.json) or leave a name
+# out and give only the id (config.json, e.g. LLaDA's mask_token_id).
+SPECIAL_TOKENS = {"eos": "<|endoftext|>", "mask": "<|mask|>", "pad": "<|pad|>"}
 
 # A base code model has no trained chat format; this template renders a
 # conversation as Python comments and leaves the answer to be written as code.
@@ -29,25 +39,120 @@ def write_tokenizer_config(folder: str | Path) -> None:
     Path(folder, "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
 
 
+def token_content(value: object) -> str | None:
+    """A special-token entry of tokenizer_config.json: ``"<|x|>"`` or ``{"content": "<|x|>", ...}``; else None."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, dict) and isinstance(value.get("content"), str):
+        return value["content"]
+    return None
+
+
+def read_json(path: Path) -> dict:
+    """A JSON object from ``path``, or {} when the file does not exist."""
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def model_config_ids(folder: str | Path, raw: dict | None = None) -> dict[str, int]:
+    """``{"eos": id, ...}`` from ``*_token_id`` of the folder's config.json (or the dict ``raw``) where given;
+    a list of end-of-text ids gives its first."""
+    raw = read_json(Path(folder) / "config.json") if raw is None else raw
+    ids = {}
+    for name in SPECIAL_TOKENS:
+        value = raw.get(f"{name}_token_id")
+        value = value[0] if isinstance(value, list) and value else value
+        if isinstance(value, int) and not isinstance(value, bool):
+            ids[name] = value
+    return ids
+
+
+def tokenizer_file_ids(folder: str | Path) -> dict[str, int]:
+    """Ids of the special tokens that tokenizer_config.json names and tokenizer.json knows: ``{"eos": id, ...}``."""
+    folder = Path(folder)
+    if not (folder / "tokenizer.json").is_file():
+        return {}
+    cfg = read_json(folder / "tokenizer_config.json")
+    tok = HFTokenizer.from_file(str(folder / "tokenizer.json"))
+    ids = {}
+    for name in SPECIAL_TOKENS:
+        token = token_content(cfg.get(f"{name}_token"))
+        idx = tok.token_to_id(token) if token is not None else None
+        if idx is not None:
+            ids[name] = idx
+    return ids
+
+
+def special_token_ids(raw: dict, folder: str | Path) -> dict[str, int]:
+    """``{mask,eos,pad}_token_id`` for a model config: from its ``config.json`` dict ``raw``, then from the
+    tokenizer files in ``folder``; a missing pad id falls back to the end-of-text id.
+
+    Raises:
+        ValueError: no mask or end-of-text id in either place.
+    """
+    folder = Path(folder)
+    ids = model_config_ids(folder, raw)
+    if len(ids) < len(SPECIAL_TOKENS):
+        ids = tokenizer_file_ids(folder) | ids
+    if "pad" not in ids and "eos" in ids:
+        ids["pad"] = ids["eos"]
+    for name in ("mask", "eos"):
+        if name not in ids:
+            raise ValueError(
+                f"no {name}_token_id in {folder / 'config.json'} and no {name}_token in tokenizer_config.json"
+            )
+    return {f"{n}_token_id": v for n, v in ids.items()}
+
+
+def read_chat_template(folder: Path, cfg: dict) -> str | None:
+    """The Jinja chat template: ``chat_template.jinja`` if present, else tokenizer_config's ``chat_template``
+    (a string, or a list of ``{"name", "template"}`` from which "default" is taken)."""
+    if (folder / "chat_template.jinja").is_file():
+        return (folder / "chat_template.jinja").read_text()
+    template = cfg.get("chat_template")
+    if isinstance(template, list):
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default")
+    return template if isinstance(template, str) else None
+
+
 class Tokenizer:
     """Byte-level BPE tokenizer of a checkpoint folder.
 
     Attributes:
         eos_token_id / mask_token_id / pad_token_id: special ids read from the
-            tokenizer files (never literals).
+            tokenizer files (never literals). A token that tokenizer_config.json
+            does not name comes from ``special_ids`` (default: the folder's
+            config.json ``*_token_id``), then from the Celeris token name; a
+            missing pad falls back to the end-of-text id (LLaDA and Dream pad
+            with it).
         chat_template: Jinja template string, or None.
+        special_tokens: special-token strings of tokenizer_config.json
+            (``bos_token``, ``eos_token``, ...), passed to the chat template.
     """
 
-    def __init__(self, folder: str | Path) -> None:
+    def __init__(self, folder: str | Path, special_ids: dict[str, int] | None = None) -> None:
         folder = Path(folder)
         self._tok = HFTokenizer.from_file(str(folder / "tokenizer.json"))
-        cfg_path = folder / "tokenizer_config.json"
-        cfg = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
-        self.chat_template: str | None = cfg.get("chat_template")
-        self.eos_token_id = self._id(cfg.get("eos_token", "<|endoftext|>"))
-        self.mask_token_id = self._id(cfg.get("mask_token", "<|mask|>"))
-        self.pad_token_id = self._id(cfg.get("pad_token", "<|pad|>"))
+        cfg = read_json(folder / "tokenizer_config.json")
+        self.chat_template: str | None = read_chat_template(folder, cfg)
+        keys = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+        self.special_tokens = {k: token_content(cfg.get(k)) for k in keys if token_content(cfg.get(k)) is not None}
+        fallback = model_config_ids(folder) if special_ids is None else special_ids
+        self.eos_token_id = self._special_id("eos", fallback)
+        self.mask_token_id = self._special_id("mask", fallback)
+        self.pad_token_id = self._special_id("pad", fallback, last_resort=self.eos_token_id)
         self.vocab_size = self._tok.get_vocab_size()
+
+    def _special_id(self, name: str, fallback: dict[str, int], last_resort: int | None = None) -> int:
+        """The id of the tokenizer_config token, else ``fallback[name]``, else the Celeris token name's id."""
+        token = self.special_tokens.get(f"{name}_token")
+        if token is not None:
+            return self._id(token)
+        if name in fallback:
+            return fallback[name]
+        if last_resort is not None and self._tok.token_to_id(SPECIAL_TOKENS[name]) is None:
+            return last_resort
+        return self._id(SPECIAL_TOKENS[name])
 
     def _id(self, token: str) -> int:
         idx = self._tok.token_to_id(token)
@@ -67,8 +172,14 @@ class Tokenizer:
         if not self.chat_template:
             return "\n".join(m["content"] for m in messages) + "\n"
         import jinja2
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-        env = jinja2.Environment(undefined=jinja2.StrictUndefined, keep_trailing_newline=True)
+        # The settings Hugging Face renders chat templates with, which published templates are written for.
+        env = ImmutableSandboxedEnvironment(
+            undefined=jinja2.StrictUndefined, keep_trailing_newline=True, trim_blocks=True, lstrip_blocks=True,
+            extensions=["jinja2.ext.loopcontrols"],
+        )
         return env.from_string(self.chat_template).render(
-            messages=messages, add_generation_prompt=add_generation_prompt
+            messages=messages, add_generation_prompt=add_generation_prompt, tools=None, documents=None,
+            **self.special_tokens,
         )

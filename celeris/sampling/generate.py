@@ -10,7 +10,6 @@ tokens never change.
 
 from __future__ import annotations
 
-import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -19,7 +18,7 @@ import torch
 
 from celeris.params import SamplingParams
 from celeris.sampling.schedule import block_plan, num_transfer_tokens
-from celeris.sampling.select import COMMIT_RULES, CONFIDENCE, NEG_INF, sample_tokens, top_p_filter
+from celeris.sampling.step import RowSettings, denoise_step, guided, make_generator
 
 
 @dataclass(slots=True)
@@ -138,14 +137,10 @@ def generate(
         prompt_ids, sp.max_new_tokens, mask_id, cfg.pad_token_id, suffix_ids, device
     )
     b = canvas.shape[0]
-    temperature = torch.tensor([r.temperature for r in rows], device=device)
-    top_p = torch.tensor([r.top_p for r in rows], device=device)
-    cfg_scale = torch.tensor([r.cfg_scale for r in rows], device=device)[:, None, None]
-    use_cfg = bool((cfg_scale > 0).any())
-    generators = [torch.Generator().manual_seed(r.seed if r.seed is not None else random.getrandbits(63)) for r in rows]
-    banned = torch.tensor([mask_id, cfg.pad_token_id], device=device)
-    commit = COMMIT_RULES[sp.decoding]
-    confidence_fn = CONFIDENCE[sp.remasking]
+    settings = RowSettings.from_params(rows, device)
+    use_cfg = bool((settings.cfg_scale > 0).any())
+    generators = [make_generator(r.seed) for r in rows]
+    banned = [mask_id, cfg.pad_token_id]
     blocks, steps_per_block = block_plan(sp.max_new_tokens, sp.block_length, sp.steps)
     nfe = steps = 0
     first_token_s: list[float | None] = [None] * b
@@ -160,18 +155,9 @@ def generate(
             if use_cfg:  # unconditional pass: prompt (and suffix) replaced by the mask token
                 uncond = model(canvas.masked_fill(is_prompt, mask_id), attn, logits_slice=span)
                 nfe += 1
-                logits = uncond + (cfg_scale + 1) * (logits - uncond)  # LLaDA Eq. 16 / SMDM
-            logits[..., banned] = NEG_INF
-            logits = top_p_filter(logits, top_p) if bool((top_p < 1).any()) else logits
-            x0 = sample_tokens(logits, temperature, generators)  # (B, L)
-            probs = logits.softmax(-1)  # (B, L, V)
-            is_masked = canvas[:, span] == mask_id  # (B, L)
-            conf = confidence_fn(probs, x0, generators).masked_fill(~is_masked, NEG_INF)  # (B, L)
-            entropy = -(probs * probs.clamp_min(1e-30).log()).sum(-1)  # (B, L) nats
-            k = schedule[:, min(step_in_block, block_steps - 1)]
-            chosen = commit(conf, num_tokens=k, threshold=sp.threshold, factor=sp.factor,
-                            entropy=entropy, entropy_bound=sp.entropy_bound)
-            canvas[:, span] = torch.where(chosen & is_masked, x0, canvas[:, span])
+                logits = guided(logits, uncond, settings.cfg_scale)
+            k = schedule[:, min(step_in_block, block_steps - 1)]  # (B,)
+            canvas[:, span], _ = denoise_step(logits, canvas[:, span], mask_id, banned, k, settings, generators)
             steps += 1
             step_in_block += 1
             answer = canvas[:, lp : lp + sp.max_new_tokens]

@@ -13,14 +13,20 @@ import torch
 NEG_INF = float("-inf")
 
 
-def uniform(shape: tuple[int, ...], generators: list[torch.Generator], device: torch.device) -> torch.Tensor:
-    """U(0, 1) float64 draws of ``shape`` = (B, ...), row b from ``generators[b]``.
+def uniform(
+    shape: tuple[int, ...], generators: list[torch.Generator | None], device: torch.device
+) -> torch.Tensor:
+    """U(0, 1) float64 draws of ``shape`` = (B, ...), row b from ``generators[b]`` (zeros where None).
 
     One generator per request keeps a request's randomness independent of which
     other requests share its batch (so a seed means the same thing alone or
-    batched); that is why this draws row by row.
+    batched); that is why this draws row by row, and only for rows that need it.
     """
-    rows = [torch.rand(shape[1:], generator=g, dtype=torch.float64) for g in generators]
+    rows = [
+        torch.rand(shape[1:], generator=g, dtype=torch.float64) if g is not None
+        else torch.zeros(shape[1:], dtype=torch.float64)
+        for g in generators
+    ]
     return torch.stack(rows).to(device)
 
 
@@ -58,7 +64,8 @@ def sample_tokens(
     greedy = logits.argmax(-1)  # (B, L)
     if not bool((temperature > 0).any()):
         return greedy
-    u = uniform(tuple(logits.shape), generators, logits.device).clamp_(min=1e-300)  # (B, L, V)
+    needs = [g if t > 0 else None for g, t in zip(generators, temperature.tolist(), strict=True)]
+    u = uniform(tuple(logits.shape), needs, logits.device).clamp_(min=1e-300)  # (B, L, V)
     gumbel = -torch.log(-torch.log(u))
     t = temperature.double().clamp(min=1e-6)[:, None, None]
     sampled = (logits.double() / t + gumbel).argmax(-1)  # (B, L)

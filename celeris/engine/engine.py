@@ -1,0 +1,101 @@
+"""Engine: ``step()`` = schedule, run, commit, finish.
+
+Offline ``LLM.generate``, the HTTP server and batch jobs all drive this same
+``step()``. Every running request moves one denoising step per call, whatever
+its own settings; new requests join at step boundaries (continuous batching).
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+import torch
+
+from celeris.config import EngineConfig
+from celeris.engine.request import Request
+from celeris.engine.runner import ModelRunner
+from celeris.engine.scheduler import Scheduler
+from celeris.params import SamplingParams
+from celeris.sampling.step import RowSettings, denoise_step
+
+
+@dataclass(slots=True)
+class StepOutput:
+    """What one step did for one request.
+
+    Attributes:
+        request: the request (its canvas, timings and counters are up to date).
+        new_token_ids: answer tokens that became final (the committed
+            left-to-right prefix, cut before end-of-text) during this step.
+        finished: the request is done (``request.finish_reason`` says why).
+    """
+
+    request: Request
+    new_token_ids: list[int]
+    finished: bool
+
+
+class Engine:
+    """Owns a Scheduler and a ModelRunner for one model.
+
+    Args:
+        model: a model with ``config.mask_token_id / eos_token_id / pad_token_id``
+            whose forward takes (ids, bool attention mask, logits_slice).
+        config: batching budgets and queue length.
+    """
+
+    def __init__(self, model: torch.nn.Module, config: EngineConfig | None = None) -> None:
+        self.config = config or EngineConfig()
+        self.scheduler = Scheduler(self.config)
+        self.runner = ModelRunner(model)
+        cfg = model.config
+        self.mask_id, self.eos_id = cfg.mask_token_id, cfg.eos_token_id
+        self.banned_ids = [cfg.mask_token_id, cfg.pad_token_id]
+        self._ids = itertools.count()
+        self.num_steps = 0
+
+    def add_request(
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        suffix_ids: list[int] | None = None,
+        request_id: str | None = None,
+    ) -> Request:
+        """Queue a request. Raises ValueError (empty prompt) or QueueFullError."""
+        request = Request(request_id or f"req-{next(self._ids)}", list(prompt_ids), params, self.mask_id,
+                          list(suffix_ids or []))
+        self.scheduler.add(request)
+        return request
+
+    def abort(self, request_id: str) -> bool:
+        """Abort a waiting or running request; it takes no further steps. Returns whether one was found."""
+        return self.scheduler.abort(request_id) is not None
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.num_unfinished > 0
+
+    @torch.no_grad()
+    def step(self) -> list[StepOutput]:
+        """Run one denoising step for every scheduled request; returns one StepOutput each."""
+        batch = self.scheduler.schedule()
+        if not batch:
+            return []
+        logits, block, widths = self.runner.run(batch)
+        settings = RowSettings.from_params([r.params for r in batch], logits.device)
+        num_tokens = torch.tensor([r.tokens_this_step() for r in batch], device=logits.device)
+        new_block, _ = denoise_step(logits, block, self.mask_id, self.banned_ids, num_tokens, settings,
+                                    [r.generator for r in batch])
+        new_block = new_block.cpu()
+        outputs = []
+        for i, r in enumerate(batch):
+            s, e = r.block_span
+            r.canvas[s:e] = new_block[i, : int(widths[i])]
+            r.nfe += 2 if r.params.cfg_scale > 0 else 1
+            r.advance(self.eos_id)
+            prefix = r.final_prefix(self.eos_id)
+            new_ids = prefix[r.num_emitted :]
+            r.num_emitted = len(prefix)
+            outputs.append(StepOutput(r, new_ids, r.is_finished))
+        self.num_steps += 1
+        return outputs

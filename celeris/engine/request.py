@@ -1,0 +1,122 @@
+"""Request: one generation in flight, with its canvas, block cursor, step count and timings."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from celeris.params import SamplingParams
+from celeris.sampling.schedule import block_plan, num_transfer_tokens
+from celeris.sampling.step import make_generator
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+    ABORTED = "aborted"
+
+
+@dataclass(eq=False)
+class Request:
+    """A request's whole state.
+
+    The canvas is ``prompt | answer (max_new_tokens, mask id until committed) | suffix``
+    as a 1-D int64 CPU tensor of length ``num_tokens``. The answer is denoised
+    block by block (``blocks``); ``schedule`` holds the tokens to commit at each
+    step of the current block under ``fixed`` decoding.
+
+    Timings are ``time.perf_counter()`` seconds; ``nfe`` counts forward passes
+    this request took part in (a CFG step counts 2).
+    """
+
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    mask_id: int
+    suffix_ids: list[int] = field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING
+    arrival_time: float = field(default_factory=time.perf_counter)
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    nfe: int = 0
+    steps: int = 0
+    finish_reason: str | None = None
+
+    def __post_init__(self) -> None:
+        if not self.prompt_ids:
+            raise ValueError("prompt must not be empty")
+        n = self.params.max_new_tokens
+        self.canvas = torch.tensor(self.prompt_ids + [self.mask_id] * n + self.suffix_ids, dtype=torch.long)
+        self.answer_start = len(self.prompt_ids)
+        self.blocks, self.steps_per_block = block_plan(n, self.params.block_length, self.params.steps)
+        self.block_idx = 0
+        self.step_in_block = 0
+        self.generator = make_generator(self.params.seed)
+        self.num_emitted = 0  # answer tokens already handed out as final (streaming)
+        self._new_block()
+
+    @property
+    def num_tokens(self) -> int:
+        return self.canvas.numel()
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status in (RequestStatus.FINISHED, RequestStatus.ABORTED)
+
+    @property
+    def block_span(self) -> tuple[int, int]:
+        """Canvas columns [start, end) of the block being denoised."""
+        s, e = self.blocks[self.block_idx]
+        return self.answer_start + s, self.answer_start + e
+
+    @property
+    def answer(self) -> torch.Tensor:
+        """(max_new_tokens,) int64 view of the answer span."""
+        return self.canvas[self.answer_start : self.answer_start + self.params.max_new_tokens]
+
+    def _new_block(self) -> None:
+        s, e = self.block_span
+        self.block_steps = min(self.steps_per_block, e - s)
+        num_masked = (self.canvas[s:e] == self.mask_id).sum().reshape(1)
+        self.schedule = num_transfer_tokens(num_masked, self.block_steps)[0]  # (S,)
+        self.step_in_block = 0
+
+    def tokens_this_step(self) -> int:
+        """Tokens to commit now under ``fixed`` decoding (linear schedule)."""
+        return int(self.schedule[min(self.step_in_block, self.block_steps - 1)])
+
+    def final_prefix(self, eos_id: int) -> list[int]:
+        """The committed left-to-right prefix of the answer, cut before end-of-text.
+
+        These tokens never change again, so they can be streamed.
+        """
+        ids = self.answer.tolist()
+        end = ids.index(self.mask_id) if self.mask_id in ids else len(ids)
+        ids = ids[:end]
+        return ids[: ids.index(eos_id)] if eos_id in ids else ids
+
+    def advance(self, eos_id: int) -> None:
+        """After a committed step: move to the next block, or finish (end of answer / early exit)."""
+        self.steps += 1
+        self.step_in_block += 1
+        s, e = self.block_span
+        if self.first_token_time is None and int(self.answer[0]) != self.mask_id:
+            self.first_token_time = time.perf_counter()
+        if bool((self.canvas[s:e] == self.mask_id).any()):
+            return
+        answer_so_far = self.canvas[self.answer_start : e].tolist()
+        hit_eos = eos_id in answer_so_far
+        if self.block_idx + 1 == len(self.blocks) or (self.params.early_exit and hit_eos):
+            self.finish("stop" if hit_eos else "length")
+            return
+        self.block_idx += 1
+        self._new_block()
+
+    def finish(self, reason: str, status: RequestStatus = RequestStatus.FINISHED) -> None:
+        self.status = status
+        self.finish_reason = reason
+        self.finish_time = time.perf_counter()

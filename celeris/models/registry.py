@@ -1,0 +1,344 @@
+"""One entry point for every checkpoint folder: ``load_any(path, device, dtype)``.
+
+``config.json`` says which format a folder holds: ``model_type`` "celeris" ->
+``celeris.models.loader``; LLaDA (``model_type`` "llada" or architecture
+``LLaDAModelLM``) and Dream (``model_type`` "Dream" or architecture
+``DreamModel``) -> the native classes in ``llada.py`` / ``dream.py``; anything
+else runs the folder's own modeling code through ``transformers``
+(``remote.py``), and only when the caller passes ``trust_remote_code=True``.
+
+Native loading follows ``celeris.models.loader``: build the model on the meta
+device, read safetensors (one ``model.safetensors`` or the shards listed in
+``model.safetensors.index.json``), rename each checkpoint tensor with the
+format's ``CHECKPOINT_KEYS`` table (data, not code), check every name and shape
+against the config before reading any weight, check the memory need against
+what the device has free, then ``load_state_dict(assign=True)``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+from torch import nn
+
+from celeris.models import dream, llada
+from celeris.models.loader import CheckpointError, load_model
+from celeris.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+
+SAFETENSORS_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+
+
+@dataclass(frozen=True)
+class Format:
+    """A natively supported checkpoint format: how to recognise it and what to build."""
+
+    name: str
+    model_types: tuple[str, ...]  # config.json "model_type" values, compared lower-case
+    architectures: tuple[str, ...]  # config.json "architectures" entries
+    config_cls: type
+    model_cls: Callable[..., nn.Module]
+    checkpoint_keys: dict[str, str]  # checkpoint tensor name pattern -> module name pattern
+
+
+FORMATS = {
+    "llada": Format("llada", ("llada",), ("LLaDAModelLM",), llada.LLaDAConfig, llada.LLaDAModel, llada.CHECKPOINT_KEYS),
+    "dream": Format("dream", ("dream",), ("DreamModel",), dream.DreamConfig, dream.DreamModel, dream.CHECKPOINT_KEYS),
+}
+CELERIS_MODEL_TYPES = ("celeris",)
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """Where a checkpoint tensor lives and what it is, read from the safetensors header only."""
+
+    file: Path
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Bytes the weights take once loaded (parameters x bytes per element of the load dtype) and bytes free."""
+
+    need_bytes: int
+    available_bytes: int | None
+    device: str
+
+    def __str__(self) -> str:
+        free = "unknown" if self.available_bytes is None else f"{self.available_bytes / 2**30:.2f} GiB"
+        return f"weights need about {self.need_bytes / 2**30:.2f} GiB on {self.device}; free: {free}"
+
+
+# ---------------------------------------------------------------- format detection
+
+
+def read_config(folder: Path) -> dict:
+    """The folder's config.json as a dict (CheckpointError when missing or not JSON)."""
+    if not folder.is_dir():
+        raise CheckpointError(f"checkpoint folder '{folder}' does not exist")
+    path = folder / "config.json"
+    if not path.is_file():
+        raise CheckpointError(f"checkpoint folder '{folder}' has no config.json")
+    try:
+        raw = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise CheckpointError(f"{path} is not valid JSON: {exc}") from exc
+    if not isinstance(raw, dict):
+        raise CheckpointError(f"{path} must hold a JSON object")
+    return raw
+
+
+def detect_format(raw: dict) -> str | None:
+    """"celeris", a key of FORMATS, or None for a format Celeris does not implement."""
+    model_type = str(raw.get("model_type", "")).lower()
+    architectures = raw.get("architectures") or []
+    if model_type in CELERIS_MODEL_TYPES:
+        return "celeris"
+    for fmt in FORMATS.values():
+        if model_type in fmt.model_types or any(a in fmt.architectures for a in architectures):
+            return fmt.name
+    return None
+
+
+def supported_types() -> str:
+    return ", ".join([*CELERIS_MODEL_TYPES, *(t for f in FORMATS.values() for t in f.model_types)])
+
+
+# ---------------------------------------------------------------- safetensors files
+
+
+def checkpoint_files(folder: Path) -> list[Path]:
+    """The safetensors files of a folder: the shards named by model.safetensors.index.json, else model.safetensors."""
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as exc:
+            raise CheckpointError(f"{index} has no readable weight_map: {exc}") from exc
+        files = [folder / name for name in sorted(set(weight_map.values()))]
+        for file in files:
+            if not file.is_file():
+                raise CheckpointError(f"shard '{file.name}' listed in {index.name} is missing from '{folder}'")
+        return files
+    single = folder / "model.safetensors"
+    if not single.is_file():
+        raise CheckpointError(f"checkpoint folder '{folder}' has neither model.safetensors nor model.safetensors.index.json")
+    return [single]
+
+
+def read_headers(files: list[Path]) -> dict[str, TensorInfo]:
+    """Name -> TensorInfo for every tensor in ``files`` (headers only; no weight is read)."""
+    infos: dict[str, TensorInfo] = {}
+    for file in files:
+        try:
+            with safe_open(file, framework="pt") as f:
+                for name in f.keys():  # noqa: SIM118 - safe_open is not a dict
+                    if name in infos:
+                        raise CheckpointError(f"tensor '{name}' is in both {infos[name].file.name} and {file.name}")
+                    piece = f.get_slice(name)
+                    dtype = SAFETENSORS_DTYPES.get(piece.get_dtype())
+                    if dtype is None:
+                        raise CheckpointError(f"tensor '{name}' in {file.name} has unsupported dtype {piece.get_dtype()}")
+                    infos[name] = TensorInfo(file, tuple(piece.get_shape()), dtype)
+        except (SafetensorError, OSError) as exc:
+            raise CheckpointError(f"{file} is unreadable or corrupt: {exc}") from exc
+    index = files[0].parent / "model.safetensors.index.json"
+    if index.is_file():
+        for name, shard in json.loads(index.read_text())["weight_map"].items():
+            if name not in infos or infos[name].file.name != shard:
+                raise CheckpointError(f"{index.name} puts tensor '{name}' in {shard}, but it is not there")
+    return infos
+
+
+# ---------------------------------------------------------------- memory
+
+
+def available_bytes(device: torch.device) -> int | None:
+    """Free memory on ``device``: CUDA's free bytes, else the host's available memory (psutil or /proc/meminfo)."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    if device.type != "cpu":
+        return None
+    try:
+        import psutil
+
+        return int(psutil.virtual_memory().available)
+    except ImportError:
+        pass
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def load_dtype(infos: dict[str, TensorInfo], dtype: torch.dtype | None) -> torch.dtype:
+    """``dtype``, or else the floating dtype that holds most of the checkpoint's bytes."""
+    if dtype is not None:
+        return dtype
+    totals: dict[torch.dtype, int] = {}
+    for info in infos.values():
+        if info.dtype.is_floating_point:
+            totals[info.dtype] = totals.get(info.dtype, 0) + _numel(info.shape) * info.dtype.itemsize
+    return max(totals, key=totals.__getitem__) if totals else torch.float32
+
+
+def estimate_memory(infos: dict[str, TensorInfo], dtype: torch.dtype, device: torch.device) -> MemoryEstimate:
+    need = sum(_numel(i.shape) * (dtype if i.dtype.is_floating_point else i.dtype).itemsize for i in infos.values())
+    return MemoryEstimate(need, available_bytes(device), str(device))
+
+
+def check_memory(estimate: MemoryEstimate) -> None:
+    """Log the estimate; raise CheckpointError when it exceeds the free memory."""
+    log.info("%s", estimate)
+    if estimate.available_bytes is not None and estimate.need_bytes > estimate.available_bytes:
+        raise CheckpointError(
+            f"not enough memory to load this checkpoint: {estimate}. Free memory, pick another device "
+            f"or a smaller dtype (e.g. bfloat16)"
+        )
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+# ---------------------------------------------------------------- renaming
+
+
+def _pattern(template: str) -> re.Pattern:
+    return re.compile(re.escape(template).replace(re.escape("{i}"), r"(?P<i>\d+)") + "$")
+
+
+def rename(name: str, table: dict[str, str]) -> str | None:
+    """Map ``name`` through a ``{pattern: target}`` table ("{i}" matches a layer index); None if no pattern fits."""
+    for source, target in table.items():
+        match = _pattern(source).match(name)
+        if match:
+            return target.replace("{i}", match.group("i")) if "i" in match.groupdict() else target
+    return None
+
+
+# ---------------------------------------------------------------- loading
+
+
+def load_native(folder: Path, fmt: Format, device: torch.device, dtype: torch.dtype | None) -> nn.Module:
+    """Build ``fmt``'s model from the folder's config.json and safetensors files (see the module docstring)."""
+    try:
+        config = fmt.config_cls.from_json(folder / "config.json")
+    except (TypeError, ValueError) as exc:
+        raise CheckpointError(f"{folder / 'config.json'} is not a usable {fmt.name} config: {exc}") from exc
+    infos = read_headers(checkpoint_files(folder))
+    with torch.device("meta"):
+        model = fmt.model_cls(config)
+    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    back = {target: source for source, target in fmt.checkpoint_keys.items()}
+    targets: dict[str, str] = {}  # checkpoint name -> module name
+    for name, info in infos.items():
+        target = rename(name, fmt.checkpoint_keys)
+        if target is None or target not in expected:
+            raise CheckpointError(
+                f"unexpected tensor '{name}' in the checkpoint: not part of the {fmt.name} format for this config"
+            )
+        if info.shape != expected[target]:
+            raise CheckpointError(
+                f"tensor '{name}' has shape {info.shape} in the checkpoint but the config needs {expected[target]}"
+            )
+        targets[name] = target
+    missing = sorted(set(expected) - set(targets.values()))
+    if missing:
+        raise CheckpointError(
+            f"tensor '{rename(missing[0], back)}' is missing from the checkpoint (expected shape "
+            f"{expected[missing[0]]}; {len(missing)} missing in all)"
+        )
+    dtype = load_dtype(infos, dtype)
+    check_memory(estimate_memory(infos, dtype, device))
+    state = {}
+    for file in sorted({i.file for i in infos.values()}):
+        with safe_open(file, framework="pt", device=_safetensors_device(device)) as f:
+            for name in (n for n, i in infos.items() if i.file == file):
+                tensor = f.get_tensor(name)
+                state[targets[name]] = tensor.to(dtype) if tensor.is_floating_point() else tensor
+    model.load_state_dict(state, assign=True)
+    return model.eval()
+
+
+def _safetensors_device(device: torch.device) -> str:
+    if device.type == "cuda" and device.index is None:
+        return f"cuda:{torch.cuda.current_device()}"
+    return str(device)
+
+
+def load_any(
+    path: str | Path,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype | None = None,
+    trust_remote_code: bool = False,
+) -> nn.Module:
+    """Load any supported checkpoint folder as an eval-mode model that maps ids to float32 logits.
+
+    Args:
+        path: checkpoint folder with config.json.
+        device: where the weights go.
+        dtype: weight dtype; None keeps the checkpoint's (its dominant floating dtype).
+        trust_remote_code: allow running the folder's own Python modeling code for
+            formats Celeris does not implement.
+
+    Raises:
+        CheckpointError: missing/corrupt files, a tensor missing, unexpected or of
+            the wrong shape (named with both shapes), not enough memory, or an
+            unsupported format without ``trust_remote_code``.
+    """
+    folder, device = Path(path), torch.device(device)
+    raw = read_config(folder)
+    kind = detect_format(raw)
+    if kind == "celeris":
+        infos = read_headers(checkpoint_files(folder))
+        check_memory(estimate_memory(infos, load_dtype(infos, dtype), device))
+        return load_model(folder, device=device, dtype=dtype)
+    if kind is not None:
+        return load_native(folder, FORMATS[kind], device, dtype)
+    if not trust_remote_code:
+        raise CheckpointError(
+            f"{folder / 'config.json'} has model_type '{raw.get('model_type')}' (architectures "
+            f"{raw.get('architectures')}); Celeris implements only {supported_types()}. Passing "
+            f"trust_remote_code=True (--trust-remote-code) would run the folder's own modeling code instead"
+        )
+    from celeris.models.remote import load_remote
+
+    if (folder / "model.safetensors").is_file() or (folder / "model.safetensors.index.json").is_file():
+        infos = read_headers(checkpoint_files(folder))
+        check_memory(estimate_memory(infos, load_dtype(infos, dtype), device))
+    return load_remote(folder, device, dtype)
+
+
+def load_tokenizer(path: str | Path, model: nn.Module | None = None) -> Tokenizer:
+    """The folder's tokenizer; special tokens its tokenizer_config.json leaves out take the model config's ids."""
+    folder = Path(path)
+    if not (folder / "tokenizer.json").is_file():
+        raise CheckpointError(f"checkpoint folder '{folder}' has no tokenizer.json")
+    ids = None
+    if model is not None:
+        cfg = model.config
+        ids = {"eos": cfg.eos_token_id, "mask": cfg.mask_token_id, "pad": cfg.pad_token_id}
+    try:
+        return Tokenizer(folder, special_ids=ids)
+    except Exception as exc:  # tokenizers raises plain Exception subclasses on corrupt files
+        raise CheckpointError(f"{folder / 'tokenizer.json'} could not be read: {exc}") from exc

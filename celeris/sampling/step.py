@@ -1,0 +1,115 @@
+"""One denoising step over a batch of rows that may each have their own settings.
+
+Shared by the reference sampler (``celeris.sampling.generate``) and the engine
+(``celeris.engine``), so both commit tokens by exactly the same rules.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+import torch
+
+from celeris.params import SamplingParams
+from celeris.sampling.select import COMMIT_RULES, CONFIDENCE, NEG_INF, sample_tokens, top_p_filter
+
+
+def make_generator(seed: int | None) -> torch.Generator:
+    """CPU RNG for one request; a fresh random seed when ``seed`` is None."""
+    return torch.Generator().manual_seed(seed if seed is not None else random.getrandbits(63))
+
+
+@dataclass(slots=True)
+class RowSettings:
+    """Per-row sampling settings as tensors, built once per batch composition.
+
+    Shapes: ``temperature``/``top_p`` (B,); ``threshold``/``factor``/``entropy_bound``/``cfg_scale``
+    (B, 1) so they broadcast against (B, L) confidences.
+    """
+
+    temperature: torch.Tensor
+    top_p: torch.Tensor
+    threshold: torch.Tensor
+    factor: torch.Tensor
+    entropy_bound: torch.Tensor
+    cfg_scale: torch.Tensor
+    remasking: list[str]
+    decoding: list[str]
+
+    @classmethod
+    def from_params(cls, rows: list[SamplingParams], device: torch.device) -> RowSettings:
+        def col(name: str) -> torch.Tensor:
+            return torch.tensor([float(getattr(r, name)) for r in rows], device=device)
+
+        return cls(
+            temperature=col("temperature"),
+            top_p=col("top_p"),
+            threshold=col("threshold")[:, None],
+            factor=col("factor")[:, None],
+            entropy_bound=col("entropy_bound")[:, None],
+            cfg_scale=col("cfg_scale")[:, None],
+            remasking=[r.remasking for r in rows],
+            decoding=[r.decoding for r in rows],
+        )
+
+
+def _rows_with(values: list[str], name: str, device: torch.device) -> torch.Tensor:
+    return torch.tensor([v == name for v in values], device=device)[:, None]  # (B, 1)
+
+
+def denoise_step(
+    logits: torch.Tensor,
+    block: torch.Tensor,
+    mask_id: int,
+    banned_ids: list[int],
+    num_tokens: torch.Tensor,
+    settings: RowSettings,
+    generators: list[torch.Generator],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Predict every masked position of the block and commit some of them.
+
+    Args:
+        logits: (B, L, V) float32 logits for the block's positions (after CFG).
+        block: (B, L) int64 current tokens of the block (``mask_id`` = still masked;
+            rows shorter than L are padded with non-mask ids).
+        banned_ids: ids never produced (the mask and padding tokens).
+        num_tokens: (B,) int64 tokens to commit this step under ``fixed`` decoding.
+        settings / generators: per-row settings and RNGs.
+
+    Returns:
+        (new block (B, L) int64, committed positions (B, L) bool).
+    """
+    logits = logits.clone()
+    logits[..., banned_ids] = NEG_INF
+    if bool((settings.top_p < 1).any()):
+        logits = top_p_filter(logits, settings.top_p)
+    x0 = sample_tokens(logits, settings.temperature, generators)  # (B, L)
+    probs = logits.softmax(-1)  # (B, L, V)
+    is_masked = block == mask_id  # (B, L)
+    conf = torch.full(x0.shape, NEG_INF, dtype=torch.float64, device=x0.device)
+    for name in set(settings.remasking):
+        rows = _rows_with(settings.remasking, name, x0.device)
+        row_generators = [g if r == name else None for g, r in zip(generators, settings.remasking, strict=True)]
+        conf = torch.where(rows, CONFIDENCE[name](probs, x0, row_generators), conf)
+    conf = conf.masked_fill(~is_masked, NEG_INF)  # (B, L)
+    chosen = torch.zeros_like(is_masked)
+    for name in set(settings.decoding):
+        rows = _rows_with(settings.decoding, name, x0.device)
+        extra = {}
+        if name == "entropy":
+            extra["entropy"] = -(probs * probs.clamp_min(1e-30).log()).sum(-1).double()  # (B, L) nats
+        rule = COMMIT_RULES[name](conf, num_tokens=num_tokens, threshold=settings.threshold.double(),
+                                  factor=settings.factor.double(), entropy_bound=settings.entropy_bound.double(),
+                                  **extra)
+        chosen = torch.where(rows, rule, chosen)
+    chosen &= is_masked
+    return torch.where(chosen, x0, block), chosen
+
+
+def guided(cond: torch.Tensor, uncond: torch.Tensor, cfg_scale: torch.Tensor) -> torch.Tensor:
+    """Classifier-free guidance: u + (s + 1)(c - u) (LLaDA arXiv:2502.09992 Eq. 16; SMDM arXiv:2410.18514).
+
+    ``cfg_scale`` (B, 1) broadcasts over (B, L, V); s = 0 returns ``cond``.
+    """
+    return uncond + (cfg_scale[..., None] + 1) * (cond - uncond)
