@@ -69,6 +69,13 @@ def build_parser() -> argparse.ArgumentParser:
     ]:
         t.add_argument(f"--{name}", type=typ, default=default)
 
+    ev = sub.add_parser("eval", help="quality check: HumanEval prompts, ast.parse rate, repetition")
+    ev.add_argument("suite", choices=["humaneval"])
+    _sampling_args(ev)
+    ev.add_argument("--data", default="../shared/data/humaneval/HumanEval.jsonl.gz", help="HumanEval JSONL(.gz)")
+    ev.add_argument("--limit", type=int, help="first N problems only")
+    ev.add_argument("--out", help="write the full results as JSON here")
+
     d = sub.add_parser("data", help="build a training corpus")
     d.add_argument("corpus", choices=["stdlib"], help="stdlib: this Python's standard library")
     d.add_argument("--out", default="data/stdlib")
@@ -182,6 +189,20 @@ def cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_eval(args: argparse.Namespace) -> int:
+    from celeris.bench.quality import evaluate_humaneval, load_humaneval
+
+    problems = load_humaneval(args.data)[: args.limit]
+    llm, params = _load(args)
+    report = evaluate_humaneval(llm, params, problems)
+    if args.out:
+        tmp = Path(args.out).with_suffix(".tmp")
+        tmp.write_text(json.dumps(report, indent=1) + "\n")
+        tmp.replace(args.out)
+    print(json.dumps({k: v for k, v in report.items() if k != "results"}))
+    return 0
+
+
 def cmd_data(args: argparse.Namespace) -> int:
     from celeris.train.data import build_stdlib_corpus
 
@@ -189,7 +210,7 @@ def cmd_data(args: argparse.Namespace) -> int:
     return 0
 
 
-COMMANDS = {"generate": cmd_generate, "chat": cmd_chat, "train": cmd_train, "data": cmd_data}
+COMMANDS = {"generate": cmd_generate, "chat": cmd_chat, "train": cmd_train, "data": cmd_data, "eval": cmd_eval}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -12,9 +12,8 @@ import torch
 
 from celeris.config import EngineConfig
 from celeris.engine import Engine, Request
-from celeris.models.loader import CheckpointError, load_model
+from celeris.models.registry import load_any, load_tokenizer
 from celeris.params import SamplingParams
-from celeris.tokenizer import Tokenizer
 
 DEFAULT_MODEL = Path(__file__).parent / "checkpoints" / "celeris-code-6m"
 
@@ -48,19 +47,21 @@ class LLM:
         model: checkpoint folder; None uses the embedded default model.
         device: "cpu", "cuda", ...; None picks CUDA when available.
         max_batch_size: most requests denoised together in one forward pass.
+        trust_remote_code: allow a checkpoint format Celeris does not implement to run its own
+            modeling code (``celeris.models.registry.load_any``).
 
     Raises:
         CheckpointError: the folder is missing, incomplete or inconsistent.
     """
 
-    def __init__(self, model: str | Path | None = None, device: str | None = None, max_batch_size: int = 8) -> None:
+    def __init__(
+        self, model: str | Path | None = None, device: str | None = None, max_batch_size: int = 8,
+        trust_remote_code: bool = False,
+    ) -> None:
         self.path = Path(model) if model is not None else DEFAULT_MODEL
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        self.model = load_model(self.path, device=self.device)
-        try:
-            self.tokenizer = Tokenizer(self.path)
-        except Exception as exc:  # tokenizers raises plain Exception subclasses on corrupt files
-            raise CheckpointError(f"{self.path / 'tokenizer.json'} could not be read: {exc}") from exc
+        self.model = load_any(self.path, device=self.device, trust_remote_code=trust_remote_code)
+        self.tokenizer = load_tokenizer(self.path, self.model)
         gen_path = self.path / "generation_config.json"
         self.generation_config: dict = json.loads(gen_path.read_text()) if gen_path.is_file() else {}
         self.engine = Engine(self.model, EngineConfig(max_num_seqs=max_batch_size, max_waiting=1 << 30))

@@ -1,0 +1,141 @@
+"""Checkpoint folders: exact round trip, meta-device build, and a CheckpointError for every bad folder."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from celeris.models import loader
+from celeris.models.celeris import CelerisModel
+from celeris.models.loader import CheckpointError, load_model, save_checkpoint
+
+
+@pytest.fixture
+def saved(model, tokenizer_dir, tmp_path):
+    return save_checkpoint(model, tmp_path / "ckpt", tokenizer_dir, {"steps": 8})
+
+
+def test_round_trip_logits_exact(model, saved):
+    loaded = load_model(saved)
+    ids = torch.randint(3, 64, (2, 9))
+    assert torch.equal(loaded(ids), model(ids))
+    assert loaded.config == model.config
+    assert not loaded.training
+
+
+def test_folder_layout(saved):
+    names = {p.name for p in saved.iterdir()}
+    assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
+            "generation_config.json"} <= names
+    assert json.loads((saved / "generation_config.json").read_text()) == {"steps": 8}
+    assert not saved.with_name(saved.name + ".tmp").exists()
+
+
+def test_resave_keeps_hand_written_files(model, saved, tokenizer_dir):
+    (saved / "README.md").write_text("model card\n")
+    save_checkpoint(model, saved, tokenizer_dir)
+    assert (saved / "README.md").read_text() == "model card\n"
+    assert (saved / "model.safetensors").is_file()
+
+
+def test_load_builds_on_meta_then_assigns(saved, monkeypatch):
+    built_on: list[torch.device] = []
+
+    class Spy(CelerisModel):
+        def __init__(self, cfg):
+            super().__init__(cfg)
+            built_on.append(self.embed_tokens.weight.device)
+
+    monkeypatch.setattr(loader, "CelerisModel", Spy)
+    m = load_model(saved)
+    assert built_on == [torch.device("meta")]
+    assert all(not p.is_meta for p in m.parameters())
+    assert all(p.device.type == "cpu" for p in m.parameters())
+    assert all(torch.isfinite(p).all() for p in m.parameters())
+
+
+def test_load_with_dtype(saved):
+    m = load_model(saved, dtype=torch.bfloat16)
+    assert {p.dtype for p in m.parameters()} == {torch.bfloat16}
+    assert m(torch.randint(3, 64, (1, 4))).dtype == torch.float32  # the head returns float32 logits
+
+
+def _rewrite(folder, edit):
+    state = load_file(folder / "model.safetensors")
+    edit(state)
+    save_file(state, folder / "model.safetensors")
+
+
+def test_wrong_shape_names_tensor_and_both_shapes(saved):
+    name = "layers.1.mlp.down_proj.weight"  # (hidden 32, intermediate 64)
+    _rewrite(saved, lambda s: s.__setitem__(name, torch.zeros(32, 48)))
+    with pytest.raises(CheckpointError) as info:
+        load_model(saved)
+    message = str(info.value)
+    assert name in message
+    assert "(32, 48)" in message and "(32, 64)" in message
+
+
+def test_missing_tensor_is_named(saved):
+    name = "layers.0.attn.qkv_proj.weight"
+    _rewrite(saved, lambda s: s.pop(name))
+    with pytest.raises(CheckpointError, match=name.replace(".", r"\.")) as info:
+        load_model(saved)
+    assert "(96, 32)" in str(info.value)
+
+
+def test_unexpected_tensor_is_named(saved):
+    _rewrite(saved, lambda s: s.__setitem__("lm_head.weight", torch.zeros(64, 32)))
+    with pytest.raises(CheckpointError, match="lm_head.weight"):
+        load_model(saved)
+
+
+def test_missing_folder(tmp_path):
+    with pytest.raises(CheckpointError, match="does not exist"):
+        load_model(tmp_path / "nope")
+
+
+@pytest.mark.parametrize("name", ["config.json", "model.safetensors", "tokenizer.json"])
+def test_missing_file(saved, name):
+    (saved / name).unlink()
+    with pytest.raises(CheckpointError, match=name):
+        load_model(saved)
+
+
+@pytest.mark.parametrize("damage", ["garbage", "truncated", "empty"])
+def test_corrupt_safetensors(saved, damage):
+    path = saved / "model.safetensors"
+    data = path.read_bytes()
+    path.write_bytes({"garbage": b"\x00not a safetensors file" * 10, "truncated": data[: len(data) // 2],
+                      "empty": b""}[damage])
+    with pytest.raises(CheckpointError, match="model.safetensors"):
+        load_model(saved)
+
+
+def test_corrupt_config(saved):
+    (saved / "config.json").write_text("{not json")
+    with pytest.raises(CheckpointError, match="config.json"):
+        load_model(saved)
+
+
+def test_inconsistent_config(saved):
+    raw = json.loads((saved / "config.json").read_text())
+    raw["mask_token_id"] = raw["vocab_size"] + 5
+    (saved / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(CheckpointError, match="mask_token_id"):
+        load_model(saved)
+
+
+def test_config_with_different_size_names_tensor(saved, tmp_path):
+    raw = json.loads((saved / "config.json").read_text())
+    raw["intermediate_size"] = 80
+    copy = tmp_path / "copy"
+    shutil.copytree(saved, copy)
+    (copy / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(CheckpointError, match="gate_up_proj") as info:
+        load_model(copy)
+    assert "(128, 32)" in str(info.value) and "(160, 32)" in str(info.value)

@@ -1,0 +1,159 @@
+"""Per-step rules of celeris.sampling.select, checked on hand-made confidences and brute force."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from celeris.sampling.select import (
+    NEG_INF,
+    commit_entropy,
+    commit_factor,
+    commit_fixed,
+    commit_threshold,
+    low_confidence,
+    rank_desc,
+    sample_tokens,
+    top_p_filter,
+)
+
+
+def conf_of(rows):
+    return torch.tensor(rows, dtype=torch.float64)
+
+
+def test_rank_desc():
+    assert rank_desc(conf_of([[0.2, 0.9, 0.5]])).tolist() == [[2, 0, 1]]
+
+
+def test_fixed_commits_top_k_masked_positions():
+    conf = conf_of([[0.2, 0.9, NEG_INF, 0.5, 0.7], [0.1, NEG_INF, NEG_INF, 0.3, 0.2]])
+    chosen = commit_fixed(conf, num_tokens=torch.tensor([2, 3]))
+    assert chosen.tolist() == [[False, True, False, False, True], [True, False, False, True, True]]
+    # asking for more than are masked commits only masked positions
+    chosen = commit_fixed(conf, num_tokens=torch.tensor([5, 5]))
+    assert chosen.tolist() == (conf > NEG_INF).tolist()
+    assert not commit_fixed(conf, num_tokens=torch.tensor([0, 0])).any()
+
+
+def test_threshold_commits_exactly_those_above():
+    conf = conf_of([[0.95, 0.5, 0.91, NEG_INF, 0.9], [0.3, 0.2, NEG_INF, 0.6, 0.1]])
+    chosen = commit_threshold(conf, threshold=0.9)
+    # strictly greater than the threshold: 0.9 itself is not committed
+    assert chosen[0].tolist() == [True, False, True, False, False]
+    # nothing above: exactly one, the most confident
+    assert chosen[1].tolist() == [False, False, False, True, False]
+
+
+def test_threshold_per_row_tensor():
+    conf = conf_of([[0.8, 0.6, 0.4], [0.8, 0.6, 0.4]])
+    chosen = commit_threshold(conf, threshold=torch.tensor([[0.5], [0.7]], dtype=torch.float64))
+    assert chosen.tolist() == [[True, True, False], [True, False, False]]
+
+
+def test_threshold_never_commits_unmasked():
+    conf = conf_of([[NEG_INF, NEG_INF, NEG_INF]])
+    assert not commit_threshold(conf, threshold=0.5).any()
+
+
+def test_factor_rule():
+    # factor 1: the j-th most confident needs c_j >= 1 - 1 / (j + 1): 0.5, 0.667, 0.75, 0.8 ...
+    conf = conf_of([[0.9, 0.7, 0.76, 0.3, NEG_INF], [0.4, 0.2, NEG_INF, 0.1, 0.3], [0.99, 0.98, 0.97, 0.96, 0.95]])
+    chosen = commit_factor(conf, factor=1.0)
+    assert chosen[0].tolist() == [True, False, True, False, False]  # 0.9 >= .5, 0.76 >= .667, 0.7 < .75
+    assert chosen[1].tolist() == [True, False, False, False, False]  # none qualifies: the best one
+    assert chosen[2].all()
+    # a larger factor lowers the bar: with factor 2, 0.7 >= 1 - 2/4 = 0.5 and 0.3 < 1 - 2/5
+    assert commit_factor(conf[:1], factor=2.0)[0].tolist() == [True, True, True, False, False]
+
+
+def test_factor_rule_matches_brute_force():
+    gen = torch.Generator().manual_seed(0)
+    conf = torch.rand(50, 6, generator=gen, dtype=torch.float64)
+    conf[torch.rand(50, 6, generator=gen) < 0.3] = NEG_INF
+    for factor in (0.5, 1.0, 1.5):
+        chosen = commit_factor(conf, factor=factor)
+        for row, got in zip(conf.tolist(), chosen.tolist(), strict=True):
+            order = sorted((c, -i, i) for i, c in enumerate(row) if c > NEG_INF)[::-1]
+            n = 0
+            while n < len(order) and order[n][0] >= 1 - factor / (n + 2):
+                n += 1
+            n = max(n, 1) if order else 0
+            expected = {i for _, _, i in order[:n]}
+            assert {i for i, g in enumerate(got) if g} == expected
+
+
+def test_entropy_bound():
+    conf = conf_of([[0.9, 0.8, 0.7, 0.6], [0.9, 0.8, 0.7, NEG_INF], [0.5, 0.6, NEG_INF, NEG_INF]])
+    entropy = conf_of([[0.1, 0.2, 0.3, 0.05], [2.0, 0.0, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0]])
+    chosen = commit_entropy(conf, entropy=entropy, entropy_bound=0.35)
+    assert chosen[0].tolist() == [True, True, False, False]  # 0.1 + 0.2 <= 0.35 < 0.6
+    assert chosen[1].tolist() == [True, False, False, False]  # first already over: still commit one
+    assert chosen[2].tolist() == [True, True, False, False]  # unmasked never, however low the entropy
+    everything = commit_entropy(conf, entropy=entropy, entropy_bound=1e9)
+    assert everything.tolist() == (conf > NEG_INF).tolist()
+
+
+def brute_force_nucleus(probs: list[float], top_p: float) -> set[int]:
+    """The smallest set of tokens with mass >= top_p (ties broken towards more probable tokens)."""
+    order = sorted(range(len(probs)), key=lambda i: -probs[i])
+    for size in range(1, len(probs) + 1):
+        if sum(probs[i] for i in order[:size]) >= top_p - 1e-12:
+            return set(order[:size])
+    return set(order)
+
+
+@pytest.mark.parametrize(("top_p", "kept"), [(0.45, {0}), (0.75, {0, 1}), (0.81, {0, 1, 2}), (1.0, {0, 1, 2, 3})])
+def test_top_p_keeps_minimal_nucleus(top_p, kept):
+    logits = torch.tensor([0.5, 0.3, 0.15, 0.05]).log()[None, None]  # (1, 1, 4)
+    out = top_p_filter(logits, torch.tensor([top_p]))
+    assert {i for i in range(4) if out[0, 0, i] > NEG_INF} == kept
+    torch.testing.assert_close(out[0, 0, sorted(kept)], logits[0, 0, sorted(kept)])  # survivors unchanged
+
+
+def test_top_p_matches_brute_force_per_row():
+    gen = torch.Generator().manual_seed(1)
+    logits = torch.randn(3, 5, 12, generator=gen) * 2
+    top_p = torch.tensor([0.3, 0.9, 1.0])
+    out = top_p_filter(logits, top_p)
+    for b, li in itertools.product(range(3), range(5)):
+        probs = logits[b, li].softmax(-1).tolist()
+        kept = {i for i in range(12) if out[b, li, i] > NEG_INF}
+        expected = brute_force_nucleus(probs, float(top_p[b]))
+        # minimal: same size as the brute-force nucleus, and it holds enough mass
+        assert len(kept) == len(expected)
+        assert sum(probs[i] for i in kept) >= float(top_p[b]) - 1e-6
+        assert int(logits[b, li].argmax()) in kept
+
+
+def test_sample_tokens_greedy_and_seeded():
+    gen = torch.Generator().manual_seed(2)
+    logits = torch.randn(2, 6, 10, generator=gen)
+    greedy = sample_tokens(logits, torch.zeros(2), [torch.Generator().manual_seed(0)] * 2)
+    assert torch.equal(greedy, logits.argmax(-1))
+    a = sample_tokens(logits, torch.tensor([0.0, 1.0]), [torch.Generator().manual_seed(i) for i in (5, 6)])
+    b = sample_tokens(logits, torch.tensor([0.0, 1.0]), [torch.Generator().manual_seed(i) for i in (5, 6)])
+    assert torch.equal(a, b)
+    assert torch.equal(a[0], logits[0].argmax(-1))  # a greedy row stays greedy inside a sampled batch
+
+
+def test_sample_tokens_follows_softmax():
+    """Gumbel-max draws follow softmax(logits / T): check frequencies on a 3-token distribution."""
+    probs = torch.tensor([0.6, 0.3, 0.1])
+    logits = probs.log()[None, None].expand(1, 4000, 3).contiguous()
+    draws = sample_tokens(logits, torch.tensor([1.0]), [torch.Generator().manual_seed(0)])
+    freq = torch.bincount(draws.flatten(), minlength=3).double() / draws.numel()
+    torch.testing.assert_close(freq, probs.double(), atol=0.03, rtol=0)
+    # a high temperature flattens the distribution
+    hot = sample_tokens(logits, torch.tensor([100.0]), [torch.Generator().manual_seed(0)])
+    assert (torch.bincount(hot.flatten(), minlength=3).double() / hot.numel()).min() > 0.28
+
+
+def test_low_confidence_is_probability_of_prediction():
+    probs = torch.tensor([[[0.7, 0.2, 0.1], [0.1, 0.1, 0.8]]])
+    x0 = torch.tensor([[0, 1]])
+    conf = low_confidence(probs, x0, [])
+    assert conf.dtype == torch.float64
+    torch.testing.assert_close(conf, torch.tensor([[0.7, 0.1]], dtype=torch.float64))

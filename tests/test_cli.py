@@ -1,0 +1,150 @@
+"""`celeris` command line: JSON output, one-line errors with exit code 2, --show-denoising."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from celeris.cli import MASK_GLYPH, main
+from tests.conftest import REPO_ROOT
+
+SHIPPED = REPO_ROOT / "celeris" / "checkpoints" / "celeris-code-6m"
+
+
+def run_cli(capsys, *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def test_generate_json(capsys, tiny_checkpoint):
+    code, out, err = run_cli(capsys, "generate", "def fibonacci(n):", "--model", str(tiny_checkpoint),
+                             "--device", "cpu", "--json", "--max-new-tokens", "8", "--steps", "8")
+    assert code == 0, err
+    record = json.loads(out.strip().splitlines()[-1])
+    assert {"text", "token_ids", "nfe", "seconds"} <= set(record)
+    assert record["prompt"] == "def fibonacci(n):"
+    assert isinstance(record["text"], str)
+    assert 1 <= len(record["token_ids"]) <= 8
+    assert 1 <= record["nfe"] <= 8
+    assert record["seconds"] >= 0
+    assert record["finish_reason"] in ("stop", "length")
+
+
+def test_generate_plain_text_and_flags_reach_the_sampler(capsys, tiny_checkpoint):
+    base = ["generate", "import os", "--model", str(tiny_checkpoint), "--device", "cpu", "--max-new-tokens", "8"]
+    code, out, _ = run_cli(capsys, *base, "--steps", "8")
+    assert code == 0 and out.startswith("import os")
+    # parameters are not silently ignored: --steps and --decoding change the number of forward passes
+    _, out4, _ = run_cli(capsys, *base, "--steps", "4", "--json")
+    _, out8, _ = run_cli(capsys, *base, "--steps", "8", "--json", "--block-length", "8")
+    _, strict, _ = run_cli(capsys, *base, "--decoding", "threshold", "--threshold", "1.0", "--json")
+    _, loose, _ = run_cli(capsys, *base, "--decoding", "threshold", "--threshold", "1e-6", "--json")
+    nfe4, nfe8, nfe_strict, nfe_loose = (json.loads(o)["nfe"] for o in (out4, out8, strict, loose))
+    assert nfe4 <= 4 and nfe8 > nfe4
+    assert nfe_loose == 1 < nfe_strict  # one 8-token block: everything clears a tiny threshold at once
+    # --seed with --temperature gives reproducible samples
+    _, s1, _ = run_cli(capsys, *base, "--temperature", "1.0", "--seed", "5", "--json")
+    _, s2, _ = run_cli(capsys, *base, "--temperature", "1.0", "--seed", "5", "--json")
+    assert json.loads(s1)["token_ids"] == json.loads(s2)["token_ids"]
+
+
+def test_generate_with_suffix_prints_prompt_gap_suffix(capsys, tiny_checkpoint):
+    code, out, _ = run_cli(capsys, "generate", "def f(x):\n", "--suffix", "\n    return y\n", "--model",
+                           str(tiny_checkpoint), "--device", "cpu", "--max-new-tokens", "4", "--steps", "4")
+    assert code == 0
+    assert out.startswith("def f(x):\n") and out.endswith("\n    return y\n\n")
+
+
+def test_show_denoising_prints_every_step(capsys, tiny_checkpoint):
+    code, out, _ = run_cli(capsys, "generate", "def add(a, b):", "--model", str(tiny_checkpoint), "--device", "cpu",
+                           "--max-new-tokens", "8", "--steps", "8", "--show-denoising", "--json")
+    assert code == 0
+    lines = out.strip().splitlines()
+    record = json.loads(lines[-1])
+    step_lines = [line for line in lines if line.startswith("--- step ")]
+    assert len(step_lines) == record["nfe"] >= 1
+    assert step_lines[0] == "--- step 1 ---"
+    assert MASK_GLYPH in out  # the first frames still show masked positions
+    assert out.count("def add(a, b):") >= len(step_lines)
+
+
+def _corrupt_checkpoint(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst)
+    (dst / "model.safetensors").write_bytes(b"\x00garbage" * 16)
+    return dst
+
+
+BAD_INPUTS = {
+    "empty prompt": ["generate", ""],
+    "steps 0": ["generate", "x", "--steps", "0"],
+    "negative temperature": ["generate", "x", "--temperature", "-1"],
+    "top-p above 1": ["generate", "x", "--top-p", "1.5"],
+    "unknown remasking": ["generate", "x", "--remasking", "bogus"],
+    "unknown decoding": ["generate", "x", "--decoding", "bogus"],
+    "max-new-tokens 0": ["generate", "x", "--max-new-tokens", "0"],
+    "non-integer steps": ["generate", "x", "--steps", "many"],
+    "unknown flag": ["generate", "x", "--bogus-flag"],
+    "missing prompt": ["generate"],
+    "no command": [],
+    "too long for the context": ["generate", "x " * 40, "--max-new-tokens", "60", "--steps", "4"],
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_INPUTS))
+def test_bad_input_exits_2_with_one_line(capsys, tiny_checkpoint, case):
+    argv = BAD_INPUTS[case]
+    if argv and argv[0] == "generate" and len(argv) > 1:
+        argv = [*argv, "--model", str(tiny_checkpoint), "--device", "cpu"]
+    code, out, err = run_cli(capsys, *argv)
+    assert code == 2
+    assert len(err.splitlines()) == 1, err
+    assert err.startswith("celeris: error:")
+    assert "Traceback" not in err + out
+
+
+@pytest.mark.parametrize(("case", "needle"), [("missing", "does not exist"), ("corrupt", "model.safetensors"),
+                                              ("no weights", "model.safetensors")])
+def test_bad_model_folder_exits_2(capsys, tiny_checkpoint, tmp_path, case, needle):
+    if case == "missing":
+        folder = tmp_path / "nowhere"
+    elif case == "corrupt":
+        folder = _corrupt_checkpoint(tiny_checkpoint, tmp_path / "corrupt")
+    else:
+        folder = tmp_path / "partial"
+        shutil.copytree(tiny_checkpoint, folder)
+        (folder / "model.safetensors").unlink()
+    code, out, err = run_cli(capsys, "generate", "def f():", "--model", str(folder), "--device", "cpu")
+    assert code == 2
+    assert len(err.splitlines()) == 1 and err.startswith("celeris: error:")
+    assert needle in err
+    assert "Traceback" not in err + out
+
+
+def test_subprocess_json(tiny_checkpoint, subprocess_env):
+    proc = subprocess.run(
+        [sys.executable, "-m", "celeris.cli", "generate", "def fibonacci(n):", "--model", str(tiny_checkpoint),
+         "--device", "cpu", "--json", "--max-new-tokens", "8", "--steps", "8"],
+        capture_output=True, text=True, timeout=120, cwd=REPO_ROOT, env=subprocess_env,
+    )
+    assert proc.returncode == 0, proc.stderr
+    record = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert {"text", "token_ids", "nfe", "seconds"} <= set(record)
+    assert record["nfe"] >= 1 and record["token_ids"]
+    assert "Traceback" not in proc.stderr
+
+
+def test_shipped_model_end_to_end(capsys):
+    if not (SHIPPED / "model.safetensors").is_file():
+        pytest.skip(f"{SHIPPED} has no model.safetensors yet (exported at the end of training)")
+    code, out, err = run_cli(capsys, "generate", "def fibonacci(n):", "--model", str(SHIPPED), "--device", "cpu",
+                             "--json", "--max-new-tokens", "32", "--steps", "32")
+    assert code == 0, err
+    record = json.loads(out.strip().splitlines()[-1])
+    assert record["text"].strip()
+    assert record["nfe"] <= 32

@@ -1,0 +1,178 @@
+"""The LLM facade on a tiny checkpoint folder with a real (tiny) BPE tokenizer."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from celeris.llm import LLM, RequestOutput
+from celeris.models.loader import CheckpointError
+from celeris.params import SamplingParams
+from celeris.sampling.generate import generate
+
+PROMPTS = ["def fibonacci(n):", "import os", "class Stack:\n    def push(self, item):\n"]
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_checkpoint):
+    return LLM(tiny_checkpoint, device="cpu")
+
+
+def params(**kw):
+    return SamplingParams(**{"max_new_tokens": 16, "steps": 16, "block_length": 8, **kw})
+
+
+def test_loads_tokenizer_and_defaults(llm):
+    tok = llm.tokenizer
+    cfg = llm.model.config
+    assert (tok.eos_token_id, tok.mask_token_id, tok.pad_token_id) == (
+        cfg.eos_token_id, cfg.mask_token_id, cfg.pad_token_id)
+    assert tok.vocab_size == cfg.vocab_size
+    assert llm.context_length == 64
+    d = llm.default_params()
+    assert (d.max_new_tokens, d.steps, d.block_length) == (16, 16, 8)
+    assert llm.default_params(steps=4).steps == 4
+
+
+def test_generate_returns_request_outputs(llm):
+    outs = llm.generate(PROMPTS, params())
+    assert len(outs) == len(PROMPTS)
+    for prompt, out in zip(PROMPTS, outs, strict=True):
+        assert isinstance(out, RequestOutput)
+        assert out.prompt == prompt
+        assert isinstance(out.text, str) and out.text
+        assert out.token_ids and all(isinstance(t, int) for t in out.token_ids)
+        assert len(out.token_ids) <= 16
+        assert llm.tokenizer.eos_token_id not in out.token_ids
+        assert llm.tokenizer.mask_token_id not in out.token_ids
+        assert out.text == llm.tokenizer.decode(out.token_ids)
+        assert out.finish_reason in ("stop", "length")
+        assert out.nfe >= 1
+        assert out.seconds > 0
+        assert out.ttft_s is None or 0 <= out.ttft_s <= out.seconds
+        if out.finish_reason == "length":
+            assert len(out.token_ids) == 16
+            assert out.nfe == 16  # fixed decoding: one forward per step, no early exit
+
+
+def test_single_prompt_string(llm):
+    outs = llm.generate("def add(a, b):", params())
+    assert len(outs) == 1 and outs[0].prompt == "def add(a, b):"
+
+
+def test_matches_sampler_and_batching_does_not_change_answers(llm):
+    p = params(early_exit=False)
+    batched = llm.generate(PROMPTS, p)
+    for prompt, out in zip(PROMPTS, batched, strict=True):
+        alone = llm.generate(prompt, p)[0]
+        assert alone.token_ids == out.token_ids
+        assert alone.text == out.text
+        direct = generate(llm.model, [llm.tokenizer.encode(prompt)], p)
+        assert direct.token_ids[0] == out.token_ids
+
+
+def test_seeded_sampling_reproducible(llm):
+    a = llm.generate(PROMPTS[0], params(temperature=1.0, seed=3))[0]
+    b = llm.generate(PROMPTS[0], params(temperature=1.0, seed=3))[0]
+    assert a.token_ids == b.token_ids
+
+
+def _stop_candidate(text: str) -> str | None:
+    """A 2-character piece of ``text`` whose first occurrence is not at the start."""
+    for i in range(2, len(text) - 1):
+        piece = text[i : i + 2]
+        if text.find(piece) >= 2 and piece.strip():
+            return piece
+    return None
+
+
+@pytest.mark.parametrize("as_list", [False, True])
+def test_stop_string_cuts_text(llm, as_list):
+    prompt = PROMPTS[2]
+    full = llm.generate(prompt, params(max_new_tokens=24, steps=24))[0]
+    stop = _stop_candidate(full.text)
+    assert stop is not None, f"tiny model text too uniform for a stop-string test: {full.text!r}"
+    cut = full.text.find(stop)
+    out = llm.generate(prompt, params(max_new_tokens=24, steps=24, stop=[stop, "never-there"] if as_list else stop))[0]
+    assert out.text == full.text[:cut]
+    assert stop not in out.text
+    assert out.finish_reason == "stop"
+    assert len(out.token_ids) < len(full.token_ids)
+    assert out.token_ids == full.token_ids[: len(out.token_ids)]
+    assert full.text[:cut].startswith(llm.tokenizer.decode(out.token_ids))
+
+
+def test_earliest_stop_string_wins(llm):
+    full = llm.generate(PROMPTS[0], params(max_new_tokens=24, steps=24))[0]
+    assert len(full.text) >= 6
+    late, early = full.text[-2:], full.text[1:3]
+    out = llm.generate(PROMPTS[0], params(max_new_tokens=24, steps=24, stop=[late, early]))[0]
+    assert out.text == full.text[: min(full.text.find(late), full.text.find(early))]
+    assert out.finish_reason == "stop"
+
+
+def test_stop_string_absent_keeps_length(llm):
+    out = llm.generate(PROMPTS[1], params(stop=["\x00never\x00"]))[0]
+    ref = llm.generate(PROMPTS[1], params())[0]
+    assert out.text == ref.text and out.finish_reason == ref.finish_reason
+
+
+def test_context_window_overflow_names_both_numbers(llm):
+    prompt = "def fibonacci(n):\n" * 6
+    n_prompt = len(llm.tokenizer.encode(prompt))
+    p = params(max_new_tokens=40, steps=8)
+    need = n_prompt + 40
+    assert need > 64
+    with pytest.raises(ValueError) as info:
+        llm.generate(prompt, p)
+    message = str(info.value)
+    assert str(need) in message and "64" in message
+    # exactly at the limit is fine
+    fits = params(max_new_tokens=64 - n_prompt, steps=4, block_length=64 - n_prompt)
+    assert llm.generate(prompt, fits)[0].nfe >= 1
+
+
+def test_empty_prompt_rejected(llm):
+    with pytest.raises(ValueError, match="empty"):
+        llm.generate("", params())
+    with pytest.raises(ValueError, match="empty"):
+        llm.generate(["ok", ""], params())
+
+
+def test_infilling_with_suffix(llm):
+    p = params(max_new_tokens=8, steps=8, block_length=8, early_exit=False)
+    a = llm.generate(["def f(x):\n"], p, suffixes=["    return y\n"])[0]
+    b = llm.generate(["def f(x):\n"], p, suffixes=["class Stack:\n    pass\n"])[0]
+    assert a.token_ids != b.token_ids  # the suffix is part of the context
+
+
+def test_on_step_callback(llm):
+    seen = []
+    llm.generate(PROMPTS[:2], params(early_exit=False), on_step=lambda a: seen.append(a.clone()))
+    assert seen and seen[-1].shape == (2, 16)
+    assert (seen[0] == llm.model.config.mask_token_id).any()
+    assert not (seen[-1] == llm.model.config.mask_token_id).any()
+
+
+def test_missing_or_corrupt_checkpoint(tiny_checkpoint, tmp_path):
+    with pytest.raises(CheckpointError):
+        LLM(tmp_path / "missing", device="cpu")
+    broken = tmp_path / "broken"
+    shutil.copytree(tiny_checkpoint, broken)
+    (broken / "tokenizer.json").write_text("{ not a tokenizer")
+    with pytest.raises(CheckpointError, match="tokenizer.json"):
+        LLM(broken, device="cpu")
+
+
+def test_generation_config_supplies_defaults(tiny_checkpoint, tmp_path):
+    folder = tmp_path / "ckpt"
+    shutil.copytree(tiny_checkpoint, folder)
+    (folder / "generation_config.json").write_text(json.dumps({"max_new_tokens": 5, "steps": 5, "block_length": 5}))
+    llm = LLM(folder, device="cpu")
+    out = llm.generate("import os")[0]
+    assert len(out.token_ids) <= 5
+    assert out.nfe <= 5
+    assert torch.device("cpu") == next(llm.model.parameters()).device

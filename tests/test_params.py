@@ -1,0 +1,92 @@
+"""SamplingParams validation: every bad value is a ValueError that names the parameter."""
+
+from __future__ import annotations
+
+import pytest
+
+from celeris.params import SamplingParams
+
+
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [
+        ("max_new_tokens", 0),
+        ("max_new_tokens", -3),
+        ("steps", 0),
+        ("steps", -1),
+        ("block_length", 0),
+        ("temperature", -0.1),
+        ("temperature", -1),
+        ("top_p", 0.0),
+        ("top_p", 1.5),
+        ("top_p", -0.2),
+        ("remasking", "bogus"),
+        ("remasking", ""),
+        ("decoding", "beam"),
+        ("threshold", 0.0),
+        ("threshold", 1.2),
+        ("factor", 0.0),
+        ("entropy_bound", -0.5),
+        ("cfg_scale", -1.0),
+    ],
+)
+def test_bad_value_names_the_parameter(name, value):
+    with pytest.raises(ValueError, match=name) as info:
+        SamplingParams(**{name: value})
+    assert str(value) in str(info.value)
+
+
+@pytest.mark.parametrize("stop", [[""], ["ok", ""], [3]])
+def test_bad_stop(stop):
+    with pytest.raises(ValueError, match="stop"):
+        SamplingParams(stop=stop)
+
+
+def test_stop_string_becomes_list():
+    assert SamplingParams(stop="\n\n").stop == ["\n\n"]
+    assert SamplingParams(stop=["a", "b"]).stop == ["a", "b"]
+    assert SamplingParams().stop == []
+    with pytest.raises(ValueError, match="stop"):
+        SamplingParams(stop="")
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"temperature": 0.0},  # greedy is allowed
+        {"top_p": 1.0},
+        {"top_p": 1e-3},
+        {"threshold": 1.0},
+        {"max_new_tokens": 1, "steps": 1, "block_length": 1},
+        {"max_new_tokens": 7, "steps": 100, "block_length": 3},  # uneven lengths are legal, not asserted away
+        {"remasking": "random", "decoding": "entropy", "entropy_bound": 0.0},
+    ],
+)
+def test_valid_values(kwargs):
+    p = SamplingParams(**kwargs)
+    for k, v in kwargs.items():
+        assert getattr(p, k) == v
+
+
+def test_defaults_then_overrides():
+    defaults = {"max_new_tokens": 64, "steps": 32, "temperature": 0.5, "unknown_key": 1}
+    p = SamplingParams.from_defaults(defaults, steps=8, temperature=None)
+    assert (p.max_new_tokens, p.steps, p.temperature) == (64, 8, 0.5)  # None overrides are ignored
+    with pytest.raises(ValueError, match="steps"):
+        SamplingParams.from_defaults(defaults, steps=0)
+    assert SamplingParams.from_defaults(None).max_new_tokens == SamplingParams().max_new_tokens
+
+
+def test_zero_is_not_treated_as_unset():
+    """`max_tokens: 0` treated as unset is a known bug: an explicit 0 must be rejected, not replaced."""
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        SamplingParams.from_defaults({"max_new_tokens": 64}, max_new_tokens=0)
+    assert SamplingParams.from_defaults({"temperature": 0.8}, temperature=0.0).temperature == 0.0
+
+
+def test_structure_key_separates_batchable_settings():
+    a = SamplingParams(temperature=0.0, seed=1, top_p=0.9, stop=["x"])
+    b = SamplingParams(temperature=1.0, seed=2)
+    assert a.structure_key() == b.structure_key()  # per-row settings may differ inside one batch
+    assert a.structure_key() != SamplingParams(steps=64).structure_key()
+    assert a.structure_key() != SamplingParams(remasking="random").structure_key()

@@ -1,0 +1,95 @@
+"""Training objectives: masked-diffusion ELBO on masked positions only; next-token loss for causal twins."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from celeris.train.objective import OBJECTIVES, autoregressive_loss, masked_diffusion_loss
+
+
+@pytest.fixture
+def batch():
+    torch.manual_seed(0)
+    return torch.randint(3, 64, (3, 16))
+
+
+def test_diffusion_loss_matches_hand_computation(model, batch):
+    """Same noise draws, but the head computed everywhere: the loss must equal CE at masked positions / t."""
+    eps = 1e-3
+    loss, count = masked_diffusion_loss(model, batch, torch.Generator().manual_seed(7), eps=eps)
+    gen = torch.Generator().manual_seed(7)
+    b, length = batch.shape
+    t = torch.rand(b, 1, generator=gen) * (1 - eps) + eps
+    is_masked = torch.rand(b, length, generator=gen) < t
+    noisy = torch.where(is_masked, model.config.mask_token_id, batch)
+    with torch.no_grad():
+        logits = model(noisy)  # (B, L, V)
+    ce = F.cross_entropy(logits.flatten(0, 1), batch.flatten(), reduction="none").view(b, length)
+    expected = (ce / t * is_masked).sum() / (b * length)
+    assert count == int(is_masked.sum()) > 0
+    torch.testing.assert_close(loss.detach(), expected, rtol=1e-5, atol=1e-6)
+    assert torch.isfinite(loss) and loss > 0
+
+
+def test_diffusion_loss_head_only_on_masked_positions(model, batch, monkeypatch):
+    seen: dict[str, object] = {}
+    hidden_states, logits = model.hidden_states, model.logits
+
+    def spy_hidden(ids, *a, **k):
+        seen["noisy"] = ids.clone()
+        return hidden_states(ids, *a, **k)
+
+    def spy_logits(h):
+        seen["head_rows"] = h.shape
+        return logits(h)
+
+    monkeypatch.setattr(model, "hidden_states", spy_hidden)
+    monkeypatch.setattr(model, "logits", spy_logits)
+    loss, count = masked_diffusion_loss(model, batch, torch.Generator().manual_seed(1))
+    noisy = seen["noisy"]
+    is_masked = noisy == model.config.mask_token_id
+    assert seen["head_rows"] == (count, model.config.hidden_size)
+    assert int(is_masked.sum()) == count
+    assert torch.equal(noisy[~is_masked], batch[~is_masked])  # unmasked tokens are the clean ones
+    assert torch.isfinite(loss)
+
+
+def test_diffusion_loss_gradients_and_determinism(make_model, batch):
+    m = make_model().train()
+    a, _ = masked_diffusion_loss(m, batch, torch.Generator().manual_seed(3))
+    b, _ = masked_diffusion_loss(m, batch, torch.Generator().manual_seed(3))
+    c, _ = masked_diffusion_loss(m, batch, torch.Generator().manual_seed(4))
+    assert torch.equal(a, b) and not torch.equal(a, c)
+    a.backward()
+    grads = [p.grad for p in m.parameters()]
+    assert all(g is not None and torch.isfinite(g).all() for g in grads)
+    assert m.embed_tokens.weight.grad.abs().sum() > 0
+
+
+def test_diffusion_mask_rate_spans_noise_levels(model):
+    """t ~ U(eps, 1] per sequence: over many sequences the masked fraction averages about one half."""
+    ids = torch.randint(3, 64, (64, 32))
+    _, count = masked_diffusion_loss(model, ids, torch.Generator().manual_seed(0))
+    assert 0.35 < count / ids.numel() < 0.65
+
+
+def test_autoregressive_loss_requires_causal(model, batch):
+    with pytest.raises(ValueError, match="is_causal"):
+        autoregressive_loss(model, batch)
+
+
+def test_autoregressive_loss_is_next_token_ce(make_model, batch):
+    causal = make_model(is_causal=True)
+    loss, count = autoregressive_loss(causal, batch)
+    with torch.no_grad():
+        logits = causal(batch[:, :-1])
+    expected = F.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten())
+    torch.testing.assert_close(loss.detach(), expected)
+    assert count == batch.shape[0] * (batch.shape[1] - 1)
+    assert torch.isfinite(loss)
+
+
+def test_objective_table():
+    assert OBJECTIVES == {"diffusion": masked_diffusion_loss, "ar": autoregressive_loss}
