@@ -6,6 +6,7 @@ from dataclasses import dataclass, field, fields
 
 REMASKING = ("low_confidence", "random")
 DECODING = ("fixed", "threshold", "factor", "entropy")
+CACHE = ("none", "prefix", "dual")
 
 
 @dataclass(slots=True)
@@ -32,6 +33,10 @@ class SamplingParams:
         stop: strings that end the answer (the stop string is not returned).
         early_exit: stop denoising once every answer holds an end-of-text token
             with all positions before it filled; returns the same text.
+        cache: ``none``; ``prefix`` or ``dual`` (Fast-dLLM arXiv:2505.22618): keys
+            and values are refreshed by a full pass at the first step of each block;
+            later steps recompute only the block and what follows it (prefix) or
+            only the block (dual). An approximation for bidirectional models.
     """
 
     max_new_tokens: int = 128
@@ -48,6 +53,7 @@ class SamplingParams:
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     early_exit: bool = True
+    cache: str = "none"
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -63,6 +69,7 @@ class SamplingParams:
             (0 < self.threshold <= 1, f"threshold must be in (0, 1], got {self.threshold}"),
             (self.factor > 0, f"factor must be > 0, got {self.factor}"),
             (self.entropy_bound >= 0, f"entropy_bound must be >= 0, got {self.entropy_bound}"),
+            (self.cache in CACHE, f"cache must be one of {', '.join(CACHE)}; got '{self.cache}'"),
             (self.cfg_scale >= 0, f"cfg_scale must be >= 0, got {self.cfg_scale}"),
             (all(isinstance(s, str) and s for s in self.stop), "stop must be a non-empty string or a list of them"),
         ]
@@ -81,4 +88,4 @@ class SamplingParams:
     def structure_key(self) -> tuple:
         """Settings that must be equal for requests to share one batched sampler call."""
         return (self.max_new_tokens, self.steps, self.block_length, self.remasking, self.decoding,
-                self.threshold, self.factor, self.entropy_bound, self.cfg_scale > 0, self.early_exit)
+                self.threshold, self.factor, self.entropy_bound, self.cfg_scale > 0, self.early_exit, self.cache)

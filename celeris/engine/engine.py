@@ -17,7 +17,7 @@ from celeris.engine.request import Request
 from celeris.engine.runner import ModelRunner
 from celeris.engine.scheduler import Scheduler
 from celeris.params import SamplingParams
-from celeris.sampling.step import RowSettings, denoise_step
+from celeris.sampling.step import RowSettings, banned_token_ids, check_cache_support, denoise_step
 
 
 @dataclass(slots=True)
@@ -51,7 +51,8 @@ class Engine:
         self.runner = ModelRunner(model)
         cfg = model.config
         self.mask_id, self.eos_id = cfg.mask_token_id, cfg.eos_token_id
-        self.banned_ids = [cfg.mask_token_id, cfg.pad_token_id]
+        self.banned_ids = banned_token_ids(cfg)
+        self.model = model
         self._ids = itertools.count()
         self.num_steps = 0
 
@@ -62,7 +63,8 @@ class Engine:
         suffix_ids: list[int] | None = None,
         request_id: str | None = None,
     ) -> Request:
-        """Queue a request. Raises ValueError (empty prompt) or QueueFullError."""
+        """Queue a request. Raises ValueError (empty prompt, unsupported cache) or QueueFullError."""
+        check_cache_support(self.model, params)
         request = Request(request_id or f"req-{next(self._ids)}", list(prompt_ids), params, self.mask_id,
                           list(suffix_ids or []))
         self.scheduler.add(request)

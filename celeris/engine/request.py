@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from celeris.models.celeris import KVCache
 from celeris.params import SamplingParams
 from celeris.sampling.schedule import block_plan, num_transfer_tokens
 from celeris.sampling.step import make_generator
@@ -57,6 +58,8 @@ class Request:
         self.step_in_block = 0
         self.generator = make_generator(self.params.seed)
         self.num_emitted = 0  # answer tokens already handed out as final (streaming)
+        self.kv: KVCache | None = None  # this request's keys/values (prefix/dual cache), owned by the runner
+        self.kv_uncond: KVCache | None = None  # the same for its CFG unconditional row
         self._new_block()
 
     @property
@@ -119,4 +122,5 @@ class Request:
     def finish(self, reason: str, status: RequestStatus = RequestStatus.FINISHED) -> None:
         self.status = status
         self.finish_reason = reason
+        self.kv = self.kv_uncond = None
         self.finish_time = time.perf_counter()

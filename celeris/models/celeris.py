@@ -14,7 +14,7 @@ the config gives the autoregressive twin with the same weights layout.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 import torch
@@ -101,6 +101,21 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return (x.float() * cos + rotated.float() * sin).to(x.dtype)
 
 
+@dataclass
+class KVCache:
+    """Keys and values of every layer from one full forward pass, each (B, H, T, head_dim).
+
+    Used for Fast-dLLM's approximate caching of bidirectional models
+    (arXiv:2505.22618, Sec. 3.2): a full pass at a block boundary fills the cache;
+    the following denoising steps recompute only a window of positions (the
+    current block and everything after it for the prefix cache, just the block
+    for the dual cache) and read the other positions' keys and values from here.
+    """
+
+    keys: list[torch.Tensor] = field(default_factory=list)
+    values: list[torch.Tensor] = field(default_factory=list)
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: CelerisConfig) -> None:
         super().__init__()
@@ -109,14 +124,29 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(cfg.hidden_size, cfg.hidden_size, bias=False)
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn_mask: torch.Tensor | None
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        attn_mask: torch.Tensor | None,
+        cache: KVCache | None = None,
+        layer_idx: int = 0,
+        window: tuple[int, int] | None = None,
     ) -> torch.Tensor:
         b, length, _ = x.shape
         q, k, v = self.qkv_proj(x).view(b, length, 3, self.num_heads, self.head_dim).unbind(2)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, H, L, D)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if cache is not None and window is None:  # full pass: fill the cache
+            cache.keys.append(k)
+            cache.values.append(v)
+        elif cache is not None:  # window pass: stale keys/values outside the window
+            w0, w1 = window
+            ck, cv = cache.keys[layer_idx], cache.values[layer_idx]
+            k = torch.cat([ck[:, :, :w0], k, ck[:, :, w1:]], dim=2)  # (B, H, T, D)
+            v = torch.cat([cv[:, :, :w0], v, cv[:, :, w1:]], dim=2)
         out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=attn_mask, is_causal=self.is_causal and attn_mask is None
+            q, k, v, attn_mask=attn_mask, is_causal=self.is_causal and attn_mask is None and window is None
         )  # (B, H, L, D)
         return self.o_proj(out.transpose(1, 2).reshape(b, length, -1))
 
@@ -143,14 +173,16 @@ class Block(nn.Module):
         self.mlp = MLP(cfg)
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn_mask: torch.Tensor | None
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn_mask: torch.Tensor | None, **cache_args
     ) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x), cos, sin, attn_mask)
+        x = x + self.attn(self.attn_norm(x), cos, sin, attn_mask, **cache_args)
         return x + self.mlp(self.mlp_norm(x))
 
 
 class CelerisModel(nn.Module):
     """Token ids -> logits. See the module docstring for the architecture."""
+
+    supports_kv_cache = True  # forward accepts cache= / window= (see KVCache)
 
     def __init__(self, cfg: CelerisConfig) -> None:
         super().__init__()
@@ -170,34 +202,47 @@ class CelerisModel(nn.Module):
                 p.normal_(0.0, std * scale)
 
     def hidden_states(
-        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        cache: KVCache | None = None,
+        window: tuple[int, int] | None = None,
     ) -> torch.Tensor:
         """Final normed hidden states.
 
         Args:
-            input_ids: (B, L) int64 token ids.
-            attention_mask: optional (B, L) bool, True for real tokens and False for
+            input_ids: (B, T) int64 token ids (always the whole canvas).
+            attention_mask: optional (B, T) bool, True for real tokens and False for
                 padding. Padding keys are never attended, and positions (RoPE) count
                 only real tokens, so a left-padded row computes exactly what the
                 unpadded row computes.
+            cache: with ``window`` None, an empty KVCache that this full pass
+                fills; with ``window`` (w0, w1), a filled cache: only positions
+                [w0, w1) are computed, the other keys/values come from the cache.
 
         Returns:
-            (B, L, hidden_size) in the parameter dtype.
+            (B, T, hidden_size), or (B, w1 - w0, hidden_size) for a window pass,
+            in the parameter dtype.
         """
         b, length = input_ids.shape
-        if attention_mask is None:
-            positions = torch.arange(length, device=input_ids.device).expand(b, length)
+        device = input_ids.device
+        if attention_mask is None:  # no padding: SDPA's unmasked (or is_causal) fast path
+            positions = torch.arange(length, device=device).expand(b, length)
             attn_mask = None
         else:
-            positions = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)  # (B, L)
-            attn_mask = attention_mask[:, None, None, :]  # (B, 1, 1, L) keys
-            if self.config.is_causal:
-                causal = torch.ones(length, length, dtype=torch.bool, device=input_ids.device).tril()
-                attn_mask = attn_mask & causal  # (B, 1, L, L)
-        cos, sin = rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta)
-        x = self.embed_tokens(input_ids)  # (B, L, d)
-        for layer in self.layers:
-            x = layer(x, cos, sin, attn_mask)
+            positions = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)  # (B, T)
+            attn_mask = attention_mask[:, None, None, :]  # (B, 1, 1, T) keys
+        w0, w1 = window if window is not None else (0, length)
+        if self.config.is_causal and (attn_mask is not None or window is not None):
+            causal = torch.arange(length, device=device)[None, :] <= torch.arange(w0, w1, device=device)[:, None]
+            attn_mask = causal if attn_mask is None else attn_mask & causal  # (B, 1, Lq, T)
+        if cache is not None and window is None:
+            cache.keys.clear()
+            cache.values.clear()
+        cos, sin = rope_cos_sin(positions[:, w0:w1], self.config.head_dim, self.config.rope_theta)
+        x = self.embed_tokens(input_ids[:, w0:w1])  # (B, Lq, d)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, attn_mask, cache=cache, layer_idx=i, window=window)
         return self.norm(x)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -210,19 +255,23 @@ class CelerisModel(nn.Module):
         attention_mask: torch.Tensor | None = None,
         logits_slice: slice | None = None,
         return_hidden: bool = False,
+        cache: KVCache | None = None,
+        window: tuple[int, int] | None = None,
     ) -> torch.Tensor:
-        """(B, L) token ids -> (B, L', vocab_size) float32 logits.
+        """(B, T) token ids -> (B, L', vocab_size) float32 logits.
 
-        ``logits_slice`` restricts the output head to a span of positions (L' is
-        its length); the samplers only need logits of the block being denoised.
-        ``return_hidden`` returns the (B, L, hidden_size) hidden states instead
-        (training computes the head only at masked positions).
+        ``logits_slice`` (canvas coordinates) restricts the output head to a span
+        of positions (L' is its length; it must lie inside ``window`` when one is
+        given); the samplers only need logits of the block being denoised.
+        ``return_hidden`` returns the hidden states instead (training computes the
+        head only at masked positions). ``cache``/``window``: see ``hidden_states``.
         """
-        hidden = self.hidden_states(input_ids, attention_mask)
+        hidden = self.hidden_states(input_ids, attention_mask, cache, window)
         if return_hidden:
             return hidden
         if logits_slice is not None:
-            hidden = hidden[:, logits_slice]
+            offset = window[0] if window is not None else 0
+            hidden = hidden[:, logits_slice.start - offset : logits_slice.stop - offset]
         return self.logits(hidden)
 
 

@@ -145,7 +145,7 @@ def read_headers(files: list[Path]) -> dict[str, TensorInfo]:
     for file in files:
         try:
             with safe_open(file, framework="pt") as f:
-                for name in f.keys():  # noqa: SIM118 - safe_open is not a dict
+                for name in f.keys():
                     if name in infos:
                         raise CheckpointError(f"tensor '{name}' is in both {infos[name].file.name} and {file.name}")
                     piece = f.get_slice(name)

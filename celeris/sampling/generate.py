@@ -16,9 +16,17 @@ from dataclasses import dataclass, field
 
 import torch
 
+from celeris.models.celeris import KVCache
 from celeris.params import SamplingParams
 from celeris.sampling.schedule import block_plan, num_transfer_tokens
-from celeris.sampling.step import RowSettings, denoise_step, guided, make_generator
+from celeris.sampling.step import (
+    RowSettings,
+    banned_token_ids,
+    check_cache_support,
+    denoise_step,
+    guided,
+    make_generator,
+)
 
 
 @dataclass(slots=True)
@@ -96,6 +104,16 @@ def answer_done(answer: torch.Tensor, eos_id: int, mask_id: int) -> torch.Tensor
     return is_eos.any(-1) & ~masked_before
 
 
+def cache_window(mode: str, span: slice, total: int) -> tuple[int, int] | None:
+    """Positions a cached step recomputes: block..end (prefix), the block (dual), or all (none)."""
+    return {"none": None, "prefix": (span.start, total), "dual": (span.start, span.stop)}[mode]
+
+
+def cache_args(cache: KVCache | None, window: tuple[int, int] | None) -> dict:
+    """Keyword arguments for the model: fill ``cache`` (window None) or read it (window given)."""
+    return {} if cache is None else {"cache": cache, "window": window}
+
+
 @torch.no_grad()
 def generate(
     model: torch.nn.Module,
@@ -140,8 +158,10 @@ def generate(
     settings = RowSettings.from_params(rows, device)
     use_cfg = bool((settings.cfg_scale > 0).any())
     generators = [make_generator(r.seed) for r in rows]
-    banned = [mask_id, cfg.pad_token_id]
+    banned = banned_token_ids(cfg)
+    check_cache_support(model, sp)
     blocks, steps_per_block = block_plan(sp.max_new_tokens, sp.block_length, sp.steps)
+    caches = (KVCache(), KVCache()) if sp.cache != "none" else (None, None)
     nfe = steps = 0
     first_token_s: list[float | None] = [None] * b
     for s, e in blocks:
@@ -150,10 +170,13 @@ def generate(
         schedule = num_transfer_tokens((canvas[:, span] == mask_id).sum(-1), block_steps)  # (B, S)
         step_in_block = 0
         while bool((canvas[:, span] == mask_id).any()):
-            logits = model(canvas, attn, logits_slice=span)  # (B, L, V)
+            # a cache is refreshed by the block's first (full) pass, then read by its later steps
+            window = None if step_in_block == 0 else cache_window(sp.cache, span, canvas.shape[1])
+            logits = model(canvas, attn, logits_slice=span, **cache_args(caches[0], window))  # (B, L, V)
             nfe += 1
             if use_cfg:  # unconditional pass: prompt (and suffix) replaced by the mask token
-                uncond = model(canvas.masked_fill(is_prompt, mask_id), attn, logits_slice=span)
+                uncond = model(canvas.masked_fill(is_prompt, mask_id), attn, logits_slice=span,
+                               **cache_args(caches[1], window))
                 nfe += 1
                 logits = guided(logits, uncond, settings.cfg_scale)
             k = schedule[:, min(step_in_block, block_steps - 1)]  # (B,)

@@ -15,6 +15,21 @@ from celeris.params import SamplingParams
 from celeris.sampling.select import COMMIT_RULES, CONFIDENCE, NEG_INF, sample_tokens, top_p_filter
 
 
+def banned_token_ids(config: object) -> list[int]:
+    """Ids a denoising step must never produce: the mask token, and padding unless it doubles as
+    end-of-text (LLaDA and Dream pad with their end-of-text token, which must stay producible)."""
+    ids = [config.mask_token_id]
+    if config.pad_token_id != config.eos_token_id:
+        ids.append(config.pad_token_id)
+    return ids
+
+
+def check_cache_support(model: torch.nn.Module, params: SamplingParams) -> None:
+    """Raise ValueError when ``params.cache`` asks for a KV cache the model cannot provide."""
+    if params.cache != "none" and not getattr(model, "supports_kv_cache", False):
+        raise ValueError(f"cache='{params.cache}' is not supported by {type(model).__name__}; use cache='none'")
+
+
 def make_generator(seed: int | None) -> torch.Generator:
     """CPU RNG for one request; a fresh random seed when ``seed`` is None."""
     return torch.Generator().manual_seed(seed if seed is not None else random.getrandbits(63))
