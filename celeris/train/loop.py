@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -30,6 +31,11 @@ from celeris.models.loader import save_checkpoint
 from celeris.tokenizer import write_tokenizer_config
 from celeris.train.data import load_tokens
 from celeris.train.objective import OBJECTIVES
+
+# Written to generation_config.json when the caller gives none: LLaDA's reference
+# sampler (one token per denoising step, blocks of 32, greedy, low-confidence remasking).
+DEFAULT_GENERATION = {"max_new_tokens": 128, "steps": 128, "block_length": 32, "temperature": 0.0,
+                      "top_p": 1.0, "remasking": "low_confidence", "cfg_scale": 0.0}
 
 
 @dataclass(slots=True)
@@ -207,7 +213,8 @@ def train(cfg: TrainConfig, default_generation: dict | None = None) -> dict:
         (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         if cfg.export_dir:
             write_tokenizer_config(data)
-            save_checkpoint(model, cfg.export_dir, data, default_generation)
+            save_checkpoint(model, cfg.export_dir, data, default_generation or DEFAULT_GENERATION)
+            shutil.copy(out / "train_config.json", Path(cfg.export_dir) / "training_args.json")
             print(f"exported checkpoint to {cfg.export_dir}", flush=True)
     if world > 1:
         dist.barrier()
