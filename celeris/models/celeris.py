@@ -110,6 +110,8 @@ class KVCache:
     the following denoising steps recompute only a window of positions (the
     current block and everything after it for the prefix cache, just the block
     for the dual cache) and read the other positions' keys and values from here.
+    A window pass writes its fresh keys/values back, which is also what
+    autoregressive decoding of a causal model needs (window = the newest token).
     """
 
     keys: list[torch.Tensor] = field(default_factory=list)
@@ -140,11 +142,11 @@ class Attention(nn.Module):
         if cache is not None and window is None:  # full pass: fill the cache
             cache.keys.append(k)
             cache.values.append(v)
-        elif cache is not None:  # window pass: stale keys/values outside the window
+        elif cache is not None:  # window pass: fresh keys/values inside the window, cached ones outside
             w0, w1 = window
-            ck, cv = cache.keys[layer_idx], cache.values[layer_idx]
-            k = torch.cat([ck[:, :, :w0], k, ck[:, :, w1:]], dim=2)  # (B, H, T, D)
-            v = torch.cat([cv[:, :, :w0], v, cv[:, :, w1:]], dim=2)
+            cache.keys[layer_idx][:, :, w0:w1] = k  # written back: an autoregressive step extends the cache
+            cache.values[layer_idx][:, :, w0:w1] = v
+            k, v = cache.keys[layer_idx], cache.values[layer_idx]  # (B, H, T, D)
         out = F.scaled_dot_product_attention(
             q, k, v, attn_mask=attn_mask, is_causal=self.is_causal and attn_mask is None and window is None
         )  # (B, H, L, D)

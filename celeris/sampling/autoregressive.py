@@ -1,0 +1,80 @@
+"""Autoregressive decoding with a KV cache, for the causal twin (``is_causal`` config).
+
+The baseline the diffusion samplers are compared with: same architecture, same
+data, one token per forward pass. The prompt is prefilled in one pass that
+fills the cache; each later step runs only the newest token (a window of one
+position) against the cached keys and values.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from celeris.models.celeris import KVCache
+from celeris.params import SamplingParams
+from celeris.sampling.generate import GenerationOutput, build_canvas, cut_at_eos
+from celeris.sampling.select import NEG_INF, sample_tokens, top_p_filter
+from celeris.sampling.step import RowSettings, banned_token_ids, make_generator
+
+
+@torch.no_grad()
+def generate_autoregressive(
+    model: torch.nn.Module,
+    prompt_ids: list[list[int]],
+    params: SamplingParams | list[SamplingParams],
+    use_cache: bool = True,
+) -> GenerationOutput:
+    """Next-token decoding of ``max_new_tokens`` tokens per prompt (greedy at temperature 0).
+
+    Args:
+        model: a causal model (``config.is_causal``) with the KVCache/window interface.
+        prompt_ids: B non-empty prompts (left-padded together).
+        use_cache: False recomputes the whole sequence every step (the slow,
+            obviously-correct reference the cached path is tested against).
+
+    Returns:
+        GenerationOutput; ``nfe`` = forward passes (prefill counts as one),
+        ``first_token_s`` = prefill latency per row. Stops early once every row
+        has produced an end-of-text token.
+
+    Raises:
+        ValueError: the model is not causal, or a prompt is empty.
+    """
+    start = time.perf_counter()
+    cfg = model.config
+    if not getattr(cfg, "is_causal", False):
+        raise ValueError("autoregressive decoding needs a causal model (config is_causal=true)")
+    rows = params if isinstance(params, list) else [params] * len(prompt_ids)
+    if any(not p for p in prompt_ids):
+        raise ValueError("prompt must not be empty")
+    n = rows[0].max_new_tokens
+    device = next(model.parameters()).device
+    canvas, attn, _, lp = build_canvas(prompt_ids, n, cfg.pad_token_id, cfg.pad_token_id, None, device)
+    attn[:, lp:] = True  # answer positions become real tokens as they are written
+    settings = RowSettings.from_params(rows, device)
+    generators = [make_generator(r.seed) for r in rows]
+    cache = KVCache() if use_cache else None
+    banned = banned_token_ids(cfg)
+    first_token_s: list[float | None] = [None] * len(prompt_ids)
+    nfe = 0
+    for t in range(lp, lp + n):
+        if cache is not None and t > lp:
+            kwargs = {"cache": cache, "window": (t - 1, t)}
+        else:
+            kwargs = {"cache": cache} if cache is not None else {}
+        logits = model(canvas, attn, logits_slice=slice(t - 1, t), **kwargs)  # (B, 1, V)
+        nfe += 1
+        logits[..., banned] = NEG_INF
+        if bool((settings.top_p < 1).any()):
+            logits = top_p_filter(logits, settings.top_p)
+        canvas[:, t] = sample_tokens(logits, settings.temperature, generators)[:, 0]
+        if t == lp:
+            first_token_s = [time.perf_counter() - start] * len(prompt_ids)
+        if rows[0].early_exit and bool((canvas[:, lp : t + 1] == cfg.eos_token_id).any(-1).all()):
+            canvas[:, t + 1 :] = cfg.eos_token_id  # never decoded: every row already ended
+            break
+    answer = canvas[:, lp : lp + n].cpu()
+    return GenerationOutput(answer_ids=answer, token_ids=cut_at_eos(answer, cfg.eos_token_id, cfg.mask_token_id),
+                            nfe=nfe, steps=nfe, first_token_s=first_token_s, seconds=time.perf_counter() - start)
