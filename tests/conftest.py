@@ -23,6 +23,7 @@ from celeris.models.loader import save_checkpoint  # noqa: E402
 from celeris.tokenizer import write_tokenizer_config  # noqa: E402
 from celeris.train.data import build_stdlib_corpus, train_tokenizer  # noqa: E402
 
+
 def pytest_configure(config):
     config.addinivalue_line("markers", "ddp: launches two training processes with torch.distributed.run (~30 s)")
 

@@ -130,7 +130,7 @@ def test_subprocess_json(tiny_checkpoint, subprocess_env):
     proc = subprocess.run(
         [sys.executable, "-m", "celeris.cli", "generate", "def fibonacci(n):", "--model", str(tiny_checkpoint),
          "--device", "cpu", "--json", "--max-new-tokens", "8", "--steps", "8"],
-        capture_output=True, text=True, timeout=120, cwd=REPO_ROOT, env=subprocess_env,
+        capture_output=True, text=True, timeout=300, cwd=REPO_ROOT, env=subprocess_env,
     )
     assert proc.returncode == 0, proc.stderr
     record = json.loads(proc.stdout.strip().splitlines()[-1])

@@ -191,8 +191,8 @@ def train(cfg: TrainConfig, default_generation: dict | None = None) -> dict:
         dt = time.perf_counter() - t0
         wall += dt
         bar.update(1)
-        bar.set_postfix(loss=f"{float(loss):.3f}", tok_s=f"{batch.numel() * world / dt:,.0f}", lr=f"{lr_at(step, cfg):.2e}")
-        record: dict = {"step": step, "loss": float(loss), "tokens_seen": tokens_seen, "wall_s": round(wall, 1)}
+        bar.set_postfix(loss=f"{loss.item():.3f}", tok_s=f"{batch.numel() * world / dt:,.0f}", lr=f"{lr_at(step, cfg):.2e}")
+        record: dict = {"step": step, "loss": loss.item(), "tokens_seen": tokens_seen, "wall_s": round(wall, 1)}
         if step % cfg.eval_every == 0 or step == cfg.max_steps:
             record["val_loss"] = evaluate(model, val_tokens, cfg, device)
             if rank == 0:

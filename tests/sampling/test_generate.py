@@ -256,14 +256,14 @@ def test_early_exit_same_tokens_fewer_nfe(scripted_model, eos_answer_pos):
 
 
 def test_early_exit_waits_for_every_row(scripted_model):
-    prompts = [[5, 6, 7, 8], [9]]  # EOS at answer position 2 for row 0 and 5 + 8 = 13 for row 1? no: 11
+    prompts = [list(range(5, 13)), [9]]  # EOS at real position 14: answer position 6 (block 0) and 13 (block 1)
     m = scripted_model(eos_table(eos_position=14))
     base = {"max_new_tokens": 32, "steps": 32, "block_length": 8}
     full = generate(m, prompts, SamplingParams(**base, early_exit=False))
     early = generate(m, prompts, SamplingParams(**base, early_exit=True))
     assert early.token_ids == full.token_ids
-    assert [len(t) for t in early.token_ids] == [10, 13]
-    assert early.nfe == 16  # row 1's EOS is in block 1, so two blocks run for both rows
+    assert [len(t) for t in early.token_ids] == [6, 13]
+    assert early.nfe == 16  # row 0 is done after block 0 but row 1 needs block 1: both run two blocks
 
 
 def test_early_exit_on_real_model_keeps_tokens(model):
