@@ -4,6 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
 
 @dataclass(slots=True)
 class EngineConfig:
@@ -15,14 +19,41 @@ class EngineConfig:
             CFG rows included) one forward pass may process.
         max_waiting: most requests queued before ``add_request`` raises QueueFullError.
         device: "cpu", "cuda", ...; None picks CUDA when available.
+        dtype: "float32", "bfloat16" or "float16"; None picks bfloat16 on a CUDA
+            device that supports it and float32 otherwise.
+        enforce_eager: True runs the model eagerly; False wraps it in
+            ``torch.compile`` (the runner pads canvases to buckets of
+            ``length_bucket`` tokens so few shapes are compiled).
+        length_bucket: canvas lengths are padded up to a multiple of this.
     """
 
     max_num_seqs: int = 8
     max_num_batched_tokens: int = 16384
     max_waiting: int = 256
     device: str | None = None
+    dtype: str | None = None
+    enforce_eager: bool = True
+    length_bucket: int = 32
 
     def __post_init__(self) -> None:
+        if self.dtype is not None and self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}; got '{self.dtype}'")
+        if self.length_bucket < 1:
+            raise ValueError(f"length_bucket must be >= 1, got {self.length_bucket}")
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_waiting"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+
+def resolve_device(device: str | None) -> torch.device:
+    """The given device, or CUDA when available, else CPU."""
+    return torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+
+
+def resolve_dtype(dtype: str | None, device: torch.device) -> torch.dtype:
+    """The given dtype name, or bfloat16 on a CUDA device that supports it, else float32."""
+    if dtype is not None:
+        return DTYPES[dtype]
+    if device.type == "cuda" and torch.cuda.is_bf16_supported():
+        return torch.bfloat16
+    return torch.float32

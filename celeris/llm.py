@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from celeris.config import EngineConfig
+from celeris.config import EngineConfig, resolve_device, resolve_dtype
 from celeris.engine import Engine, Request
 from celeris.models.registry import load_any, load_tokenizer
 from celeris.params import SamplingParams
@@ -49,6 +49,8 @@ class LLM:
         max_batch_size: most requests denoised together in one forward pass.
         trust_remote_code: allow a checkpoint format Celeris does not implement to run its own
             modeling code (``celeris.models.registry.load_any``).
+        dtype: "float32", "bfloat16" or "float16"; None: bfloat16 on CUDA, float32 on CPU.
+        enforce_eager: False compiles the model with ``torch.compile`` (see EngineConfig).
 
     Raises:
         CheckpointError: the folder is missing, incomplete or inconsistent.
@@ -56,15 +58,18 @@ class LLM:
 
     def __init__(
         self, model: str | Path | None = None, device: str | None = None, max_batch_size: int = 8,
-        trust_remote_code: bool = False,
+        trust_remote_code: bool = False, dtype: str | None = None, enforce_eager: bool = True,
     ) -> None:
         self.path = Path(model) if model is not None else DEFAULT_MODEL
-        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        self.model = load_any(self.path, device=self.device, trust_remote_code=trust_remote_code)
+        self.engine_config = EngineConfig(max_num_seqs=max_batch_size, max_waiting=1 << 30, device=device,
+                                          dtype=dtype, enforce_eager=enforce_eager)
+        self.device = resolve_device(device)
+        self.dtype = resolve_dtype(dtype, self.device)
+        self.model = load_any(self.path, device=self.device, dtype=self.dtype, trust_remote_code=trust_remote_code)
         self.tokenizer = load_tokenizer(self.path, self.model)
         gen_path = self.path / "generation_config.json"
         self.generation_config: dict = json.loads(gen_path.read_text()) if gen_path.is_file() else {}
-        self.engine = Engine(self.model, EngineConfig(max_num_seqs=max_batch_size, max_waiting=1 << 30))
+        self.engine = Engine(self.model, self.engine_config)
         self.context_length = self.model.config.max_position_embeddings
 
     def default_params(self, **overrides: object) -> SamplingParams:

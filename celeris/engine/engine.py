@@ -48,7 +48,7 @@ class Engine:
     def __init__(self, model: torch.nn.Module, config: EngineConfig | None = None) -> None:
         self.config = config or EngineConfig()
         self.scheduler = Scheduler(self.config)
-        self.runner = ModelRunner(model)
+        self.runner = ModelRunner(model, self.config.enforce_eager, self.config.length_bucket)
         cfg = model.config
         self.mask_id, self.eos_id = cfg.mask_token_id, cfg.eos_token_id
         self.banned_ids = banned_token_ids(cfg)

@@ -21,8 +21,10 @@ class ModelRunner:
     those that need a full pass; each request keeps its own cache.
     """
 
-    def __init__(self, model: torch.nn.Module) -> None:
-        self.model = model
+    def __init__(self, model: torch.nn.Module, enforce_eager: bool = True, length_bucket: int = 1) -> None:
+        # speed features are transforms applied here, never inside the model file
+        self.model = model if enforce_eager else torch.compile(model, dynamic=True)
+        self.length_bucket = length_bucket
         self.device = next(model.parameters()).device
         self.mask_id = model.config.mask_token_id
         self.pad_id = model.config.pad_token_id
@@ -56,6 +58,7 @@ class ModelRunner:
         spans = [r.block_span for r in requests]
         align = max(s for s, _ in spans)  # every row's block starts at this column
         total = align + max(max(r.num_tokens - s for r, (s, _) in zip(requests, spans, strict=True)), lb)
+        total = -(-total // self.length_bucket) * self.length_bucket  # right padding up to a bucket
         offsets = [align - s for s, _ in spans]
         b = len(requests)
         canvas = torch.full((b, total), self.pad_id, dtype=torch.long)
