@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -40,6 +41,11 @@ def _sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threshold", type=float, help="confidence threshold for --decoding threshold")
     p.add_argument("--cfg-scale", type=float, help="classifier-free guidance scale (0 = off)")
     p.add_argument("--stop", action="append", help="stop string (repeatable)")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
+                   help="weight dtype (default: bfloat16 on CUDA, float32 on CPU)")
+    p.add_argument("--compile", action="store_true", help="torch.compile the model (slow first request)")
+    p.add_argument("--trust-remote-code", action="store_true",
+                   help="allow a checkpoint of an unknown format to run its own modeling code")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -80,6 +86,8 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("corpus", choices=["stdlib"], help="stdlib: this Python's standard library")
     d.add_argument("--out", default="data/stdlib")
     d.add_argument("--vocab-size", type=int, default=4096)
+    _batch_parser(sub)
+    _serve_parser(sub)
     return parser
 
 
@@ -101,9 +109,14 @@ def _load(args: argparse.Namespace):
     gen_path = folder / "generation_config.json"
     if not folder.is_dir():
         raise CheckpointError(f"checkpoint folder '{folder}' does not exist")
-    defaults = json.loads(gen_path.read_text()) if gen_path.is_file() else {}
+    try:
+        defaults = json.loads(gen_path.read_text()) if gen_path.is_file() else {}
+    except json.JSONDecodeError as exc:
+        raise CheckpointError(f"{gen_path} is not valid JSON: {exc}") from None
     params = _params(defaults, args)  # validate before the (slower) model load
-    return LLM(folder, device=args.device), params
+    llm = LLM(folder, device=args.device, dtype=args.dtype, enforce_eager=not args.compile,
+              trust_remote_code=args.trust_remote_code)
+    return llm, params
 
 
 def _render(tokenizer, answer_row: list[int], mask_id: int) -> str:
@@ -210,7 +223,132 @@ def cmd_data(args: argparse.Namespace) -> int:
     return 0
 
 
-COMMANDS = {"generate": cmd_generate, "chat": cmd_chat, "train": cmd_train, "data": cmd_data, "eval": cmd_eval}
+def _batch_parser(sub) -> None:
+    b = sub.add_parser("batch", help="batch jobs: JSONL requests in, OpenAI Batch JSONL out (resumable)")
+    bsub = b.add_subparsers(dest="batch_command", required=True, parser_class=_Parser)
+    r = bsub.add_parser("run", help="run or resume a job: skips ids already in OUTPUT, runs the rest")
+    r.add_argument("input", help="requests, one per line: OpenAI Batch format or {id, prompt|messages, ...}")
+    r.add_argument("output", help="results, one OpenAI Batch output record per request (appended as they finish)")
+    r.add_argument("--model", help="checkpoint folder (default: the embedded celeris-code-6m)")
+    r.add_argument("--device", help="cpu, cuda, ... (default: cuda when available)")
+    r.add_argument("--max-num-seqs", type=int, default=8, help="requests denoised together per engine")
+    r.add_argument("--concurrency", type=int, help="requests in flight (local backend; default 2 x --max-num-seqs)")
+    r.add_argument("--retry-failed", action="store_true", help="run the failed records again (and only those)")
+    r.add_argument("--backend", choices=["local", "ray"], default="local")
+    r.add_argument("--ray-address", help="attach to this Ray cluster (default: start a local instance)")
+    r.add_argument("--num-workers", type=int, default=2, help="Ray actors, one engine each")
+    r.add_argument("--request-timeout", type=float, default=600.0, help="seconds before one request is aborted")
+    r.add_argument("--served-model-name", help="the model name request bodies may give (default: folder name)")
+    r.add_argument("--no-progress", action="store_true", help="no progress bar")
+    rep = bsub.add_parser("report", help="quality report of a results file: failures, empty, duplicate, lengths")
+    rep.add_argument("results")
+    rep.add_argument("--input", help="the job's input: also count ids without a record (missing) and extra records")
+    rep.add_argument("--json", help="write the report as JSON here")
+    rep.add_argument("--plot", help="write a PNG histogram of output lengths here (needs matplotlib)")
+
+
+def cmd_batch(args: argparse.Namespace) -> int:
+    from celeris.batch.jobs import BatchError, EngineUnavailableError
+
+    try:
+        return _batch_report(args) if args.batch_command == "report" else _batch_run(args)
+    except EngineUnavailableError as exc:
+        print(f"celeris: error: {exc}; rerun the same command to finish the job", file=sys.stderr)
+        return 1
+    except BatchError as exc:
+        print(f"celeris: error: {exc}", file=sys.stderr)
+        return 2
+
+
+def _batch_run(args: argparse.Namespace) -> int:
+    from celeris.batch.jobs import run_batch
+
+    if args.model and not Path(args.model).is_dir():
+        raise CheckpointError(f"checkpoint folder '{args.model}' does not exist")
+    if args.max_num_seqs < 1:
+        raise UsageError(f"--max-num-seqs must be >= 1, got {args.max_num_seqs}")
+
+    def log(message: str) -> None:
+        print(f"celeris batch: {message}", file=sys.stderr)
+
+    if args.backend == "ray":
+        from celeris.batch.ray_runner import run_batch_ray
+
+        result = run_batch_ray(
+            args.input, args.output, model=args.model, retry_failed=args.retry_failed, num_workers=args.num_workers,
+            max_num_seqs=args.max_num_seqs, device=args.device, request_timeout=args.request_timeout,
+            served_model_name=args.served_model_name, ray_address=args.ray_address,
+            ray_num_cpus=max(2, args.num_workers), progress=not args.no_progress, log=log,
+        )
+    else:
+        from celeris.serve.serving import OpenAIServing
+
+        window = args.concurrency or 2 * args.max_num_seqs
+
+        def make_serving() -> OpenAIServing:
+            return OpenAIServing.from_model(args.model, device=args.device, max_num_seqs=args.max_num_seqs,
+                                            max_waiting=max(64, window), request_timeout=args.request_timeout,
+                                            served_model_name=args.served_model_name)
+
+        result = run_batch(args.input, args.output, make_serving, retry_failed=args.retry_failed, window=window,
+                           progress=not args.no_progress, log=log)
+    print(json.dumps(result))
+    if result["failed"]:
+        log(f"{result['failed']} request(s) failed; `--retry-failed` runs only those again")
+    return 0
+
+
+def _batch_report(args: argparse.Namespace) -> int:
+    from celeris.batch.report import build_report, format_table, plot_lengths, write_json
+
+    report = build_report(args.results, args.input)
+    print(format_table(report))
+    if args.json:
+        write_json(report, args.json)
+    if args.plot:
+        try:
+            plot_lengths(report, args.plot)
+        except ImportError:
+            raise UsageError("--plot needs matplotlib: pip install 'celeris[report]'") from None
+    return 0
+
+
+def _serve_parser(sub) -> None:
+    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions)")
+    s.add_argument("--model", help="checkpoint folder (default: the embedded celeris-code-6m)")
+    s.add_argument("--device", help="cpu, cuda, cuda:1 ... (default: cuda when available)")
+    s.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--max-num-seqs", type=int, default=8, help="requests denoised together")
+    s.add_argument("--max-waiting", type=int, default=64, help="requests queued beyond those; more get 429")
+    s.add_argument("--request-timeout", type=float, default=60.0, help="seconds before a request is aborted (504)")
+    s.add_argument("--api-key", default=os.environ.get("CELERIS_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on /v1 (default: $CELERIS_API_KEY, else none)")
+    s.add_argument("--served-model-name", help="the model name clients send (default: the checkpoint folder name)")
+    s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    if args.model and not Path(args.model).is_dir():
+        raise CheckpointError(f"checkpoint folder '{args.model}' does not exist")
+    for name in ("max_num_seqs", "max_waiting"):
+        if getattr(args, name) < 1:
+            raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if not 0 <= args.port <= 65535:
+        raise UsageError(f"--port must be in [0, 65535], got {args.port}")
+    if args.request_timeout <= 0:
+        raise UsageError(f"--request-timeout must be > 0, got {args.request_timeout}")
+    try:
+        from celeris.serve.app import run_server
+    except ImportError as exc:
+        raise UsageError(f"celeris serve needs fastapi and uvicorn ({exc}): pip install -e .") from None
+    return run_server(args.model, host=args.host, port=args.port, max_num_seqs=args.max_num_seqs,
+                      max_waiting=args.max_waiting, request_timeout=args.request_timeout, api_key=args.api_key,
+                      served_model_name=args.served_model_name, device=args.device, log_level=args.log_level)
+
+
+COMMANDS = {"generate": cmd_generate, "chat": cmd_chat, "train": cmd_train, "data": cmd_data, "eval": cmd_eval,
+            "batch": cmd_batch, "serve": cmd_serve}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -65,6 +65,16 @@ def max_repeat_run(token_ids: list[int]) -> int:
     return best
 
 
+def heal_prompt(prompt: str) -> str:
+    """The prompt without trailing whitespace, which the model then writes itself (token healing).
+
+    The byte-level BPE merges a newline with the indentation after it, so a prompt
+    that ends in a bare newline ends on a token the model has only seen before
+    column-0 text; leaving the whitespace to the model avoids that boundary.
+    """
+    return prompt.rstrip()
+
+
 def fit_prompt(llm: LLM, prompt: str, params: SamplingParams) -> tuple[list[int], bool]:
     """Token ids of ``prompt``, left-truncated to fit the context window; (ids, truncated?)."""
     ids = llm.tokenizer.encode(prompt)
@@ -75,25 +85,27 @@ def fit_prompt(llm: LLM, prompt: str, params: SamplingParams) -> tuple[list[int]
 def evaluate_humaneval(llm: LLM, params: SamplingParams, problems: list[dict]) -> dict:
     """Complete every problem (batched by the engine) and score syntax and repetition.
 
-    Prompts longer than the context window minus ``max_new_tokens`` are
-    left-truncated for the model; the parse check always uses the full prompt.
+    Prompts are healed (``heal_prompt``); prompts longer than the context window
+    minus ``max_new_tokens`` are left-truncated for the model; the parse check
+    always uses the full (healed) prompt.
 
     Returns:
         {"num_problems", "parse_rate", "num_truncated", "max_repeat_run",
          "num_repeat_over_8", "seconds", "results": [...]}.
     """
     start = time.perf_counter()
-    fitted = [fit_prompt(llm, p["prompt"], params) for p in problems]
+    prompts = [heal_prompt(p["prompt"]) for p in problems]
+    fitted = [fit_prompt(llm, p, params) for p in prompts]
     requests = [llm.engine.add_request(ids, params) for ids, _ in fitted]
     while llm.engine.has_unfinished():
         llm.engine.step()
     results = []
-    for problem, (_, truncated), request in zip(problems, fitted, requests, strict=True):
-        out = llm.to_output(problem["prompt"], request)
+    for problem, prompt, (_, truncated), request in zip(problems, prompts, fitted, requests, strict=True):
+        out = llm.to_output(prompt, request)
         body = cut_function_body(out.text)
         results.append({
             "task_id": problem["task_id"], "completion": out.text, "cut": body, "truncated": truncated,
-            "parses": has_code(body) and parses(problem["prompt"] + body), "max_repeat_run": max_repeat_run(out.token_ids),
+            "parses": has_code(body) and parses(prompt + body), "max_repeat_run": max_repeat_run(out.token_ids),
             "num_tokens": len(out.token_ids),
         })
     n = len(results)

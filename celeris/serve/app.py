@@ -1,0 +1,238 @@
+"""Thin HTTP routes over OpenAIServing: parse the body, call the serving layer, answer JSON or SSE.
+
+Every failure leaves as one ErrorResponse shape (``{"error": {message, type, param, code}}``)
+through the exception handlers below; client mistakes are 4xx, never 500.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import socket
+import threading
+import time
+from collections.abc import AsyncIterator
+from contextlib import aclosing, asynccontextmanager
+from pathlib import Path
+
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from celeris.serve.metrics import MetricsMiddleware
+from celeris.serve.protocol import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    errors_to_api_error,
+    parse_request,
+    validation_error,
+)
+from celeris.serve.serving import ClientDisconnected, OpenAIServing
+
+logger = logging.getLogger(__name__)
+
+MAX_BODY_BYTES = 8 << 20
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+def error_response(exc: APIError) -> JSONResponse:
+    return JSONResponse(exc.response().model_dump(mode="json"), status_code=exc.status_code, headers=exc.headers)
+
+
+async def json_body(request: Request) -> bytes:
+    """The raw body of a JSON request: 415 for another content type, 413 when too large."""
+    content_type = request.headers.get("content-type", "")
+    media = content_type.split(";", 1)[0].strip().lower()
+    if media != "application/json" and not media.endswith("+json"):
+        raise APIError(415, f"Content-Type must be application/json, got '{content_type or 'none'}'",
+                       code="unsupported_media_type")
+    body = await request.body()
+    if len(body) > MAX_BODY_BYTES:
+        raise APIError(413, f"the request body is {len(body)} bytes, more than the limit of {MAX_BODY_BYTES}")
+    return body
+
+
+async def sse(chunks: AsyncIterator[BaseModel]) -> AsyncIterator[str]:
+    """Server-sent events: ``data: {chunk}`` per chunk; an error event on failure; then ``data: [DONE]``."""
+    try:
+        async with aclosing(chunks):
+            async for chunk in chunks:
+                yield f"data: {chunk.model_dump_json()}\n\n"
+    except ClientDisconnected:
+        return
+    except APIError as exc:
+        yield f"data: {exc.response().model_dump_json()}\n\n"
+    except Exception as exc:  # a bug must still end the stream in the documented way
+        logger.exception("stream failed")
+        yield f"data: {APIError(500, f'internal error: {type(exc).__name__}').response().model_dump_json()}\n\n"
+    yield "data: [DONE]\n\n"
+
+
+def respond(result) -> Response:
+    """The only choice a route makes: a full response is JSON, an async iterator is SSE."""
+    if isinstance(result, BaseModel):
+        return Response(result.model_dump_json(), media_type="application/json")
+    return StreamingResponse(sse(result), media_type="text/event-stream", headers=SSE_HEADERS)
+
+
+def create_app(serving: OpenAIServing, api_key: str | None = None, manage_engine: bool = True) -> FastAPI:
+    """The FastAPI app for one serving layer.
+
+    Args:
+        serving: the serving layer (its engine loop is started and stopped with the app when
+            ``manage_engine``).
+        api_key: when set, /v1 routes require ``Authorization: Bearer <api_key>`` (401 otherwise).
+    """
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        if manage_engine:
+            serving.start()
+        try:
+            yield
+        finally:
+            if manage_engine:
+                await asyncio.to_thread(serving.stop)
+
+    app = FastAPI(title="Celeris", summary="OpenAI-compatible server for diffusion language models",
+                  lifespan=lifespan)
+    app.state.serving = serving
+    app.add_middleware(MetricsMiddleware, metrics=serving.metrics)
+
+    @app.exception_handler(APIError)
+    async def on_api_error(request: Request, exc: APIError) -> JSONResponse:
+        return error_response(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def on_request_validation(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return error_response(errors_to_api_error(exc.errors()))
+
+    @app.exception_handler(ValidationError)
+    async def on_validation(request: Request, exc: ValidationError) -> JSONResponse:
+        return error_response(validation_error(exc))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def on_http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        messages = {404: f"no route for {request.method} {request.url.path}",
+                    405: f"method {request.method} is not allowed on {request.url.path}"}
+        message = messages.get(exc.status_code, str(exc.detail))
+        return error_response(APIError(exc.status_code, message, headers=dict(exc.headers or {})))
+
+    @app.exception_handler(ClientDisconnected)
+    async def on_disconnect(request: Request, exc: ClientDisconnected) -> Response:
+        return Response(status_code=499)
+
+    @app.exception_handler(Exception)
+    async def on_exception(request: Request, exc: Exception) -> JSONResponse:
+        logger.exception("unhandled error on %s", request.url.path)
+        return error_response(APIError(500, f"internal error: {type(exc).__name__}"))
+
+    async def check_api_key(request: Request) -> None:
+        if api_key is None:
+            return
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), api_key.encode()):
+            raise APIError(401, "invalid or missing API key; send 'Authorization: Bearer <key>'",
+                           code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+
+    v1 = APIRouter(prefix="/v1", dependencies=[Depends(check_api_key)])
+
+    @v1.post("/completions")
+    async def completions(request: Request) -> Response:
+        body = parse_request(CompletionRequest, await json_body(request))
+        return respond(await serving.create_completion(body, request.is_disconnected))
+
+    @v1.post("/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        body = parse_request(ChatCompletionRequest, await json_body(request))
+        return respond(await serving.create_chat_completion(body, request.is_disconnected))
+
+    @v1.get("/models")
+    async def models() -> Response:
+        return respond(serving.show_models())
+
+    app.include_router(v1)
+
+    @app.get("/health")
+    async def health() -> Response:
+        if not serving.async_engine.is_running:
+            raise APIError(503, "the engine loop is not running", code="engine_unavailable")
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        body, content_type = serving.metrics.render()
+        return Response(body, media_type=content_type)
+
+    return app
+
+
+class BackgroundServer:
+    """Runs an app with uvicorn on a background thread (tests, load tests, notebooks).
+
+    Binds the socket itself, so ``port=0`` gets a free port with no race; ``url`` is the base URL.
+    """
+
+    def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning") -> None:
+        import uvicorn
+
+        self.host = host
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind((host, port))
+        self.port = self.sock.getsockname()[1]
+        config = uvicorn.Config(app, log_level=log_level, lifespan="on", timeout_graceful_shutdown=2)
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True,
+                                       name="celeris-uvicorn")
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def start(self, timeout: float = 30.0) -> BackgroundServer:
+        self.thread.start()
+        deadline = time.monotonic() + timeout
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError(f"the server on {self.url} did not start")
+            time.sleep(0.01)
+        return self
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout)
+        self.sock.close()
+
+    def __enter__(self) -> BackgroundServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def run_server(
+    model: str | Path | None = None,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    max_num_seqs: int = 8,
+    max_waiting: int = 64,
+    request_timeout: float = 60.0,
+    api_key: str | None = None,
+    served_model_name: str | None = None,
+    device: str | None = None,
+    log_level: str = "info",
+) -> int:
+    """Load a checkpoint and serve it until interrupted (``celeris serve``)."""
+    import uvicorn
+
+    serving = OpenAIServing.from_model(model, device=device, max_num_seqs=max_num_seqs, max_waiting=max_waiting,
+                                       request_timeout=request_timeout, served_model_name=served_model_name)
+    app = create_app(serving, api_key=api_key)
+    logger.info("serving %s on http://%s:%d", serving.model_name, host, port)
+    uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
+    return 0

@@ -1,0 +1,102 @@
+"""Streaming text: final answer tokens in, text deltas that are never taken back out.
+
+Byte-level BPE decoding of a prefix of tokens is a prefix of the decoded text, except for an
+unfinished multi-byte UTF-8 character at the end, which decodes to U+FFFD; ``IncrementalText``
+holds such a tail back, and also any tail that could still become the start of a stop string, so the
+concatenated deltas equal the non-streamed answer (``LLM.finish``'s stop rule) for the same tokens.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+REPLACEMENT_CHAR = "\ufffd"  # what a decoder yields for an unfinished UTF-8 sequence
+MASK_PLACEHOLDER = "\u2591"  # a still-masked position in stream_mode "denoise"
+
+
+def partial_stop_len(text: str, stops: list[str]) -> int:
+    """Length of the longest tail of ``text`` that is a proper prefix of some stop string (0 if none)."""
+    best = 0
+    for stop in stops:
+        for k in range(min(len(stop) - 1, len(text)), best, -1):
+            if text.endswith(stop[:k]):
+                best = k
+                break
+    return best
+
+
+class IncrementalText:
+    """Turns final answer tokens, arriving in pieces, into text deltas that are never taken back.
+
+    ``push`` decodes the whole final prefix (byte-level BPE decoding of a prefix is a prefix of the
+    text, except for an unfinished multi-byte character, which decodes to U+FFFD and is held back)
+    and returns the new text that is safe to send: text before the first stop string, minus trailing
+    U+FFFD and any tail that could still become the start of one. With ``final=True`` everything left is flushed, with
+    the same stop rule as ``LLM.finish``: the answer ends before the earliest stop occurrence.
+
+    Args:
+        decode: token ids -> text.
+        stop: stop strings (not returned).
+    """
+
+    def __init__(self, decode: Callable[[list[int]], str], stop: list[str]) -> None:
+        self.decode = decode
+        self.stop = [s for s in stop if s]
+        self.token_ids: list[int] = []
+        self.text = ""  # what has been handed out
+        self.stopped = False  # a stop string ended the answer
+        self.done = False
+
+    def push(self, new_ids: list[int], final: bool = False) -> str:
+        if self.done:
+            return ""
+        self.token_ids.extend(new_ids)
+        if not new_ids and not final:
+            return ""
+        full = self.decode(self.token_ids)
+        if not final:  # an unfinished multi-byte character decodes to U+FFFD: hold it back
+            full = full.rstrip(REPLACEMENT_CHAR)
+        first = min((i for i in (full.find(s) for s in self.stop) if i >= 0), default=None)
+        hold = len(full) - partial_stop_len(full, self.stop)  # a stop string could still start here
+        if first is not None and (final or first <= hold):
+            end, self.stopped = first, True
+        else:
+            end = len(full) if final else hold
+        delta = full[len(self.text) : end] if end > len(self.text) else ""
+        self.text += delta
+        self.done = final or self.stopped
+        return delta
+
+    def num_tokens(self) -> int:
+        """Answer tokens behind the returned text (all final tokens, or those before a stop string)."""
+        if not self.stopped:
+            return len(self.token_ids)
+        lo, hi = 0, len(self.token_ids)  # largest n with len(decode(ids[:n])) <= len(text), as LLM.finish
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if len(self.decode(self.token_ids[:mid])) <= len(self.text):
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
+
+
+def render_canvas(decode: Callable[[list[int]], str], ids: list[int], mask_id: int, eos_id: int) -> str:
+    """The answer canvas as text, each masked position shown as MASK_PLACEHOLDER; cut at end-of-text
+    once everything before it is committed."""
+    if eos_id in ids and mask_id not in ids[: ids.index(eos_id)]:
+        ids = ids[: ids.index(eos_id)]
+    pieces, run = [], []
+    for tid in ids:
+        if tid == mask_id:
+            if run:
+                pieces.append(decode(run))
+                run = []
+            pieces.append(MASK_PLACEHOLDER)
+        else:
+            run.append(tid)
+    if run:
+        pieces.append(decode(run))
+    return "".join(pieces)
+
+

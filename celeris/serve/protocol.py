@@ -1,0 +1,392 @@
+"""Pydantic models of the OpenAI-compatible API: requests, responses, stream chunks and errors.
+
+Request models are strict (a JSON string is not an integer, ``true`` is not ``1``) and forbid
+unknown fields, so a parameter is never silently ignored. OpenAI parameters Celeris cannot honour
+(logprobs, tools, penalties, ...) are declared so that their neutral values (null, 0, false, [])
+pass; ``unsupported_params`` names those set to anything else, and the serving layer answers 400.
+
+Celeris extensions (extra body fields of the ``openai`` client): ``steps``, ``block_length``,
+``remasking``, ``decoding``, ``threshold``, ``factor``, ``entropy_bound``, ``cfg_scale`` (defaults
+from the model's ``generation_config.json``), ``cache`` (only ``"none"`` for now) and
+``stream_mode`` (``"text"``, or ``"denoise"``: every chunk carries the whole answer canvas).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from typing import Annotated, Any, ClassVar, Literal, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_serializer
+
+NonEmptyStr = Annotated[str, Field(min_length=1)]
+
+MAX_N = 64  # most choices per prompt one request may ask for
+MAX_SEED = 2**63 - 1 - MAX_N  # seed + choice index must stay a valid torch seed
+
+
+def random_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def now() -> int:
+    return int(time.time())
+
+
+class APIError(Exception):
+    """A failure with an HTTP status, raised by the serving layer and rendered as an ErrorResponse.
+
+    Attributes:
+        status_code: HTTP status (400 client mistake, 401, 404, 415, 429, 500, 503, 504).
+        message: one sentence a user understands, naming the parameter and the numbers involved.
+        type: OpenAI error type (``invalid_request_error``, ``rate_limit_error``, ...).
+        param: the request parameter at fault, if any.
+        code: machine-readable code (``context_length_exceeded``, ``model_not_found``, ...).
+        headers: extra response headers (``Retry-After`` on 429).
+    """
+
+    def __init__(
+        self,
+        status_code: int,
+        message: str,
+        *,
+        type: str | None = None,  # noqa: A002 - the OpenAI field name
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status_code = status_code
+        self.message = message
+        self.type = type or error_type(status_code)
+        self.param = param
+        self.code = code
+        self.headers = headers or {}
+
+    def response(self) -> ErrorResponse:
+        return ErrorResponse(error=ErrorInfo(message=self.message, type=self.type, param=self.param, code=self.code))
+
+
+def error_type(status_code: int) -> str:
+    """The OpenAI ``error.type`` for an HTTP status."""
+    return {
+        401: "authentication_error",
+        404: "not_found_error",
+        429: "rate_limit_error",
+        504: "timeout_error",
+    }.get(status_code, "invalid_request_error" if status_code < 500 else "server_error")
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    """The one error shape every failure is returned in: ``{"error": {message, type, param, code}}``."""
+
+    error: ErrorInfo
+
+
+# ---------------------------------------------------------------------------------------------
+# Requests
+
+
+class StrictModel(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+
+class StreamOptions(StrictModel):
+    include_usage: bool = False
+
+
+class ResponseFormat(StrictModel):
+    model_config = ConfigDict(strict=True, extra="allow")
+    type: str
+
+
+class SamplingRequest(StrictModel):
+    """Fields shared by completions and chat completions."""
+
+    model: str | None = None
+    temperature: float | None = Field(default=None, ge=0, le=2)
+    top_p: float | None = Field(default=None, gt=0, le=1)
+    n: int = Field(default=1, ge=1, le=MAX_N)
+    stop: NonEmptyStr | Annotated[list[NonEmptyStr], Field(max_length=16)] | None = None
+    seed: int | None = Field(default=None, ge=0, le=MAX_SEED)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+
+    # Celeris extensions; None takes the model's generation_config.json value.
+    steps: int | None = Field(default=None, ge=1)
+    block_length: int | None = Field(default=None, ge=1)
+    remasking: Literal["low_confidence", "random"] | None = None
+    decoding: Literal["fixed", "threshold", "factor", "entropy"] | None = None
+    threshold: float | None = Field(default=None, gt=0, le=1)
+    factor: float | None = Field(default=None, gt=0)
+    entropy_bound: float | None = Field(default=None, ge=0)
+    cfg_scale: float | None = Field(default=None, ge=0)
+    cache: str | None = None
+    stream_mode: Literal["text", "denoise"] = "text"
+
+    # OpenAI parameters accepted only at their neutral values (see unsupported_params).
+    logprobs: Any = None
+    top_logprobs: Any = None
+    logit_bias: Any = None
+    presence_penalty: Any = None
+    frequency_penalty: Any = None
+
+    def stop_list(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+    def unsupported_params(self) -> list[str]:
+        """Names of set parameters Celeris cannot honour (a neutral value such as null, 0 or false passes)."""
+        neutral = {
+            "logprobs": (None, False),
+            "top_logprobs": (None, 0),
+            "logit_bias": (None, {}),
+            "presence_penalty": (None, 0),
+            "frequency_penalty": (None, 0),
+        }
+        return [name for name, ok in neutral.items() if not _is_neutral(getattr(self, name), ok)]
+
+
+def _kind(value: object) -> type:
+    return float if type(value) is int else type(value)  # 0 and 0.0 are the same number; False is not
+
+
+def _is_neutral(value: object, neutral: tuple) -> bool:
+    # `False == 0` in Python; compare kinds too so `logprobs: 0` is still refused.
+    return any(value is n or (_kind(value) is _kind(n) and value == n) for n in neutral)
+
+
+class CompletionRequest(SamplingRequest):
+    """POST /v1/completions. ``suffix`` asks for infilling: the answer fills the gap before it."""
+
+    prompt: NonEmptyStr | Annotated[list[NonEmptyStr], Field(min_length=1)]
+    suffix: str | None = None
+    max_tokens: int | None = Field(default=None, ge=1)
+    echo: Any = None
+    best_of: Any = None
+
+    def prompts(self) -> list[str]:
+        return [self.prompt] if isinstance(self.prompt, str) else list(self.prompt)
+
+    def unsupported_params(self) -> list[str]:
+        names = super().unsupported_params()
+        if not _is_neutral(self.echo, (None, False)):
+            names.append("echo")
+        if not _is_neutral(self.best_of, (None, 1)):
+            names.append("best_of")
+        return names
+
+
+class TextContentPart(StrictModel):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(StrictModel):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextContentPart]
+    name: str | None = None
+
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+
+class ChatCompletionRequest(SamplingRequest):
+    """POST /v1/chat/completions: the conversation is rendered with the tokenizer's chat template."""
+
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    tools: Any = None
+    tool_choice: Any = None
+    functions: Any = None
+    function_call: Any = None
+    parallel_tool_calls: Any = None
+    response_format: ResponseFormat | None = None
+
+    def unsupported_params(self) -> list[str]:
+        names = super().unsupported_params()
+        for name, neutral in (("tools", (None, [])), ("functions", (None, [])), ("tool_choice", (None, "none")),
+                              ("function_call", (None, "none")), ("parallel_tool_calls", (None, False))):
+            if not _is_neutral(getattr(self, name), neutral):
+                names.append(name)
+        if self.response_format is not None and self.response_format.type != "text":
+            names.append("response_format")
+        return names
+
+
+# ---------------------------------------------------------------------------------------------
+# Responses
+
+
+class UsageInfo(BaseModel):
+    """Token counts: ``completion_tokens`` counts only answer tokens returned (after stop strings)."""
+
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+
+
+class OmitNoneExtras(BaseModel):
+    """Serializes without the fields in ``omit_if_none`` when they are None (extensions stay off the wire)."""
+
+    omit_if_none: ClassVar[tuple[str, ...]] = ()
+
+    @model_serializer(mode="wrap")
+    def _omit_none_extras(self, handler):
+        data = handler(self)
+        for name in self.omit_if_none:
+            if data.get(name, 0) is None:
+                del data[name]
+        return data
+
+
+class CompletionChoice(OmitNoneExtras):
+    omit_if_none: ClassVar[tuple[str, ...]] = ("step",)
+    index: int
+    text: str
+    logprobs: None = None
+    finish_reason: str | None = None
+    # Celeris extension, stream_mode "denoise" only: the step this canvas snapshot follows.
+    step: int | None = None
+
+
+class CompletionResponse(BaseModel):
+    id: str = Field(default_factory=lambda: random_id("cmpl"))
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=now)
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = None
+
+
+class CompletionStreamResponse(CompletionResponse):
+    """One SSE chunk of a streamed completion (same ``object`` as the full response, as OpenAI sends)."""
+
+
+class ChatMessageOut(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: ChatMessageOut
+    logprobs: None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str = Field(default_factory=lambda: random_id("chatcmpl"))
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=now)
+    model: str
+    choices: list[ChatChoice]
+    usage: UsageInfo | None = None
+
+
+class DeltaMessage(OmitNoneExtras):
+    omit_if_none: ClassVar[tuple[str, ...]] = ("role",)
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatStreamChoice(OmitNoneExtras):
+    omit_if_none: ClassVar[tuple[str, ...]] = ("step",)
+    index: int
+    delta: DeltaMessage
+    logprobs: None = None
+    finish_reason: str | None = None
+    step: int | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatStreamChoice]
+    usage: UsageInfo | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=now)
+    owned_by: str = "celeris"
+    max_model_len: int | None = None
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+# ---------------------------------------------------------------------------------------------
+# Parsing: raw JSON body -> request model, or a 400 naming the parameter
+
+
+def validation_error(exc: ValidationError) -> APIError:
+    """A pydantic ValidationError as a 400 naming the parameter."""
+    return errors_to_api_error(exc.errors())
+
+
+# Parts of a pydantic error location that are not parameter names: FastAPI's "body" and union member tags.
+_NOT_PARAMS = {"body", "str", "int", "float", "bool", "list", "dict", "none"}
+
+
+def errors_to_api_error(errors: list | tuple) -> APIError:
+    """The first of pydantic's ``errors()`` as a 400 naming the parameter (``messages[0].content``)."""
+    err = errors[0] if errors else {}
+    loc = [p for p in err.get("loc", ()) if isinstance(p, int) or (p.isidentifier() and p not in _NOT_PARAMS)]
+    param = None
+    if loc:
+        param = str(loc[0])
+        for p in loc[1:]:
+            param += f"[{p}]" if isinstance(p, int) else f".{p}"
+    kind, msg = err.get("type", ""), err.get("msg", "invalid value")
+    if kind == "extra_forbidden":
+        message = f"unrecognized request argument supplied: {param}"
+    elif kind == "missing":
+        message = f"missing required parameter: '{param}'"
+    elif kind == "json_invalid":
+        message = f"the request body is not valid JSON: {msg}"
+    elif param:
+        message = f"invalid value for '{param}': {msg}"
+    else:
+        message = msg
+    code = {"missing": "missing_required_parameter", "json_invalid": "invalid_json"}.get(kind, "invalid_value")
+    return APIError(400, message, param=param, code=code)
+
+
+def parse_json_body(raw: bytes | str) -> dict:
+    """The request body as a JSON object, or a 400 saying what is wrong with it."""
+    try:
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise APIError(400, f"the request body is not valid JSON: {exc}", code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise APIError(400, f"the request body must be a JSON object, got {type(body).__name__}", code="invalid_json")
+    return body
+
+
+M = TypeVar("M", bound=BaseModel)
+
+
+def parse_request(model: type[M], raw: bytes | str) -> M:
+    """Validate a raw JSON body against a request model (strict JSON mode); 400 on any mistake."""
+    parse_json_body(raw)
+    try:
+        return model.model_validate_json(raw)
+    except ValidationError as exc:
+        raise validation_error(exc) from None

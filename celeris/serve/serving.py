@@ -1,0 +1,435 @@
+"""The serving layer: OpenAI requests in, engine calls through AsyncEngine, OpenAI responses out.
+
+Usable without HTTP (batch jobs reuse it)::
+
+    serving = OpenAIServing.from_model("path/to/checkpoint")
+    serving.start()
+    body = serving.run_sync("/v1/completions", {"prompt": "def add(a, b):", "max_tokens": 16})
+
+``create_completion`` / ``create_chat_completion`` take a validated request model and return the
+full response model, or (``stream: true``) an async iterator of chunk models. Admission and
+validation happen before they return, so an HTTP layer can still answer 400/404/429 with a status
+code; failures after that (time-out, engine error) are raised from the iterator as ``APIError``.
+
+Streaming sends each piece of the answer as soon as it is final (``StepOutput.new_token_ids``):
+``IncrementalText`` decodes the final prefix, holds back text that ends in an unfinished UTF-8
+character (U+FFFD) and any tail that could begin a stop string, so the concatenated deltas equal
+the non-streamed text for the same seed; both paths run the same code.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from celeris.config import EngineConfig
+from celeris.engine import Engine, QueueFullError
+from celeris.params import SamplingParams
+from celeris.serve.async_engine import AsyncEngine, EngineDeadError, EngineInput, RequestGroup, StepEvent
+from celeris.serve.detokenize import IncrementalText, render_canvas
+from celeris.serve.metrics import ServerMetrics
+from celeris.serve.protocol import (
+    APIError,
+    ChatChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatMessageOut,
+    ChatStreamChoice,
+    CompletionChoice,
+    CompletionRequest,
+    CompletionResponse,
+    CompletionStreamResponse,
+    DeltaMessage,
+    ModelCard,
+    ModelList,
+    SamplingRequest,
+    UsageInfo,
+    now,
+    parse_request,
+    random_id,
+)
+
+DISCONNECT_POLL_S = 0.01  # most seconds between two client-disconnect checks while events flow
+IDLE_WAKE_S = 0.25  # wake this often when no event comes, to check time-out and disconnect
+RETRY_AFTER_S = 1
+
+IsDisconnected = Callable[[], Awaitable[bool]]
+
+
+class ClientDisconnected(Exception):
+    """The client went away; its requests were aborted."""
+
+
+# ---------------------------------------------------------------------------------------------
+# One HTTP request in flight
+
+
+@dataclass(slots=True)
+class Update:
+    """What the client should learn about one choice after an engine event."""
+
+    index: int
+    delta: str
+    finish_reason: str | None
+    canvas: str | None = None
+    step: int | None = None
+
+
+@dataclass
+class _Choice:
+    text: IncrementalText
+    finish_reason: str | None = None
+    done: bool = False
+
+
+@dataclass
+class _Run:
+    """The state of one API request: its engine group, its choices and its deadline."""
+
+    group: RequestGroup
+    choices: list[_Choice]
+    prompt_tokens: int
+    arrival: float
+    deadline: float
+    stream_mode: str
+    is_disconnected: IsDisconnected | None
+    first_text_time: float | None = None
+    abort_reason: str | None = None
+    last_disconnect_check: float = 0.0
+
+    def usage(self) -> UsageInfo:
+        completion = sum(c.text.num_tokens() for c in self.choices)
+        return UsageInfo(prompt_tokens=self.prompt_tokens, completion_tokens=completion,
+                         total_tokens=self.prompt_tokens + completion)
+
+
+class OpenAIServing:
+    """Translates OpenAI requests into engine calls for one loaded model.
+
+    Args:
+        llm: a loaded ``celeris.llm.LLM`` (model, tokenizer, generation defaults).
+        async_engine: the engine loop; built from ``llm.model`` when None.
+        served_model_name: the ``model`` clients must name (default: the checkpoint folder name).
+        request_timeout: seconds from arrival until a request is aborted (504).
+        metrics: Prometheus metrics to record into (a fresh registry when None).
+        engine_config: ``max_num_seqs`` running and ``max_waiting`` queued requests at most (beyond
+            that: 429), when ``async_engine`` is None.
+    """
+
+    def __init__(
+        self,
+        llm,
+        async_engine: AsyncEngine | None = None,
+        served_model_name: str | None = None,
+        request_timeout: float = 60.0,
+        metrics: ServerMetrics | None = None,
+        engine_config: EngineConfig | None = None,
+    ) -> None:
+        self.llm = llm
+        self.tokenizer = llm.tokenizer
+        self.metrics = metrics or ServerMetrics()
+        if async_engine is None:
+            config = engine_config or EngineConfig()
+            limit = config.max_num_seqs + config.max_waiting
+            # The admission count below bounds running + waiting requests. The engine's own queue also
+            # holds requests about to be admitted at the next step, so it gets room for a full batch more.
+            engine = Engine(llm.model, replace(config, max_waiting=limit))
+            async_engine = AsyncEngine(engine, max_in_flight=limit, on_stats=self.metrics.set_queue_stats)
+        self.async_engine = async_engine
+        self.model_name = served_model_name or Path(llm.path).name
+        self.request_timeout = request_timeout
+        self.context_length = llm.context_length
+        self.mask_id = llm.model.config.mask_token_id
+        self.eos_id = self.tokenizer.eos_token_id
+
+    @classmethod
+    def from_model(
+        cls,
+        model: str | Path | None = None,
+        device: str | None = None,
+        max_num_seqs: int = 8,
+        max_waiting: int = 64,
+        request_timeout: float = 60.0,
+        served_model_name: str | None = None,
+    ) -> OpenAIServing:
+        """Load a checkpoint (None: the embedded default model) and build its serving layer (not started)."""
+        from celeris.llm import LLM
+
+        llm = LLM(model, device=device, max_batch_size=max_num_seqs)
+        config = EngineConfig(max_num_seqs=max_num_seqs, max_waiting=max_waiting, device=device)
+        return cls(llm, served_model_name=served_model_name, request_timeout=request_timeout, engine_config=config)
+
+    def start(self) -> None:
+        self.async_engine.start()
+
+    def stop(self) -> None:
+        self.async_engine.stop()
+
+    # -- endpoints --------------------------------------------------------------------------------
+
+    def show_models(self) -> ModelList:
+        return ModelList(data=[ModelCard(id=self.model_name, max_model_len=self.context_length)])
+
+    async def create_completion(
+        self, request: CompletionRequest, is_disconnected: IsDisconnected | None = None
+    ) -> CompletionResponse | AsyncIterator[CompletionStreamResponse]:
+        """POST /v1/completions: one choice per prompt and ``n``; ``suffix`` fills the gap before it."""
+        arrival = time.perf_counter()
+        self._check_common(request)
+        params = self._params(request, request.max_tokens)
+        encoded = [self._encode(p, params, request.suffix, "prompt") for p in request.prompts()]
+        run = await self._start(request, params, encoded, arrival, is_disconnected)
+        rid, created = random_id("cmpl"), now()
+        if request.stream:
+            return self._completion_stream(run, request, rid, created)
+        texts = await self._collect(run)
+        choices = [CompletionChoice(index=i, text=t, finish_reason=c.finish_reason)
+                   for i, (t, c) in enumerate(zip(texts, run.choices, strict=True))]
+        return CompletionResponse(id=rid, created=created, model=self.model_name, choices=choices, usage=run.usage())
+
+    async def create_chat_completion(
+        self, request: ChatCompletionRequest, is_disconnected: IsDisconnected | None = None
+    ) -> ChatCompletionResponse | AsyncIterator[ChatCompletionChunk]:
+        """POST /v1/chat/completions: the conversation is rendered with the tokenizer's chat template."""
+        arrival = time.perf_counter()
+        self._check_common(request)
+        max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
+        params = self._params(request, max_tokens)
+        messages = [{"role": m.role, "content": m.text()} for m in request.messages]
+        try:
+            prompt = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        except Exception as exc:  # jinja2 raises TemplateError (or anything a template raises)
+            raise APIError(400, f"the chat template could not render these messages: {exc}", param="messages") from None
+        encoded = [self._encode(prompt, params, None, "messages")]
+        run = await self._start(request, params, encoded, arrival, is_disconnected)
+        rid, created = random_id("chatcmpl"), now()
+        if request.stream:
+            return self._chat_stream(run, request, rid, created)
+        texts = await self._collect(run)
+        choices = [ChatChoice(index=i, message=ChatMessageOut(content=t), finish_reason=c.finish_reason)
+                   for i, (t, c) in enumerate(zip(texts, run.choices, strict=True))]
+        return ChatCompletionResponse(id=rid, created=created, model=self.model_name, choices=choices,
+                                      usage=run.usage())
+
+    # -- without HTTP -----------------------------------------------------------------------------
+
+    async def handle(self, endpoint: str, body: dict | str | bytes) -> dict:
+        """Validate and run one non-streamed request; returns the OpenAI response body.
+
+        Raises:
+            APIError: any failure, with the HTTP status it would have had.
+        """
+        raw = body if isinstance(body, str | bytes) else json.dumps(body)
+        models = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest}
+        if endpoint not in models:
+            raise APIError(404, f"unknown endpoint '{endpoint}'; use one of {', '.join(models)}", code="not_found")
+        request = parse_request(models[endpoint], raw)
+        if request.stream:
+            raise APIError(400, "stream is not supported here; send stream: false", param="stream")
+        handler = self.create_completion if endpoint == "/v1/completions" else self.create_chat_completion
+        response = await handler(request)
+        return response.model_dump(mode="json")
+
+    async def respond(self, endpoint: str, body: dict | str | bytes) -> tuple[int, dict]:
+        """Like ``handle`` but never raises for a failed request: returns (HTTP status, body)."""
+        try:
+            return 200, await self.handle(endpoint, body)
+        except APIError as exc:
+            return exc.status_code, exc.response().model_dump(mode="json")
+
+    def run_sync(self, endpoint: str, body: dict | str | bytes) -> dict:
+        """``handle`` for synchronous callers (not from inside a running event loop)."""
+        return asyncio.run(self.handle(endpoint, body))
+
+    # -- request translation ----------------------------------------------------------------------
+
+    def _check_common(self, request: SamplingRequest) -> None:
+        if request.model is not None and request.model != self.model_name:
+            raise APIError(404, f"the model '{request.model}' does not exist; this server serves '{self.model_name}'",
+                           param="model", code="model_not_found")
+        unsupported = request.unsupported_params()
+        if unsupported:
+            names = ", ".join(unsupported)
+            raise APIError(400, f"unsupported parameter(s): {names}; Celeris does not implement them",
+                           param=unsupported[0], code="unsupported_parameter")
+        if request.cache not in (None, "none"):
+            raise APIError(400, f"invalid value for 'cache': only 'none' is supported for now, got '{request.cache}'",
+                           param="cache", code="invalid_value")
+        if request.stream_options is not None and not request.stream:
+            raise APIError(400, "stream_options is only allowed when stream is true", param="stream_options")
+        if request.stream_mode == "denoise" and not request.stream:
+            raise APIError(400, "stream_mode 'denoise' is only allowed when stream is true", param="stream_mode")
+
+    def _params(self, request: SamplingRequest, max_tokens: int | None) -> SamplingParams:
+        try:
+            return self.llm.default_params(
+                max_new_tokens=max_tokens, steps=request.steps, block_length=request.block_length,
+                temperature=request.temperature, top_p=request.top_p, remasking=request.remasking,
+                decoding=request.decoding, threshold=request.threshold, factor=request.factor,
+                entropy_bound=request.entropy_bound, cfg_scale=request.cfg_scale, seed=request.seed,
+                stop=request.stop_list() or None,
+            )
+        except (ValueError, TypeError) as exc:  # SamplingParams names the field first: "steps must be >= 1"
+            name = str(exc).split(" ", 1)[0]
+            param = {"max_new_tokens": "max_tokens"}.get(name, name)
+            raise APIError(400, str(exc), param=param if param.isidentifier() else None) from None
+
+    def _encode(self, text: str, params: SamplingParams, suffix: str | None, param: str) -> tuple[list[int], list[int]]:
+        ids = self.tokenizer.encode(text)
+        if not ids:
+            raise APIError(400, f"'{param}' must not be empty", param=param)
+        suffix_ids = self.tokenizer.encode(suffix) if suffix else []
+        need = len(ids) + len(suffix_ids) + params.max_new_tokens
+        if need > self.context_length:
+            what = "the prompt" if param == "prompt" else "the messages (rendered with the chat template)"
+            parts = f"{what} ({len(ids)} tokens)" + (f" and suffix ({len(suffix_ids)} tokens)" if suffix_ids else "")
+            raise APIError(
+                400,
+                f"this model's context window is {self.context_length} tokens, but {parts} plus max_tokens "
+                f"({params.max_new_tokens}) need {need} tokens; shorten the prompt or lower max_tokens",
+                param=param, code="context_length_exceeded",
+            )
+        return ids, suffix_ids
+
+    async def _start(self, request: SamplingRequest, params: SamplingParams, encoded: list[tuple[list[int], list[int]]],
+                     arrival: float, is_disconnected: IsDisconnected | None) -> _Run:
+        """Admit one engine request per (prompt, choice); seeds are seed, seed + 1, ... per prompt."""
+        inputs = []
+        for ids, suffix_ids in encoded:
+            for j in range(request.n):
+                seed = None if params.seed is None else params.seed + j
+                inputs.append(EngineInput(ids, replace(params, seed=seed, stop=list(params.stop)), suffix_ids))
+        if len(inputs) > self.async_engine.max_in_flight:
+            raise APIError(400, f"this request needs {len(inputs)} generations (prompts x n), more than the server "
+                                f"can hold at once ({self.async_engine.max_in_flight})", param="n")
+        try:
+            group = await self.async_engine.submit(inputs, want_canvas=request.stream_mode == "denoise")
+        except QueueFullError as exc:
+            self.metrics.rejected.inc()
+            raise APIError(429, f"{exc}", code="queue_full", headers={"Retry-After": str(RETRY_AFTER_S)}) from None
+        except ValueError as exc:
+            raise APIError(400, str(exc)) from None
+        except EngineDeadError as exc:
+            raise APIError(503, str(exc), code="engine_unavailable") from None
+        choices = [_Choice(IncrementalText(self.tokenizer.decode, inp.params.stop)) for inp in inputs]
+        prompt_tokens = sum(len(ids) + len(sfx) for ids, sfx in encoded)
+        return _Run(group, choices, prompt_tokens, arrival, arrival + self.request_timeout, request.stream_mode,
+                    is_disconnected)
+
+    # -- driving a request ------------------------------------------------------------------------
+
+    async def _next_event(self, run: _Run) -> StepEvent:
+        """The next engine event, checking the deadline and (at most every DISCONNECT_POLL_S) the client."""
+        while True:
+            t = time.perf_counter()
+            if t >= run.deadline:
+                run.abort_reason = "timeout"
+                run.group.abort()
+                raise APIError(504, f"the request did not finish within the server's request timeout of "
+                                    f"{self.request_timeout:g} s and was aborted", code="request_timeout")
+            if run.is_disconnected is not None and t - run.last_disconnect_check >= DISCONNECT_POLL_S:
+                run.last_disconnect_check = t
+                if await run.is_disconnected():
+                    run.abort_reason = "disconnect"
+                    run.group.abort()
+                    raise ClientDisconnected()
+            try:
+                # asyncio.timeout, not wait_for: on 3.11 wait_for can drop an item its inner get already took.
+                async with asyncio.timeout(min(run.deadline - t, IDLE_WAKE_S)):
+                    return await run.group.events.get()
+            except TimeoutError:
+                continue
+
+    async def _updates(self, run: _Run) -> AsyncIterator[Update]:
+        """One Update per engine event until every choice is done; aborts what is left on exit."""
+        try:
+            while not all(c.done for c in run.choices):
+                event = await self._next_event(run)
+                choice = run.choices[event.index]
+                if choice.done:  # e.g. the abort that follows a stop string
+                    continue
+                if event.finish_reason in ("error", "abort"):
+                    raise APIError(500, event.error or "the request was aborted by the engine", code="engine_error")
+                delta = choice.text.push(event.new_token_ids, final=event.finished)
+                if choice.text.stopped and not event.finished:
+                    self.metrics.aborted.labels(reason="stop").inc()
+                    run.group.abort([event.index])  # a stop string ended it: free the slot now
+                if event.finished or choice.text.stopped:
+                    choice.done = True
+                    choice.finish_reason = "stop" if choice.text.stopped else (event.finish_reason or "length")
+                    self.metrics.nfe.observe(event.nfe)
+                if delta and run.first_text_time is None:
+                    run.first_text_time = time.perf_counter()
+                    self.metrics.ttft.observe(run.first_text_time - run.arrival)
+                canvas = None
+                if run.stream_mode == "denoise" and event.canvas_ids is not None and not choice.done:
+                    canvas = render_canvas(self.tokenizer.decode, event.canvas_ids, self.mask_id, self.eos_id)
+                yield Update(event.index, delta, choice.finish_reason if choice.done else None, canvas, event.steps)
+            usage = run.usage()
+            self.metrics.output_tokens.inc(usage.completion_tokens)
+            self.metrics.prompt_tokens.inc(usage.prompt_tokens)
+            self.metrics.e2e.observe(time.perf_counter() - run.arrival)
+        finally:
+            if not all(c.done for c in run.choices):
+                # Time-out, disconnect noticed here, or the consumer went away (a cancelled stream:
+                # the client disconnected) or failed: free the slots at the next step boundary.
+                run.group.abort()
+                self.metrics.aborted.labels(reason=run.abort_reason or "disconnect").inc()
+
+    async def _collect(self, run: _Run) -> list[str]:
+        async for _ in self._updates(run):
+            pass
+        return [c.text.text for c in run.choices]
+
+    def _stream_text(self, run: _Run, update: Update) -> str | None:
+        """The text a chunk carries for ``update``; None when there is nothing to send."""
+        if run.stream_mode == "denoise":
+            if update.finish_reason is not None:
+                return run.choices[update.index].text.text  # the final answer replaces the last canvas
+            return update.canvas
+        if not update.delta and update.finish_reason is None:
+            return None
+        return update.delta
+
+    async def _completion_stream(self, run: _Run, request: CompletionRequest, rid: str,
+                                 created: int) -> AsyncIterator[CompletionStreamResponse]:
+        updates = self._updates(run)
+        try:
+            async for u in updates:
+                text = self._stream_text(run, u)
+                if text is None:
+                    continue
+                step = u.step if run.stream_mode == "denoise" else None
+                choice = CompletionChoice(index=u.index, text=text, finish_reason=u.finish_reason, step=step)
+                yield CompletionStreamResponse(id=rid, created=created, model=self.model_name, choices=[choice])
+        finally:
+            await updates.aclose()
+        if request.stream_options is not None and request.stream_options.include_usage:
+            yield CompletionStreamResponse(id=rid, created=created, model=self.model_name, choices=[],
+                                           usage=run.usage())
+
+    async def _chat_stream(self, run: _Run, request: ChatCompletionRequest, rid: str,
+                           created: int) -> AsyncIterator[ChatCompletionChunk]:
+        def chunk(choices: list[ChatStreamChoice], usage: UsageInfo | None = None) -> ChatCompletionChunk:
+            return ChatCompletionChunk(id=rid, created=created, model=self.model_name, choices=choices, usage=usage)
+
+        for i in range(len(run.choices)):
+            yield chunk([ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""))])
+        updates = self._updates(run)
+        try:
+            async for u in updates:
+                text = self._stream_text(run, u)
+                if text is None:
+                    continue
+                step = u.step if run.stream_mode == "denoise" else None
+                yield chunk([ChatStreamChoice(index=u.index, delta=DeltaMessage(content=text),
+                                              finish_reason=u.finish_reason, step=step)])
+        finally:
+            await updates.aclose()
+        if request.stream_options is not None and request.stream_options.include_usage:
+            yield chunk([], usage=run.usage())

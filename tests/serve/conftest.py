@@ -1,0 +1,99 @@
+"""Fixtures for the server tests: a tiny checkpoint built in-process and live servers on loopback.
+
+The checkpoint is this package's own (a context window of 128 tokens leaves room for chat
+prompts), so these tests do not depend on the shared fixtures' sizes.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from celeris.llm import LLM
+from celeris.models.celeris import CelerisConfig, CelerisModel
+from celeris.models.loader import save_checkpoint
+from celeris.serve.app import BackgroundServer, create_app
+from celeris.serve.serving import OpenAIServing
+from celeris.tokenizer import Tokenizer, write_tokenizer_config
+from celeris.train.data import train_tokenizer
+
+MODEL_NAME = "tiny-serve"
+CONTEXT = 128
+GENERATION_CONFIG = {"max_new_tokens": 16, "steps": 8, "block_length": 8, "temperature": 0.0, "top_p": 1.0,
+                     "remasking": "low_confidence", "cfg_scale": 0.0}
+TEXTS = [
+    "def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)\n",
+    "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, item):\n"
+    "        self.items.append(item)\n",
+    "import os\nimport sys\n\n\ndef main(argv=None):\n    for name in sorted(os.listdir('.')):\n"
+    "        print(name, file=sys.stdout)\n    return 0\n",
+    "# user: write a function\n# assistant:\ndef add(a, b):\n    return a + b\n",
+]
+
+
+def build_checkpoint(folder: Path) -> Path:
+    """Tokenizer (~300 tokens) + a random 2-layer model whose answers vary with the seed."""
+    tok_dir = folder / "tokenizer"
+    tok_dir.mkdir(parents=True)
+    train_tokenizer(iter(TEXTS * 4), vocab_size=300).save(str(tok_dir / "tokenizer.json"))
+    write_tokenizer_config(tok_dir)
+    tok = Tokenizer(tok_dir)
+    cfg = CelerisConfig(vocab_size=tok.vocab_size, hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64,
+                        max_position_embeddings=CONTEXT, eos_token_id=tok.eos_token_id,
+                        mask_token_id=tok.mask_token_id, pad_token_id=tok.pad_token_id)
+    torch.manual_seed(0)
+    model = CelerisModel(cfg).eval()
+    with torch.no_grad():  # larger projections: predictions depend on context, so answers vary
+        for name, p in model.named_parameters():
+            if p.dim() == 2 and not name.startswith("embed_tokens"):
+                p.mul_(3.0)
+    return save_checkpoint(model, folder / MODEL_NAME, tok_dir, GENERATION_CONFIG)
+
+
+@pytest.fixture(scope="session")
+def serve_checkpoint(tmp_path_factory) -> Path:
+    return build_checkpoint(tmp_path_factory.mktemp("serve"))
+
+
+@pytest.fixture(scope="session")
+def serve_llm(serve_checkpoint) -> LLM:
+    return LLM(serve_checkpoint, device="cpu")
+
+
+def make_serving(llm: LLM, max_num_seqs: int = 4, max_waiting: int = 8, request_timeout: float = 30.0,
+                 step_delay: float = 0.0) -> OpenAIServing:
+    """A serving layer on the shared LLM with its own engine; ``step_delay`` slows every step down
+    (seconds) so tests can act while a request is in flight."""
+    from celeris.config import EngineConfig
+
+    serving = OpenAIServing(llm, served_model_name=MODEL_NAME, request_timeout=request_timeout,
+                            engine_config=EngineConfig(max_num_seqs=max_num_seqs, max_waiting=max_waiting))
+    if step_delay:
+        engine = serving.async_engine.engine
+        real_step = engine.step
+
+        def slow_step():
+            time.sleep(step_delay)
+            return real_step()
+
+        engine.step = slow_step
+    return serving
+
+
+@pytest.fixture(scope="module")
+def server(serve_llm):
+    """A live server: 4 running + 8 waiting requests, no API key."""
+    serving = make_serving(serve_llm)
+    with BackgroundServer(create_app(serving)) as srv:
+        srv.serving = serving
+        yield srv
+
+
+@pytest.fixture
+def client(server):
+    import openai
+
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=30)

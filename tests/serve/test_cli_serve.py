@@ -1,0 +1,69 @@
+"""`celeris serve` end to end: a child process serving the tiny checkpoint on a free loopback port."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import openai
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_celeris_serve_subcommand(serve_checkpoint):
+    port = free_port()
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH", "")) if p)}
+    cmd = [sys.executable, "-m", "celeris.cli", "serve", "--model", str(serve_checkpoint), "--port", str(port),
+           "--max-num-seqs", "2", "--max-waiting", "2", "--served-model-name", "cli-model", "--api-key", "k1",
+           "--log-level", "warning"]
+    proc = subprocess.Popen(cmd, env=env, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 90
+        while True:
+            assert proc.poll() is None, proc.stdout.read()
+            try:
+                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "celeris serve did not come up"
+            time.sleep(0.2)
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="k1", max_retries=0)
+        assert [m.id for m in client.models.list().data] == ["cli-model"]
+        out = client.completions.create(model="cli-model", prompt="def f(x):", max_tokens=4)
+        assert out.usage.completion_tokens <= 4
+        assert httpx.post(f"{url}/v1/completions", json={"prompt": "x"}).status_code == 401
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0
+
+
+def test_celeris_serve_rejects_bad_options(capsys):
+    from celeris.cli import main
+
+    for args, message in ((["--model", "/no/such/folder"], "does not exist"),
+                          (["--max-waiting", "0"], "--max-waiting must be >= 1"),
+                          (["--request-timeout", "0"], "--request-timeout must be > 0"),
+                          (["--port", "70000"], "--port must be in")):
+        assert main(["serve", *args]) == 2
+        err = capsys.readouterr().err
+        assert message in err and "Traceback" not in err

@@ -1,0 +1,101 @@
+"""The serving layer without HTTP (what batch jobs reuse), the engine loop, and the load-test script."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+from celeris.serve import loadtest
+from celeris.serve.protocol import APIError, CompletionRequest
+from tests.serve.conftest import MODEL_NAME, make_serving
+
+
+@pytest.fixture
+def serving(serve_llm):
+    serving = make_serving(serve_llm)
+    serving.start()
+    yield serving
+    serving.stop()
+
+
+def test_run_sync_returns_the_openai_body(serving, serve_llm):
+    body = serving.run_sync("/v1/completions", {"model": MODEL_NAME, "prompt": "import os", "max_tokens": 8,
+                                                "temperature": 1.0, "seed": 3})
+    assert body["object"] == "text_completion"
+    expected = serve_llm.generate("import os", serve_llm.default_params(max_new_tokens=8, temperature=1.0, seed=3))
+    assert body["choices"][0]["text"] == expected[0].text
+    assert body["usage"]["completion_tokens"] == len(expected[0].token_ids)
+    chat = serving.run_sync("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})
+    assert chat["choices"][0]["message"]["role"] == "assistant"
+
+
+def test_respond_maps_failures_to_status_and_error_body(serving):
+    status, body = asyncio.run(serving.respond("/v1/completions", {"prompt": ""}))
+    assert status == 400 and body["error"]["param"] == "prompt"
+    status, body = asyncio.run(serving.respond("/v1/completions", {"prompt": "x", "stream": True}))
+    assert status == 400 and body["error"]["param"] == "stream"
+    status, body = asyncio.run(serving.respond("/v1/embeddings", {"input": "x"}))
+    assert status == 404
+    with pytest.raises(APIError) as info:
+        serving.run_sync("/v1/completions", '{"prompt": "x", "max_tokens": 0}')
+    assert info.value.status_code == 400 and info.value.param == "max_tokens"
+
+
+def test_stream_iterator_without_http(serving):
+    async def collect():
+        request = CompletionRequest.model_validate_json('{"prompt": "def f():", "max_tokens": 8, "stream": true}')
+        chunks = await serving.create_completion(request)
+        return [c async for c in chunks]
+
+    chunks = asyncio.run(collect())
+    assert chunks[-1].choices[0].finish_reason in ("stop", "length")
+    assert serving.async_engine.num_in_flight == 0
+
+
+def test_engine_loop_survives_a_failing_step(serving, monkeypatch):
+    engine = serving.async_engine.engine
+
+    def broken_step():
+        raise RuntimeError("simulated device failure")
+
+    monkeypatch.setattr(engine, "step", broken_step)
+    status, body = asyncio.run(serving.respond("/v1/completions", {"prompt": "x", "max_tokens": 4}))
+    assert status == 500 and "simulated device failure" in body["error"]["message"]
+    monkeypatch.undo()
+    status, _ = asyncio.run(serving.respond("/v1/completions", {"prompt": "x", "max_tokens": 4}))
+    assert status == 200
+    assert serving.async_engine.num_in_flight == 0
+
+
+def test_stopped_engine_answers_503(serve_llm):
+    serving = make_serving(serve_llm)
+    status, body = asyncio.run(serving.respond("/v1/completions", {"prompt": "x", "max_tokens": 2}))
+    assert status == 503 and body["error"]["code"] == "engine_unavailable"
+
+
+def test_load_test_script_smoke(server, tmp_path, capsys):
+    out = tmp_path / "load.json"
+    assert loadtest.main(["--url", server.url, "--concurrency", "1,3", "--requests-per-client", "2",
+                          "--max-tokens", "8", "--prompts", "code", "--num-prompts", "4", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert [lv["concurrency"] for lv in report["levels"]] == [1, 3]
+    for level in report["levels"]:
+        assert level["ok"] == level["requests"] == 2 * level["concurrency"] and level["failed"] == 0
+        assert level["output_tokens"] > 0 and level["output_tokens_per_s"] > 0
+        assert level["latency_p50_s"] is not None and level["ttft_p50_s"] is not None
+    assert "tok/s" in capsys.readouterr().out
+
+
+def test_load_prompts_and_percentiles(tmp_path):
+    assert len(loadtest.load_prompts("code", 10)) == 10
+    path = tmp_path / "p.jsonl"
+    path.write_text(json.dumps({"prompt": "a"}) + "\n" + json.dumps({"prompt": "b"}) + "\n")
+    assert loadtest.load_prompts(str(path), 5) == ["a", "b"]
+    if loadtest.HUMANEVAL.is_file():
+        prompts = loadtest.load_prompts("humaneval", 3)
+        assert len(prompts) == 3 and all("def " in p for p in prompts)
+    assert loadtest.percentile([], 50) is None
+    assert loadtest.percentile([3.0, 1.0, 2.0], 50) == 2.0
+    assert loadtest.percentile([float(i) for i in range(1, 101)], 95) == 95.0
