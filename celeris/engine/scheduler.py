@@ -36,8 +36,10 @@ class Scheduler:
         self.running: list[Request] = []
 
     def add(self, request: Request) -> None:
-        """Queue a request; raises QueueFullError when ``max_waiting`` requests already wait."""
-        if len(self.waiting) >= self.config.max_waiting:
+        """Queue a request; raises QueueFullError when ``max_waiting`` requests already wait
+        beyond those that will take a free running slot at the next step."""
+        free_slots = max(0, self.config.max_num_seqs - sum(not r.is_finished for r in self.running))
+        if len(self.waiting) >= self.config.max_waiting + free_slots:
             raise QueueFullError(f"the queue is full ({self.config.max_waiting} requests waiting)")
         self.waiting.append(request)
 
@@ -68,6 +70,8 @@ class Scheduler:
         for request in [*self.running, *self.waiting]:
             if request.request_id == request_id and not request.is_finished:
                 request.finish("abort", RequestStatus.ABORTED)
+                if request in self.waiting:  # frees its queue place at once
+                    self.waiting.remove(request)
                 return request
         return None
 

@@ -75,13 +75,15 @@ def test_scheduler_respects_sequence_and_token_budgets():
     assert len(engine.step()) == 1
 
 
-def test_queue_limit_raises_queue_full():
-    engine = Engine(tiny_model(), EngineConfig(max_waiting=2))
+def test_queue_limit_counts_free_slots_and_aborts_free_places():
+    engine = Engine(tiny_model(), EngineConfig(max_num_seqs=1, max_waiting=2))
     params = SamplingParams(max_new_tokens=4, steps=4, block_length=4)
-    engine.add_request([5, 6], params)
-    engine.add_request([5, 6], params)
+    for i in range(3):  # one takes the free running slot at the next step, two wait
+        engine.add_request([5, 6], params, request_id=f"r{i}")
     with pytest.raises(QueueFullError):
         engine.add_request([5, 6], params)
+    assert engine.abort("r2")  # an aborted waiting request gives its place back before any step
+    engine.add_request([5, 6], params, request_id="r3")
 
 
 def test_aborted_request_takes_no_more_steps():
