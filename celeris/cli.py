@@ -40,6 +40,7 @@ def _sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--decoding", help="fixed, threshold, factor or entropy")
     p.add_argument("--threshold", type=float, help="confidence threshold for --decoding threshold")
     p.add_argument("--cfg-scale", type=float, help="classifier-free guidance scale (0 = off)")
+    p.add_argument("--cache", help="KV cache: none, prefix or dual (Fast-dLLM)")
     p.add_argument("--stop", action="append", help="stop string (repeatable)")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
                    help="weight dtype (default: bfloat16 on CUDA, float32 on CPU)")
@@ -98,7 +99,7 @@ def _params(llm_defaults: dict, args: argparse.Namespace):
         llm_defaults,
         max_new_tokens=args.max_new_tokens, steps=args.steps, block_length=args.block_length,
         temperature=args.temperature, top_p=args.top_p, seed=args.seed, remasking=args.remasking,
-        decoding=args.decoding, threshold=args.threshold, cfg_scale=args.cfg_scale, stop=args.stop,
+        decoding=args.decoding, threshold=args.threshold, cfg_scale=args.cfg_scale, stop=args.stop, cache=args.cache,
     )
 
 
@@ -231,6 +232,8 @@ def _batch_parser(sub) -> None:
     r.add_argument("output", help="results, one OpenAI Batch output record per request (appended as they finish)")
     r.add_argument("--model", help="checkpoint folder (default: the embedded celeris-code-6m)")
     r.add_argument("--device", help="cpu, cuda, ... (default: cuda when available)")
+    r.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
+                   help="weight dtype (default: bfloat16 on CUDA, float32 on CPU)")
     r.add_argument("--max-num-seqs", type=int, default=8, help="requests denoised together per engine")
     r.add_argument("--concurrency", type=int, help="requests in flight (local backend; default 2 x --max-num-seqs)")
     r.add_argument("--retry-failed", action="store_true", help="run the failed records again (and only those)")
@@ -278,7 +281,7 @@ def _batch_run(args: argparse.Namespace) -> int:
             args.input, args.output, model=args.model, retry_failed=args.retry_failed, num_workers=args.num_workers,
             max_num_seqs=args.max_num_seqs, device=args.device, request_timeout=args.request_timeout,
             served_model_name=args.served_model_name, ray_address=args.ray_address,
-            ray_num_cpus=max(2, args.num_workers), progress=not args.no_progress, log=log,
+            ray_num_cpus=max(2, args.num_workers), progress=not args.no_progress, log=log, dtype=args.dtype,
         )
     else:
         from celeris.serve.serving import OpenAIServing
@@ -288,7 +291,7 @@ def _batch_run(args: argparse.Namespace) -> int:
         def make_serving() -> OpenAIServing:
             return OpenAIServing.from_model(args.model, device=args.device, max_num_seqs=args.max_num_seqs,
                                             max_waiting=max(64, window), request_timeout=args.request_timeout,
-                                            served_model_name=args.served_model_name)
+                                            served_model_name=args.served_model_name, dtype=args.dtype)
 
         result = run_batch(args.input, args.output, make_serving, retry_failed=args.retry_failed, window=window,
                            progress=not args.no_progress, log=log)
@@ -326,6 +329,11 @@ def _serve_parser(sub) -> None:
                    help="require 'Authorization: Bearer KEY' on /v1 (default: $CELERIS_API_KEY, else none)")
     s.add_argument("--served-model-name", help="the model name clients send (default: the checkpoint folder name)")
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    s.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
+                   help="weight dtype (default: bfloat16 on CUDA, float32 on CPU)")
+    s.add_argument("--compile", action="store_true", help="torch.compile the model (slow first request)")
+    s.add_argument("--trust-remote-code", action="store_true",
+                   help="allow a checkpoint of an unknown format to run its own modeling code")
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -344,7 +352,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise UsageError(f"celeris serve needs fastapi and uvicorn ({exc}): pip install -e .") from None
     return run_server(args.model, host=args.host, port=args.port, max_num_seqs=args.max_num_seqs,
                       max_waiting=args.max_waiting, request_timeout=args.request_timeout, api_key=args.api_key,
-                      served_model_name=args.served_model_name, device=args.device, log_level=args.log_level)
+                      served_model_name=args.served_model_name, device=args.device, log_level=args.log_level,
+                      dtype=args.dtype, enforce_eager=not args.compile, trust_remote_code=args.trust_remote_code)
 
 
 COMMANDS = {"generate": cmd_generate, "chat": cmd_chat, "train": cmd_train, "data": cmd_data, "eval": cmd_eval,

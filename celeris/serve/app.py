@@ -226,12 +226,17 @@ def run_server(
     served_model_name: str | None = None,
     device: str | None = None,
     log_level: str = "info",
+    **load_options: object,
 ) -> int:
-    """Load a checkpoint and serve it until interrupted (``celeris serve``)."""
+    """Load a checkpoint and serve it until interrupted (``celeris serve``).
+
+    ``load_options`` (dtype, enforce_eager, trust_remote_code) go to ``celeris.llm.LLM``.
+    """
     import uvicorn
 
     serving = OpenAIServing.from_model(model, device=device, max_num_seqs=max_num_seqs, max_waiting=max_waiting,
-                                       request_timeout=request_timeout, served_model_name=served_model_name)
+                                       request_timeout=request_timeout, served_model_name=served_model_name,
+                                       **load_options)
     app = create_app(serving, api_key=api_key)
     logger.info("serving %s on http://%s:%d", serving.model_name, host, port)
     uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)

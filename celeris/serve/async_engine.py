@@ -259,7 +259,6 @@ class AsyncEngine:
         except (QueueFullError, ValueError) as exc:
             for rid in added:
                 self.engine.abort(rid)
-            self._purge_aborted_waiting()
             self._release(len(group.inputs))
             accepted.set_exception(exc)
             return
@@ -274,21 +273,7 @@ class AsyncEngine:
             if rid in self._live:
                 self.engine.abort(rid)
                 self._emit(rid, [], True, None, reason="abort")
-        self._purge_aborted_waiting()
         self._report_stats()
-
-    def _purge_aborted_waiting(self) -> None:
-        """Drop aborted requests from the engine's waiting queue now.
-
-        ``Scheduler.add`` counts every queued entry, and an aborted one only leaves the queue when
-        ``schedule()`` reaches it (not at all while no step runs), so it would hold a place and make
-        the next ``add_request`` raise QueueFullError. Engine thread only.
-        """
-        waiting = getattr(self.engine.scheduler, "waiting", None)
-        if waiting and any(r.is_finished for r in waiting):
-            kept = [r for r in waiting if not r.is_finished]
-            waiting.clear()
-            waiting.extend(kept)
 
     def _emit(self, rid: str, new_ids: list[int], finished: bool, request, reason: str | None = None,
               error: str | None = None) -> None:

@@ -29,6 +29,7 @@ from pathlib import Path
 from celeris.config import EngineConfig
 from celeris.engine import Engine, QueueFullError
 from celeris.params import SamplingParams
+from celeris.sampling.step import check_cache_support
 from celeris.serve.async_engine import AsyncEngine, EngineDeadError, EngineInput, RequestGroup, StepEvent
 from celeris.serve.detokenize import IncrementalText, render_canvas
 from celeris.serve.metrics import ServerMetrics
@@ -135,11 +136,10 @@ class OpenAIServing:
         self.metrics = metrics or ServerMetrics()
         if async_engine is None:
             config = engine_config or EngineConfig()
-            limit = config.max_num_seqs + config.max_waiting
-            # The admission count below bounds running + waiting requests. The engine's own queue also
-            # holds requests about to be admitted at the next step, so it gets room for a full batch more.
-            engine = Engine(llm.model, replace(config, max_waiting=limit))
-            async_engine = AsyncEngine(engine, max_in_flight=limit, on_stats=self.metrics.set_queue_stats)
+            # the engine's queue counts free running slots, so it admits max_num_seqs + max_waiting in all
+            engine = Engine(llm.model, config)
+            async_engine = AsyncEngine(engine, max_in_flight=config.max_num_seqs + config.max_waiting,
+                                       on_stats=self.metrics.set_queue_stats)
         self.async_engine = async_engine
         self.model_name = served_model_name or Path(llm.path).name
         self.request_timeout = request_timeout
@@ -156,12 +156,17 @@ class OpenAIServing:
         max_waiting: int = 64,
         request_timeout: float = 60.0,
         served_model_name: str | None = None,
+        **load_options: object,
     ) -> OpenAIServing:
-        """Load a checkpoint (None: the embedded default model) and build its serving layer (not started)."""
+        """Load a checkpoint (None: the embedded default model) and build its serving layer (not started).
+
+        ``load_options`` (dtype, enforce_eager, trust_remote_code) go to ``celeris.llm.LLM``.
+        """
         from celeris.llm import LLM
 
-        llm = LLM(model, device=device, max_batch_size=max_num_seqs)
-        config = EngineConfig(max_num_seqs=max_num_seqs, max_waiting=max_waiting, device=device)
+        llm = LLM(model, device=device, max_batch_size=max_num_seqs, **load_options)
+        config = EngineConfig(max_num_seqs=max_num_seqs, max_waiting=max_waiting, device=device,
+                              dtype=load_options.get("dtype"), enforce_eager=load_options.get("enforce_eager", True))
         return cls(llm, served_model_name=served_model_name, request_timeout=request_timeout, engine_config=config)
 
     def start(self) -> None:
@@ -257,9 +262,6 @@ class OpenAIServing:
             names = ", ".join(unsupported)
             raise APIError(400, f"unsupported parameter(s): {names}; Celeris does not implement them",
                            param=unsupported[0], code="unsupported_parameter")
-        if request.cache not in (None, "none"):
-            raise APIError(400, f"invalid value for 'cache': only 'none' is supported for now, got '{request.cache}'",
-                           param="cache", code="invalid_value")
         if request.stream_options is not None and not request.stream:
             raise APIError(400, "stream_options is only allowed when stream is true", param="stream_options")
         if request.stream_mode == "denoise" and not request.stream:
@@ -267,15 +269,17 @@ class OpenAIServing:
 
     def _params(self, request: SamplingRequest, max_tokens: int | None) -> SamplingParams:
         try:
-            return self.llm.default_params(
+            params = self.llm.default_params(
                 max_new_tokens=max_tokens, steps=request.steps, block_length=request.block_length,
                 temperature=request.temperature, top_p=request.top_p, remasking=request.remasking,
                 decoding=request.decoding, threshold=request.threshold, factor=request.factor,
                 entropy_bound=request.entropy_bound, cfg_scale=request.cfg_scale, seed=request.seed,
-                stop=request.stop_list() or None,
+                stop=request.stop_list() or None, cache=request.cache,
             )
+            check_cache_support(self.llm.model, params)
+            return params
         except (ValueError, TypeError) as exc:  # SamplingParams names the field first: "steps must be >= 1"
-            name = str(exc).split(" ", 1)[0]
+            name = str(exc).split(" ", 1)[0].split("=", 1)[0]
             param = {"max_new_tokens": "max_tokens"}.get(name, name)
             raise APIError(400, str(exc), param=param if param.isidentifier() else None) from None
 
