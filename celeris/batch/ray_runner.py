@@ -1,0 +1,201 @@
+"""The same batch job on Ray: a pool of actors, each holding one engine, fed by Ray Data.
+
+The driver does everything that touches the output file, exactly as the local runner does
+(``celeris.batch.jobs``): validate the input, repair the output, remove failed records for
+``retry_failed``, record malformed lines, then append + fsync each record as it arrives from the
+pool. Only the requests travel through Ray:
+
+1. the items still to run are streamed into a spool file next to the output (the input is never
+   loaded whole) and read back with ``ray.data.read_text`` (``local://`` on a cluster, so the
+   read runs on the driver's node);
+2. ``map_batches(ServingActor, compute=ActorPoolStrategy(size=num_workers))``: each actor loads
+   the checkpoint once, runs one ``OpenAIServing`` and sends every row through ``respond`` (the
+   HTTP server's code path), ``max_num_seqs`` rows per batch and two batches in flight per actor so
+   its engine stays full;
+3. the driver iterates the mapped dataset (``iter_rows``) and writes each record as it comes.
+
+A crash anywhere (driver, actor, node) loses at most the records not yet written; the next start
+runs exactly those. Every actor asks for ``num_cpus=1`` and runs torch on one thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import celeris
+from celeris.batch.jobs import (
+    BatchError,
+    BatchItem,
+    EngineUnavailableError,
+    Key,
+    Progress,
+    ResultWriter,
+    error_record,
+    iter_todo,
+    output_lock,
+    plan_job,
+    record_key,
+    report_plan,
+    run_item,
+    scan_input,
+    summary,
+)
+
+PACKAGE_ROOT = str(Path(celeris.__file__).resolve().parent.parent)
+
+
+class ServingActor:
+    """A Ray Data callable class: one engine per actor; rows of item JSON in, rows of record JSON out.
+
+    Its event loop lives on a thread of its own, so the two batches Ray Data may run in the actor
+    at once (``max_concurrent_calls_per_actor=2``) share one engine.
+    """
+
+    def __init__(self, model: str | None, max_num_seqs: int, device: str | None, request_timeout: float,
+                 served_model_name: str | None, dtype: str | None = None) -> None:
+        import torch
+
+        from celeris.serve.serving import OpenAIServing
+
+        torch.set_num_threads(1)
+        self.serving = OpenAIServing.from_model(model, device=device, max_num_seqs=max_num_seqs,
+                                                max_waiting=max(64, 4 * max_num_seqs),
+                                                request_timeout=request_timeout, served_model_name=served_model_name,
+                                                dtype=dtype)
+        self.serving.start()
+        self.loop = asyncio.new_event_loop()
+        threading.Thread(target=self.loop.run_forever, name="batch-actor-loop", daemon=True).start()
+
+    def __call__(self, batch: dict) -> dict:
+        items = [BatchItem.from_json(text) for text in batch["text"]]
+
+        async def run_all() -> list[dict]:
+            return await asyncio.gather(*(run_item(self.serving, item) for item in items))
+
+        records = asyncio.run_coroutine_threadsafe(run_all(), self.loop).result()
+        return {"record": [json.dumps(r, ensure_ascii=False) for r in records]}
+
+    def __del__(self) -> None:
+        serving = getattr(self, "serving", None)
+        if serving is not None:
+            serving.stop()
+
+
+def init_ray(address: str | None, num_cpus: int) -> bool:
+    """Attach to the cluster at ``address``, or start a small local instance (no dashboard).
+
+    Returns whether this call started a local instance (which the caller then shuts down).
+    """
+    import ray
+    import ray.data
+
+    env = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    started = False
+    if ray.is_initialized():  # the caller set Ray up already
+        pass
+    elif address:  # the cluster's nodes must have celeris installed and the checkpoint at the same path
+        ray.init(address=address, runtime_env={"env_vars": env}, log_to_driver=False)
+    else:  # a local instance: its workers import celeris from where this process does
+        path = os.environ.get("PYTHONPATH", "")
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (PACKAGE_ROOT, path) if p)
+        ray.init(num_cpus=num_cpus, include_dashboard=False, runtime_env={"env_vars": env}, log_to_driver=False,
+                 object_store_memory=256 << 20)
+        started = True
+    ctx = ray.data.DataContext.get_current()
+    ctx.enable_progress_bars = False  # the job has its own bar; Ray's would only repeat it
+    ctx.print_on_execution_start = False
+    logging.getLogger("ray.data").setLevel(logging.WARNING)
+    return started
+
+
+def run_batch_ray(
+    input_path: str | Path,
+    output_path: str | Path,
+    *,
+    model: str | None,
+    retry_failed: bool = False,
+    num_workers: int = 2,
+    max_num_seqs: int = 8,
+    device: str | None = None,
+    request_timeout: float = 600.0,
+    served_model_name: str | None = None,
+    ray_address: str | None = None,
+    ray_num_cpus: int = 2,
+    progress: bool = True,
+    log: Callable[[str], None] | None = None,
+    dtype: str | None = None,
+) -> dict:
+    """Run (or resume) a batch job on Ray; same files, records and summary as ``jobs.run_batch``."""
+    try:
+        import ray
+        import ray.data
+        import ray.exceptions
+    except ImportError:
+        raise BatchError("--backend ray needs Ray: pip install 'celeris[ray]' (ray[data])") from None
+    if num_workers < 1:
+        raise BatchError(f"--num-workers must be >= 1, got {num_workers}")
+    start = time.perf_counter()
+    output_path = Path(output_path)
+    spool = output_path.with_name(f".{output_path.name}.ray-spool.jsonl")
+    keys = scan_input(input_path)  # duplicates refuse the job before anything is created
+    with output_lock(output_path):
+        plan = plan_job(input_path, output_path, retry_failed, keys)
+        report_plan(plan, output_path, log)
+        bar = Progress(plan.num_todo, enabled=progress, desc="batch[ray]")
+        written: set[Key] = set()  # keys written by this run: a row Ray hands over twice is written once
+        started_ray = False
+        try:
+            with ResultWriter(output_path) as writer:
+                def sink(record: dict) -> None:
+                    key = record_key(record)
+                    if key in written:
+                        return
+                    written.add(key)
+                    writer.write(record)
+                    bar.record(record)
+
+                num_requests = 0
+                with open(spool, "w", encoding="utf-8") as fh:
+                    for item in iter_todo(input_path, plan.done):
+                        if item.error_code is not None:
+                            sink(error_record(item))
+                        else:
+                            fh.write(item.to_json() + "\n")
+                            num_requests += 1
+                if num_requests:
+                    started_ray = init_ray(ray_address, ray_num_cpus)
+                    model_path = str(Path(model).resolve()) if model else None
+                    # On a cluster, "local://" reads the spool on this (the driver's) node.
+                    spool_uri = f"local://{spool.resolve()}" if ray_address else str(spool.resolve())
+                    ds = ray.data.read_text(spool_uri, num_cpus=0)
+                    ds = ds.map_batches(
+                        ServingActor,
+                        fn_constructor_kwargs={"model": model_path, "max_num_seqs": max_num_seqs, "device": device,
+                                               "request_timeout": request_timeout,
+                                               "served_model_name": served_model_name, "dtype": dtype},
+                        batch_size=max_num_seqs,
+                        batch_format="numpy",
+                        num_cpus=1,
+                        compute=ray.data.ActorPoolStrategy(size=num_workers, max_tasks_in_flight_per_actor=2,
+                                                           max_concurrent_calls_per_actor=2,
+                                                           enable_true_multi_threading=True),
+                    )
+                    try:
+                        for row in ds.iter_rows():
+                            sink(json.loads(row["record"]))
+                    except ray.exceptions.RayError as exc:  # an actor died or failed to start
+                        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+                        raise EngineUnavailableError(f"the Ray job failed: {first}") from exc
+        finally:
+            bar.close()
+            spool.unlink(missing_ok=True)
+            if started_ray:
+                ray.shutdown()
+    return summary(plan, bar, input_path, output_path, time.perf_counter() - start)
