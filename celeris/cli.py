@@ -83,6 +83,16 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--limit", type=int, help="first N problems only")
     ev.add_argument("--out", help="write the full results as JSON here")
 
+    b = sub.add_parser("bench", help="speed and quality of decoding systems side by side (JSON + PNG)")
+    b.add_argument("--model", help="diffusion checkpoint (default: the embedded model)")
+    b.add_argument("--ar-model", help="autoregressive twin checkpoint (adds the ar-twin system and the judge)")
+    b.add_argument("--lengths", default="64,128,256", help="comma-separated output lengths")
+    b.add_argument("--batch-size", type=int, default=1)
+    b.add_argument("--num-prompts", type=int, default=8, help="first N HumanEval prompts")
+    b.add_argument("--warmup", type=int, default=1, help="untimed batches per system and length")
+    b.add_argument("--prompts", default="../shared/data/humaneval/HumanEval.jsonl.gz")
+    b.add_argument("--out", default="bench-results", help="folder for bench.json and tokens_per_s.png")
+
     d = sub.add_parser("data", help="build a training corpus")
     d.add_argument("corpus", choices=["stdlib"], help="stdlib: this Python's standard library")
     d.add_argument("--out", default="data/stdlib")
@@ -214,6 +224,21 @@ def cmd_eval(args: argparse.Namespace) -> int:
         tmp.write_text(json.dumps(report, indent=1) + "\n")
         tmp.replace(args.out)
     print(json.dumps({k: v for k, v in report.items() if k != "results"}))
+    return 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from celeris.bench.run import BenchConfig, format_table, run_bench
+
+    try:
+        lengths = [int(x) for x in args.lengths.split(",")]
+    except ValueError:
+        raise UsageError(f"--lengths must be comma-separated integers, got '{args.lengths}'") from None
+    cfg = BenchConfig(model=args.model, ar_model=args.ar_model, lengths=lengths, batch_size=args.batch_size,
+                      num_prompts=args.num_prompts, warmup=args.warmup, prompts=args.prompts, out_dir=args.out)
+    results = run_bench(cfg)
+    print(format_table(results))
+    print(f"results: {Path(args.out) / 'bench.json'}")
     return 0
 
 
@@ -357,7 +382,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 COMMANDS = {"generate": cmd_generate, "chat": cmd_chat, "train": cmd_train, "data": cmd_data, "eval": cmd_eval,
-            "batch": cmd_batch, "serve": cmd_serve}
+            "bench": cmd_bench, "batch": cmd_batch, "serve": cmd_serve}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,220 @@
+"""`celeris bench`: speed and quality of decoding systems side by side, under recorded conditions.
+
+Systems (each run on the same HumanEval prompts, same output length, same batch size):
+
+- ``dllm-reference``: the diffusion model with LLaDA's reference sampler: one token per
+  denoising step (``steps = max_new_tokens``), blocks of 32, no cache, no early exit;
+- ``dllm-fast``: the diffusion model with the model's default settings
+  (``generation_config.json``: e.g. confidence-threshold decoding with a dual cache);
+- ``ar-twin``: an autoregressive model of the same architecture (``--ar-model``),
+  decoded token by token with a KV cache.
+
+What is timed: submit to full answer of a batch (``time.perf_counter``), after
+``warmup`` untimed batches; the first (cold) request is timed separately including
+the model load. Output tokens/s counts only returned tokens (up to the first
+end-of-text), never prompt or padding. TTFT is when the answer's first token was
+final. Peak RSS is the process's ``ru_maxrss``.
+
+Quality beside speed: share of completions that parse (``celeris.bench.quality``),
+share with a run of more than 8 identical tokens, token agreement of each system with
+the reference at temperature 0 (position-wise, over the reference's length), and,
+when an AR model is given, generative perplexity of each system's outputs under it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+import resource
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from celeris.bench.quality import cut_function_body, has_code, heal_prompt, load_humaneval, max_repeat_run, parses
+from celeris.llm import LLM
+from celeris.params import SamplingParams
+from celeris.sampling.autoregressive import generate_autoregressive
+
+
+@dataclass(slots=True)
+class BenchConfig:
+    """Fixed conditions of one benchmark run (all recorded in the JSON output)."""
+
+    model: str | None = None
+    ar_model: str | None = None
+    lengths: list[int] = field(default_factory=lambda: [64, 128, 256])
+    batch_size: int = 1
+    num_prompts: int = 8
+    warmup: int = 1
+    prompts: str = "../shared/data/humaneval/HumanEval.jsonl.gz"
+    out_dir: str = "bench-results"
+
+    def __post_init__(self) -> None:
+        if self.batch_size < 1 or self.num_prompts < 1 or self.warmup < 0 or not self.lengths:
+            raise ValueError("batch_size and num_prompts must be >= 1, warmup >= 0, and lengths non-empty")
+
+
+def peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def conditions(cfg: BenchConfig, llm: LLM, prompt_lengths: list[int]) -> dict:
+    return {
+        "config": asdict(cfg), "torch": torch.__version__, "threads": torch.get_num_threads(),
+        "cpu": platform.processor() or platform.machine(), "cpu_count": os.cpu_count(),
+        "device": str(llm.device), "dtype": str(llm.dtype).removeprefix("torch."),
+        "prompt_tokens": {"min": min(prompt_lengths), "p50": statistics.median(prompt_lengths),
+                          "max": max(prompt_lengths)},
+        "timing": "perf_counter, submit to full answer per batch, after warm-up batches",
+        "generation_config": llm.generation_config,
+    }
+
+
+def run_system(name: str, decode, batches: list[list[int]], warmup: int) -> dict:
+    """Time ``decode(batch) -> (token_id lists, nfe per request, ttft per request)`` over all batches.
+
+    The first warm-up call is timed on its own (``first_request_s``: caches and allocations are cold).
+    """
+    first_s = None
+    for batch in batches[:warmup]:
+        start = time.perf_counter()
+        decode(batch)
+        first_s = first_s if first_s is not None else time.perf_counter() - start
+    outputs, latencies, ttfts, nfes = [], [], [], []
+    for batch in batches:
+        start = time.perf_counter()
+        ids, nfe, ttft = decode(batch)
+        latencies.append(time.perf_counter() - start)
+        outputs += ids
+        nfes += nfe
+        ttfts += [t for t in ttft if t is not None]
+    tokens = sum(len(o) for o in outputs)
+    seconds = sum(latencies)
+    return {
+        "system": name, "outputs": outputs, "output_tokens": tokens, "seconds": round(seconds, 4),
+        "tokens_per_s": round(tokens / seconds, 2) if seconds else None,
+        "latency_p50_s": round(statistics.median(latencies), 4),
+        "latency_p95_s": round(sorted(latencies)[min(len(latencies) - 1, math.ceil(0.95 * len(latencies)) - 1)], 4),
+        "ttft_mean_s": round(statistics.mean(ttfts), 4) if ttfts else None,
+        "nfe_mean": round(statistics.mean(nfes), 2), "tokens_per_forward": round(tokens / max(sum(nfes), 1), 3),
+        "peak_rss_mb": round(peak_rss_mb(), 1),
+        "first_request_s": round(first_s, 4) if first_s is not None else None,
+    }
+
+
+def agreement(candidate: list[list[int]], reference: list[list[int]]) -> float:
+    """Position-wise share of the reference's tokens that the candidate reproduces."""
+    same = total = 0
+    for c, r in zip(candidate, reference, strict=True):
+        total += len(r)
+        same += sum(a == b for a, b in zip(c, r, strict=False))
+    return round(same / max(total, 1), 4)
+
+
+@torch.no_grad()
+def perplexity(ar: LLM, prompts: list[list[int]], outputs: list[list[int]]) -> float | None:
+    """Generative perplexity: exp(mean NLL of the output tokens given the prompt) under the AR model."""
+    nll = count = 0.0
+    for p, o in zip(prompts, outputs, strict=True):
+        if not o:
+            continue
+        ids = torch.tensor([(p + o)[-ar.context_length :]], device=ar.device)
+        logits = ar.model(ids)[0, :-1].float().log_softmax(-1)  # (L-1, V)
+        targets = ids[0, 1:]
+        lp = logits.gather(-1, targets[:, None])[-len(o) :, 0]
+        nll -= float(lp.sum())
+        count += len(o)
+    return round(math.exp(nll / count), 3) if count else None
+
+
+def run_bench(cfg: BenchConfig) -> dict:
+    """Run every system at every output length; returns the results (also written to ``out_dir``)."""
+    load_start = time.perf_counter()
+    llm = LLM(cfg.model, max_batch_size=cfg.batch_size)
+    load_s = time.perf_counter() - load_start  # cold request = load_s + first_request_s
+    problems = load_humaneval(cfg.prompts)[: cfg.num_prompts]
+    texts = [heal_prompt(p["prompt"]) for p in problems]
+    ar = LLM(cfg.ar_model, max_batch_size=cfg.batch_size) if cfg.ar_model else None
+    results: dict = {"conditions": None, "runs": []}
+    for length in cfg.lengths:
+        room = llm.context_length - length
+        if room < 8:
+            results["runs"].append({"max_new_tokens": length, "skipped": f"context window {llm.context_length} too short"})
+            continue
+        prompt_ids = [llm.tokenizer.encode(t)[-room:] for t in texts]
+        batches = [prompt_ids[i : i + cfg.batch_size] for i in range(0, len(prompt_ids), cfg.batch_size)]
+        results["conditions"] = results["conditions"] or conditions(cfg, llm, [len(p) for p in prompt_ids])
+        reference = SamplingParams(max_new_tokens=length, steps=length, block_length=32, early_exit=False)
+        fast = llm.default_params(max_new_tokens=length, temperature=0.0)
+
+        def autoregressive(batch, length=length):
+            out = generate_autoregressive(ar.model, batch, SamplingParams(max_new_tokens=length))
+            return out.token_ids, [out.nfe] * len(batch), out.first_token_s
+
+        def diffusion(params: SamplingParams):
+            def decode(batch):
+                reqs = [llm.engine.add_request(p, params) for p in batch]
+                while llm.engine.has_unfinished():
+                    llm.engine.step()
+                outs = [llm.to_output("", r) for r in reqs]
+                return [o.token_ids for o in outs], [o.nfe for o in outs], [o.ttft_s for o in outs]
+            return decode
+
+        systems = [("dllm-reference", diffusion(reference)), ("dllm-fast", diffusion(fast))]
+        if ar is not None:
+            systems.append(("ar-twin", autoregressive))
+        runs = [run_system(name, fn, batches, cfg.warmup) for name, fn in systems]
+        for r in runs:
+            r["load_s"] = round(load_s, 3)
+        for r in runs:
+            decoded = [llm.tokenizer.decode(o) for o in r["outputs"]]
+            bodies = [cut_function_body(d) for d in decoded]
+            r["parse_rate"] = round(sum(has_code(b) and parses(t + b) for t, b in zip(texts, bodies, strict=True))
+                                    / len(texts), 4)
+            r["repetition_share"] = round(sum(max_repeat_run(o) > 8 for o in r["outputs"]) / len(texts), 4)
+            r["agreement_with_reference"] = agreement(r["outputs"], runs[0]["outputs"])
+            r["judge_perplexity"] = perplexity(ar, prompt_ids, r["outputs"]) if ar is not None else None
+            r["max_new_tokens"] = length
+        results["runs"] += [{k: v for k, v in r.items() if k != "outputs"} for r in runs]
+    write_outputs(results, Path(cfg.out_dir))
+    return results
+
+
+def format_table(results: dict) -> str:
+    cols = ["system", "max_new_tokens", "tokens_per_s", "first_request_s", "ttft_mean_s", "latency_p50_s",
+            "latency_p95_s", "nfe_mean", "tokens_per_forward", "parse_rate", "repetition_share",
+            "agreement_with_reference", "judge_perplexity"]
+    rows = [cols] + [[str(r.get(c, "")) for c in cols] for r in results["runs"] if "system" in r]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(cols))]
+    return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)) for row in rows)
+
+
+def write_outputs(results: dict, out: Path) -> None:
+    """bench.json and, when matplotlib is installed, tokens_per_s.png (tokens/s against length)."""
+    out.mkdir(parents=True, exist_ok=True)
+    tmp = out / "bench.json.tmp"
+    tmp.write_text(json.dumps(results, indent=1) + "\n")
+    tmp.replace(out / "bench.json")
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for system in sorted({r["system"] for r in results["runs"] if "system" in r}):
+        pts = [(r["max_new_tokens"], r["tokens_per_s"]) for r in results["runs"] if r.get("system") == system]
+        ax.plot(*zip(*pts, strict=True), marker="o", label=system)
+    ax.set_xlabel("output length (tokens)")
+    ax.set_ylabel("output tokens/s")
+    ax.set_xscale("log", base=2)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "tokens_per_s.png", dpi=120)
+    plt.close(fig)
