@@ -14,12 +14,15 @@ the config gives the autoregressive twin with the same weights layout.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+# shared with the LLaDA and Dream formats; still importable from here
+from celeris.models.layers import KVCache, RMSNorm, apply_rope, rope_cos_sin
 
 
 @dataclass
@@ -68,54 +71,6 @@ class CelerisConfig:
     def to_json(self, path: str | Path) -> None:
         data = {"architectures": ["CelerisForMaskedDiffusion"], **asdict(self)}
         Path(path).write_text(json.dumps(data, indent=2) + "\n")
-
-
-class RMSNorm(nn.Module):
-    """Root-mean-square layer norm (arXiv:1910.07467); computed in float32."""
-
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (xf * self.weight.float()).to(x.dtype)
-
-
-def rope_cos_sin(
-    positions: torch.Tensor, head_dim: int, theta: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rotary tables for integer ``positions`` (B, L) -> cos, sin each (B, 1, L, head_dim), float32."""
-    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=positions.device).float() / head_dim)
-    angles = positions.float()[..., None] * inv_freq  # (B, L, head_dim/2)
-    angles = torch.cat([angles, angles], dim=-1)  # (B, L, head_dim)
-    return angles.cos()[:, None], angles.sin()[:, None]
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x`` (B, H, L, D) by the half-split RoPE convention used by Llama."""
-    x1, x2 = x.chunk(2, dim=-1)
-    rotated = torch.cat([-x2, x1], dim=-1)
-    return (x.float() * cos + rotated.float() * sin).to(x.dtype)
-
-
-@dataclass
-class KVCache:
-    """Keys and values of every layer from one full forward pass, each (B, H, T, head_dim).
-
-    Used for Fast-dLLM's approximate caching of bidirectional models
-    (arXiv:2505.22618, Sec. 3.2): a full pass at a block boundary fills the cache;
-    the following denoising steps recompute only a window of positions (the
-    current block and everything after it for the prefix cache, just the block
-    for the dual cache) and read the other positions' keys and values from here.
-    A window pass writes its fresh keys/values back, which is also what
-    autoregressive decoding of a causal model needs (window = the newest token).
-    """
-
-    keys: list[torch.Tensor] = field(default_factory=list)
-    values: list[torch.Tensor] = field(default_factory=list)
 
 
 class Attention(nn.Module):

@@ -9,22 +9,20 @@ grouped K/V heads) -> residual, then RMSNorm -> SwiGLU MLP
 (``ln_f``) and an untied output head (``model.transformer.ff_out``).
 
 The model maps token ids to logits and nothing else. Logits at position i
-predict token i (no shift). Config keys and tensor names: ``FORMATS.md``.
+predict token i (no shift). The layers and the KV-cache interface (``cache=`` /
+``window=``, as ``CelerisModel``) are the shared ones of
+``celeris.models.layers``; this file holds the config and the name table.
+Config keys and tensor names: ``FORMATS.md``.
 """
 
 from __future__ import annotations
 
-import json
 import math
-from dataclasses import dataclass, fields
-from pathlib import Path
+from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
-from torch import nn
 
-from celeris.models.celeris import RMSNorm, apply_rope, rope_cos_sin
-from celeris.tokenizer import special_token_ids
+from celeris.models.layers import FormatConfig, TransformerLM
 
 # Checkpoint tensor name -> module name in LLaDAModel ("{i}" is the block index).
 CHECKPOINT_KEYS = {
@@ -47,7 +45,7 @@ CHECKPOINT_KEYS = {
 
 
 @dataclass
-class LLaDAConfig:
+class LLaDAConfig(FormatConfig):
     """The keys of LLaDA's ``config.json`` (field names and defaults of the published ``ModelConfig``).
 
     Only the variant the released checkpoints use is supported (``block_type``
@@ -89,6 +87,8 @@ class LLaDAConfig:
     pad_token_id: int = -1
     model_type: str = "llada"
 
+    FORMAT = "LLaDA"
+
     def __post_init__(self) -> None:
         self.embedding_size = self.embedding_size or self.vocab_size
         unsupported = [
@@ -101,18 +101,7 @@ class LLaDAConfig:
             (not self.layer_norm_with_affine, "layer_norm_with_affine false"),
             (self.block_group_size != 1, f"block_group_size {self.block_group_size} (only 1)"),
         ]
-        for bad, what in unsupported:
-            if bad:
-                raise ValueError(f"this LLaDA config uses {what}, which Celeris does not implement")
-        if self.d_model % self.n_heads or self.n_heads % self.num_kv_heads:
-            raise ValueError(
-                f"d_model ({self.d_model}) must divide by n_heads ({self.n_heads}) "
-                f"and n_heads by the K/V heads ({self.num_kv_heads})"
-            )
-        for name in ("mask_token_id", "eos_token_id", "pad_token_id"):
-            value = getattr(self, name)
-            if not 0 <= value < self.vocab_size:
-                raise ValueError(f"{name}={value} is outside the vocabulary [0, {self.vocab_size})")
+        self.validate(unsupported, {"d_model": self.d_model, "n_heads": self.n_heads, "K/V heads": self.num_kv_heads})
 
     @property
     def num_kv_heads(self) -> int:
@@ -132,129 +121,25 @@ class LLaDAConfig:
     def max_position_embeddings(self) -> int:
         return self.max_sequence_length
 
-    @classmethod
-    def from_json(cls, path: str | Path) -> LLaDAConfig:
-        """Read ``config.json``; unknown keys are ignored.
 
-        Special ids missing from the config (or null) come from the tokenizer
-        files beside it; a missing pad id falls back to the end-of-text id.
-
-        Raises:
-            ValueError: no mask id anywhere, or an unsupported setting.
-        """
-        path = Path(path)
-        raw = json.loads(path.read_text())
-        known = {f.name for f in fields(cls)}
-        values = {k: v for k, v in raw.items() if k in known and v is not None}
-        values.update(special_token_ids(raw, path.parent))
-        return cls(**values)
-
-
-class Attention(nn.Module):
-    """Bidirectional multi-head attention with RoPE and grouped K/V heads."""
-
-    def __init__(self, cfg: LLaDAConfig) -> None:
-        super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.n_heads, cfg.num_kv_heads, cfg.head_dim
-        qkv_bias = bool(cfg.include_qkv_bias)
-        self.q_proj = nn.Linear(cfg.d_model, cfg.n_heads * cfg.head_dim, bias=qkv_bias)
-        self.k_proj = nn.Linear(cfg.d_model, cfg.num_kv_heads * cfg.head_dim, bias=qkv_bias)
-        self.v_proj = nn.Linear(cfg.d_model, cfg.num_kv_heads * cfg.head_dim, bias=qkv_bias)
-        self.o_proj = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
-
-    def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn_mask: torch.Tensor | None
-    ) -> torch.Tensor:
-        b, length, _ = x.shape
-        q = self.q_proj(x).view(b, length, self.num_heads, self.head_dim).transpose(1, 2)  # (B, H, L, D)
-        k = self.k_proj(x).view(b, length, self.num_kv_heads, self.head_dim).transpose(1, 2)  # (B, Hkv, L, D)
-        v = self.v_proj(x).view(b, length, self.num_kv_heads, self.head_dim).transpose(1, 2)  # (B, Hkv, L, D)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if self.num_kv_heads != self.num_heads:  # each K/V head serves a group of consecutive query heads
-            k = k.repeat_interleave(self.num_heads // self.num_kv_heads, dim=1)  # (B, H, L, D)
-            v = v.repeat_interleave(self.num_heads // self.num_kv_heads, dim=1)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=False)  # (B, H, L, D)
-        return self.o_proj(out.transpose(1, 2).reshape(b, length, -1))
-
-
-class MLP(nn.Module):
-    """SwiGLU feed-forward (arXiv:2002.05202): ``down(silu(gate(x)) * up(x))``."""
-
-    def __init__(self, cfg: LLaDAConfig) -> None:
-        super().__init__()
-        self.gate_proj = nn.Linear(cfg.d_model, cfg.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(cfg.d_model, cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.d_model, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
-class Block(nn.Module):
-    def __init__(self, cfg: LLaDAConfig) -> None:
-        super().__init__()
-        self.attn_norm = RMSNorm(cfg.d_model, cfg.rms_norm_eps)
-        self.attn = Attention(cfg)
-        self.mlp_norm = RMSNorm(cfg.d_model, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
-
-    def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn_mask: torch.Tensor | None
-    ) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x), cos, sin, attn_mask)
-        return x + self.mlp(self.mlp_norm(x))
-
-
-class LLaDAModel(nn.Module):
+class LLaDAModel(TransformerLM):
     """Token ids -> logits for LLaDA checkpoints. See the module docstring for the architecture."""
 
     def __init__(self, cfg: LLaDAConfig) -> None:
-        super().__init__()
+        super().__init__(
+            vocab_size=cfg.vocab_size, embedding_rows=cfg.embedding_size, hidden_size=cfg.d_model,
+            num_layers=cfg.n_layers, num_heads=cfg.n_heads, num_kv_heads=cfg.num_kv_heads,
+            intermediate_size=cfg.intermediate_size, rms_norm_eps=cfg.rms_norm_eps, rope_theta=cfg.rope_theta,
+            qkv_bias=bool(cfg.include_qkv_bias), tie_head=cfg.weight_tying,
+        )
         self.config = cfg
-        self.embed_tokens = nn.Embedding(cfg.embedding_size, cfg.d_model)
-        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
-        self.norm = RMSNorm(cfg.d_model, cfg.rms_norm_eps)
-        self.lm_head = None if cfg.weight_tying else nn.Linear(cfg.d_model, cfg.embedding_size, bias=False)
 
-    def hidden_states(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """(B, L) int64 ids (+ optional (B, L) bool mask, False on padding) -> (B, L, d_model) final normed states.
-
-        Padding keys are never attended. RoPE positions count real tokens only;
-        RoPE depends on position differences alone, so this equals the published
-        model's 0..L-1 positions for every real token.
-        """
-        b, length = input_ids.shape
-        if attention_mask is None:
-            positions = torch.arange(length, device=input_ids.device).expand(b, length)
-            attn_mask = None
-        else:
-            positions = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)  # (B, L)
-            attn_mask = attention_mask[:, None, None, :]  # (B, 1, 1, L) keys
-        cos, sin = rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta)
-        x = self.embed_tokens(input_ids)  # (B, L, d)
-        if self.config.input_emb_norm:
-            x = x * self.config.d_model**0.5
-        for layer in self.layers:
-            x = layer(x, cos, sin, attn_mask)
-        return self.norm(x)
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """(B, L) ids -> (B, L, d_model); scaled by sqrt(d_model) with ``input_emb_norm``."""
+        x = self.embed_tokens(input_ids)
+        return x * self.config.d_model**0.5 if self.config.input_emb_norm else x
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """(..., d_model) -> (..., vocab_size) float32; padded embedding rows past vocab_size are dropped."""
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        logits = F.linear(hidden, weight[: self.config.vocab_size]).float()
+        logits = super().logits(hidden)
         return logits / math.sqrt(self.config.d_model) if self.config.scale_logits else logits
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        attention_mask: torch.Tensor | None = None,
-        logits_slice: slice | None = None,
-        return_hidden: bool = False,
-    ) -> torch.Tensor:
-        """(B, L) token ids -> (B, L', vocab_size) float32 logits; ``logits_slice`` picks the positions (L')."""
-        hidden = self.hidden_states(input_ids, attention_mask)
-        if return_hidden:
-            return hidden
-        if logits_slice is not None:
-            hidden = hidden[:, logits_slice]
-        return self.logits(hidden)

@@ -101,6 +101,16 @@ def random_weights(shapes: dict[str, tuple[int, ...]], seed: int = 0) -> dict[st
     return state
 
 
+def padded_batch(vocab: int, seed: int = 0, pad: int = 4, length: int = 12) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two rows of ``length`` random ids: a full one and one left-padded by ``pad`` (pad id 0), and the (2, length) mask."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, vocab, (2, length), generator=g)
+    mask = torch.ones(2, length, dtype=torch.bool)
+    mask[1, :pad] = False
+    ids[1, :pad] = 0
+    return ids, mask
+
+
 # ---------------------------------------------------------------- LLaDA
 
 

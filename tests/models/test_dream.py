@@ -19,8 +19,7 @@ from celeris.models.dream import DreamModel
 from celeris.models.loader import CheckpointError
 from celeris.models.registry import load_any, load_tokenizer
 from celeris.params import SamplingParams
-from celeris.sampling.generate import generate
-from tests.models.conftest_formats import ref_attention, ref_rms, ref_rope, write_dream
+from tests.models.conftest_formats import padded_batch, ref_attention, ref_rms, ref_rope, write_dream
 
 
 def dream_head_reference(state: dict, cfg: dict, ids: torch.Tensor, key_ok: torch.Tensor) -> torch.Tensor:
@@ -59,15 +58,6 @@ def shift(logits: torch.Tensor) -> torch.Tensor:
     return torch.cat([logits[:, :1], logits[:, :-1]], dim=1)
 
 
-def padded_batch(vocab: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(3, vocab, (2, 12), generator=g)
-    mask = torch.ones(2, 12, dtype=torch.bool)
-    mask[1, :3] = False
-    ids[1, :3] = 0
-    return ids, mask
-
-
 @pytest.fixture(scope="module")
 def dream_dir(tmp_path_factory):
     folder = tmp_path_factory.mktemp("dream") / "Dream-tiny"
@@ -94,7 +84,7 @@ def test_config_comes_from_published_keys(dream, dream_dir):
 
 def test_logits_match_published_equations_with_shift(dream, dream_dir):
     _, cfg, state = dream_dir
-    ids, mask = padded_batch(cfg["vocab_size"])
+    ids, mask = padded_batch(cfg["vocab_size"], pad=3)
     with torch.no_grad():
         got = dream(ids, mask)
         ref = shift(dream_head_reference(state, cfg, ids, mask))
@@ -127,7 +117,7 @@ def test_ids_from_tokenizer_files_tied_head_and_shards(tmp_path):
     assert model.lm_head is None
     assert model.config.mask_token_id == cfg["mask_token_id"]
     assert model.config.pad_token_id == cfg["pad_token_id"]
-    ids, mask = padded_batch(cfg["vocab_size"], seed=2)
+    ids, mask = padded_batch(cfg["vocab_size"], seed=2, pad=3)
     with torch.no_grad():
         ref = shift(dream_head_reference(state, cfg, ids, mask))
         assert (model(ids, mask) - ref)[mask].abs().max() < 1e-4
@@ -144,25 +134,6 @@ def test_unsupported_settings_are_refused(tmp_path):
     (folder / "tokenizer_config.json").write_text(cfg)
     with pytest.raises(CheckpointError, match="no mask_token_id"):
         load_any(folder)
-
-
-@pytest.mark.parametrize("overrides", [{"decoding": "fixed"}, {"decoding": "threshold", "threshold": 0.5},
-                                       {"cfg_scale": 1.0}])
-def test_sampler_runs(dream, overrides):
-    params = SamplingParams(max_new_tokens=8, steps=8, block_length=4, early_exit=False, seed=0, **overrides)
-    out = generate(dream, [[5, 6, 7, 8], [9, 10]], params)
-    assert out.answer_ids.shape == (2, 8)
-    assert not (out.answer_ids == dream.config.mask_token_id).any()
-    if overrides.get("decoding", "fixed") == "fixed":
-        assert out.nfe == 8 * (2 if overrides.get("cfg_scale") else 1)
-
-
-def test_batched_equals_unbatched(dream):
-    params = SamplingParams(max_new_tokens=8, steps=8, block_length=4, early_exit=False)
-    prompts = [[5, 6, 7, 8, 9, 10], [11, 12]]
-    both = generate(dream, prompts, params).answer_ids
-    for i, p in enumerate(prompts):
-        assert torch.equal(generate(dream, [p], params).answer_ids[0], both[i])
 
 
 def test_llm_generates_and_renders_chat(dream_dir):

@@ -31,14 +31,12 @@ def test_cli_generate_on_published_format(format_dir, capsys):
     assert record["nfe"] == 8 and len(record["token_ids"]) <= 8 and "text" in record
 
 
-def test_cli_threshold_decoding_and_unsupported_cache(format_dir, capsys):
-    rc = main(["generate", "x", "--model", str(format_dir), "--max-new-tokens", "4", "--steps", "4",
-               "--device", "cpu", "--decoding", "threshold"])
-    assert rc == 0, capsys.readouterr().err
-    rc = main(["generate", "x", "--model", str(format_dir), "--max-new-tokens", "4", "--device", "cpu",
-               "--cache", "dual"])
-    err = capsys.readouterr().err
-    assert rc == 2 and err.count("\n") == 1 and "cache='dual' is not supported" in err
+def test_cli_threshold_decoding_with_dual_cache(format_dir, capsys):
+    rc = main(["generate", "x", "--model", str(format_dir), "--max-new-tokens", "8", "--block-length", "4",
+               "--device", "cpu", "--decoding", "threshold", "--cache", "dual", "--json"])
+    out = capsys.readouterr()
+    assert rc == 0, out.err
+    assert json.loads(out.out)["nfe"] >= 2  # at least one step per block
 
 
 def test_serving_layer_on_published_format(format_dir):

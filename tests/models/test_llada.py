@@ -24,6 +24,7 @@ from celeris.params import SamplingParams
 from celeris.sampling.generate import generate
 from tests.models.conftest_formats import (
     llada_shapes,
+    padded_batch,
     ref_attention,
     ref_rms,
     ref_rope,
@@ -66,16 +67,6 @@ def llada_reference(state: dict, cfg: dict, ids: torch.Tensor, key_ok: torch.Ten
             logits = logits / math.sqrt(d)
         rows.append(logits[:, : cfg["vocab_size"]])
     return torch.stack(rows)
-
-
-def padded_batch(vocab: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """Two rows of 12: a full one and one left-padded by 4 (pad id 0)."""
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(3, vocab, (2, 12), generator=g)
-    mask = torch.ones(2, 12, dtype=torch.bool)
-    mask[1, :4] = False
-    ids[1, :4] = 0
-    return ids, mask
 
 
 @pytest.fixture(scope="module")
@@ -200,25 +191,6 @@ def test_memory_estimate_and_refusal(llada_dir, monkeypatch):
     with pytest.raises(CheckpointError, match="not enough memory"):
         load_any(folder)
     assert load_any(folder, dtype=torch.bfloat16) is not None
-
-
-@pytest.mark.parametrize("overrides", [{"decoding": "fixed"}, {"decoding": "threshold", "threshold": 0.5},
-                                       {"cfg_scale": 1.0}])
-def test_sampler_runs(llada, overrides):
-    params = SamplingParams(max_new_tokens=8, steps=8, block_length=4, early_exit=False, seed=0, **overrides)
-    out = generate(llada, [[5, 6, 7, 8], [9, 10]], params)
-    assert out.answer_ids.shape == (2, 8)
-    assert not (out.answer_ids == llada.config.mask_token_id).any()
-    if overrides.get("decoding", "fixed") == "fixed":
-        assert out.nfe == 8 * (2 if overrides.get("cfg_scale") else 1)
-
-
-def test_batched_equals_unbatched(llada):
-    params = SamplingParams(max_new_tokens=8, steps=8, block_length=4, early_exit=False)
-    prompts = [[5, 6, 7, 8, 9, 10], [11, 12]]
-    both = generate(llada, prompts, params).answer_ids
-    for i, p in enumerate(prompts):
-        assert torch.equal(generate(llada, [p], params).answer_ids[0], both[i])
 
 
 def test_answer_can_end_when_pad_is_eos(tmp_path):
