@@ -83,7 +83,7 @@ class Engine:
         batch = self.scheduler.schedule()
         if not batch:
             return []
-        logits, block, widths = self.runner.run(batch)
+        logits, block = self.runner.run(batch)
         settings = RowSettings.from_params([r.params for r in batch], logits.device)
         num_tokens = torch.tensor([r.tokens_this_step() for r in batch], device=logits.device)
         new_block, _ = denoise_step(logits, block, self.mask_id, self.banned_ids, num_tokens, settings,
@@ -92,7 +92,7 @@ class Engine:
         outputs = []
         for i, r in enumerate(batch):
             s, e = r.block_span
-            r.canvas[s:e] = new_block[i, : int(widths[i])]
+            r.canvas[s:e] = new_block[i, : e - s]  # a short block's pad columns are dropped
             r.nfe += 2 if r.params.cfg_scale > 0 else 1
             r.advance(self.eos_id)
             prefix = r.final_prefix(self.eos_id)

@@ -15,6 +15,8 @@ from celeris.sampling.step import make_generator
 
 
 class RequestStatus(enum.Enum):
+    """Lifecycle: WAITING (queued) -> RUNNING (scheduled) -> FINISHED, or ABORTED from either."""
+
     WAITING = "waiting"
     RUNNING = "running"
     FINISHED = "finished"
@@ -120,6 +122,7 @@ class Request:
         self._new_block()
 
     def finish(self, reason: str, status: RequestStatus = RequestStatus.FINISHED) -> None:
+        """End the request with ``finish_reason`` ``reason`` ("stop", "length", "abort") and free its KV caches."""
         self.status = status
         self.finish_reason = reason
         self.kv = self.kv_uncond = None

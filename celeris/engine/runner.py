@@ -30,14 +30,13 @@ class ModelRunner:
         self.pad_id = model.config.pad_token_id
 
     @torch.no_grad()
-    def run(self, requests: list[Request]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def run(self, requests: list[Request]) -> tuple[torch.Tensor, torch.Tensor]:
         """One denoising step's forward passes over ``requests``.
 
         Returns:
             logits (B, Lb, V) float32 for each request's current block (after CFG),
-            block (B, Lb) int64 current block tokens (columns past a short block
-            hold the pad id, so they are never committed), and
-            widths (B,) int64 block length of each row. Lb is the longest block.
+            and block (B, Lb) int64 current block tokens (columns past a short block
+            hold the pad id, so they are never committed). Lb is the longest block.
         """
         groups: dict[str, list[int]] = {}
         for i, r in enumerate(requests):
@@ -51,8 +50,7 @@ class ModelRunner:
                 logits = g_logits.new_empty((len(requests), lb, g_logits.shape[-1]))
                 block = g_block.new_empty((len(requests), lb))
             logits[rows], block[rows] = g_logits, g_block
-        widths = torch.tensor([e - s for s, e in (r.block_span for r in requests)], device=self.device)
-        return logits, block, widths
+        return logits, block
 
     def _forward(self, requests: list[Request], mode: str, lb: int) -> tuple[torch.Tensor, torch.Tensor]:
         spans = [r.block_span for r in requests]

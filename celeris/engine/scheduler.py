@@ -30,6 +30,8 @@ def _rows(request: Request) -> int:
 
 
 class Scheduler:
+    """FCFS waiting queue plus the running set, within ``config``'s sequence and token budgets (module docstring)."""
+
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.waiting: deque[Request] = deque()

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 # shared with the LLaDA and Dream formats; still importable from here
-from celeris.models.layers import KVCache, RMSNorm, apply_rope, rope_cos_sin
+from celeris.models.layers import KVCache, RMSNorm, apply_rope, positions_and_mask, rope_cos_sin, update_cache
 
 
 @dataclass
@@ -94,14 +94,7 @@ class Attention(nn.Module):
         q, k, v = self.qkv_proj(x).view(b, length, 3, self.num_heads, self.head_dim).unbind(2)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, H, L, D)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if cache is not None and window is None:  # full pass: fill the cache
-            cache.keys.append(k)
-            cache.values.append(v)
-        elif cache is not None:  # window pass: fresh keys/values inside the window, cached ones outside
-            w0, w1 = window
-            cache.keys[layer_idx][:, :, w0:w1] = k  # written back: an autoregressive step extends the cache
-            cache.values[layer_idx][:, :, w0:w1] = v
-            k, v = cache.keys[layer_idx], cache.values[layer_idx]  # (B, H, T, D)
+        k, v = update_cache(k, v, cache, layer_idx, window)  # (B, H, T, D) with a window
         out = F.scaled_dot_product_attention(
             q, k, v, attn_mask=attn_mask, is_causal=self.is_causal and attn_mask is None and window is None
         )  # (B, H, L, D)
@@ -181,14 +174,9 @@ class CelerisModel(nn.Module):
             (B, T, hidden_size), or (B, w1 - w0, hidden_size) for a window pass,
             in the parameter dtype.
         """
-        b, length = input_ids.shape
+        length = input_ids.shape[1]
         device = input_ids.device
-        if attention_mask is None:  # no padding: SDPA's unmasked (or is_causal) fast path
-            positions = torch.arange(length, device=device).expand(b, length)
-            attn_mask = None
-        else:
-            positions = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)  # (B, T)
-            attn_mask = attention_mask[:, None, None, :]  # (B, 1, 1, T) keys
+        positions, attn_mask = positions_and_mask(input_ids, attention_mask)  # None mask: SDPA's fast path
         w0, w1 = window if window is not None else (0, length)
         if self.config.is_causal and (attn_mask is not None or window is not None):
             causal = torch.arange(length, device=device)[None, :] <= torch.arange(w0, w1, device=device)[:, None]

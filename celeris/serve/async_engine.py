@@ -227,7 +227,7 @@ class AsyncEngine:
                 return
             if kind == "add":
                 self._release(len(group.inputs))
-                if not arg.done():
+                if arg.set_running_or_notify_cancel():  # False: the submitter already gave up (cancelled)
                     arg.set_exception(EngineDeadError(message))
 
     def _drain(self, block: bool) -> None:
@@ -247,7 +247,11 @@ class AsyncEngine:
                 return
 
     def _add(self, group: RequestGroup, accepted: concurrent.futures.Future) -> None:
-        if group._abort_sent:  # the submitter gave up before admission
+        # The submitter gave up before admission. Its cancelled await may already have cancelled
+        # ``accepted`` (asyncio.wrap_future does) before ``abort`` set the flag: setting a result on a
+        # cancelled future raises InvalidStateError, which would kill this thread. Once
+        # set_running_or_notify_cancel() returns True the future can no longer be cancelled.
+        if group._abort_sent or not accepted.set_running_or_notify_cancel():
             self._release(len(group.inputs))
             accepted.cancel()
             return
