@@ -27,9 +27,19 @@ class _Parser(argparse.ArgumentParser):
         raise UsageError(message)
 
 
-def _sampling_args(p: argparse.ArgumentParser) -> None:
+def _model_args(p: argparse.ArgumentParser) -> None:
+    """Which checkpoint to load and how: shared by every command that loads a model."""
     p.add_argument("--model", help="checkpoint folder (default: the embedded celeris-code-6m)")
     p.add_argument("--device", help="cpu, cuda, cuda:1 ... (default: cuda when available)")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
+                   help="weight dtype (default: bfloat16 on CUDA, float32 on CPU)")
+    p.add_argument("--compile", action="store_true", help="torch.compile the model (slow first request)")
+    p.add_argument("--trust-remote-code", action="store_true",
+                   help="allow a checkpoint of an unknown format to run its own modeling code")
+
+
+def _sampling_args(p: argparse.ArgumentParser) -> None:
+    _model_args(p)
     p.add_argument("--max-new-tokens", type=int, help="answer length in tokens")
     p.add_argument("--steps", type=int, help="denoising steps for the whole answer")
     p.add_argument("--block-length", type=int, help="tokens per semi-autoregressive block")
@@ -42,11 +52,6 @@ def _sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cfg-scale", type=float, help="classifier-free guidance scale (0 = off)")
     p.add_argument("--cache", help="KV cache: none, prefix or dual (Fast-dLLM)")
     p.add_argument("--stop", action="append", help="stop string (repeatable)")
-    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
-                   help="weight dtype (default: bfloat16 on CUDA, float32 on CPU)")
-    p.add_argument("--compile", action="store_true", help="torch.compile the model (slow first request)")
-    p.add_argument("--trust-remote-code", action="store_true",
-                   help="allow a checkpoint of an unknown format to run its own modeling code")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -343,8 +348,7 @@ def _batch_report(args: argparse.Namespace) -> int:
 
 def _serve_parser(sub) -> None:
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions)")
-    s.add_argument("--model", help="checkpoint folder (default: the embedded celeris-code-6m)")
-    s.add_argument("--device", help="cpu, cuda, cuda:1 ... (default: cuda when available)")
+    _model_args(s)
     s.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--max-num-seqs", type=int, default=8, help="requests denoised together")
@@ -354,11 +358,6 @@ def _serve_parser(sub) -> None:
                    help="require 'Authorization: Bearer KEY' on /v1 (default: $CELERIS_API_KEY, else none)")
     s.add_argument("--served-model-name", help="the model name clients send (default: the checkpoint folder name)")
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
-    s.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
-                   help="weight dtype (default: bfloat16 on CUDA, float32 on CPU)")
-    s.add_argument("--compile", action="store_true", help="torch.compile the model (slow first request)")
-    s.add_argument("--trust-remote-code", action="store_true",
-                   help="allow a checkpoint of an unknown format to run its own modeling code")
 
 
 def cmd_serve(args: argparse.Namespace) -> int:

@@ -214,3 +214,25 @@ def subprocess_env() -> dict[str, str]:
     env["OMP_NUM_THREADS"] = "1"
     env["MKL_NUM_THREADS"] = "1"
     return env
+
+
+def build_tiny_checkpoint(folder: Path, texts: list[str], name: str, context: int, generation_config: dict) -> Path:
+    """Tokenizer (~300 tokens) trained on ``texts`` + a random 2-layer model whose answers vary with
+    prompt and seed, saved as checkpoint folder ``folder / name`` (shared by the serve and batch tests)."""
+    from celeris.tokenizer import Tokenizer
+
+    tok_dir = folder / "tokenizer"
+    tok_dir.mkdir(parents=True)
+    train_tokenizer(iter(texts * 4), vocab_size=300).save(str(tok_dir / "tokenizer.json"))
+    write_tokenizer_config(tok_dir)
+    tok = Tokenizer(tok_dir)
+    cfg = CelerisConfig(vocab_size=tok.vocab_size, hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64,
+                        max_position_embeddings=context, eos_token_id=tok.eos_token_id,
+                        mask_token_id=tok.mask_token_id, pad_token_id=tok.pad_token_id)
+    torch.manual_seed(0)
+    model = CelerisModel(cfg).eval()
+    with torch.no_grad():  # larger projections: predictions depend on context, so answers vary
+        for pname, p in model.named_parameters():
+            if p.dim() == 2 and not pname.startswith("embed_tokens"):
+                p.mul_(3.0)
+    return save_checkpoint(model, folder / name, tok_dir, generation_config)

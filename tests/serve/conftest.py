@@ -10,15 +10,11 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 
 from celeris.llm import LLM
-from celeris.models.celeris import CelerisConfig, CelerisModel
-from celeris.models.loader import save_checkpoint
 from celeris.serve.app import BackgroundServer, create_app
 from celeris.serve.serving import OpenAIServing
-from celeris.tokenizer import Tokenizer, write_tokenizer_config
-from celeris.train.data import train_tokenizer
+from tests.conftest import build_tiny_checkpoint
 
 MODEL_NAME = "tiny-serve"
 CONTEXT = 128
@@ -35,22 +31,7 @@ TEXTS = [
 
 
 def build_checkpoint(folder: Path) -> Path:
-    """Tokenizer (~300 tokens) + a random 2-layer model whose answers vary with the seed."""
-    tok_dir = folder / "tokenizer"
-    tok_dir.mkdir(parents=True)
-    train_tokenizer(iter(TEXTS * 4), vocab_size=300).save(str(tok_dir / "tokenizer.json"))
-    write_tokenizer_config(tok_dir)
-    tok = Tokenizer(tok_dir)
-    cfg = CelerisConfig(vocab_size=tok.vocab_size, hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64,
-                        max_position_embeddings=CONTEXT, eos_token_id=tok.eos_token_id,
-                        mask_token_id=tok.mask_token_id, pad_token_id=tok.pad_token_id)
-    torch.manual_seed(0)
-    model = CelerisModel(cfg).eval()
-    with torch.no_grad():  # larger projections: predictions depend on context, so answers vary
-        for name, p in model.named_parameters():
-            if p.dim() == 2 and not name.startswith("embed_tokens"):
-                p.mul_(3.0)
-    return save_checkpoint(model, folder / MODEL_NAME, tok_dir, GENERATION_CONFIG)
+    return build_tiny_checkpoint(folder, TEXTS, MODEL_NAME, CONTEXT, GENERATION_CONFIG)
 
 
 @pytest.fixture(scope="session")
