@@ -400,19 +400,23 @@ class OpenAIServing:
             return None
         return update.delta
 
-    async def _completion_stream(self, run: _Run, request: CompletionRequest, rid: str,
-                                 created: int) -> AsyncIterator[CompletionStreamResponse]:
+    async def _stream_pieces(self, run: _Run) -> AsyncIterator[tuple[Update, str, int | None]]:
+        """(update, text to send, denoising step or None) for every update that has something to send;
+        shared by the completion and chat streams. Closes the update stream however the caller stops."""
         updates = self._updates(run)
         try:
             async for u in updates:
                 text = self._stream_text(run, u)
-                if text is None:
-                    continue
-                step = u.step if run.stream_mode == "denoise" else None
-                choice = CompletionChoice(index=u.index, text=text, finish_reason=u.finish_reason, step=step)
-                yield CompletionStreamResponse(id=rid, created=created, model=self.model_name, choices=[choice])
+                if text is not None:
+                    yield u, text, u.step if run.stream_mode == "denoise" else None
         finally:
             await updates.aclose()
+
+    async def _completion_stream(self, run: _Run, request: CompletionRequest, rid: str,
+                                 created: int) -> AsyncIterator[CompletionStreamResponse]:
+        async for u, text, step in self._stream_pieces(run):
+            choice = CompletionChoice(index=u.index, text=text, finish_reason=u.finish_reason, step=step)
+            yield CompletionStreamResponse(id=rid, created=created, model=self.model_name, choices=[choice])
         if request.stream_options is not None and request.stream_options.include_usage:
             yield CompletionStreamResponse(id=rid, created=created, model=self.model_name, choices=[],
                                            usage=run.usage())
@@ -424,16 +428,8 @@ class OpenAIServing:
 
         for i in range(len(run.choices)):
             yield chunk([ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""))])
-        updates = self._updates(run)
-        try:
-            async for u in updates:
-                text = self._stream_text(run, u)
-                if text is None:
-                    continue
-                step = u.step if run.stream_mode == "denoise" else None
-                yield chunk([ChatStreamChoice(index=u.index, delta=DeltaMessage(content=text),
-                                              finish_reason=u.finish_reason, step=step)])
-        finally:
-            await updates.aclose()
+        async for u, text, step in self._stream_pieces(run):
+            yield chunk([ChatStreamChoice(index=u.index, delta=DeltaMessage(content=text),
+                                          finish_reason=u.finish_reason, step=step)])
         if request.stream_options is not None and request.stream_options.include_usage:
             yield chunk([], usage=run.usage())

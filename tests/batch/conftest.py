@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 from pathlib import Path
 
 import pytest
@@ -15,7 +14,6 @@ from celeris.llm import LLM
 from celeris.serve.serving import OpenAIServing
 from tests.conftest import build_tiny_checkpoint
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
 MODEL_NAME = "tiny-batch"
 CONTEXT = 128
 GENERATION_CONFIG = {"max_new_tokens": 8, "steps": 8, "block_length": 8, "temperature": 0.0, "top_p": 1.0,
@@ -132,13 +130,3 @@ def by_id(records: list[dict]) -> dict:
 def answer_text(record: dict) -> str:
     choice = record["response"]["body"]["choices"][0]
     return choice["text"] if "text" in choice else choice["message"]["content"]
-
-
-@pytest.fixture
-def subprocess_env() -> dict[str, str]:
-    """Environment for child Pythons: the checkout on the path, one thread each."""
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p)
-    env["OMP_NUM_THREADS"] = "1"
-    env["MKL_NUM_THREADS"] = "1"
-    return env
