@@ -76,7 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
     for name, typ, default in [
         ("max-steps", int, 1000), ("batch-size", int, 8), ("seq-len", int, 512), ("lr", float, 1.5e-3),
         ("warmup-steps", int, 100), ("eval-every", int, 300), ("eval-batches", int, 16),
-        ("save-every", int, 100), ("seed", int, 0), ("threads", int, None),
+        ("save-every", int, 100), ("seed", int, 0), ("threads", int, None), ("prefix-prob", float, 0.0),
         ("hidden-size", int, 256), ("num-layers", int, 6), ("num-heads", int, 4), ("intermediate-size", int, 704),
     ]:
         t.add_argument(f"--{name}", type=typ, default=default)
@@ -212,7 +212,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         data_dir=args.data, out_dir=args.out, export_dir=args.export, objective=args.objective, model=model,
         seq_len=args.seq_len, batch_size=args.batch_size, max_steps=args.max_steps, lr=args.lr,
         warmup_steps=args.warmup_steps, eval_every=args.eval_every, eval_batches=args.eval_batches,
-        save_every=args.save_every, seed=args.seed, threads=args.threads,
+        save_every=args.save_every, seed=args.seed, threads=args.threads, prefix_prob=args.prefix_prob,
     )
     print(json.dumps(train(cfg)))
     return 0

@@ -46,6 +46,7 @@ class TrainConfig:
     out_dir: str
     export_dir: str | None = None
     objective: str = "diffusion"
+    prefix_prob: float = 0.0
     model: dict = field(default_factory=dict)
     seq_len: int = 512
     batch_size: int = 8
@@ -67,6 +68,10 @@ class TrainConfig:
         for name in ("seq_len", "batch_size", "max_steps", "eval_every", "save_every", "eval_batches"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not 0 <= self.prefix_prob <= 1:
+            raise ValueError(f"prefix_prob must be in [0, 1], got {self.prefix_prob}")
+        if self.prefix_prob and self.objective != "diffusion":
+            raise ValueError("prefix_prob applies to the diffusion objective only")
         if self.lr <= 0:
             raise ValueError(f"lr must be > 0, got {self.lr}")
 
@@ -181,7 +186,8 @@ def train(cfg: TrainConfig, default_generation: dict | None = None) -> dict:
         seed = cfg.seed * 1_000_003 + step * world + rank
         batch = get_batch(train_tokens, cfg.batch_size, cfg.seq_len, seed).to(device)
         runner = model if world == 1 else _DDPView(ddp_model, model)
-        loss, _ = loss_fn(runner, batch, torch.Generator().manual_seed(seed))
+        extra = {"prefix_prob": cfg.prefix_prob} if cfg.prefix_prob else {}
+        loss, _ = loss_fn(runner, batch, torch.Generator().manual_seed(seed), **extra)
         optim.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)

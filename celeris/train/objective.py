@@ -13,6 +13,7 @@ def masked_diffusion_loss(
     input_ids: torch.Tensor,
     generator: torch.Generator | None = None,
     eps: float = 1e-3,
+    prefix_prob: float = 0.0,
 ) -> tuple[torch.Tensor, int]:
     """Masked-diffusion ELBO loss (MDLM arXiv:2406.07524 Eq. 10; LLaDA arXiv:2502.09992 Eq. 3).
 
@@ -22,9 +23,17 @@ def masked_diffusion_loss(
     log-likelihood in nats per token. The output head is computed only at masked
     positions, which is where nearly all the head's FLOPs would otherwise go.
 
+    With ``prefix_prob`` > 0, that share of the sequences keeps a clean prefix of
+    uniformly random length (1 to L - 1 tokens) that is never masked, so the
+    term is the conditional bound on the rest given the prefix: LLaDA's SFT
+    objective (arXiv:2502.09992 Eq. 5) with the prefix as the prompt. That is
+    the situation semi-autoregressive sampling puts the model in (a clean
+    prompt, then a masked answer); held-out evaluation uses ``prefix_prob=0``.
+
     Args:
         input_ids: (B, L) int64 clean tokens.
         generator: RNG for t and the masks (CPU generator; drawn on CPU then moved).
+        prefix_prob: share of sequences with a clean prefix, in [0, 1].
 
     Returns:
         (scalar float32 loss, number of masked positions).
@@ -32,6 +41,10 @@ def masked_diffusion_loss(
     b, length = input_ids.shape
     t = torch.rand(b, 1, generator=generator) * (1 - eps) + eps  # (B, 1)
     is_masked = torch.rand(b, length, generator=generator) < t  # (B, L)
+    if prefix_prob > 0:
+        has_prefix = torch.rand(b, 1, generator=generator) < prefix_prob  # (B, 1)
+        prefix_len = torch.randint(1, length, (b, 1), generator=generator)  # (B, 1)
+        is_masked &= ~(has_prefix & (torch.arange(length)[None] < prefix_len))
     t, is_masked = t.to(input_ids.device), is_masked.to(input_ids.device)
     noisy = torch.where(is_masked, model.config.mask_token_id, input_ids)  # (B, L)
     hidden = model.hidden_states(noisy)  # (B, L, d)

@@ -93,3 +93,37 @@ def test_autoregressive_loss_is_next_token_ce(make_model, batch):
 
 def test_objective_table():
     assert OBJECTIVES == {"diffusion": masked_diffusion_loss, "ar": autoregressive_loss}
+
+
+def test_diffusion_loss_clean_prefix(model, monkeypatch):
+    """prefix_prob=1: every row keeps a clean prefix (at least its first token) and masks only after it;
+    prefix_prob=0 draws exactly the unconditional masks."""
+    torch.manual_seed(0)
+    batch = torch.randint(3, 64, (64, 16))
+    seen: list[torch.Tensor] = []
+    hidden_states = model.hidden_states
+
+    def spy(ids, *a, **k):
+        seen.append(ids.clone())
+        return hidden_states(ids, *a, **k)
+
+    monkeypatch.setattr(model, "hidden_states", spy)
+    masked_diffusion_loss(model, batch, torch.Generator().manual_seed(3), prefix_prob=1.0)
+    is_masked = seen[-1] == model.config.mask_token_id
+    assert not is_masked[:, 0].any()
+    first_masked = torch.where(is_masked.any(1), is_masked.float().argmax(1), 16)
+    # a clean prefix of varying length: masks start at different columns across rows
+    assert len(set(first_masked.tolist())) > 3
+    masked_diffusion_loss(model, batch, torch.Generator().manual_seed(3), prefix_prob=0.0)
+    masked_diffusion_loss(model, batch, torch.Generator().manual_seed(3))
+    assert torch.equal(seen[-1], seen[-2])
+    assert (seen[-1] == model.config.mask_token_id)[:, 0].any()  # without prefixes the first column gets masked
+
+
+def test_prefix_prob_is_validated():
+    from celeris.train.loop import TrainConfig
+
+    with pytest.raises(ValueError, match="prefix_prob"):
+        TrainConfig(data_dir="d", out_dir="o", prefix_prob=1.5)
+    with pytest.raises(ValueError, match="prefix_prob"):
+        TrainConfig(data_dir="d", out_dir="o", objective="ar", prefix_prob=0.5)
