@@ -50,7 +50,7 @@ def _sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--decoding", help="fixed, threshold, factor or entropy")
     p.add_argument("--threshold", type=float, help="confidence threshold for --decoding threshold")
     p.add_argument("--cfg-scale", type=float, help="classifier-free guidance scale (0 = off)")
-    p.add_argument("--cache", help="KV cache: none, prefix or dual (Fast-dLLM)")
+    p.add_argument("--cache", help="KV cache: none, prefix or dual (Fast-dLLM), delayed (dual without refreshes)")
     p.add_argument("--stop", action="append", help="stop string (repeatable)")
 
 

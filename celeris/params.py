@@ -6,7 +6,7 @@ from dataclasses import dataclass, field, fields
 
 REMASKING = ("low_confidence", "random")
 DECODING = ("fixed", "threshold", "factor", "entropy")
-CACHE = ("none", "prefix", "dual")
+CACHE = ("none", "prefix", "dual", "delayed")
 
 
 @dataclass(slots=True)
@@ -37,6 +37,11 @@ class SamplingParams:
             and values are refreshed by a full pass at the first step of each block;
             later steps recompute only the block and what follows it (prefix) or
             only the block (dual). An approximation for bidirectional models.
+            ``delayed``: one full pass (prefill) at the first step, never refreshed;
+            each step recomputes only the block, and a block's first step also
+            rewrites the previous block's keys/values with its final tokens (the
+            delayed caching of decoded tokens of dKV-Cache, arXiv:2505.15781, on
+            top of the dual cache). Cheapest per token; a further approximation.
     """
 
     max_new_tokens: int = 128

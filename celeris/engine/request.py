@@ -8,8 +8,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from celeris.models.celeris import KVCache
 from celeris.params import SamplingParams
+from celeris.sampling.generate import cache_window
 from celeris.sampling.schedule import block_plan, num_transfer_tokens
 from celeris.sampling.step import make_generator
 
@@ -60,8 +60,6 @@ class Request:
         self.step_in_block = 0
         self.generator = make_generator(self.params.seed)
         self.num_emitted = 0  # answer tokens already handed out as final (streaming)
-        self.kv: KVCache | None = None  # this request's keys/values (prefix/dual cache), owned by the runner
-        self.kv_uncond: KVCache | None = None  # the same for its CFG unconditional row
         self._new_block()
 
     @property
@@ -89,6 +87,12 @@ class Request:
         num_masked = (self.canvas[s:e] == self.mask_id).sum().reshape(1)
         self.schedule = num_transfer_tokens(num_masked, self.block_steps)[0]  # (S,)
         self.step_in_block = 0
+
+    def cache_window(self) -> tuple[int, int] | None:
+        """Canvas columns [w0, w1) this step computes with a KV cache, or None for a full pass
+        (``celeris.sampling.generate.cache_window``: the same rule as the reference sampler)."""
+        prev_start = self.answer_start + self.blocks[self.block_idx - 1][0] if self.block_idx else None
+        return cache_window(self.params.cache, slice(*self.block_span), self.num_tokens, self.step_in_block, prev_start)
 
     def tokens_this_step(self) -> int:
         """Tokens to commit now under ``fixed`` decoding (linear schedule)."""
@@ -122,8 +126,9 @@ class Request:
         self._new_block()
 
     def finish(self, reason: str, status: RequestStatus = RequestStatus.FINISHED) -> None:
-        """End the request with ``finish_reason`` ``reason`` ("stop", "length", "abort") and free its KV caches."""
+        """End the request with ``finish_reason`` ``reason`` ("stop", "length", "abort").
+
+        The runner frees its KV cache rows at its next step."""
         self.status = status
         self.finish_reason = reason
-        self.kv = self.kv_uncond = None
         self.finish_time = time.perf_counter()

@@ -1,4 +1,4 @@
-"""ModelRunner: owns the model and device; turns running requests into forward passes."""
+"""ModelRunner: owns the model, the device and the running requests' KV caches; turns requests into forward passes."""
 
 from __future__ import annotations
 
@@ -8,17 +8,114 @@ from celeris.engine.request import Request
 from celeris.models.celeris import KVCache
 from celeris.sampling.step import guided
 
+Row = tuple[Request, str]  # (request, "cond" | "uncond"): a CFG request owns an unconditional row too
+
+
+class KVPool:
+    """Keys/values of the running requests that use a KV cache, one row per request
+    (plus one for a CFG request's unconditional row).
+
+    Per layer a (capacity rows, H_kv, capacity T, head_dim) tensor. Row r holds
+    its canvas's keys/values at columns [0, n_r) (left-aligned, so RoPE positions
+    equal columns); the columns after n_r are masked. A row is allocated when the
+    request's first full pass stores its cache, rewritten by later full passes
+    (refreshes), updated in place by window passes, and freed when the request
+    leaves by moving the last live row into the hole. So the live rows are always
+    [0, R): one contiguous view that a window pass reads and writes in place,
+    with no per-step copying (the paged/slot cache of vLLM, in its simplest form).
+    """
+
+    def __init__(self, row_block: int = 8, col_block: int = 64) -> None:
+        self.row_block, self.col_block = row_block, col_block
+        self.keys: list[torch.Tensor] = []
+        self.values: list[torch.Tensor] = []
+        self.owners: list[Row] = []
+        self.lengths: list[int] = []
+        self._index: dict[Row, int] = {}
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.owners)
+
+    @property
+    def capacity_length(self) -> int:
+        return self.keys[0].shape[2] if self.keys else 0
+
+    def row(self, request: Request, kind: str = "cond") -> int | None:
+        return self._index.get((request, kind))
+
+    def store(self, request: Request, kind: str, keys: list[torch.Tensor], values: list[torch.Tensor]) -> None:
+        """Write a full pass's keys/values for one row: per layer (H_kv, n, D), n = the request's canvas length."""
+        n = keys[0].shape[1]
+        row = self._index.get((request, kind))
+        if row is None:
+            row = len(self.owners)
+            self.owners.append((request, kind))
+            self.lengths.append(n)
+            self._index[(request, kind)] = row
+        self.lengths[row] = n
+        self._reserve(len(self.owners), n, keys)
+        for layer in range(len(keys)):
+            self.keys[layer][row, :, :n] = keys[layer]
+            self.values[layer][row, :, :n] = values[layer]
+
+    def _reserve(self, rows: int, length: int, like: list[torch.Tensor]) -> None:
+        """Grow the capacity (rounded up to blocks) to hold ``rows`` rows of ``length`` columns."""
+        if self.keys and self.keys[0].shape[0] >= rows and self.capacity_length >= length:
+            return
+        old_rows = self.keys[0].shape[0] if self.keys else 0
+        cap_rows = -(-max(rows, old_rows) // self.row_block) * self.row_block
+        cap_len = -(-max(length, self.capacity_length) // self.col_block) * self.col_block
+        live = min(self.num_rows, old_rows)
+        for tensors in (self.keys, self.values):
+            fresh = not tensors
+            for layer, t in enumerate(like if fresh else list(tensors)):
+                grown = t.new_zeros((cap_rows, t.shape[-3], cap_len, t.shape[-1]))
+                if fresh:
+                    tensors.append(grown)
+                else:
+                    grown[:live, :, : t.shape[2]] = t[:live]
+                    tensors[layer] = grown
+
+    def release(self, keep: set[Request]) -> None:
+        """Free the rows of requests not in ``keep`` (finished or aborted)."""
+        row = 0
+        while row < self.num_rows:
+            if self.owners[row][0] in keep:
+                row += 1
+                continue
+            del self._index[self.owners[row]]
+            last = self.num_rows - 1
+            if row != last:  # move the last live row into the hole
+                for t in (*self.keys, *self.values):
+                    t[row] = t[last]
+                self.owners[row], self.lengths[row] = self.owners[last], self.lengths[last]
+                self._index[self.owners[row]] = row
+            self.owners.pop()
+            self.lengths.pop()
+
+    def view(self) -> KVCache:
+        """The live rows as a KVCache of (R, H_kv, capacity T, D) views (no copy)."""
+        r = self.num_rows
+        return KVCache([k[:r] for k in self.keys], [v[:r] for v in self.values])
+
 
 class ModelRunner:
-    """Builds padded batches, runs the model once per step (plus CFG rows) and
-    returns logits for each request's current block.
+    """Runs one denoising step's forward passes and returns logits for each request's current block.
 
-    Rows are padded so that every request's current block starts at the same
-    column ("block-aligned" padding, left and right), with an attention mask: so
-    padding is never attended, positions count real tokens only, and one cache
-    window fits every row. Requests that read a KV cache this step (``prefix`` /
-    ``dual``, after their block's first step) run in a separate window pass from
-    those that need a full pass; each request keeps its own cache.
+    A step makes at most two passes (plus CFG rows inside them):
+
+    - a full pass for the requests that need one: no cache, a cache to fill (a
+      new request) or to refresh (``prefix``/``dual`` at a block's first step).
+      Rows are padded so every request's block starts at the same column
+      ("block-aligned"), with an attention mask, so padding is never attended
+      and positions count real tokens only. The keys/values are stored in the
+      ``KVPool``.
+    - one window pass over every live ``KVPool`` row: each row computes only its
+      own window (``Request.cache_window``) and reads the rest from the pool in
+      place. Rows that ran a full pass this step recompute their block
+      harmlessly (those keys/values are recomputed before anyone reads them
+      stale), which costs less than copying the others out.
     """
 
     def __init__(self, model: torch.nn.Module, enforce_eager: bool = True, length_bucket: int = 1) -> None:
@@ -28,6 +125,7 @@ class ModelRunner:
         self.device = next(model.parameters()).device
         self.mask_id = model.config.mask_token_id
         self.pad_id = model.config.pad_token_id
+        self.pool = KVPool()
 
     @torch.no_grad()
     def run(self, requests: list[Request]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -38,21 +136,45 @@ class ModelRunner:
             and block (B, Lb) int64 current block tokens (columns past a short block
             hold the pad id, so they are never committed). Lb is the longest block.
         """
-        groups: dict[str, list[int]] = {}
-        for i, r in enumerate(requests):
-            mode = r.params.cache if r.params.cache != "none" and r.step_in_block > 0 else "full"
-            groups.setdefault(mode, []).append(i)
+        self.pool.release(set(requests))
+        full = [i for i, r in enumerate(requests) if self._needs_full_pass(r)]
+        windowed = sorted(set(range(len(requests))) - set(full))
         lb = max(e - s for s, e in (r.block_span for r in requests))
         logits = block = None
-        for mode, rows in groups.items():
-            g_logits, g_block = self._forward([requests[i] for i in rows], mode, lb)
+        for rows, forward in ((full, self._full_pass), (windowed, self._window_pass)):
+            if not rows:
+                continue
+            g_logits, g_block = forward([requests[i] for i in rows], lb)
             if logits is None:
                 logits = g_logits.new_empty((len(requests), lb, g_logits.shape[-1]))
                 block = g_block.new_empty((len(requests), lb))
             logits[rows], block[rows] = g_logits, g_block
         return logits, block
 
-    def _forward(self, requests: list[Request], mode: str, lb: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _needs_full_pass(self, r: Request) -> bool:
+        return r.params.cache == "none" or self.pool.row(r) is None or r.cache_window() is None
+
+    def _uncond(self, canvas: torch.Tensor, is_answer: torch.Tensor) -> torch.Tensor:
+        """CFG's unconditional input: prompt and suffix replaced by the mask token."""
+        return torch.where(is_answer, canvas, self.mask_id)
+
+    def _block_tokens(self, canvas: torch.Tensor, starts: list[int], widths: list[int], lb: int) -> torch.Tensor:
+        """(B, lb) tokens of each row's block from a (B, T) canvas; columns past a row's width hold the pad id."""
+        cols = torch.tensor(starts)[:, None] + torch.arange(lb)[None]
+        block = canvas.gather(1, cols.clamp(max=canvas.shape[1] - 1))
+        return torch.where(torch.arange(lb)[None] < torch.tensor(widths)[:, None], block, self.pad_id)
+
+    def _guide(self, requests: list[Request], logits: torch.Tensor, cond: list[int], uncond: list[int]) -> torch.Tensor:
+        """Rows ``cond`` of ``logits`` for every request, CFG applied to the guided ones (rows ``uncond``)."""
+        out = logits[cond]
+        guided_rows = [i for i, r in enumerate(requests) if r.params.cfg_scale > 0]
+        if guided_rows:
+            scale = torch.tensor([requests[i].params.cfg_scale for i in guided_rows], device=self.device)[:, None]
+            out = out.clone()
+            out[guided_rows] = guided(out[guided_rows], logits[uncond], scale)
+        return out
+
+    def _full_pass(self, requests: list[Request], lb: int) -> tuple[torch.Tensor, torch.Tensor]:
         spans = [r.block_span for r in requests]
         align = max(s for s, _ in spans)  # every row's block starts at this column
         total = align + max(max(r.num_tokens - s for r, (s, _) in zip(requests, spans, strict=True)), lb)
@@ -66,61 +188,52 @@ class ModelRunner:
             canvas[i, off : off + r.num_tokens] = r.canvas
             attn[i, off : off + r.num_tokens] = True
             is_answer[i, off + r.answer_start : off + r.answer_start + r.params.max_new_tokens] = True
-        canvas, attn, is_answer = canvas.to(self.device), attn.to(self.device), is_answer.to(self.device)
         cfg_rows = [i for i, r in enumerate(requests) if r.params.cfg_scale > 0]
-        # unconditional rows for CFG: prompt and suffix replaced by the mask token
-        uncond = torch.where(attn & ~is_answer, self.mask_id, canvas)[cfg_rows]
-        batch_ids = torch.cat([canvas, uncond])
-        batch_attn = torch.cat([attn, attn[cfg_rows]])
-        span = slice(align, align + lb)
-        window = {"full": None, "prefix": (align, total), "dual": (align, align + lb)}[mode]
+        batch_ids = torch.cat([canvas, self._uncond(canvas, is_answer)[cfg_rows]]).to(self.device)
+        batch_attn = torch.cat([attn, attn[cfg_rows]]).to(self.device)
         caching = any(r.params.cache != "none" for r in requests)
-        cache = self._gather_cache(requests, cfg_rows, offsets, total) if window else KVCache() if caching else None
-        kwargs = {} if cache is None else {"cache": cache, "window": window}
-        logits = self.model(batch_ids, batch_attn, logits_slice=span, **kwargs)  # (B + C, Lb, V)
-        if cache is not None and window is None:
-            self._store_cache(requests, cfg_rows, offsets, cache)
-        if cfg_rows:
-            scale = torch.tensor([requests[i].params.cfg_scale for i in cfg_rows], device=self.device)[:, None]
-            cond, uncond_logits = logits[cfg_rows], logits[b:]
-            logits = logits[:b].clone()
-            logits[cfg_rows] = guided(cond, uncond_logits, scale)
-        widths = torch.tensor([e - s for s, e in spans], device=self.device)
-        block = canvas[:, span]
-        block = torch.where(torch.arange(lb, device=self.device)[None] < widths[:, None], block, self.pad_id)
-        return logits[:b], block
+        cache = KVCache() if caching else None
+        kwargs = {} if cache is None else {"cache": cache}
+        logits = self.model(batch_ids, batch_attn, logits_slice=slice(align, align + lb), **kwargs)  # (B + C, Lb, V)
+        if cache is not None:
+            sources = [(r, "cond") for r in requests] + [(requests[i], "uncond") for i in cfg_rows]
+            for row, ((r, kind), off) in enumerate(zip(sources, offsets + [offsets[i] for i in cfg_rows], strict=True)):
+                if r.params.cache != "none":
+                    cols = slice(off, off + r.num_tokens)
+                    self.pool.store(r, kind, [k[row, :, cols] for k in cache.keys], [v[row, :, cols] for v in cache.values])
+        logits = self._guide(requests, logits, list(range(b)), list(range(b, b + len(cfg_rows))))
+        widths = [e - s for s, e in spans]
+        return logits, self._block_tokens(canvas, [align] * b, widths, lb).to(self.device)
 
-    @staticmethod
-    def _row_sources(requests: list[Request], cfg_rows: list[int]) -> list[tuple[Request, str]]:
-        """Batch row -> (request, which cache): conditional rows first, then CFG rows."""
-        return [(r, "kv") for r in requests] + [(requests[i], "kv_uncond") for i in cfg_rows]
-
-    def _store_cache(self, requests: list[Request], cfg_rows: list[int], offsets: list[int], cache: KVCache) -> None:
-        """Keep each request's unpadded slice of a full pass's keys/values (per layer (1, H, n, D))."""
-        all_offsets = offsets + [offsets[i] for i in cfg_rows]
-        for row, ((r, attr), off) in enumerate(zip(self._row_sources(requests, cfg_rows), all_offsets, strict=True)):
-            if r.params.cache == "none":
-                continue
-            sl = slice(off, off + r.num_tokens)
-            setattr(r, attr, KVCache([k[row : row + 1, :, sl] for k in cache.keys],
-                                     [v[row : row + 1, :, sl] for v in cache.values]))
-
-    def _gather_cache(
-        self, requests: list[Request], cfg_rows: list[int], offsets: list[int], total: int
-    ) -> KVCache:
-        """Batch the requests' own caches into padded (B + C, H, total, D) tensors."""
-        sources = self._row_sources(requests, cfg_rows)
-        all_offsets = offsets + [offsets[i] for i in cfg_rows]
-        first = getattr(sources[0][0], sources[0][1])
-        out = KVCache()
-        for layer in range(len(first.keys)):
-            shape = (len(sources), *first.keys[layer].shape[1:2], total, first.keys[layer].shape[-1])
-            keys = first.keys[layer].new_zeros(shape)
-            values = first.values[layer].new_zeros(shape)
-            for row, ((r, attr), off) in enumerate(zip(sources, all_offsets, strict=True)):
-                own = getattr(r, attr)
-                keys[row, :, off : off + r.num_tokens] = own.keys[layer][0]
-                values[row, :, off : off + r.num_tokens] = own.values[layer][0]
-            out.keys.append(keys)
-            out.values.append(values)
-        return out
+    def _window_pass(self, requests: list[Request], lb: int) -> tuple[torch.Tensor, torch.Tensor]:
+        pool = self.pool
+        rows, total = pool.num_rows, pool.capacity_length
+        canvas = torch.full((rows, total), self.pad_id, dtype=torch.long)
+        attn = torch.zeros((rows, total), dtype=torch.bool)
+        starts, widths, block_starts = [], [], []
+        for row, (r, kind) in enumerate(pool.owners):
+            n = r.num_tokens
+            ids = r.canvas
+            if kind == "uncond":
+                is_answer = torch.zeros(n, dtype=torch.bool)
+                is_answer[r.answer_start : r.answer_start + r.params.max_new_tokens] = True
+                ids = self._uncond(ids, is_answer)
+            canvas[row, :n] = ids
+            attn[row, :n] = True
+            s, e = r.block_span
+            w0, w1 = r.cache_window() or (s, e)  # a row that ran a full pass this step just redoes its block
+            starts.append(w0)
+            widths.append(w1 - w0)
+            block_starts.append(s - w0)
+        lw = max(widths)
+        width = torch.tensor(widths)[:, None]
+        cols = torch.tensor(starts)[:, None] + torch.minimum(torch.arange(lw)[None], width - 1)  # (R, Lw)
+        index = torch.minimum(torch.tensor(block_starts)[:, None] + torch.arange(lb)[None], width - 1)  # (R, Lb)
+        logits = self.model(canvas.to(self.device), attn.to(self.device), cache=pool.view(),
+                            window=cols.to(self.device), logits_index=index.to(self.device))  # (R, Lb, V)
+        cond = [pool.row(r) for r in requests]
+        uncond = [pool.row(r, "uncond") for r in requests if r.params.cfg_scale > 0]
+        logits = self._guide(requests, logits, cond, uncond)
+        spans = [r.block_span for r in requests]
+        block = self._block_tokens(canvas[cond], [s for s, _ in spans], [e - s for s, e in spans], lb)
+        return logits, block.to(self.device)

@@ -22,7 +22,17 @@ import torch.nn.functional as F
 from torch import nn
 
 # shared with the LLaDA and Dream formats; still importable from here
-from celeris.models.layers import KVCache, RMSNorm, apply_rope, positions_and_mask, rope_cos_sin, update_cache
+from celeris.models.layers import (
+    KVCache,
+    RMSNorm,
+    Window,
+    apply_rope,
+    causal_mask,
+    positions_and_mask,
+    rope_cos_sin,
+    update_cache,
+    window_inputs,
+)
 
 
 @dataclass
@@ -88,7 +98,7 @@ class Attention(nn.Module):
         attn_mask: torch.Tensor | None,
         cache: KVCache | None = None,
         layer_idx: int = 0,
-        window: tuple[int, int] | None = None,
+        window: Window | None = None,
     ) -> torch.Tensor:
         b, length, _ = x.shape
         q, k, v = self.qkv_proj(x).view(b, length, 3, self.num_heads, self.head_dim).unbind(2)
@@ -156,7 +166,7 @@ class CelerisModel(nn.Module):
         input_ids: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
         cache: KVCache | None = None,
-        window: tuple[int, int] | None = None,
+        window: Window | None = None,
     ) -> torch.Tensor:
         """Final normed hidden states.
 
@@ -167,25 +177,24 @@ class CelerisModel(nn.Module):
                 only real tokens, so a left-padded row computes exactly what the
                 unpadded row computes.
             cache: with ``window`` None, an empty KVCache that this full pass
-                fills; with ``window`` (w0, w1), a filled cache: only positions
-                [w0, w1) are computed, the other keys/values come from the cache.
+                fills; with ``window`` (w0, w1) or per-row columns (B, Lw) (see
+                ``layers.Window``), a filled cache: only those positions are
+                computed (and written back), the other keys/values come from the cache.
 
         Returns:
-            (B, T, hidden_size), or (B, w1 - w0, hidden_size) for a window pass,
+            (B, T, hidden_size), or (B, Lw, hidden_size) for a window pass,
             in the parameter dtype.
         """
-        length = input_ids.shape[1]
-        device = input_ids.device
         positions, attn_mask = positions_and_mask(input_ids, attention_mask)  # None mask: SDPA's fast path
-        w0, w1 = window if window is not None else (0, length)
         if self.config.is_causal and (attn_mask is not None or window is not None):
-            causal = torch.arange(length, device=device)[None, :] <= torch.arange(w0, w1, device=device)[:, None]
+            causal = causal_mask(input_ids.shape[1], window, input_ids.device)
             attn_mask = causal if attn_mask is None else attn_mask & causal  # (B, 1, Lq, T)
         if cache is not None and window is None:
             cache.keys.clear()
             cache.values.clear()
-        cos, sin = rope_cos_sin(positions[:, w0:w1], self.config.head_dim, self.config.rope_theta)
-        x = self.embed_tokens(input_ids[:, w0:w1])  # (B, Lq, d)
+        ids, positions = window_inputs(input_ids, positions, window)  # (B, Lq)
+        cos, sin = rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta)
+        x = self.embed_tokens(ids)  # (B, Lq, d)
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, attn_mask, cache=cache, layer_idx=i, window=window)
         return self.norm(x)
@@ -201,7 +210,8 @@ class CelerisModel(nn.Module):
         logits_slice: slice | None = None,
         return_hidden: bool = False,
         cache: KVCache | None = None,
-        window: tuple[int, int] | None = None,
+        window: Window | None = None,
+        logits_index: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """(B, T) token ids -> (B, L', vocab_size) float32 logits.
 
@@ -209,11 +219,17 @@ class CelerisModel(nn.Module):
         of positions (L' is its length; it must lie inside ``window`` when one is
         given); the samplers only need logits of the block being denoised.
         ``return_hidden`` returns the hidden states instead (training computes the
-        head only at masked positions). ``cache``/``window``: see ``hidden_states``.
+        head only at masked positions). ``cache``/``window``: see ``hidden_states``;
+        with per-row window columns (B, Lw), ``logits_index`` (B, L') picks
+        which of them to score (default: all) and ``logits_slice`` is not used.
         """
         hidden = self.hidden_states(input_ids, attention_mask, cache, window)
         if return_hidden:
             return hidden
+        if isinstance(window, torch.Tensor):
+            if logits_index is not None:
+                hidden = hidden.gather(1, logits_index[..., None].expand(-1, -1, hidden.shape[-1]))
+            return self.logits(hidden)
         if logits_slice is not None:
             offset = window[0] if window is not None else 0
             hidden = hidden[:, logits_slice.start - offset : logits_slice.stop - offset]

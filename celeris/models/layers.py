@@ -106,20 +106,47 @@ def positions_and_mask(
     return positions, attention_mask[:, None, None, :]  # (B, 1, 1, T) keys
 
 
+Window = tuple[int, int] | torch.Tensor
+"""Positions a cached pass computes: a span (w0, w1) shared by every row, or per-row
+columns as a (B, Lw) int64 tensor (a row may repeat its last column as padding: the
+repeats compute the same keys/values and their outputs are ignored)."""
+
+
+def window_inputs(
+    input_ids: torch.Tensor, positions: torch.Tensor, window: Window | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The (B, Lq) ids and RoPE positions a pass computes: all T, a span, or per-row columns."""
+    if window is None:
+        return input_ids, positions
+    if isinstance(window, torch.Tensor):
+        return input_ids.gather(1, window), positions.gather(1, window)
+    w0, w1 = window
+    return input_ids[:, w0:w1], positions[:, w0:w1]
+
+
+def causal_mask(length: int, window: Window | None, device: torch.device) -> torch.Tensor:
+    """Causal query/key mask for the queries a pass computes: (Lq, T) bool, or (B, 1, Lq, T) for per-row columns."""
+    keys = torch.arange(length, device=device)
+    if isinstance(window, torch.Tensor):
+        return (keys[None, None, :] <= window[:, :, None])[:, None]
+    w0, w1 = window if window is not None else (0, length)
+    return keys[None, :] <= torch.arange(w0, w1, device=device)[:, None]
+
+
 def update_cache(
     k: torch.Tensor,
     v: torch.Tensor,
     cache: KVCache | None,
     layer_idx: int,
-    window: tuple[int, int] | None,
+    window: Window | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One layer's keys/values to attend to, given its fresh ones ``k``, ``v`` (B, H_kv, L, D).
 
     No cache: ``k``, ``v`` unchanged. A cache and no window (full pass): they
     are appended as layer ``layer_idx`` and returned. A window (w0, w1) with
-    L = w1 - w0: they overwrite positions [w0, w1) of the cached layer (written
-    back: the next window pass, or an autoregressive step, sees them) and the
-    whole cached (B, H_kv, T, D) keys/values are returned.
+    L = w1 - w0, or per-row columns (B, L): they overwrite those positions of
+    the cached layer (written back: the next window pass, or an autoregressive
+    step, sees them) and the whole cached (B, H_kv, T, D) keys/values are returned.
     """
     if cache is None:
         return k, v
@@ -127,6 +154,11 @@ def update_cache(
         cache.keys.append(k)
         cache.values.append(v)
         return k, v
+    if isinstance(window, torch.Tensor):  # per-row columns: scatter along the sequence dimension
+        index = window[:, None, :, None].expand(-1, k.shape[1], -1, k.shape[3])
+        cache.keys[layer_idx].scatter_(2, index, k)
+        cache.values[layer_idx].scatter_(2, index, v)
+        return cache.keys[layer_idx], cache.values[layer_idx]
     w0, w1 = window  # window pass: fresh keys/values inside the window, cached ones outside
     cache.keys[layer_idx][:, :, w0:w1] = k
     cache.values[layer_idx][:, :, w0:w1] = v
@@ -263,7 +295,7 @@ class TransformerLM(nn.Module):
         input_ids: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
         cache: KVCache | None = None,
-        window: tuple[int, int] | None = None,
+        window: Window | None = None,
     ) -> torch.Tensor:
         """Final normed hidden states (unshifted).
 
@@ -282,12 +314,12 @@ class TransformerLM(nn.Module):
             parameter dtype.
         """
         positions, attn_mask = positions_and_mask(input_ids, attention_mask)
-        w0, w1 = window if window is not None else (0, input_ids.shape[1])
         if cache is not None and window is None:
             cache.keys.clear()
             cache.values.clear()
-        cos, sin = rope_cos_sin(positions[:, w0:w1], self.head_dim, self.rope_theta)
-        x = self.embed(input_ids[:, w0:w1])  # (B, Lq, d)
+        ids, positions = window_inputs(input_ids, positions, window)  # (B, Lq)
+        cos, sin = rope_cos_sin(positions, self.head_dim, self.rope_theta)
+        x = self.embed(ids)  # (B, Lq, d)
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, attn_mask, cache=cache, layer_idx=i, window=window)
         return self.norm(x)
@@ -304,9 +336,14 @@ class TransformerLM(nn.Module):
         logits_slice: slice | None = None,
         return_hidden: bool = False,
         cache: KVCache | None = None,
-        window: tuple[int, int] | None = None,
+        window: Window | None = None,
+        logits_index: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """(B, T) token ids -> (B, L', vocab_size) float32 logits where row i predicts token i.
+
+        With per-row window columns (B, Lw) (each row's columns contiguous),
+        ``logits_index`` (B, L') picks which of them to score (default: all);
+        ``logits_slice`` is not used then.
 
         ``logits_slice`` (canvas coordinates, contiguous) picks the output
         positions (L' of them; default: the window, else all T); with a window it
@@ -321,6 +358,15 @@ class TransformerLM(nn.Module):
         """
         if return_hidden:
             return self.hidden_states(input_ids, attention_mask, cache, window)
+        if isinstance(window, torch.Tensor):
+            # a shifted model scores column c from the hidden state at c - 1: compute one more column on the left
+            cols = window
+            if self.logits_shift:
+                cols = torch.cat([(window[:, :1] - self.logits_shift).clamp(min=0), window], dim=1)
+            hidden = self.hidden_states(input_ids, attention_mask, cache, cols)[:, : window.shape[1]]  # (B, Lw, d)
+            if logits_index is not None:
+                hidden = hidden.gather(1, logits_index[..., None].expand(-1, -1, hidden.shape[-1]))
+            return self.logits(hidden)
         w0, w1 = window if window is not None else (0, input_ids.shape[1])
         if logits_slice is None:
             start, stop = w0, w1

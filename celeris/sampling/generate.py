@@ -104,9 +104,25 @@ def answer_done(answer: torch.Tensor, eos_id: int, mask_id: int) -> torch.Tensor
     return is_eos.any(-1) & ~masked_before
 
 
-def cache_window(mode: str, span: slice, total: int) -> tuple[int, int] | None:
-    """Positions a cached step recomputes: block..end (prefix), the block (dual), or all (none)."""
-    return {"none": None, "prefix": (span.start, total), "dual": (span.start, span.stop)}[mode]
+def cache_window(
+    mode: str, span: slice, total: int, step_in_block: int, prev_start: int | None
+) -> tuple[int, int] | None:
+    """Positions a step recomputes; None means a full pass that (re)fills the cache.
+
+    ``none``: always all. ``prefix`` / ``dual`` (Fast-dLLM): a full pass at each
+    block's first step, then block..end (prefix) or the block (dual).
+    ``delayed``: one full pass (prefill) at the very first step, then only the
+    block, widened at a block's first step to include the previous block, whose
+    keys/values are thereby rewritten once with its final tokens (``prev_start``
+    is that block's first column, None in the first block).
+    """
+    if mode == "delayed":
+        if step_in_block == 0 and prev_start is None:
+            return None
+        return (prev_start if step_in_block == 0 else span.start, span.stop)
+    if mode == "none" or step_in_block == 0:
+        return None
+    return (span.start, total) if mode == "prefix" else (span.start, span.stop)
 
 
 def cache_args(cache: KVCache | None, window: tuple[int, int] | None) -> dict:
@@ -164,14 +180,14 @@ def generate(
     caches = (KVCache(), KVCache()) if sp.cache != "none" else (None, None)
     nfe = steps = 0
     first_token_s: list[float | None] = [None] * b
+    prev_start: int | None = None
     for s, e in blocks:
         span = slice(lp + s, lp + e)
         block_steps = min(steps_per_block, e - s)
         schedule = num_transfer_tokens((canvas[:, span] == mask_id).sum(-1), block_steps)  # (B, S)
         step_in_block = 0
         while bool((canvas[:, span] == mask_id).any()):
-            # a cache is refreshed by the block's first (full) pass, then read by its later steps
-            window = None if step_in_block == 0 else cache_window(sp.cache, span, canvas.shape[1])
+            window = cache_window(sp.cache, span, canvas.shape[1], step_in_block, prev_start)
             logits = model(canvas, attn, logits_slice=span, **cache_args(caches[0], window))  # (B, L, V)
             nfe += 1
             if use_cfg:  # unconditional pass: prompt (and suffix) replaced by the mask token
@@ -190,6 +206,7 @@ def generate(
                     first_token_s[i] = now
             if on_step is not None:
                 on_step(answer)
+        prev_start = span.start
         if sp.early_exit and bool(answer_done(canvas[:, lp : lp + e], eos_id, mask_id).all()):
             break
     answer = canvas[:, lp : lp + sp.max_new_tokens]

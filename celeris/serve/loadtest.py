@@ -191,6 +191,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--steps", type=int, help="denoising steps (default: the model's)")
     p.add_argument("--decoding", help="fixed, threshold, factor or entropy (default: the model's)")
+    p.add_argument("--block-length", type=int, help="tokens per block (default: the model's)")
+    p.add_argument("--cache", help="none, prefix, dual or delayed (default: the model's)")
     p.add_argument("--warmup", type=int, default=1, help="requests sent (and not counted) before measuring")
     p.add_argument("--timeout", type=float, default=300.0, help="client time-out per request, seconds")
     p.add_argument("--json", help="also write the results here")
@@ -205,8 +207,9 @@ async def run(args: argparse.Namespace, url: str) -> dict:
     settings = {"max_tokens": args.max_tokens, "temperature": 0.0, "seed": 0}
     if args.steps is not None:
         settings["steps"] = args.steps
-    if args.decoding is not None:
-        settings["decoding"] = args.decoding
+    for name in ("decoding", "block_length", "cache"):
+        if getattr(args, name) is not None:
+            settings[name] = getattr(args, name)
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     if args.warmup:
         await run_level(url, 1, args.warmup, prompts, settings, headers, args.timeout)

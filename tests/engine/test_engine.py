@@ -29,6 +29,8 @@ def run_to_end(engine: Engine) -> None:
     SamplingParams(max_new_tokens=20, steps=20, block_length=8, temperature=1.0, seed=7, remasking="random"),
     SamplingParams(max_new_tokens=20, steps=20, block_length=8, cache="prefix", early_exit=False),
     SamplingParams(max_new_tokens=20, steps=20, block_length=8, cache="dual", cfg_scale=1.0, early_exit=False),
+    SamplingParams(max_new_tokens=20, steps=20, block_length=4, cache="delayed", early_exit=False),
+    SamplingParams(max_new_tokens=20, steps=20, block_length=4, cache="delayed", cfg_scale=1.0, early_exit=False),
 ])
 def test_engine_matches_reference_sampler(params):
     model = tiny_model()
@@ -58,6 +60,32 @@ def test_request_joining_mid_flight_gets_the_same_tokens_as_alone():
     late = [engine.add_request(p, params) for p in PROMPTS[1:]]
     run_to_end(engine)
     for r, expected in zip([first, *late], alone, strict=True):
+        assert torch.equal(r.answer, expected)
+
+
+@pytest.mark.parametrize("cache", ["dual", "delayed"])
+def test_kv_pool_rows_survive_others_finishing_and_joining(cache):
+    """Requests of different lengths and arrival steps share the runner's KV pool: rows are freed
+    (the last row moved into the hole) and reused, and every request still gets its tokens alone."""
+    model = tiny_model()
+    lengths = [8, 20, 12, 16]
+    params = [SamplingParams(max_new_tokens=n, steps=n, block_length=4, cache=cache, early_exit=False,
+                             cfg_scale=1.0 if i == 1 else 0.0) for i, n in enumerate(lengths)]
+    prompts = [*PROMPTS, [20, 21, 22, 23, 24]]
+    alone = [generate(model, [p], sp).answer_ids[0] for p, sp in zip(prompts, params, strict=True)]
+    engine = Engine(model, EngineConfig(max_num_seqs=8))
+    requests = [engine.add_request(prompts[i], params[i]) for i in range(3)]
+    for _ in range(6):
+        engine.step()
+    requests.append(engine.add_request(prompts[3], params[3]))  # joins after the first request has left
+    pool = engine.runner.pool
+    seen_rows = 0
+    while engine.has_unfinished():
+        engine.step()
+        seen_rows = max(seen_rows, pool.num_rows)
+        assert pool.num_rows == len(set(pool.owners)) and all(pool.row(r, k) == i for i, (r, k) in enumerate(pool.owners))
+    assert seen_rows >= 3
+    for r, expected in zip(requests, alone, strict=True):
         assert torch.equal(r.answer, expected)
 
 

@@ -16,6 +16,7 @@ import torch
 
 from celeris.params import SamplingParams
 from celeris.sampling.generate import generate
+from tests.conftest import tiny_model
 
 
 def reference_generate(model, prompt, max_new_tokens, steps, block_length, suffix=()):
@@ -131,7 +132,6 @@ def test_batched_equals_alone_with_suffix(model):
 def flat_model():
     """Small init, so the predictive distributions are nearly uniform and sampling is really random."""
     torch.manual_seed(1)
-    from tests.conftest import tiny_model
 
     m = tiny_model(seed=1)
     m.init_weights(std=0.02)
@@ -392,3 +392,28 @@ def test_rejects_bad_calls(model):
         generate(model, [[5], [6]], [p])
     with pytest.raises(ValueError, match="max_new_tokens"):
         generate(model, [[5], [6]], [p, SamplingParams(max_new_tokens=5, steps=4)])
+
+
+@pytest.mark.parametrize("cache, full_passes", [("none", 12), ("prefix", 3), ("dual", 3), ("delayed", 1)])
+def test_cache_modes_make_the_documented_passes(cache, full_passes, monkeypatch):
+    """none: every step is a full pass; prefix/dual: one per block; delayed: only the prefill, then windows
+    of the block, widened at a block's first step to rewrite the previous block."""
+    from celeris.sampling.generate import cache_window
+
+    model = tiny_model()
+    calls: list[object] = []
+    forward = model.forward
+
+    def spy(*args, **kwargs):
+        calls.append(kwargs.get("window"))
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(model, "forward", spy)
+    prompt = [5, 6, 7, 8]
+    generate(model, [prompt], SamplingParams(max_new_tokens=12, steps=12, block_length=4, cache=cache,
+                                             early_exit=False))
+    assert len(calls) == 12 and sum(w is None for w in calls) == full_passes
+    if cache == "delayed":
+        lp = len(prompt)
+        assert calls[1:5] == [(lp, lp + 4), (lp, lp + 4), (lp, lp + 4), (lp, lp + 8)]  # block 1 starts widened
+    assert cache_window("delayed", slice(8, 12), 20, 0, 4) == (4, 12)
