@@ -92,7 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--model", help="diffusion checkpoint (default: the embedded model)")
     b.add_argument("--ar-model", help="autoregressive twin checkpoint (adds the ar-twin system and the judge)")
     b.add_argument("--lengths", default="64,128,256", help="comma-separated output lengths")
-    b.add_argument("--batch-size", type=int, default=1)
+    b.add_argument("--batch-sizes", default="1", help="comma-separated batch sizes (prompts decoded together)")
     b.add_argument("--num-prompts", type=int, default=8, help="first N HumanEval prompts")
     b.add_argument("--warmup", type=int, default=1, help="untimed batches per system and length")
     b.add_argument("--prompts", default="../shared/data/humaneval/HumanEval.jsonl.gz")
@@ -235,12 +235,18 @@ def cmd_eval(args: argparse.Namespace) -> int:
 def cmd_bench(args: argparse.Namespace) -> int:
     from celeris.bench.run import BenchConfig, format_table, run_bench
 
+    def integers(flag: str, text: str) -> list[int]:
+        try:
+            return [int(x) for x in text.split(",")]
+        except ValueError:
+            raise UsageError(f"--{flag} must be comma-separated integers, got '{text}'") from None
+
     try:
-        lengths = [int(x) for x in args.lengths.split(",")]
-    except ValueError:
-        raise UsageError(f"--lengths must be comma-separated integers, got '{args.lengths}'") from None
-    cfg = BenchConfig(model=args.model, ar_model=args.ar_model, lengths=lengths, batch_size=args.batch_size,
-                      num_prompts=args.num_prompts, warmup=args.warmup, prompts=args.prompts, out_dir=args.out)
+        cfg = BenchConfig(model=args.model, ar_model=args.ar_model, lengths=integers("lengths", args.lengths),
+                          batch_sizes=integers("batch-sizes", args.batch_sizes), num_prompts=args.num_prompts,
+                          warmup=args.warmup, prompts=args.prompts, out_dir=args.out)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
     results = run_bench(cfg)
     print(format_table(results))
     print(f"results: {Path(args.out) / 'bench.json'}")

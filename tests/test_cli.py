@@ -93,6 +93,9 @@ BAD_INPUTS = {
     "missing prompt": ["generate"],
     "no command": [],
     "too long for the context": ["generate", "x " * 40, "--max-new-tokens", "60", "--steps", "4"],
+    "unknown cache": ["generate", "x", "--cache", "bogus"],
+    "bench batch sizes not integers": ["bench", "--batch-sizes", "1,two"],
+    "bench batch size 0": ["bench", "--batch-sizes", "0"],
 }
 
 

@@ -1,6 +1,7 @@
 """`celeris bench`: speed and quality of decoding systems side by side, under recorded conditions.
 
-Systems (each run on the same HumanEval prompts, same output length, same batch size):
+Systems (each run on the same HumanEval prompts, same output length, same batch size;
+every output length is swept, and every batch size of ``batch_sizes``):
 
 - ``dllm-reference``: the diffusion model with LLaDA's reference sampler: one token per
   denoising step (``steps = max_new_tokens``), blocks of 32, no cache, no early exit;
@@ -48,15 +49,17 @@ class BenchConfig:
     model: str | None = None
     ar_model: str | None = None
     lengths: list[int] = field(default_factory=lambda: [64, 128, 256])
-    batch_size: int = 1
+    batch_sizes: list[int] = field(default_factory=lambda: [1])
     num_prompts: int = 8
     warmup: int = 1
     prompts: str = "../shared/data/humaneval/HumanEval.jsonl.gz"
     out_dir: str = "bench-results"
 
     def __post_init__(self) -> None:
-        if self.batch_size < 1 or self.num_prompts < 1 or self.warmup < 0 or not self.lengths:
-            raise ValueError("batch_size and num_prompts must be >= 1, warmup >= 0, and lengths non-empty")
+        if not self.batch_sizes or min(self.batch_sizes) < 1 or self.num_prompts < 1 or self.warmup < 0:
+            raise ValueError("batch sizes and num_prompts must be >= 1 and warmup >= 0")
+        if not self.lengths or min(self.lengths) < 1:
+            raise ValueError("output lengths must be >= 1")
 
 
 def peak_rss_mb() -> float:
@@ -133,21 +136,22 @@ def perplexity(ar: LLM, prompts: list[list[int]], outputs: list[list[int]]) -> f
 
 
 def run_bench(cfg: BenchConfig) -> dict:
-    """Run every system at every output length; returns the results (also written to ``out_dir``)."""
+    """Run every system at every output length and batch size; returns the results (also written to ``out_dir``)."""
     load_start = time.perf_counter()
-    llm = LLM(cfg.model, max_batch_size=cfg.batch_size)
+    llm = LLM(cfg.model, max_batch_size=max(cfg.batch_sizes))
     load_s = time.perf_counter() - load_start  # cold request = load_s + first_request_s
     problems = load_humaneval(cfg.prompts)[: cfg.num_prompts]
     texts = [heal_prompt(p["prompt"]) for p in problems]
-    ar = LLM(cfg.ar_model, max_batch_size=cfg.batch_size) if cfg.ar_model else None
+    ar = LLM(cfg.ar_model, max_batch_size=max(cfg.batch_sizes)) if cfg.ar_model else None
     results: dict = {"conditions": None, "runs": []}
-    for length in cfg.lengths:
+    for length, batch_size in [(n, b) for n in cfg.lengths for b in cfg.batch_sizes]:
         room = llm.context_length - length
         if room < 8:
-            results["runs"].append({"max_new_tokens": length, "skipped": f"context window {llm.context_length} too short"})
+            results["runs"].append({"max_new_tokens": length, "batch_size": batch_size,
+                                    "skipped": f"context window {llm.context_length} too short"})
             continue
         prompt_ids = [llm.tokenizer.encode(t)[-room:] for t in texts]
-        batches = [prompt_ids[i : i + cfg.batch_size] for i in range(0, len(prompt_ids), cfg.batch_size)]
+        batches = [prompt_ids[i : i + batch_size] for i in range(0, len(prompt_ids), batch_size)]
         results["conditions"] = results["conditions"] or conditions(cfg, llm, [len(p) for p in prompt_ids])
         reference = SamplingParams(max_new_tokens=length, steps=length, block_length=32, early_exit=False)
         fast = llm.default_params(max_new_tokens=length, temperature=0.0)
@@ -180,13 +184,14 @@ def run_bench(cfg: BenchConfig) -> dict:
             r["agreement_with_reference"] = agreement(r["outputs"], runs[0]["outputs"])
             r["judge_perplexity"] = perplexity(ar, prompt_ids, r["outputs"]) if ar is not None else None
             r["max_new_tokens"] = length
+            r["batch_size"] = batch_size
         results["runs"] += [{k: v for k, v in r.items() if k != "outputs"} for r in runs]
     write_outputs(results, Path(cfg.out_dir))
     return results
 
 
 def format_table(results: dict) -> str:
-    cols = ["system", "max_new_tokens", "tokens_per_s", "first_request_s", "ttft_mean_s", "latency_p50_s",
+    cols = ["system", "max_new_tokens", "batch_size", "tokens_per_s", "first_request_s", "ttft_mean_s", "latency_p50_s",
             "latency_p95_s", "nfe_mean", "tokens_per_forward", "parse_rate", "repetition_share",
             "agreement_with_reference", "judge_perplexity"]
     rows = [cols] + [[str(r.get(c, "")) for c in cols] for r in results["runs"] if "system" in r]
@@ -207,14 +212,24 @@ def write_outputs(results: dict, out: Path) -> None:
         import matplotlib.pyplot as plt
     except ImportError:
         return
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for system in sorted({r["system"] for r in results["runs"] if "system" in r}):
-        pts = [(r["max_new_tokens"], r["tokens_per_s"]) for r in results["runs"] if r.get("system") == system]
-        ax.plot(*zip(*pts, strict=True), marker="o", label=system)
-    ax.set_xlabel("output length (tokens)")
-    ax.set_ylabel("output tokens/s")
-    ax.set_xscale("log", base=2)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(out / "tokens_per_s.png", dpi=120)
-    plt.close(fig)
+    runs = [r for r in results["runs"] if "system" in r]
+    if not runs:
+        return
+    sizes = sorted({r["batch_size"] for r in runs})
+    lengths = sorted({r["max_new_tokens"] for r in runs})
+    # tokens/s against output length at the smallest batch size; against batch size at the longest length
+    for name, x_key, fixed_key, fixed in (("tokens_per_s.png", "max_new_tokens", "batch_size", sizes[0]),
+                                          ("tokens_per_s_by_batch.png", "batch_size", "max_new_tokens", lengths[-1])):
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for system in sorted({r["system"] for r in runs}):
+            pts = sorted((r[x_key], r["tokens_per_s"]) for r in runs if r["system"] == system and r[fixed_key] == fixed)
+            if pts:
+                ax.plot(*zip(*pts, strict=True), marker="o", label=system)
+        ax.set_xlabel("output length (tokens)" if x_key == "max_new_tokens" else "batch size (prompts)")
+        ax.set_ylabel("output tokens/s")
+        ax.set_title(f"{fixed_key.replace('_', ' ')} {fixed}")
+        ax.set_xscale("log", base=2)
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(out / name, dpi=120)
+        plt.close(fig)

@@ -33,7 +33,7 @@ def test_bench_runs_all_systems_and_writes_results(tiny_checkpoint, tokenizer_di
     save_checkpoint(ar, ar_dir, tokenizer_dir)
     prompts = tmp_path / "he.jsonl"
     write_prompts(prompts)
-    cfg = BenchConfig(model=str(tiny_checkpoint), ar_model=str(ar_dir), lengths=[8, 16], batch_size=2,
+    cfg = BenchConfig(model=str(tiny_checkpoint), ar_model=str(ar_dir), lengths=[8, 16], batch_sizes=[1, 2],
                       num_prompts=3, warmup=1, prompts=str(prompts), out_dir=str(tmp_path / "out"))
     results = run_bench(cfg)
     runs = [r for r in results["runs"] if "system" in r]
@@ -47,6 +47,8 @@ def test_bench_runs_all_systems_and_writes_results(tiny_checkpoint, tokenizer_di
     assert all(r["agreement_with_reference"] == 1.0 for r in reference if r["output_tokens"])
     assert all(r["nfe_mean"] == r["max_new_tokens"] for r in reference)  # one token per step, no early exit
     on_disk = json.loads((tmp_path / "out" / "bench.json").read_text())
-    assert on_disk["conditions"]["config"]["batch_size"] == 2 and on_disk["conditions"]["prompt_tokens"]["max"] > 0
-    assert (tmp_path / "out" / "tokens_per_s.png").stat().st_size > 0
+    assert on_disk["conditions"]["config"]["batch_sizes"] == [1, 2] and on_disk["conditions"]["prompt_tokens"]["max"] > 0
+    assert {(r["max_new_tokens"], r["batch_size"]) for r in runs} == {(8, 1), (8, 2), (16, 1), (16, 2)}
+    for name in ("tokens_per_s.png", "tokens_per_s_by_batch.png"):
+        assert (tmp_path / "out" / name).stat().st_size > 0
     assert "dllm-fast" in format_table(results)
