@@ -50,6 +50,7 @@ def _sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--decoding", help="fixed, threshold, factor or entropy")
     p.add_argument("--threshold", type=float, help="confidence threshold for --decoding threshold")
     p.add_argument("--cfg-scale", type=float, help="classifier-free guidance scale (0 = off)")
+    p.add_argument("--repetition-penalty", type=float, help="CTRL repetition penalty (1 = off)")
     p.add_argument("--cache", help="KV cache: none, prefix or dual (Fast-dLLM), delayed (dual without refreshes)")
     p.add_argument("--stop", action="append", help="stop string (repeatable)")
 
@@ -115,6 +116,7 @@ def _params(llm_defaults: dict, args: argparse.Namespace):
         max_new_tokens=args.max_new_tokens, steps=args.steps, block_length=args.block_length,
         temperature=args.temperature, top_p=args.top_p, seed=args.seed, remasking=args.remasking,
         decoding=args.decoding, threshold=args.threshold, cfg_scale=args.cfg_scale, stop=args.stop, cache=args.cache,
+        repetition_penalty=args.repetition_penalty,
     )
 
 

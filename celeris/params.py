@@ -29,6 +29,10 @@ class SamplingParams:
             (Fast-dLLM factor rule) or ``entropy`` (EB-sampler, summed entropy <=
             ``entropy_bound``).
         cfg_scale: classifier-free guidance scale s >= 0 (0 disables it).
+        repetition_penalty: theta > 0; logits of tokens already in the context (prompt,
+            committed answer tokens, suffix) are divided by theta when positive and
+            multiplied by it when negative (CTRL, arXiv:1909.05858, Sec. 4.1; the
+            ``repetition_penalty`` of transformers and vLLM). 1 disables it.
         seed: per-request RNG seed; None draws a fresh one.
         stop: strings that end the answer (the stop string is not returned).
         early_exit: stop denoising once every answer holds an end-of-text token
@@ -55,6 +59,7 @@ class SamplingParams:
     factor: float = 1.0
     entropy_bound: float = 0.5
     cfg_scale: float = 0.0
+    repetition_penalty: float = 1.0
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     early_exit: bool = True
@@ -76,6 +81,7 @@ class SamplingParams:
             (self.entropy_bound >= 0, f"entropy_bound must be >= 0, got {self.entropy_bound}"),
             (self.cache in CACHE, f"cache must be one of {', '.join(CACHE)}; got '{self.cache}'"),
             (self.cfg_scale >= 0, f"cfg_scale must be >= 0, got {self.cfg_scale}"),
+            (self.repetition_penalty > 0, f"repetition_penalty must be > 0, got {self.repetition_penalty}"),
             (all(isinstance(s, str) and s for s in self.stop), "stop must be a non-empty string or a list of them"),
         ]
         for ok, message in checks:

@@ -28,6 +28,7 @@ from celeris.params import SamplingParams
         ("factor", 0.0),
         ("entropy_bound", -0.5),
         ("cfg_scale", -1.0),
+        ("repetition_penalty", 0.0),
     ],
 )
 def test_bad_value_names_the_parameter(name, value):

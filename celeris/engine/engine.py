@@ -17,7 +17,7 @@ from celeris.engine.request import Request
 from celeris.engine.runner import ModelRunner
 from celeris.engine.scheduler import Scheduler
 from celeris.params import SamplingParams
-from celeris.sampling.step import RowSettings, banned_token_ids, check_cache_support, denoise_step
+from celeris.sampling.step import RowSettings, banned_token_ids, check_cache_support, context_tokens, denoise_step
 
 
 @dataclass(slots=True)
@@ -86,8 +86,11 @@ class Engine:
         logits, block = self.runner.run(batch)
         settings = RowSettings.from_params([r.params for r in batch], logits.device)
         num_tokens = torch.tensor([r.tokens_this_step() for r in batch], device=logits.device)
+        seen = None
+        if any(r.params.repetition_penalty != 1 for r in batch):
+            seen = context_tokens([r.canvas for r in batch], logits.shape[-1], self.mask_id, logits.device)
         new_block, _ = denoise_step(logits, block, self.mask_id, self.banned_ids, num_tokens, settings,
-                                    [r.generator for r in batch])
+                                    [r.generator for r in batch], seen)
         new_block = new_block.cpu()
         outputs = []
         for i, r in enumerate(batch):

@@ -23,6 +23,7 @@ from celeris.sampling.step import (
     RowSettings,
     banned_token_ids,
     check_cache_support,
+    context_tokens,
     denoise_step,
     guided,
     make_generator,
@@ -196,7 +197,10 @@ def generate(
                 nfe += 1
                 logits = guided(logits, uncond, settings.cfg_scale)
             k = schedule[:, min(step_in_block, block_steps - 1)]  # (B,)
-            canvas[:, span], _ = denoise_step(logits, canvas[:, span], mask_id, banned, k, settings, generators)
+            seen = None
+            if any(r.repetition_penalty != 1 for r in rows):  # padding is not context
+                seen = context_tokens(list(torch.where(attn, canvas, mask_id)), logits.shape[-1], mask_id, device)
+            canvas[:, span], _ = denoise_step(logits, canvas[:, span], mask_id, banned, k, settings, generators, seen)
             steps += 1
             step_in_block += 1
             answer = canvas[:, lp : lp + sp.max_new_tokens]

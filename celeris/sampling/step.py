@@ -40,7 +40,7 @@ class RowSettings:
     """Per-row sampling settings as tensors, built once per batch composition.
 
     Shapes: ``temperature``/``top_p`` (B,); ``threshold``/``factor``/``entropy_bound``/``cfg_scale``
-    (B, 1) so they broadcast against (B, L) confidences.
+    (B, 1) so they broadcast against (B, L) confidences; ``repetition_penalty`` (B, 1, 1).
     """
 
     temperature: torch.Tensor
@@ -49,6 +49,7 @@ class RowSettings:
     factor: torch.Tensor
     entropy_bound: torch.Tensor
     cfg_scale: torch.Tensor
+    repetition_penalty: torch.Tensor
     remasking: list[str]
     decoding: list[str]
 
@@ -64,9 +65,26 @@ class RowSettings:
             factor=col("factor")[:, None],
             entropy_bound=col("entropy_bound")[:, None],
             cfg_scale=col("cfg_scale")[:, None],
+            repetition_penalty=col("repetition_penalty")[:, None, None],
             remasking=[r.remasking for r in rows],
             decoding=[r.decoding for r in rows],
         )
+
+
+def context_tokens(canvases: list[torch.Tensor], vocab_size: int, mask_id: int, device: torch.device) -> torch.Tensor:
+    """(B, V) bool: which tokens occur in each row's canvas (1-D int64 each), the mask token excluded."""
+    padded = torch.nn.utils.rnn.pad_sequence(list(canvases), batch_first=True, padding_value=mask_id).to(device)
+    seen = torch.zeros((padded.shape[0], vocab_size), dtype=torch.bool, device=device)
+    seen.scatter_(1, padded, True)
+    seen[:, mask_id] = False
+    return seen
+
+
+def penalize_repetition(logits: torch.Tensor, seen: torch.Tensor, penalty: torch.Tensor) -> torch.Tensor:
+    """CTRL's repetition penalty (arXiv:1909.05858): logits (B, L, V) of tokens with ``seen`` (B, V)
+    divided by ``penalty`` (B, 1, 1) when positive, multiplied when negative."""
+    penalized = torch.where(logits > 0, logits / penalty, logits * penalty)
+    return torch.where(seen[:, None, :], penalized, logits)
 
 
 def _rows_with(values: list[str], name: str, device: torch.device) -> torch.Tensor:
@@ -81,6 +99,7 @@ def denoise_step(
     num_tokens: torch.Tensor,
     settings: RowSettings,
     generators: list[torch.Generator],
+    seen: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Predict every masked position of the block and commit some of them.
 
@@ -91,11 +110,15 @@ def denoise_step(
         banned_ids: ids never produced (the mask and padding tokens).
         num_tokens: (B,) int64 tokens to commit this step under ``fixed`` decoding.
         settings / generators: per-row settings and RNGs.
+        seen: (B, V) bool tokens already in each row's context (``context_tokens``),
+            needed when a row's ``repetition_penalty`` is not 1.
 
     Returns:
         (new block (B, L) int64, committed positions (B, L) bool).
     """
     logits = logits.clone()
+    if seen is not None and bool((settings.repetition_penalty != 1).any()):
+        logits = penalize_repetition(logits, seen, settings.repetition_penalty)
     logits[..., banned_ids] = NEG_INF
     if bool((settings.top_p < 1).any()):
         logits = top_p_filter(logits, settings.top_p)

@@ -2,11 +2,11 @@
 
 Request models are strict (a JSON string is not an integer, ``true`` is not ``1``) and forbid
 unknown fields, so a parameter is never silently ignored. OpenAI parameters Celeris cannot honour
-(logprobs, tools, penalties, ...) are declared so that their neutral values (null, 0, false, [])
+(logprobs, tools, presence and frequency penalties, ...) are declared so that their neutral values (null, 0, false, [])
 pass; ``unsupported_params`` names those set to anything else, and the serving layer answers 400.
 
 Celeris extensions (extra body fields of the ``openai`` client): ``steps``, ``block_length``,
-``remasking``, ``decoding``, ``threshold``, ``factor``, ``entropy_bound``, ``cfg_scale`` (defaults
+``remasking``, ``decoding``, ``threshold``, ``factor``, ``entropy_bound``, ``cfg_scale``, ``repetition_penalty`` (defaults
 from the model's ``generation_config.json``), ``cache`` (``none``, ``prefix``, ``dual`` or ``delayed``) and
 ``stream_mode`` (``"text"``, or ``"denoise"``: every chunk carries the whole answer canvas).
 """
@@ -130,6 +130,7 @@ class SamplingRequest(StrictModel):
     factor: float | None = Field(default=None, gt=0)
     entropy_bound: float | None = Field(default=None, ge=0)
     cfg_scale: float | None = Field(default=None, ge=0)
+    repetition_penalty: float | None = Field(default=None, gt=0)  # as in vLLM
     cache: str | None = None
     stream_mode: Literal["text", "denoise"] = "text"
 

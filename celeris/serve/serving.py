@@ -274,7 +274,7 @@ class OpenAIServing:
                 temperature=request.temperature, top_p=request.top_p, remasking=request.remasking,
                 decoding=request.decoding, threshold=request.threshold, factor=request.factor,
                 entropy_bound=request.entropy_bound, cfg_scale=request.cfg_scale, seed=request.seed,
-                stop=request.stop_list() or None, cache=request.cache,
+                stop=request.stop_list() or None, cache=request.cache, repetition_penalty=request.repetition_penalty,
             )
             check_cache_support(self.llm.model, params)
             return params

@@ -157,3 +157,32 @@ def test_low_confidence_is_probability_of_prediction():
     conf = low_confidence(probs, x0, [])
     assert conf.dtype == torch.float64
     torch.testing.assert_close(conf, torch.tensor([[0.7, 0.1]], dtype=torch.float64))
+
+
+def test_repetition_penalty_matches_a_loop_and_moves_the_argmax():
+    """CTRL penalty: seen tokens' positive logits divided by theta, negative ones multiplied; others unchanged."""
+    from celeris.params import SamplingParams
+    from celeris.sampling.step import RowSettings, context_tokens, denoise_step, penalize_repetition
+
+    torch.manual_seed(0)
+    logits = torch.randn(2, 3, 7)
+    seen = context_tokens([torch.tensor([1, 2, 5]), torch.tensor([4, 0])], 7, mask_id=0, device=torch.device("cpu"))
+    assert seen.tolist() == [[c in (1, 2, 5) for c in range(7)], [c == 4 for c in range(7)]]  # mask id 0 excluded
+    theta = torch.tensor([2.0, 1.5])[:, None, None]
+    got = penalize_repetition(logits, seen, theta)
+    for b, pos, v in itertools.product(range(2), range(3), range(7)):
+        x, t = float(logits[b, pos, v]), float(theta[b, 0, 0])
+        want = (x / t if x > 0 else x * t) if seen[b, v] else x
+        assert abs(float(got[b, pos, v]) - want) < 1e-6
+    # the repeated token 1 leads by a little; with theta 2 the unseen token 3 wins
+    block_logits = torch.full((1, 1, 7), -5.0)
+    block_logits[0, 0, 1], block_logits[0, 0, 3] = 4.0, 3.0
+    block, mask_id = torch.tensor([[0]]), 0
+    rows = [SamplingParams(repetition_penalty=2.0)]
+    settings = RowSettings.from_params(rows, torch.device("cpu"))
+    seen1 = context_tokens([torch.tensor([1, 2])], 7, mask_id, torch.device("cpu"))
+    new, _ = denoise_step(block_logits, block, mask_id, [mask_id], torch.tensor([1]), settings, [None], seen1)
+    assert new.tolist() == [[3]]
+    plain = RowSettings.from_params([SamplingParams()], torch.device("cpu"))
+    new, _ = denoise_step(block_logits, block, mask_id, [mask_id], torch.tensor([1]), plain, [None], seen1)
+    assert new.tolist() == [[1]]
