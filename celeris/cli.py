@@ -98,6 +98,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--warmup", type=int, default=1, help="untimed batches per system and length")
     b.add_argument("--prompts", default="../shared/data/humaneval/HumanEval.jsonl.gz")
     b.add_argument("--out", default="bench-results", help="folder for bench.json and tokens_per_s.png")
+    b.add_argument("--no-smollm2", action="store_true", help="leave SmolLM2-135M out even when installed")
 
     d = sub.add_parser("data", help="build a training corpus")
     d.add_argument("corpus", choices=["stdlib"], help="stdlib: this Python's standard library")
@@ -246,11 +247,13 @@ def cmd_bench(args: argparse.Namespace) -> int:
     try:
         cfg = BenchConfig(model=args.model, ar_model=args.ar_model, lengths=integers("lengths", args.lengths),
                           batch_sizes=integers("batch-sizes", args.batch_sizes), num_prompts=args.num_prompts,
-                          warmup=args.warmup, prompts=args.prompts, out_dir=args.out)
+                          warmup=args.warmup, prompts=args.prompts, out_dir=args.out, smollm2=not args.no_smollm2)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
     results = run_bench(cfg)
     print(format_table(results))
+    for note in results["notes"]:
+        print(f"note: {note}")
     print(f"results: {Path(args.out) / 'bench.json'}")
     return 0
 

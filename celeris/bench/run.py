@@ -8,7 +8,10 @@ every output length is swept, and every batch size of ``batch_sizes``):
 - ``dllm-fast``: the diffusion model with the model's default settings
   (``generation_config.json``: e.g. confidence-threshold decoding with a dual cache);
 - ``ar-twin``: an autoregressive model of the same architecture (``--ar-model``),
-  decoded token by token with a KV cache.
+  decoded token by token with a KV cache;
+- ``smollm2-135m``: SmolLM2-135M-Instruct through ``transformers`` ``generate`` (greedy), what a
+  CPU user would pick instead, when its optional weights are installed (``celeris.bench.smollm2``);
+  otherwise a note in the results says why it was skipped. Its tokens are its own tokenizer's.
 
 What is timed: submit to full answer of a batch (``time.perf_counter``), after
 ``warmup`` untimed batches; the first (cold) request is timed separately including
@@ -19,7 +22,8 @@ final. Peak RSS is the process's ``ru_maxrss``.
 Quality beside speed: share of completions that parse (``celeris.bench.quality``),
 share with a run of more than 8 identical tokens, token agreement of each system with
 the reference at temperature 0 (position-wise, over the reference's length), and,
-when an AR model is given, generative perplexity of each system's outputs under it.
+generative perplexity of each system's output text under a judge: SmolLM2-135M when
+installed, else the AR twin (same tokenizer only).
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ from pathlib import Path
 
 import torch
 
+from celeris.bench import smollm2
 from celeris.bench.quality import cut_function_body, has_code, heal_prompt, load_humaneval, max_repeat_run, parses
 from celeris.llm import LLM
 from celeris.params import SamplingParams
@@ -54,6 +59,7 @@ class BenchConfig:
     warmup: int = 1
     prompts: str = "../shared/data/humaneval/HumanEval.jsonl.gz"
     out_dir: str = "bench-results"
+    smollm2: bool = True  # add SmolLM2-135M (system and judge) when its weights are installed
 
     def __post_init__(self) -> None:
         if not self.batch_sizes or min(self.batch_sizes) < 1 or self.num_prompts < 1 or self.warmup < 0:
@@ -143,7 +149,15 @@ def run_bench(cfg: BenchConfig) -> dict:
     problems = load_humaneval(cfg.prompts)[: cfg.num_prompts]
     texts = [heal_prompt(p["prompt"]) for p in problems]
     ar = LLM(cfg.ar_model, max_batch_size=max(cfg.batch_sizes)) if cfg.ar_model else None
-    results: dict = {"conditions": None, "runs": []}
+    results: dict = {"conditions": None, "runs": [], "notes": []}
+    smol = None
+    if cfg.smollm2:
+        reason = smollm2.unavailable_reason()
+        if reason:
+            results["notes"].append(reason)
+        else:
+            smol = smollm2.load_smollm2(llm.device)
+    results["judge"] = "smollm2-135m" if smol else "ar-twin" if ar else None
     for length, batch_size in [(n, b) for n in cfg.lengths for b in cfg.batch_sizes]:
         room = llm.context_length - length
         if room < 8:
@@ -169,20 +183,30 @@ def run_bench(cfg: BenchConfig) -> dict:
                 return [o.token_ids for o in outs], [o.nfe for o in outs], [o.ttft_s for o in outs]
             return decode
 
+        def smollm2_system(batch, length=length):
+            ids, nfe, ttft = smollm2.generate_hf(*smol, [llm.tokenizer.decode(p) for p in batch], length)
+            return ids, nfe, [ttft] * len(batch)
+
         systems = [("dllm-reference", diffusion(reference)), ("dllm-fast", diffusion(fast))]
         if ar is not None:
             systems.append(("ar-twin", autoregressive))
+        if smol is not None:
+            systems.append(("smollm2-135m", smollm2_system))
         runs = [run_system(name, fn, batches, cfg.warmup) for name, fn in systems]
+        prompt_texts = [llm.tokenizer.decode(p) for p in prompt_ids]  # as truncated for the context window
         for r in runs:
             r["load_s"] = round(load_s, 3)
-        for r in runs:
-            decoded = [llm.tokenizer.decode(o) for o in r["outputs"]]
+            own_tokens = r["system"] != "smollm2-135m"  # the diffusion model's tokenizer
+            decoded = [(llm.tokenizer if own_tokens else smol[1]).decode(o) for o in r["outputs"]]
             bodies = [cut_function_body(d) for d in decoded]
             r["parse_rate"] = round(sum(has_code(b) and parses(t + b) for t, b in zip(texts, bodies, strict=True))
                                     / len(texts), 4)
             r["repetition_share"] = round(sum(max_repeat_run(o) > 8 for o in r["outputs"]) / len(texts), 4)
-            r["agreement_with_reference"] = agreement(r["outputs"], runs[0]["outputs"])
-            r["judge_perplexity"] = perplexity(ar, prompt_ids, r["outputs"]) if ar is not None else None
+            r["agreement_with_reference"] = agreement(r["outputs"], runs[0]["outputs"]) if own_tokens else None
+            if smol is not None:
+                r["judge_perplexity"] = smollm2.judge_perplexity(*smol, prompt_texts, decoded)
+            else:
+                r["judge_perplexity"] = perplexity(ar, prompt_ids, r["outputs"]) if ar and own_tokens else None
             r["max_new_tokens"] = length
             r["batch_size"] = batch_size
         results["runs"] += [{k: v for k, v in r.items() if k != "outputs"} for r in runs]

