@@ -31,6 +31,10 @@ def run_to_end(engine: Engine) -> None:
     SamplingParams(max_new_tokens=20, steps=20, block_length=8, cache="dual", cfg_scale=1.0, early_exit=False),
     SamplingParams(max_new_tokens=20, steps=20, block_length=4, cache="delayed", early_exit=False),
     SamplingParams(max_new_tokens=20, steps=20, block_length=4, repetition_penalty=1.5, early_exit=False),
+    SamplingParams(max_new_tokens=20, steps=20, block_length=8, cache="delayed", decoding="threshold", threshold=0.3,
+                   early_exit=False),
+    SamplingParams(max_new_tokens=20, steps=20, block_length=8, cache="prefix", decoding="threshold", threshold=0.3,
+                   early_exit=False),
     SamplingParams(max_new_tokens=20, steps=20, block_length=4, cache="delayed", cfg_scale=1.0, early_exit=False),
 ])
 def test_engine_matches_reference_sampler(params):
