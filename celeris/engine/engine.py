@@ -89,15 +89,15 @@ class Engine:
         seen = None
         if any(r.params.repetition_penalty != 1 for r in batch):
             seen = context_tokens([r.canvas for r in batch], logits.shape[-1], self.mask_id, logits.device)
-        new_block, _ = denoise_step(logits, block, self.mask_id, self.banned_ids, num_tokens, settings,
-                                    [r.generator for r in batch], seen)
-        new_block = new_block.cpu()
+        new_block, committed = denoise_step(logits, block, self.mask_id, self.banned_ids, num_tokens, settings,
+                                            [r.generator for r in batch], seen)
+        new_block, committed = new_block.cpu(), committed.cpu()
         outputs = []
         for i, r in enumerate(batch):
             s, e = r.block_span
             r.canvas[s:e] = new_block[i, : e - s]  # a short block's pad columns are dropped
             r.nfe += 2 if r.params.cfg_scale > 0 else 1
-            r.advance(self.eos_id)
+            r.advance(self.eos_id, (s + committed[i, : e - s].nonzero().flatten()).tolist())
             prefix = r.final_prefix(self.eos_id)
             new_ids = prefix[r.num_emitted :]
             r.num_emitted = len(prefix)

@@ -60,6 +60,7 @@ class Request:
         self.step_in_block = 0
         self.generator = make_generator(self.params.seed)
         self.num_emitted = 0  # answer tokens already handed out as final (streaming)
+        self.stale_cols: list[int] = []  # columns committed at the previous block's last step (delayed cache)
         self._new_block()
 
     @property
@@ -88,11 +89,16 @@ class Request:
         self.schedule = num_transfer_tokens(num_masked, self.block_steps)[0]  # (S,)
         self.step_in_block = 0
 
-    def cache_window(self) -> tuple[int, int] | None:
-        """Canvas columns [w0, w1) this step computes with a KV cache, or None for a full pass
-        (``celeris.sampling.generate.cache_window``: the same rule as the reference sampler)."""
-        prev_start = self.answer_start + self.blocks[self.block_idx - 1][0] if self.block_idx else None
-        return cache_window(self.params.cache, slice(*self.block_span), self.num_tokens, self.step_in_block, prev_start)
+    def cache_columns(self) -> tuple[list[int], int] | None:
+        """Canvas columns this step computes with a KV cache and where the block starts among them, or
+        None for a full pass: the reference sampler's rule (``celeris.sampling.generate.cache_window``,
+        plus ``stale_cols`` at a block's first step under the ``delayed`` cache)."""
+        window = cache_window(self.params.cache, slice(*self.block_span), self.num_tokens, self.step_in_block,
+                              first_block=self.block_idx == 0)
+        if window is None:
+            return None
+        stale = self.stale_cols if self.params.cache == "delayed" and self.step_in_block == 0 else []
+        return stale + list(range(*window)), len(stale) + self.block_span[0] - window[0]
 
     def tokens_this_step(self) -> int:
         """Tokens to commit now under ``fixed`` decoding (linear schedule)."""
@@ -108,8 +114,9 @@ class Request:
         ids = ids[:end]
         return ids[: ids.index(eos_id)] if eos_id in ids else ids
 
-    def advance(self, eos_id: int) -> None:
-        """After a committed step: move to the next block, or finish (end of answer / early exit)."""
+    def advance(self, eos_id: int, committed_cols: list[int] | None = None) -> None:
+        """After a committed step (``committed_cols``: the canvas columns it filled): move to the next
+        block, or finish (end of answer / early exit)."""
         self.steps += 1
         self.step_in_block += 1
         s, e = self.block_span
@@ -124,6 +131,7 @@ class Request:
             return
         self.block_idx += 1
         self._new_block()
+        self.stale_cols = list(committed_cols or [])  # computed while still masked: rewritten at the next step
 
     def finish(self, reason: str, status: RequestStatus = RequestStatus.FINISHED) -> None:
         """End the request with ``finish_reason`` ``reason`` ("stop", "length", "abort").

@@ -112,7 +112,7 @@ class ModelRunner:
       and positions count real tokens only. The keys/values are stored in the
       ``KVPool``.
     - one window pass over every live ``KVPool`` row: each row computes only its
-      own window (``Request.cache_window``) and reads the rest from the pool in
+      own columns (``Request.cache_columns``) and reads the rest from the pool in
       place. Rows that ran a full pass this step recompute their block
       harmlessly (those keys/values are recomputed before anyone reads them
       stale), which costs less than copying the others out.
@@ -152,7 +152,7 @@ class ModelRunner:
         return logits, block
 
     def _needs_full_pass(self, r: Request) -> bool:
-        return r.params.cache == "none" or self.pool.row(r) is None or r.cache_window() is None
+        return r.params.cache == "none" or self.pool.row(r) is None or r.cache_columns() is None
 
     def _uncond(self, canvas: torch.Tensor, is_answer: torch.Tensor) -> torch.Tensor:
         """CFG's unconditional input: prompt and suffix replaced by the mask token."""
@@ -210,7 +210,7 @@ class ModelRunner:
         rows, total = pool.num_rows, pool.capacity_length
         canvas = torch.full((rows, total), self.pad_id, dtype=torch.long)
         attn = torch.zeros((rows, total), dtype=torch.bool)
-        starts, widths, block_starts = [], [], []
+        columns, block_starts = [], []
         for row, (r, kind) in enumerate(pool.owners):
             n = r.num_tokens
             ids = r.canvas
@@ -220,14 +220,13 @@ class ModelRunner:
                 ids = self._uncond(ids, is_answer)
             canvas[row, :n] = ids
             attn[row, :n] = True
-            s, e = r.block_span
-            w0, w1 = r.cache_window() or (s, e)  # a row that ran a full pass this step just redoes its block
-            starts.append(w0)
-            widths.append(w1 - w0)
-            block_starts.append(s - w0)
-        lw = max(widths)
-        width = torch.tensor(widths)[:, None]
-        cols = torch.tensor(starts)[:, None] + torch.minimum(torch.arange(lw)[None], width - 1)  # (R, Lw)
+            # a row that ran a full pass this step just redoes its block
+            cols, block_start = r.cache_columns() or (list(range(*r.block_span)), 0)
+            columns.append(cols)
+            block_starts.append(block_start)
+        lw = max(len(c) for c in columns)
+        cols = torch.tensor([c + c[-1:] * (lw - len(c)) for c in columns])  # (R, Lw), padded by repeats
+        width = torch.tensor([len(c) for c in columns])[:, None]
         index = torch.minimum(torch.tensor(block_starts)[:, None] + torch.arange(lb)[None], width - 1)  # (R, Lb)
         logits = self.model(canvas.to(self.device), attn.to(self.device), cache=pool.view(),
                             window=cols.to(self.device), logits_index=index.to(self.device))  # (R, Lb, V)

@@ -341,9 +341,8 @@ class TransformerLM(nn.Module):
     ) -> torch.Tensor:
         """(B, T) token ids -> (B, L', vocab_size) float32 logits where row i predicts token i.
 
-        With per-row window columns (B, Lw) (each row's columns contiguous),
-        ``logits_index`` (B, L') picks which of them to score (default: all);
-        ``logits_slice`` is not used then.
+        With per-row window columns (B, Lw), ``logits_index`` (B, L') picks which
+        of them to score (default: all); ``logits_slice`` is not used then.
 
         ``logits_slice`` (canvas coordinates, contiguous) picks the output
         positions (L' of them; default: the window, else all T); with a window it
@@ -359,14 +358,17 @@ class TransformerLM(nn.Module):
         if return_hidden:
             return self.hidden_states(input_ids, attention_mask, cache, window)
         if isinstance(window, torch.Tensor):
-            # a shifted model scores column c from the hidden state at c - 1: compute one more column on the left
-            cols = window
-            if self.logits_shift:
-                cols = torch.cat([(window[:, :1] - self.logits_shift).clamp(min=0), window], dim=1)
-            hidden = self.hidden_states(input_ids, attention_mask, cache, cols)[:, : window.shape[1]]  # (B, Lw, d)
-            if logits_index is not None:
-                hidden = hidden.gather(1, logits_index[..., None].expand(-1, -1, hidden.shape[-1]))
-            return self.logits(hidden)
+            if logits_index is None:
+                logits_index = torch.arange(window.shape[1], device=window.device).expand_as(window)
+            if not self.logits_shift:
+                hidden = self.hidden_states(input_ids, attention_mask, cache, window)  # (B, Lw, d)
+                return self.logits(hidden.gather(1, logits_index[..., None].expand(-1, -1, hidden.shape[-1])))
+            # a shifted model scores column c from the hidden state at c - 1 (column 0 from its own): compute
+            # those columns too (a column listed twice computes the same keys/values twice)
+            scored = window.gather(1, logits_index)  # (B, L')
+            cols = torch.cat([window, (scored - self.logits_shift).clamp(min=0)], dim=1)
+            hidden = self.hidden_states(input_ids, attention_mask, cache, cols)
+            return self.logits(hidden[:, window.shape[1] :])
         w0, w1 = window if window is not None else (0, input_ids.shape[1])
         if logits_slice is None:
             start, stop = w0, w1

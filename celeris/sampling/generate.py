@@ -106,27 +106,39 @@ def answer_done(answer: torch.Tensor, eos_id: int, mask_id: int) -> torch.Tensor
 
 
 def cache_window(
-    mode: str, span: slice, total: int, step_in_block: int, prev_start: int | None
+    mode: str, span: slice, total: int, step_in_block: int, first_block: bool
 ) -> tuple[int, int] | None:
     """Positions a step recomputes; None means a full pass that (re)fills the cache.
 
     ``none``: always all. ``prefix`` / ``dual`` (Fast-dLLM): a full pass at each
     block's first step, then block..end (prefix) or the block (dual).
     ``delayed``: one full pass (prefill) at the very first step, then only the
-    block, widened at a block's first step to include the previous block, whose
-    keys/values are thereby rewritten once with its final tokens (``prev_start``
-    is that block's first column, None in the first block).
+    block; at a later block's first step the caller adds the columns committed
+    at the previous block's last step (``delayed_columns``).
     """
     if mode == "delayed":
-        if step_in_block == 0 and prev_start is None:
-            return None
-        return (prev_start if step_in_block == 0 else span.start, span.stop)
+        return None if step_in_block == 0 and first_block else (span.start, span.stop)
     if mode == "none" or step_in_block == 0:
         return None
     return (span.start, total) if mode == "prefix" else (span.start, span.stop)
 
 
-def cache_args(cache: KVCache | None, window: tuple[int, int] | None) -> dict:
+def delayed_columns(
+    stale: list[list[int]], span: slice, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row window of a ``delayed`` cache at a block's first step: each row's stale columns
+    (committed at its previous block's last step, so their cached keys/values were computed
+    while they were still masked: dKV-Cache's one-step delayed caching, arXiv:2505.15781),
+    then the block. Returns the (B, Lw) columns, padded by repeating the block's last column,
+    and the (B, L) index of the block's columns inside them."""
+    block = list(range(span.start, span.stop))
+    lw = max(len(s) for s in stale) + len(block)
+    cols = [s + block + [block[-1]] * (lw - len(s) - len(block)) for s in stale]
+    index = [[len(s) + j for j in range(len(block))] for s in stale]
+    return torch.tensor(cols, device=device), torch.tensor(index, device=device)
+
+
+def cache_args(cache: KVCache | None, window: tuple[int, int] | torch.Tensor | None) -> dict:
     """Keyword arguments for the model: fill ``cache`` (window None) or read it (window given)."""
     return {} if cache is None else {"cache": cache, "window": window}
 
@@ -181,26 +193,32 @@ def generate(
     caches = (KVCache(), KVCache()) if sp.cache != "none" else (None, None)
     nfe = steps = 0
     first_token_s: list[float | None] = [None] * b
-    prev_start: int | None = None
+    last_commit: list[list[int]] = [[] for _ in range(b)]  # per row: columns its latest committing step filled
     for s, e in blocks:
         span = slice(lp + s, lp + e)
         block_steps = min(steps_per_block, e - s)
         schedule = num_transfer_tokens((canvas[:, span] == mask_id).sum(-1), block_steps)  # (B, S)
         step_in_block = 0
         while bool((canvas[:, span] == mask_id).any()):
-            window = cache_window(sp.cache, span, canvas.shape[1], step_in_block, prev_start)
-            logits = model(canvas, attn, logits_slice=span, **cache_args(caches[0], window))  # (B, L, V)
+            window = cache_window(sp.cache, span, canvas.shape[1], step_in_block, first_block=s == 0)
+            where = {"logits_slice": span}
+            if sp.cache == "delayed" and step_in_block == 0 and s > 0:
+                window, index = delayed_columns(last_commit, span, device)
+                where = {"logits_index": index}
+            logits = model(canvas, attn, **where, **cache_args(caches[0], window))  # (B, L, V)
             nfe += 1
             if use_cfg:  # unconditional pass: prompt (and suffix) replaced by the mask token
-                uncond = model(canvas.masked_fill(is_prompt, mask_id), attn, logits_slice=span,
-                               **cache_args(caches[1], window))
+                uncond = model(canvas.masked_fill(is_prompt, mask_id), attn, **where, **cache_args(caches[1], window))
                 nfe += 1
                 logits = guided(logits, uncond, settings.cfg_scale)
             k = schedule[:, min(step_in_block, block_steps - 1)]  # (B,)
             seen = None
             if any(r.repetition_penalty != 1 for r in rows):  # padding is not context
                 seen = context_tokens(list(torch.where(attn, canvas, mask_id)), logits.shape[-1], mask_id, device)
-            canvas[:, span], _ = denoise_step(logits, canvas[:, span], mask_id, banned, k, settings, generators, seen)
+            canvas[:, span], committed = denoise_step(logits, canvas[:, span], mask_id, banned, k, settings,
+                                                      generators, seen)
+            for i in committed.any(-1).nonzero().flatten().tolist():
+                last_commit[i] = (span.start + committed[i].nonzero().flatten()).tolist()
             steps += 1
             step_in_block += 1
             answer = canvas[:, lp : lp + sp.max_new_tokens]
@@ -210,7 +228,6 @@ def generate(
                     first_token_s[i] = now
             if on_step is not None:
                 on_step(answer)
-        prev_start = span.start
         if sp.early_exit and bool(answer_done(canvas[:, lp : lp + e], eos_id, mask_id).all()):
             break
     answer = canvas[:, lp : lp + sp.max_new_tokens]

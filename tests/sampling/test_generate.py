@@ -396,10 +396,8 @@ def test_rejects_bad_calls(model):
 
 @pytest.mark.parametrize("cache, full_passes", [("none", 12), ("prefix", 3), ("dual", 3), ("delayed", 1)])
 def test_cache_modes_make_the_documented_passes(cache, full_passes, monkeypatch):
-    """none: every step is a full pass; prefix/dual: one per block; delayed: only the prefill, then windows
-    of the block, widened at a block's first step to rewrite the previous block."""
-    from celeris.sampling.generate import cache_window
-
+    """none: every step is a full pass; prefix/dual: one per block; delayed: only the prefill, then the
+    block, plus at a block's first step the column committed at the previous block's last step."""
     model = tiny_model()
     calls: list[object] = []
     forward = model.forward
@@ -410,10 +408,15 @@ def test_cache_modes_make_the_documented_passes(cache, full_passes, monkeypatch)
 
     monkeypatch.setattr(model, "forward", spy)
     prompt = [5, 6, 7, 8]
-    generate(model, [prompt], SamplingParams(max_new_tokens=12, steps=12, block_length=4, cache=cache,
-                                             early_exit=False))
+    frames: list[torch.Tensor] = []
+    out = generate(model, [prompt], SamplingParams(max_new_tokens=12, steps=12, block_length=4, cache=cache,
+                                                   early_exit=False), on_step=lambda a: frames.append(a.clone()))
     assert len(calls) == 12 and sum(w is None for w in calls) == full_passes
     if cache == "delayed":
         lp = len(prompt)
-        assert calls[1:5] == [(lp, lp + 4), (lp, lp + 4), (lp, lp + 4), (lp, lp + 8)]  # block 1 starts widened
-    assert cache_window("delayed", slice(8, 12), 20, 0, 4) == (4, 12)
+        assert calls[1:4] == [(lp, lp + 4)] * 3
+        stale = calls[4]  # block 1's first step: one stale column of block 0, then block 1
+        assert isinstance(stale, torch.Tensor) and stale.shape == (1, 5)
+        filled_last = ((frames[3] != frames[2])[0]).nonzero().flatten().tolist()  # block 0's last step
+        assert [int(stale[0, 0]) - lp] == filled_last and stale[0, 1:].tolist() == list(range(lp + 4, lp + 8))
+        assert out.answer_ids.shape == (1, 12)
