@@ -3,7 +3,8 @@
     python -m celeris.serve.loadtest --model celeris/checkpoints/celeris-code-6m
     python -m celeris.serve.loadtest --url http://127.0.0.1:8000 --concurrency 1,8,16,32 --json out.json
 
-Without ``--url`` it starts a server in-process on a free loopback port. Every level runs
+Without ``--url`` it starts ``celeris serve`` as a separate process on a free loopback port (as in
+deployment, the clients never share the server's process or interpreter lock) and stops it at the end. Every level runs
 ``concurrency`` closed-loop clients, each sending ``--requests-per-client`` streamed completions
 (``stream_options.include_usage``) of fixed prompts (the first HumanEval prompts when the shared
 data set is there, else short built-in code prompts), greedy, so runs are comparable. What is timed:
@@ -19,8 +20,11 @@ import asyncio
 import gzip
 import json
 import math
+import socket
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -178,11 +182,11 @@ def format_table(results: list[LevelResult]) -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m celeris.serve.loadtest", description=__doc__.split("\n\n")[0])
-    p.add_argument("--url", help="target server base URL (default: start one in-process)")
-    p.add_argument("--model", help="checkpoint folder for the in-process server (default: the embedded model)")
-    p.add_argument("--device", help="device of the in-process server")
-    p.add_argument("--max-num-seqs", type=int, default=8, help="in-process server: running requests")
-    p.add_argument("--max-waiting", type=int, default=64, help="in-process server: queued requests")
+    p.add_argument("--url", help="target server base URL (default: start `celeris serve` in a separate process)")
+    p.add_argument("--model", help="checkpoint folder for the started server (default: the embedded model)")
+    p.add_argument("--device", help="device of the started server")
+    p.add_argument("--max-num-seqs", type=int, default=8, help="started server: running requests")
+    p.add_argument("--max-waiting", type=int, default=64, help="started server: queued requests")
     p.add_argument("--api-key", help="Bearer key for --url")
     p.add_argument("--concurrency", default="1,8,16,32", help="comma-separated client counts")
     p.add_argument("--requests-per-client", type=int, default=4)
@@ -222,23 +226,52 @@ async def run(args: argparse.Namespace, url: str) -> dict:
             "levels": [asdict(r) for r in results]}
 
 
+def start_server(args: argparse.Namespace, start_timeout: float = 180.0) -> tuple[subprocess.Popen, str]:
+    """``celeris serve`` in its own process on a free loopback port; returns (process, base URL) once
+    ``/health`` answers. Raises RuntimeError (with the server's last output) if it exits or times out."""
+    import httpx
+
+    with socket.socket() as probe:  # a free port; the server binds it a moment later
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    cmd = [sys.executable, "-c", "from celeris.cli import main; raise SystemExit(main())", "serve",
+           "--host", "127.0.0.1", "--port", str(port), "--max-num-seqs", str(args.max_num_seqs),
+           "--max-waiting", str(args.max_waiting), "--request-timeout", str(args.timeout), "--log-level", "warning"]
+    cmd += ["--model", args.model] if args.model else []
+    cmd += ["--device", args.device] if args.device else []
+    log = tempfile.TemporaryFile()
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + start_timeout
+    while time.monotonic() < deadline and proc.poll() is None:
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    proc.kill()
+    proc.wait()
+    log.seek(0)
+    tail = log.read().decode(errors="replace").strip().splitlines()[-1:] or ["no output"]
+    raise RuntimeError(f"the server did not start (exit code {proc.returncode}): {tail[0]}")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     server = None
     url = args.url
-    if url is None:
-        from celeris.serve.app import BackgroundServer, create_app
-        from celeris.serve.serving import OpenAIServing
-
-        serving = OpenAIServing.from_model(args.model, device=args.device, max_num_seqs=args.max_num_seqs,
-                                           max_waiting=args.max_waiting, request_timeout=args.timeout)
-        server = BackgroundServer(create_app(serving)).start()
-        url = server.url
     try:
+        if url is None:
+            server, url = start_server(args)
         report = asyncio.run(run(args, url.rstrip("/")))
+    except (RuntimeError, ValueError) as exc:  # a one-line message, no traceback
+        print(f"loadtest: error: {exc}", file=sys.stderr)
+        return 2
     finally:
         if server is not None:
-            server.stop()
+            server.terminate()
+            server.wait(timeout=30)
     print(format_table([LevelResult(**lv) for lv in report["levels"]]))
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2) + "\n")

@@ -99,3 +99,17 @@ def test_load_prompts_and_percentiles(tmp_path):
     assert loadtest.percentile([], 50) is None
     assert loadtest.percentile([3.0, 1.0, 2.0], 50) == 2.0
     assert loadtest.percentile([float(i) for i in range(1, 101)], 95) == 95.0
+
+
+def test_load_test_starts_and_stops_its_own_server_process(tiny_checkpoint, tmp_path, capsys):
+    out = tmp_path / "load.json"
+    assert loadtest.main(["--model", str(tiny_checkpoint), "--device", "cpu", "--concurrency", "2",
+                          "--requests-per-client", "1", "--max-tokens", "4", "--prompts", "code", "--warmup", "0",
+                          "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["levels"][0]["ok"] == 2 and report["url"].startswith("http://127.0.0.1:")
+    capsys.readouterr()
+    assert loadtest.main(["--model", str(tmp_path / "missing"), "--concurrency", "1"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("loadtest: error: the server did not start") and len(err.splitlines()) == 1
+    assert loadtest.main(["--url", "http://127.0.0.1:9", "--concurrency", "0"]) == 2  # bad level list
