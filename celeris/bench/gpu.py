@@ -1,0 +1,175 @@
+"""One short accelerator check: engine correctness on the device, then per-step latency, tokens/s and peak
+memory of the shipped model and of a randomly initialised model with LLaDA-8B's shape in bfloat16.
+
+    python -m celeris.bench.gpu                      # on a CUDA machine; prints one JSON object per line
+    python -m celeris.bench.gpu --device cpu --smoke # the same code on CPU with small shapes (CI-sized)
+
+1. Correctness: a tiny random model on the device gives, at temperature 0, the reference sampler's tokens
+   through the engine (batched, every cache mode), and its logits match the CPU's within float tolerance.
+2. The shipped model: tokens/s of the reference settings (one token per step, no cache) and of the
+   model's defaults on HumanEval prompts (``celeris bench``'s timing: submit to full answer).
+3. LLaDA-8B's shape (arXiv:2502.09992: 32 layers, d_model 4096, 32 heads, SwiGLU 12288, vocabulary
+   126,464), random weights, bfloat16: latency of one full pass and of one dual-cache window pass at batch
+   1 and 8 over a 512-token canvas, tokens/s of a 256-token answer at the fast settings, peak memory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import torch
+
+from celeris.config import EngineConfig
+from celeris.engine import Engine
+from celeris.models.llada import LLaDAConfig, LLaDAModel
+from celeris.params import SamplingParams
+from celeris.sampling.generate import generate
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def peak_memory_gb(device: torch.device) -> float | None:
+    return round(torch.cuda.max_memory_allocated(device) / 2**30, 2) if device.type == "cuda" else None
+
+
+def llada_shape(smoke: bool) -> LLaDAConfig:
+    """LLaDA-8B's published config (``smoke``: the same layout, small)."""
+    big = dict(d_model=4096, n_heads=32, n_kv_heads=32, n_layers=32, mlp_hidden_size=12288, vocab_size=126464)
+    small = dict(d_model=128, n_heads=4, n_kv_heads=4, n_layers=2, mlp_hidden_size=256, vocab_size=1024)
+    dims = small if smoke else big
+    return LLaDAConfig(**dims, block_type="llama", layer_norm_type="rms", activation_type="silu", rope=True,
+                       rope_theta=500000.0, weight_tying=False, max_sequence_length=4096,
+                       mask_token_id=dims["vocab_size"] - 128, eos_token_id=dims["vocab_size"] - 383,
+                       pad_token_id=dims["vocab_size"] - 383)
+
+
+def check_correctness(device: torch.device) -> dict:
+    """Engine == reference sampler on the device for every cache mode; device logits == CPU logits."""
+    from celeris.models.celeris import CelerisConfig, CelerisModel
+
+    torch.manual_seed(0)
+    cpu_model = CelerisModel(CelerisConfig(vocab_size=64, hidden_size=64, num_layers=2, num_heads=4,
+                                           intermediate_size=128, max_position_embeddings=128)).eval()
+    cpu_model.init_weights(0.2)
+    model = CelerisModel(cpu_model.config).to(device).eval()
+    model.load_state_dict(cpu_model.state_dict())
+    prompts = [[5, 6, 7, 8, 9, 10, 11], [12, 13], [14, 15, 16, 17]]
+    ids = torch.tensor([prompts[0] + [1] * 8])
+    with torch.no_grad():
+        diff = (model(ids.to(device)).cpu() - cpu_model(ids)).abs().max().item()
+    out = {"check": "correctness", "device": str(device), "max_logit_diff_vs_cpu": diff, "cache_modes": {}}
+    for cache in ("none", "prefix", "dual", "delayed"):
+        params = SamplingParams(max_new_tokens=16, steps=16, block_length=4, cache=cache, early_exit=False)
+        reference = generate(model, prompts, params)
+        engine = Engine(model, EngineConfig(max_num_seqs=8))
+        requests = [engine.add_request(p, params) for p in prompts]
+        while engine.has_unfinished():
+            engine.step()
+        out["cache_modes"][cache] = all(torch.equal(r.answer, reference.answer_ids[i].cpu())
+                                        for i, r in enumerate(requests))
+    out["ok"] = diff < 1e-3 and all(out["cache_modes"].values())
+    return out
+
+
+@torch.no_grad()
+def time_call(fn, device: torch.device, repeats: int = 5) -> float:
+    """Median seconds of ``fn()`` after one warm-up call."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        sync(device)
+        start = time.perf_counter()
+        fn()
+        sync(device)
+        times.append(time.perf_counter() - start)
+    return sorted(times)[len(times) // 2]
+
+
+def llada_shape_speed(device: torch.device, smoke: bool) -> list[dict]:
+    """Full-pass and dual-cache window latency, then tokens/s of a 256-token answer, at batch 1 and 8."""
+    from celeris.models.layers import KVCache
+
+    cfg = llada_shape(smoke)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = LLaDAModel(cfg).to(dtype).eval()
+    for p in model.parameters():
+        p.data.normal_(0.0, 0.02)
+    results = []
+    answer = 32 if smoke else 256
+    for batch in (1, 8):
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        ids = torch.randint(0, cfg.vocab_size - 512, (batch, 2 * answer), device=device)
+        cache = KVCache()
+        span = (answer, answer + 32)  # the first 32-token block of the answer
+
+        def full_pass(ids=ids, cache=cache, span=span):
+            return model(ids, cache=cache, logits_slice=slice(*span))
+
+        def window_pass(ids=ids, cache=cache, span=span):
+            return model(ids, cache=cache, window=span)
+
+        full_s, window_s = time_call(full_pass, device), time_call(window_pass, device)
+        params = SamplingParams(max_new_tokens=answer, steps=answer, block_length=32, cache="dual",
+                                decoding="threshold", threshold=0.9)
+        prompts = ids[:, :answer].tolist()
+        engine = Engine(model, EngineConfig(max_num_seqs=batch))
+        sync(device)
+        start = time.perf_counter()
+        requests = [engine.add_request(p, params) for p in prompts]
+        while engine.has_unfinished():
+            engine.step()
+        sync(device)
+        seconds = time.perf_counter() - start
+        tokens = sum(len(r.final_prefix(cfg.eos_token_id)) for r in requests)
+        results.append({"check": "llada-8b-shape", "dtype": str(dtype).removeprefix("torch."), "batch": batch,
+                        "canvas_tokens": 2 * answer, "full_pass_ms": round(full_s * 1e3, 2),
+                        "dual_window_pass_ms": round(window_s * 1e3, 2), "answer_tokens": tokens,
+                        "seconds": round(seconds, 3), "tokens_per_s": round(tokens / seconds, 1),
+                        "nfe": max(r.nfe for r in requests), "peak_memory_gb": peak_memory_gb(device)})
+    return results
+
+
+def shipped_model_speed(out_dir: str) -> list[dict]:
+    """The embedded model through ``celeris bench`` (on CUDA when available) at 256 tokens, batch 1 and 8."""
+    from celeris.bench.run import BenchConfig, run_bench
+
+    cfg = BenchConfig(lengths=[256], batch_sizes=[1, 8], num_prompts=8, warmup=1, out_dir=out_dir, smollm2=False)
+    runs = run_bench(cfg)["runs"]
+    return [{"check": "shipped-model", **{k: r.get(k) for k in ("system", "max_new_tokens", "batch_size",
+                                                                 "tokens_per_s", "latency_p50_s", "nfe_mean",
+                                                                 "peak_rss_mb")}} for r in runs]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m celeris.bench.gpu", description=__doc__.split("\n\n")[0])
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--smoke", action="store_true", help="small shapes, no shipped-model bench (a CPU run)")
+    p.add_argument("--out", default="bench-gpu", help="folder for the shipped model's bench.json")
+    args = p.parse_args(argv)
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        print("gpu: error: no CUDA device (use --device cpu --smoke for a CPU run)", file=sys.stderr)
+        return 2
+    print(json.dumps({"torch": torch.__version__, "device": torch.cuda.get_device_name(device)
+                      if device.type == "cuda" else "cpu"}), flush=True)
+    correctness = check_correctness(device)
+    print(json.dumps(correctness), flush=True)
+    for row in llada_shape_speed(device, args.smoke):
+        print(json.dumps(row), flush=True)
+    if not args.smoke:
+        for row in shipped_model_speed(args.out):
+            print(json.dumps(row), flush=True)
+    return 0 if correctness["ok"] else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
