@@ -102,5 +102,7 @@ class Engine:
             new_ids = prefix[r.num_emitted :]
             r.num_emitted = len(prefix)
             outputs.append(StepOutput(r, new_ids, r.is_finished))
+        if any(o.finished for o in outputs):  # free finished requests' KV rows now, not at the next step
+            self.runner.pool.release({r for r in batch if not r.is_finished})
         self.num_steps += 1
         return outputs
