@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from celeris.engine.request import Request
-from celeris.models.celeris import KVCache
+from celeris.models.layers import KVCache, column_window
 from celeris.sampling.step import guided
 
 Row = tuple[Request, str]  # (request, "cond" | "uncond"): a CFG request owns an unconditional row too
@@ -30,7 +30,6 @@ class KVPool:
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
         self.owners: list[Row] = []
-        self.lengths: list[int] = []
         self._index: dict[Row, int] = {}
 
     @property
@@ -51,9 +50,7 @@ class KVPool:
         if row is None:
             row = len(self.owners)
             self.owners.append((request, kind))
-            self.lengths.append(n)
             self._index[(request, kind)] = row
-        self.lengths[row] = n
         self._reserve(len(self.owners), n, keys)
         for layer in range(len(keys)):
             self.keys[layer][row, :, :n] = keys[layer]
@@ -89,10 +86,9 @@ class KVPool:
             if row != last:  # move the last live row into the hole
                 for t in (*self.keys, *self.values):
                     t[row] = t[last]
-                self.owners[row], self.lengths[row] = self.owners[last], self.lengths[last]
+                self.owners[row] = self.owners[last]
                 self._index[self.owners[row]] = row
             self.owners.pop()
-            self.lengths.pop()
 
     def view(self) -> KVCache:
         """The live rows as a KVCache of (R, H_kv, capacity T, D) views (no copy)."""
@@ -224,8 +220,7 @@ class ModelRunner:
             cols, block_start = r.cache_columns() or (list(range(*r.block_span)), 0)
             columns.append(cols)
             block_starts.append(block_start)
-        lw = max(len(c) for c in columns)
-        cols = torch.tensor([c + c[-1:] * (lw - len(c)) for c in columns])  # (R, Lw), padded by repeats
+        cols = column_window(columns)  # (R, Lw)
         width = torch.tensor([len(c) for c in columns])[:, None]
         index = torch.minimum(torch.tensor(block_starts)[:, None] + torch.arange(lb)[None], width - 1)  # (R, Lb)
         logits = self.model(canvas.to(self.device), attn.to(self.device), cache=pool.view(),

@@ -28,6 +28,7 @@ from celeris.models.layers import (
     Window,
     apply_rope,
     causal_mask,
+    gather_positions,
     positions_and_mask,
     rope_cos_sin,
     update_cache,
@@ -228,7 +229,7 @@ class CelerisModel(nn.Module):
             return hidden
         if isinstance(window, torch.Tensor):
             if logits_index is not None:
-                hidden = hidden.gather(1, logits_index[..., None].expand(-1, -1, hidden.shape[-1]))
+                hidden = gather_positions(hidden, logits_index)
             return self.logits(hidden)
         if logits_slice is not None:
             offset = window[0] if window is not None else 0

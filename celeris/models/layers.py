@@ -124,6 +124,17 @@ def window_inputs(
     return input_ids[:, w0:w1], positions[:, w0:w1]
 
 
+def column_window(columns: list[list[int]], device: torch.device | str = "cpu") -> torch.Tensor:
+    """Per-row column lists -> a (B, Lw) int64 ``Window``, each row padded by repeating its last column."""
+    width = max(len(c) for c in columns)
+    return torch.tensor([c + c[-1:] * (width - len(c)) for c in columns], device=device)
+
+
+def gather_positions(hidden: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """(B, L, d) hidden states, (B, L') int64 index into L -> (B, L', d)."""
+    return hidden.gather(1, index[..., None].expand(-1, -1, hidden.shape[-1]))
+
+
 def causal_mask(length: int, window: Window | None, device: torch.device) -> torch.Tensor:
     """Causal query/key mask for the queries a pass computes: (Lq, T) bool, or (B, 1, Lq, T) for per-row columns."""
     keys = torch.arange(length, device=device)
@@ -305,12 +316,13 @@ class TransformerLM(nn.Module):
                 are never attended and positions count real tokens only (see
                 ``positions_and_mask``).
             cache: with ``window`` None, a KVCache that this full pass (re)fills;
-                with ``window`` (w0, w1), a filled cache: only positions [w0, w1)
-                are computed, their keys/values are written back into the cache
-                and the other positions' keys/values are read from it.
+                with ``window`` (w0, w1) or per-row columns (B, Lw) (see ``Window``),
+                a filled cache: only those positions are computed, their
+                keys/values are written back into the cache and the other
+                positions' keys/values are read from it.
 
         Returns:
-            (B, T, hidden), or (B, w1 - w0, hidden) for a window pass, in the
+            (B, T, hidden), or (B, Lw, hidden) for a window pass, in the
             parameter dtype.
         """
         positions, attn_mask = positions_and_mask(input_ids, attention_mask)
@@ -362,7 +374,7 @@ class TransformerLM(nn.Module):
                 logits_index = torch.arange(window.shape[1], device=window.device).expand_as(window)
             if not self.logits_shift:
                 hidden = self.hidden_states(input_ids, attention_mask, cache, window)  # (B, Lw, d)
-                return self.logits(hidden.gather(1, logits_index[..., None].expand(-1, -1, hidden.shape[-1])))
+                return self.logits(gather_positions(hidden, logits_index))
             # a shifted model scores column c from the hidden state at c - 1 (column 0 from its own): compute
             # those columns too (a column listed twice computes the same keys/values twice)
             scored = window.gather(1, logits_index)  # (B, L')

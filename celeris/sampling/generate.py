@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from celeris.models.celeris import KVCache
+from celeris.models.layers import column_window
 from celeris.params import SamplingParams
 from celeris.sampling.schedule import block_plan, num_transfer_tokens
 from celeris.sampling.step import (
@@ -132,10 +133,8 @@ def delayed_columns(
     then the block. Returns the (B, Lw) columns, padded by repeating the block's last column,
     and the (B, L) index of the block's columns inside them."""
     block = list(range(span.start, span.stop))
-    lw = max(len(s) for s in stale) + len(block)
-    cols = [s + block + [block[-1]] * (lw - len(s) - len(block)) for s in stale]
     index = [[len(s) + j for j in range(len(block))] for s in stale]
-    return torch.tensor(cols, device=device), torch.tensor(index, device=device)
+    return column_window([s + block for s in stale], device), torch.tensor(index, device=device)
 
 
 def cache_args(cache: KVCache | None, window: tuple[int, int] | torch.Tensor | None) -> dict:
