@@ -133,7 +133,7 @@ def perplexity(ar: LLM, prompts: list[list[int]], outputs: list[list[int]]) -> f
         if not o:
             continue
         ids = torch.tensor([(p + o)[-ar.context_length :]], device=ar.device)
-        logits = ar.model(ids)[0, :-1].float().log_softmax(-1)  # (L-1, V)
+        logits = ar.model.logits(ar.model.hidden_states(ids)[0, :-1]).log_softmax(-1)  # (L-1, V): next token
         targets = ids[0, 1:]
         lp = logits.gather(-1, targets[:, None])[-len(o) :, 0]
         nll -= float(lp.sum())

@@ -17,7 +17,7 @@ from celeris.engine.request import Request
 from celeris.engine.runner import ModelRunner
 from celeris.engine.scheduler import Scheduler
 from celeris.params import SamplingParams
-from celeris.sampling.step import RowSettings, banned_token_ids, check_cache_support, context_tokens, denoise_step
+from celeris.sampling.step import RowSettings, banned_token_ids, check_model_support, context_tokens, denoise_step
 
 
 @dataclass(slots=True)
@@ -64,7 +64,7 @@ class Engine:
         request_id: str | None = None,
     ) -> Request:
         """Queue a request. Raises ValueError (empty prompt, unsupported cache) or QueueFullError."""
-        check_cache_support(self.model, params)
+        check_model_support(self.model, params, bool(suffix_ids))
         request = Request(request_id or f"req-{next(self._ids)}", list(prompt_ids), params, self.mask_id,
                           list(suffix_ids or []))
         self.scheduler.add(request)

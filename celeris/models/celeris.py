@@ -8,7 +8,8 @@ embeddings (RoPE, arXiv:2104.09864) -> RMSNorm -> SwiGLU MLP, a final RMSNorm,
 and an output head tied to the embedding. Attention is
 ``scaled_dot_product_attention`` with no causal mask (``is_causal=False``), so
 every position sees every other non-padding position. Setting ``is_causal`` in
-the config gives the autoregressive twin with the same weights layout.
+the config gives the autoregressive twin with the same weights layout: causal
+attention, and token i scored from the hidden state at i - 1.
 """
 
 from __future__ import annotations
@@ -28,9 +29,9 @@ from celeris.models.layers import (
     Window,
     apply_rope,
     causal_mask,
-    gather_positions,
     positions_and_mask,
     rope_cos_sin,
+    scored_logits,
     update_cache,
     window_inputs,
 )
@@ -148,6 +149,8 @@ class CelerisModel(nn.Module):
     def __init__(self, cfg: CelerisConfig) -> None:
         super().__init__()
         self.config = cfg
+        # the causal twin scores token i from the hidden state at i - 1 (next-token prediction)
+        self.logits_shift = int(cfg.is_causal)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -214,8 +217,11 @@ class CelerisModel(nn.Module):
         window: Window | None = None,
         logits_index: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """(B, T) token ids -> (B, L', vocab_size) float32 logits.
+        """(B, T) token ids -> (B, L', vocab_size) float32 logits; row i predicts token i.
 
+        The causal twin (``is_causal``) scores token i from the hidden state at
+        i - 1, so a window pass also computes the position before the window
+        (``layers.scored_logits``); the engine then decodes it one token per step.
         ``logits_slice`` (canvas coordinates) restricts the output head to a span
         of positions (L' is its length; it must lie inside ``window`` when one is
         given); the samplers only need logits of the block being denoised.
@@ -224,17 +230,9 @@ class CelerisModel(nn.Module):
         with per-row window columns (B, Lw), ``logits_index`` (B, L') picks
         which of them to score (default: all) and ``logits_slice`` is not used.
         """
-        hidden = self.hidden_states(input_ids, attention_mask, cache, window)
         if return_hidden:
-            return hidden
-        if isinstance(window, torch.Tensor):
-            if logits_index is not None:
-                hidden = gather_positions(hidden, logits_index)
-            return self.logits(hidden)
-        if logits_slice is not None:
-            offset = window[0] if window is not None else 0
-            hidden = hidden[:, logits_slice.start - offset : logits_slice.stop - offset]
-        return self.logits(hidden)
+            return self.hidden_states(input_ids, attention_mask, cache, window)
+        return scored_logits(self, input_ids, attention_mask, logits_slice, cache, window, logits_index)
 
 
 def count_parameters(model: nn.Module) -> int:

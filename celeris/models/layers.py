@@ -369,33 +369,59 @@ class TransformerLM(nn.Module):
         """
         if return_hidden:
             return self.hidden_states(input_ids, attention_mask, cache, window)
-        if isinstance(window, torch.Tensor):
-            if logits_index is None:
-                logits_index = torch.arange(window.shape[1], device=window.device).expand_as(window)
-            if not self.logits_shift:
-                hidden = self.hidden_states(input_ids, attention_mask, cache, window)  # (B, Lw, d)
-                return self.logits(gather_positions(hidden, logits_index))
-            # a shifted model scores column c from the hidden state at c - 1 (column 0 from its own): compute
-            # those columns too (a column listed twice computes the same keys/values twice)
-            scored = window.gather(1, logits_index)  # (B, L')
-            cols = torch.cat([window, (scored - self.logits_shift).clamp(min=0)], dim=1)
-            hidden = self.hidden_states(input_ids, attention_mask, cache, cols)
-            return self.logits(hidden[:, window.shape[1] :])
-        w0, w1 = window if window is not None else (0, input_ids.shape[1])
-        if logits_slice is None:
-            start, stop = w0, w1
-        else:
-            start = 0 if logits_slice.start is None else logits_slice.start
-            stop = input_ids.shape[1] if logits_slice.stop is None else logits_slice.stop
-            if logits_slice.step not in (None, 1) or not w0 <= start <= stop <= w1:
-                raise ValueError(f"logits_slice {logits_slice} must be contiguous and inside positions [{w0}, {w1})")
-        h0 = max(w0 - self.logits_shift, 0)  # first position whose hidden state is needed
-        hidden = self.hidden_states(input_ids, attention_mask, cache, None if window is None else (h0, w1))
-        a, z = start - self.logits_shift - h0, stop - self.logits_shift - h0  # rows of `hidden` for the slice
-        rows = hidden[:, max(a, 0) : max(z, 0)]
-        if a < 0 < z - a:  # position 0 of a shifted model is scored from its own hidden state
-            rows = torch.cat([hidden[:, :1], rows], dim=1)
-        return self.logits(rows)
+        return scored_logits(self, input_ids, attention_mask, logits_slice, cache, window, logits_index)
+
+
+def scored_logits(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    logits_slice: slice | None,
+    cache: KVCache | None,
+    window: Window | None,
+    logits_index: torch.Tensor | None,
+) -> torch.Tensor:
+    """The logits a model's ``forward`` returns, row i predicting token i, whatever its ``logits_shift``.
+
+    ``model`` has ``hidden_states(ids, mask, cache, window)``, ``logits(hidden)`` and
+    ``logits_shift``: 0 scores token i from the hidden state at i (LLaDA, the
+    bidirectional Celeris model); 1 scores it from the hidden state at i - 1
+    (Dream, and any causal model: the next-token habit), position 0 keeping its
+    own. Arguments as in ``TransformerLM.forward``.
+
+    Returns:
+        (B, L', vocab_size) float32 logits.
+
+    Raises:
+        ValueError: ``logits_slice`` has a step or leaves the window.
+    """
+    if isinstance(window, torch.Tensor):
+        if logits_index is None:
+            logits_index = torch.arange(window.shape[1], device=window.device).expand_as(window)
+        if not model.logits_shift:
+            hidden = model.hidden_states(input_ids, attention_mask, cache, window)  # (B, Lw, d)
+            return model.logits(gather_positions(hidden, logits_index))
+        # a shifted model scores column c from the hidden state at c - 1 (column 0 from its own): compute
+        # those columns too (a column listed twice computes the same keys/values twice)
+        scored = window.gather(1, logits_index)  # (B, L')
+        cols = torch.cat([window, (scored - model.logits_shift).clamp(min=0)], dim=1)
+        hidden = model.hidden_states(input_ids, attention_mask, cache, cols)
+        return model.logits(hidden[:, window.shape[1] :])
+    w0, w1 = window if window is not None else (0, input_ids.shape[1])
+    if logits_slice is None:
+        start, stop = w0, w1
+    else:
+        start = 0 if logits_slice.start is None else logits_slice.start
+        stop = input_ids.shape[1] if logits_slice.stop is None else logits_slice.stop
+        if logits_slice.step not in (None, 1) or not w0 <= start <= stop <= w1:
+            raise ValueError(f"logits_slice {logits_slice} must be contiguous and inside positions [{w0}, {w1})")
+    h0 = max(w0 - model.logits_shift, 0)  # first position whose hidden state is needed
+    hidden = model.hidden_states(input_ids, attention_mask, cache, None if window is None else (h0, w1))
+    a, z = start - model.logits_shift - h0, stop - model.logits_shift - h0  # rows of `hidden` for the slice
+    rows = hidden[:, max(a, 0) : max(z, 0)]
+    if a < 0 < z - a:  # position 0 of a shifted model is scored from its own hidden state
+        rows = torch.cat([hidden[:, :1], rows], dim=1)
+    return model.logits(rows)
 
 
 class FormatConfig:

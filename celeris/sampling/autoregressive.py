@@ -60,11 +60,9 @@ def generate_autoregressive(
     first_token_s: list[float | None] = [None] * len(prompt_ids)
     nfe = 0
     for t in range(lp, lp + n):
-        if cache is not None and t > lp:
-            kwargs = {"cache": cache, "window": (t - 1, t)}
-        else:
-            kwargs = {"cache": cache} if cache is not None else {}
-        logits = model(canvas, attn, logits_slice=slice(t - 1, t), **kwargs)  # (B, 1, V)
+        window = (t - 1, t) if cache is not None and t > lp else None  # the newest token only
+        hidden = model.hidden_states(canvas, attn, cache, window)  # (B, T, d), or (B, 1, d) for the window
+        logits = model.logits(hidden[:, t - 1 : t] if window is None else hidden)  # (B, 1, V): token t from h[t-1]
         nfe += 1
         logits[..., banned] = NEG_INF
         if bool((settings.top_p < 1).any()):

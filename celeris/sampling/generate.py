@@ -23,7 +23,7 @@ from celeris.sampling.schedule import block_plan, num_transfer_tokens
 from celeris.sampling.step import (
     RowSettings,
     banned_token_ids,
-    check_cache_support,
+    check_model_support,
     context_tokens,
     denoise_step,
     guided,
@@ -165,7 +165,8 @@ def generate(
         on_step: called after every step with the (B, max_new_tokens) answer canvas.
 
     Raises:
-        ValueError: empty prompt or mismatched structural settings.
+        ValueError: empty prompt, mismatched structural settings, or settings the model cannot
+            do (``check_model_support``: e.g. blocks longer than 1 on a causal model).
     """
     start = time.perf_counter()
     rows = params if isinstance(params, list) else [params] * len(prompt_ids)
@@ -187,7 +188,7 @@ def generate(
     use_cfg = bool((settings.cfg_scale > 0).any())
     generators = [make_generator(r.seed) for r in rows]
     banned = banned_token_ids(cfg)
-    check_cache_support(model, sp)
+    check_model_support(model, sp, any(suffix_ids or []))
     blocks, steps_per_block = block_plan(sp.max_new_tokens, sp.block_length, sp.steps)
     caches = (KVCache(), KVCache()) if sp.cache != "none" else (None, None)
     nfe = steps = 0

@@ -24,10 +24,26 @@ def banned_token_ids(config: object) -> list[int]:
     return ids
 
 
-def check_cache_support(model: torch.nn.Module, params: SamplingParams) -> None:
-    """Raise ValueError when ``params.cache`` asks for a KV cache the model cannot provide."""
+def check_model_support(model: torch.nn.Module, params: SamplingParams, has_suffix: bool = False) -> None:
+    """Raise ValueError when ``params`` ask for something this model cannot do.
+
+    A KV cache needs ``supports_kv_cache``. A causal model (the autoregressive
+    twin, ``config.is_causal``) decodes one token per step: it needs
+    ``block_length`` 1 (each block then takes one step, whatever ``steps`` says,
+    see ``block_plan``), and it can neither see a suffix (infilling) nor score
+    a masked prompt (classifier-free guidance).
+    """
     if params.cache != "none" and not getattr(model, "supports_kv_cache", False):
         raise ValueError(f"cache='{params.cache}' is not supported by {type(model).__name__}; use cache='none'")
+    if not getattr(model.config, "is_causal", False):
+        return
+    if params.block_length != 1:
+        raise ValueError(f"block_length must be 1 for an autoregressive (causal) model, which decodes one token "
+                         f"per step; got {params.block_length}")
+    if params.cfg_scale > 0:
+        raise ValueError(f"cfg_scale must be 0 for an autoregressive (causal) model; got {params.cfg_scale}")
+    if has_suffix:
+        raise ValueError("suffix (infilling) needs a masked-diffusion model; this one is autoregressive (causal)")
 
 
 def make_generator(seed: int | None) -> torch.Generator:

@@ -29,7 +29,7 @@ from pathlib import Path
 from celeris.config import EngineConfig
 from celeris.engine import Engine, QueueFullError
 from celeris.params import SamplingParams
-from celeris.sampling.step import check_cache_support
+from celeris.sampling.step import check_model_support
 from celeris.serve.async_engine import AsyncEngine, EngineDeadError, EngineInput, RequestGroup, StepEvent
 from celeris.serve.detokenize import IncrementalText, render_canvas
 from celeris.serve.metrics import ServerMetrics
@@ -276,7 +276,7 @@ class OpenAIServing:
                 entropy_bound=request.entropy_bound, cfg_scale=request.cfg_scale, seed=request.seed,
                 stop=request.stop_list() or None, cache=request.cache, repetition_penalty=request.repetition_penalty,
             )
-            check_cache_support(self.llm.model, params)
+            check_model_support(self.llm.model, params)
             return params
         except (ValueError, TypeError) as exc:  # SamplingParams names the field first: "steps must be >= 1"
             name = str(exc).split(" ", 1)[0].split("=", 1)[0]
@@ -288,6 +288,9 @@ class OpenAIServing:
         if not ids:
             raise APIError(400, f"'{param}' must not be empty", param=param)
         suffix_ids = self.tokenizer.encode(suffix) if suffix else []
+        if suffix_ids and getattr(self.llm.model.config, "is_causal", False):
+            raise APIError(400, "suffix (infilling) needs a masked-diffusion model; this one is autoregressive",
+                           param="suffix")
         need = len(ids) + len(suffix_ids) + params.max_new_tokens
         if need > self.context_length:
             what = "the prompt" if param == "prompt" else "the messages (rendered with the chat template)"

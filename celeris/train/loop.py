@@ -36,6 +36,9 @@ from celeris.train.objective import OBJECTIVES
 # sampler (one token per denoising step, blocks of 32, greedy, low-confidence remasking).
 DEFAULT_GENERATION = {"max_new_tokens": 128, "steps": 128, "block_length": 32, "temperature": 0.0,
                       "top_p": 1.0, "remasking": "low_confidence", "cfg_scale": 0.0}
+# The autoregressive twin: one token per step (blocks of one), each step's new key/value written once
+# (the delayed cache; see celeris.sampling.step.check_model_support).
+AR_GENERATION = {**DEFAULT_GENERATION, "block_length": 1, "cache": "delayed"}
 
 
 @dataclass(slots=True)
@@ -219,7 +222,8 @@ def train(cfg: TrainConfig, default_generation: dict | None = None) -> dict:
         (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         if cfg.export_dir:
             write_tokenizer_config(data)
-            save_checkpoint(model, cfg.export_dir, data, default_generation or DEFAULT_GENERATION)
+            generation = AR_GENERATION if cfg.objective == "ar" else DEFAULT_GENERATION
+            save_checkpoint(model, cfg.export_dir, data, default_generation or generation)
             shutil.copy(out / "train_config.json", Path(cfg.export_dir) / "training_args.json")
             print(f"exported checkpoint to {cfg.export_dir}", flush=True)
     if world > 1:

@@ -157,6 +157,42 @@ def test_cache_needs_model_support():
         engine.add_request([5, 6], SamplingParams(cache="dual"))
 
 
+@pytest.mark.parametrize("cache", ["none", "prefix", "dual", "delayed"])
+def test_engine_decodes_a_causal_model_token_by_token(cache):
+    """The AR twin through the engine (blocks of one token, shifted logits) is exactly next-token decoding:
+    the same tokens as the autoregressive decoder recomputing everything, for every cache mode, joined mid-flight."""
+    from celeris.sampling.autoregressive import generate_autoregressive
+
+    model = tiny_model(is_causal=True)
+    params = SamplingParams(max_new_tokens=12, steps=12, block_length=1, cache=cache, early_exit=False)
+    want = generate_autoregressive(model, PROMPTS, SamplingParams(max_new_tokens=12, early_exit=False),
+                                   use_cache=False).answer_ids
+    assert len({tuple(row.tolist()) for row in want}) == len(PROMPTS)  # the rows differ: a real check
+    assert torch.equal(generate(model, PROMPTS, params).answer_ids, want)  # the reference sampler too
+    engine = Engine(model, EngineConfig(max_num_seqs=8))
+    first = engine.add_request(PROMPTS[0], params)
+    for _ in range(3):
+        engine.step()
+    requests = [first] + [engine.add_request(p, params) for p in PROMPTS[1:]]
+    run_to_end(engine)
+    for i, r in enumerate(requests):
+        assert torch.equal(r.answer, want[i]), f"row {i}"
+        assert r.nfe == 12
+
+
+@pytest.mark.parametrize(("params", "suffix", "match"), [
+    (SamplingParams(block_length=4), None, "block_length must be 1"),
+    (SamplingParams(block_length=1, cfg_scale=1.0), None, "cfg_scale must be 0"),
+    (SamplingParams(block_length=1), [7, 8], "suffix"),
+])
+def test_causal_model_refuses_what_it_cannot_decode(params, suffix, match):
+    engine = Engine(tiny_model(is_causal=True), EngineConfig())
+    with pytest.raises(ValueError, match=match):
+        engine.add_request([5, 6], params, suffix)
+    with pytest.raises(ValueError, match=match):
+        generate(engine.model, [[5, 6]], params, [suffix] if suffix else None)
+
+
 def test_compiled_runner_gives_the_eager_tokens():
     """enforce_eager=False wraps the model in torch.compile; tokens must not change."""
     model = tiny_model()

@@ -21,7 +21,7 @@ def slow_greedy(model: CelerisModel, prompt: list[int], n: int) -> list[int]:
     """Obviously-correct reference: recompute the whole sequence, append the argmax."""
     ids = list(prompt)
     for _ in range(n):
-        logits = model(torch.tensor([ids]))[0, -1]
+        logits = model.logits(model.hidden_states(torch.tensor([ids]))[0, -1])  # next token from the last state
         logits[[1, 2]] = float("-inf")
         ids.append(int(logits.argmax()))
     return ids[len(prompt):]

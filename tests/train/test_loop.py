@@ -105,6 +105,16 @@ def test_autoregressive_twin_trains_causal(corpus_dir, tmp_path):
                              export_dir=str(tmp_path / "ar_export")))
     assert summary["steps"] == 2 and np.isfinite(summary["final_val_loss"])
     assert load_model(tmp_path / "ar_export").config.is_causal
+    # the exported twin decodes token by token through the engine, as the AR decoder does
+    from celeris.llm import LLM
+    from celeris.sampling.autoregressive import generate_autoregressive
+
+    llm = LLM(tmp_path / "ar_export")
+    assert llm.generation_config["block_length"] == 1
+    params = llm.default_params(max_new_tokens=6, early_exit=False)
+    out = llm.generate("def f", params)[0]
+    want = generate_autoregressive(llm.model, [llm.tokenizer.encode("def f")], params, use_cache=False)
+    assert out.nfe == 6 and out.token_ids == want.token_ids[0]
 
 
 @pytest.mark.parametrize(("field", "value"), [("objective", "gan"), ("seq_len", 0), ("batch_size", 0),

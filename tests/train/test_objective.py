@@ -84,7 +84,7 @@ def test_autoregressive_loss_is_next_token_ce(make_model, batch):
     causal = make_model(is_causal=True)
     loss, count = autoregressive_loss(causal, batch)
     with torch.no_grad():
-        logits = causal(batch[:, :-1])
+        logits = causal(batch)[:, 1:]  # forward's row i predicts token i (scored from the state at i - 1)
     expected = F.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten())
     torch.testing.assert_close(loss.detach(), expected)
     assert count == batch.shape[0] * (batch.shape[1] - 1)
