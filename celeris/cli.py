@@ -15,6 +15,8 @@ from pathlib import Path
 
 from celeris.models.loader import CheckpointError
 
+EMBEDDED_AR = "celeris-code-6m-ar"  # the shipped autoregressive twin, `celeris bench`'s default baseline
+
 MASK_GLYPH = "\u2591"  # light shade: a still-masked position in --show-denoising
 
 
@@ -29,7 +31,8 @@ class _Parser(argparse.ArgumentParser):
 
 def _model_args(p: argparse.ArgumentParser) -> None:
     """Which checkpoint to load and how: shared by every command that loads a model."""
-    p.add_argument("--model", help="checkpoint folder (default: the embedded celeris-code-6m)")
+    p.add_argument("--model", help="checkpoint folder, or the name of an embedded one: celeris-code-6m (the "
+                   "default), celeris-code-6m-ar (its autoregressive twin)")
     p.add_argument("--device", help="cpu, cuda, cuda:1 ... (default: cuda when available)")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
                    help="weight dtype (default: bfloat16 on CUDA, float32 on CPU)")
@@ -91,7 +94,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     b = sub.add_parser("bench", help="speed and quality of decoding systems side by side (JSON + PNG)")
     b.add_argument("--model", help="diffusion checkpoint (default: the embedded model)")
-    b.add_argument("--ar-model", help="autoregressive twin checkpoint (adds the ar-twin system and the judge)")
+    b.add_argument("--ar-model", help=f"autoregressive twin checkpoint (default: the embedded {EMBEDDED_AR} when "
+                   "present; 'none' leaves the ar-twin system out)")
     b.add_argument("--lengths", default="64,128,256", help="comma-separated output lengths")
     b.add_argument("--batch-sizes", default="1", help="comma-separated batch sizes (prompts decoded together)")
     b.add_argument("--num-prompts", type=int, default=8, help="first N HumanEval prompts")
@@ -122,9 +126,9 @@ def _params(llm_defaults: dict, args: argparse.Namespace):
 
 
 def _load(args: argparse.Namespace):
-    from celeris.llm import DEFAULT_MODEL, LLM
+    from celeris.llm import LLM, resolve_model
 
-    folder = Path(args.model) if args.model else DEFAULT_MODEL
+    folder = resolve_model(args.model)
     gen_path = folder / "generation_config.json"
     if not folder.is_dir():
         raise CheckpointError(f"checkpoint folder '{folder}' does not exist")
@@ -237,6 +241,14 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 def cmd_bench(args: argparse.Namespace) -> int:
     from celeris.bench.run import BenchConfig, format_table, run_bench
+    from celeris.llm import resolve_model
+
+    ar_model = args.ar_model
+    if ar_model is None and resolve_model(EMBEDDED_AR).is_dir():
+        ar_model = str(resolve_model(EMBEDDED_AR))
+    ar_model = None if ar_model == "none" else ar_model
+    if ar_model and not resolve_model(ar_model).is_dir():
+        raise CheckpointError(f"checkpoint folder '{ar_model}' does not exist")
 
     def integers(flag: str, text: str) -> list[int]:
         try:
@@ -245,7 +257,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
             raise UsageError(f"--{flag} must be comma-separated integers, got '{text}'") from None
 
     try:
-        cfg = BenchConfig(model=args.model, ar_model=args.ar_model, lengths=integers("lengths", args.lengths),
+        cfg = BenchConfig(model=args.model, ar_model=ar_model, lengths=integers("lengths", args.lengths),
                           batch_sizes=integers("batch-sizes", args.batch_sizes), num_prompts=args.num_prompts,
                           warmup=args.warmup, prompts=args.prompts, out_dir=args.out, smollm2=not args.no_smollm2)
     except ValueError as exc:
@@ -306,8 +318,9 @@ def cmd_batch(args: argparse.Namespace) -> int:
 
 def _batch_run(args: argparse.Namespace) -> int:
     from celeris.batch.jobs import run_batch
+    from celeris.llm import resolve_model
 
-    if args.model and not Path(args.model).is_dir():
+    if args.model and not resolve_model(args.model).is_dir():
         raise CheckpointError(f"checkpoint folder '{args.model}' does not exist")
     if args.max_num_seqs < 1:
         raise UsageError(f"--max-num-seqs must be >= 1, got {args.max_num_seqs}")
@@ -372,7 +385,9 @@ def _serve_parser(sub) -> None:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    if args.model and not Path(args.model).is_dir():
+    from celeris.llm import resolve_model
+
+    if args.model and not resolve_model(args.model).is_dir():
         raise CheckpointError(f"checkpoint folder '{args.model}' does not exist")
     for name in ("max_num_seqs", "max_waiting"):
         if getattr(args, name) < 1:

@@ -15,7 +15,20 @@ from celeris.engine import Engine, Request
 from celeris.models.registry import load_any, load_tokenizer
 from celeris.params import SamplingParams
 
-DEFAULT_MODEL = Path(__file__).parent / "checkpoints" / "celeris-code-6m"
+EMBEDDED = Path(__file__).parent / "checkpoints"
+DEFAULT_MODEL = EMBEDDED / "celeris-code-6m"
+
+
+def resolve_model(model: str | Path | None) -> Path:
+    """Checkpoint folder of ``model``: None is the embedded default; an existing path is itself; a bare
+    name of a folder in ``celeris/checkpoints`` (``celeris-code-6m``, ``celeris-code-6m-ar``) is that folder.
+    Anything else is returned as a path (the loader then says it does not exist)."""
+    if model is None:
+        return DEFAULT_MODEL
+    path = Path(model)
+    if not path.exists() and len(path.parts) == 1 and (EMBEDDED / path).is_dir():
+        return EMBEDDED / path
+    return path
 
 
 @dataclass(slots=True)
@@ -44,7 +57,7 @@ class LLM:
     """A loaded checkpoint (model, tokenizer, default sampling settings) ready to generate.
 
     Args:
-        model: checkpoint folder; None uses the embedded default model.
+        model: checkpoint folder or embedded model name (``resolve_model``); None uses the embedded default.
         device: "cpu", "cuda", ...; None picks CUDA when available.
         max_batch_size: most requests denoised together in one forward pass.
         trust_remote_code: allow a checkpoint format Celeris does not implement to run its own
@@ -60,7 +73,7 @@ class LLM:
         self, model: str | Path | None = None, device: str | None = None, max_batch_size: int = 8,
         trust_remote_code: bool = False, dtype: str | None = None, enforce_eager: bool = True,
     ) -> None:
-        self.path = Path(model) if model is not None else DEFAULT_MODEL
+        self.path = resolve_model(model)
         self.engine_config = EngineConfig(max_num_seqs=max_batch_size, max_waiting=1 << 30, device=device,
                                           dtype=dtype, enforce_eager=enforce_eager)
         self.device = resolve_device(device)

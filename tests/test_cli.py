@@ -96,6 +96,7 @@ BAD_INPUTS = {
     "unknown cache": ["generate", "x", "--cache", "bogus"],
     "bench batch sizes not integers": ["bench", "--batch-sizes", "1,two"],
     "bench batch size 0": ["bench", "--batch-sizes", "0"],
+    "bench missing ar model": ["bench", "--ar-model", "no/such/folder"],
 }
 
 
@@ -151,3 +152,23 @@ def test_shipped_model_end_to_end(capsys):
     record = json.loads(out.strip().splitlines()[-1])
     assert record["text"].strip()
     assert record["nfe"] <= 32
+
+
+def test_causal_twin_generates_token_by_token_and_refuses_blocks(capsys, tiny_checkpoint, tokenizer_dir, tmp_path):
+    """An autoregressive checkpoint runs through the same CLI: one forward pass per token by default,
+    a one-line error for settings only a diffusion model can follow."""
+    from celeris.models.loader import save_checkpoint
+    from celeris.train.loop import AR_GENERATION
+    from tests.conftest import TINY, tiny_model
+
+    config = json.loads((tiny_checkpoint / "config.json").read_text())
+    special = {k: config[k] for k in ("vocab_size", "eos_token_id", "mask_token_id", "pad_token_id")}
+    model = tiny_model(seed=1, **{**{k: config[k] for k in TINY if k in config}, **special, "is_causal": True})
+    folder = tmp_path / "twin"
+    save_checkpoint(model, folder, tokenizer_dir, {**AR_GENERATION, "max_new_tokens": 10})
+    code, out, err = run_cli(capsys, "generate", "def f():", "--model", str(folder), "--json", "--device", "cpu")
+    assert code == 0, err
+    record = json.loads(out)
+    assert record["nfe"] == min(len(record["token_ids"]) + 1, 10)  # one pass per token, up to end-of-text
+    code, out, err = run_cli(capsys, "generate", "def f():", "--model", str(folder), "--block-length", "4")
+    assert code == 2 and "block_length must be 1" in err and len(err.splitlines()) == 1
