@@ -401,10 +401,14 @@ def scored_logits(
         if not model.logits_shift:
             hidden = model.hidden_states(input_ids, attention_mask, cache, window)  # (B, Lw, d)
             return model.logits(gather_positions(hidden, logits_index))
-        # a shifted model scores column c from the hidden state at c - 1 (column 0 from its own): compute
-        # those columns too (a column listed twice computes the same keys/values twice)
-        scored = window.gather(1, logits_index)  # (B, L')
-        cols = torch.cat([window, (scored - model.logits_shift).clamp(min=0)], dim=1)
+        # a shifted model scores column c from the hidden state at c - 1 (column 0 from its own)
+        source = (window.gather(1, logits_index) - model.logits_shift).clamp(min=0)  # (B, L')
+        found = window[:, None, :] == source[:, :, None]  # (B, L', Lw)
+        if bool(found.any(-1).all()):  # every source column is in the window already (e.g. a block's first step)
+            hidden = model.hidden_states(input_ids, attention_mask, cache, window)
+            return model.logits(gather_positions(hidden, found.int().argmax(-1)))
+        # otherwise compute them too (a column listed twice computes the same keys/values twice)
+        cols = torch.cat([window, source], dim=1)
         hidden = model.hidden_states(input_ids, attention_mask, cache, cols)
         return model.logits(hidden[:, window.shape[1] :])
     w0, w1 = window if window is not None else (0, input_ids.shape[1])

@@ -150,30 +150,33 @@ def test_engine_with_cache_matches_reference_sampler(model, cache):
         assert torch.equal(r.answer, reference.answer_ids[i]), f"row {i}"
 
 
+@pytest.mark.parametrize("first", [0, 1])
 @pytest.mark.parametrize("fmt", ["celeris", "celeris-causal", "llada", "dream"])
-def test_per_row_window_columns_equal_span_windows(model, fmt):
+def test_per_row_window_columns_equal_span_windows(model, fmt, first):
     """A (B, Lw) column window (each row its own span, padded by repeating its last column) gives, per row,
-    the logits and written-back keys of that row's (w0, w1) window pass; Dream's shift is handled inside."""
+    the logits and written-back keys of that row's (w0, w1) window pass; a shifted model's (Dream, the causal
+    twin) scoring of column c from the state at c - 1 is handled inside, whether c - 1 lies before the window
+    (``first`` 0) or in it (``first`` 1)."""
     from tests.conftest import tiny_model
 
     net = tiny_model(is_causal=fmt == "celeris-causal") if fmt.startswith("celeris") else model
     if not fmt.startswith("celeris") and type(model).__name__.lower().find(fmt) < 0:
         pytest.skip("the module fixture holds the other format")
     ids, mask = padded_batch(net.config.vocab_size, pad=0, length=14)
-    spans = [(6, 10), (9, 11)]  # different starts and widths
+    spans = [(6, 10), (9, 12)]  # different starts and widths
     with torch.no_grad():
         base = layers.KVCache()
         net(ids, mask, cache=base)
         lw = max(e - s for s, e in spans)
         cols = torch.stack([torch.arange(s, s + lw).clamp(max=e - 1) for s, e in spans])
-        index = torch.tensor([[0, 1], [0, 1]])  # score the first two columns of each window
+        index = torch.tensor([[first, first + 1], [first, first + 1]])  # score two columns of each window
         per_row = layers.KVCache([k.clone() for k in base.keys], [v.clone() for v in base.values])
         got = net(ids, mask, cache=per_row, window=cols, logits_index=index)  # (B, 2, V)
         for row, (s, e) in enumerate(spans):
             alone = layers.KVCache([k[row : row + 1].clone() for k in base.keys],
                                    [v[row : row + 1].clone() for v in base.values])
-            want = net(ids[row : row + 1], mask[row : row + 1], logits_slice=slice(s, s + 2), cache=alone,
-                       window=(s, e))
+            want = net(ids[row : row + 1], mask[row : row + 1], logits_slice=slice(s + first, s + first + 2),
+                       cache=alone, window=(s, e))
             assert (got[row] - want[0]).abs().max() < 1e-4, (fmt, row)
             for a, b in zip(per_row.keys, alone.keys, strict=True):
                 assert (a[row, :, s:e] - b[0, :, s:e]).abs().max() < 1e-4
