@@ -43,6 +43,31 @@ def test_respond_maps_failures_to_status_and_error_body(serving):
     assert info.value.status_code == 400 and info.value.param == "max_tokens"
 
 
+def test_autoregressive_twin_is_served_and_refuses_diffusion_only_settings(tmp_path):
+    """A causal checkpoint behind the same API: its defaults decode token by token (the offline result);
+    blocks longer than one token and a suffix are 400s naming the parameter."""
+    from celeris.llm import LLM
+    from celeris.serve.serving import OpenAIServing
+    from celeris.train.loop import AR_GENERATION
+    from tests.conftest import build_tiny_checkpoint
+    from tests.serve.conftest import CONTEXT, TEXTS
+
+    folder = build_tiny_checkpoint(tmp_path, TEXTS, "twin", CONTEXT, {**AR_GENERATION, "max_new_tokens": 8},
+                                   is_causal=True)
+    llm = LLM(folder, device="cpu")
+    serving = OpenAIServing(llm, served_model_name="twin")
+    serving.start()
+    try:
+        body = serving.run_sync("/v1/completions", {"prompt": "import os", "max_tokens": 8})
+        expected = llm.generate("import os", llm.default_params(max_new_tokens=8))[0]
+        assert body["choices"][0]["text"] == expected.text and expected.nfe == min(len(expected.token_ids) + 1, 8)
+        for extra, param in (({"block_length": 4}, "block_length"), ({"suffix": "x = 1"}, "suffix")):
+            status, body = asyncio.run(serving.respond("/v1/completions", {"prompt": "import os", **extra}))
+            assert status == 400 and body["error"]["param"] == param, body
+    finally:
+        serving.stop()
+
+
 def test_stream_iterator_without_http(serving):
     async def collect():
         request = CompletionRequest.model_validate_json('{"prompt": "def f():", "max_tokens": 8, "stream": true}')
