@@ -55,6 +55,7 @@ def _sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cfg-scale", type=float, help="classifier-free guidance scale (0 = off)")
     p.add_argument("--repetition-penalty", type=float, help="CTRL repetition penalty (1 = off)")
     p.add_argument("--cache", help="KV cache: none, prefix or dual (Fast-dLLM), delayed (dual without refreshes)")
+    p.add_argument("--cache-refresh", type=int, help="delayed cache: full refresh every N blocks (0 = never)")
     p.add_argument("--stop", action="append", help="stop string (repeatable)")
 
 
@@ -121,7 +122,7 @@ def _params(llm_defaults: dict, args: argparse.Namespace):
         max_new_tokens=args.max_new_tokens, steps=args.steps, block_length=args.block_length,
         temperature=args.temperature, top_p=args.top_p, seed=args.seed, remasking=args.remasking,
         decoding=args.decoding, threshold=args.threshold, cfg_scale=args.cfg_scale, stop=args.stop, cache=args.cache,
-        repetition_penalty=args.repetition_penalty,
+        repetition_penalty=args.repetition_penalty, cache_refresh=args.cache_refresh,
     )
 
 

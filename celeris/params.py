@@ -46,6 +46,10 @@ class SamplingParams:
             rewrites the previous block's keys/values with its final tokens (the
             delayed caching of decoded tokens of dKV-Cache, arXiv:2505.15781, on
             top of the dual cache). Cheapest per token; a further approximation.
+        cache_refresh: with ``cache="delayed"``, also refill the whole cache by a full
+            pass at the first step of every ``cache_refresh``-th block (0: only the
+            prefill; 1: every block, i.e. the dual cache). Bounds how stale the
+            cached keys/values get (dKV-Cache's refresh interval, arXiv:2505.15781).
     """
 
     max_new_tokens: int = 128
@@ -64,6 +68,7 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     early_exit: bool = True
     cache: str = "none"
+    cache_refresh: int = 0
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -80,6 +85,7 @@ class SamplingParams:
             (self.factor > 0, f"factor must be > 0, got {self.factor}"),
             (self.entropy_bound >= 0, f"entropy_bound must be >= 0, got {self.entropy_bound}"),
             (self.cache in CACHE, f"cache must be one of {', '.join(CACHE)}; got '{self.cache}'"),
+            (self.cache_refresh >= 0, f"cache_refresh must be >= 0, got {self.cache_refresh}"),
             (self.cfg_scale >= 0, f"cfg_scale must be >= 0, got {self.cfg_scale}"),
             (self.repetition_penalty > 0, f"repetition_penalty must be > 0, got {self.repetition_penalty}"),
             (all(isinstance(s, str) and s for s in self.stop), "stop must be a non-empty string or a list of them"),
@@ -99,4 +105,5 @@ class SamplingParams:
     def structure_key(self) -> tuple:
         """Settings that must be equal for requests to share one batched sampler call."""
         return (self.max_new_tokens, self.steps, self.block_length, self.remasking, self.decoding,
-                self.threshold, self.factor, self.entropy_bound, self.cfg_scale > 0, self.early_exit, self.cache)
+                self.threshold, self.factor, self.entropy_bound, self.cfg_scale > 0, self.early_exit, self.cache,
+                self.cache_refresh)

@@ -94,6 +94,7 @@ BAD_INPUTS = {
     "no command": [],
     "too long for the context": ["generate", "x " * 40, "--max-new-tokens", "60", "--steps", "4"],
     "unknown cache": ["generate", "x", "--cache", "bogus"],
+    "negative cache refresh": ["generate", "x", "--cache-refresh", "-1"],
     "bench batch sizes not integers": ["bench", "--batch-sizes", "1,two"],
     "bench batch size 0": ["bench", "--batch-sizes", "0"],
     "bench missing ar model": ["bench", "--ar-model", "no/such/folder"],

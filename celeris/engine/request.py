@@ -94,7 +94,7 @@ class Request:
         None for a full pass: the reference sampler's rule (``celeris.sampling.generate.cache_window``,
         plus ``stale_cols`` at a block's first step under the ``delayed`` cache)."""
         window = cache_window(self.params.cache, slice(*self.block_span), self.num_tokens, self.step_in_block,
-                              first_block=self.block_idx == 0)
+                              self.block_idx, self.params.cache_refresh)
         if window is None:
             return None
         stale = self.stale_cols if self.params.cache == "delayed" and self.step_in_block == 0 else []

@@ -107,18 +107,20 @@ def answer_done(answer: torch.Tensor, eos_id: int, mask_id: int) -> torch.Tensor
 
 
 def cache_window(
-    mode: str, span: slice, total: int, step_in_block: int, first_block: bool
+    mode: str, span: slice, total: int, step_in_block: int, block_idx: int, refresh: int = 0
 ) -> tuple[int, int] | None:
     """Positions a step recomputes; None means a full pass that (re)fills the cache.
 
     ``none``: always all. ``prefix`` / ``dual`` (Fast-dLLM): a full pass at each
     block's first step, then block..end (prefix) or the block (dual).
-    ``delayed``: one full pass (prefill) at the very first step, then only the
-    block; at a later block's first step the caller adds the columns committed
-    at the previous block's last step (``delayed_columns``).
+    ``delayed``: one full pass (prefill) at the very first step, and again at the
+    first step of every ``refresh``-th block when ``refresh`` > 0, else only the
+    block; at another block's first step the caller adds the columns committed at
+    the previous block's last step (``delayed_columns``). ``refresh`` 1 is the dual cache.
     """
     if mode == "delayed":
-        return None if step_in_block == 0 and first_block else (span.start, span.stop)
+        full = step_in_block == 0 and (block_idx == 0 or (refresh > 0 and block_idx % refresh == 0))
+        return None if full else (span.start, span.stop)
     if mode == "none" or step_in_block == 0:
         return None
     return (span.start, total) if mode == "prefix" else (span.start, span.stop)
@@ -194,15 +196,15 @@ def generate(
     nfe = steps = 0
     first_token_s: list[float | None] = [None] * b
     last_commit: list[list[int]] = [[] for _ in range(b)]  # per row: columns its latest committing step filled
-    for s, e in blocks:
+    for block_idx, (s, e) in enumerate(blocks):
         span = slice(lp + s, lp + e)
         block_steps = min(steps_per_block, e - s)
         schedule = num_transfer_tokens((canvas[:, span] == mask_id).sum(-1), block_steps)  # (B, S)
         step_in_block = 0
         while bool((canvas[:, span] == mask_id).any()):
-            window = cache_window(sp.cache, span, canvas.shape[1], step_in_block, first_block=s == 0)
+            window = cache_window(sp.cache, span, canvas.shape[1], step_in_block, block_idx, sp.cache_refresh)
             where = {"logits_slice": span}
-            if sp.cache == "delayed" and step_in_block == 0 and s > 0:
+            if sp.cache == "delayed" and step_in_block == 0 and window is not None:
                 window, index = delayed_columns(last_commit, span, device)
                 where = {"logits_index": index}
             logits = model(canvas, attn, **where, **cache_args(caches[0], window))  # (B, L, V)

@@ -7,8 +7,8 @@ pass; ``unsupported_params`` names those set to anything else, and the serving l
 
 Celeris extensions (extra body fields of the ``openai`` client): ``steps``, ``block_length``,
 ``remasking``, ``decoding``, ``threshold``, ``factor``, ``entropy_bound``, ``cfg_scale``, ``repetition_penalty`` (defaults
-from the model's ``generation_config.json``), ``cache`` (``none``, ``prefix``, ``dual`` or ``delayed``) and
-``stream_mode`` (``"text"``, or ``"denoise"``: every chunk carries the whole answer canvas).
+from the model's ``generation_config.json``), ``cache`` (``none``, ``prefix``, ``dual`` or ``delayed``),
+``cache_refresh`` and ``stream_mode`` (``"text"``, or ``"denoise"``: every chunk carries the whole answer canvas).
 """
 
 from __future__ import annotations
@@ -132,6 +132,7 @@ class SamplingRequest(StrictModel):
     cfg_scale: float | None = Field(default=None, ge=0)
     repetition_penalty: float | None = Field(default=None, gt=0)  # as in vLLM
     cache: str | None = None
+    cache_refresh: int | None = Field(default=None, ge=0)
     stream_mode: Literal["text", "denoise"] = "text"
 
     # OpenAI parameters accepted only at their neutral values (see unsupported_params).

@@ -275,6 +275,7 @@ class OpenAIServing:
                 decoding=request.decoding, threshold=request.threshold, factor=request.factor,
                 entropy_bound=request.entropy_bound, cfg_scale=request.cfg_scale, seed=request.seed,
                 stop=request.stop_list() or None, cache=request.cache, repetition_penalty=request.repetition_penalty,
+                cache_refresh=request.cache_refresh,
             )
             check_model_support(self.llm.model, params)
             return params

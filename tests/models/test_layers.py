@@ -81,7 +81,7 @@ def test_window_pass_after_full_pass_gives_full_logits(model, masked):
         full = model(ids, mask)  # (B, T, V), no cache
         for span, mode in [(slice(6, 10), "prefix"), (slice(6, 10), "dual"), (slice(0, 4), "dual"),
                            (slice(1, 5), "dual"), (slice(10, 14), "prefix"), (slice(13, 14), "dual")]:
-            window = cache_window(mode, span, length, step_in_block=1, first_block=True)
+            window = cache_window(mode, span, length, step_in_block=1, block_idx=0)
             cache = layers.KVCache()
             filled = model(ids, mask, logits_slice=span, cache=cache)  # full pass fills the cache
             assert len(cache.keys) == len(model.layers)

@@ -394,10 +394,12 @@ def test_rejects_bad_calls(model):
         generate(model, [[5], [6]], [p, SamplingParams(max_new_tokens=5, steps=4)])
 
 
-@pytest.mark.parametrize("cache, full_passes", [("none", 12), ("prefix", 3), ("dual", 3), ("delayed", 1)])
-def test_cache_modes_make_the_documented_passes(cache, full_passes, monkeypatch):
+@pytest.mark.parametrize("cache, refresh, full_passes", [("none", 0, 12), ("prefix", 0, 3), ("dual", 0, 3),
+                                                          ("delayed", 0, 1), ("delayed", 2, 2), ("delayed", 1, 3)])
+def test_cache_modes_make_the_documented_passes(cache, refresh, full_passes, monkeypatch):
     """none: every step is a full pass; prefix/dual: one per block; delayed: only the prefill, then the
-    block, plus at a block's first step the column committed at the previous block's last step."""
+    block, plus at a block's first step the column committed at the previous block's last step; with
+    cache_refresh k also a full pass at the first step of every k-th block (blocks 0 and 2 for k = 2)."""
     model = tiny_model()
     calls: list[object] = []
     forward = model.forward
@@ -410,9 +412,12 @@ def test_cache_modes_make_the_documented_passes(cache, full_passes, monkeypatch)
     prompt = [5, 6, 7, 8]
     frames: list[torch.Tensor] = []
     out = generate(model, [prompt], SamplingParams(max_new_tokens=12, steps=12, block_length=4, cache=cache,
-                                                   early_exit=False), on_step=lambda a: frames.append(a.clone()))
+                                                   cache_refresh=refresh, early_exit=False),
+                   on_step=lambda a: frames.append(a.clone()))
     assert len(calls) == 12 and sum(w is None for w in calls) == full_passes
-    if cache == "delayed":
+    if refresh:
+        assert [i for i, w in enumerate(calls) if w is None] == list(range(0, 12, 4 * refresh))
+    if cache == "delayed" and refresh != 1:
         lp = len(prompt)
         assert calls[1:4] == [(lp, lp + 4)] * 3
         stale = calls[4]  # block 1's first step: one stale column of block 0, then block 1
