@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -176,3 +177,14 @@ def test_generation_config_supplies_defaults(tiny_checkpoint, tmp_path):
     assert len(out.token_ids) <= 5
     assert out.nfe <= 5
     assert torch.device("cpu") == next(llm.model.parameters()).device
+
+
+def test_embedded_models_resolve_by_name(tmp_path, monkeypatch):
+    from celeris.llm import DEFAULT_MODEL, EMBEDDED, resolve_model
+
+    assert resolve_model(None) == DEFAULT_MODEL == resolve_model("celeris-code-6m")
+    assert resolve_model("no-such-model") == Path("no-such-model")  # the loader then names it
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "celeris-code-6m").mkdir()  # a folder of that name here wins over the embedded one
+    assert resolve_model("celeris-code-6m") == Path("celeris-code-6m")
+    assert resolve_model(str(EMBEDDED / "celeris-code-6m")) == DEFAULT_MODEL
