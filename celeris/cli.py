@@ -54,7 +54,8 @@ def _sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threshold", type=float, help="confidence threshold for --decoding threshold")
     p.add_argument("--cfg-scale", type=float, help="classifier-free guidance scale (0 = off)")
     p.add_argument("--repetition-penalty", type=float, help="CTRL repetition penalty (1 = off)")
-    p.add_argument("--cache", help="KV cache: none, prefix or dual (Fast-dLLM), delayed (dual without refreshes)")
+    p.add_argument("--cache", help="KV cache: none, prefix or dual (Fast-dLLM), delayed (dual refreshed only by "
+                   "--cache-refresh)")
     p.add_argument("--cache-refresh", type=int, help="delayed cache: full refresh every N blocks (0 = never)")
     p.add_argument("--stop", action="append", help="stop string (repeatable)")
 
@@ -95,8 +96,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     b = sub.add_parser("bench", help="speed and quality of decoding systems side by side (JSON + PNG)")
     b.add_argument("--model", help="diffusion checkpoint (default: the embedded model)")
-    b.add_argument("--ar-model", help=f"autoregressive twin checkpoint (default: the embedded {EMBEDDED_AR} when "
-                   "present; 'none' leaves the ar-twin system out)")
+    b.add_argument("--ar-model", help=f"autoregressive twin checkpoint, same tokenizer as --model (default for the "
+                   f"embedded model: {EMBEDDED_AR}; 'none' leaves the ar-twin system out)")
     b.add_argument("--lengths", default="64,128,256", help="comma-separated output lengths")
     b.add_argument("--batch-sizes", default="1", help="comma-separated batch sizes (prompts decoded together)")
     b.add_argument("--num-prompts", type=int, default=8, help="first N HumanEval prompts")
@@ -137,10 +138,10 @@ def _load(args: argparse.Namespace):
         defaults = json.loads(gen_path.read_text()) if gen_path.is_file() else {}
     except json.JSONDecodeError as exc:
         raise CheckpointError(f"{gen_path} is not valid JSON: {exc}") from None
-    params = _params(defaults, args)  # validate before the (slower) model load
+    _params(defaults, args)  # validate before the (slower) model load
     llm = LLM(folder, device=args.device, dtype=args.dtype, enforce_eager=not args.compile,
               trust_remote_code=args.trust_remote_code)
-    return llm, params
+    return llm, _params(llm.generation_config, args)  # the defaults as the loaded model reads them
 
 
 def _render(tokenizer, answer_row: list[int], mask_id: int) -> str:
@@ -240,16 +241,27 @@ def cmd_eval(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_bench(args: argparse.Namespace) -> int:
-    from celeris.bench.run import BenchConfig, format_table, run_bench
+def bench_ar_model(model: str | None, ar_model: str | None) -> str | None:
+    """The autoregressive twin `celeris bench` runs: ``ar_model`` as given ('none': no twin), else the
+    embedded twin when ``model`` is the embedded default (a twin must share the model's tokenizer).
+
+    Raises:
+        CheckpointError: the chosen folder does not exist.
+    """
     from celeris.llm import resolve_model
 
-    ar_model = args.ar_model
-    if ar_model is None and resolve_model(EMBEDDED_AR).is_dir():
-        ar_model = str(resolve_model(EMBEDDED_AR))
+    if ar_model is None and resolve_model(model).resolve() == resolve_model(None).resolve():
+        ar_model = str(resolve_model(EMBEDDED_AR)) if resolve_model(EMBEDDED_AR).is_dir() else None
     ar_model = None if ar_model == "none" else ar_model
     if ar_model and not resolve_model(ar_model).is_dir():
         raise CheckpointError(f"checkpoint folder '{ar_model}' does not exist")
+    return ar_model
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from celeris.bench.run import BenchConfig, format_table, run_bench
+
+    ar_model = bench_ar_model(args.model, args.ar_model)
 
     def integers(flag: str, text: str) -> list[int]:
         try:
@@ -263,7 +275,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
                           warmup=args.warmup, prompts=args.prompts, out_dir=args.out, smollm2=not args.no_smollm2)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
-    results = run_bench(cfg)
+    try:
+        results = run_bench(cfg)
+    except ValueError as exc:  # e.g. a twin with another tokenizer
+        raise UsageError(str(exc)) from None
     print(format_table(results))
     for note in results["notes"]:
         print(f"note: {note}")
@@ -323,6 +338,7 @@ def _batch_run(args: argparse.Namespace) -> int:
 
     if args.model and not resolve_model(args.model).is_dir():
         raise CheckpointError(f"checkpoint folder '{args.model}' does not exist")
+    args.model = str(resolve_model(args.model)) if args.model else None  # workers get a path, not a name
     if args.max_num_seqs < 1:
         raise UsageError(f"--max-num-seqs must be >= 1, got {args.max_num_seqs}")
 

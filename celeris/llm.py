@@ -53,6 +53,13 @@ class RequestOutput:
     ttft_s: float | None
 
 
+def causal_defaults(generation_config: dict) -> dict:
+    """An autoregressive (causal) model's defaults: blocks of one token, and the ``delayed`` cache unless the
+    file asks for ``none`` (``check_model_support`` refuses anything else for such a model)."""
+    cache = generation_config.get("cache", "delayed")
+    return {**generation_config, "block_length": 1, "cache": cache if cache in ("none", "delayed") else "delayed"}
+
+
 class LLM:
     """A loaded checkpoint (model, tokenizer, default sampling settings) ready to generate.
 
@@ -82,6 +89,8 @@ class LLM:
         self.tokenizer = load_tokenizer(self.path, self.model)
         gen_path = self.path / "generation_config.json"
         self.generation_config: dict = json.loads(gen_path.read_text()) if gen_path.is_file() else {}
+        if getattr(self.model.config, "is_causal", False):  # what an autoregressive model can decode by default
+            self.generation_config = causal_defaults(self.generation_config)
         self.engine = Engine(self.model, self.engine_config)
         self.context_length = self.model.config.max_position_embeddings
 

@@ -19,7 +19,8 @@ class SamplingParams:
             See ``celeris.sampling.schedule.block_plan`` for how steps that do not
             divide evenly over the blocks are rounded.
         block_length: tokens per semi-autoregressive block, >= 1; capped at
-            ``max_new_tokens``; a last block may be shorter.
+            ``max_new_tokens``; a last block may be shorter. An autoregressive
+            (causal) model needs 1 (``check_model_support``).
         temperature: 0 is greedy; > 0 samples by Gumbel-max in float64.
         top_p: nucleus mass in (0, 1].
         remasking: ``low_confidence`` (commit the most confident predictions) or
@@ -41,11 +42,12 @@ class SamplingParams:
             and values are refreshed by a full pass at the first step of each block;
             later steps recompute only the block and what follows it (prefix) or
             only the block (dual). An approximation for bidirectional models.
-            ``delayed``: one full pass (prefill) at the first step, never refreshed;
-            each step recomputes only the block, and a block's first step also
-            rewrites the previous block's keys/values with its final tokens (the
-            delayed caching of decoded tokens of dKV-Cache, arXiv:2505.15781, on
-            top of the dual cache). Cheapest per token; a further approximation.
+            ``delayed``: one full pass (prefill) at the first step, then refreshed only
+            as ``cache_refresh`` says; each step recomputes only the block, and a
+            block's first step also rewrites the previous block's keys/values with
+            its final tokens (the delayed caching of decoded tokens of dKV-Cache,
+            arXiv:2505.15781, on top of the dual cache). Cheapest per token; a
+            further approximation for a bidirectional model, exact for a causal one.
         cache_refresh: with ``cache="delayed"``, also refill the whole cache by a full
             pass at the first step of every ``cache_refresh``-th block (0: only the
             prefill; 1: every block, i.e. the dual cache). Bounds how stale the
@@ -85,7 +87,10 @@ class SamplingParams:
             (self.factor > 0, f"factor must be > 0, got {self.factor}"),
             (self.entropy_bound >= 0, f"entropy_bound must be >= 0, got {self.entropy_bound}"),
             (self.cache in CACHE, f"cache must be one of {', '.join(CACHE)}; got '{self.cache}'"),
-            (self.cache_refresh >= 0, f"cache_refresh must be >= 0, got {self.cache_refresh}"),
+            (isinstance(self.cache_refresh, int) and not isinstance(self.cache_refresh, bool)
+             and self.cache_refresh >= 0, f"cache_refresh must be an integer >= 0, got {self.cache_refresh!r}"),
+            (self.cache_refresh == 0 or self.cache == "delayed",
+             f"cache_refresh applies to cache='delayed' only; got cache='{self.cache}'"),
             (self.cfg_scale >= 0, f"cfg_scale must be >= 0, got {self.cfg_scale}"),
             (self.repetition_penalty > 0, f"repetition_penalty must be > 0, got {self.repetition_penalty}"),
             (all(isinstance(s, str) and s for s in self.stop), "stop must be a non-empty string or a list of them"),

@@ -173,3 +173,23 @@ def test_causal_twin_generates_token_by_token_and_refuses_blocks(capsys, tiny_ch
     assert record["nfe"] == min(len(record["token_ids"]) + 1, 10)  # one pass per token, up to end-of-text
     code, out, err = run_cli(capsys, "generate", "def f():", "--model", str(folder), "--block-length", "4")
     assert code == 2 and "block_length must be 1" in err and len(err.splitlines()) == 1
+
+
+def test_bench_runs_the_embedded_twin_only_beside_the_embedded_model(tmp_path, monkeypatch):
+    import celeris.llm
+    from celeris.cli import bench_ar_model
+    from celeris.models.loader import CheckpointError
+
+    for name in ("celeris-code-6m", "celeris-code-6m-ar", "other"):
+        (tmp_path / name).mkdir()
+    monkeypatch.setattr(celeris.llm, "EMBEDDED", tmp_path)
+    monkeypatch.setattr(celeris.llm, "DEFAULT_MODEL", tmp_path / "celeris-code-6m")
+    assert bench_ar_model(None, None) == str(tmp_path / "celeris-code-6m-ar")
+    assert bench_ar_model("celeris-code-6m", None) == str(tmp_path / "celeris-code-6m-ar")
+    assert bench_ar_model(str(tmp_path / "other"), None) is None  # another model: its tokenizer may differ
+    assert bench_ar_model(None, "none") is None
+    assert bench_ar_model(str(tmp_path / "other"), str(tmp_path / "other")) == str(tmp_path / "other")
+    with pytest.raises(CheckpointError, match="does not exist"):
+        bench_ar_model(None, str(tmp_path / "missing"))
+    (tmp_path / "celeris-code-6m-ar").rmdir()
+    assert bench_ar_model(None, None) is None  # no twin shipped: the bench says nothing of one

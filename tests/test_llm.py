@@ -188,3 +188,20 @@ def test_embedded_models_resolve_by_name(tmp_path, monkeypatch):
     (tmp_path / "celeris-code-6m").mkdir()  # a folder of that name here wins over the embedded one
     assert resolve_model("celeris-code-6m") == Path("celeris-code-6m")
     assert resolve_model(str(EMBEDDED / "celeris-code-6m")) == DEFAULT_MODEL
+
+
+def test_causal_checkpoint_defaults_to_one_token_blocks(tiny_checkpoint, tokenizer_dir, tmp_path):
+    """An autoregressive checkpoint whose generation config asks for diffusion settings (an older export)
+    still generates by default: blocks of one token and the delayed cache."""
+    from celeris.models.loader import save_checkpoint
+    from tests.conftest import TINY, tiny_model
+
+    config = json.loads((tiny_checkpoint / "config.json").read_text())
+    model = tiny_model(**{k: config[k] for k in (*TINY, "vocab_size", "eos_token_id", "mask_token_id",
+                                                 "pad_token_id") if k in config}, is_causal=True)
+    save_checkpoint(model, tmp_path / "twin", tokenizer_dir, {"max_new_tokens": 6, "block_length": 32, "cache": "dual"})
+    twin = LLM(tmp_path / "twin")
+    params = twin.default_params()
+    assert (params.block_length, params.cache, params.max_new_tokens) == (1, "delayed", 6)
+    out = twin.generate("def f", params)[0]
+    assert out.nfe == min(len(out.token_ids) + 1, 6)

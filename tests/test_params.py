@@ -91,3 +91,11 @@ def test_structure_key_separates_batchable_settings():
     assert a.structure_key() == b.structure_key()  # per-row settings may differ inside one batch
     assert a.structure_key() != SamplingParams(steps=64).structure_key()
     assert a.structure_key() != SamplingParams(remasking="random").structure_key()
+
+
+@pytest.mark.parametrize("kwargs", [{"cache": "delayed", "cache_refresh": -1}, {"cache": "delayed", "cache_refresh": 1.5},
+                                    {"cache": "delayed", "cache_refresh": True}, {"cache": "dual", "cache_refresh": 2}])
+def test_cache_refresh_is_a_whole_number_of_blocks_for_the_delayed_cache(kwargs):
+    with pytest.raises(ValueError, match="cache_refresh"):
+        SamplingParams(**kwargs)
+    assert SamplingParams(cache="delayed", cache_refresh=4).cache_refresh == 4

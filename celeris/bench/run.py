@@ -142,13 +142,21 @@ def perplexity(ar: LLM, prompts: list[list[int]], outputs: list[list[int]]) -> f
 
 
 def run_bench(cfg: BenchConfig) -> dict:
-    """Run every system at every output length and batch size; returns the results (also written to ``out_dir``)."""
+    """Run every system at every output length and batch size; returns the results (also written to ``out_dir``).
+
+    Raises:
+        ValueError: the AR twin's tokenizer is not the diffusion model's.
+    """
     load_start = time.perf_counter()
     llm = LLM(cfg.model, max_batch_size=max(cfg.batch_sizes))
     load_s = time.perf_counter() - load_start  # cold request = load_s + first_request_s
     problems = load_humaneval(cfg.prompts)[: cfg.num_prompts]
     texts = [heal_prompt(p["prompt"]) for p in problems]
     ar = LLM(cfg.ar_model, max_batch_size=max(cfg.batch_sizes)) if cfg.ar_model else None
+    probe = "def f(x):\n    return x  # probe"
+    if ar is not None and (ar.model.config.vocab_size != llm.model.config.vocab_size
+                           or ar.tokenizer.encode(probe) != llm.tokenizer.encode(probe)):
+        raise ValueError(f"the autoregressive twin {cfg.ar_model} must use the diffusion model's tokenizer")
     results: dict = {"conditions": None, "runs": [], "notes": []}
     smol = None
     if cfg.smollm2:

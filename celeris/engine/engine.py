@@ -63,7 +63,13 @@ class Engine:
         suffix_ids: list[int] | None = None,
         request_id: str | None = None,
     ) -> Request:
-        """Queue a request. Raises ValueError (empty prompt, unsupported cache) or QueueFullError."""
+        """Queue a request.
+
+        Raises:
+            ValueError: empty prompt, or settings the model cannot decode (``check_model_support``: an
+                unsupported cache; for an autoregressive model, blocks longer than one token, CFG, a suffix).
+            QueueFullError: the waiting queue is full.
+        """
         check_model_support(self.model, params, bool(suffix_ids))
         request = Request(request_id or f"req-{next(self._ids)}", list(prompt_ids), params, self.mask_id,
                           list(suffix_ids or []))

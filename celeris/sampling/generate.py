@@ -177,7 +177,8 @@ def generate(
     if any(not p for p in prompt_ids):
         raise ValueError("prompt must not be empty")
     if len({r.structure_key() for r in rows}) > 1:
-        raise ValueError("rows of one batch must share max_new_tokens, steps, block_length, remasking and decoding")
+        raise ValueError("rows of one batch must share max_new_tokens, steps, block_length, remasking, decoding "
+                         "and cache settings")
     sp = rows[0]
     cfg = model.config
     device = next(model.parameters()).device

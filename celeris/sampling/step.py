@@ -30,8 +30,11 @@ def check_model_support(model: torch.nn.Module, params: SamplingParams, has_suff
     A KV cache needs ``supports_kv_cache``. A causal model (the autoregressive
     twin, ``config.is_causal``) decodes one token per step: it needs
     ``block_length`` 1 (each block then takes one step, whatever ``steps`` says,
-    see ``block_plan``), and it can neither see a suffix (infilling) nor score
-    a masked prompt (classifier-free guidance).
+    see ``block_plan``) and the ``delayed`` cache (exact for it: each token's
+    keys/values are written once, a step after it is committed) or none
+    (``prefix``/``dual`` would re-run a full pass for every token); it can
+    neither see a suffix (infilling) nor score a masked prompt (classifier-free
+    guidance).
     """
     if params.cache != "none" and not getattr(model, "supports_kv_cache", False):
         raise ValueError(f"cache='{params.cache}' is not supported by {type(model).__name__}; use cache='none'")
@@ -40,6 +43,9 @@ def check_model_support(model: torch.nn.Module, params: SamplingParams, has_suff
     if params.block_length != 1:
         raise ValueError(f"block_length must be 1 for an autoregressive (causal) model, which decodes one token "
                          f"per step; got {params.block_length}")
+    if params.cache not in ("none", "delayed"):
+        raise ValueError(f"cache must be 'delayed' or 'none' for an autoregressive (causal) model; got "
+                         f"'{params.cache}'")
     if params.cfg_scale > 0:
         raise ValueError(f"cfg_scale must be 0 for an autoregressive (causal) model; got {params.cfg_scale}")
     if has_suffix:

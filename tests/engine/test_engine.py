@@ -158,14 +158,15 @@ def test_cache_needs_model_support():
         engine.add_request([5, 6], SamplingParams(cache="dual"))
 
 
-@pytest.mark.parametrize("cache", ["none", "prefix", "dual", "delayed"])
-def test_engine_decodes_a_causal_model_token_by_token(cache):
-    """The AR twin through the engine (blocks of one token, shifted logits) is exactly next-token decoding:
-    the same tokens as the autoregressive decoder recomputing everything, for every cache mode, joined mid-flight."""
+@pytest.mark.parametrize(("cache", "refresh"), [("none", 0), ("delayed", 0), ("delayed", 3)])
+def test_engine_decodes_a_causal_model_token_by_token(cache, refresh):
+    """The AR twin through the engine (blocks of one token, shifted logits) is exactly greedy next-token decoding:
+    the same tokens as the autoregressive decoder recomputing everything, for each cache it takes, joined mid-flight."""
     from celeris.sampling.autoregressive import generate_autoregressive
 
     model = tiny_model(is_causal=True)
-    params = SamplingParams(max_new_tokens=12, steps=12, block_length=1, cache=cache, early_exit=False)
+    params = SamplingParams(max_new_tokens=12, steps=12, block_length=1, cache=cache, cache_refresh=refresh,
+                            early_exit=False)
     want = generate_autoregressive(model, PROMPTS, SamplingParams(max_new_tokens=12, early_exit=False),
                                    use_cache=False).answer_ids
     assert len({tuple(row.tolist()) for row in want}) == len(PROMPTS)  # the rows differ: a real check
@@ -184,6 +185,7 @@ def test_engine_decodes_a_causal_model_token_by_token(cache):
 @pytest.mark.parametrize(("params", "suffix", "match"), [
     (SamplingParams(block_length=4), None, "block_length must be 1"),
     (SamplingParams(block_length=1, cfg_scale=1.0), None, "cfg_scale must be 0"),
+    (SamplingParams(block_length=1, cache="dual"), None, "cache must be 'delayed' or 'none'"),
     (SamplingParams(block_length=1), [7, 8], "suffix"),
 ])
 def test_causal_model_refuses_what_it_cannot_decode(params, suffix, match):

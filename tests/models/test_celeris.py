@@ -63,8 +63,13 @@ def test_causal_model_ignores_the_future(make_model):
     changed = ids.clone()
     changed[0, 5:] = (ids[0, 5:] + 1 - 3) % 61 + 3
     a, b = causal(ids), causal(changed)
-    torch.testing.assert_close(a[0, :5], b[0, :5])
-    assert not torch.allclose(a[0, 5:], b[0, 5:])
+    # row i predicts token i from the hidden state at i - 1 (row 0 from its own): rows up to 5 ignore token 5
+    torch.testing.assert_close(a[0, :6], b[0, :6])
+    assert not torch.allclose(a[0, 6:], b[0, 6:])
+    with torch.no_grad():
+        head = causal.logits(causal.hidden_states(ids))  # (1, 8, V), unshifted
+    torch.testing.assert_close(a[0, 1:], head[0, :-1])
+    torch.testing.assert_close(a[0, 0], head[0, 0])
     # the causal mask still holds when an attention mask is passed (padding path)
     mask = torch.ones(1, 8, dtype=torch.bool)
     torch.testing.assert_close(causal(ids, mask)[0, :5], causal(changed, mask)[0, :5])

@@ -61,7 +61,8 @@ def test_autoregressive_twin_is_served_and_refuses_diffusion_only_settings(tmp_p
         body = serving.run_sync("/v1/completions", {"prompt": "import os", "max_tokens": 8})
         expected = llm.generate("import os", llm.default_params(max_new_tokens=8))[0]
         assert body["choices"][0]["text"] == expected.text and expected.nfe == min(len(expected.token_ids) + 1, 8)
-        for extra, param in (({"block_length": 4}, "block_length"), ({"suffix": "x = 1"}, "suffix")):
+        for extra, param in (({"block_length": 4}, "block_length"), ({"suffix": "x = 1"}, "suffix"),
+                             ({"cfg_scale": 1.0}, "cfg_scale"), ({"cache": "dual"}, "cache")):
             status, body = asyncio.run(serving.respond("/v1/completions", {"prompt": "import os", **extra}))
             assert status == 400 and body["error"]["param"] == param, body
     finally:
