@@ -155,6 +155,26 @@ def test_shipped_model_end_to_end(capsys):
     assert record["nfe"] <= 32
 
 
+def test_shipped_twin_end_to_end(capsys):
+    """The shipped autoregressive twin, by name: one forward pass per token, and the engine's greedy tokens
+    are the direct next-token decoder's."""
+    from celeris.llm import LLM
+    from celeris.sampling.autoregressive import generate_autoregressive
+
+    twin = SHIPPED.parent / "celeris-code-6m-ar"
+    if not (twin / "model.safetensors").is_file():
+        pytest.skip(f"{twin} has no model.safetensors yet (exported at the end of training)")
+    code, out, err = run_cli(capsys, "generate", "def fibonacci(n):", "--model", "celeris-code-6m-ar", "--device",
+                             "cpu", "--json", "--max-new-tokens", "32")
+    assert code == 0, err
+    record = json.loads(out.strip().splitlines()[-1])
+    assert record["text"].strip() and record["nfe"] == min(len(record["token_ids"]) + 1, 32)
+    llm = LLM("celeris-code-6m-ar", device="cpu")
+    want = generate_autoregressive(llm.model, [llm.tokenizer.encode("def fibonacci(n):")],
+                                   llm.default_params(max_new_tokens=32))
+    assert record["token_ids"] == want.token_ids[0]
+
+
 def test_causal_twin_generates_token_by_token_and_refuses_blocks(capsys, tiny_checkpoint, tokenizer_dir, tmp_path):
     """An autoregressive checkpoint runs through the same CLI: one forward pass per token by default,
     a one-line error for settings only a diffusion model can follow."""
