@@ -16,7 +16,7 @@ from celeris.models.celeris import KVCache
 from celeris.params import SamplingParams
 from celeris.sampling.generate import GenerationOutput, build_canvas, cut_at_eos
 from celeris.sampling.select import NEG_INF, sample_tokens, top_p_filter
-from celeris.sampling.step import RowSettings, banned_token_ids, make_generator
+from celeris.sampling.step import RowSettings, banned_token_ids, context_tokens, make_generator, penalize_repetition
 
 
 @torch.no_grad()
@@ -26,7 +26,8 @@ def generate_autoregressive(
     params: SamplingParams | list[SamplingParams],
     use_cache: bool = True,
 ) -> GenerationOutput:
-    """Next-token decoding of ``max_new_tokens`` tokens per prompt (greedy at temperature 0).
+    """Next-token decoding of ``max_new_tokens`` tokens per prompt (greedy at temperature 0; top-p and the
+    repetition penalty over prompt and answer so far as in the engine).
 
     Args:
         model: a causal model (``config.is_causal``) with the KVCache/window interface.
@@ -64,6 +65,10 @@ def generate_autoregressive(
         hidden = model.hidden_states(canvas, attn, cache, window)  # (B, T, d), or (B, 1, d) for the window
         logits = model.logits(hidden[:, t - 1 : t] if window is None else hidden)  # (B, 1, V): token t from h[t-1]
         nfe += 1
+        if bool((settings.repetition_penalty != 1).any()):  # the context so far: prompt and answer, not padding
+            seen = context_tokens([row[:t][a[:t]] for row, a in zip(canvas, attn, strict=True)], logits.shape[-1],
+                                  cfg.mask_token_id, device)
+            logits = penalize_repetition(logits, seen, settings.repetition_penalty)
         logits[..., banned] = NEG_INF
         if bool((settings.top_p < 1).any()):
             logits = top_p_filter(logits, settings.top_p)

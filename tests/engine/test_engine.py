@@ -182,6 +182,22 @@ def test_engine_decodes_a_causal_model_token_by_token(cache, refresh):
         assert r.nfe == 12
 
 
+def test_causal_model_with_repetition_penalty_matches_the_ar_decoder():
+    from celeris.sampling.autoregressive import generate_autoregressive
+
+    model = tiny_model(is_causal=True)
+    params = SamplingParams(max_new_tokens=12, steps=12, block_length=1, cache="delayed", repetition_penalty=3.0,
+                            early_exit=False)
+    want = generate_autoregressive(model, PROMPTS, params).answer_ids
+    plain = generate_autoregressive(model, PROMPTS, SamplingParams(max_new_tokens=12, early_exit=False)).answer_ids
+    assert not torch.equal(want, plain)  # the penalty changes the answers: a real check
+    engine = Engine(model, EngineConfig(max_num_seqs=8))
+    requests = [engine.add_request(p, params) for p in PROMPTS]
+    run_to_end(engine)
+    for i, r in enumerate(requests):
+        assert torch.equal(r.answer, want[i]), f"row {i}"
+
+
 @pytest.mark.parametrize(("params", "suffix", "match"), [
     (SamplingParams(block_length=4), None, "block_length must be 1"),
     (SamplingParams(block_length=1, cfg_scale=1.0), None, "cfg_scale must be 0"),
