@@ -55,8 +55,8 @@ def _sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cfg-scale", type=float, help="classifier-free guidance scale (0 = off)")
     p.add_argument("--repetition-penalty", type=float, help="CTRL repetition penalty (1 = off)")
     p.add_argument("--cache", help="KV cache: none, prefix or dual (Fast-dLLM), delayed (dual refreshed only by "
-                   "--cache-refresh)")
-    p.add_argument("--cache-refresh", type=int, help="delayed cache: full refresh every N blocks (0 = never)")
+                   "--cache-refresh), dual_delayed (the prompt and older blocks frozen, the rest refreshed per block)")
+    p.add_argument("--cache-refresh", type=int, help="delayed/dual_delayed cache: full refresh every N blocks (0 = never)")
     p.add_argument("--stop", action="append", help="stop string (repeatable)")
 
 

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field, fields
 
 REMASKING = ("low_confidence", "random")
 DECODING = ("fixed", "threshold", "factor", "entropy")
-CACHE = ("none", "prefix", "dual", "delayed")
+CACHE = ("none", "prefix", "dual", "delayed", "dual_delayed")
 
 
 @dataclass(slots=True)
@@ -48,10 +48,16 @@ class SamplingParams:
             its final tokens (the delayed caching of decoded tokens of dKV-Cache,
             arXiv:2505.15781, on top of the dual cache). Cheapest per token; a
             further approximation for a bidirectional model, exact for a causal one.
-        cache_refresh: with ``cache="delayed"``, also refill the whole cache by a full
-            pass at the first step of every ``cache_refresh``-th block (0: only the
-            prefill; 1: every block, i.e. the dual cache). Bounds how stale the
-            cached keys/values get (dKV-Cache's refresh interval, arXiv:2505.15781).
+            ``dual_delayed``: ``delayed`` for what is behind the previous block (the
+            prompt and older blocks keep the keys/values they were last computed with),
+            the dual cache for the rest: a block's first step recomputes from the
+            previous block's first column to the end (that block's final tokens and
+            the whole masked suffix), the other steps only the block. Its block-start
+            passes shrink as the answer grows; the prompt is never recomputed.
+        cache_refresh: with ``cache="delayed"`` or ``"dual_delayed"``, also refill the
+            whole cache by a full pass at the first step of every ``cache_refresh``-th
+            block (0: only the prefill; 1: every block, i.e. the dual cache). Bounds how
+            stale the cached keys/values get (dKV-Cache's refresh interval, arXiv:2505.15781).
     """
 
     max_new_tokens: int = 128
@@ -89,8 +95,8 @@ class SamplingParams:
             (self.cache in CACHE, f"cache must be one of {', '.join(CACHE)}; got '{self.cache}'"),
             (isinstance(self.cache_refresh, int) and not isinstance(self.cache_refresh, bool)
              and self.cache_refresh >= 0, f"cache_refresh must be an integer >= 0, got {self.cache_refresh!r}"),
-            (self.cache_refresh == 0 or self.cache == "delayed",
-             f"cache_refresh applies to cache='delayed' only; got cache='{self.cache}'"),
+            (self.cache_refresh == 0 or self.cache in ("delayed", "dual_delayed"),
+             f"cache_refresh applies to cache='delayed' or 'dual_delayed' only; got cache='{self.cache}'"),
             (self.cfg_scale >= 0, f"cfg_scale must be >= 0, got {self.cfg_scale}"),
             (self.repetition_penalty > 0, f"repetition_penalty must be > 0, got {self.repetition_penalty}"),
             (all(isinstance(s, str) and s for s in self.stop), "stop must be a non-empty string or a list of them"),

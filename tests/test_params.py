@@ -99,3 +99,4 @@ def test_cache_refresh_is_a_whole_number_of_blocks_for_the_delayed_cache(kwargs)
     with pytest.raises(ValueError, match="cache_refresh"):
         SamplingParams(**kwargs)
     assert SamplingParams(cache="delayed", cache_refresh=4).cache_refresh == 4
+    assert SamplingParams(cache="dual_delayed", cache_refresh=2).cache_refresh == 2

@@ -64,7 +64,7 @@ def check_correctness(device: torch.device) -> dict:
     with torch.no_grad():
         diff = (model(ids.to(device)).cpu() - cpu_model(ids)).abs().max().item()
     out = {"check": "correctness", "device": str(device), "max_logit_diff_vs_cpu": diff, "cache_modes": {}}
-    for cache in ("none", "prefix", "dual", "delayed"):
+    for cache in ("none", "prefix", "dual", "delayed", "dual_delayed"):
         params = SamplingParams(max_new_tokens=16, steps=16, block_length=4, cache=cache, early_exit=False)
         reference = generate(model, prompts, params)
         engine = Engine(model, EngineConfig(max_num_seqs=8))

@@ -359,9 +359,9 @@ class TransformerLM(nn.Module):
         ``logits_slice`` (canvas coordinates, contiguous) picks the output
         positions (L' of them; default: the window, else all T); with a window it
         must lie inside it. ``cache``/``window``: see ``hidden_states``. With
-        ``logits_shift`` 1 the window pass starts one position earlier (at
-        ``max(w0 - 1, 0)``) so that the hidden state scoring position w0 is
-        fresh; that position's keys/values are then written back as well.
+        ``logits_shift`` 1, when the slice starts at w0, the window pass starts one
+        position earlier (at ``max(w0 - 1, 0)``) so that the hidden state scoring
+        position w0 is fresh; that position's keys/values are then written back as well.
         ``return_hidden`` returns ``hidden_states`` for the window as given.
 
         Raises:
@@ -419,7 +419,7 @@ def scored_logits(
         stop = input_ids.shape[1] if logits_slice.stop is None else logits_slice.stop
         if logits_slice.step not in (None, 1) or not w0 <= start <= stop <= w1:
             raise ValueError(f"logits_slice {logits_slice} must be contiguous and inside positions [{w0}, {w1})")
-    h0 = max(w0 - model.logits_shift, 0)  # first position whose hidden state is needed
+    h0 = max(min(w0, start - model.logits_shift), 0)  # first position whose hidden state is needed
     hidden = model.hidden_states(input_ids, attention_mask, cache, None if window is None else (h0, w1))
     a, z = start - model.logits_shift - h0, stop - model.logits_shift - h0  # rows of `hidden` for the slice
     rows = hidden[:, max(a, 0) : max(z, 0)]

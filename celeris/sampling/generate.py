@@ -107,7 +107,8 @@ def answer_done(answer: torch.Tensor, eos_id: int, mask_id: int) -> torch.Tensor
 
 
 def cache_window(
-    mode: str, span: slice, total: int, step_in_block: int, block_idx: int, refresh: int = 0
+    mode: str, span: slice, total: int, step_in_block: int, block_idx: int, refresh: int = 0,
+    prev_start: int | None = None,
 ) -> tuple[int, int] | None:
     """Positions a step recomputes; None means a full pass that (re)fills the cache.
 
@@ -117,10 +118,18 @@ def cache_window(
     first step of every ``refresh``-th block when ``refresh`` > 0, else only the
     block; at another block's first step the caller adds the columns committed at
     the previous block's last step (``delayed_columns``). ``refresh`` 1 is the dual cache.
+    ``dual_delayed``: as ``delayed``, except that another block's first step recomputes
+    from ``prev_start`` (the previous block's first column) to the end: the previous
+    block with its final tokens and the whole masked suffix; the prompt and older
+    blocks keep the keys/values they were last computed with.
     """
-    if mode == "delayed":
+    if mode in ("delayed", "dual_delayed"):
         full = step_in_block == 0 and (block_idx == 0 or (refresh > 0 and block_idx % refresh == 0))
-        return None if full else (span.start, span.stop)
+        if full:
+            return None
+        if mode == "dual_delayed" and step_in_block == 0:
+            return (span.start if prev_start is None else prev_start, total)
+        return (span.start, span.stop)
     if mode == "none" or step_in_block == 0:
         return None
     return (span.start, total) if mode == "prefix" else (span.start, span.stop)
@@ -203,7 +212,9 @@ def generate(
         schedule = num_transfer_tokens((canvas[:, span] == mask_id).sum(-1), block_steps)  # (B, S)
         step_in_block = 0
         while bool((canvas[:, span] == mask_id).any()):
-            window = cache_window(sp.cache, span, canvas.shape[1], step_in_block, block_idx, sp.cache_refresh)
+            prev_start = lp + blocks[block_idx - 1][0] if block_idx else None
+            window = cache_window(sp.cache, span, canvas.shape[1], step_in_block, block_idx, sp.cache_refresh,
+                                  prev_start)
             where = {"logits_slice": span}
             if sp.cache == "delayed" and step_in_block == 0 and window is not None:
                 window, index = delayed_columns(last_commit, span, device)

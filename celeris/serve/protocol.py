@@ -7,7 +7,7 @@ pass; ``unsupported_params`` names those set to anything else, and the serving l
 
 Celeris extensions (extra body fields of the ``openai`` client): ``steps``, ``block_length``,
 ``remasking``, ``decoding``, ``threshold``, ``factor``, ``entropy_bound``, ``cfg_scale``, ``repetition_penalty`` (defaults
-from the model's ``generation_config.json``), ``cache`` (``none``, ``prefix``, ``dual`` or ``delayed``),
+from the model's ``generation_config.json``), ``cache`` (``none``, ``prefix``, ``dual``, ``delayed`` or ``dual_delayed``),
 ``cache_refresh`` and ``stream_mode`` (``"text"``, or ``"denoise"``: every chunk carries the whole answer canvas).
 """
 

@@ -11,7 +11,7 @@ def test_gpu_check_smoke_on_cpu(capsys):
     assert gpu.main(["--device", "cpu", "--smoke"]) == 0
     rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     correctness = next(r for r in rows if r.get("check") == "correctness")
-    assert correctness["ok"] and set(correctness["cache_modes"]) == {"none", "prefix", "dual", "delayed"}
+    assert correctness["ok"] and set(correctness["cache_modes"]) == {"none", "prefix", "dual", "delayed", "dual_delayed"}
     speed = [r for r in rows if r.get("check") == "llada-8b-shape"]
     assert [r["batch"] for r in speed] == [1, 8]
     assert all(r["tokens_per_s"] > 0 and r["full_pass_ms"] > 0 and r["answer_tokens"] > 0 for r in speed)

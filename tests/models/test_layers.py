@@ -134,7 +134,7 @@ def test_generate_with_cache_runs_and_one_step_per_block_equals_no_cache(model, 
     assert torch.equal(generate(model, prompts, one).answer_ids, generate(model, prompts, none).answer_ids)
 
 
-@pytest.mark.parametrize("cache", ["prefix", "dual", "delayed"])
+@pytest.mark.parametrize("cache", ["prefix", "dual", "delayed", "dual_delayed"])
 def test_engine_with_cache_matches_reference_sampler(model, cache):
     """The engine's block-aligned padded window passes give the reference sampler's tokens on both formats."""
     prompts = [[5, 6, 7, 8, 9, 10, 11], [12, 13], [14, 15, 16, 17]]

@@ -395,10 +395,12 @@ def test_rejects_bad_calls(model):
 
 
 @pytest.mark.parametrize("cache, refresh, full_passes", [("none", 0, 12), ("prefix", 0, 3), ("dual", 0, 3),
-                                                          ("delayed", 0, 1), ("delayed", 2, 2), ("delayed", 1, 3)])
+                                                          ("delayed", 0, 1), ("delayed", 2, 2), ("delayed", 1, 3),
+                                                          ("dual_delayed", 0, 1), ("dual_delayed", 2, 2)])
 def test_cache_modes_make_the_documented_passes(cache, refresh, full_passes, monkeypatch):
     """none: every step is a full pass; prefix/dual: one per block; delayed: only the prefill, then the
-    block, plus at a block's first step the column committed at the previous block's last step; with
+    block, plus at a block's first step the column committed at the previous block's last step;
+    dual_delayed: the same, but a block's first step runs from the previous block's start to the end; with
     cache_refresh k also a full pass at the first step of every k-th block (blocks 0 and 2 for k = 2)."""
     model = tiny_model()
     calls: list[object] = []
@@ -425,3 +427,8 @@ def test_cache_modes_make_the_documented_passes(cache, refresh, full_passes, mon
         filled_last = ((frames[3] != frames[2])[0]).nonzero().flatten().tolist()  # block 0's last step
         assert [int(stale[0, 0]) - lp] == filled_last and stale[0, 1:].tolist() == list(range(lp + 4, lp + 8))
         assert out.answer_ids.shape == (1, 12)
+    if cache == "dual_delayed":
+        lp = len(prompt)
+        assert calls[1:4] == [(lp, lp + 4)] * 3 and calls[5:8] == [(lp + 4, lp + 8)] * 3
+        assert calls[4] == (lp, lp + 12)  # block 1's first step: block 0 (final tokens) to the end
+        assert calls[8] == (None if refresh == 2 else (lp + 4, lp + 12))
