@@ -196,7 +196,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, help="denoising steps (default: the model's)")
     p.add_argument("--decoding", help="fixed, threshold, factor or entropy (default: the model's)")
     p.add_argument("--block-length", type=int, help="tokens per block (default: the model's)")
-    p.add_argument("--cache", help="none, prefix, dual or delayed (default: the model's)")
+    p.add_argument("--cache", help="none, prefix, dual, delayed or dual_delayed (default: the model's)")
     p.add_argument("--warmup", type=int, default=1, help="requests sent (and not counted) before measuring")
     p.add_argument("--timeout", type=float, default=300.0, help="client time-out per request, seconds")
     p.add_argument("--json", help="also write the results here")
