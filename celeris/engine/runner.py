@@ -102,7 +102,8 @@ class ModelRunner:
     A step makes at most two passes (plus CFG rows inside them):
 
     - a full pass for the requests that need one: no cache, a cache to fill (a
-      new request) or to refresh (``prefix``/``dual`` at a block's first step).
+      new request) or to refresh (``prefix``/``dual`` at a block's first step,
+      ``delayed``/``dual_delayed`` only as ``cache_refresh`` says).
       Rows are padded so every request's block starts at the same column
       ("block-aligned"), with an attention mask, so padding is never attended
       and positions count real tokens only. The keys/values are stored in the

@@ -220,8 +220,9 @@ class CelerisModel(nn.Module):
         """(B, T) token ids -> (B, L', vocab_size) float32 logits; row i predicts token i.
 
         The causal twin (``is_causal``) scores token i from the hidden state at
-        i - 1, so a window pass also computes the position before the window
-        (``layers.scored_logits``); the engine then decodes it one token per step.
+        i - 1, so a window pass whose scored positions start at the window's first
+        column also computes the position before it (``layers.scored_logits``);
+        the engine then decodes it one token per step.
         ``logits_slice`` (canvas coordinates) restricts the output head to a span
         of positions (L' is its length; it must lie inside ``window`` when one is
         given); the samplers only need logits of the block being denoised.

@@ -362,7 +362,8 @@ class TransformerLM(nn.Module):
         ``logits_shift`` 1, when the slice starts at w0, the window pass starts one
         position earlier (at ``max(w0 - 1, 0)``) so that the hidden state scoring
         position w0 is fresh; that position's keys/values are then written back as well.
-        ``return_hidden`` returns ``hidden_states`` for the window as given.
+        A slice that starts after w0 has its sources inside the window, which is then
+        computed as given. ``return_hidden`` returns ``hidden_states`` for the window as given.
 
         Raises:
             ValueError: ``logits_slice`` has a step or leaves the window.

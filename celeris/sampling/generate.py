@@ -122,13 +122,18 @@ def cache_window(
     from ``prev_start`` (the previous block's first column) to the end: the previous
     block with its final tokens and the whole masked suffix; the prompt and older
     blocks keep the keys/values they were last computed with.
+
+    Raises:
+        ValueError: ``dual_delayed`` at a later block's first step without ``prev_start``.
     """
     if mode in ("delayed", "dual_delayed"):
         full = step_in_block == 0 and (block_idx == 0 or (refresh > 0 and block_idx % refresh == 0))
         if full:
             return None
         if mode == "dual_delayed" and step_in_block == 0:
-            return (span.start if prev_start is None else prev_start, total)
+            if prev_start is None:
+                raise ValueError("cache 'dual_delayed' needs prev_start (the previous block's first column)")
+            return (prev_start, total)
         return (span.start, span.stop)
     if mode == "none" or step_in_block == 0:
         return None

@@ -32,7 +32,8 @@ def check_model_support(model: torch.nn.Module, params: SamplingParams, has_suff
     ``block_length`` 1 (each block then takes one step, whatever ``steps`` says,
     see ``block_plan``) and the ``delayed`` cache (exact for it: each token's
     keys/values are written once, a step after it is committed) or none
-    (``prefix``/``dual`` would re-run a full pass for every token); it can
+    (``prefix``/``dual`` would re-run a full pass for every token, ``dual_delayed`` a pass from
+    the previous token to the end of the canvas); it can
     neither see a suffix (infilling) nor score a masked prompt (classifier-free
     guidance).
     """

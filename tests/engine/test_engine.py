@@ -208,6 +208,7 @@ def test_causal_model_with_repetition_penalty_matches_the_ar_decoder():
     (SamplingParams(block_length=4), None, "block_length must be 1"),
     (SamplingParams(block_length=1, cfg_scale=1.0), None, "cfg_scale must be 0"),
     (SamplingParams(block_length=1, cache="dual"), None, "cache must be 'delayed' or 'none'"),
+    (SamplingParams(block_length=1, cache="dual_delayed"), None, "cache must be 'delayed' or 'none'"),
     (SamplingParams(block_length=1), [7, 8], "suffix"),
 ])
 def test_causal_model_refuses_what_it_cannot_decode(params, suffix, match):
@@ -229,3 +230,25 @@ def test_compiled_runner_gives_the_eager_tokens():
         run_to_end(engine)
         answers.append(request.answer)
     assert torch.equal(answers[0], answers[1])
+
+
+@pytest.mark.parametrize("early_exit", [False, True])
+def test_dual_delayed_cache_with_infilling_matches_reference_sampler(early_exit):
+    """dual_delayed's block-start window runs to the end of the canvas, over the suffix too (and, in the
+    reference sampler, the right padding of shorter suffixes): the engine gives the same text, an uneven
+    last block included; with cache_refresh 1 it is exactly the dual cache."""
+    model = tiny_model()
+    suffixes = [[20, 21, 22], [], [30]]
+    params = SamplingParams(max_new_tokens=18, steps=18, block_length=4, cache="dual_delayed", early_exit=early_exit)
+    reference = generate(model, PROMPTS, params, suffixes)
+    engine = Engine(model, EngineConfig(max_num_seqs=8))
+    requests = [engine.add_request(p, params, s) for p, s in zip(PROMPTS, suffixes, strict=True)]
+    run_to_end(engine)
+    eos = model.config.eos_token_id
+    for i, r in enumerate(requests):
+        assert r.final_prefix(eos) == reference.token_ids[i], f"row {i}"
+    every_block = SamplingParams(max_new_tokens=18, steps=18, block_length=4, cache="dual_delayed", cache_refresh=1,
+                                 early_exit=early_exit)
+    dual = SamplingParams(max_new_tokens=18, steps=18, block_length=4, cache="dual", early_exit=early_exit)
+    assert torch.equal(generate(model, PROMPTS, every_block, suffixes).answer_ids,
+                       generate(model, PROMPTS, dual, suffixes).answer_ids)

@@ -80,8 +80,11 @@ def test_window_pass_after_full_pass_gives_full_logits(model, masked):
     with torch.no_grad():
         full = model(ids, mask)  # (B, T, V), no cache
         for span, mode in [(slice(6, 10), "prefix"), (slice(6, 10), "dual"), (slice(0, 4), "dual"),
-                           (slice(1, 5), "dual"), (slice(10, 14), "prefix"), (slice(13, 14), "dual")]:
-            window = cache_window(mode, span, length, step_in_block=1, block_idx=0)
+                           (slice(1, 5), "dual"), (slice(10, 14), "prefix"), (slice(13, 14), "dual"),
+                           (slice(6, 10), "dual_delayed"), (slice(10, 14), "dual_delayed")]:
+            # dual_delayed: a block's first step runs from the previous block (4 columns earlier) to the end
+            step, prev = (0, span.start - 4) if mode == "dual_delayed" else (1, None)
+            window = cache_window(mode, span, length, step_in_block=step, block_idx=1, prev_start=prev)
             cache = layers.KVCache()
             filled = model(ids, mask, logits_slice=span, cache=cache)  # full pass fills the cache
             assert len(cache.keys) == len(model.layers)
