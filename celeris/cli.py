@@ -105,6 +105,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--prompts", default="../shared/data/humaneval/HumanEval.jsonl.gz")
     b.add_argument("--out", default="bench-results", help="folder for bench.json and tokens_per_s.png")
     b.add_argument("--no-smollm2", action="store_true", help="leave SmolLM2-135M out even when installed")
+    b.add_argument("--fast-tokens-per-step", type=int,
+                   help="dllm-fast: ceil(length / K) denoising steps instead of the model's steps")
 
     d = sub.add_parser("data", help="build a training corpus")
     d.add_argument("corpus", choices=["stdlib"], help="stdlib: this Python's standard library")
@@ -272,7 +274,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     try:
         cfg = BenchConfig(model=args.model, ar_model=ar_model, lengths=integers("lengths", args.lengths),
                           batch_sizes=integers("batch-sizes", args.batch_sizes), num_prompts=args.num_prompts,
-                          warmup=args.warmup, prompts=args.prompts, out_dir=args.out, smollm2=not args.no_smollm2)
+                          warmup=args.warmup, prompts=args.prompts, out_dir=args.out, smollm2=not args.no_smollm2,
+                          fast_tokens_per_step=args.fast_tokens_per_step)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
     try:

@@ -7,7 +7,7 @@ every output length is swept, and every batch size of ``batch_sizes``):
   denoising step (``steps = max_new_tokens``), blocks of 32, no cache, no early exit;
 - ``dllm-fast``: the diffusion model with the model's default settings
   (``generation_config.json``; for the embedded model: 128 steps, blocks of 8, the
-  ``dual_delayed`` KV cache);
+  ``dual_delayed`` KV cache), or with ``ceil(length / fast_tokens_per_step)`` steps when given;
 - ``ar-twin``: an autoregressive model of the same architecture (``--ar-model``),
   decoded token by token with a KV cache;
 - ``smollm2-135m``: SmolLM2-135M-Instruct through ``transformers`` ``generate`` (greedy), what a
@@ -61,10 +61,14 @@ class BenchConfig:
     prompts: str = "../shared/data/humaneval/HumanEval.jsonl.gz"
     out_dir: str = "bench-results"
     smollm2: bool = True  # add SmolLM2-135M (system and judge) when its weights are installed
+    # dllm-fast with steps = ceil(length / K) instead of the model's steps (None: the model's)
+    fast_tokens_per_step: int | None = None
 
     def __post_init__(self) -> None:
         if not self.batch_sizes or min(self.batch_sizes) < 1 or self.num_prompts < 1 or self.warmup < 0:
             raise ValueError("batch sizes and num_prompts must be >= 1 and warmup >= 0")
+        if self.fast_tokens_per_step is not None and self.fast_tokens_per_step < 1:
+            raise ValueError(f"fast tokens per step must be >= 1, got {self.fast_tokens_per_step}")
         if not self.lengths or min(self.lengths) < 1:
             raise ValueError("output lengths must be >= 1")
 
@@ -177,7 +181,8 @@ def run_bench(cfg: BenchConfig) -> dict:
         batches = [prompt_ids[i : i + batch_size] for i in range(0, len(prompt_ids), batch_size)]
         results["conditions"] = results["conditions"] or conditions(cfg, llm, [len(p) for p in prompt_ids])
         reference = SamplingParams(max_new_tokens=length, steps=length, block_length=32, early_exit=False)
-        fast = llm.default_params(max_new_tokens=length, temperature=0.0)
+        k = cfg.fast_tokens_per_step
+        fast = llm.default_params(max_new_tokens=length, temperature=0.0, steps=-(-length // k) if k else None)
 
         def autoregressive(batch, length=length):
             out = generate_autoregressive(ar.model, batch, SamplingParams(max_new_tokens=length))

