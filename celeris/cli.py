@@ -107,6 +107,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--no-smollm2", action="store_true", help="leave SmolLM2-135M out even when installed")
     b.add_argument("--fast-tokens-per-step", type=int,
                    help="dllm-fast: ceil(length / K) denoising steps instead of the model's steps")
+    b.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
+                   help="weights of the diffusion model and the twin (default: bfloat16 on CUDA, float32 on CPU)")
 
     d = sub.add_parser("data", help="build a training corpus")
     d.add_argument("corpus", choices=["stdlib"], help="stdlib: this Python's standard library")
@@ -275,7 +277,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         cfg = BenchConfig(model=args.model, ar_model=ar_model, lengths=integers("lengths", args.lengths),
                           batch_sizes=integers("batch-sizes", args.batch_sizes), num_prompts=args.num_prompts,
                           warmup=args.warmup, prompts=args.prompts, out_dir=args.out, smollm2=not args.no_smollm2,
-                          fast_tokens_per_step=args.fast_tokens_per_step)
+                          fast_tokens_per_step=args.fast_tokens_per_step, dtype=args.dtype)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
     try:

@@ -63,6 +63,7 @@ class BenchConfig:
     smollm2: bool = True  # add SmolLM2-135M (system and judge) when its weights are installed
     # dllm-fast with steps = ceil(length / K) instead of the model's steps (None: the model's)
     fast_tokens_per_step: int | None = None
+    dtype: str | None = None  # weights of the diffusion model and the twin (None: LLM's default for the device)
 
     def __post_init__(self) -> None:
         if not self.batch_sizes or min(self.batch_sizes) < 1 or self.num_prompts < 1 or self.warmup < 0:
@@ -153,11 +154,11 @@ def run_bench(cfg: BenchConfig) -> dict:
         ValueError: the AR twin's tokenizer is not the diffusion model's.
     """
     load_start = time.perf_counter()
-    llm = LLM(cfg.model, max_batch_size=max(cfg.batch_sizes))
+    llm = LLM(cfg.model, max_batch_size=max(cfg.batch_sizes), dtype=cfg.dtype)
     load_s = time.perf_counter() - load_start  # cold request = load_s + first_request_s
     problems = load_humaneval(cfg.prompts)[: cfg.num_prompts]
     texts = [heal_prompt(p["prompt"]) for p in problems]
-    ar = LLM(cfg.ar_model, max_batch_size=max(cfg.batch_sizes)) if cfg.ar_model else None
+    ar = LLM(cfg.ar_model, max_batch_size=max(cfg.batch_sizes), dtype=cfg.dtype) if cfg.ar_model else None
     probe = "def f(x):\n    return x  # probe"
     if ar is not None and (ar.model.config.vocab_size != llm.model.config.vocab_size
                            or ar.tokenizer.encode(probe) != llm.tokenizer.encode(probe)):

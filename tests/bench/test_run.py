@@ -98,6 +98,16 @@ def test_bench_fast_tokens_per_step_sets_the_fast_systems_steps(tiny_checkpoint,
         BenchConfig(fast_tokens_per_step=0)
 
 
+def test_bench_runs_in_the_dtype_asked_for(tiny_checkpoint, tmp_path):
+    prompts = tmp_path / "he.jsonl"
+    write_prompts(prompts, n=2)
+    cfg = BenchConfig(model=str(tiny_checkpoint), ar_model=None, lengths=[8], num_prompts=2, warmup=0,
+                      prompts=str(prompts), out_dir=str(tmp_path / "out"), smollm2=False, dtype="bfloat16")
+    results = run_bench(cfg)
+    assert results["conditions"]["dtype"] == "bfloat16" and results["conditions"]["config"]["dtype"] == "bfloat16"
+    assert all(r["nfe_mean"] >= 1 for r in results["runs"])
+
+
 def test_hf_generate_cuts_at_end_of_text_and_judge_scores(tokenizer_dir):
     model, tok = tiny_hf_causal_lm(tokenizer_dir)
     ids, nfe, ttft = smollm2.generate_hf(model, tok, ["def f(x):", "import os"], max_new_tokens=6)
