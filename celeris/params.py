@@ -107,10 +107,25 @@ class SamplingParams:
 
     @classmethod
     def from_defaults(cls, defaults: dict | None = None, **overrides: object) -> SamplingParams:
-        """Build from a model's ``generation_config.json`` dict, then apply non-None overrides."""
+        """Build from a model's ``generation_config.json`` dict, then apply non-None overrides.
+
+        A default ``steps`` goes with the default ``max_new_tokens``: when only the
+        length is overridden, steps are scaled to keep the default's tokens per step,
+        ``ceil(max_new_tokens * steps / default max_new_tokens)``, so a longer answer
+        is not decoded with more tokens per step (the quality knob) than the model's
+        defaults were chosen at. An explicit ``steps`` is used as given.
+
+        Raises:
+            ValueError: an invalid setting (see ``__post_init__``).
+        """
         known = {f.name for f in fields(cls)}
         merged = {k: v for k, v in (defaults or {}).items() if k in known}
-        merged.update({k: v for k, v in overrides.items() if v is not None})
+        given = {k: v for k, v in overrides.items() if v is not None}
+        merged.update(given)
+        d_len, d_steps = (defaults or {}).get("max_new_tokens"), (defaults or {}).get("steps")
+        length = given.get("max_new_tokens")
+        if "steps" not in given and isinstance(length, int) and length >= 1 and d_len and d_steps:
+            merged["steps"] = -(-length * d_steps // d_len)
         return cls(**merged)
 
     def structure_key(self) -> tuple:

@@ -78,6 +78,20 @@ def test_defaults_then_overrides():
     assert SamplingParams.from_defaults(None).max_new_tokens == SamplingParams().max_new_tokens
 
 
+def test_default_steps_keep_the_default_tokens_per_step():
+    """The model's steps go with its max_new_tokens: another length keeps the same tokens per step."""
+    one_per_step = {"max_new_tokens": 128, "steps": 128}
+    assert SamplingParams.from_defaults(one_per_step, max_new_tokens=256).steps == 256
+    assert SamplingParams.from_defaults(one_per_step, max_new_tokens=5).steps == 5
+    assert SamplingParams.from_defaults(one_per_step).steps == 128
+    assert SamplingParams.from_defaults(one_per_step, max_new_tokens=256, steps=64).steps == 64  # explicit wins
+    two_per_step = {"max_new_tokens": 64, "steps": 32}
+    assert SamplingParams.from_defaults(two_per_step, max_new_tokens=7).steps == 4  # ceil(7 / 2)
+    assert SamplingParams.from_defaults({"steps": 32}, max_new_tokens=256).steps == 32  # no default length: as given
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        SamplingParams.from_defaults(one_per_step, max_new_tokens=0)
+
+
 def test_zero_is_not_treated_as_unset():
     """`max_tokens: 0` treated as unset is a known bug: an explicit 0 must be rejected, not replaced."""
     with pytest.raises(ValueError, match="max_new_tokens"):
