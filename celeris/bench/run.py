@@ -18,7 +18,8 @@ What is timed: submit to full answer of a batch (``time.perf_counter``), after
 ``warmup`` untimed batches; the first (cold) request is timed separately including
 the model load. Output tokens/s counts only returned tokens (up to the first
 end-of-text), never prompt or padding. TTFT is when the answer's first token was
-final. Peak RSS is the process's ``ru_maxrss``.
+final. Peak RSS is the process's peak resident set size over each system's calls
+(reset before each system on Linux; it includes every model the process has loaded).
 
 Quality beside speed: share of completions that parse (``celeris.bench.quality``),
 share with a run of more than 8 identical tokens, token agreement of each system with
@@ -35,6 +36,7 @@ import os
 import platform
 import resource
 import statistics
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -74,8 +76,28 @@ class BenchConfig:
             raise ValueError("output lengths must be >= 1")
 
 
+def reset_peak_rss() -> bool:
+    """Reset this process's peak resident set size (Linux >= 4.0: ``5`` to ``/proc/self/clear_refs``).
+
+    Returns False where that is not possible; ``peak_rss_mb`` then stays the peak since start.
+    """
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        return False
+    return True
+
+
 def peak_rss_mb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    """Peak resident set size of this process in MiB: ``VmHWM`` (reset by ``reset_peak_rss``), else ``ru_maxrss``."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024  # kB
+    except OSError:
+        pass
+    maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return maxrss / 2**20 if sys.platform == "darwin" else maxrss / 1024  # bytes on macOS, KiB on Linux
 
 
 def conditions(cfg: BenchConfig, llm: LLM, prompt_lengths: list[int]) -> dict:
@@ -86,6 +108,9 @@ def conditions(cfg: BenchConfig, llm: LLM, prompt_lengths: list[int]) -> dict:
         "prompt_tokens": {"min": min(prompt_lengths), "p50": statistics.median(prompt_lengths),
                           "max": max(prompt_lengths)},
         "timing": "perf_counter, submit to full answer per batch, after warm-up batches",
+        "peak_rss": ("VmHWM, reset before each system's calls (all loaded models included)"
+                     if os.access("/proc/self/clear_refs", os.W_OK)
+                     else "ru_maxrss: the process's peak since start"),
         "generation_config": llm.generation_config,
     }
 
@@ -94,7 +119,10 @@ def run_system(name: str, decode, batches: list[list[int]], warmup: int) -> dict
     """Time ``decode(batch) -> (token_id lists, nfe per request, ttft per request)`` over all batches.
 
     The first warm-up call is timed on its own (``first_request_s``: caches and allocations are cold).
+    ``peak_rss_mb`` is the process's peak over this system's calls where it can be reset (``reset_peak_rss``):
+    the models already loaded plus what this system allocates; else the process's peak since start.
     """
+    reset_peak_rss()
     first_s = None
     for batch in batches[:warmup]:
         start = time.perf_counter()

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
 
 from celeris.bench import smollm2
-from celeris.bench.run import BenchConfig, agreement, format_table, run_bench
+from celeris.bench.run import BenchConfig, agreement, format_table, peak_rss_mb, reset_peak_rss, run_bench
 from celeris.models.celeris import CelerisModel
 from celeris.models.loader import save_checkpoint
 from tests.conftest import tiny_config
@@ -120,3 +121,17 @@ def test_hf_generate_cuts_at_end_of_text_and_judge_scores(tokenizer_dir):
     ppl = smollm2.judge_perplexity(model, tok, ["def f(x):"], ["    return x"])
     assert ppl is not None and abs(ppl - len(tok)) / len(tok) < 1e-3  # uniform: perplexity = vocabulary size
     assert smollm2.judge_perplexity(model, tok, ["x"], [""]) is None
+
+
+@pytest.mark.skipif(not os.access("/proc/self/clear_refs", os.W_OK), reason="needs Linux /proc/self/clear_refs")
+def test_peak_rss_is_reset_between_systems():
+    """A system's peak RSS must not carry the peak of an earlier, larger one (the process-wide ru_maxrss does)."""
+    big = torch.ones(64 * 2**20, dtype=torch.uint8)  # 64 MiB, touched
+    peak_with_big = peak_rss_mb()
+    del big
+    assert reset_peak_rss()
+    after = peak_rss_mb()
+    assert after < peak_with_big - 32
+    small = torch.ones(16 * 2**20, dtype=torch.uint8)
+    assert peak_rss_mb() >= after + 8  # a later allocation shows up again
+    del small
