@@ -123,6 +123,7 @@ class ModelRunner:
         self.mask_id = model.config.mask_token_id
         self.pad_id = model.config.pad_token_id
         self.pool = KVPool()
+        self.num_split_passes = 0  # window steps run as a shared pass plus one for the wide rows (_window_pass)
 
     @torch.no_grad()
     def run(self, requests: list[Request]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -203,6 +204,16 @@ class ModelRunner:
         return logits, self._block_tokens(canvas, [align] * b, widths, lb).to(self.device)
 
     def _window_pass(self, requests: list[Request], lb: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """One window pass over every live pool row, or two when a few rows need far more columns than the rest.
+
+        Per-row columns are padded to the widest row, so one row at a ``dual_delayed`` (or ``prefix``)
+        block start, which recomputes the whole masked suffix, would make every other row compute that
+        many columns too; with continuous batching (requests out of phase) or threshold decoding (blocks
+        of different lengths in steps) that happens at almost every step. So rows wider than twice the
+        block ("wide") first redo only their block in the shared pass, then run alone on a copy of their
+        pool rows, which is written back (their block's keys/values are recomputed there, so the first
+        pass's are never read).
+        """
         pool = self.pool
         rows, total = pool.num_rows, pool.capacity_length
         canvas = torch.full((rows, total), self.pad_id, dtype=torch.long)
@@ -221,14 +232,35 @@ class ModelRunner:
             cols, block_start = r.cache_columns() or (list(range(*r.block_span)), 0)
             columns.append(cols)
             block_starts.append(block_start)
-        cols = column_window(columns)  # (R, Lw)
-        width = torch.tensor([len(c) for c in columns])[:, None]
-        index = torch.minimum(torch.tensor(block_starts)[:, None] + torch.arange(lb)[None], width - 1)  # (R, Lb)
-        logits = self.model(canvas.to(self.device), attn.to(self.device), cache=pool.view(),
-                            window=cols.to(self.device), logits_index=index.to(self.device))  # (R, Lb, V)
+        wide = [row for row, c in enumerate(columns) if len(c) > 2 * lb]
+        if not wide or len(wide) == rows:
+            logits = self._run_window(canvas, attn, pool.view(), columns, block_starts, lb)
+        else:
+            shared = [list(range(*r.block_span)) if row in wide else columns[row]
+                      for row, (r, _) in enumerate(pool.owners)]
+            logits = self._run_window(canvas, attn, pool.view(), shared, [0 if row in wide else s for row, s in
+                                                                          enumerate(block_starts)], lb)
+            self.num_split_passes += 1
+            idx = torch.tensor(wide, device=self.device)
+            sub = KVCache([k.index_select(0, idx) for k in pool.keys], [v.index_select(0, idx) for v in pool.values])
+            logits[idx] = self._run_window(canvas[wide], attn[wide], sub, [columns[i] for i in wide],
+                                           [block_starts[i] for i in wide], lb)
+            for layer in range(len(pool.keys)):
+                pool.keys[layer].index_copy_(0, idx, sub.keys[layer])
+                pool.values[layer].index_copy_(0, idx, sub.values[layer])
         cond = [pool.row(r) for r in requests]
         uncond = [pool.row(r, "uncond") for r in requests if r.params.cfg_scale > 0]
         logits = self._guide(requests, logits, cond, uncond)
         spans = [r.block_span for r in requests]
         block = self._block_tokens(canvas[cond], [s for s, _ in spans], [e - s for s, e in spans], lb)
         return logits, block.to(self.device)
+
+    def _run_window(self, canvas: torch.Tensor, attn: torch.Tensor, cache: KVCache, columns: list[list[int]],
+                    block_starts: list[int], lb: int) -> torch.Tensor:
+        """A window pass: row i computes canvas columns ``columns[i]`` and scores the ``lb`` of them from
+        ``block_starts[i]`` on. canvas/attn (R, T) on the CPU, cache rows (R, ...). Returns (R, Lb, V) logits."""
+        cols = column_window(columns)  # (R, Lw)
+        width = torch.tensor([len(c) for c in columns])[:, None]
+        index = torch.minimum(torch.tensor(block_starts)[:, None] + torch.arange(lb)[None], width - 1)  # (R, Lb)
+        return self.model(canvas.to(self.device), attn.to(self.device), cache=cache,
+                          window=cols.to(self.device), logits_index=index.to(self.device))
