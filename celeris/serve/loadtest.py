@@ -127,7 +127,9 @@ async def one_request(client, url: str, body: dict, headers: dict) -> Sample:
 
 
 async def run_level(url: str, concurrency: int, per_client: int, prompts: list[str], settings: dict,
-                    headers: dict, timeout: float) -> LevelResult:
+                    headers: dict, timeout: float, stagger_s: float = 0.0) -> LevelResult:
+    """``concurrency`` closed-loop clients, ``per_client`` requests each; client w starts ``w * stagger_s``
+    seconds late (so requests run out of phase), and the wall time counts from the first client's start."""
     import httpx
 
     samples: list[Sample] = []
@@ -135,6 +137,7 @@ async def run_level(url: str, concurrency: int, per_client: int, prompts: list[s
     async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
 
         async def worker(w: int) -> None:
+            await asyncio.sleep(w * stagger_s)
             for r in range(per_client):
                 prompt = prompts[(w * per_client + r) % len(prompts)]
                 body = {"prompt": prompt, "stream": True, "stream_options": {"include_usage": True}, **settings}
@@ -197,6 +200,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--decoding", help="fixed, threshold, factor or entropy (default: the model's)")
     p.add_argument("--block-length", type=int, help="tokens per block (default: the model's)")
     p.add_argument("--cache", help="none, prefix, dual, delayed or dual_delayed (default: the model's)")
+    p.add_argument("--stagger-s", type=float, default=0.0,
+                   help="client w starts w * this many seconds late, so requests run out of phase (default 0)")
     p.add_argument("--warmup", type=int, default=1, help="requests sent (and not counted) before measuring")
     p.add_argument("--timeout", type=float, default=300.0, help="client time-out per request, seconds")
     p.add_argument("--json", help="also write the results here")
@@ -207,6 +212,8 @@ async def run(args: argparse.Namespace, url: str) -> dict:
     levels = [int(c) for c in args.concurrency.split(",") if c.strip()]
     if not levels or min(levels) < 1:
         raise ValueError(f"--concurrency must list positive integers, got '{args.concurrency}'")
+    if args.stagger_s < 0:
+        raise ValueError(f"--stagger-s must be >= 0, got {args.stagger_s}")
     prompts = load_prompts(args.prompts, args.num_prompts)
     settings = {"max_tokens": args.max_tokens, "temperature": 0.0, "seed": 0}
     if args.steps is not None:
@@ -219,10 +226,11 @@ async def run(args: argparse.Namespace, url: str) -> dict:
         await run_level(url, 1, args.warmup, prompts, settings, headers, args.timeout)
     results = []
     for c in levels:
-        results.append(await run_level(url, c, args.requests_per_client, prompts, settings, headers, args.timeout))
+        results.append(await run_level(url, c, args.requests_per_client, prompts, settings, headers, args.timeout,
+                                       args.stagger_s))
         print(f"concurrency {c}: {results[-1].output_tokens_per_s:.1f} output tokens/s", file=sys.stderr, flush=True)
     return {"url": url, "prompts": args.prompts, "num_prompts": len(prompts), "settings": settings,
-            "requests_per_client": args.requests_per_client, "warmup_requests": args.warmup,
+            "requests_per_client": args.requests_per_client, "warmup_requests": args.warmup, "stagger_s": args.stagger_s,
             "levels": [asdict(r) for r in results]}
 
 

@@ -104,9 +104,10 @@ def test_stopped_engine_answers_503(serve_llm):
 def test_load_test_script_smoke(server, tmp_path, capsys):
     out = tmp_path / "load.json"
     assert loadtest.main(["--url", server.url, "--concurrency", "1,3", "--requests-per-client", "2",
-                          "--max-tokens", "8", "--prompts", "code", "--num-prompts", "4", "--json", str(out)]) == 0
+                          "--max-tokens", "8", "--prompts", "code", "--num-prompts", "4", "--stagger-s", "0.05",
+                          "--json", str(out)]) == 0
     report = json.loads(out.read_text())
-    assert [lv["concurrency"] for lv in report["levels"]] == [1, 3]
+    assert [lv["concurrency"] for lv in report["levels"]] == [1, 3] and report["stagger_s"] == 0.05
     for level in report["levels"]:
         assert level["ok"] == level["requests"] == 2 * level["concurrency"] and level["failed"] == 0
         assert level["output_tokens"] > 0 and level["output_tokens_per_s"] > 0
