@@ -44,7 +44,8 @@ def _model_args(p: argparse.ArgumentParser) -> None:
 def _sampling_args(p: argparse.ArgumentParser) -> None:
     _model_args(p)
     p.add_argument("--max-new-tokens", type=int, help="answer length in tokens")
-    p.add_argument("--steps", type=int, help="denoising steps for the whole answer")
+    p.add_argument("--steps", type=int, help="denoising steps for the whole answer (default: the model's tokens "
+                   "per step, e.g. one per token for the embedded model)")
     p.add_argument("--block-length", type=int, help="tokens per semi-autoregressive block")
     p.add_argument("--temperature", type=float, help="0 = greedy")
     p.add_argument("--top-p", type=float, help="nucleus mass in (0, 1]")

@@ -6,8 +6,9 @@ every output length is swept, and every batch size of ``batch_sizes``):
 - ``dllm-reference``: the diffusion model with LLaDA's reference sampler: one token per
   denoising step (``steps = max_new_tokens``), blocks of 32, no cache, no early exit;
 - ``dllm-fast``: the diffusion model with the model's default settings
-  (``generation_config.json``; for the embedded model: 128 steps, blocks of 8, the
-  ``dual_delayed`` KV cache), or with ``ceil(length / fast_tokens_per_step)`` steps when given;
+  (``generation_config.json``, its steps scaled with the length; for the embedded model: one
+  token per step, blocks of 8, the ``dual_delayed`` KV cache), or with ``ceil(length /
+  fast_tokens_per_step)`` steps when given;
 - ``ar-twin``: an autoregressive model of the same architecture (``--ar-model``),
   decoded token by token with a KV cache;
 - ``smollm2-135m``: SmolLM2-135M-Instruct through ``transformers`` ``generate`` (greedy), what a

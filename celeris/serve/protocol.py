@@ -121,7 +121,8 @@ class SamplingRequest(StrictModel):
     stream_options: StreamOptions | None = None
     user: str | None = None
 
-    # Celeris extensions; None takes the model's generation_config.json value.
+    # Celeris extensions; None takes the model's generation_config.json value (steps: scaled to max_tokens,
+    # keeping the model's tokens per step; SamplingParams.from_defaults).
     steps: int | None = Field(default=None, ge=1)
     block_length: int | None = Field(default=None, ge=1)
     remasking: Literal["low_confidence", "random"] | None = None
