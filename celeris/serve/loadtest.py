@@ -208,12 +208,21 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-async def run(args: argparse.Namespace, url: str) -> dict:
-    levels = [int(c) for c in args.concurrency.split(",") if c.strip()]
+def concurrency_levels(args: argparse.Namespace) -> list[int]:
+    """The client counts to run; raises ValueError on a bad --concurrency or --stagger-s (before any server starts)."""
+    try:
+        levels = [int(c) for c in args.concurrency.split(",") if c.strip()]
+    except ValueError:
+        levels = []
     if not levels or min(levels) < 1:
         raise ValueError(f"--concurrency must list positive integers, got '{args.concurrency}'")
     if args.stagger_s < 0:
         raise ValueError(f"--stagger-s must be >= 0, got {args.stagger_s}")
+    return levels
+
+
+async def run(args: argparse.Namespace, url: str) -> dict:
+    levels = concurrency_levels(args)
     prompts = load_prompts(args.prompts, args.num_prompts)
     settings = {"max_tokens": args.max_tokens, "temperature": 0.0, "seed": 0}
     if args.steps is not None:
@@ -270,6 +279,7 @@ def main(argv: list[str] | None = None) -> int:
     server = None
     url = args.url
     try:
+        concurrency_levels(args)
         if url is None:
             server, url = start_server(args)
         report = asyncio.run(run(args, url.rstrip("/")))

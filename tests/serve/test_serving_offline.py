@@ -140,3 +140,18 @@ def test_load_test_starts_and_stops_its_own_server_process(tiny_checkpoint, tmp_
     err = capsys.readouterr().err
     assert err.startswith("loadtest: error: the server did not start") and len(err.splitlines()) == 1
     assert loadtest.main(["--url", "http://127.0.0.1:9", "--concurrency", "0"]) == 2  # bad level list
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--concurrency", "0"], "--concurrency must list positive integers"),
+    (["--concurrency", "two"], "--concurrency must list positive integers"),
+    (["--stagger-s", "-1"], "--stagger-s must be >= 0"),
+])
+def test_load_test_rejects_bad_arguments_before_starting_a_server(argv, message, capsys, monkeypatch):
+    def no_server(args):
+        raise AssertionError("a server was started for bad arguments")
+
+    monkeypatch.setattr(loadtest, "start_server", no_server)
+    assert loadtest.main(argv) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
