@@ -109,9 +109,8 @@ def conditions(cfg: BenchConfig, llm: LLM, prompt_lengths: list[int]) -> dict:
         "prompt_tokens": {"min": min(prompt_lengths), "p50": statistics.median(prompt_lengths),
                           "max": max(prompt_lengths)},
         "timing": "perf_counter, submit to full answer per batch, after warm-up batches",
-        "peak_rss": ("VmHWM, reset before each system's calls (all loaded models included)"
-                     if os.access("/proc/self/clear_refs", os.W_OK)
-                     else "ru_maxrss: the process's peak since start"),
+        "peak_rss": "the process's peak RSS (VmHWM, else ru_maxrss) over each system's calls, all loaded models "
+                    "included; a run's peak_rss_reset says whether the peak was reset before its calls",
         "generation_config": llm.generation_config,
     }
 
@@ -123,7 +122,7 @@ def run_system(name: str, decode, batches: list[list[int]], warmup: int) -> dict
     ``peak_rss_mb`` is the process's peak over this system's calls where it can be reset (``reset_peak_rss``):
     the models already loaded plus what this system allocates; else the process's peak since start.
     """
-    reset_peak_rss()
+    reset = reset_peak_rss()
     first_s = None
     for batch in batches[:warmup]:
         start = time.perf_counter()
@@ -146,7 +145,7 @@ def run_system(name: str, decode, batches: list[list[int]], warmup: int) -> dict
         "latency_p95_s": round(sorted(latencies)[min(len(latencies) - 1, math.ceil(0.95 * len(latencies)) - 1)], 4),
         "ttft_mean_s": round(statistics.mean(ttfts), 4) if ttfts else None,
         "nfe_mean": round(statistics.mean(nfes), 2), "tokens_per_forward": round(tokens / max(sum(nfes), 1), 3),
-        "peak_rss_mb": round(peak_rss_mb(), 1),
+        "peak_rss_mb": round(peak_rss_mb(), 1), "peak_rss_reset": reset,
         "first_request_s": round(first_s, 4) if first_s is not None else None,
     }
 

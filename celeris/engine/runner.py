@@ -209,10 +209,10 @@ class ModelRunner:
         Per-row columns are padded to the widest row, so one row at a ``dual_delayed`` (or ``prefix``)
         block start, which recomputes the whole masked suffix, would make every other row compute that
         many columns too; with continuous batching (requests out of phase) or threshold decoding (blocks
-        of different lengths in steps) that happens at almost every step. So rows wider than twice the
-        block ("wide") first redo only their block in the shared pass, then run alone on a copy of their
-        pool rows, which is written back (their block's keys/values are recomputed there, so the first
-        pass's are never read).
+        of different lengths in steps) that happens at almost every step. So when at most half the rows
+        are wider than twice the block ("wide"), those first redo only their block in the shared pass,
+        then run alone on a copy of their pool rows, which is written back (their block's keys/values are
+        recomputed there, so the first pass's are never read).
         """
         pool = self.pool
         rows, total = pool.num_rows, pool.capacity_length
@@ -233,7 +233,7 @@ class ModelRunner:
             columns.append(cols)
             block_starts.append(block_start)
         wide = [row for row, c in enumerate(columns) if len(c) > 2 * lb]
-        if not wide or len(wide) == rows:
+        if not wide or 2 * len(wide) > rows:  # splitting pays (and copies at most half the pool) when few are wide
             logits = self._run_window(canvas, attn, pool.view(), columns, block_starts, lb)
         else:
             shared = [list(range(*r.block_span)) if row in wide else columns[row]

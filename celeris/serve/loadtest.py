@@ -216,8 +216,8 @@ def concurrency_levels(args: argparse.Namespace) -> list[int]:
         levels = []
     if not levels or min(levels) < 1:
         raise ValueError(f"--concurrency must list positive integers, got '{args.concurrency}'")
-    if args.stagger_s < 0:
-        raise ValueError(f"--stagger-s must be >= 0, got {args.stagger_s}")
+    if not 0 <= args.stagger_s < math.inf:
+        raise ValueError(f"--stagger-s must be a finite number >= 0, got {args.stagger_s}")
     return levels
 
 

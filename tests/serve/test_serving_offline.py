@@ -145,7 +145,9 @@ def test_load_test_starts_and_stops_its_own_server_process(tiny_checkpoint, tmp_
 @pytest.mark.parametrize("argv, message", [
     (["--concurrency", "0"], "--concurrency must list positive integers"),
     (["--concurrency", "two"], "--concurrency must list positive integers"),
-    (["--stagger-s", "-1"], "--stagger-s must be >= 0"),
+    (["--stagger-s", "-1"], "--stagger-s must be a finite number >= 0"),
+    (["--stagger-s", "nan"], "--stagger-s must be a finite number >= 0"),
+    (["--stagger-s", "inf"], "--stagger-s must be a finite number >= 0"),
 ])
 def test_load_test_rejects_bad_arguments_before_starting_a_server(argv, message, capsys, monkeypatch):
     def no_server(args):
