@@ -93,9 +93,8 @@ class Request:
         """Canvas columns this step computes with a KV cache and where the block starts among them, or
         None for a full pass: the reference sampler's rule (``celeris.sampling.generate.cache_window``,
         plus ``stale_cols`` at a block's first step under the ``delayed`` cache)."""
-        prev_start = self.answer_start + self.blocks[self.block_idx - 1][0] if self.block_idx else None
-        window = cache_window(self.params.cache, slice(*self.block_span), self.num_tokens, self.step_in_block,
-                              self.block_idx, self.params.cache_refresh, prev_start)
+        window = cache_window(self.params.cache, self.blocks, self.block_idx, self.answer_start, self.num_tokens,
+                              self.step_in_block, self.params.cache_refresh)
         if window is None:
             return None
         stale = self.stale_cols if self.params.cache == "delayed" and self.step_in_block == 0 else []

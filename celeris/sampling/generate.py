@@ -107,10 +107,14 @@ def answer_done(answer: torch.Tensor, eos_id: int, mask_id: int) -> torch.Tensor
 
 
 def cache_window(
-    mode: str, span: slice, total: int, step_in_block: int, block_idx: int, refresh: int = 0,
-    prev_start: int | None = None,
+    mode: str, blocks: list[tuple[int, int]], block_idx: int, answer_start: int, total: int, step_in_block: int,
+    refresh: int = 0,
 ) -> tuple[int, int] | None:
-    """Positions a step recomputes; None means a full pass that (re)fills the cache.
+    """Canvas columns [w0, w1) a step recomputes; None means a full pass that (re)fills the cache.
+
+    ``blocks`` is the answer's block plan (``block_plan``: [start, end) offsets in the
+    answer), ``block_idx`` the block being denoised, ``answer_start`` the answer's first
+    canvas column and ``total`` the canvas length; the block is ``span`` below.
 
     ``none``: always all. ``prefix`` / ``dual`` (Fast-dLLM): a full pass at each
     block's first step, then block..end (prefix) or the block (dual).
@@ -119,21 +123,17 @@ def cache_window(
     block; at another block's first step the caller adds the columns committed at
     the previous block's last step (``delayed_columns``). ``refresh`` 1 is the dual cache.
     ``dual_delayed``: as ``delayed``, except that another block's first step recomputes
-    from ``prev_start`` (the previous block's first column) to the end: the previous
-    block with its final tokens and the whole masked suffix; the prompt and older
-    blocks keep the keys/values they were last computed with.
-
-    Raises:
-        ValueError: ``dual_delayed`` at a later block's first step without ``prev_start``.
+    from the previous block's first column to the end: the previous block with its
+    final tokens and the whole masked suffix; the prompt and older blocks keep the
+    keys/values they were last computed with.
     """
+    span = slice(answer_start + blocks[block_idx][0], answer_start + blocks[block_idx][1])
     if mode in ("delayed", "dual_delayed"):
         full = step_in_block == 0 and (block_idx == 0 or (refresh > 0 and block_idx % refresh == 0))
         if full:
             return None
         if mode == "dual_delayed" and step_in_block == 0:
-            if prev_start is None:
-                raise ValueError("cache 'dual_delayed' needs prev_start (the previous block's first column)")
-            return (prev_start, total)
+            return (answer_start + blocks[block_idx - 1][0], total)
         return (span.start, span.stop)
     if mode == "none" or step_in_block == 0:
         return None
@@ -217,9 +217,7 @@ def generate(
         schedule = num_transfer_tokens((canvas[:, span] == mask_id).sum(-1), block_steps)  # (B, S)
         step_in_block = 0
         while bool((canvas[:, span] == mask_id).any()):
-            prev_start = lp + blocks[block_idx - 1][0] if block_idx else None
-            window = cache_window(sp.cache, span, canvas.shape[1], step_in_block, block_idx, sp.cache_refresh,
-                                  prev_start)
+            window = cache_window(sp.cache, blocks, block_idx, lp, canvas.shape[1], step_in_block, sp.cache_refresh)
             where = {"logits_slice": span}
             if sp.cache == "delayed" and step_in_block == 0 and window is not None:
                 window, index = delayed_columns(last_commit, span, device)

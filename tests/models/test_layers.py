@@ -82,9 +82,12 @@ def test_window_pass_after_full_pass_gives_full_logits(model, masked):
         for span, mode in [(slice(6, 10), "prefix"), (slice(6, 10), "dual"), (slice(0, 4), "dual"),
                            (slice(1, 5), "dual"), (slice(10, 14), "prefix"), (slice(13, 14), "dual"),
                            (slice(6, 10), "dual_delayed"), (slice(10, 14), "dual_delayed")]:
-            # dual_delayed: a block's first step runs from the previous block (4 columns earlier) to the end
-            step, prev = (0, span.start - 4) if mode == "dual_delayed" else (1, None)
-            window = cache_window(mode, span, length, step_in_block=step, block_idx=1, prev_start=prev)
+            # the span is block 1 of a plan whose block 0 is the 4 columns before it (block 0 when there is no room);
+            # dual_delayed: a block's first step runs from the previous block to the end
+            block_idx = 1 if span.start >= 4 else 0
+            blocks = [(0, 4), (4, 4 + span.stop - span.start)] if block_idx else [(0, span.stop - span.start)]
+            step = 0 if mode == "dual_delayed" else 1
+            window = cache_window(mode, blocks, block_idx, span.start - 4 * block_idx, length, step_in_block=step)
             cache = layers.KVCache()
             filled = model(ids, mask, logits_slice=span, cache=cache)  # full pass fills the cache
             assert len(cache.keys) == len(model.layers)
