@@ -58,6 +58,8 @@ def _sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cache", help="KV cache: none, prefix or dual (Fast-dLLM), delayed (dual refreshed only by "
                    "--cache-refresh), dual_delayed (the prompt and older blocks frozen, the rest refreshed per block)")
     p.add_argument("--cache-refresh", type=int, help="delayed/dual_delayed cache: full refresh every N blocks (0 = never)")
+    p.add_argument("--suffix-window", type=int,
+                   help="passes see only this many masked columns past the block (0 = the whole canvas)")
     p.add_argument("--stop", action="append", help="stop string (repeatable)")
 
 
@@ -108,6 +110,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--no-smollm2", action="store_true", help="leave SmolLM2-135M out even when installed")
     b.add_argument("--fast-tokens-per-step", type=int,
                    help="dllm-fast: ceil(length / K) denoising steps instead of the model's steps")
+    b.add_argument("--fast-suffix-window", type=int,
+                   help="dllm-fast: passes see only W masked columns past the block (default: the model's)")
     b.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
                    help="weights of the diffusion model and the twin (default: bfloat16 on CUDA, float32 on CPU)")
 
@@ -128,7 +132,7 @@ def _params(llm_defaults: dict, args: argparse.Namespace):
         max_new_tokens=args.max_new_tokens, steps=args.steps, block_length=args.block_length,
         temperature=args.temperature, top_p=args.top_p, seed=args.seed, remasking=args.remasking,
         decoding=args.decoding, threshold=args.threshold, cfg_scale=args.cfg_scale, stop=args.stop, cache=args.cache,
-        repetition_penalty=args.repetition_penalty, cache_refresh=args.cache_refresh,
+        repetition_penalty=args.repetition_penalty, cache_refresh=args.cache_refresh, suffix_window=args.suffix_window,
     )
 
 
@@ -278,7 +282,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         cfg = BenchConfig(model=args.model, ar_model=ar_model, lengths=integers("lengths", args.lengths),
                           batch_sizes=integers("batch-sizes", args.batch_sizes), num_prompts=args.num_prompts,
                           warmup=args.warmup, prompts=args.prompts, out_dir=args.out, smollm2=not args.no_smollm2,
-                          fast_tokens_per_step=args.fast_tokens_per_step, dtype=args.dtype)
+                          fast_tokens_per_step=args.fast_tokens_per_step, fast_suffix_window=args.fast_suffix_window,
+                          dtype=args.dtype)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
     try:

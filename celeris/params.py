@@ -58,6 +58,11 @@ class SamplingParams:
             whole cache by a full pass at the first step of every ``cache_refresh``-th
             block (0: only the prefill; 1: every block, i.e. the dual cache). Bounds how
             stale the cached keys/values get (dKV-Cache's refresh interval, arXiv:2505.15781).
+        suffix_window: W > 0 lets every pass see only the first W masked answer columns after the
+            current block; the rest of the masked suffix is left out of attention (DPad's suffix
+            dropping, arXiv:2508.14148, as a fixed window). With a KV cache the passes that recompute
+            the suffix then stop at the block's end + W. 0 (default): the whole canvas. Not with a
+            suffix to infill (it would shift the suffix's positions).
     """
 
     max_new_tokens: int = 128
@@ -77,6 +82,7 @@ class SamplingParams:
     early_exit: bool = True
     cache: str = "none"
     cache_refresh: int = 0
+    suffix_window: int = 0
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -97,6 +103,8 @@ class SamplingParams:
              and self.cache_refresh >= 0, f"cache_refresh must be an integer >= 0, got {self.cache_refresh!r}"),
             (self.cache_refresh == 0 or self.cache in ("delayed", "dual_delayed"),
              f"cache_refresh applies to cache='delayed' or 'dual_delayed' only; got cache='{self.cache}'"),
+            (isinstance(self.suffix_window, int) and not isinstance(self.suffix_window, bool)
+             and self.suffix_window >= 0, f"suffix_window must be an integer >= 0, got {self.suffix_window!r}"),
             (self.cfg_scale >= 0, f"cfg_scale must be >= 0, got {self.cfg_scale}"),
             (self.repetition_penalty > 0, f"repetition_penalty must be > 0, got {self.repetition_penalty}"),
             (all(isinstance(s, str) and s for s in self.stop), "stop must be a non-empty string or a list of them"),
@@ -132,4 +140,4 @@ class SamplingParams:
         """Settings that must be equal for requests to share one batched sampler call."""
         return (self.max_new_tokens, self.steps, self.block_length, self.remasking, self.decoding,
                 self.threshold, self.factor, self.entropy_bound, self.cfg_scale > 0, self.early_exit, self.cache,
-                self.cache_refresh)
+                self.cache_refresh, self.suffix_window)

@@ -114,3 +114,11 @@ def test_cache_refresh_is_a_whole_number_of_blocks_for_the_delayed_cache(kwargs)
         SamplingParams(**kwargs)
     assert SamplingParams(cache="delayed", cache_refresh=4).cache_refresh == 4
     assert SamplingParams(cache="dual_delayed", cache_refresh=2).cache_refresh == 2
+
+
+@pytest.mark.parametrize("value", [-1, 1.5, True, "4"])
+def test_suffix_window_is_a_whole_number_of_columns(value):
+    with pytest.raises(ValueError, match="suffix_window must be an integer >= 0"):
+        SamplingParams(suffix_window=value)
+    assert SamplingParams(suffix_window=0).suffix_window == 0 and SamplingParams(suffix_window=16).suffix_window == 16
+    assert SamplingParams(suffix_window=4).structure_key() != SamplingParams().structure_key()  # never batched together

@@ -8,7 +8,7 @@ every output length is swept, and every batch size of ``batch_sizes``):
 - ``dllm-fast``: the diffusion model with the model's default settings
   (``generation_config.json``, its steps scaled with the length; for the embedded model: one
   token per step, blocks of 8, the ``dual_delayed`` KV cache), or with ``ceil(length /
-  fast_tokens_per_step)`` steps when given;
+  fast_tokens_per_step)`` steps and ``fast_suffix_window`` when given;
 - ``ar-twin``: an autoregressive model of the same architecture (``--ar-model``),
   decoded token by token with a KV cache;
 - ``smollm2-135m``: SmolLM2-135M-Instruct through ``transformers`` ``generate`` (greedy), what a
@@ -66,6 +66,7 @@ class BenchConfig:
     smollm2: bool = True  # add SmolLM2-135M (system and judge) when its weights are installed
     # dllm-fast with steps = ceil(length / K) instead of the model's steps (None: the model's)
     fast_tokens_per_step: int | None = None
+    fast_suffix_window: int | None = None  # dllm-fast with this SamplingParams.suffix_window (None: the model's)
     dtype: str | None = None  # weights of the diffusion model and the twin (None: LLM's default for the device)
 
     def __post_init__(self) -> None:
@@ -211,7 +212,8 @@ def run_bench(cfg: BenchConfig) -> dict:
         results["conditions"] = results["conditions"] or conditions(cfg, llm, [len(p) for p in prompt_ids])
         reference = SamplingParams(max_new_tokens=length, steps=length, block_length=32, early_exit=False)
         k = cfg.fast_tokens_per_step
-        fast = llm.default_params(max_new_tokens=length, temperature=0.0, steps=-(-length // k) if k else None)
+        fast = llm.default_params(max_new_tokens=length, temperature=0.0, steps=-(-length // k) if k else None,
+                                  suffix_window=cfg.fast_suffix_window)
 
         def autoregressive(batch, length=length):
             out = generate_autoregressive(ar.model, batch, SamplingParams(max_new_tokens=length))

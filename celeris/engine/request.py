@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 import torch
 
 from celeris.params import SamplingParams
-from celeris.sampling.generate import cache_window
+from celeris.sampling.generate import cache_window, visible_end
 from celeris.sampling.schedule import block_plan, num_transfer_tokens
 from celeris.sampling.step import make_generator
 
@@ -78,6 +78,11 @@ class Request:
         return self.answer_start + s, self.answer_start + e
 
     @property
+    def visible_end(self) -> int:
+        """Canvas columns [0, visible_end) this step's passes see (``SamplingParams.suffix_window``)."""
+        return visible_end(self.num_tokens, self.block_span[1], self.params.suffix_window)
+
+    @property
     def answer(self) -> torch.Tensor:
         """(max_new_tokens,) int64 view of the answer span."""
         return self.canvas[self.answer_start : self.answer_start + self.params.max_new_tokens]
@@ -93,7 +98,7 @@ class Request:
         """Canvas columns this step computes with a KV cache and where the block starts among them, or
         None for a full pass: the reference sampler's rule (``celeris.sampling.generate.cache_window``,
         plus ``stale_cols`` at a block's first step under the ``delayed`` cache)."""
-        window = cache_window(self.params.cache, self.blocks, self.block_idx, self.answer_start, self.num_tokens,
+        window = cache_window(self.params.cache, self.blocks, self.block_idx, self.answer_start, self.visible_end,
                               self.step_in_block, self.params.cache_refresh)
         if window is None:
             return None

@@ -184,7 +184,7 @@ class ModelRunner:
         is_answer = torch.zeros((b, total), dtype=torch.bool)
         for i, (r, off) in enumerate(zip(requests, offsets, strict=True)):
             canvas[i, off : off + r.num_tokens] = r.canvas
-            attn[i, off : off + r.num_tokens] = True
+            attn[i, off : off + r.visible_end] = True  # the rest of the canvas: past the suffix window
             is_answer[i, off + r.answer_start : off + r.answer_start + r.params.max_new_tokens] = True
         cfg_rows = [i for i, r in enumerate(requests) if r.params.cfg_scale > 0]
         batch_ids = torch.cat([canvas, self._uncond(canvas, is_answer)[cfg_rows]]).to(self.device)
@@ -227,7 +227,7 @@ class ModelRunner:
                 is_answer[r.answer_start : r.answer_start + r.params.max_new_tokens] = True
                 ids = self._uncond(ids, is_answer)
             canvas[row, :n] = ids
-            attn[row, :n] = True
+            attn[row, : r.visible_end] = True
             # a row that ran a full pass this step just redoes its block
             cols, block_start = r.cache_columns() or (list(range(*r.block_span)), 0)
             columns.append(cols)

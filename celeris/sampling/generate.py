@@ -106,6 +106,12 @@ def answer_done(answer: torch.Tensor, eos_id: int, mask_id: int) -> torch.Tensor
     return is_eos.any(-1) & ~masked_before
 
 
+def visible_end(total: int, block_end: int, suffix_window: int) -> int:
+    """Canvas columns [0, visible_end) a pass sees: all ``total``, or up to ``suffix_window`` columns past
+    the block's end column ``block_end`` (``SamplingParams.suffix_window``; 0 = all)."""
+    return total if not suffix_window else min(total, block_end + suffix_window)
+
+
 def cache_window(
     mode: str, blocks: list[tuple[int, int]], block_idx: int, answer_start: int, total: int, step_in_block: int,
     refresh: int = 0,
@@ -217,15 +223,20 @@ def generate(
         schedule = num_transfer_tokens((canvas[:, span] == mask_id).sum(-1), block_steps)  # (B, S)
         step_in_block = 0
         while bool((canvas[:, span] == mask_id).any()):
-            window = cache_window(sp.cache, blocks, block_idx, lp, canvas.shape[1], step_in_block, sp.cache_refresh)
+            visible = visible_end(canvas.shape[1], lp + e, sp.suffix_window)
+            step_attn = attn  # (B, T) bool: the columns this step's passes attend to
+            if visible < canvas.shape[1]:
+                step_attn = attn & (torch.arange(canvas.shape[1], device=device) < visible)
+            window = cache_window(sp.cache, blocks, block_idx, lp, visible, step_in_block, sp.cache_refresh)
             where = {"logits_slice": span}
             if sp.cache == "delayed" and step_in_block == 0 and window is not None:
                 window, index = delayed_columns(last_commit, span, device)
                 where = {"logits_index": index}
-            logits = model(canvas, attn, **where, **cache_args(caches[0], window))  # (B, L, V)
+            logits = model(canvas, step_attn, **where, **cache_args(caches[0], window))  # (B, L, V)
             nfe += 1
             if use_cfg:  # unconditional pass: prompt (and suffix) replaced by the mask token
-                uncond = model(canvas.masked_fill(is_prompt, mask_id), attn, **where, **cache_args(caches[1], window))
+                uncond = model(canvas.masked_fill(is_prompt, mask_id), step_attn, **where,
+                               **cache_args(caches[1], window))
                 nfe += 1
                 logits = guided(logits, uncond, settings.cfg_scale)
             k = schedule[:, min(step_in_block, block_steps - 1)]  # (B,)

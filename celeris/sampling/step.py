@@ -37,6 +37,8 @@ def check_model_support(model: torch.nn.Module, params: SamplingParams, has_suff
     neither see a suffix (infilling) nor score a masked prompt (classifier-free
     guidance).
     """
+    if params.suffix_window and has_suffix:
+        raise ValueError("suffix_window cannot be used with a suffix to infill (it would shift the suffix's positions)")
     if params.cache != "none" and not getattr(model, "supports_kv_cache", False):
         raise ValueError(f"cache='{params.cache}' is not supported by {type(model).__name__}; use cache='none'")
     if not getattr(model.config, "is_causal", False):

@@ -8,7 +8,8 @@ pass; ``unsupported_params`` names those set to anything else, and the serving l
 Celeris extensions (extra body fields of the ``openai`` client): ``steps``, ``block_length``,
 ``remasking``, ``decoding``, ``threshold``, ``factor``, ``entropy_bound``, ``cfg_scale``, ``repetition_penalty`` (defaults
 from the model's ``generation_config.json``), ``cache`` (``none``, ``prefix``, ``dual``, ``delayed`` or ``dual_delayed``),
-``cache_refresh`` and ``stream_mode`` (``"text"``, or ``"denoise"``: every chunk carries the whole answer canvas).
+``cache_refresh``, ``suffix_window`` and ``stream_mode`` (``"text"``, or ``"denoise"``: every chunk carries the
+whole answer canvas).
 """
 
 from __future__ import annotations
@@ -134,6 +135,7 @@ class SamplingRequest(StrictModel):
     repetition_penalty: float | None = Field(default=None, gt=0)  # as in vLLM
     cache: str | None = None
     cache_refresh: int | None = Field(default=None, ge=0)
+    suffix_window: int | None = Field(default=None, ge=0)
     stream_mode: Literal["text", "denoise"] = "text"
 
     # OpenAI parameters accepted only at their neutral values (see unsupported_params).

@@ -275,9 +275,9 @@ class OpenAIServing:
                 decoding=request.decoding, threshold=request.threshold, factor=request.factor,
                 entropy_bound=request.entropy_bound, cfg_scale=request.cfg_scale, seed=request.seed,
                 stop=request.stop_list() or None, cache=request.cache, repetition_penalty=request.repetition_penalty,
-                cache_refresh=request.cache_refresh,
+                cache_refresh=request.cache_refresh, suffix_window=request.suffix_window,
             )
-            check_model_support(self.llm.model, params)
+            check_model_support(self.llm.model, params, has_suffix=bool(getattr(request, "suffix", None)))
             return params
         except (ValueError, TypeError) as exc:  # SamplingParams names the field first: "steps must be >= 1"
             name = str(exc).split(" ", 1)[0].split("=", 1)[0]

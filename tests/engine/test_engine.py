@@ -42,6 +42,11 @@ def run_to_end(engine: Engine) -> None:
     SamplingParams(max_new_tokens=20, steps=20, block_length=8, cache="dual_delayed", decoding="threshold", threshold=0.3,
                    early_exit=False),
     SamplingParams(max_new_tokens=20, steps=10, block_length=4, cache="dual_delayed", cache_refresh=2, early_exit=False),
+    SamplingParams(max_new_tokens=20, steps=20, block_length=8, suffix_window=2, early_exit=False),
+    SamplingParams(max_new_tokens=20, steps=20, block_length=4, cache="dual_delayed", suffix_window=3, early_exit=False),
+    SamplingParams(max_new_tokens=20, steps=20, block_length=4, cache="prefix", suffix_window=2, cfg_scale=1.0,
+                   early_exit=False),
+    SamplingParams(max_new_tokens=20, steps=20, block_length=4, cache="delayed", suffix_window=1, early_exit=False),
 ])
 def test_engine_matches_reference_sampler(params):
     model = tiny_model()

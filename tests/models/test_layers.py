@@ -156,13 +156,14 @@ def test_engine_with_cache_matches_reference_sampler(model, cache):
         assert torch.equal(r.answer, reference.answer_ids[i]), f"row {i}"
 
 
-@pytest.mark.parametrize("cache", ["prefix", "dual_delayed"])
-def test_engine_out_of_phase_requests_match_reference_sampler(model, cache):
+@pytest.mark.parametrize("cache, suffix_window", [("prefix", 0), ("dual_delayed", 0), ("dual_delayed", 3)])
+def test_engine_out_of_phase_requests_match_reference_sampler(model, cache, suffix_window):
     """Requests out of phase (two join one step late): the rows recomputing the masked suffix run their window
     pass apart from the others (``ModelRunner.num_split_passes``), and each request still gets the reference
     sampler's tokens for its prompt alone, on both formats (Dream scores each column from the one before it)."""
     prompts = [[5, 6, 7, 8, 9, 10, 11], [12, 13], [14, 15, 16, 17]]
-    params = SamplingParams(max_new_tokens=12, steps=12, block_length=2, early_exit=False, cache=cache)
+    params = SamplingParams(max_new_tokens=12, steps=12, block_length=2, early_exit=False, cache=cache,
+                            suffix_window=suffix_window)
     alone = [generate(model, [p], params).answer_ids[0] for p in prompts]
     engine = Engine(model, EngineConfig(max_num_seqs=4))
     requests = [engine.add_request(prompts[0], params)]

@@ -432,3 +432,69 @@ def test_cache_modes_make_the_documented_passes(cache, refresh, full_passes, mon
         assert calls[1:4] == [(lp, lp + 4)] * 3 and calls[5:8] == [(lp + 4, lp + 8)] * 3
         assert calls[4] == (lp, lp + 12)  # block 1's first step: block 0 (final tokens) to the end
         assert calls[8] == (None if refresh == 2 else (lp + 4, lp + 12))
+
+
+class CutCanvas(torch.nn.Module):
+    """The obvious suffix window: every pass gets the canvas *cut* W columns after its scored block."""
+
+    def __init__(self, model: torch.nn.Module, window: int) -> None:
+        super().__init__()
+        self.model, self.window, self.config = model, window, model.config
+
+    def forward(self, input_ids, attention_mask=None, logits_slice=None, **kwargs):
+        cut = min(input_ids.shape[1], logits_slice.stop + self.window)
+        mask = None if attention_mask is None else attention_mask[:, :cut]
+        return self.model(input_ids[:, :cut], mask, logits_slice=logits_slice, **kwargs)
+
+
+@pytest.mark.parametrize("window", [1, 3, 8])
+def test_suffix_window_equals_cutting_the_canvas(window):
+    """suffix_window W (masking the far suffix out of attention) gives the tokens of passes on the canvas cut
+    W columns past the block; a window covering the whole answer changes nothing."""
+    model = tiny_model()
+    prompts = [[5, 6, 7, 8, 9], [10, 11]]
+    params = SamplingParams(max_new_tokens=12, steps=12, block_length=4, early_exit=False, suffix_window=window)
+    masked = generate(model, prompts, params)
+    cut = generate(CutCanvas(model, window), prompts, SamplingParams(max_new_tokens=12, steps=12, block_length=4,
+                                                                     early_exit=False))
+    assert torch.equal(masked.answer_ids, cut.answer_ids)
+    whole = SamplingParams(max_new_tokens=12, steps=12, block_length=4, early_exit=False)
+    wide = SamplingParams(max_new_tokens=12, steps=12, block_length=4, early_exit=False, suffix_window=12)
+    assert torch.equal(generate(model, prompts, wide).answer_ids, generate(model, prompts, whole).answer_ids)
+
+
+@pytest.mark.parametrize("cache", ["prefix", "dual", "delayed", "dual_delayed"])
+def test_suffix_window_with_a_cache_stops_the_suffix_passes_at_the_window(cache, monkeypatch):
+    """With W, a cached pass never computes past the block's end + W; with one step per block the cache
+    gives the uncached tokens (the prefix/dual caches are exact then)."""
+    model = tiny_model()
+    calls: list[object] = []
+    forward = model.forward
+
+    def spy(*args, **kwargs):
+        calls.append(kwargs.get("window"))
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(model, "forward", spy)
+    prompt = [5, 6, 7, 8]
+    lp = len(prompt)
+    generate(model, [prompt], SamplingParams(max_new_tokens=12, steps=12, block_length=4, cache=cache,
+                                             early_exit=False, suffix_window=2))
+    assert len(calls) == 12  # one token per step: calls[i] denoises block i // 4, which ends at lp + 4 * (i // 4 + 1)
+    spans = [(i, w) for i, w in enumerate(calls) if isinstance(w, tuple)]
+    assert spans and all(w[1] <= lp + 4 * (i // 4 + 1) + 2 for i, w in spans)
+    if cache == "dual_delayed":
+        assert calls[4] == (lp, lp + 8 + 2)  # block 1's first step: block 0 through block 1 and 2 masked columns
+    if cache == "prefix":
+        assert calls[1] == (lp, lp + 4 + 2)
+    one_step = SamplingParams(max_new_tokens=12, steps=3, block_length=4, early_exit=False, suffix_window=2)
+    if cache in ("prefix", "dual"):
+        with_cache = SamplingParams(max_new_tokens=12, steps=3, block_length=4, early_exit=False, suffix_window=2,
+                                    cache=cache)
+        assert torch.equal(generate(model, [prompt], with_cache).answer_ids, generate(model, [prompt], one_step).answer_ids)
+
+
+def test_suffix_window_refuses_infilling():
+    params = SamplingParams(max_new_tokens=4, steps=4, block_length=4, suffix_window=2)
+    with pytest.raises(ValueError, match="suffix_window cannot be used with a suffix"):
+        generate(tiny_model(), [[5, 6]], params, suffix_ids=[[7, 8]])

@@ -80,6 +80,8 @@ def test_wrong_content_type(server):
     ("/v1/completions", {"prompt": "x", "repetition_penalty": 0}, "repetition_penalty"),
     ("/v1/completions", {"prompt": "x", "cache": "bogus"}, "cache"),
     ("/v1/completions", {"prompt": "x", "cache_refresh": -1}, "cache_refresh"),
+    ("/v1/completions", {"prompt": "x", "suffix_window": -1}, "suffix_window"),
+    ("/v1/completions", {"prompt": "x", "suffix": "y", "suffix_window": 2}, "suffix_window"),
     ("/v1/completions", {"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),
     ("/v1/completions", {"prompt": "x", "stream_mode": "denoise"}, "stream_mode"),
     ("/v1/completions", {"prompt": "x", "mystery": 1}, "mystery"),
