@@ -62,7 +62,9 @@ class SamplingParams:
             current block; the rest of the masked suffix is left out of attention (DPad's suffix
             dropping, arXiv:2508.14148, as a fixed window). With a KV cache the passes that recompute
             the suffix then stop at the block's end + W. 0 (default): the whole canvas. Not with a
-            suffix to infill (it would shift the suffix's positions).
+            suffix to infill (it would shift the suffix's positions), nor with ``cache="delayed"``,
+            which never recomputes the suffix (nothing to save) and would read columns coming into
+            view from the prefill, where they were computed outside the window.
     """
 
     max_new_tokens: int = 128
@@ -105,6 +107,8 @@ class SamplingParams:
              f"cache_refresh applies to cache='delayed' or 'dual_delayed' only; got cache='{self.cache}'"),
             (isinstance(self.suffix_window, int) and not isinstance(self.suffix_window, bool)
              and self.suffix_window >= 0, f"suffix_window must be an integer >= 0, got {self.suffix_window!r}"),
+            (self.suffix_window == 0 or self.cache != "delayed",
+             "suffix_window cannot be used with cache='delayed' (it never recomputes the suffix); use 'dual_delayed'"),
             (self.cfg_scale >= 0, f"cfg_scale must be >= 0, got {self.cfg_scale}"),
             (self.repetition_penalty > 0, f"repetition_penalty must be > 0, got {self.repetition_penalty}"),
             (all(isinstance(s, str) and s for s in self.stop), "stop must be a non-empty string or a list of them"),

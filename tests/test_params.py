@@ -122,3 +122,6 @@ def test_suffix_window_is_a_whole_number_of_columns(value):
         SamplingParams(suffix_window=value)
     assert SamplingParams(suffix_window=0).suffix_window == 0 and SamplingParams(suffix_window=16).suffix_window == 16
     assert SamplingParams(suffix_window=4).structure_key() != SamplingParams().structure_key()  # never batched together
+    with pytest.raises(ValueError, match="suffix_window cannot be used with cache='delayed'"):
+        SamplingParams(cache="delayed", suffix_window=4)
+    assert SamplingParams(cache="dual_delayed", suffix_window=4).suffix_window == 4

@@ -46,7 +46,7 @@ def run_to_end(engine: Engine) -> None:
     SamplingParams(max_new_tokens=20, steps=20, block_length=4, cache="dual_delayed", suffix_window=3, early_exit=False),
     SamplingParams(max_new_tokens=20, steps=20, block_length=4, cache="prefix", suffix_window=2, cfg_scale=1.0,
                    early_exit=False),
-    SamplingParams(max_new_tokens=20, steps=20, block_length=4, cache="delayed", suffix_window=1, early_exit=False),
+    SamplingParams(max_new_tokens=20, steps=20, block_length=4, cache="dual", suffix_window=1, early_exit=False),
 ])
 def test_engine_matches_reference_sampler(params):
     model = tiny_model()

@@ -463,7 +463,7 @@ def test_suffix_window_equals_cutting_the_canvas(window):
     assert torch.equal(generate(model, prompts, wide).answer_ids, generate(model, prompts, whole).answer_ids)
 
 
-@pytest.mark.parametrize("cache", ["prefix", "dual", "delayed", "dual_delayed"])
+@pytest.mark.parametrize("cache", ["prefix", "dual", "dual_delayed"])
 def test_suffix_window_with_a_cache_stops_the_suffix_passes_at_the_window(cache, monkeypatch):
     """With W, a cached pass never computes past the block's end + W; with one step per block the cache
     gives the uncached tokens (the prefix/dual caches are exact then)."""
@@ -498,3 +498,28 @@ def test_suffix_window_refuses_infilling():
     params = SamplingParams(max_new_tokens=4, steps=4, block_length=4, suffix_window=2)
     with pytest.raises(ValueError, match="suffix_window cannot be used with a suffix"):
         generate(tiny_model(), [[5, 6]], params, suffix_ids=[[7, 8]])
+
+
+@pytest.mark.parametrize("cache", ["none", "prefix", "dual", "dual_delayed"])
+def test_suffix_window_never_reads_a_key_computed_outside_the_window(cache, monkeypatch):
+    """Columns past the window get no real RoPE position while masked (positions count attended columns);
+    every cache mode must recompute them before they come into view, so giving them their true positions
+    changes no token."""
+    from celeris.models import celeris as celeris_module
+
+    model = tiny_model()
+    prompts = [[5, 6, 7, 8, 9], [10, 11]]
+    params = SamplingParams(max_new_tokens=12, steps=12, block_length=4, early_exit=False, cache=cache,
+                            suffix_window=2, cfg_scale=1.0 if cache == "dual" else 0.0)
+    windowed = generate(model, prompts, params).answer_ids
+
+    def true_positions(input_ids, attention_mask):
+        positions, key_mask = layers_positions(input_ids, attention_mask)
+        if attention_mask is not None:  # count from the first real token, padding and window alike
+            first = attention_mask.int().argmax(-1, keepdim=True)
+            positions = (torch.arange(input_ids.shape[1])[None] - first).clamp(min=0)
+        return positions, key_mask
+
+    layers_positions = celeris_module.positions_and_mask
+    monkeypatch.setattr(celeris_module, "positions_and_mask", true_positions)
+    assert torch.equal(generate(model, prompts, params).answer_ids, windowed)
