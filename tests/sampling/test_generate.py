@@ -394,6 +394,19 @@ def test_rejects_bad_calls(model):
         generate(model, [[5], [6]], [p, SamplingParams(max_new_tokens=5, steps=4)])
 
 
+def record_windows(model: torch.nn.Module, monkeypatch) -> list[object]:
+    """The ``window`` argument of every forward pass of ``model`` from now on (None: a full pass)."""
+    calls: list[object] = []
+    forward = model.forward
+
+    def spy(*args, **kwargs):
+        calls.append(kwargs.get("window"))
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(model, "forward", spy)
+    return calls
+
+
 @pytest.mark.parametrize("cache, refresh, full_passes", [("none", 0, 12), ("prefix", 0, 3), ("dual", 0, 3),
                                                           ("delayed", 0, 1), ("delayed", 2, 2), ("delayed", 1, 3),
                                                           ("dual_delayed", 0, 1), ("dual_delayed", 2, 2)])
@@ -403,14 +416,7 @@ def test_cache_modes_make_the_documented_passes(cache, refresh, full_passes, mon
     dual_delayed: the same, but a block's first step runs from the previous block's start to the end; with
     cache_refresh k also a full pass at the first step of every k-th block (blocks 0 and 2 for k = 2)."""
     model = tiny_model()
-    calls: list[object] = []
-    forward = model.forward
-
-    def spy(*args, **kwargs):
-        calls.append(kwargs.get("window"))
-        return forward(*args, **kwargs)
-
-    monkeypatch.setattr(model, "forward", spy)
+    calls = record_windows(model, monkeypatch)
     prompt = [5, 6, 7, 8]
     frames: list[torch.Tensor] = []
     out = generate(model, [prompt], SamplingParams(max_new_tokens=12, steps=12, block_length=4, cache=cache,
@@ -468,14 +474,7 @@ def test_suffix_window_with_a_cache_stops_the_suffix_passes_at_the_window(cache,
     """With W, a cached pass never computes past the block's end + W; with one step per block the cache
     gives the uncached tokens (the prefix/dual caches are exact then)."""
     model = tiny_model()
-    calls: list[object] = []
-    forward = model.forward
-
-    def spy(*args, **kwargs):
-        calls.append(kwargs.get("window"))
-        return forward(*args, **kwargs)
-
-    monkeypatch.setattr(model, "forward", spy)
+    calls = record_windows(model, monkeypatch)
     prompt = [5, 6, 7, 8]
     lp = len(prompt)
     generate(model, [prompt], SamplingParams(max_new_tokens=12, steps=12, block_length=4, cache=cache,
