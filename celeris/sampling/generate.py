@@ -120,7 +120,8 @@ def cache_window(
 
     ``blocks`` is the answer's block plan (``block_plan``: [start, end) offsets in the
     answer), ``block_idx`` the block being denoised, ``answer_start`` the answer's first
-    canvas column and ``total`` the canvas length; the block is ``span`` below.
+    canvas column and ``total`` the end of what the passes see (the canvas length, or
+    ``visible_end`` under a ``suffix_window``); the block is ``span`` below.
 
     ``none``: always all. ``prefix`` / ``dual`` (Fast-dLLM): a full pass at each
     block's first step, then block..end (prefix) or the block (dual).

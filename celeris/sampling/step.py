@@ -35,7 +35,7 @@ def check_model_support(model: torch.nn.Module, params: SamplingParams, has_suff
     (``prefix``/``dual`` would re-run a full pass for every token, ``dual_delayed`` a pass from
     the previous token to the end of the canvas); it can
     neither see a suffix (infilling) nor score a masked prompt (classifier-free
-    guidance).
+    guidance). A ``suffix_window`` cannot go with a suffix to infill.
     """
     if params.suffix_window and has_suffix:
         raise ValueError("suffix_window cannot be used with a suffix to infill (it would shift the suffix's positions)")
