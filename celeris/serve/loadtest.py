@@ -221,8 +221,7 @@ def concurrency_levels(args: argparse.Namespace) -> list[int]:
     return levels
 
 
-async def run(args: argparse.Namespace, url: str) -> dict:
-    levels = concurrency_levels(args)
+async def run(args: argparse.Namespace, url: str, levels: list[int]) -> dict:
     prompts = load_prompts(args.prompts, args.num_prompts)
     settings = {"max_tokens": args.max_tokens, "temperature": 0.0, "seed": 0}
     if args.steps is not None:
@@ -279,10 +278,10 @@ def main(argv: list[str] | None = None) -> int:
     server = None
     url = args.url
     try:
-        concurrency_levels(args)
+        levels = concurrency_levels(args)
         if url is None:
             server, url = start_server(args)
-        report = asyncio.run(run(args, url.rstrip("/")))
+        report = asyncio.run(run(args, url.rstrip("/"), levels))
     except (RuntimeError, ValueError) as exc:  # a one-line message, no traceback
         print(f"loadtest: error: {exc}", file=sys.stderr)
         return 2
