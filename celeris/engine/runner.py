@@ -236,10 +236,10 @@ class ModelRunner:
         if not wide or 2 * len(wide) > rows:  # splitting pays (and copies at most half the pool) when few are wide
             logits = self._run_window(canvas, attn, pool.view(), columns, block_starts, lb)
         else:
-            shared = [list(range(*r.block_span)) if row in wide else columns[row]
-                      for row, (r, _) in enumerate(pool.owners)]
-            logits = self._run_window(canvas, attn, pool.view(), shared, [0 if row in wide else s for row, s in
-                                                                          enumerate(block_starts)], lb)
+            shared, shared_starts = list(columns), list(block_starts)
+            for row in wide:  # in the shared pass a wide row only redoes its block
+                shared[row], shared_starts[row] = list(range(*pool.owners[row][0].block_span)), 0
+            logits = self._run_window(canvas, attn, pool.view(), shared, shared_starts, lb)
             self.num_split_passes += 1
             idx = torch.tensor(wide, device=self.device)
             sub = KVCache([k.index_select(0, idx) for k in pool.keys], [v.index_select(0, idx) for v in pool.values])
