@@ -51,7 +51,7 @@ def _sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-p", type=float, help="nucleus mass in (0, 1]")
     p.add_argument("--seed", type=int, help="RNG seed")
     p.add_argument("--remasking", help="low_confidence or random")
-    p.add_argument("--decoding", help="fixed, threshold, factor or entropy")
+    p.add_argument("--decoding", help="fixed, threshold, factor, entropy, or verified (hybrid models)")
     p.add_argument("--threshold", type=float, help="confidence threshold for --decoding threshold")
     p.add_argument("--cfg-scale", type=float, help="classifier-free guidance scale (0 = off)")
     p.add_argument("--repetition-penalty", type=float, help="CTRL repetition penalty (1 = off)")
@@ -81,7 +81,12 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--data", required=True, help="corpus folder from `celeris data stdlib`")
     t.add_argument("--out", required=True, help="run folder: checkpoints, history (resumes if present)")
     t.add_argument("--export", help="write a checkpoint folder here at the end")
-    t.add_argument("--objective", default="diffusion", help="diffusion or ar")
+    t.add_argument("--objective", default="diffusion", choices=["diffusion", "ar", "hybrid"],
+                   help="diffusion (masked, from scratch), ar (next-token), or hybrid (adapt a causal --init model "
+                        "to draft blocks in parallel and verify with its next-token head)")
+    t.add_argument("--init", help="hybrid: causal checkpoint to start from (name or folder), e.g. celeris-code-6m-ar")
+    t.add_argument("--block-size", type=int, default=4, help="hybrid: drafting block length (tokens)")
+    t.add_argument("--full-mask-prob", type=float, default=0.5, help="hybrid: share of fully masked noisy blocks")
     for name, typ, default in [
         ("max-steps", int, 1000), ("batch-size", int, 8), ("seq-len", int, 512), ("lr", float, 1.5e-3),
         ("warmup-steps", int, 100), ("eval-every", int, 300), ("eval-batches", int, 16),
@@ -231,6 +236,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         seq_len=args.seq_len, batch_size=args.batch_size, max_steps=args.max_steps, lr=args.lr,
         warmup_steps=args.warmup_steps, eval_every=args.eval_every, eval_batches=args.eval_batches,
         save_every=args.save_every, seed=args.seed, threads=args.threads, prefix_prob=args.prefix_prob,
+        init=args.init, block_size=args.block_size, full_mask_prob=args.full_mask_prob,
     )
     print(json.dumps(train(cfg)))
     return 0

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 
 REMASKING = ("low_confidence", "random")
-DECODING = ("fixed", "threshold", "factor", "entropy")
+DECODING = ("fixed", "threshold", "factor", "entropy", "verified")
 CACHE = ("none", "prefix", "dual", "delayed", "dual_delayed")
 
 
@@ -28,7 +28,11 @@ class SamplingParams:
         decoding: how many tokens a step commits: ``fixed`` (linear schedule,
             LLaDA), ``threshold`` (confidence > ``threshold``), ``factor``
             (Fast-dLLM factor rule) or ``entropy`` (EB-sampler, summed entropy <=
-            ``entropy_bound``).
+            ``entropy_bound``); ``verified`` for hybrid models only: a block of mask
+            slots drafts the next tokens in the same pass that checks the previous
+            drafts with the next-token head (``celeris.sampling.verified``; greedy
+            output equals next-token decoding; ``steps``, ``block_length`` and
+            ``cache`` do not apply).
         cfg_scale: classifier-free guidance scale s >= 0 (0 disables it).
         repetition_penalty: theta > 0; logits of tokens already in the context (prompt,
             committed answer tokens, suffix) are divided by theta when positive and

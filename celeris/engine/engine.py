@@ -8,6 +8,7 @@ its own settings; new requests join at step boundaries (continuous batching).
 from __future__ import annotations
 
 import itertools
+import time
 from dataclasses import dataclass
 
 import torch
@@ -18,6 +19,7 @@ from celeris.engine.runner import ModelRunner
 from celeris.engine.scheduler import Scheduler
 from celeris.params import SamplingParams
 from celeris.sampling.step import RowSettings, banned_token_ids, check_model_support, context_tokens, denoise_step
+from celeris.sampling.verified import DraftRow, VerifiedDecoder, draft_length
 
 
 @dataclass(slots=True)
@@ -55,6 +57,8 @@ class Engine:
         self.model = model
         self._ids = itertools.count()
         self.num_steps = 0
+        self.drafter: VerifiedDecoder | None = None  # verified decoding (hybrid models), made at first use
+        self._draft_rows: dict[Request, DraftRow] = {}
 
     def add_request(
         self,
@@ -89,6 +93,12 @@ class Engine:
         batch = self.scheduler.schedule()
         if not batch:
             return []
+        verified = [r for r in batch if r.params.decoding == "verified"]
+        outputs = self._step_verified(verified) if verified or self._draft_rows else []
+        batch = [r for r in batch if r.params.decoding != "verified"]
+        if not batch:
+            self.num_steps += 1
+            return outputs
         logits, block = self.runner.run(batch)
         settings = RowSettings.from_params([r.params for r in batch], logits.device)
         num_tokens = torch.tensor([r.tokens_this_step() for r in batch], device=logits.device)
@@ -98,7 +108,6 @@ class Engine:
         new_block, committed = denoise_step(logits, block, self.mask_id, self.banned_ids, num_tokens, settings,
                                             [r.generator for r in batch], seen)
         new_block, committed = new_block.cpu(), committed.cpu()
-        outputs = []
         for i, r in enumerate(batch):
             s, e = r.block_span
             r.canvas[s:e] = new_block[i, : e - s]  # a short block's pad columns are dropped
@@ -111,4 +120,38 @@ class Engine:
         if any(o.finished for o in outputs):  # free finished requests' KV rows now, not at the next step
             self.runner.pool.release({r for r in batch if not r.is_finished})
         self.num_steps += 1
+        return outputs
+
+    def _step_verified(self, batch: list[Request]) -> list[StepOutput]:
+        """One verified-decoding pass for ``batch`` (``celeris.sampling.verified.VerifiedDecoder``): rows of
+        requests that finished or were aborted are freed, new requests are prefilled, the others advance by
+        their accepted drafts plus one token. Each request's committed tokens are final at once (streamed)."""
+        if self.drafter is None:
+            k = draft_length(self.model)
+            self.drafter = VerifiedDecoder(self.model, self.config.max_num_seqs,
+                                           self.model.config.max_position_embeddings + 2 * k + 2)
+        running = set(batch)
+        for request in [r for r in self._draft_rows if r not in running or r.is_finished]:
+            self.drafter.remove(self._draft_rows.pop(request))
+        for request in batch:
+            if request not in self._draft_rows:
+                self._draft_rows[request] = self.drafter.add(request.prompt_ids, request.params)
+        committed = {id(row): new for row, new in self.drafter.step()}
+        outputs = []
+        for request in batch:
+            row = self._draft_rows[request]
+            new = committed.get(id(row), [])
+            start = request.answer_start + len(row.answer) - len(new)
+            request.canvas[start : start + len(new)] = torch.tensor(new, dtype=torch.long)
+            request.nfe += 1
+            request.steps += 1
+            if request.first_token_time is None and new:
+                request.first_token_time = time.perf_counter()
+            if row.finished:
+                request.finish("stop" if self.eos_id in row.answer else "length")
+                self.drafter.remove(self._draft_rows.pop(request))
+            prefix = request.final_prefix(self.eos_id)
+            new_ids = prefix[request.num_emitted :]
+            request.num_emitted = len(prefix)
+            outputs.append(StepOutput(request, new_ids, request.is_finished))
         return outputs

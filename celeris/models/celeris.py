@@ -57,6 +57,9 @@ class CelerisConfig:
     eos_token_id: int = 0
     pad_token_id: int = 2
     is_causal: bool = False
+    # hybrid models (``celeris train --objective hybrid``): the length of the fully masked block the model
+    # drafts after its committed tokens, attending to them and bidirectionally to itself; 0: not trained to draft
+    draft_block_size: int = 0
     model_type: str = "celeris"
 
     def __post_init__(self) -> None:

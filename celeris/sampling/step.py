@@ -37,6 +37,11 @@ def check_model_support(model: torch.nn.Module, params: SamplingParams, has_suff
     neither see a suffix (infilling) nor score a masked prompt (classifier-free
     guidance). A ``suffix_window`` cannot go with a suffix to infill.
     """
+    if params.decoding == "verified":  # its own contract: a hybrid model, no CFG / penalty / infilling
+        from celeris.sampling.verified import check_verified_support
+
+        check_verified_support(model, params, has_suffix)
+        return
     if params.suffix_window and has_suffix:
         raise ValueError("suffix_window cannot be used with a suffix to infill (it would shift the suffix's positions)")
     if params.cache != "none" and not getattr(model, "supports_kv_cache", False):

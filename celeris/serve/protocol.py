@@ -127,7 +127,7 @@ class SamplingRequest(StrictModel):
     steps: int | None = Field(default=None, ge=1)
     block_length: int | None = Field(default=None, ge=1)
     remasking: Literal["low_confidence", "random"] | None = None
-    decoding: Literal["fixed", "threshold", "factor", "entropy"] | None = None
+    decoding: Literal["fixed", "threshold", "factor", "entropy", "verified"] | None = None
     threshold: float | None = Field(default=None, gt=0, le=1)
     factor: float | None = Field(default=None, gt=0)
     entropy_bound: float | None = Field(default=None, ge=0)

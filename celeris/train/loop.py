@@ -28,7 +28,7 @@ from tqdm import tqdm
 
 from celeris.llm import causal_defaults
 from celeris.models.celeris import CelerisConfig, CelerisModel, count_parameters
-from celeris.models.loader import save_checkpoint
+from celeris.models.loader import load_model, save_checkpoint
 from celeris.tokenizer import write_tokenizer_config
 from celeris.train.data import load_tokens
 from celeris.train.objective import OBJECTIVES
@@ -50,6 +50,9 @@ class TrainConfig:
     export_dir: str | None = None
     objective: str = "diffusion"
     prefix_prob: float = 0.0
+    init: str | None = None  # hybrid: the causal checkpoint (name or folder) every weight starts from
+    block_size: int = 4  # hybrid: noisy (drafting) block length, tokens
+    full_mask_prob: float = 0.5  # hybrid: share of noisy blocks masked entirely
     model: dict = field(default_factory=dict)
     seq_len: int = 512
     batch_size: int = 8
@@ -75,6 +78,11 @@ class TrainConfig:
             raise ValueError(f"prefix_prob must be in [0, 1], got {self.prefix_prob}")
         if self.prefix_prob and self.objective != "diffusion":
             raise ValueError("prefix_prob applies to the diffusion objective only")
+        if self.objective == "hybrid" and not self.init:
+            raise ValueError("the hybrid objective starts from a causal checkpoint: give init (e.g. celeris-code-6m-ar)")
+        if self.block_size < 1 or not 0 <= self.full_mask_prob <= 1:
+            raise ValueError(f"block_size must be >= 1 and full_mask_prob in [0, 1], got {self.block_size}, "
+                             f"{self.full_mask_prob}")
         if self.lr <= 0:
             raise ValueError(f"lr must be > 0, got {self.lr}")
 
@@ -94,19 +102,35 @@ def get_batch(tokens: np.ndarray, batch_size: int, seq_len: int, seed: int) -> t
     return torch.from_numpy(np.stack([tokens[s : s + seq_len].astype(np.int64) for s in starts]))
 
 
+def objective_kwargs(cfg: TrainConfig) -> dict:
+    """The objective's own settings from the run config."""
+    if cfg.objective == "hybrid":
+        return {"block_size": cfg.block_size, "full_mask_prob": cfg.full_mask_prob}
+    return {"prefix_prob": cfg.prefix_prob} if cfg.prefix_prob else {}
+
+
 @torch.no_grad()
-def evaluate(model: CelerisModel, tokens: np.ndarray, cfg: TrainConfig, device: torch.device) -> float:
-    """Held-out loss (nats/token) on ``eval_batches`` fixed batches with fixed noise draws."""
+def evaluate(model: CelerisModel, tokens: np.ndarray, cfg: TrainConfig, device: torch.device) -> dict[str, float]:
+    """Held-out loss (nats/token) on ``eval_batches`` fixed batches with fixed noise draws.
+
+    Returns ``{"val_loss": ...}``; the hybrid objective adds its two terms, ``val_ntp`` (the next-token
+    NLL, comparable with the twin's) and ``val_masked`` (drafting cross-entropy).
+    """
     loss_fn = OBJECTIVES[cfg.objective]
+    extra = {k: v for k, v in objective_kwargs(cfg).items() if k != "prefix_prob"}
+    hybrid = cfg.objective == "hybrid"
     was_training = model.training
     model.eval()
-    total = 0.0
+    sums: dict[str, float] = {}
     for i in range(cfg.eval_batches):
         batch = get_batch(tokens, cfg.batch_size, cfg.seq_len, seed=10_000_000 + i).to(device)
         gen = torch.Generator().manual_seed(20_000_000 + i)
-        total += float(loss_fn(model, batch, gen)[0])
+        out = loss_fn(model, batch, gen, **extra, **({"return_parts": True} if hybrid else {}))
+        parts = {"val_loss": float(out[0]), **({f"val_{k}": v for k, v in out[2].items()} if hybrid else {})}
+        for k, v in parts.items():
+            sums[k] = sums.get(k, 0.0) + v
     model.train(was_training)
-    return total / cfg.eval_batches
+    return {k: v / cfg.eval_batches for k, v in sums.items()}
 
 
 def _dist_setup() -> tuple[int, int, torch.device]:
@@ -151,10 +175,13 @@ def train(cfg: TrainConfig, default_generation: dict | None = None) -> dict:
         "pad_token_id": tok.token_to_id("<|pad|>"),
         "is_causal": cfg.objective == "ar",
     }
-    model_cfg = CelerisConfig(**{**cfg.model, **special, "max_position_embeddings": cfg.seq_len})
     torch.manual_seed(cfg.seed)
-    model = CelerisModel(model_cfg)
-    model.init_weights()
+    if cfg.init:
+        model = init_from_checkpoint(cfg, special)
+    else:
+        model_cfg = CelerisConfig(**{**cfg.model, **special, "max_position_embeddings": cfg.seq_len})
+        model = CelerisModel(model_cfg)
+        model.init_weights()
     model.to(device).train()
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
@@ -189,8 +216,7 @@ def train(cfg: TrainConfig, default_generation: dict | None = None) -> dict:
         seed = cfg.seed * 1_000_003 + step * world + rank
         batch = get_batch(train_tokens, cfg.batch_size, cfg.seq_len, seed).to(device)
         runner = model if world == 1 else _DDPView(ddp_model, model)
-        extra = {"prefix_prob": cfg.prefix_prob} if cfg.prefix_prob else {}
-        loss, _ = loss_fn(runner, batch, torch.Generator().manual_seed(seed), **extra)
+        loss, _ = loss_fn(runner, batch, torch.Generator().manual_seed(seed), **objective_kwargs(cfg))
         optim.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
@@ -203,9 +229,10 @@ def train(cfg: TrainConfig, default_generation: dict | None = None) -> dict:
         bar.set_postfix(loss=f"{loss.item():.3f}", tok_s=f"{batch.numel() * world / dt:,.0f}", lr=f"{lr_at(step, cfg):.2e}")
         record: dict = {"step": step, "loss": loss.item(), "tokens_seen": tokens_seen, "wall_s": round(wall, 1)}
         if step % cfg.eval_every == 0 or step == cfg.max_steps:
-            record["val_loss"] = evaluate(model, val_tokens, cfg, device)
+            record.update(evaluate(model, val_tokens, cfg, device))
             if rank == 0:
-                bar.write(f"step {step}: held-out loss {record['val_loss']:.4f} nats/token")
+                parts = ", ".join(f"{k} {v:.4f}" for k, v in record.items() if k.startswith("val_"))
+                bar.write(f"step {step}: held-out {parts} nats/token")
         history.append(record)
         if rank == 0 and (step % cfg.save_every == 0 or step == cfg.max_steps):
             _atomic_torch_save(
@@ -222,7 +249,7 @@ def train(cfg: TrainConfig, default_generation: dict | None = None) -> dict:
         (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         if cfg.export_dir:
             write_tokenizer_config(data)
-            generation = AR_GENERATION if cfg.objective == "ar" else DEFAULT_GENERATION
+            generation = AR_GENERATION if model.config.is_causal else DEFAULT_GENERATION
             save_checkpoint(model, cfg.export_dir, data, default_generation or generation)
             shutil.copy(out / "train_config.json", Path(cfg.export_dir) / "training_args.json")
             print(f"exported checkpoint to {cfg.export_dir}", flush=True)
@@ -230,6 +257,32 @@ def train(cfg: TrainConfig, default_generation: dict | None = None) -> dict:
         dist.barrier()
         dist.destroy_process_group()
     return summary
+
+
+def init_from_checkpoint(cfg: TrainConfig, special: dict) -> CelerisModel:
+    """Every weight of the causal checkpoint ``cfg.init`` (hybrid adaptation, Fast-dLLM v2 arXiv:2509.26328).
+
+    The mask token's embedding row, never trained in an autoregressive model, starts at the mean embedding
+    (the embedding is tied to the output head, so its logit starts at the mean logit). The config gains
+    ``draft_block_size`` (the noisy block length the model learns to draft).
+
+    Raises:
+        ValueError: the checkpoint is not a causal Celeris model, or its tokenizer differs from the corpus's.
+    """
+    from celeris.llm import resolve_model
+
+    model = load_model(resolve_model(cfg.init), dtype=torch.float32)
+    if not model.config.is_causal:
+        raise ValueError(f"--init {cfg.init} is not a causal model (is_causal=false)")
+    for key, value in special.items():
+        if key != "is_causal" and getattr(model.config, key) != value:
+            raise ValueError(f"--init {cfg.init}: {key} {getattr(model.config, key)} differs from the corpus's {value}")
+    if cfg.objective == "hybrid":
+        model.config.draft_block_size = cfg.block_size
+        with torch.no_grad():
+            emb = model.embed_tokens.weight
+            emb[model.config.mask_token_id] = emb.mean(dim=0)
+    return model
 
 
 class _DDPView:

@@ -67,3 +67,110 @@ def autoregressive_loss(
 
 
 OBJECTIVES = {"diffusion": masked_diffusion_loss, "ar": autoregressive_loss}
+
+
+def hybrid_attention_mask(length: int, block_size: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """BD3-LM's vectorised layout with a token-causal clean stream (arXiv:2503.09573 Sec. 3.3; TiDAR arXiv:2511.08923).
+
+    The sequence is ``[clean x_0 .. x_{L-1}, noisy x~_0 .. x~_{L-1}]`` (both copies at positions 0..L-1).
+    A clean query i sees clean keys j <= i (the autoregressive twin's own forward); a noisy query in
+    block ``p // block_size`` sees the clean keys before its block and every noisy key of its own block
+    (bidirectional), never a later clean key.
+
+    Returns:
+        (2L, 2L) bool, True where the query (row) may attend to the key (column).
+    """
+    idx = torch.arange(length, device=device)
+    block = idx // block_size
+    clean_clean = idx[None, :] <= idx[:, None]  # (L, L) causal
+    noisy_clean = idx[None, :] < (block * block_size)[:, None]  # keys before the query's block
+    noisy_noisy = block[None, :] == block[:, None]
+    top = torch.cat([clean_clean, torch.zeros_like(clean_clean)], dim=1)
+    bottom = torch.cat([noisy_clean, noisy_noisy], dim=1)
+    return torch.cat([top, bottom], dim=0)
+
+
+def hybrid_noise(
+    input_ids: torch.Tensor, block_size: int, full_mask_prob: float, generator: torch.Generator | None,
+    mask_range: tuple[float, float] = (0.3, 0.8),
+) -> torch.Tensor:
+    """Per-block masks for the noisy copy: (B, L) bool, True where the token is replaced by the mask token.
+
+    A block is fully masked with probability ``full_mask_prob`` (the drafting condition of verified
+    decoding); otherwise its positions are masked i.i.d. with a rate t ~ U[mask_range] drawn per block
+    (BD3-LM's clipped schedule, arXiv:2503.09573 Sec. 4; LLaDA2.0 uses U[0.3, 0.8]).
+    """
+    b, length = input_ids.shape
+    num_blocks = -(-length // block_size)
+    lo, hi = mask_range
+    rate = lo + (hi - lo) * torch.rand(b, num_blocks, generator=generator)  # (B, nb)
+    full = torch.rand(b, num_blocks, generator=generator) < full_mask_prob
+    rate = torch.where(full, torch.ones_like(rate), rate).repeat_interleave(block_size, dim=1)[:, :length]
+    return torch.rand(b, length, generator=generator) < rate
+
+
+def hybrid_hidden_states(model: CelerisModel, clean: torch.Tensor, noisy: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Hidden states of the hybrid training layout: (B, L) clean and noisy ids -> (B, 2L, d), clean first."""
+    from celeris.models.layers import rope_cos_sin
+
+    b, length = clean.shape
+    positions = torch.arange(length, device=clean.device).repeat(2).expand(b, 2 * length)
+    cos, sin = rope_cos_sin(positions, model.config.head_dim, model.config.rope_theta)
+    mask = hybrid_attention_mask(length, block_size, clean.device)[None, None]  # (1, 1, 2L, 2L)
+    x = model.embed_tokens(torch.cat([clean, noisy], dim=1))
+    for layer in model.layers:
+        x = layer(x, cos, sin, mask)
+    return model.norm(x)
+
+
+def hybrid_loss(
+    model: CelerisModel,
+    input_ids: torch.Tensor,
+    generator: torch.Generator | None = None,
+    block_size: int = 4,
+    full_mask_prob: float = 0.5,
+    return_parts: bool = False,
+):
+    """Next-token loss on the clean stream plus masked-token loss on the noisy blocks (one forward pass).
+
+    The adaptation recipe of Fast-dLLM v2 (arXiv:2509.26328: shifted logits, block-wise masks) on BD3-LM's
+    layout (see ``hybrid_attention_mask``), with the next-token term of TiDAR / Set Block Decoding
+    (arXiv:2511.08923, arXiv:2509.04185) that keeps the autoregressive head. Scoring is shifted as in the
+    twin: the hidden state at position p scores token p + 1. A noisy slot's target x_{p+1} counts when the
+    block did not show it: its noisy copy is masked, or it lies past the block's end (the block's last slot
+    always drafts the first token of the next block). A fully masked block starting at s thus learns the
+    drafts x_{s+1} .. x_{s+b} given x_{<s}, while the clean stream's x_s prediction is the exact
+    next-token one; this is what verified decoding uses.
+
+    Args:
+        input_ids: (B, L) int64 clean tokens; the model must be causal (``is_causal``).
+        block_size: noisy block length b (tokens).
+        full_mask_prob: share of noisy blocks masked entirely.
+
+    Returns:
+        (scalar float32 loss = NTP mean + masked mean, number of scored positions); with ``return_parts``
+        also a dict ``{"ntp": float, "masked": float}`` (nats/token).
+
+    Raises:
+        ValueError: the model is not causal.
+    """
+    if not model.config.is_causal:
+        raise ValueError("the hybrid objective starts from a causal model (is_causal=true)")
+    b, length = input_ids.shape
+    is_masked = hybrid_noise(input_ids, block_size, full_mask_prob, generator).to(input_ids.device)
+    noisy = torch.where(is_masked, model.config.mask_token_id, input_ids)
+    hidden = hybrid_hidden_states(model, input_ids, noisy, block_size)  # (B, 2L, d)
+    clean_h, noisy_h = hidden[:, : length - 1], hidden[:, length : 2 * length - 1]  # both score x_1 .. x_{L-1}
+    targets = input_ids[:, 1:]
+    ntp = F.cross_entropy(model.logits(clean_h).flatten(0, 1), targets.flatten())
+    # slot p scores x_{p+1}: hidden unless the block showed it (same block and unmasked)
+    same_block = (torch.arange(1, length, device=input_ids.device) % block_size) != 0  # (L-1,) p+1 in p's block
+    scored = is_masked[:, 1:] | ~same_block[None]  # (B, L-1)
+    masked = F.cross_entropy(model.logits(noisy_h[scored]), targets[scored])
+    loss = ntp + masked
+    if return_parts:
+        return loss, int(targets.numel() + scored.sum()), {"ntp": ntp.item(), "masked": masked.item()}
+    return loss, int(targets.numel() + scored.sum())
+
+
+OBJECTIVES["hybrid"] = hybrid_loss

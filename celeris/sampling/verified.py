@@ -1,0 +1,382 @@
+"""Verified (self-speculative) decoding for hybrid models: block-diffusion drafts checked by the next-token head.
+
+A hybrid model (``celeris train --objective hybrid``, config ``draft_block_size`` = k > 0) is a causal model
+that has also learnt to fill a fully masked block of k slots placed after its committed tokens, each slot
+attending to the committed tokens and bidirectionally to the other slots (BD3-LM's block layout,
+arXiv:2503.09573). Scoring is shifted: the hidden state at column c scores the token at c + 1.
+
+One forward pass per step computes, per row, the columns
+
+    [pending | d_1 .. d_m | M_1 .. M_k]
+
+- ``pending``: the last committed token, whose keys/values are not cached yet (causal);
+- ``d_1 .. d_m``: the previous pass's drafts, fed as ordinary causal tokens (m <= k, 0 after a rejection);
+- ``M_1 .. M_k``: k mask slots, a fully masked block: the slot at column s + i drafts the token at s + i + 1.
+
+The next-token logits at ``pending`` and at each draft verify the drafts left to right: the longest prefix
+equal to what next-token decoding would produce is accepted, plus one token from the next-token head (the
+correction, or the bonus token after a fully accepted draft). When every draft was accepted the mask slots
+were conditioned on the right prefix and become the next pass's drafts; otherwise the next pass drafts
+afresh. This is TiDAR's draft-and-verify in one pass (arXiv:2511.08923) with Set Block Decoding's layout
+(arXiv:2509.04185). Keys/values of rejected drafts and of mask slots stay in the cache but are never
+attended (every query sees only columns up to its own, or its own block), and are overwritten later: that
+is the rollback, and rows of a batch advance by different lengths (ragged).
+
+At temperature 0 the answer is exactly the model's greedy next-token answer. At temperature > 0 drafts are
+sampled from the slots' distributions q and accepted by speculative sampling (Leviathan et al.,
+arXiv:2211.17192, Sec. 2.3; Chen et al., arXiv:2302.01318, Alg. 2): draft x is kept with probability
+min(1, p(x) / q(x)), a rejection samples from norm(max(0, p - q)), so every committed token is distributed
+as the next-token head p (after temperature and top-p) says.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from celeris.models.layers import KVCache, rope_cos_sin
+from celeris.params import SamplingParams
+from celeris.sampling.select import NEG_INF, top_p_filter
+from celeris.sampling.step import banned_token_ids, make_generator
+
+
+@dataclass(slots=True)
+class VerifiedOutput:
+    """Result of one batched ``generate_verified`` call.
+
+    Attributes:
+        token_ids: per row, the answer cut before the first end-of-text token.
+        nfe: forward passes (a pass counts once for the whole batch; a step that prefills new rows while
+            others decode runs two).
+        row_passes: per row, the passes it took part in until it finished (its own NFE).
+        drafted: per draft position j = 1..k, how many drafts were checked there (all rows).
+        accepted: per draft position, how many of them were accepted.
+        first_token_s: per row, seconds from the call's start until its first answer token.
+        seconds: wall time of the call.
+    """
+
+    token_ids: list[list[int]]
+    nfe: int
+    row_passes: list[int]
+    drafted: list[int]
+    accepted: list[int]
+    first_token_s: list[float | None] = field(default_factory=list)
+    seconds: float = 0.0
+
+    @property
+    def tokens_per_forward(self) -> float:
+        """Answer tokens per pass a row took part in (prefill included), over the whole batch."""
+        return sum(len(t) for t in self.token_ids) / max(1, sum(self.row_passes))
+
+    @property
+    def acceptance(self) -> list[float]:
+        """Per draft position, the share of checked drafts that were accepted."""
+        return [a / d if d else 0.0 for a, d in zip(self.accepted, self.drafted, strict=True)]
+
+
+def draft_length(model: torch.nn.Module) -> int:
+    """k, the number of mask slots a hybrid model drafts (config ``draft_block_size``); 0 for other models."""
+    cfg = model.config
+    return int(getattr(cfg, "draft_block_size", 0) or 0) if getattr(cfg, "is_causal", False) else 0
+
+
+def check_verified_support(model: torch.nn.Module, params: SamplingParams, has_suffix: bool = False) -> None:
+    """Raise ValueError when verified decoding cannot run ``params`` on ``model``.
+
+    Needs a causal model trained to draft (``draft_length`` > 0); settings it does not implement
+    (``cfg_scale``, ``repetition_penalty``, infilling) are refused naming the setting.
+    """
+    if draft_length(model) < 1:
+        raise ValueError("decoding 'verified' needs a hybrid model (a causal model with draft_block_size > 0, "
+                         "trained by `celeris train --objective hybrid`)")
+    if params.cfg_scale:
+        raise ValueError("cfg_scale is not supported with decoding 'verified'")
+    if params.repetition_penalty != 1:
+        raise ValueError("repetition_penalty is not supported with decoding 'verified'")
+    if has_suffix:
+        raise ValueError("infilling (a suffix) is not supported with decoding 'verified'")
+
+
+def _pass_mask(columns: torch.Tensor, slot_start: torch.Tensor, k: int, length: int) -> torch.Tensor:
+    """Attention mask of one pass: (B, 1, Lw, length) bool, True where a query column may see a key column.
+
+    ``columns`` (B, Lw) are the computed columns; columns >= ``slot_start`` (B,) are the k mask slots, which
+    see every key before ``slot_start`` and the whole slot block; the other columns are causal.
+    """
+    keys = torch.arange(length, device=columns.device)[None, None, :]  # (1, 1, T)
+    q = columns[:, :, None]  # (B, Lw, 1)
+    s = slot_start[:, None, None]
+    return torch.where(q >= s, keys < s + k, keys <= q)[:, None]
+
+
+def _forward(model: torch.nn.Module, ids: torch.Tensor, cache: KVCache, columns: torch.Tensor,
+             mask: torch.Tensor) -> torch.Tensor:
+    """Logits (B, Lw, V) float32 of token ``ids`` (B, Lw) at ``columns`` (B, Lw, also their RoPE positions),
+    reading and writing ``cache`` (per layer (B, H, T, D)) at those columns."""
+    cfg = model.config
+    cos, sin = rope_cos_sin(columns, cfg.head_dim, cfg.rope_theta)
+    x = model.embed_tokens(ids)
+    for i, layer in enumerate(model.layers):
+        x = layer(x, cos, sin, mask, cache=cache, layer_idx=i, window=columns)
+    return model.logits(model.norm(x))
+
+
+def _probs(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
+    """(L, V) logits -> (L, V) float64 probabilities after temperature and top-p (temperature > 0)."""
+    if top_p < 1:
+        logits = top_p_filter(logits[None], torch.tensor([top_p], device=logits.device))[0]
+    return (logits.double() / temperature).softmax(-1)
+
+
+def _verify(p_logits: torch.Tensor, drafts: list[int], q_probs: list[torch.Tensor], params: SamplingParams,
+            gen: torch.Generator) -> tuple[int, int]:
+    """Check one row's drafts: (number accepted, the next-token head's token after them).
+
+    ``p_logits`` (m + 1, V): next-token logits at pending, d_1 .. d_m; ``q_probs``: the draft distributions
+    (temperature > 0 only). Random draws come from the row's own CPU generator.
+    """
+    if params.temperature == 0:
+        greedy = p_logits.argmax(-1).tolist()
+        a = 0
+        while a < len(drafts) and drafts[a] == greedy[a]:
+            a += 1
+        return a, greedy[a]
+    p = _probs(p_logits, params.temperature, params.top_p).cpu()  # (m + 1, V)
+    for a, (d, q) in enumerate(zip(drafts, q_probs, strict=True)):
+        u = float(torch.rand((), generator=gen, dtype=torch.float64))
+        if u * float(q[d]) < float(p[a, d]):  # accept with probability min(1, p/q)
+            continue
+        residual = (p[a] - q).clamp(min=0)
+        residual = residual / residual.sum() if float(residual.sum()) > 0 else p[a]
+        return a, int(torch.multinomial(residual, 1, generator=gen))
+    return len(drafts), int(torch.multinomial(p[len(drafts)], 1, generator=gen))
+
+
+def _draft(slot_logits: torch.Tensor, params: SamplingParams, gen: torch.Generator) -> tuple[list[int], list]:
+    """Drafts from the k mask slots' logits (k, V): argmax at temperature 0, else samples and their q."""
+    if params.temperature == 0:
+        return slot_logits.argmax(-1).tolist(), []
+    q = _probs(slot_logits, params.temperature, params.top_p).cpu()  # (k, V)
+    return torch.multinomial(q, 1, generator=gen)[:, 0].tolist(), list(q)
+
+
+@dataclass(eq=False)
+class DraftRow:
+    """One sequence under verified decoding: its tokens, drafts and the columns its next pass computes.
+
+    Columns are the row's own positions (0 = its first prompt token; rows are never padded).
+    """
+
+    prompt_ids: list[int]
+    params: SamplingParams
+    generator: torch.Generator
+    k: int
+    answer: list[int] = field(default_factory=list)
+    drafts: list[int] = field(default_factory=list)
+    draft_probs: list = field(default_factory=list)
+    pending: int = -1  # column whose next-token logits give the first token of the next pass
+    slot_start: int = 0  # first mask-slot column of the next pass
+    passes: int = 0
+    finished: bool = False
+    hit_eos: bool = False
+
+    @property
+    def columns(self) -> list[int]:
+        """Columns of the next pass: the whole prompt and k slots (prefill), else pending, drafts, slots."""
+        first = 0 if self.pending < len(self.prompt_ids) - 1 else self.pending
+        return list(range(first, self.slot_start + self.k))
+
+
+class VerifiedDecoder:
+    """Continuous batching for verified decoding: rows join and leave between passes.
+
+    Every row's keys/values live in one row of a preallocated pool per layer, (max_rows, H, max_len, D);
+    rows that are running occupy pool rows [0, n), so a pass works on views of the pool. A step prefills
+    newly added rows in one pass (on a fresh cache, copied into their pool rows) and advances the others
+    in one pass. Finished rows are removed by moving the last row into the hole (one row copy).
+
+    Args:
+        model: a hybrid model (``draft_length`` k > 0).
+        max_rows: most rows at once. max_len: longest row, tokens (prompt + answer + 2k + 2).
+    """
+
+    def __init__(self, model: torch.nn.Module, max_rows: int, max_len: int) -> None:
+        self.model, self.k = model, draft_length(model)
+        if self.k < 1:
+            raise ValueError("verified decoding needs a hybrid model (draft_block_size > 0)")
+        cfg = model.config
+        p = next(model.parameters())
+        shape = (max_rows, cfg.num_heads, max_len, cfg.head_dim)
+        self.keys = [torch.zeros(shape, dtype=p.dtype, device=p.device) for _ in model.layers]
+        self.values = [torch.zeros(shape, dtype=p.dtype, device=p.device) for _ in model.layers]
+        self.tokens = torch.full((max_rows, max_len), cfg.mask_token_id, dtype=torch.long, device=p.device)
+        self.max_rows, self.max_len, self.device = max_rows, max_len, p.device
+        self.banned = banned_token_ids(cfg)
+        self.rows: list[DraftRow] = []
+        self.num_prefilled = 0  # rows [0, num_prefilled) have been through their first pass
+        self.drafted, self.accepted = [0] * self.k, [0] * self.k
+        self.nfe = 0
+
+    def room(self, prompt_len: int, max_new_tokens: int) -> int:
+        """Pool columns a row of this size needs."""
+        return prompt_len + max_new_tokens + 2 * self.k + 2
+
+    def add(self, prompt_ids: list[int], params: SamplingParams) -> DraftRow:
+        """Queue a row for the next step. Raises ValueError when the pool is full or the row too long."""
+        if len(self.rows) >= self.max_rows:
+            raise ValueError(f"the verified decoder holds at most {self.max_rows} rows")
+        if not prompt_ids:
+            raise ValueError("prompt must not be empty")
+        if self.room(len(prompt_ids), params.max_new_tokens) > self.max_len:
+            raise ValueError(f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({params.max_new_tokens}) + "
+                             f"{2 * self.k + 2} draft columns exceed the decoder's {self.max_len}")
+        row = DraftRow(list(prompt_ids), params, make_generator(params.seed), self.k, slot_start=len(prompt_ids))
+        self.tokens[len(self.rows), : len(prompt_ids)] = torch.tensor(prompt_ids, dtype=torch.long)
+        self.tokens[len(self.rows), len(prompt_ids) : len(prompt_ids) + self.k] = self.model.config.mask_token_id
+        self.rows.append(row)
+        return row
+
+    def remove(self, row: DraftRow) -> None:
+        """Free a row's pool slot (the last row moves into it)."""
+        i, last = self.rows.index(row), len(self.rows) - 1
+        if i != last:
+            for t in (*self.keys, *self.values):
+                t[i] = t[last]
+            self.tokens[i] = self.tokens[last]
+            self.rows[i] = self.rows[last]
+        self.rows.pop()
+        if i < self.num_prefilled:
+            self.num_prefilled -= 1
+            if i != last and last >= self.num_prefilled + 1:  # a new row moved into the prefilled range
+                self._swap(i, self.num_prefilled)
+
+    def _swap(self, i: int, j: int) -> None:
+        for t in (*self.keys, *self.values, self.tokens):
+            t[[i, j]] = t[[j, i]]
+        self.rows[i], self.rows[j] = self.rows[j], self.rows[i]
+
+    @torch.no_grad()
+    def _run(self, lo: int, hi: int, fresh: bool) -> torch.Tensor:
+        """One pass over pool rows [lo, hi): (hi - lo, Lw, V) logits of each row's ``columns``."""
+        rows = self.rows[lo:hi]
+        cols = [r.columns for r in rows]
+        width = max(len(c) for c in cols)
+        columns = torch.tensor([c + c[-1:] * (width - len(c)) for c in cols], device=self.device)
+        length = max(c[-1] for c in cols) + 1 if fresh else self.max_len
+        if fresh:  # prefill: a cache of just these rows, copied into the pool afterwards
+            shape = (hi - lo, *self.keys[0].shape[1:2], length, self.keys[0].shape[3])
+            cache = KVCache([torch.zeros(shape, dtype=self.keys[0].dtype, device=self.device) for _ in self.keys],
+                            [torch.zeros(shape, dtype=self.keys[0].dtype, device=self.device) for _ in self.keys])
+        else:
+            cache = KVCache([t[lo:hi] for t in self.keys], [t[lo:hi] for t in self.values])
+        mask = _pass_mask(columns, torch.tensor([r.slot_start for r in rows], device=self.device), self.k, length)
+        logits = _forward(self.model, self.tokens[lo:hi].gather(1, columns), cache, columns, mask).float()
+        if fresh:
+            for pool, new in zip((*self.keys, *self.values), (*cache.keys, *cache.values), strict=True):
+                pool[lo:hi, :, :length] = new
+        logits[..., self.banned] = NEG_INF
+        self.nfe += 1
+        return logits
+
+    def step(self) -> list[tuple[DraftRow, list[int]]]:
+        """One pass for the rows already prefilled and one prefill pass for new rows (each only if any).
+
+        Returns (row, tokens committed this pass) for every row that ran; a row ends (``finished``) at
+        ``max_new_tokens`` or, with ``early_exit``, at its first end-of-text token. Finished rows stay until
+        ``remove``.
+        """
+        out = []
+        n_old = self.num_prefilled
+        for lo, hi, fresh in ((0, n_old, False), (n_old, len(self.rows), True)):
+            live = [i for i in range(lo, hi) if not self.rows[i].finished]
+            if not live:
+                continue
+            logits = self._run(lo, hi, fresh)
+            for i in live:
+                out.append((self.rows[i], self._advance(i, logits[i - lo])))
+        self.num_prefilled = len(self.rows)
+        return out
+
+    def draft(self, row: DraftRow, slot_logits: torch.Tensor) -> tuple[list[int], list]:
+        """The next drafts of ``row`` from its k mask slots' logits (k, V), and their distributions (sampling)."""
+        return _draft(slot_logits, row.params, row.generator)
+
+    def _advance(self, i: int, logits: torch.Tensor) -> list[int]:
+        """Verify row i's drafts with its pass's logits (Lw, V), commit, and lay out its next pass."""
+        row, k = self.rows[i], self.k
+        cols = row.columns
+        row.passes += 1
+        c0 = cols.index(row.pending) if row.pending >= 0 else len(row.prompt_ids) - 1
+        m = len(row.drafts)
+        a, token = _verify(logits[c0 : c0 + m + 1], row.drafts, row.draft_probs, row.params, row.generator)
+        for j in range(m):
+            self.drafted[j] += 1
+            self.accepted[j] += j < a
+        new = row.drafts[:a] + [token]
+        n = row.params.max_new_tokens
+        new = new[: n - len(row.answer)]
+        eos = self.model.config.eos_token_id
+        if row.params.early_exit and eos in new:
+            new = new[: new.index(eos) + 1]
+            row.hit_eos = True
+        base = len(row.prompt_ids) + len(row.answer)  # column of the first new token
+        self.tokens[i, base : base + len(new)] = torch.tensor(new, device=self.device)
+        row.answer.extend(new)
+        if len(row.answer) >= n or row.hit_eos:
+            row.finished = True
+            return new
+        pending = base + len(new) - 1  # its keys/values are computed by the next pass
+        if a == m:  # every draft held: the slots saw the right prefix and drafted pending + 1 .. pending + k
+            s = cols.index(row.slot_start)
+            row.drafts, row.draft_probs = self.draft(row, logits[s : s + k])
+        else:
+            row.drafts, row.draft_probs = [], []
+        self.tokens[i, pending + 1 : pending + 1 + len(row.drafts)] = torch.tensor(row.drafts, dtype=torch.long,
+                                                                                   device=self.device)
+        row.pending, row.slot_start = pending, pending + 1 + len(row.drafts)
+        self.tokens[i, row.slot_start : row.slot_start + k] = self.model.config.mask_token_id
+        return new
+
+
+@torch.no_grad()
+def generate_verified(
+    model: torch.nn.Module,
+    prompt_ids: list[list[int]],
+    params: SamplingParams | list[SamplingParams],
+) -> VerifiedOutput:
+    """Verified decoding of up to ``max_new_tokens`` tokens per prompt, all rows in one batch.
+
+    Args:
+        model: a hybrid Celeris model (causal, ``draft_block_size`` = k > 0).
+        prompt_ids: B non-empty prompts.
+        params: one SamplingParams for all rows or one per row (temperature, top_p, seed, max_new_tokens and
+            early_exit are used; rows may differ in each).
+
+    Returns:
+        VerifiedOutput; a row stops at its first end-of-text token (``early_exit``) or ``max_new_tokens``.
+
+    Raises:
+        ValueError: the model cannot draft, a prompt is empty, or a setting is unsupported
+            (``check_verified_support``).
+    """
+    start = time.perf_counter()
+    rows = params if isinstance(params, list) else [params] * len(prompt_ids)
+    for r in rows:
+        check_verified_support(model, r)
+    dec = VerifiedDecoder(model, len(prompt_ids), max(len(p) + r.max_new_tokens for p, r in zip(
+        prompt_ids, rows, strict=True)) + 2 * draft_length(model) + 2)
+    handles = [dec.add(p, r) for p, r in zip(prompt_ids, rows, strict=True)]
+    first: list[float | None] = [None] * len(handles)
+    while not all(h.finished for h in handles):
+        for row, new in dec.step():
+            if new and first[handles.index(row)] is None:
+                first[handles.index(row)] = time.perf_counter() - start
+            if row.finished:
+                dec.remove(row)
+    eos = model.config.eos_token_id
+    token_ids = [h.answer[: h.answer.index(eos)] if eos in h.answer else h.answer for h in handles]
+    return VerifiedOutput(token_ids=token_ids, nfe=dec.nfe, row_passes=[h.passes for h in handles],
+                          drafted=dec.drafted, accepted=dec.accepted, first_token_s=first,
+                          seconds=time.perf_counter() - start)

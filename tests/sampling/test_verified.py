@@ -1,0 +1,118 @@
+"""Verified decoding: exactly greedy next-token decoding at temperature 0 (batched, staggered, drafts
+accepted and rolled back), the next-token distribution under speculative sampling, and its refusals."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from celeris.params import SamplingParams
+from celeris.sampling.autoregressive import generate_autoregressive
+from celeris.sampling.verified import DraftRow, VerifiedDecoder, check_verified_support, generate_verified
+from tests.conftest import tiny_model
+
+K = 3
+
+
+@pytest.fixture(scope="module")
+def hybrid():
+    return tiny_model(seed=3, is_causal=True, draft_block_size=K)
+
+
+def greedy(model, prompt, n):
+    return generate_autoregressive(model, [prompt], SamplingParams(max_new_tokens=n, steps=n)).token_ids[0]
+
+
+PROMPTS = [[5, 9, 11, 40], [7], [20, 21, 22, 23, 24, 25, 26, 27, 28], [33, 3, 60]]
+
+
+def test_greedy_equals_next_token_decoding_batched(hybrid):
+    """Rows of different prompt lengths and answer lengths in one batch: each equals its greedy answer."""
+    lengths = [12, 20, 7, 16]
+    params = [SamplingParams(max_new_tokens=n, steps=n, early_exit=False) for n in lengths]
+    out = generate_verified(hybrid, PROMPTS, params)
+    for prompt, n, got in zip(PROMPTS, lengths, out.token_ids, strict=True):
+        assert got == greedy(hybrid, prompt, n)
+    assert out.row_passes == [len(t) for t in out.token_ids] or sum(out.accepted) > 0
+
+
+class OracleDecoder(VerifiedDecoder):
+    """Drafts the true greedy continuation, wrong at every third draft: drafts are both accepted and
+    rejected, so the rollback of rejected drafts' keys/values is exercised."""
+
+    def __init__(self, model, answers, *a):
+        super().__init__(model, *a)
+        self.answers, self.calls = answers, 0
+
+    def draft(self, row: DraftRow, slot_logits):
+        truth = self.answers[tuple(row.prompt_ids)]
+        nxt = len(row.answer) + 1  # the slots draft the tokens after pending + 1
+        out = []
+        for j in range(self.k):
+            self.calls += 1
+            tok = truth[nxt + j] if nxt + j < len(truth) else 0
+            out.append(tok if self.calls % 3 else (tok + 1) % 64)
+        return out, []
+
+
+def test_rejected_drafts_are_rolled_back_with_staggered_arrivals(hybrid):
+    n = 24
+    answers = {tuple(p): greedy(hybrid, p, n) for p in PROMPTS}
+    dec = OracleDecoder(hybrid, answers, 4, 64)
+    params = SamplingParams(max_new_tokens=n, steps=n, early_exit=False)
+    rows = [dec.add(PROMPTS[0], params), dec.add(PROMPTS[1], params)]
+    steps = 0
+    while not all(r.finished for r in rows) or len(rows) < len(PROMPTS):
+        if steps in (2, 5) and len(rows) < len(PROMPTS):  # arrivals while others are mid-answer
+            rows.append(dec.add(PROMPTS[len(rows)], params))
+        for row, _ in dec.step():
+            if row.finished:
+                dec.remove(row)
+        steps += 1
+    for prompt, row in zip(PROMPTS, rows, strict=True):
+        assert row.answer == answers[tuple(prompt)]
+    assert sum(dec.accepted) > 0 and sum(dec.accepted) < sum(dec.drafted)  # both kinds happened
+    assert sum(r.passes for r in rows) < len(PROMPTS) * n  # accepted drafts saved passes
+
+
+def test_speculative_sampling_keeps_the_next_token_distribution(hybrid):
+    """The second answer token is the first one that comes from a draft. Its frequency over 3,000 seeded
+    rows must match the exact marginal sum_t1 p(t1) p(t2 | t1) of the next-token head (total variation
+    < 0.05, a bound about 3x the sampling noise here), while the drafts' own marginal is far from it."""
+    prompt = [5, 9, 11, 40]
+    n_rows = 3000
+    params = [SamplingParams(max_new_tokens=2, steps=2, temperature=1.0, seed=s, early_exit=False)
+              for s in range(n_rows)]
+    out = generate_verified(hybrid, [prompt] * n_rows, params)
+    counts = torch.bincount(torch.tensor([t[1] for t in out.token_ids]), minlength=64).double() / n_rows
+    with torch.no_grad():
+        banned = [hybrid.config.mask_token_id, hybrid.config.pad_token_id]
+
+        def next_probs(ids):  # forward's row i scores token i (from the hidden state at i - 1): append a slot
+            logits = hybrid(torch.tensor([ids + [0]]))[0, -1]
+            logits[banned] = float("-inf")
+            return logits.double().softmax(-1)
+
+        p1 = next_probs(prompt)
+        exact = sum(p1[t] * next_probs(prompt + [t]) for t in range(64) if p1[t] > 0)
+    tv = 0.5 * float((counts - exact).abs().sum())
+    assert tv < 0.05, tv
+    assert 0 < sum(out.accepted) < sum(out.drafted)
+    drafts_only = VerifiedDecoder(hybrid, 1, 16)  # what accepting every draft would give: the slots' marginal
+    row = drafts_only.add(prompt, SamplingParams(max_new_tokens=2, steps=2))
+    slot = drafts_only._run(0, 1, fresh=True)[0, len(prompt)].double().softmax(-1)
+    q_marginal = slot / slot.sum()
+    assert row.k == K and 0.5 * float((q_marginal - exact).abs().sum()) > 3 * tv
+
+
+def test_refuses_models_and_settings_it_cannot_run(make_model, hybrid):
+    with pytest.raises(ValueError, match="hybrid model"):
+        check_verified_support(make_model(is_causal=True), SamplingParams())
+    with pytest.raises(ValueError, match="hybrid model"):
+        check_verified_support(make_model(draft_block_size=4), SamplingParams())  # not causal
+    with pytest.raises(ValueError, match="cfg_scale"):
+        check_verified_support(hybrid, SamplingParams(cfg_scale=1.0))
+    with pytest.raises(ValueError, match="repetition_penalty"):
+        check_verified_support(hybrid, SamplingParams(repetition_penalty=1.2))
+    with pytest.raises(ValueError, match="empty"):
+        generate_verified(hybrid, [[]], SamplingParams())
