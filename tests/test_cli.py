@@ -131,6 +131,7 @@ def test_bad_model_folder_exits_2(capsys, tiny_checkpoint, tmp_path, case, needl
     assert "Traceback" not in err + out
 
 
+@pytest.mark.slow
 def test_subprocess_json(tiny_checkpoint, subprocess_env):
     proc = subprocess.run(
         [sys.executable, "-m", "celeris.cli", "generate", "def fibonacci(n):", "--model", str(tiny_checkpoint),

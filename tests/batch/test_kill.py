@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 import json
 import os
 import signal
@@ -38,6 +40,7 @@ def kill_after(proc: subprocess.Popen, out: Path, at_least: int, timeout: float 
     return count_lines(out)
 
 
+@pytest.mark.slow
 def test_sigkill_twice_then_rerun_loses_and_duplicates_nothing(tmp_path, batch_checkpoint, subprocess_env):
     rows = [{"id": f"s{i}", "prompt": f"Once upon a time {i}", "max_tokens": 16, "steps": 16, "temperature": 0}
             for i in range(NUM_ITEMS)]

@@ -27,6 +27,7 @@ def outcome(record: dict):
     return record["response"]["status_code"], texts, (body.get("error") or {}).get("code")
 
 
+@pytest.mark.slow
 def test_ray_backend_matches_local_at_temperature_zero(tmp_path, batch_checkpoint, subprocess_env):
     rows = [{"id": f"r{i}", "prompt": f"Once upon a time {i}", "max_tokens": 8, "temperature": 0} for i in range(8)]
     rows += [

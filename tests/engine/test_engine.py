@@ -227,6 +227,7 @@ def test_causal_model_refuses_what_it_cannot_decode(params, suffix, match):
         generate(engine.model, [[5, 6]], params, [suffix] if suffix else None)
 
 
+@pytest.mark.slow
 def test_compiled_runner_gives_the_eager_tokens():
     """enforce_eager=False wraps the model in torch.compile; tokens must not change."""
     model = tiny_model()

@@ -128,6 +128,7 @@ def test_load_prompts_and_percentiles(tmp_path):
     assert loadtest.percentile([float(i) for i in range(1, 101)], 95) == 95.0
 
 
+@pytest.mark.slow
 def test_load_test_starts_and_stops_its_own_server_process(tiny_checkpoint, tmp_path, capsys):
     out = tmp_path / "load.json"
     assert loadtest.main(["--model", str(tiny_checkpoint), "--device", "cpu", "--concurrency", "2",

@@ -37,6 +37,7 @@ print("SUMMARY", train(cfg), flush=True)
 """
 
 
+@pytest.mark.slow
 @pytest.mark.ddp
 def test_ddp_two_processes_on_cpu(corpus_dir, tmp_path, subprocess_env):
     script = tmp_path / "ddp_train.py"
