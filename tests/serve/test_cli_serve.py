@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import pytest
-
 import os
 import signal
 import socket
@@ -14,6 +12,7 @@ from pathlib import Path
 
 import httpx
 import openai
+import pytest
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
