@@ -9,6 +9,10 @@ every output length is swept, and every batch size of ``batch_sizes``):
   (``generation_config.json``, its steps scaled with the length; for the embedded model: one
   token per step, blocks of 8, the ``dual_delayed`` KV cache), or with ``ceil(length /
   fast_tokens_per_step)`` steps and ``fast_suffix_window`` when given;
+- for a hybrid model (``draft_block_size`` > 0, ``celeris train --objective hybrid``) the two systems
+  above are replaced by ``hybrid-next-token`` (its own greedy next-token decoding with a KV cache, the
+  reference its verified output must equal) and ``hybrid-verified`` (``decoding="verified"`` through the
+  engine; the run also records the acceptance rate per draft slot, over its warm-up and timed calls);
 - ``ar-twin``: an autoregressive model of the same architecture (``--ar-model``),
   decoded token by token with a KV cache;
 - ``smollm2-135m``: SmolLM2-135M-Instruct through ``transformers`` ``generate`` (greedy), what a
@@ -49,6 +53,7 @@ from celeris.bench.quality import cut_function_body, has_code, heal_prompt, load
 from celeris.llm import LLM
 from celeris.params import SamplingParams
 from celeris.sampling.autoregressive import generate_autoregressive
+from celeris.sampling.verified import draft_length
 
 
 @dataclass(slots=True)
@@ -232,12 +237,30 @@ def run_bench(cfg: BenchConfig) -> dict:
             ids, nfe, ttft = smollm2.generate_hf(*smol, [llm.tokenizer.decode(p) for p in batch], length)
             return ids, nfe, [ttft] * len(batch)
 
-        systems = [("dllm-reference", diffusion(reference)), ("dllm-fast", diffusion(fast))]
+        def own_next_token(batch, length=length):  # a hybrid model's own greedy next-token decoding
+            out = generate_autoregressive(llm.model, batch, SamplingParams(max_new_tokens=length))
+            return out.token_ids, [out.nfe] * len(batch), out.first_token_s
+
+        if draft_length(llm.model):  # a hybrid model: verified decoding against its own next-token decoding
+            fast = llm.default_params(max_new_tokens=length, temperature=0.0, decoding="verified")
+            systems = [("hybrid-next-token", own_next_token), ("hybrid-verified", diffusion(fast))]
+        else:
+            systems = [("dllm-reference", diffusion(reference)), ("dllm-fast", diffusion(fast))]
         if ar is not None:
             systems.append(("ar-twin", autoregressive))
         if smol is not None:
             systems.append(("smollm2-135m", smollm2_system))
-        runs = [run_system(name, fn, batches, cfg.warmup) for name, fn in systems]
+        runs = []
+        for name, fn in systems:
+            drafter = llm.engine.drafter
+            before = (list(drafter.drafted), list(drafter.accepted)) if drafter else None
+            runs.append(run_system(name, fn, batches, cfg.warmup))
+            if name == "hybrid-verified" and llm.engine.drafter is not None:  # acceptance per draft slot
+                d0, a0 = before or ([0] * llm.engine.drafter.k, [0] * llm.engine.drafter.k)
+                drafted = [x - y for x, y in zip(llm.engine.drafter.drafted, d0, strict=True)]
+                accepted = [x - y for x, y in zip(llm.engine.drafter.accepted, a0, strict=True)]
+                runs[-1]["draft_acceptance"] = [round(a / d, 4) if d else None
+                                                for a, d in zip(accepted, drafted, strict=True)]
         prompt_texts = [llm.tokenizer.decode(p) for p in prompt_ids]  # as truncated for the context window
         for r in runs:
             r["load_s"] = round(load_s, 3)

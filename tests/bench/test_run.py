@@ -136,3 +136,27 @@ def test_peak_rss_is_reset_between_systems():
     small = torch.ones(16 * 2**20, dtype=torch.uint8)
     assert peak_rss_mb() >= after + 8  # a later allocation shows up again
     del small
+
+
+def test_bench_of_a_hybrid_model_runs_verified_against_its_own_next_token_decoding(tokenizer_dir, tmp_path):
+    """A hybrid model's systems are its own next-token decoding and verified decoding: the same tokens
+    (agreement 1.0), no more passes, and the acceptance per draft slot is recorded."""
+    from tests.conftest import tiny_model
+
+    vocab = json.loads((tokenizer_dir / "tokenizer.json").read_text())["model"]["vocab"]
+    hybrid = tiny_model(seed=2, vocab_size=len(vocab), is_causal=True, draft_block_size=3,
+                        eos_token_id=vocab["<|endoftext|>"], mask_token_id=vocab["<|mask|>"],
+                        pad_token_id=vocab["<|pad|>"])
+    folder = tmp_path / "hybrid"
+    save_checkpoint(hybrid, folder, tokenizer_dir, {"max_new_tokens": 16, "temperature": 0.0, "decoding": "verified"})
+    prompts = tmp_path / "he.jsonl"
+    write_prompts(prompts)
+    cfg = BenchConfig(model=str(folder), lengths=[12], batch_sizes=[1, 2], num_prompts=3, warmup=1,
+                      prompts=str(prompts), out_dir=str(tmp_path / "out"), smollm2=False)
+    runs = {(r["system"], r["batch_size"]): r for r in run_bench(cfg)["runs"]}
+    assert {s for s, _ in runs} == {"hybrid-next-token", "hybrid-verified"}
+    for b in (1, 2):
+        ref, ver = runs["hybrid-next-token", b], runs["hybrid-verified", b]
+        assert ver["agreement_with_reference"] == 1.0 and ver["output_tokens"] == ref["output_tokens"]
+        assert ver["nfe_mean"] <= ref["nfe_mean"]
+        assert len(ver["draft_acceptance"]) == 3
