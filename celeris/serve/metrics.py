@@ -8,6 +8,7 @@ counts 2), the cost measure of a diffusion model.
 from __future__ import annotations
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 NFE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
@@ -39,6 +40,11 @@ class ServerMetrics:
         self.aborted = Counter("celeris_aborted_requests", "Engine requests aborted, by reason", ["reason"],
                                registry=r)
 
+    def watch_drafts(self, engine) -> None:
+        """Expose the engine's verified-decoding counters (read at scrape time), as vLLM reports speculative
+        decoding: drafts checked and accepted in total and per draft position (1 = the first drafted token)."""
+        self.registry.register(_DraftCollector(engine))
+
     def set_queue_stats(self, num_waiting: int, num_running: int) -> None:
         self.waiting.set(num_waiting)
         self.running.set(num_running)
@@ -46,6 +52,31 @@ class ServerMetrics:
     def render(self) -> tuple[bytes, str]:
         """(exposition text, content type) for GET /metrics."""
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+
+class _DraftCollector:
+    """Prometheus collector over ``engine.drafter`` (``celeris.sampling.verified.VerifiedDecoder``)."""
+
+    def __init__(self, engine) -> None:
+        self.engine = engine
+
+    def describe(self) -> list:
+        return []  # registered without a description: read only at collect time
+
+    def collect(self):
+        drafter = self.engine.drafter
+        drafted = list(drafter.drafted) if drafter else []
+        accepted = list(drafter.accepted) if drafter else []
+        total_d = CounterMetricFamily("celeris_spec_decode_num_draft_tokens", "Draft tokens checked (verified decoding)")
+        total_a = CounterMetricFamily("celeris_spec_decode_num_accepted_tokens",
+                                      "Draft tokens accepted (verified decoding)")
+        per_pos = CounterMetricFamily("celeris_spec_decode_num_accepted_tokens_per_pos",
+                                      "Accepted draft tokens by draft position", labels=["position"])
+        total_d.add_metric([], sum(drafted))
+        total_a.add_metric([], sum(accepted))
+        for j, a in enumerate(accepted):
+            per_pos.add_metric([str(j + 1)], a)
+        yield from (total_d, total_a, per_pos)
 
 
 class MetricsMiddleware:

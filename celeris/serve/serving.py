@@ -141,6 +141,7 @@ class OpenAIServing:
             async_engine = AsyncEngine(engine, max_in_flight=config.max_num_seqs + config.max_waiting,
                                        on_stats=self.metrics.set_queue_stats)
         self.async_engine = async_engine
+        self.metrics.watch_drafts(async_engine.engine)
         self.model_name = served_model_name or Path(llm.path).name
         self.request_timeout = request_timeout
         self.context_length = llm.context_length

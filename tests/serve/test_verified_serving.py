@@ -1,0 +1,55 @@
+"""A hybrid model behind the OpenAI server: verified decoding (the model's default) answers, streams
+and counts drafts in /metrics; its text equals the model's next-token decoding."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+
+from celeris.llm import LLM
+from celeris.params import SamplingParams
+from celeris.serve.app import BackgroundServer, create_app
+from tests.conftest import build_tiny_checkpoint
+from tests.serve.conftest import CONTEXT, TEXTS, make_serving
+
+
+@pytest.fixture(scope="module")
+def hybrid_server(tmp_path_factory):
+    folder = build_tiny_checkpoint(tmp_path_factory.mktemp("hybrid"), TEXTS, "tiny-hybrid", CONTEXT,
+                                   {"max_new_tokens": 12, "temperature": 0.0, "decoding": "verified"}, is_causal=True)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "draft_block_size": 3}))
+    llm = LLM(folder, device="cpu")
+    with BackgroundServer(create_app(make_serving(llm))) as srv:
+        srv.llm = llm
+        yield srv
+
+
+def test_verified_completion_equals_next_token_decoding_and_is_counted(hybrid_server):
+    import openai
+
+    client = openai.OpenAI(base_url=f"{hybrid_server.url}/v1", api_key="unused", max_retries=0, timeout=30)
+    llm = hybrid_server.llm
+    assert llm.default_params().decoding == "verified"
+    prompt = "def fibonacci(n):"
+    next_token = llm.generate(prompt, llm.default_params(decoding="fixed", early_exit=True))[0].text
+    r = client.completions.create(model="tiny-serve", prompt=prompt, max_tokens=12)
+    assert r.choices[0].text == next_token
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        model="tiny-serve", prompt=prompt, max_tokens=12, stream=True) if c.choices)
+    assert streamed == next_token
+    metrics = httpx.get(f"{hybrid_server.url}/metrics").text
+    drafted = [line for line in metrics.splitlines() if line.startswith("celeris_spec_decode_num_draft_tokens_total")]
+    assert drafted and float(drafted[0].split()[-1]) > 0
+    assert 'celeris_spec_decode_num_accepted_tokens_per_pos_total{position="1"}' in metrics
+
+
+def test_verified_refuses_settings_it_cannot_honour(hybrid_server):
+    r = httpx.post(f"{hybrid_server.url}/v1/completions",
+                   json={"prompt": "x = 1", "max_tokens": 4, "decoding": "verified", "repetition_penalty": 1.3})
+    assert r.status_code == 400 and "repetition_penalty" in r.json()["error"]["message"]
+    with pytest.raises(ValueError, match="cfg_scale"):
+        hybrid_server.llm.generate("x", SamplingParams(max_new_tokens=4, block_length=1, decoding="verified",
+                                                        cfg_scale=1.0))
