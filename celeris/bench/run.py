@@ -51,6 +51,7 @@ import torch
 from celeris.bench import smollm2
 from celeris.bench.quality import cut_function_body, has_code, heal_prompt, load_humaneval, max_repeat_run, parses
 from celeris.llm import LLM
+from celeris.models.layers import KVCache
 from celeris.params import SamplingParams
 from celeris.sampling.autoregressive import generate_autoregressive
 from celeris.sampling.verified import draft_length
@@ -154,6 +155,28 @@ def run_system(name: str, decode, batches: list[list[int]], warmup: int) -> dict
         "peak_rss_mb": round(peak_rss_mb(), 1), "peak_rss_reset": reset,
         "first_request_s": round(first_s, 4) if first_s is not None else None,
     }
+
+
+@torch.no_grad()
+def pass_cost_ms(model: torch.nn.Module, widths: tuple[int, ...] = (1, 4, 8, 16), prefix: int = 128,
+                 repeats: int = 20) -> dict[str, float]:
+    """Median milliseconds of one cached forward pass (logits included) of ``w`` new columns after a
+    ``prefix``-token KV cache, per width: what a decoding step costs against how many columns it computes
+    (a next-token step computes 1; a verified step 1 + drafts + mask slots). Batch 1."""
+    device = next(model.parameters()).device
+    length = prefix + max(widths)
+    ids = torch.randint(3, model.config.vocab_size, (1, length), device=device)
+    cache = KVCache()
+    model.hidden_states(ids, None, cache)  # fills the cache for every column
+    out = {}
+    for w in widths:
+        times = []
+        for _ in range(repeats + 2):
+            start = time.perf_counter()
+            model.logits(model.hidden_states(ids, None, cache, (prefix, prefix + w)))
+            times.append(time.perf_counter() - start)
+        out[str(w)] = round(1000 * statistics.median(times[2:]), 3)
+    return out
 
 
 def agreement(candidate: list[list[int]], reference: list[list[int]]) -> float:
@@ -278,6 +301,8 @@ def run_bench(cfg: BenchConfig) -> dict:
             r["max_new_tokens"] = length
             r["batch_size"] = batch_size
         results["runs"] += [{k: v for k, v in r.items() if k != "outputs"} for r in runs]
+    if draft_length(llm.model) and getattr(llm.model, "supports_kv_cache", False):
+        results["pass_cost_ms_by_width"] = pass_cost_ms(llm.model)
     write_outputs(results, Path(cfg.out_dir))
     return results
 

@@ -153,8 +153,11 @@ def test_bench_of_a_hybrid_model_runs_verified_against_its_own_next_token_decodi
     write_prompts(prompts)
     cfg = BenchConfig(model=str(folder), lengths=[12], batch_sizes=[1, 2], num_prompts=3, warmup=1,
                       prompts=str(prompts), out_dir=str(tmp_path / "out"), smollm2=False)
-    runs = {(r["system"], r["batch_size"]): r for r in run_bench(cfg)["runs"]}
+    results = run_bench(cfg)
+    runs = {(r["system"], r["batch_size"]): r for r in results["runs"]}
     assert {s for s, _ in runs} == {"hybrid-next-token", "hybrid-verified"}
+    assert set(results["pass_cost_ms_by_width"]) == {"1", "4", "8", "16"}
+    assert all(v > 0 for v in results["pass_cost_ms_by_width"].values())
     for b in (1, 2):
         ref, ver = runs["hybrid-next-token", b], runs["hybrid-verified", b]
         assert ver["agreement_with_reference"] == 1.0 and ver["output_tokens"] == ref["output_tokens"]
