@@ -179,7 +179,8 @@ def plan_job(input_path: str | Path, output_path: str | Path, retry_failed: bool
             key = scan.line_keys.get(int(key[1]), key)
         if key in scan.hashes:
             known[key] = info
-    changed = [k for k, info in known.items() if info.request_hash not in (None, scan.hashes[k])]
+    changed = [k for k, digest in scan.hashes.items()  # in input order
+               if k in known and known[k].request_hash not in (None, digest)]
     if changed and not rerun_changed:
         listed = ", ".join(f"'{_name(k)}'" for k in changed[:MAX_LISTED_DUPLICATES])
         more = f" (and {len(changed) - MAX_LISTED_DUPLICATES} more)" if len(changed) > MAX_LISTED_DUPLICATES else ""
