@@ -287,7 +287,7 @@ def edit_rows(rows: list[dict], edits: dict[str, dict]) -> list[dict]:
     return [{**row, **edits.get(row["id"], {})} for row in rows]
 
 
-def test_edited_done_ids_refuse_the_job_naming_them(tmp_path, capsys):
+def test_edited_done_ids_refuse_the_job_naming_them(tmp_path, capsys, fake_engine):
     """An edited prompt or setting kept its stale answer silently ("5 already done, 0 to run")."""
     rows = good_rows(5)
     src = write_jsonl(tmp_path / "in.jsonl", rows)
@@ -302,6 +302,9 @@ def test_edited_done_ids_refuse_the_job_naming_them(tmp_path, capsys):
     assert main(["batch", "run", str(src), str(out), "--no-progress"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "'q1', 'q3'" in err and out.read_bytes() == before
+    assert main(["batch", "run", str(src), str(out), "--no-progress", "--rerun-changed"]) == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert (summary["rerun_changed"], summary["ran"]) == (2, 2)
 
 
 def test_rerun_changed_replaces_only_the_edited_records(tmp_path):
