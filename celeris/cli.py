@@ -323,6 +323,9 @@ def _batch_parser(sub) -> None:
     r.add_argument("--max-num-seqs", type=int, default=8, help="requests denoised together per engine")
     r.add_argument("--concurrency", type=int, help="requests in flight (local backend; default 2 x --max-num-seqs)")
     r.add_argument("--retry-failed", action="store_true", help="run the failed records again (and only those)")
+    r.add_argument("--rerun-changed", action="store_true",
+                   help="run again the done ids whose request (prompt or settings) changed since their record was "
+                   "written (without it, such ids refuse the job)")
     r.add_argument("--backend", choices=["local", "ray"], default="local")
     r.add_argument("--ray-address", help="attach to this Ray cluster (default: start a local instance)")
     r.add_argument("--num-workers", type=int, default=2, help="Ray actors, one engine each")
@@ -336,17 +339,29 @@ def _batch_parser(sub) -> None:
     rep.add_argument("--plot", help="write a PNG histogram of output lengths here (needs matplotlib)")
 
 
+BATCH_OK, BATCH_ENGINE_FAILED, BATCH_USAGE, BATCH_SOME_FAILED = 0, 1, 2, 3  # `celeris batch run` exit codes
+
+
 def cmd_batch(args: argparse.Namespace) -> int:
+    """`celeris batch run|report`. Exit codes: 0 every input line has a successful record; 3 the job ran
+    but some lines' records are failures; 1 the engine could not run (rerun to finish); 2 a usage
+    error (bad input, output not writable or full, locked, ...), with one ``celeris: error:`` line."""
     from celeris.batch.jobs import BatchError, EngineUnavailableError
 
     try:
         return _batch_report(args) if args.batch_command == "report" else _batch_run(args)
     except EngineUnavailableError as exc:
         print(f"celeris: error: {exc}; rerun the same command to finish the job", file=sys.stderr)
-        return 1
+        return BATCH_ENGINE_FAILED
     except BatchError as exc:
         print(f"celeris: error: {exc}", file=sys.stderr)
-        return 2
+        return BATCH_USAGE
+    except OSError as exc:  # FileNotFoundError is main()'s; any other file error is one line too
+        if isinstance(exc, FileNotFoundError):
+            raise
+        where = f"'{exc.filename}': " if exc.filename else ""
+        print(f"celeris: error: {where}{exc.strerror or exc}", file=sys.stderr)
+        return BATCH_USAGE
 
 
 def _batch_run(args: argparse.Namespace) -> int:
@@ -366,7 +381,8 @@ def _batch_run(args: argparse.Namespace) -> int:
         from celeris.batch.ray_runner import run_batch_ray
 
         result = run_batch_ray(
-            args.input, args.output, model=args.model, retry_failed=args.retry_failed, num_workers=args.num_workers,
+            args.input, args.output, model=args.model, retry_failed=args.retry_failed,
+            rerun_changed=args.rerun_changed, num_workers=args.num_workers,
             max_num_seqs=args.max_num_seqs, device=args.device, request_timeout=args.request_timeout,
             served_model_name=args.served_model_name, ray_address=args.ray_address,
             ray_num_cpus=max(2, args.num_workers), progress=not args.no_progress, log=log, dtype=args.dtype,
@@ -381,12 +397,21 @@ def _batch_run(args: argparse.Namespace) -> int:
                                             max_waiting=max(64, window), request_timeout=args.request_timeout,
                                             served_model_name=args.served_model_name, dtype=args.dtype)
 
-        result = run_batch(args.input, args.output, make_serving, retry_failed=args.retry_failed, window=window,
-                           progress=not args.no_progress, log=log)
+        result = run_batch(args.input, args.output, make_serving, retry_failed=args.retry_failed,
+                           rerun_changed=args.rerun_changed, window=window, progress=not args.no_progress, log=log)
     print(json.dumps(result))
-    if result["failed"]:
-        log(f"{result['failed']} request(s) failed; `--retry-failed` runs only those again")
-    return 0
+    failed, retryable = result["items_failed"], result["items_failed_retryable"]
+    if not failed:
+        return BATCH_OK
+    log(f"{failed} of {result['items']} item(s) failed")
+    if failed > retryable:
+        log(f"{failed - retryable} can never succeed as written (malformed line, or refused: bad parameter, prompt "
+            "over the context window): fix those lines, then rerun with --rerun-changed (`celeris batch report` "
+            "lists them)")
+    if retryable:
+        log(f"{retryable} may succeed on another try (engine error, time-out): `--retry-failed` runs the failed "
+            "lines again")
+    return BATCH_SOME_FAILED
 
 
 def _batch_report(args: argparse.Namespace) -> int:

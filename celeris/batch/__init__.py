@@ -4,6 +4,6 @@
 checks its results; ``--backend ray`` spreads the same job over a Ray actor pool.
 """
 
-from celeris.batch.jobs import BatchError, DuplicateIdError, run_batch
+from celeris.batch.jobs import BatchError, ChangedInputError, DuplicateIdError, run_batch
 
-__all__ = ["BatchError", "DuplicateIdError", "run_batch"]
+__all__ = ["BatchError", "ChangedInputError", "DuplicateIdError", "run_batch"]

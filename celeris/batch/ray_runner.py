@@ -34,17 +34,11 @@ from celeris.batch.jobs import (
     BatchError,
     BatchItem,
     EngineUnavailableError,
-    Key,
     Progress,
-    ResultWriter,
     error_record,
     iter_todo,
-    output_lock,
-    plan_job,
-    record_key,
-    report_plan,
+    open_job,
     run_item,
-    scan_input,
     summary,
 )
 
@@ -121,6 +115,7 @@ def run_batch_ray(
     *,
     model: str | None,
     retry_failed: bool = False,
+    rerun_changed: bool = False,
     num_workers: int = 2,
     max_num_seqs: int = 8,
     device: str | None = None,
@@ -142,57 +137,58 @@ def run_batch_ray(
     if num_workers < 1:
         raise BatchError(f"--num-workers must be >= 1, got {num_workers}")
     start = time.perf_counter()
-    output_path = Path(output_path)
-    spool = output_path.with_name(f".{output_path.name}.ray-spool.jsonl")
-    keys = scan_input(input_path)  # duplicates refuse the job before anything is created
-    with output_lock(output_path):
-        plan = plan_job(input_path, output_path, retry_failed, keys)
-        report_plan(plan, output_path, log)
+    real = Path(os.path.realpath(output_path))
+    spool = real.with_name(f".{real.name}.ray-spool.jsonl")
+    with open_job(input_path, output_path, retry_failed=retry_failed, rerun_changed=rerun_changed,
+                  log=log) as (scan, plan, writer):
         bar = Progress(plan.num_todo, enabled=progress, desc="batch[ray]")
-        written: set[Key] = set()  # keys written by this run: a row Ray hands over twice is written once
+        written: set[str] = set()  # ids written by this run: a row Ray hands over twice is written once
         started_ray = False
         try:
-            with ResultWriter(output_path) as writer:
-                def sink(record: dict) -> None:
-                    key = record_key(record)
-                    if key in written:
+            def sink(record: dict) -> None:
+                cid = record.get("custom_id")
+                if cid is not None:
+                    if cid in written:
                         return
-                    written.add(key)
-                    writer.write(record)
-                    bar.record(record)
+                    written.add(cid)
+                writer.write(record)
+                bar.record(record)
 
-                num_requests = 0
+            num_requests = 0
+            try:
                 with open(spool, "w", encoding="utf-8") as fh:
-                    for item in iter_todo(input_path, plan.done):
+                    for item in iter_todo(input_path, plan.done, scan):
                         if item.error_code is not None:
                             sink(error_record(item))
                         else:
                             fh.write(item.to_json() + "\n")
                             num_requests += 1
-                if num_requests:
-                    started_ray = init_ray(ray_address, ray_num_cpus)
-                    model_path = str(Path(model).resolve()) if model else None
-                    # On a cluster, "local://" reads the spool on this (the driver's) node.
-                    spool_uri = f"local://{spool.resolve()}" if ray_address else str(spool.resolve())
-                    ds = ray.data.read_text(spool_uri, num_cpus=0)
-                    ds = ds.map_batches(
-                        ServingActor,
-                        fn_constructor_kwargs={"model": model_path, "max_num_seqs": max_num_seqs, "device": device,
-                                               "request_timeout": request_timeout,
-                                               "served_model_name": served_model_name, "dtype": dtype},
-                        batch_size=max_num_seqs,
-                        batch_format="numpy",
-                        num_cpus=1,
-                        compute=ray.data.ActorPoolStrategy(size=num_workers, max_tasks_in_flight_per_actor=2,
-                                                           max_concurrent_calls_per_actor=2,
-                                                           enable_true_multi_threading=True),
-                    )
-                    try:
-                        for row in ds.iter_rows():
-                            sink(json.loads(row["record"]))
-                    except ray.exceptions.RayError as exc:  # an actor died or failed to start
-                        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-                        raise EngineUnavailableError(f"the Ray job failed: {first}") from exc
+            except OSError as exc:
+                raise BatchError(f"cannot write the spool file '{spool}': {exc.strerror}") from None
+            if num_requests:
+                started_ray = init_ray(ray_address, ray_num_cpus)
+                model_path = str(Path(model).resolve()) if model else None
+                # On a cluster, "local://" reads the spool on this (the driver's) node.
+                spool_uri = f"local://{spool.resolve()}" if ray_address else str(spool.resolve())
+                ds = ray.data.read_text(spool_uri, num_cpus=0)
+                ds = ds.map_batches(
+                    ServingActor,
+                    fn_constructor_kwargs={"model": model_path, "max_num_seqs": max_num_seqs, "device": device,
+                                           "request_timeout": request_timeout,
+                                           "served_model_name": served_model_name, "dtype": dtype},
+                    batch_size=max_num_seqs,
+                    batch_format="numpy",
+                    num_cpus=1,
+                    compute=ray.data.ActorPoolStrategy(size=num_workers, max_tasks_in_flight_per_actor=2,
+                                                       max_concurrent_calls_per_actor=2,
+                                                       enable_true_multi_threading=True),
+                )
+                try:
+                    for row in ds.iter_rows():
+                        sink(json.loads(row["record"]))
+                except ray.exceptions.RayError as exc:  # an actor died or failed to start
+                    first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+                    raise EngineUnavailableError(f"the Ray job failed: {first}") from exc
         finally:
             bar.close()
             spool.unlink(missing_ok=True)

@@ -18,8 +18,11 @@ counts from ``usage`` are shown beside them):
   ``max_tokens``) better than a symmetric IQR fence.
 * A torn last line (an interrupted job) is skipped and counted as ``unreadable_lines``; when one
   id has several records, the last one counts (``duplicate_records`` says how many were superseded).
+  Lines without an id are matched by their ``request_hash`` (as a resumed job matches them).
 * With the job's input file: ``missing`` lists input ids without a record (lost, or not run
-  yet) and ``extra`` lists records whose id is not in the input.
+  yet) and ``extra`` lists records whose id is not in the input (foreign records).
+* ``headline``: records per id, then the duplicated and foreign records, missing items and
+  unreadable lines; the table's first line.
 """
 
 from __future__ import annotations
@@ -30,6 +33,8 @@ from collections import Counter
 from pathlib import Path
 
 import numpy as np
+
+from celeris.batch.output import Key, RecordKeys
 
 SHORT_CHARS = 5
 OUTLIER_FACTOR = 4.0
@@ -61,9 +66,17 @@ def _is_success(record: dict) -> bool:
     return record.get("error") is None and (record.get("response") or {}).get("status_code") == 200
 
 
-def read_records(path: str | Path) -> tuple[dict[str, dict], int, int]:
-    """Last record per id, the number of superseded records, the number of unreadable lines."""
-    records: dict[str, dict] = {}
+def record_name(record: dict) -> str:
+    """How the report names a record: its custom_id, or ``<line N>`` for a line without an id."""
+    cid = record.get("custom_id")
+    return str(cid) if cid is not None else f"<line {record.get('line')}>"
+
+
+def read_keyed_records(path: str | Path) -> tuple[dict[Key, dict], int, int]:
+    """Last record per key (as a resumed job keys them), the number of superseded records, the number
+    of unreadable lines."""
+    records: dict[Key, dict] = {}
+    keys = RecordKeys()
     superseded = unreadable = 0
     with open(path, "rb") as fh:
         for raw in fh:
@@ -77,12 +90,17 @@ def read_records(path: str | Path) -> tuple[dict[str, dict], int, int]:
             if not isinstance(record, dict):
                 unreadable += 1
                 continue
-            cid = record.get("custom_id")
-            key = str(cid) if cid is not None else f"<line {record.get('line')}>"
+            key = keys(record)
             if key in records:
                 superseded += 1
             records[key] = record
     return records, superseded, unreadable
+
+
+def read_records(path: str | Path) -> tuple[dict[str, dict], int, int]:
+    """Last record per id (named by ``record_name``), the number of superseded records, of unreadable lines."""
+    records, superseded, unreadable = read_keyed_records(path)
+    return {record_name(r): r for r in records.values()}, superseded, unreadable
 
 
 def percentiles(values: list[float]) -> dict[str, float | None]:
@@ -94,16 +112,55 @@ def percentiles(values: list[float]) -> dict[str, float | None]:
             "mean": round(float(arr.mean()), 2)}
 
 
-def input_keys(path: str | Path) -> list[str]:
-    """The ids of a job's input lines, named as ``read_records`` names them."""
+def input_keys(path: str | Path) -> tuple[dict[Key, str], dict[int, Key]]:
+    """The keys of a job's input lines with their names (``custom_id`` or ``<line N>``), and the keys of
+    its id-less lines by line number (records written before request hashes name those by line)."""
     from celeris.batch.jobs import iter_items
 
-    return [item.custom_id if item.custom_id is not None else f"<line {item.line_no}>" for item in iter_items(path)]
+    names: dict[Key, str] = {}
+    line_keys: dict[int, Key] = {}
+    for item in iter_items(path):
+        names.setdefault(item.key, item.custom_id if item.custom_id is not None else f"<line {item.line_no}>")
+        if item.custom_id is None:
+            line_keys[item.line_no] = item.key
+    return names, line_keys
+
+
+def headline(report: dict) -> str:
+    """One line: records per id, and the duplicated and foreign records (those a clean job has none of)."""
+    parts = [f"{report['records'] + report['duplicate_records']} records for {report['records']} ids"]
+    issues = []
+    if report["duplicate_records"]:
+        issues.append(f"{report['duplicate_records']} duplicated (an id recorded again; the last record counts)")
+    if "extra" in report and report["extra"]["count"]:
+        issues.append(f"{report['extra']['count']} foreign (id not in the input {report['input']})")
+    if "missing" in report and report["missing"]["count"]:
+        issues.append(f"{report['missing']['count']} input item(s) without a record")
+    if report["unreadable_lines"]:
+        issues.append(f"{report['unreadable_lines']} unreadable line(s)")
+    if issues:
+        parts.append("; ".join(issues))
+    elif "extra" in report:
+        parts.append("one record per input item, none duplicated or foreign")
+    else:
+        parts.append("none duplicated (give --input to check for foreign records)")
+    return ": ".join(parts)
 
 
 def build_report(path: str | Path, input_path: str | Path | None = None) -> dict:
     """The report of one output file as a JSON-ready dict (see the module doc for every rule)."""
-    records, superseded, unreadable = read_records(path)
+    keyed, superseded, unreadable = read_keyed_records(path)
+    wanted: dict[Key, str] | None = None
+    if input_path is not None:
+        wanted, line_keys = input_keys(input_path)
+        keyed = {(line_keys.get(int(k[1]), k) if isinstance(k, tuple) and k[0] == "line" else k): r
+                 for k, r in keyed.items()}
+    records: dict[str, dict] = {}
+    for k, r in keyed.items():
+        name = wanted[k] if wanted and k in wanted else record_name(r)
+        if name in records:  # two id-less records of one line number (the input changed in between)
+            name = f"{name} #{len(records)}"
+        records[name] = r
     errors: Counter[str] = Counter()
     finish: Counter[str] = Counter()
     outputs: list[tuple[str, str]] = []  # (output name, text)
@@ -143,15 +200,13 @@ def build_report(path: str | Path, input_path: str | Path | None = None) -> dict
 
     num_ok = len(records) - sum(errors.values())
     coverage = {}
-    if input_path is not None:
-        wanted = input_keys(input_path)
-        missing = [k for k in wanted if k not in records]
-        wanted_set = set(wanted)
-        extra = [k for k in records if k not in wanted_set]
+    if wanted is not None:
+        missing = [name for k, name in wanted.items() if k not in keyed]
+        extra = [record_name(r) for k, r in keyed.items() if k not in wanted]
         coverage = {"input": str(input_path), "input_items": len(wanted),
                     "missing": {"count": len(missing), "ids": missing[:MAX_LISTED]},
                     "extra": {"count": len(extra), "ids": extra[:MAX_LISTED]}}
-    return {
+    report = {
         "file": str(path),
         **coverage,
         "records": len(records),
@@ -175,6 +230,8 @@ def build_report(path: str | Path, input_path: str | Path | None = None) -> dict
                      "rule": f"outside [p50/{OUTLIER_FACTOR:g}, p50*{OUTLIER_FACTOR:g}] chars"},
         "lengths": lengths,
     }
+    report["headline"] = headline(report)
+    return report
 
 
 def _fmt(value: float | None) -> str:
@@ -211,7 +268,7 @@ def format_table(report: dict) -> str:
     if report["unreadable_lines"]:
         rows.append(("unreadable lines", str(report["unreadable_lines"])))
     width = max(len(k) for k, _ in rows)
-    lines = [f"batch report: {report['file']}", "-" * (width + 24)]
+    lines = [f"batch report: {report['file']}: {report['headline']}", "-" * (width + 24)]
     lines += [f"{k:<{width}}  {v}" for k, v in rows]
     return "\n".join(lines)
 

@@ -31,7 +31,7 @@ def test_builds_job_with_planted_bad_lines_and_duplicate_variant(data_dir, tmp_p
     info = json.loads(capsys.readouterr().out)
     items = list(iter_items(out))
     assert len(items) == info["lines"] == 40
-    assert len(scan_input(out)) == 40  # ids are unique
+    assert scan_input(out).num_items == 40  # ids are unique
     errors = sorted(i.error_code for i in items if i.error_code)
     assert errors == ["invalid_json", "invalid_url", "missing_custom_id"]
     by_id = {i.custom_id: i for i in items if i.custom_id}

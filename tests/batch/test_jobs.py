@@ -8,6 +8,7 @@ import pytest
 
 from celeris.batch.jobs import (
     BatchError,
+    ChangedInputError,
     DuplicateIdError,
     EngineUnavailableError,
     output_lock,
@@ -276,3 +277,132 @@ def test_only_malformed_lines_load_no_model(tmp_path):
     summary = run_batch(src, out, never_called, progress=False)
     assert (summary["ran"], summary["failed"]) == (3, 3)
     assert [r["error"]["code"] for r in read_records(out)] == ["invalid_json", "missing_custom_id", "invalid_url"]
+
+
+# ---------------------------------------------------------------------------------------------
+# Edited inputs (request_hash)
+
+
+def edit_rows(rows: list[dict], edits: dict[str, dict]) -> list[dict]:
+    return [{**row, **edits.get(row["id"], {})} for row in rows]
+
+
+def test_edited_done_ids_refuse_the_job_naming_them(tmp_path, capsys, fake_engine):
+    """An edited prompt or setting kept its stale answer silently ("5 already done, 0 to run")."""
+    rows = good_rows(5)
+    src = write_jsonl(tmp_path / "in.jsonl", rows)
+    out = tmp_path / "out.jsonl"
+    run_batch(src, out, FakeServing, progress=False)
+    assert all(len(r["request_hash"]) == 64 for r in read_records(out))
+    write_jsonl(src, edit_rows(rows, {"q1": {"prompt": "A new prompt"}, "q3": {"temperature": 0.7}}))
+    before = out.read_bytes()
+    with pytest.raises(ChangedInputError, match="2 done id\\(s\\).*'q1', 'q3'.*--rerun-changed"):
+        run_batch(src, out, never_called, progress=False)
+    assert out.read_bytes() == before
+    assert main(["batch", "run", str(src), str(out), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "'q1', 'q3'" in err and out.read_bytes() == before
+    assert main(["batch", "run", str(src), str(out), "--no-progress", "--rerun-changed"]) == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert (summary["rerun_changed"], summary["ran"]) == (2, 2)
+
+
+def test_rerun_changed_replaces_only_the_edited_records(tmp_path):
+    rows = good_rows(5)
+    src = write_jsonl(tmp_path / "in.jsonl", rows)
+    out = tmp_path / "out.jsonl"
+    run_batch(src, out, FakeServing, progress=False)
+    kept = {k: r for k, r in by_id(read_records(out)).items() if k not in ("q1", "q3")}
+    write_jsonl(src, edit_rows(rows, {"q1": {"prompt": "A new prompt"}, "q3": {"temperature": 0.7}}))
+    fake = FakeServing()
+    notes: list[str] = []
+    summary = run_batch(src, out, lambda: fake, rerun_changed=True, progress=False, log=notes.append)
+    assert sorted(c["prompt"] for c in fake.calls) == ["A new prompt", "Once upon a time 3"]
+    assert (summary["rerun_changed"], summary["ran"], summary["skipped_done"]) == (2, 2, 3)
+    assert any("2 record(s) whose request changed (q1, q3)" in n for n in notes), notes
+    final = by_id(read_records(out))  # one record per id
+    assert answer_text(final["q1"]) == "echo: A new prompt"
+    assert all(final[k] == r for k, r in kept.items())
+    assert run_batch(src, out, never_called, progress=False)["ran"] == 0  # and now they match
+
+
+def test_records_without_a_hash_are_read_as_matching_with_a_note(tmp_path):
+    rows = good_rows(4) + [{"prompt": "no id"}]
+    src = write_jsonl(tmp_path / "in.jsonl", rows)
+    out = tmp_path / "out.jsonl"
+    run_batch(src, out, FakeServing, progress=False)
+    legacy = [{k: v for k, v in r.items() if k != "request_hash"} for r in read_records(out)]  # an older file
+    write_jsonl(out, legacy)
+    write_jsonl(src, edit_rows(rows[:4], {"q2": {"prompt": "edited"}}) + rows[4:])
+    notes: list[str] = []
+    summary = run_batch(src, out, never_called, progress=False, log=notes.append)
+    assert (summary["ran"], summary["skipped_done"], summary["legacy_records"], summary["foreign_records"]) == (0, 5, 5, 0)
+    assert any("5 record(s) were written before request hashes existed" in n for n in notes), notes
+
+
+def test_deleting_a_line_does_not_rekey_lines_without_an_id(tmp_path):
+    """Lines without an id were keyed by line number: deleting a line above them ran them again."""
+    rows = [*good_rows(3), {"prompt": "no id"}, '{"broken', *good_rows(5)[3:], {"prompt": "no id"}]
+    src = write_jsonl(tmp_path / "in.jsonl", rows)
+    out = tmp_path / "out.jsonl"
+    first = run_batch(src, out, FakeServing, progress=False)
+    assert first["ran"] == 8
+    write_jsonl(src, rows[1:])  # q0 deleted: every later line moves up by one
+    summary = run_batch(src, out, never_called, progress=False)
+    assert (summary["items"], summary["ran"], summary["skipped_done"], summary["foreign_records"]) == (7, 0, 7, 1)
+    assert len(read_records(out)) == 8
+
+
+# ---------------------------------------------------------------------------------------------
+# Exit codes and summaries
+
+
+@pytest.fixture
+def fake_engine(monkeypatch):
+    """`celeris batch run` with a FakeServing in place of a model: 500 for prompts ending in "boom",
+    a context error for those ending in "long", an echo otherwise."""
+    from celeris.serve.serving import OpenAIServing
+
+    def answer(body):
+        prompt = body["prompt"]
+        if prompt.endswith("boom"):
+            return 500, {"error": {"message": "boom", "type": "server_error", "param": None, "code": "engine_error"}}
+        if prompt.endswith("long"):
+            return 400, {"error": {"message": "too long", "type": "invalid_request_error", "param": "prompt",
+                                   "code": "context_length_exceeded"}}
+        return 200, completion_body(f"echo: {prompt}")
+
+    monkeypatch.setattr(OpenAIServing, "from_model", classmethod(lambda cls, *a, **k: FakeServing(answer)))
+
+
+def run_cli(src, out, capsys, *extra: str) -> tuple[int, dict, str]:
+    code = main(["batch", "run", str(src), str(out), "--no-progress", *extra])
+    captured = capsys.readouterr()
+    return code, json.loads(captured.out.strip().splitlines()[-1]), captured.err
+
+
+def test_exit_code_3_when_lines_failed_and_every_line_counted(tmp_path, capsys, fake_engine):
+    """10 of 12 lines failed and the job exited 0; blank lines were not counted."""
+    rows = good_rows(2) + [f'{{"id": "b{i}", "prompt"' for i in range(8)] + ["", ""]
+    rows += [{"id": "x1", "prompt": "far too long"}, {"id": "x2", "messages": "?", "prompt": "p"}]
+    src = write_jsonl(tmp_path / "in.jsonl", rows)
+    code, summary, err = run_cli(src, tmp_path / "out.jsonl", capsys)
+    assert code == 3
+    assert (summary["lines"], summary["blank_lines"], summary["items"]) == (14, 2, 12)
+    assert (summary["items_succeeded"], summary["items_failed"], summary["items_failed_retryable"]) == (2, 10, 0)
+    assert "10 can never succeed as written" in err and "--retry-failed" not in err  # retrying cannot help them
+    code, summary, _ = run_cli(src, tmp_path / "out.jsonl", capsys)  # nothing left to run: still 3
+    assert (code, summary["ran"], summary["items_failed"]) == (3, 0, 10)
+
+    ok = write_jsonl(tmp_path / "ok.jsonl", good_rows(3) + [""])
+    code, summary, _ = run_cli(ok, tmp_path / "ok-out.jsonl", capsys)
+    assert (code, summary["items_succeeded"], summary["lines"]) == (0, 3, 4)
+
+
+def test_retry_failed_is_suggested_only_for_failures_a_retry_can_fix(tmp_path, capsys, fake_engine):
+    rows = good_rows(2) + [{"id": "e", "prompt": "goes boom"}, {"id": "c", "prompt": "far too long"}]
+    src = write_jsonl(tmp_path / "in.jsonl", rows)
+    code, summary, err = run_cli(src, tmp_path / "out.jsonl", capsys)
+    assert code == 3 and (summary["items_failed"], summary["items_failed_retryable"]) == (2, 1)
+    assert "1 can never succeed as written" in err and "1 may succeed on another try" in err
+    assert "--retry-failed" in err

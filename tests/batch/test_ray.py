@@ -43,7 +43,7 @@ def test_ray_backend_matches_local_at_temperature_zero(tmp_path, batch_checkpoin
         cmd = [sys.executable, "-m", "celeris.cli", "batch", "run", str(src), str(out), "--model", str(batch_checkpoint),
                "--max-num-seqs", "2", "--backend", backend, "--num-workers", "2", "--no-progress"]
         done = subprocess.run(cmd, env=subprocess_env, capture_output=True, text=True, timeout=240)
-        assert done.returncode == 0, done.stderr[-3000:]
+        assert done.returncode == 3, done.stderr[-3000:]  # 3: some lines failed (the two planted ones)
         summary = json.loads(done.stdout.strip().splitlines()[-1])
         assert (summary["ran"], summary["succeeded"], summary["failed"]) == (12, 10, 2)
         outputs[backend] = {k: outcome(r) for k, r in by_id(read_records(out)).items()}

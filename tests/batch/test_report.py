@@ -121,3 +121,35 @@ def test_report_with_input_counts_missing_and_extra(results, tmp_path):
     assert rep["missing"] == {"count": 2, "ids": ["gone", "<line 4>"]}
     assert rep["extra"]["count"] == rep["records"] - 2
     assert "missing (no record)" in format_table(rep)
+
+
+def test_headline_states_duplicated_and_foreign_records(results, tmp_path, capsys):
+    """Duplicated and foreign records were only hinted at by a trailing "superseded" row."""
+    src = tmp_path / "in.jsonl"
+    src.write_text("".join(json.dumps({"id": k, "prompt": "p"}) + "\n" for k in ["n0", "n1", "redo"]))
+    rep = build_report(results, src)
+    assert rep["headline"].startswith("24 records for 23 ids: 1 duplicated")
+    assert f"{rep['records'] - 3} foreign" in rep["headline"]
+    assert main(["batch", "report", str(results), "--input", str(src)]) == 0
+    first_line = capsys.readouterr().out.splitlines()[0]
+    assert "1 duplicated" in first_line and "foreign" in first_line
+    clean = tmp_path / "clean.jsonl"
+    clean.write_text("".join(json.dumps(ok(k, "a fine answer")) + "\n" for k in ["n0", "n1", "redo"]))
+    expected = "3 records for 3 ids: one record per input item, none duplicated or foreign"
+    assert build_report(clean, src)["headline"] == expected
+
+
+def test_lines_without_an_id_are_matched_by_request_hash(tmp_path):
+    """A report with --input keyed id-less lines by line number: deleting a line above them made them
+    look missing and their records foreign."""
+    from celeris.batch.jobs import run_batch
+    from tests.batch.conftest import FakeServing
+
+    rows = [json.dumps({"id": "a", "prompt": "p"}), json.dumps({"prompt": "no id"}), '{"broken']
+    src = tmp_path / "in.jsonl"
+    src.write_text("\n".join(rows) + "\n")
+    out = tmp_path / "out.jsonl"
+    run_batch(src, out, FakeServing, progress=False)
+    src.write_text("\n".join(rows[1:]) + "\n")  # "a" deleted: the id-less lines move up
+    rep = build_report(out, src)
+    assert rep["missing"]["count"] == 0 and rep["extra"]["ids"] == ["a"]
