@@ -183,10 +183,16 @@ def cmd_generate(args: argparse.Namespace) -> int:
             print(f"{prefix}{args.prompt}{text}", flush=True)
 
     out = llm.generate(args.prompt, params, suffixes=[args.suffix], on_step=on_step)[0]
+    if out.finish_reason == "error":
+        print(f"celeris: error: {out.error_code}: {out.error}", file=sys.stderr)
+        return 1
     if args.json:
         record = {"prompt": args.prompt, "text": out.text, "token_ids": out.token_ids, "nfe": out.nfe,
                   "seconds": round(out.seconds, 4), "ttft_s": out.ttft_s and round(out.ttft_s, 4),
-                  "finish_reason": out.finish_reason, "total_seconds": round(time.perf_counter() - start, 4)}
+                  "finish_reason": out.finish_reason, "total_seconds": round(time.perf_counter() - start, 4),
+                  "steps": out.steps, "tokens_per_forward": round(out.num_committed / out.nfe, 4) if out.nfe else 0.0,
+                  "block_length": min(params.block_length, params.max_new_tokens), "cache": params.cache,
+                  "decoding": params.decoding, "remasking": params.remasking}
         print(json.dumps(record))
     elif args.suffix:
         print(f"{args.prompt}{out.text}{args.suffix}")

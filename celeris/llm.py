@@ -38,10 +38,13 @@ class RequestOutput:
     Attributes:
         text: decoded answer, cut before the first end-of-text token and the first stop string.
         token_ids: the answer's token ids (same cut).
-        finish_reason: "stop" (end-of-text or a stop string) or "length".
+        finish_reason: "stop" (end-of-text or a stop string), "length", or "error" (``error`` says why;
+            ``error_code`` "no_progress": a denoising step committed nothing, see ``Engine.step``).
         nfe: forward passes this answer took part in (a CFG step counts 2).
         seconds: submit to full answer, in seconds.
         ttft_s: seconds until the answer's first token was final.
+        steps: denoising steps taken.
+        num_committed: answer positions committed (``num_committed / nfe`` tokens per forward pass).
     """
 
     prompt: str
@@ -51,6 +54,10 @@ class RequestOutput:
     nfe: int
     seconds: float
     ttft_s: float | None
+    steps: int = 0
+    num_committed: int = 0
+    error_code: str | None = None
+    error: str | None = None
 
 
 def causal_defaults(generation_config: dict) -> dict:
@@ -152,6 +159,10 @@ class LLM:
         """Decode a finished request into a RequestOutput (stop strings applied)."""
         ids = request.final_prefix(self.tokenizer.eos_token_id)
         text, ids, reason = self.finish(ids, request.params, request.finish_reason == "stop")
+        if request.finish_reason == "error":
+            reason = "error"
         end = request.finish_time or time.perf_counter()
         ttft = request.first_token_time - request.arrival_time if request.first_token_time else None
-        return RequestOutput(prompt, text, ids, reason, request.nfe, end - request.arrival_time, ttft)
+        committed = int((request.answer != request.mask_id).sum())
+        return RequestOutput(prompt, text, ids, reason, request.nfe, end - request.arrival_time, ttft,
+                             request.steps, committed, request.error_code, request.error)

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from celeris.config import EngineConfig
-from celeris.engine.request import Request
+from celeris.engine.request import NO_PROGRESS, Request
 from celeris.engine.runner import ModelRunner
 from celeris.engine.scheduler import Scheduler
 from celeris.params import SamplingParams
@@ -95,15 +95,20 @@ class Engine:
         seen = None
         if any(r.params.repetition_penalty != 1 for r in batch):
             seen = context_tokens([r.canvas for r in batch], logits.shape[-1], self.mask_id, logits.device)
+        widths = [r.block_span[1] - r.block_span[0] for r in batch]
         new_block, committed = denoise_step(logits, block, self.mask_id, self.banned_ids, num_tokens, settings,
-                                            [r.generator for r in batch], seen)
+                                            [r.generator for r in batch], seen, widths)
         new_block, committed = new_block.cpu(), committed.cpu()
         outputs = []
         for i, r in enumerate(batch):
             s, e = r.block_span
             r.canvas[s:e] = new_block[i, : e - s]  # a short block's pad columns are dropped
             r.nfe += 2 if r.params.cfg_scale > 0 else 1
-            r.advance(self.eos_id, (s + committed[i, : e - s].nonzero().flatten()).tolist())
+            if not bool(committed[i, : e - s].any()):  # progress guarantee: never take another step in vain
+                r.fail(NO_PROGRESS, f"denoising step {r.steps + 1} committed no token (the model's scores for the "
+                                    f"masked positions are not finite numbers), so the request was ended")
+            else:
+                r.advance(self.eos_id, (s + committed[i, : e - s].nonzero().flatten()).tolist())
             prefix = r.final_prefix(self.eos_id)
             new_ids = prefix[r.num_emitted :]
             r.num_emitted = len(prefix)

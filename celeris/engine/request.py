@@ -13,6 +13,8 @@ from celeris.sampling.generate import cache_window, visible_end
 from celeris.sampling.schedule import block_plan, num_transfer_tokens
 from celeris.sampling.step import make_generator
 
+NO_PROGRESS = "no_progress"  # error code: a denoising step committed nothing (see ``Engine.step``)
+
 
 class RequestStatus(enum.Enum):
     """Lifecycle: WAITING (queued) -> RUNNING (scheduled) -> FINISHED, or ABORTED from either."""
@@ -48,6 +50,8 @@ class Request:
     nfe: int = 0
     steps: int = 0
     finish_reason: str | None = None
+    error_code: str | None = None  # set with finish_reason "error": e.g. NO_PROGRESS
+    error: str | None = None  # what went wrong, one sentence
 
     def __post_init__(self) -> None:
         if not self.prompt_ids:
@@ -138,8 +142,14 @@ class Request:
         self._new_block()
         self.stale_cols = list(committed_cols or [])  # computed while still masked: rewritten at the next step
 
+    def fail(self, code: str, message: str) -> None:
+        """End the request with ``finish_reason`` "error", an error ``code`` and a ``message``."""
+        self.steps += 1
+        self.error_code, self.error = code, message
+        self.finish("error")
+
     def finish(self, reason: str, status: RequestStatus = RequestStatus.FINISHED) -> None:
-        """End the request with ``finish_reason`` ``reason`` ("stop", "length", "abort").
+        """End the request with ``finish_reason`` ``reason`` ("stop", "length", "abort", "error").
 
         The runner frees its KV cache rows at its next step."""
         self.status = status

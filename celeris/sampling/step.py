@@ -15,6 +15,12 @@ from celeris.params import SamplingParams
 from celeris.sampling.select import COMMIT_RULES, CONFIDENCE, NEG_INF, sample_tokens, top_p_filter
 
 
+class NoProgressError(RuntimeError):
+    """A denoising step committed no token for a row that still has masked positions (its scores were
+    not finite numbers); raised instead of looping forever (the engine ends such a request with
+    finish reason "error" and code "no_progress")."""
+
+
 def banned_token_ids(config: object) -> list[int]:
     """Ids a denoising step must never produce: the mask token, and padding unless it doubles as
     end-of-text (LLaDA and Dream pad with their end-of-text token, which must stay producible)."""
@@ -125,6 +131,7 @@ def denoise_step(
     settings: RowSettings,
     generators: list[torch.Generator],
     seen: torch.Tensor | None = None,
+    lengths: list[int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Predict every masked position of the block and commit some of them.
 
@@ -137,6 +144,8 @@ def denoise_step(
         settings / generators: per-row settings and RNGs.
         seen: (B, V) bool tokens already in each row's context (``context_tokens``),
             needed when a row's ``repetition_penalty`` is not 1.
+        lengths: each row's own block width (<= L), so its random draws depend on its own block
+            alone, not on the widest block sharing the step; None: every row is L wide.
 
     Returns:
         (new block (B, L) int64, committed positions (B, L) bool).
@@ -147,14 +156,14 @@ def denoise_step(
     logits[..., banned_ids] = NEG_INF
     if bool((settings.top_p < 1).any()):
         logits = top_p_filter(logits, settings.top_p)
-    x0 = sample_tokens(logits, settings.temperature, generators)  # (B, L)
+    x0 = sample_tokens(logits, settings.temperature, generators, lengths)  # (B, L)
     probs = logits.softmax(-1)  # (B, L, V)
     is_masked = block == mask_id  # (B, L)
     conf = torch.full(x0.shape, NEG_INF, dtype=torch.float64, device=x0.device)
     for name in set(settings.remasking):
         rows = _rows_with(settings.remasking, name, x0.device)
         row_generators = [g if r == name else None for g, r in zip(generators, settings.remasking, strict=True)]
-        conf = torch.where(rows, CONFIDENCE[name](probs, x0, row_generators), conf)
+        conf = torch.where(rows, CONFIDENCE[name](probs, x0, row_generators, lengths), conf)
     conf = conf.masked_fill(~is_masked, NEG_INF)  # (B, L)
     chosen = torch.zeros_like(is_masked)
     for name in set(settings.decoding):

@@ -45,6 +45,7 @@ from celeris.serve.protocol import (
     CompletionRequest,
     CompletionResponse,
     CompletionStreamResponse,
+    DecodingDetails,
     DeltaMessage,
     ModelCard,
     ModelList,
@@ -79,6 +80,7 @@ class Update:
     finish_reason: str | None
     canvas: str | None = None
     step: int | None = None
+    details: DecodingDetails | None = None
 
 
 @dataclass
@@ -86,6 +88,17 @@ class _Choice:
     text: IncrementalText
     finish_reason: str | None = None
     done: bool = False
+    details: DecodingDetails | None = None
+
+
+def decoding_details(params: SamplingParams, event: StepEvent) -> DecodingDetails:
+    """The ``celeris`` extension object of a choice after ``event``."""
+    return DecodingDetails(
+        nfe=event.nfe, steps=event.steps,
+        tokens_per_forward=round(event.num_committed / event.nfe, 4) if event.nfe else 0.0,
+        block_length=min(params.block_length, params.max_new_tokens), cache=params.cache, decoding=params.decoding,
+        remasking=params.remasking,
+    )
 
 
 @dataclass
@@ -105,8 +118,9 @@ class _Run:
 
     def usage(self) -> UsageInfo:
         completion = sum(c.text.num_tokens() for c in self.choices)
+        nfe = sum(c.details.nfe for c in self.choices if c.details is not None)
         return UsageInfo(prompt_tokens=self.prompt_tokens, completion_tokens=completion,
-                         total_tokens=self.prompt_tokens + completion)
+                         total_tokens=self.prompt_tokens + completion, nfe=nfe)
 
 
 class OpenAIServing:
@@ -193,7 +207,7 @@ class OpenAIServing:
         if request.stream:
             return self._completion_stream(run, request, rid, created)
         texts = await self._collect(run)
-        choices = [CompletionChoice(index=i, text=t, finish_reason=c.finish_reason)
+        choices = [CompletionChoice(index=i, text=t, finish_reason=c.finish_reason, celeris=c.details)
                    for i, (t, c) in enumerate(zip(texts, run.choices, strict=True))]
         return CompletionResponse(id=rid, created=created, model=self.model_name, choices=choices, usage=run.usage())
 
@@ -216,7 +230,8 @@ class OpenAIServing:
         if request.stream:
             return self._chat_stream(run, request, rid, created)
         texts = await self._collect(run)
-        choices = [ChatChoice(index=i, message=ChatMessageOut(content=t), finish_reason=c.finish_reason)
+        choices = [ChatChoice(index=i, message=ChatMessageOut(content=t), finish_reason=c.finish_reason,
+                              celeris=c.details)
                    for i, (t, c) in enumerate(zip(texts, run.choices, strict=True))]
         return ChatCompletionResponse(id=rid, created=created, model=self.model_name, choices=choices,
                                       usage=run.usage())
@@ -361,8 +376,14 @@ class OpenAIServing:
                 choice = run.choices[event.index]
                 if choice.done:  # e.g. the abort that follows a stop string
                     continue
-                if event.finish_reason in ("error", "abort"):
+                if event.finish_reason == "error":
+                    code = event.error_code or "engine_error"
+                    self.metrics.failed.labels(code=code).inc()
+                    raise APIError(500, event.error or "the engine failed this request", code=code)
+                if event.finish_reason == "abort":
                     raise APIError(500, event.error or "the request was aborted by the engine", code="engine_error")
+                if event.steps:
+                    choice.details = decoding_details(run.group.inputs[event.index].params, event)
                 delta = choice.text.push(event.new_token_ids, final=event.finished)
                 if choice.text.stopped and not event.finished:
                     self.metrics.aborted.labels(reason="stop").inc()
@@ -377,7 +398,9 @@ class OpenAIServing:
                 canvas = None
                 if run.stream_mode == "denoise" and event.canvas_ids is not None and not choice.done:
                     canvas = render_canvas(self.tokenizer.decode, event.canvas_ids, self.mask_id, self.eos_id)
-                yield Update(event.index, delta, choice.finish_reason if choice.done else None, canvas, event.steps)
+                details = choice.details if choice.done or canvas is not None else None
+                yield Update(event.index, delta, choice.finish_reason if choice.done else None, canvas, event.steps,
+                             details)
             usage = run.usage()
             self.metrics.output_tokens.inc(usage.completion_tokens)
             self.metrics.prompt_tokens.inc(usage.prompt_tokens)
@@ -419,7 +442,8 @@ class OpenAIServing:
     async def _completion_stream(self, run: _Run, request: CompletionRequest, rid: str,
                                  created: int) -> AsyncIterator[CompletionStreamResponse]:
         async for u, text, step in self._stream_pieces(run):
-            choice = CompletionChoice(index=u.index, text=text, finish_reason=u.finish_reason, step=step)
+            choice = CompletionChoice(index=u.index, text=text, finish_reason=u.finish_reason, step=step,
+                                      celeris=u.details)
             yield CompletionStreamResponse(id=rid, created=created, model=self.model_name, choices=[choice])
         if request.stream_options is not None and request.stream_options.include_usage:
             yield CompletionStreamResponse(id=rid, created=created, model=self.model_name, choices=[],
@@ -434,6 +458,6 @@ class OpenAIServing:
             yield chunk([ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""))])
         async for u, text, step in self._stream_pieces(run):
             yield chunk([ChatStreamChoice(index=u.index, delta=DeltaMessage(content=text),
-                                          finish_reason=u.finish_reason, step=step)])
+                                          finish_reason=u.finish_reason, step=step, celeris=u.details)])
         if request.stream_options is not None and request.stream_options.include_usage:
             yield chunk([], usage=run.usage())
