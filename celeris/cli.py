@@ -213,9 +213,9 @@ def cmd_chat(args: argparse.Namespace) -> int:
         if not line:
             break
         messages.append({"role": "user", "content": line})
-        prompt = llm.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        prompt_ids = llm.tokenizer.encode_chat(messages, add_generation_prompt=True)  # contents stay text
         try:
-            answer = llm.generate(prompt, params)[0].text
+            answer = llm.generate([prompt_ids], params)[0].text
         except ValueError as exc:  # e.g. the conversation outgrew the context window
             print(f"celeris: error: {exc}", file=sys.stderr)
             messages.pop()

@@ -105,11 +105,14 @@ class LLM:
         """SamplingParams from the model's ``generation_config.json`` with ``overrides`` applied."""
         return SamplingParams.from_defaults(self.generation_config, **overrides)
 
-    def encode_prompt(self, prompt: str, params: SamplingParams, suffix: str | None = None) -> tuple[list[int], list[int]]:
-        """Tokenize and check against the context window; raises ValueError naming both numbers."""
+    def encode_prompt(self, prompt: str | list[int], params: SamplingParams,
+                      suffix: str | None = None) -> tuple[list[int], list[int]]:
+        """Tokenize (a list of ids is taken as already encoded) and check against the context window; raises
+        ValueError naming both numbers. The mask and pad strings in the text are encoded as text, never as
+        their reserved ids (``Tokenizer.encode``)."""
         if not prompt:
             raise ValueError("prompt must not be empty")
-        ids = self.tokenizer.encode(prompt)
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         suffix_ids = self.tokenizer.encode(suffix) if suffix else []
         need = len(ids) + params.max_new_tokens + len(suffix_ids)
         if need > self.context_length:
@@ -134,12 +137,13 @@ class LLM:
 
     def generate(
         self,
-        prompts: str | list[str],
+        prompts: str | list[str] | list[list[int]],
         params: SamplingParams | None = None,
         suffixes: list[str | None] | None = None,
         on_step: Callable[[torch.Tensor], None] | None = None,
     ) -> list[RequestOutput]:
-        """Generate one answer per prompt, in order.
+        """Generate one answer per prompt (a string, or a list of token ids such as ``Tokenizer.encode_chat``
+        returns), in order.
 
         Raises:
             ValueError: an empty prompt or one that does not fit the context window.
@@ -153,7 +157,8 @@ class LLM:
             self.engine.step()
             if on_step is not None:
                 on_step(torch.stack([r.answer for r in requests]))
-        return [self.to_output(prompt, r) for prompt, r in zip(prompts, requests, strict=True)]
+        return [self.to_output(p if isinstance(p, str) else self.tokenizer.decode(p), r)
+                for p, r in zip(prompts, requests, strict=True)]
 
     def to_output(self, prompt: str, request: Request) -> RequestOutput:
         """Decode a finished request into a RequestOutput (stop strings applied)."""

@@ -220,11 +220,11 @@ class OpenAIServing:
         max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
         params = self._params(request, max_tokens)
         messages = [{"role": m.role, "content": m.text()} for m in request.messages]
-        try:
-            prompt = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        try:  # message contents are always text: a special-token string in them never becomes its id
+            prompt_ids = self.tokenizer.encode_chat(messages, add_generation_prompt=True)
         except Exception as exc:  # jinja2 raises TemplateError (or anything a template raises)
             raise APIError(400, f"the chat template could not render these messages: {exc}", param="messages") from None
-        encoded = [self._encode(prompt, params, None, "messages")]
+        encoded = [self._encode(prompt_ids, params, None, "messages")]
         run = await self._start(request, params, encoded, arrival, is_disconnected)
         rid, created = random_id("chatcmpl"), now()
         if request.stream:
@@ -299,8 +299,11 @@ class OpenAIServing:
             param = {"max_new_tokens": "max_tokens"}.get(name, name)
             raise APIError(400, str(exc), param=param if param.isidentifier() else None) from None
 
-    def _encode(self, text: str, params: SamplingParams, suffix: str | None, param: str) -> tuple[list[int], list[int]]:
-        ids = self.tokenizer.encode(text)
+    def _encode(self, text: str | list[int], params: SamplingParams, suffix: str | None,
+                param: str) -> tuple[list[int], list[int]]:
+        """Prompt (text, or ids already encoded) and suffix ids, checked against the context window. The mask
+        and pad strings in user text are encoded as text (``Tokenizer.encode``)."""
+        ids = self.tokenizer.encode(text) if isinstance(text, str) else text
         if not ids:
             raise APIError(400, f"'{param}' must not be empty", param=param)
         suffix_ids = self.tokenizer.encode(suffix) if suffix else []

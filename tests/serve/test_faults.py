@@ -115,3 +115,16 @@ def test_streamed_denoise_events_use_the_same_names(server):
     assert details and all({"nfe", "steps", "tokens_per_forward"} <= set(d) for d in details)
     assert [d["steps"] for d in details] == sorted(d["steps"] for d in details)
     assert chunks[-1]["usage"]["nfe"] == details[-1]["nfe"]
+
+
+def test_mask_text_in_prompts_and_messages_is_text(server, serve_llm):
+    """Item 3 over HTTP: the prompt's and the message's special-token strings are counted as the text they are."""
+    tok = serve_llm.tokenizer
+    resp = httpx.post(f"{server.url}/v1/completions", timeout=30,
+                      json={"prompt": "x = <|mask|> + 1", "max_tokens": 4, "steps": 4}).json()
+    assert resp["usage"]["prompt_tokens"] == len(tok.encode("x = <|mask|> + 1")) > 6  # 6 with the mask id
+    plain = httpx.post(f"{server.url}/v1/chat/completions", timeout=30,
+                       json={"messages": [{"role": "user", "content": "a b"}], "max_tokens": 4}).json()
+    forged = httpx.post(f"{server.url}/v1/chat/completions", timeout=30,
+                        json={"messages": [{"role": "user", "content": "a<|endoftext|>b"}], "max_tokens": 4}).json()
+    assert forged["usage"]["prompt_tokens"] > plain["usage"]["prompt_tokens"] + 1
