@@ -61,6 +61,14 @@ def _sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--suffix-window", type=int,
                    help="passes see only this many masked columns past the block (0 = the whole canvas)")
     p.add_argument("--stop", action="append", help="stop string (repeatable)")
+    p.add_argument("--stop-token-id", action="append", type=int, dest="stop_token_ids",
+                   help="token id that ends the answer, besides the model's end ids (repeatable)")
+    p.add_argument("--ignore-eos", action="store_true", default=None,
+                   help="do not end at the model's end-of-text / end-of-turn ids")
+    p.add_argument("--keep-special-tokens", action="store_false", default=None, dest="skip_special_tokens",
+                   help="keep special tokens in the printed text")
+    p.add_argument("--include-stop-str", action="store_true", default=None, dest="include_stop_str_in_output",
+                   help="keep the matched stop string at the end of the text")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -133,6 +141,8 @@ def _params(llm_defaults: dict, args: argparse.Namespace):
         temperature=args.temperature, top_p=args.top_p, seed=args.seed, remasking=args.remasking,
         decoding=args.decoding, threshold=args.threshold, cfg_scale=args.cfg_scale, stop=args.stop, cache=args.cache,
         repetition_penalty=args.repetition_penalty, cache_refresh=args.cache_refresh, suffix_window=args.suffix_window,
+        stop_token_ids=args.stop_token_ids, ignore_eos=args.ignore_eos, skip_special_tokens=args.skip_special_tokens,
+        include_stop_str_in_output=args.include_stop_str_in_output,
     )
 
 

@@ -65,7 +65,14 @@ class SamplingParams:
             multiplied by it when negative (CTRL, arXiv:1909.05858, Sec. 4.1; the
             ``repetition_penalty`` of transformers and vLLM). 1 disables it.
         seed: per-request RNG seed; None draws a fresh one.
-        stop: strings that end the answer (the stop string is not returned).
+        stop: strings that end the answer (the stop string is not returned unless
+            ``include_stop_str_in_output``). A stop string that is exactly a special token (``"<|im_end|>"``)
+            ends the answer at that token (``LLM`` and the server add its id to ``stop_token_ids``).
+        stop_token_ids: token ids that end the answer, besides the model's end ids (the generation
+            config's ``eos_token_id`` list, the tokenizer's end-of-text and end-of-turn tokens). As vLLM.
+        ignore_eos: do not end at the model's end ids (``stop_token_ids`` still end it); as vLLM.
+        skip_special_tokens: leave special tokens out of the returned text (default); as vLLM.
+        include_stop_str_in_output: keep the matched stop string at the end of the text; as vLLM.
         early_exit: stop denoising once every answer holds an end-of-text token
             with all positions before it filled; returns the same text.
         cache: ``none``; ``prefix`` or ``dual`` (Fast-dLLM arXiv:2505.22618): keys
@@ -111,6 +118,10 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
     early_exit: bool = True
     cache: str = "none"
     cache_refresh: int = 0
@@ -140,6 +151,9 @@ class SamplingParams:
                                    and 0 <= self.seed <= MAX_SEED),
              f"seed must be an integer in [0, {MAX_SEED}], got {self.seed!r}"),
             (all(isinstance(s, str) and s for s in self.stop), "stop must be a non-empty string or a list of them"),
+            (isinstance(self.stop_token_ids, list) and all(
+                isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids),
+             f"stop_token_ids must be a list of token ids >= 0, got {self.stop_token_ids!r}"),
         ]
         for ok, message in checks:
             if not ok:

@@ -19,6 +19,10 @@ from tokenizers import Tokenizer as HFTokenizer
 # out and give only the id (config.json, e.g. LLaDA's mask_token_id).
 SPECIAL_TOKENS = {"eos": "<|endoftext|>", "mask": "<|mask|>", "pad": "<|pad|>"}
 
+# End-of-turn tokens of published chat formats (LLaDA / Llama 3, Dream / Qwen, Phi, Gemma): where the tokenizer
+# has one of these as a special token, generation ends at it as at end-of-text.
+END_OF_TURN = ("<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|eom_id|>", "<|end_of_turn|>")
+
 # A base code model has no trained chat format; this template renders a
 # conversation as Python comments and leaves the answer to be written as code.
 CHAT_TEMPLATE = (
@@ -173,6 +177,30 @@ class Tokenizer:
             raise ValueError(f"special token {token!r} is not in the tokenizer vocabulary")
         return idx
 
+    def end_token_ids(self, folder: str | Path, generation_config: dict | None = None) -> list[int]:
+        """Every id that ends generation: the end-of-text id, each ``eos_token_id`` (an int or a list) of the
+        folder's config.json and of ``generation_config`` (default: its generation_config.json), and the
+        tokenizer's end-of-turn special tokens (``END_OF_TURN``, e.g. LLaDA's ``<|eot_id|>``, Dream's
+        ``<|im_end|>``). Ids outside the vocabulary are left out."""
+        folder = Path(folder)
+        gen = read_json(folder / "generation_config.json") if generation_config is None else generation_config
+        ids = [self.eos_token_id]
+        for source in (read_json(folder / "config.json"), gen):
+            value = source.get("eos_token_id")
+            for v in value if isinstance(value, list) else [value]:
+                if isinstance(v, int) and not isinstance(v, bool):
+                    ids.append(v)
+        special = {a.content for a in self._tok.get_added_tokens_decoder().values() if a.special}
+        ids += [self._tok.token_to_id(t) for t in END_OF_TURN if t in special]
+        reserved = {self.mask_token_id} | ({self.pad_token_id} - {self.eos_token_id})
+        return sorted({i for i in ids if 0 <= i < self.vocab_size and i not in reserved})
+
+    def split_stop(self, stop: list[str]) -> tuple[list[str], list[int]]:
+        """Stop strings -> (stop strings, stop token ids): a string that is exactly a special token (e.g.
+        ``"<|im_end|>"``) becomes that token's id, since special tokens are not in the decoded text."""
+        special = {a.content: i for i, a in self._tok.get_added_tokens_decoder().items() if a.special}
+        return [s for s in stop if s not in special], [special[s] for s in stop if s in special]
+
     def encode(self, text: str, as_text: Iterable[str] | None = None) -> list[int]:
         """Text -> token ids. Special tokens written in ``text`` keep their ids (a hand-written chat prompt
         works, as in vLLM), except the strings in ``as_text`` (default: ``reserved_tokens``, the mask and pad
@@ -212,9 +240,9 @@ class Tokenizer:
                 ids += self.encode(piece)
         return ids
 
-    def decode(self, ids: list[int]) -> str:
-        """Token ids -> text; special tokens are dropped."""
-        return self._tok.decode(ids, skip_special_tokens=True)
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        """Token ids -> text; special tokens are dropped unless ``skip_special_tokens`` is False."""
+        return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
         """Render ``messages`` ([{"role", "content"}]) with the checkpoint's Jinja chat template."""

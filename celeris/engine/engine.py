@@ -43,15 +43,19 @@ class Engine:
         model: a model with ``config.mask_token_id / eos_token_id / pad_token_id``
             whose forward takes (ids, bool attention mask, logits_slice).
         config: batching budgets and queue length.
+        end_ids: every id that ends an answer (``Tokenizer.end_token_ids``: end-of-text, the generation
+            config's ``eos_token_id`` list, end-of-turn tokens); default: the model config's end-of-text id.
     """
 
-    def __init__(self, model: torch.nn.Module, config: EngineConfig | None = None) -> None:
+    def __init__(self, model: torch.nn.Module, config: EngineConfig | None = None,
+                 end_ids: list[int] | None = None) -> None:
         self.config = config or EngineConfig()
         self.scheduler = Scheduler(self.config)
         self.runner = ModelRunner(model, self.config.enforce_eager, self.config.length_bucket)
         cfg = model.config
         self.mask_id, self.eos_id = cfg.mask_token_id, cfg.eos_token_id
         self.banned_ids = banned_token_ids(cfg)
+        self.end_ids = frozenset(end_ids if end_ids is not None else [self.eos_id])
         self.model = model
         self._ids = itertools.count()
         self.num_steps = 0
@@ -71,8 +75,13 @@ class Engine:
             QueueFullError: the waiting queue is full.
         """
         check_model_support(self.model, params, bool(suffix_ids))
+        vocab = getattr(self.model.config, "vocab_size", None)
+        if vocab is not None and any(t >= vocab for t in params.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be ids below the vocabulary size {vocab}; got "
+                             f"{params.stop_token_ids}")
         request = Request(request_id or f"req-{next(self._ids)}", list(prompt_ids), params, self.mask_id,
                           list(suffix_ids or []))
+        request.stop_ids = (frozenset() if params.ignore_eos else self.end_ids) | frozenset(params.stop_token_ids)
         self.scheduler.add(request)
         return request
 

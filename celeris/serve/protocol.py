@@ -139,6 +139,11 @@ class SamplingRequest(StrictModel):
     cache_refresh: int | None = Field(default=None, ge=0)
     suffix_window: int | None = Field(default=None, ge=0)
     stream_mode: Literal["text", "denoise"] = "text"
+    # vLLM's end-of-generation controls (SamplingParams has their meaning).
+    stop_token_ids: Annotated[list[Annotated[int, Field(ge=0)]], Field(max_length=64)] | None = None
+    ignore_eos: bool | None = None
+    skip_special_tokens: bool | None = None
+    include_stop_str_in_output: bool | None = None
 
     # OpenAI parameters accepted only at their neutral values (see unsupported_params).
     logprobs: Any = None

@@ -24,6 +24,7 @@ import json
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, replace
+from functools import partial
 from pathlib import Path
 
 from celeris.config import EngineConfig
@@ -151,7 +152,7 @@ class OpenAIServing:
         if async_engine is None:
             config = engine_config or EngineConfig()
             # the engine's queue counts free running slots, so it admits max_num_seqs + max_waiting in all
-            engine = Engine(llm.model, config)
+            engine = Engine(llm.model, config, llm.end_token_ids)
             async_engine = AsyncEngine(engine, max_in_flight=config.max_num_seqs + config.max_waiting,
                                        on_stats=self.metrics.set_queue_stats)
         self.async_engine = async_engine
@@ -291,7 +292,15 @@ class OpenAIServing:
                 entropy_bound=request.entropy_bound, cfg_scale=request.cfg_scale, seed=request.seed,
                 stop=request.stop_list() or None, cache=request.cache, repetition_penalty=request.repetition_penalty,
                 cache_refresh=request.cache_refresh, suffix_window=request.suffix_window,
+                stop_token_ids=request.stop_token_ids, ignore_eos=request.ignore_eos,
+                skip_special_tokens=request.skip_special_tokens,
+                include_stop_str_in_output=request.include_stop_str_in_output,
             )
+            params = self.llm.with_special_stops(params)
+            vocab = self.tokenizer.vocab_size
+            if any(t >= vocab for t in params.stop_token_ids):
+                raise ValueError(f"stop_token_ids must be ids below the vocabulary size {vocab}; got "
+                                 f"{params.stop_token_ids}")
             check_model_support(self.llm.model, params, has_suffix=bool(getattr(request, "suffix", None)))
             return params
         except (ValueError, TypeError) as exc:  # SamplingParams names the field first: "steps must be >= 1"
@@ -342,7 +351,9 @@ class OpenAIServing:
             raise APIError(400, str(exc)) from None
         except EngineDeadError as exc:
             raise APIError(503, str(exc), code="engine_unavailable") from None
-        choices = [_Choice(IncrementalText(self.tokenizer.decode, inp.params.stop)) for inp in inputs]
+        choices = [_Choice(IncrementalText(partial(self.tokenizer.decode, skip_special_tokens=p.skip_special_tokens),
+                                           p.stop, p.include_stop_str_in_output))
+                   for p in (inp.params for inp in inputs)]
         prompt_tokens = sum(len(ids) + len(sfx) for ids, sfx in encoded)
         return _Run(group, choices, prompt_tokens, arrival, arrival + self.request_timeout, request.stream_mode,
                     is_disconnected)

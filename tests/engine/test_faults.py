@@ -97,3 +97,44 @@ def test_seed_draws_depend_on_the_rows_own_width():
         return uniform((1, padded, 3), [g], torch.device("cpu"), [width])[0, :width]
 
     assert torch.equal(draws(4, 4), draws(4, 8))
+
+
+# ---------------------------------------------------------------- end-of-turn and stop ids (item 4)
+
+EOT = 7
+
+
+def eot_table(prompt_len: int, eot_at: int):
+    """Answer position k predicts token 10 + k, except position ``eot_at``, which predicts EOT."""
+    def table(position: int) -> torch.Tensor:
+        logits = torch.zeros(64)
+        k = position - prompt_len
+        logits[EOT if k == eot_at else 10 + max(k, 0) % 40] = 10.0
+        return logits
+    return table
+
+
+@pytest.mark.parametrize("params, expect_ids, reason", [
+    (SamplingParams(max_new_tokens=8, steps=8, block_length=4), [10, 11, 12], "stop"),
+    (SamplingParams(max_new_tokens=8, steps=8, block_length=4, ignore_eos=True), [10, 11, 12, EOT, 14, 15, 16, 17],
+     "length"),
+    (SamplingParams(max_new_tokens=8, steps=8, block_length=4, stop_token_ids=[11]), [10], "stop"),
+    (SamplingParams(max_new_tokens=8, steps=8, block_length=4, ignore_eos=True, stop_token_ids=[15]),
+     [10, 11, 12, EOT, 14], "stop"),
+])
+def test_generation_ends_at_every_end_id(scripted_model, params, expect_ids, reason):
+    model = scripted_model(eot_table(len(PROMPT), eot_at=3))
+    engine = Engine(model, EngineConfig(max_num_seqs=2), end_ids=[0, EOT])
+    r = engine.add_request(PROMPT, params)
+    run_to_end(engine)
+    assert r.final_prefix() == expect_ids and r.finish_reason == reason
+    if reason == "stop" and not params.ignore_eos:
+        assert r.steps == 4  # early exit after the first block: the end-of-turn token ended it
+
+
+def test_stop_token_ids_outside_the_vocabulary_are_refused():
+    engine = Engine(tiny_model(), EngineConfig(max_num_seqs=2))
+    with pytest.raises(ValueError, match="stop_token_ids"):
+        engine.add_request(PROMPT, SamplingParams(max_new_tokens=4, stop_token_ids=[64]))
+    with pytest.raises(ValueError, match="stop_token_ids"):
+        SamplingParams(stop_token_ids=[-1])

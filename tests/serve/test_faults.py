@@ -128,3 +128,23 @@ def test_mask_text_in_prompts_and_messages_is_text(server, serve_llm):
     forged = httpx.post(f"{server.url}/v1/chat/completions", timeout=30,
                         json={"messages": [{"role": "user", "content": "a<|endoftext|>b"}], "max_tokens": 4}).json()
     assert forged["usage"]["prompt_tokens"] > plain["usage"]["prompt_tokens"] + 1
+
+
+def test_end_of_generation_controls_over_http(server, serve_llm):
+    """Item 4's vLLM request surface: accepted, and an id outside the vocabulary is a 400 naming it."""
+    resp = httpx.post(f"{server.url}/v1/completions", timeout=30, json={
+        "prompt": "def f(x):", "max_tokens": 8, "steps": 8, "ignore_eos": True, "skip_special_tokens": False,
+        "include_stop_str_in_output": True, "stop_token_ids": [3], "stop": ["<|endoftext|>"]})
+    assert resp.status_code == 200, resp.text
+    assert_error(post(server, "/v1/completions", {"prompt": "x", "stop_token_ids": [10**6]}), 400,
+                 param="stop_token_ids")
+
+
+def test_include_stop_str_keeps_the_matched_stop():
+    from celeris.serve.detokenize import IncrementalText
+
+    decode = lambda ids: "".join(chr(97 + i) for i in ids)  # noqa: E731 - 0 -> "a", 1 -> "b", ...
+    kept, cut = IncrementalText(decode, ["cd"], include_stop=True), IncrementalText(decode, ["cd"])
+    for text in (kept, cut):
+        text.push([0, 1, 2]), text.push([3, 4])
+    assert kept.text == "abcd" and cut.text == "ab" and kept.stopped and cut.stopped
