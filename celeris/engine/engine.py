@@ -17,7 +17,14 @@ from celeris.engine.request import NO_PROGRESS, Request
 from celeris.engine.runner import ModelRunner
 from celeris.engine.scheduler import Scheduler
 from celeris.params import SamplingParams
-from celeris.sampling.step import RowSettings, banned_token_ids, check_model_support, context_tokens, denoise_step
+from celeris.sampling.step import (
+    RowSettings,
+    banned_token_ids,
+    check_model_support,
+    confidence_rule,
+    context_tokens,
+    denoise_step,
+)
 
 
 @dataclass(slots=True)
@@ -55,6 +62,7 @@ class Engine:
         cfg = model.config
         self.mask_id, self.eos_id = cfg.mask_token_id, cfg.eos_token_id
         self.banned_ids = banned_token_ids(cfg)
+        self.confidence_from = confidence_rule(model)
         self.end_ids = frozenset(end_ids if end_ids is not None else [self.eos_id])
         self.model = model
         self._ids = itertools.count()
@@ -106,7 +114,7 @@ class Engine:
             seen = context_tokens([r.canvas for r in batch], logits.shape[-1], self.mask_id, logits.device)
         widths = [r.block_span[1] - r.block_span[0] for r in batch]
         new_block, committed = denoise_step(logits, block, self.mask_id, self.banned_ids, num_tokens, settings,
-                                            [r.generator for r in batch], seen, widths)
+                                            [r.generator for r in batch], seen, widths, self.confidence_from)
         new_block, committed = new_block.cpu(), committed.cpu()
         outputs = []
         for i, r in enumerate(batch):

@@ -25,6 +25,7 @@ from celeris.sampling.step import (
     RowSettings,
     banned_token_ids,
     check_model_support,
+    confidence_rule,
     context_tokens,
     denoise_step,
     guided,
@@ -248,7 +249,7 @@ def generate(
                 seen = context_tokens(list(torch.where(attn, canvas, mask_id)), logits.shape[-1], mask_id, device)
             was_masked = (canvas[:, span] == mask_id).any(-1)  # (B,)
             canvas[:, span], committed = denoise_step(logits, canvas[:, span], mask_id, banned, k, settings,
-                                                      generators, seen)
+                                                      generators, seen, confidence_from=confidence_rule(model))
             if bool((was_masked & ~committed.any(-1)).any()):
                 raise NoProgressError(f"denoising step {steps + 1} committed no token (the model's scores are not "
                                       f"finite numbers)")
