@@ -9,7 +9,9 @@ Celeris extensions (extra body fields of the ``openai`` client): ``steps``, ``bl
 ``remasking``, ``decoding``, ``threshold``, ``factor``, ``entropy_bound``, ``cfg_scale``, ``repetition_penalty`` (defaults
 from the model's ``generation_config.json``), ``cache`` (``none``, ``prefix``, ``dual``, ``delayed`` or ``dual_delayed``),
 ``cache_refresh``, ``suffix_window`` and ``stream_mode`` (``"text"``, or ``"denoise"``: every chunk carries the
-whole answer canvas).
+whole answer canvas); vLLM's ``stop_token_ids``, ``ignore_eos``, ``skip_special_tokens`` and
+``include_stop_str_in_output``. The float settings' ranges are SamplingParams' (``celeris.params.FLOAT_BOUNDS``).
+Responses carry ``choice.celeris`` (``DecodingDetails``) and ``usage.nfe``.
 """
 
 from __future__ import annotations
