@@ -61,6 +61,14 @@ def _sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--suffix-window", type=int,
                    help="passes see only this many masked columns past the block (0 = the whole canvas)")
     p.add_argument("--stop", action="append", help="stop string (repeatable)")
+    p.add_argument("--stop-token-id", action="append", type=int, dest="stop_token_ids",
+                   help="token id that ends the answer, besides the model's end ids (repeatable)")
+    p.add_argument("--ignore-eos", action="store_true", default=None,
+                   help="do not end at the model's end-of-text / end-of-turn ids")
+    p.add_argument("--keep-special-tokens", action="store_false", default=None, dest="skip_special_tokens",
+                   help="keep special tokens in the printed text")
+    p.add_argument("--include-stop-str", action="store_true", default=None, dest="include_stop_str_in_output",
+                   help="keep the matched stop string at the end of the text")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -138,6 +146,8 @@ def _params(llm_defaults: dict, args: argparse.Namespace):
         temperature=args.temperature, top_p=args.top_p, seed=args.seed, remasking=args.remasking,
         decoding=args.decoding, threshold=args.threshold, cfg_scale=args.cfg_scale, stop=args.stop, cache=args.cache,
         repetition_penalty=args.repetition_penalty, cache_refresh=args.cache_refresh, suffix_window=args.suffix_window,
+        stop_token_ids=args.stop_token_ids, ignore_eos=args.ignore_eos, skip_special_tokens=args.skip_special_tokens,
+        include_stop_str_in_output=args.include_stop_str_in_output,
     )
 
 
@@ -188,10 +198,16 @@ def cmd_generate(args: argparse.Namespace) -> int:
             print(f"{prefix}{args.prompt}{text}", flush=True)
 
     out = llm.generate(args.prompt, params, suffixes=[args.suffix], on_step=on_step)[0]
+    if out.finish_reason == "error":
+        print(f"celeris: error: {out.error_code}: {out.error}", file=sys.stderr)
+        return 1
     if args.json:
         record = {"prompt": args.prompt, "text": out.text, "token_ids": out.token_ids, "nfe": out.nfe,
                   "seconds": round(out.seconds, 4), "ttft_s": out.ttft_s and round(out.ttft_s, 4),
-                  "finish_reason": out.finish_reason, "total_seconds": round(time.perf_counter() - start, 4)}
+                  "finish_reason": out.finish_reason, "total_seconds": round(time.perf_counter() - start, 4),
+                  "steps": out.steps, "tokens_per_forward": round(out.num_committed / out.nfe, 4) if out.nfe else 0.0,
+                  "block_length": min(params.block_length, params.max_new_tokens), "cache": params.cache,
+                  "decoding": params.decoding, "remasking": params.remasking}
         print(json.dumps(record))
     elif args.suffix:
         print(f"{args.prompt}{out.text}{args.suffix}")
@@ -212,9 +228,9 @@ def cmd_chat(args: argparse.Namespace) -> int:
         if not line:
             break
         messages.append({"role": "user", "content": line})
-        prompt = llm.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        prompt_ids = llm.tokenizer.encode_chat(messages, add_generation_prompt=True)  # contents stay text
         try:
-            answer = llm.generate(prompt, params)[0].text
+            answer = llm.generate([prompt_ids], params)[0].text
         except ValueError as exc:  # e.g. the conversation outgrew the context window
             print(f"celeris: error: {exc}", file=sys.stderr)
             messages.pop()

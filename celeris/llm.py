@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -14,6 +14,7 @@ from celeris.config import EngineConfig, resolve_device, resolve_dtype
 from celeris.engine import Engine, Request
 from celeris.models.registry import load_any, load_tokenizer
 from celeris.params import SamplingParams
+from celeris.serve.detokenize import find_stop
 
 EMBEDDED = Path(__file__).parent / "checkpoints"
 DEFAULT_MODEL = EMBEDDED / "celeris-code-6m"
@@ -38,10 +39,13 @@ class RequestOutput:
     Attributes:
         text: decoded answer, cut before the first end-of-text token and the first stop string.
         token_ids: the answer's token ids (same cut).
-        finish_reason: "stop" (end-of-text or a stop string) or "length".
+        finish_reason: "stop" (end-of-text or a stop string), "length", or "error" (``error`` says why;
+            ``error_code`` "no_progress": a denoising step committed nothing, see ``Engine.step``).
         nfe: forward passes this answer took part in (a CFG step counts 2).
         seconds: submit to full answer, in seconds.
         ttft_s: seconds until the answer's first token was final.
+        steps: denoising steps taken.
+        num_committed: answer positions committed (``num_committed / nfe`` tokens per forward pass).
     """
 
     prompt: str
@@ -51,6 +55,10 @@ class RequestOutput:
     nfe: int
     seconds: float
     ttft_s: float | None
+    steps: int = 0
+    num_committed: int = 0
+    error_code: str | None = None
+    error: str | None = None
 
 
 def causal_defaults(generation_config: dict) -> dict:
@@ -91,18 +99,31 @@ class LLM:
         self.generation_config: dict = json.loads(gen_path.read_text()) if gen_path.is_file() else {}
         if getattr(self.model.config, "is_causal", False):  # what an autoregressive model can decode by default
             self.generation_config = causal_defaults(self.generation_config)
-        self.engine = Engine(self.model, self.engine_config)
+        # every id that ends an answer: end-of-text, the generation config's eos_token_id list, end-of-turn
+        self.end_token_ids = self.tokenizer.end_token_ids(self.path, self.generation_config)
+        self.engine = Engine(self.model, self.engine_config, self.end_token_ids)
         self.context_length = self.model.config.max_position_embeddings
 
     def default_params(self, **overrides: object) -> SamplingParams:
         """SamplingParams from the model's ``generation_config.json`` with ``overrides`` applied."""
         return SamplingParams.from_defaults(self.generation_config, **overrides)
 
-    def encode_prompt(self, prompt: str, params: SamplingParams, suffix: str | None = None) -> tuple[list[int], list[int]]:
-        """Tokenize and check against the context window; raises ValueError naming both numbers."""
+    def with_special_stops(self, params: SamplingParams) -> SamplingParams:
+        """``params`` with each stop string that is exactly a special token (``"<|im_end|>"``) moved to
+        ``stop_token_ids`` (special tokens never appear in the decoded text a stop string is matched against)."""
+        strings, ids = self.tokenizer.split_stop(params.stop)
+        if not ids:
+            return params
+        return replace(params, stop=strings, stop_token_ids=sorted(set(params.stop_token_ids) | set(ids)))
+
+    def encode_prompt(self, prompt: str | list[int], params: SamplingParams,
+                      suffix: str | None = None) -> tuple[list[int], list[int]]:
+        """Tokenize (a list of ids is taken as already encoded) and check against the context window; raises
+        ValueError naming both numbers. The mask and pad strings in the text are encoded as text, never as
+        their reserved ids (``Tokenizer.encode``)."""
         if not prompt:
             raise ValueError("prompt must not be empty")
-        ids = self.tokenizer.encode(prompt)
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         suffix_ids = self.tokenizer.encode(suffix) if suffix else []
         need = len(ids) + params.max_new_tokens + len(suffix_ids)
         if need > self.context_length:
@@ -114,31 +135,34 @@ class LLM:
         return ids, suffix_ids
 
     def finish(self, token_ids: list[int], params: SamplingParams, hit_eos: bool) -> tuple[str, list[int], str]:
-        """Apply stop strings: returns (text, token_ids, finish_reason)."""
-        text = self.tokenizer.decode(token_ids)
-        cuts = [i for i in (text.find(s) for s in params.stop) if i >= 0]
-        if not cuts:
+        """Apply stop strings: returns (text, token_ids, finish_reason). The text keeps special tokens when
+        ``params.skip_special_tokens`` is False and the matched stop string when ``include_stop_str_in_output``."""
+        skip = params.skip_special_tokens
+        text = self.tokenizer.decode(token_ids, skip)
+        match = find_stop(text, params.stop)
+        if match is None:
             return text, token_ids, "stop" if hit_eos else "length"
-        text = text[: min(cuts)]
+        text = text[: match[1] if params.include_stop_str_in_output else match[0]]
         n = 0
-        while n < len(token_ids) and len(self.tokenizer.decode(token_ids[: n + 1])) <= len(text):
+        while n < len(token_ids) and len(self.tokenizer.decode(token_ids[: n + 1], skip)) <= len(text):
             n += 1
         return text, token_ids[:n], "stop"
 
     def generate(
         self,
-        prompts: str | list[str],
+        prompts: str | list[str] | list[list[int]],
         params: SamplingParams | None = None,
         suffixes: list[str | None] | None = None,
         on_step: Callable[[torch.Tensor], None] | None = None,
     ) -> list[RequestOutput]:
-        """Generate one answer per prompt, in order.
+        """Generate one answer per prompt (a string, or a list of token ids such as ``Tokenizer.encode_chat``
+        returns), in order.
 
         Raises:
             ValueError: an empty prompt or one that does not fit the context window.
         """
         prompts = [prompts] if isinstance(prompts, str) else list(prompts)
-        params = params or self.default_params()
+        params = self.with_special_stops(params or self.default_params())
         suffixes = suffixes or [None] * len(prompts)
         encoded = [self.encode_prompt(p, params, s) for p, s in zip(prompts, suffixes, strict=True)]
         requests = [self.engine.add_request(ids, params, suffix_ids) for ids, suffix_ids in encoded]
@@ -146,12 +170,17 @@ class LLM:
             self.engine.step()
             if on_step is not None:
                 on_step(torch.stack([r.answer for r in requests]))
-        return [self.to_output(prompt, r) for prompt, r in zip(prompts, requests, strict=True)]
+        return [self.to_output(p if isinstance(p, str) else self.tokenizer.decode(p), r)
+                for p, r in zip(prompts, requests, strict=True)]
 
     def to_output(self, prompt: str, request: Request) -> RequestOutput:
         """Decode a finished request into a RequestOutput (stop strings applied)."""
-        ids = request.final_prefix(self.tokenizer.eos_token_id)
+        ids = request.final_prefix()
         text, ids, reason = self.finish(ids, request.params, request.finish_reason == "stop")
+        if request.finish_reason == "error":
+            reason = "error"
         end = request.finish_time or time.perf_counter()
         ttft = request.first_token_time - request.arrival_time if request.first_token_time else None
-        return RequestOutput(prompt, text, ids, reason, request.nfe, end - request.arrival_time, ttft)
+        committed = int((request.answer != request.mask_id).sum())
+        return RequestOutput(prompt, text, ids, reason, request.nfe, end - request.arrival_time, ttft,
+                             request.steps, committed, request.error_code, request.error)

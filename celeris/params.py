@@ -2,11 +2,38 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, fields
 
 REMASKING = ("low_confidence", "random")
 DECODING = ("fixed", "threshold", "factor", "entropy", "verified")
 CACHE = ("none", "prefix", "dual", "delayed", "dual_delayed")
+
+# Closed ranges [low, high] of the float settings, the same for Python, the CLI, HTTP and batch jobs
+# (the HTTP layer validates through SamplingParams). Every value must also be a finite number. The
+# bounds keep the sampler's float32 arithmetic finite: a cfg_scale, repetition_penalty or top_p that
+# float32 cannot hold (1e308 -> inf, 1e-300 -> 0, 1e-50 -> 0) turns every confidence into NaN and no
+# position could ever be committed. Lower bounds marked open in ``OPEN_LOW`` exclude the low end.
+FLOAT_BOUNDS: dict[str, tuple[float, float]] = {
+    "temperature": (0.0, 2.0),  # OpenAI's range
+    "top_p": (1e-6, 1.0),
+    "threshold": (0.0, 1.0),
+    "factor": (0.0, 1e12),
+    "entropy_bound": (0.0, 1e12),
+    "cfg_scale": (0.0, 100.0),
+    "repetition_penalty": (0.01, 100.0),
+}
+OPEN_LOW = ("threshold", "factor")  # must be > low, not >= low
+MAX_SEED = 2**63 - 1
+
+
+def check_float(name: str, value: object) -> str | None:
+    """None when ``value`` is a finite number within ``FLOAT_BOUNDS[name]``, else a message naming the range."""
+    low, high = FLOAT_BOUNDS[name]
+    left = "(" if name in OPEN_LOW else "["
+    ok = (isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+          and (value > low if name in OPEN_LOW else value >= low) and value <= high)
+    return None if ok else f"{name} must be a finite number in {left}{low:g}, {high:g}], got {value!r}"
 
 
 @dataclass(slots=True)
@@ -22,7 +49,10 @@ class SamplingParams:
             ``max_new_tokens``; a last block may be shorter. An autoregressive
             (causal) model needs 1 (``check_model_support``).
         temperature: 0 is greedy; > 0 samples by Gumbel-max in float64.
-        top_p: nucleus mass in (0, 1].
+        top_p: nucleus mass in [1e-6, 1].
+
+    Every float setting must be a finite number within ``FLOAT_BOUNDS`` (e.g. ``cfg_scale`` in
+    [0, 100], ``repetition_penalty`` in [0.01, 100]); ``seed`` in [0, 2**63 - 1].
         remasking: ``low_confidence`` (commit the most confident predictions) or
             ``random`` (commit random masked positions), LLaDA arXiv:2502.09992.
         decoding: how many tokens a step commits: ``fixed`` (linear schedule,
@@ -39,7 +69,14 @@ class SamplingParams:
             multiplied by it when negative (CTRL, arXiv:1909.05858, Sec. 4.1; the
             ``repetition_penalty`` of transformers and vLLM). 1 disables it.
         seed: per-request RNG seed; None draws a fresh one.
-        stop: strings that end the answer (the stop string is not returned).
+        stop: strings that end the answer (the stop string is not returned unless
+            ``include_stop_str_in_output``). A stop string that is exactly a special token (``"<|im_end|>"``)
+            ends the answer at that token (``LLM`` and the server add its id to ``stop_token_ids``).
+        stop_token_ids: token ids that end the answer, besides the model's end ids (the generation
+            config's ``eos_token_id`` list, the tokenizer's end-of-text and end-of-turn tokens). As vLLM.
+        ignore_eos: do not end at the model's end ids (``stop_token_ids`` still end it); as vLLM.
+        skip_special_tokens: leave special tokens out of the returned text (default); as vLLM.
+        include_stop_str_in_output: keep the matched stop string at the end of the text; as vLLM.
         early_exit: stop denoising once every answer holds an end-of-text token
             with all positions before it filled; returns the same text.
         cache: ``none``; ``prefix`` or ``dual`` (Fast-dLLM arXiv:2505.22618): keys
@@ -85,6 +122,10 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
     early_exit: bool = True
     cache: str = "none"
     cache_refresh: int = 0
@@ -93,17 +134,14 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        checks = [
+        checks = [(message is None, message) for message in
+                  (check_float(name, getattr(self, name)) for name in FLOAT_BOUNDS)]
+        checks += [
             (self.max_new_tokens >= 1, f"max_new_tokens must be >= 1, got {self.max_new_tokens}"),
             (self.steps >= 1, f"steps must be >= 1, got {self.steps}"),
             (self.block_length >= 1, f"block_length must be >= 1, got {self.block_length}"),
-            (self.temperature >= 0, f"temperature must be >= 0, got {self.temperature}"),
-            (0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}"),
             (self.remasking in REMASKING, f"remasking must be one of {', '.join(REMASKING)}; got '{self.remasking}'"),
             (self.decoding in DECODING, f"decoding must be one of {', '.join(DECODING)}; got '{self.decoding}'"),
-            (0 < self.threshold <= 1, f"threshold must be in (0, 1], got {self.threshold}"),
-            (self.factor > 0, f"factor must be > 0, got {self.factor}"),
-            (self.entropy_bound >= 0, f"entropy_bound must be >= 0, got {self.entropy_bound}"),
             (self.cache in CACHE, f"cache must be one of {', '.join(CACHE)}; got '{self.cache}'"),
             (isinstance(self.cache_refresh, int) and not isinstance(self.cache_refresh, bool)
              and self.cache_refresh >= 0, f"cache_refresh must be an integer >= 0, got {self.cache_refresh!r}"),
@@ -113,9 +151,13 @@ class SamplingParams:
              and self.suffix_window >= 0, f"suffix_window must be an integer >= 0, got {self.suffix_window!r}"),
             (self.suffix_window == 0 or self.cache != "delayed",
              "suffix_window cannot be used with cache='delayed' (it never recomputes the suffix); use 'dual_delayed'"),
-            (self.cfg_scale >= 0, f"cfg_scale must be >= 0, got {self.cfg_scale}"),
-            (self.repetition_penalty > 0, f"repetition_penalty must be > 0, got {self.repetition_penalty}"),
+            (self.seed is None or (isinstance(self.seed, int) and not isinstance(self.seed, bool)
+                                   and 0 <= self.seed <= MAX_SEED),
+             f"seed must be an integer in [0, {MAX_SEED}], got {self.seed!r}"),
             (all(isinstance(s, str) and s for s in self.stop), "stop must be a non-empty string or a list of them"),
+            (isinstance(self.stop_token_ids, list) and all(
+                isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids),
+             f"stop_token_ids must be a list of token ids >= 0, got {self.stop_token_ids!r}"),
         ]
         for ok, message in checks:
             if not ok:

@@ -8,6 +8,8 @@ dicts, and a Jinja ``chat_template``) and, where present, ``chat_template.jinja`
 from __future__ import annotations
 
 import json
+import re
+from collections.abc import Iterable
 from pathlib import Path
 
 from tokenizers import Tokenizer as HFTokenizer
@@ -16,6 +18,10 @@ from tokenizers import Tokenizer as HFTokenizer
 # published folder may name them differently (tokenizer_config.json) or leave a name
 # out and give only the id (config.json, e.g. LLaDA's mask_token_id).
 SPECIAL_TOKENS = {"eos": "<|endoftext|>", "mask": "<|mask|>", "pad": "<|pad|>"}
+
+# End-of-turn tokens of published chat formats (LLaDA / Llama 3, Dream / Qwen, Phi, Gemma): where the tokenizer
+# has one of these as a special token, generation ends at it as at end-of-text.
+END_OF_TURN = ("<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|eom_id|>", "<|end_of_turn|>")
 
 # A base code model has no trained chat format; this template renders a
 # conversation as Python comments and leaves the answer to be written as code.
@@ -142,6 +148,17 @@ class Tokenizer:
         self.mask_token_id = self._special_id("mask", fallback)
         self.pad_token_id = self._special_id("pad", fallback, last_resort=self.eos_token_id)
         self.vocab_size = self._tok.get_vocab_size()
+        # A second instance that encodes special-token strings as plain text (so the shared one is never toggled).
+        self._text_tok = HFTokenizer.from_str(self._tok.to_str())
+        self._text_tok.encode_special_tokens = True
+        reserved = {self.mask_token_id} | ({self.pad_token_id} - {self.eos_token_id})
+        # The mask and pad strings: reserved ids that user text must never produce (pad only when it is not also
+        # end-of-text, which LLaDA and Dream pad with and which a hand-written prompt may use).
+        self.reserved_tokens: list[str] = sorted({t for t in map(self._tok.id_to_token, reserved) if t}, key=len,
+                                                 reverse=True)
+        added = self._tok.get_added_tokens_decoder().values()
+        self.all_special_tokens: list[str] = sorted({a.content for a in added if a.special} | set(self.reserved_tokens),
+                                                    key=len, reverse=True)
 
     def _special_id(self, name: str, fallback: dict[str, int], last_resort: int | None = None) -> int:
         """The id of the tokenizer_config token, else ``fallback[name]``, else the Celeris token name's id."""
@@ -160,12 +177,72 @@ class Tokenizer:
             raise ValueError(f"special token {token!r} is not in the tokenizer vocabulary")
         return idx
 
-    def encode(self, text: str) -> list[int]:
-        return self._tok.encode(text).ids
+    def end_token_ids(self, folder: str | Path, generation_config: dict | None = None) -> list[int]:
+        """Every id that ends generation: the end-of-text id, each ``eos_token_id`` (an int or a list) of the
+        folder's config.json and of ``generation_config`` (default: its generation_config.json), and the
+        tokenizer's end-of-turn special tokens (``END_OF_TURN``, e.g. LLaDA's ``<|eot_id|>``, Dream's
+        ``<|im_end|>``). Ids outside the vocabulary are left out."""
+        folder = Path(folder)
+        gen = read_json(folder / "generation_config.json") if generation_config is None else generation_config
+        ids = [self.eos_token_id]
+        for source in (read_json(folder / "config.json"), gen):
+            value = source.get("eos_token_id")
+            for v in value if isinstance(value, list) else [value]:
+                if isinstance(v, int) and not isinstance(v, bool):
+                    ids.append(v)
+        special = {a.content for a in self._tok.get_added_tokens_decoder().values() if a.special}
+        ids += [self._tok.token_to_id(t) for t in END_OF_TURN if t in special]
+        reserved = {self.mask_token_id} | ({self.pad_token_id} - {self.eos_token_id})
+        return sorted({i for i in ids if 0 <= i < self.vocab_size and i not in reserved})
 
-    def decode(self, ids: list[int]) -> str:
-        """Token ids -> text; special tokens are dropped."""
-        return self._tok.decode(ids, skip_special_tokens=True)
+    def split_stop(self, stop: list[str]) -> tuple[list[str], list[int]]:
+        """Stop strings -> (stop strings, stop token ids): a string that is exactly a special token (e.g.
+        ``"<|im_end|>"``) becomes that token's id, since special tokens are not in the decoded text."""
+        special = {a.content: i for i, a in self._tok.get_added_tokens_decoder().items() if a.special}
+        return [s for s in stop if s not in special], [special[s] for s in stop if s in special]
+
+    def encode(self, text: str, as_text: Iterable[str] | None = None) -> list[int]:
+        """Text -> token ids. Special tokens written in ``text`` keep their ids (a hand-written chat prompt
+        works, as in vLLM), except the strings in ``as_text`` (default: ``reserved_tokens``, the mask and pad
+        tokens), which are encoded as the plain text they are: user text never becomes a reserved id."""
+        literal = [t for t in (self.reserved_tokens if as_text is None else as_text) if t]
+        if not literal or not any(t in text for t in literal):
+            return self._tok.encode(text).ids
+        pattern = "(" + "|".join(re.escape(t) for t in sorted(literal, key=len, reverse=True)) + ")"
+        ids: list[int] = []
+        for i, piece in enumerate(re.split(pattern, text)):  # odd pieces are the literal strings
+            if piece:
+                ids += (self._text_tok if i % 2 else self._tok).encode(piece).ids
+        return ids
+
+    def encode_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
+        """Render ``messages`` with the chat template and encode the result; the special tokens the template
+        writes (role markers, end-of-turn) keep their ids, while every special-token string inside a message's
+        content is encoded as plain text (a user cannot forge a role marker or a mask).
+
+        Each such string is swapped for a private-use character absent from the messages and the template
+        before rendering, and encoded as text where that character lands.
+        """
+        used = "".join(m["content"] for m in messages) + (self.chat_template or "")
+        base = next(c for c in range(0xE000, 0xF8FF - len(self.all_special_tokens))
+                    if not any(chr(c + k) in used for k in range(len(self.all_special_tokens))))
+        sentinel = {tok: chr(base + k) for k, tok in enumerate(self.all_special_tokens)}
+        pattern = re.compile("|".join(re.escape(t) for t in self.all_special_tokens)) if sentinel else None
+        safe = [{**m, "content": pattern.sub(lambda x: sentinel[x.group(0)], m["content"]) if pattern else m["content"]}
+                for m in messages]
+        rendered = self.apply_chat_template(safe, add_generation_prompt)
+        back = {c: tok for tok, c in sentinel.items()}
+        ids: list[int] = []
+        for piece in re.split("([" + "".join(back) + "])", rendered) if back else [rendered]:
+            if piece in back:
+                ids += self._text_tok.encode(back[piece]).ids
+            elif piece:
+                ids += self.encode(piece)
+        return ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        """Token ids -> text; special tokens are dropped unless ``skip_special_tokens`` is False."""
+        return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
         """Render ``messages`` ([{"role", "content"}]) with the checkpoint's Jinja chat template."""

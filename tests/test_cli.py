@@ -214,3 +214,24 @@ def test_bench_runs_the_embedded_twin_only_beside_the_embedded_model(tmp_path, m
         bench_ar_model(None, str(tmp_path / "missing"))
     (tmp_path / "celeris-code-6m-ar").rmdir()
     assert bench_ar_model(None, None) is None  # no twin shipped: the bench says nothing of one
+
+
+@pytest.mark.parametrize("flags", [["--cfg-scale", "1e308"], ["--cfg-scale", "inf"], ["--top-p", "1e-50"],
+                                   ["--repetition-penalty", "1e-300"], ["--temperature", "nan"]])
+def test_values_that_would_never_finish_exit_2(capsys, tiny_checkpoint, flags):
+    """Issue 13 item 1: `celeris generate ... --cfg-scale 1e308` once never returned."""
+    code, out, err = run_cli(capsys, "generate", "def f(x):", "--model", str(tiny_checkpoint), "--device", "cpu",
+                             "--max-new-tokens", "4", *flags)
+    assert code == 2 and out == ""
+    assert err.startswith("celeris: error: ") and "finite number in" in err and len(err.strip().splitlines()) == 1
+
+
+def test_generate_json_says_how_it_was_decoded(capsys, tiny_checkpoint):
+    """Issue 13 item 6: steps, tokens per forward pass, block length, cache and decoding rule."""
+    code, out, err = run_cli(capsys, "generate", "def f(x):", "--model", str(tiny_checkpoint), "--device", "cpu",
+                             "--json", "--max-new-tokens", "8", "--steps", "2", "--block-length", "8")
+    assert code == 0, err
+    record = json.loads(out.strip().splitlines()[-1])
+    assert record["steps"] == 2 and record["block_length"] == 8
+    assert record["tokens_per_forward"] == 4.0 or record["finish_reason"] == "stop"
+    assert {"cache", "decoding", "remasking"} <= set(record)

@@ -125,3 +125,33 @@ def test_suffix_window_is_a_whole_number_of_columns(value):
     with pytest.raises(ValueError, match="suffix_window cannot be used with cache='delayed'"):
         SamplingParams(cache="delayed", suffix_window=4)
     assert SamplingParams(cache="dual_delayed", suffix_window=4).suffix_window == 4
+
+
+@pytest.mark.parametrize(("name", "value", "valid"), [
+    ("cfg_scale", 1e308, "[0, 100]"),
+    ("cfg_scale", float("inf"), "[0, 100]"),
+    ("cfg_scale", float("nan"), "[0, 100]"),
+    ("repetition_penalty", 1e-300, "[0.01, 100]"),
+    ("repetition_penalty", 1e300, "[0.01, 100]"),
+    ("top_p", 1e-50, "[1e-06, 1]"),
+    ("temperature", float("inf"), "[0, 2]"),
+    ("factor", float("inf"), "(0, 1e+12]"),
+    ("entropy_bound", float("nan"), "[0, 1e+12]"),
+    ("threshold", float("nan"), "(0, 1]"),
+])
+def test_values_that_break_float32_arithmetic_are_refused_with_the_range(name, value, valid):
+    """Issue 13 item 1: each of these once made a request that never finished."""
+    with pytest.raises(ValueError, match=name) as info:
+        SamplingParams(**{name: value})
+    assert valid in str(info.value) and "finite" in str(info.value)
+
+
+@pytest.mark.parametrize("seed", [-1, 2**63, True])
+def test_seed_range(seed):
+    with pytest.raises(ValueError, match="seed"):
+        SamplingParams(seed=seed)
+
+
+def test_bounds_edges_are_accepted():
+    SamplingParams(cfg_scale=100.0, repetition_penalty=0.01, top_p=1e-6, temperature=2.0, seed=2**63 - 1)
+    SamplingParams(cfg_scale=0, repetition_penalty=100, top_p=1)

@@ -14,11 +14,18 @@ from dataclasses import dataclass
 import torch
 
 from celeris.config import EngineConfig
-from celeris.engine.request import Request
+from celeris.engine.request import NO_PROGRESS, Request
 from celeris.engine.runner import ModelRunner
 from celeris.engine.scheduler import Scheduler
 from celeris.params import SamplingParams
-from celeris.sampling.step import RowSettings, banned_token_ids, check_model_support, context_tokens, denoise_step
+from celeris.sampling.step import (
+    RowSettings,
+    banned_token_ids,
+    check_model_support,
+    confidence_rule,
+    context_tokens,
+    denoise_step,
+)
 from celeris.sampling.verified import DraftRow, VerifiedDecoder, draft_length
 
 
@@ -45,15 +52,20 @@ class Engine:
         model: a model with ``config.mask_token_id / eos_token_id / pad_token_id``
             whose forward takes (ids, bool attention mask, logits_slice).
         config: batching budgets and queue length.
+        end_ids: every id that ends an answer (``Tokenizer.end_token_ids``: end-of-text, the generation
+            config's ``eos_token_id`` list, end-of-turn tokens); default: the model config's end-of-text id.
     """
 
-    def __init__(self, model: torch.nn.Module, config: EngineConfig | None = None) -> None:
+    def __init__(self, model: torch.nn.Module, config: EngineConfig | None = None,
+                 end_ids: list[int] | None = None) -> None:
         self.config = config or EngineConfig()
         self.scheduler = Scheduler(self.config)
         self.runner = ModelRunner(model, self.config.enforce_eager, self.config.length_bucket)
         cfg = model.config
         self.mask_id, self.eos_id = cfg.mask_token_id, cfg.eos_token_id
         self.banned_ids = banned_token_ids(cfg)
+        self.confidence_from = confidence_rule(model)
+        self.end_ids = frozenset(end_ids if end_ids is not None else [self.eos_id])
         self.model = model
         self._ids = itertools.count()
         self.num_steps = 0
@@ -75,8 +87,13 @@ class Engine:
             QueueFullError: the waiting queue is full.
         """
         check_model_support(self.model, params, bool(suffix_ids))
+        vocab = getattr(self.model.config, "vocab_size", None)
+        if vocab is not None and any(t >= vocab for t in params.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be ids below the vocabulary size {vocab}; got "
+                             f"{params.stop_token_ids}")
         request = Request(request_id or f"req-{next(self._ids)}", list(prompt_ids), params, self.mask_id,
                           list(suffix_ids or []))
+        request.stop_ids = (frozenset() if params.ignore_eos else self.end_ids) | frozenset(params.stop_token_ids)
         self.scheduler.add(request)
         return request
 
@@ -105,14 +122,19 @@ class Engine:
         seen = None
         if any(r.params.repetition_penalty != 1 for r in batch):
             seen = context_tokens([r.canvas for r in batch], logits.shape[-1], self.mask_id, logits.device)
+        widths = [r.block_span[1] - r.block_span[0] for r in batch]
         new_block, committed = denoise_step(logits, block, self.mask_id, self.banned_ids, num_tokens, settings,
-                                            [r.generator for r in batch], seen)
+                                            [r.generator for r in batch], seen, widths, self.confidence_from)
         new_block, committed = new_block.cpu(), committed.cpu()
         for i, r in enumerate(batch):
             s, e = r.block_span
             r.canvas[s:e] = new_block[i, : e - s]  # a short block's pad columns are dropped
             r.nfe += 2 if r.params.cfg_scale > 0 else 1
-            r.advance(self.eos_id, (s + committed[i, : e - s].nonzero().flatten()).tolist())
+            if not bool(committed[i, : e - s].any()):  # progress guarantee: never take another step in vain
+                r.fail(NO_PROGRESS, f"denoising step {r.steps + 1} committed no token (the model's scores for the "
+                                    f"masked positions are not finite numbers), so the request was ended")
+            else:
+                r.advance(self.eos_id, (s + committed[i, : e - s].nonzero().flatten()).tolist())
             prefix = r.final_prefix(self.eos_id)
             new_ids = prefix[r.num_emitted :]
             r.num_emitted = len(prefix)
@@ -135,7 +157,8 @@ class Engine:
             self.drafter.remove(self._draft_rows.pop(request))
         for request in batch:
             if request not in self._draft_rows:
-                self._draft_rows[request] = self.drafter.add(request.prompt_ids, request.params)
+                self._draft_rows[request] = self.drafter.add(request.prompt_ids, request.params,
+                                                             request.ends(self.eos_id))
         committed = {id(row): new for row, new in self.drafter.step()}
         outputs = []
         for request in batch:
@@ -148,7 +171,7 @@ class Engine:
             if request.first_token_time is None and new:
                 request.first_token_time = time.perf_counter()
             if row.finished:
-                request.finish("stop" if self.eos_id in row.answer else "length")
+                request.finish("stop" if not request.ends(self.eos_id).isdisjoint(row.answer) else "length")
                 self.drafter.remove(self._draft_rows.pop(request))
             prefix = request.final_prefix(self.eos_id)
             new_ids = prefix[request.num_emitted :]

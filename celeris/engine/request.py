@@ -13,6 +13,8 @@ from celeris.sampling.generate import cache_window, visible_end
 from celeris.sampling.schedule import block_plan, num_transfer_tokens
 from celeris.sampling.step import make_generator
 
+NO_PROGRESS = "no_progress"  # error code: a denoising step committed nothing (see ``Engine.step``)
+
 
 class RequestStatus(enum.Enum):
     """Lifecycle: WAITING (queued) -> RUNNING (scheduled) -> FINISHED, or ABORTED from either."""
@@ -48,6 +50,11 @@ class Request:
     nfe: int = 0
     steps: int = 0
     finish_reason: str | None = None
+    error_code: str | None = None  # set with finish_reason "error": e.g. NO_PROGRESS
+    error: str | None = None  # what went wrong, one sentence
+    # Ids that end the answer (the model's end ids unless ignore_eos, plus params.stop_token_ids); None: the
+    # ``eos_id`` given to ``advance`` / ``final_prefix``.
+    stop_ids: frozenset[int] | None = None
 
     def __post_init__(self) -> None:
         if not self.prompt_ids:
@@ -109,15 +116,20 @@ class Request:
         """Tokens to commit now under ``fixed`` decoding (linear schedule)."""
         return int(self.schedule[min(self.step_in_block, self.block_steps - 1)])
 
-    def final_prefix(self, eos_id: int) -> list[int]:
-        """The committed left-to-right prefix of the answer, cut before end-of-text.
+    def ends(self, eos_id: int | None = None) -> frozenset[int]:
+        """The ids that end this answer (``stop_ids``, else ``{eos_id}``)."""
+        return self.stop_ids if self.stop_ids is not None else frozenset({eos_id})
+
+    def final_prefix(self, eos_id: int | None = None) -> list[int]:
+        """The committed left-to-right prefix of the answer, cut before the first id that ends it (``ends``).
 
         These tokens never change again, so they can be streamed.
         """
         ids = self.answer.tolist()
         end = ids.index(self.mask_id) if self.mask_id in ids else len(ids)
-        ids = ids[:end]
-        return ids[: ids.index(eos_id)] if eos_id in ids else ids
+        ends = self.ends(eos_id)
+        stop = next((i for i, t in enumerate(ids[:end]) if t in ends), end)
+        return ids[:stop]
 
     def advance(self, eos_id: int, committed_cols: list[int] | None = None) -> None:
         """After a committed step (``committed_cols``: the canvas columns it filled): move to the next
@@ -130,7 +142,7 @@ class Request:
         if bool((self.canvas[s:e] == self.mask_id).any()):
             return
         answer_so_far = self.canvas[self.answer_start : e].tolist()
-        hit_eos = eos_id in answer_so_far
+        hit_eos = not self.ends(eos_id).isdisjoint(answer_so_far)
         if self.block_idx + 1 == len(self.blocks) or (self.params.early_exit and hit_eos):
             self.finish("stop" if hit_eos else "length")
             return
@@ -138,8 +150,14 @@ class Request:
         self._new_block()
         self.stale_cols = list(committed_cols or [])  # computed while still masked: rewritten at the next step
 
+    def fail(self, code: str, message: str) -> None:
+        """End the request with ``finish_reason`` "error", an error ``code`` and a ``message``."""
+        self.steps += 1
+        self.error_code, self.error = code, message
+        self.finish("error")
+
     def finish(self, reason: str, status: RequestStatus = RequestStatus.FINISHED) -> None:
-        """End the request with ``finish_reason`` ``reason`` ("stop", "length", "abort").
+        """End the request with ``finish_reason`` ``reason`` ("stop", "length", "abort", "error").
 
         The runner frees its KV cache rows at its next step."""
         self.status = status

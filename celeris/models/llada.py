@@ -123,7 +123,14 @@ class LLaDAConfig(FormatConfig):
 
 
 class LLaDAModel(TransformerLM):
-    """Token ids -> logits for LLaDA checkpoints. See the module docstring for the architecture."""
+    """Token ids -> logits for LLaDA checkpoints. See the module docstring for the architecture.
+
+    ``confidence_from`` names the published sampler's confidence rule for the sampler
+    (``celeris.sampling.step.denoise_step``): LLaDA's ``generate()`` ranks positions by
+    ``softmax(logits)`` over the whole vocabulary, the mask token included.
+    """
+
+    confidence_from = "unfiltered"
 
     def __init__(self, cfg: LLaDAConfig) -> None:
         super().__init__(

@@ -21,9 +21,11 @@ from celeris.models.layers import column_window
 from celeris.params import SamplingParams
 from celeris.sampling.schedule import block_plan, num_transfer_tokens
 from celeris.sampling.step import (
+    NoProgressError,
     RowSettings,
     banned_token_ids,
     check_model_support,
+    confidence_rule,
     context_tokens,
     denoise_step,
     guided,
@@ -190,6 +192,7 @@ def generate(
     Raises:
         ValueError: empty prompt, mismatched structural settings, or settings the model cannot
             do (``check_model_support``: e.g. blocks longer than 1 on a causal model).
+        NoProgressError: a step committed nothing for a row (non-finite scores).
     """
     start = time.perf_counter()
     rows = params if isinstance(params, list) else [params] * len(prompt_ids)
@@ -244,8 +247,12 @@ def generate(
             seen = None
             if any(r.repetition_penalty != 1 for r in rows):  # padding is not context
                 seen = context_tokens(list(torch.where(attn, canvas, mask_id)), logits.shape[-1], mask_id, device)
+            was_masked = (canvas[:, span] == mask_id).any(-1)  # (B,)
             canvas[:, span], committed = denoise_step(logits, canvas[:, span], mask_id, banned, k, settings,
-                                                      generators, seen)
+                                                      generators, seen, confidence_from=confidence_rule(model))
+            if bool((was_masked & ~committed.any(-1)).any()):
+                raise NoProgressError(f"denoising step {steps + 1} committed no token (the model's scores are not "
+                                      f"finite numbers)")
             for i in committed.any(-1).nonzero().flatten().tolist():
                 last_commit[i] = (span.start + committed[i].nonzero().flatten()).tolist()
             steps += 1

@@ -14,19 +14,25 @@ NEG_INF = float("-inf")
 
 
 def uniform(
-    shape: tuple[int, ...], generators: list[torch.Generator | None], device: torch.device
+    shape: tuple[int, ...], generators: list[torch.Generator | None], device: torch.device,
+    lengths: list[int] | None = None,
 ) -> torch.Tensor:
-    """U(0, 1) float64 draws of ``shape`` = (B, ...), row b from ``generators[b]`` (zeros where None).
+    """U(0, 1) float64 draws of ``shape`` = (B, L, ...), row b from ``generators[b]`` (zeros where None).
 
     One generator per request keeps a request's randomness independent of which
     other requests share its batch (so a seed means the same thing alone or
     batched); that is why this draws row by row, and only for rows that need it.
+    ``lengths`` (B ints <= L) are the rows' own block widths: row b draws only
+    (lengths[b], ...) numbers and the padding columns after them are 0, so its
+    draws do not depend on how wide the widest block sharing its step is.
     """
-    rows = [
-        torch.rand(shape[1:], generator=g, dtype=torch.float64) if g is not None
-        else torch.zeros(shape[1:], dtype=torch.float64)
-        for g in generators
-    ]
+    lengths = lengths or [shape[1]] * shape[0]
+    rows = []
+    for g, n in zip(generators, lengths, strict=True):
+        row = torch.zeros(shape[1:], dtype=torch.float64)
+        if g is not None:
+            row[:n] = torch.rand((n, *shape[2:]), generator=g, dtype=torch.float64)
+        rows.append(row)
     return torch.stack(rows).to(device)
 
 
@@ -43,12 +49,14 @@ def top_p_filter(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     sorted_logits, order = logits.sort(dim=-1, descending=True)  # (B, L, V)
     cum = sorted_logits.softmax(-1).cumsum(-1)  # (B, L, V)
     drop_sorted = (cum - sorted_logits.softmax(-1)) >= top_p[:, None, None]  # mass before this token
+    drop_sorted[..., 0] = False  # whatever top_p is (even one float32 rounds to 0), a token stays possible
     drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
     return logits.masked_fill(drop, NEG_INF)
 
 
 def sample_tokens(
-    logits: torch.Tensor, temperature: torch.Tensor, generators: list[torch.Generator]
+    logits: torch.Tensor, temperature: torch.Tensor, generators: list[torch.Generator],
+    lengths: list[int] | None = None,
 ) -> torch.Tensor:
     """Gumbel-max sampling in float64 (arXiv:2409.02908: low-precision noise hurts quality).
 
@@ -57,6 +65,7 @@ def sample_tokens(
 
     Args:
         logits: (B, L, V) float32. temperature: (B,) float.
+        lengths: each row's own block width (<= L; ``uniform``), None: all L.
 
     Returns:
         (B, L) int64 token ids.
@@ -65,7 +74,7 @@ def sample_tokens(
     if not bool((temperature > 0).any()):
         return greedy
     needs = [g if t > 0 else None for g, t in zip(generators, temperature.tolist(), strict=True)]
-    u = uniform(tuple(logits.shape), needs, logits.device).clamp_(min=1e-300)  # (B, L, V)
+    u = uniform(tuple(logits.shape), needs, logits.device, lengths).clamp_(min=1e-300)  # (B, L, V)
     gumbel = -torch.log(-torch.log(u))
     t = temperature.double().clamp(min=1e-6)[:, None, None]
     sampled = (logits.double() / t + gumbel).argmax(-1)  # (B, L)
@@ -73,17 +82,17 @@ def sample_tokens(
 
 
 def low_confidence(
-    probs: torch.Tensor, x0: torch.Tensor, generators: list[torch.Generator]
+    probs: torch.Tensor, x0: torch.Tensor, generators: list[torch.Generator], lengths: list[int] | None = None
 ) -> torch.Tensor:
     """Confidence = model probability of the predicted token: (B, L, V), (B, L) -> (B, L) float64."""
     return probs.gather(-1, x0[..., None]).squeeze(-1).double()
 
 
 def random_confidence(
-    probs: torch.Tensor, x0: torch.Tensor, generators: list[torch.Generator]
+    probs: torch.Tensor, x0: torch.Tensor, generators: list[torch.Generator], lengths: list[int] | None = None
 ) -> torch.Tensor:
     """Random remasking: a uniform score per position, so committed positions are random."""
-    return uniform(tuple(x0.shape), generators, x0.device)
+    return uniform(tuple(x0.shape), generators, x0.device, lengths)
 
 
 CONFIDENCE: dict[str, Callable[..., torch.Tensor]] = {

@@ -15,6 +15,22 @@ from celeris.params import SamplingParams
 from celeris.sampling.select import COMMIT_RULES, CONFIDENCE, NEG_INF, sample_tokens, top_p_filter
 
 
+class NoProgressError(RuntimeError):
+    """A denoising step committed no token for a row that still has masked positions (its scores were
+    not finite numbers); raised instead of looping forever (the engine ends such a request with
+    finish reason "error" and code "no_progress")."""
+
+
+CONFIDENCE_FROM = ("filtered", "unfiltered")
+
+
+def confidence_rule(model: torch.nn.Module) -> str:
+    """Which distribution a format's published sampler takes confidences from (``denoise_step``'s
+    ``confidence_from``): a model class's ``confidence_from``, else "filtered"."""
+    rule = getattr(model, "confidence_from", "filtered")
+    return rule if rule in CONFIDENCE_FROM else "filtered"
+
+
 def banned_token_ids(config: object) -> list[int]:
     """Ids a denoising step must never produce: the mask token, and padding unless it doubles as
     end-of-text (LLaDA and Dream pad with their end-of-text token, which must stay producible)."""
@@ -130,6 +146,8 @@ def denoise_step(
     settings: RowSettings,
     generators: list[torch.Generator],
     seen: torch.Tensor | None = None,
+    lengths: list[int] | None = None,
+    confidence_from: str = "filtered",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Predict every masked position of the block and commit some of them.
 
@@ -142,6 +160,12 @@ def denoise_step(
         settings / generators: per-row settings and RNGs.
         seen: (B, V) bool tokens already in each row's context (``context_tokens``),
             needed when a row's ``repetition_penalty`` is not 1.
+        lengths: each row's own block width (<= L), so its random draws depend on its own block
+            alone, not on the widest block sharing the step; None: every row is L wide.
+        confidence_from: the distribution whose probabilities rank positions (``low_confidence``) and give
+            entropies: "filtered" (after the banned ids and ``top_p`` are removed: Dream's and SDAR's
+            published samplers) or "unfiltered" (``softmax(logits)`` over the whole vocabulary, the mask token
+            included, as LLaDA's published ``generate()``; the predicted token still never is a banned id).
 
     Returns:
         (new block (B, L) int64, committed positions (B, L) bool).
@@ -149,17 +173,18 @@ def denoise_step(
     logits = logits.clone()
     if seen is not None and bool((settings.repetition_penalty != 1).any()):
         logits = penalize_repetition(logits, seen, settings.repetition_penalty)
+    unfiltered = logits.clone() if confidence_from == "unfiltered" else None  # (B, L, V) before the ban
     logits[..., banned_ids] = NEG_INF
     if bool((settings.top_p < 1).any()):
         logits = top_p_filter(logits, settings.top_p)
-    x0 = sample_tokens(logits, settings.temperature, generators)  # (B, L)
-    probs = logits.softmax(-1)  # (B, L, V)
+    x0 = sample_tokens(logits, settings.temperature, generators, lengths)  # (B, L)
+    probs = (logits if unfiltered is None else unfiltered).softmax(-1)  # (B, L, V)
     is_masked = block == mask_id  # (B, L)
     conf = torch.full(x0.shape, NEG_INF, dtype=torch.float64, device=x0.device)
     for name in set(settings.remasking):
         rows = _rows_with(settings.remasking, name, x0.device)
         row_generators = [g if r == name else None for g, r in zip(generators, settings.remasking, strict=True)]
-        conf = torch.where(rows, CONFIDENCE[name](probs, x0, row_generators), conf)
+        conf = torch.where(rows, CONFIDENCE[name](probs, x0, row_generators, lengths), conf)
     conf = conf.masked_fill(~is_masked, NEG_INF)  # (B, L)
     chosen = torch.zeros_like(is_masked)
     for name in set(settings.decoding):

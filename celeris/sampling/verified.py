@@ -173,6 +173,7 @@ class DraftRow:
     params: SamplingParams
     generator: torch.Generator
     k: int
+    end_ids: frozenset[int] = frozenset()  # ids that end the answer (with ``early_exit``)
     answer: list[int] = field(default_factory=list)
     drafts: list[int] = field(default_factory=list)
     draft_probs: list = field(default_factory=list)
@@ -223,8 +224,12 @@ class VerifiedDecoder:
         """Pool columns a row of this size needs."""
         return prompt_len + max_new_tokens + 2 * self.k + 2
 
-    def add(self, prompt_ids: list[int], params: SamplingParams) -> DraftRow:
-        """Queue a row for the next step. Raises ValueError when the pool is full or the row too long."""
+    def add(self, prompt_ids: list[int], params: SamplingParams, end_ids: frozenset[int] | None = None) -> DraftRow:
+        """Queue a row for the next step; ``end_ids`` end its answer (default: the end-of-text id).
+
+        Raises:
+            ValueError: the pool is full, the prompt is empty or the row does not fit ``max_len``.
+        """
         if len(self.rows) >= self.max_rows:
             raise ValueError(f"the verified decoder holds at most {self.max_rows} rows")
         if not prompt_ids:
@@ -232,7 +237,8 @@ class VerifiedDecoder:
         if self.room(len(prompt_ids), params.max_new_tokens) > self.max_len:
             raise ValueError(f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({params.max_new_tokens}) + "
                              f"{2 * self.k + 2} draft columns exceed the decoder's {self.max_len}")
-        row = DraftRow(list(prompt_ids), params, make_generator(params.seed), self.k, slot_start=len(prompt_ids))
+        ends = frozenset({self.model.config.eos_token_id}) if end_ids is None else frozenset(end_ids)
+        row = DraftRow(list(prompt_ids), params, make_generator(params.seed), self.k, ends, slot_start=len(prompt_ids))
         self.tokens[len(self.rows), : len(prompt_ids)] = torch.tensor(prompt_ids, dtype=torch.long)
         self.tokens[len(self.rows), len(prompt_ids) : len(prompt_ids) + self.k] = self.model.config.mask_token_id
         self.rows.append(row)
@@ -317,9 +323,9 @@ class VerifiedDecoder:
         new = row.drafts[:a] + [token]
         n = row.params.max_new_tokens
         new = new[: n - len(row.answer)]
-        eos = self.model.config.eos_token_id
-        if row.params.early_exit and eos in new:
-            new = new[: new.index(eos) + 1]
+        hit = next((j for j, t in enumerate(new) if t in row.end_ids), None)
+        if row.params.early_exit and hit is not None:
+            new = new[: hit + 1]
             row.hit_eos = True
         base = len(row.prompt_ids) + len(row.answer)  # column of the first new token
         self.tokens[i, base : base + len(new)] = torch.tensor(new, device=self.device)

@@ -54,9 +54,12 @@ class StepEvent:
         finish_reason: "stop" (end-of-text), "length", "abort" or "error" once finished.
         nfe: forward passes the request took part in so far.
         steps: denoising steps the request took so far.
+        num_committed: answer positions committed so far.
         canvas_ids: the whole answer span (mask id where still masked), only for groups
             submitted with ``want_canvas``.
         error: what went wrong when ``finish_reason == "error"``.
+        error_code: machine-readable code of that error (``"no_progress"``: a denoising step committed
+            nothing; ``"engine_error"``: the step itself failed).
     """
 
     index: int
@@ -65,8 +68,10 @@ class StepEvent:
     finish_reason: str | None = None
     nfe: int = 0
     steps: int = 0
+    num_committed: int = 0
     canvas_ids: list[int] | None = None
     error: str | None = None
+    error_code: str | None = None
 
 
 class RequestGroup:
@@ -289,8 +294,11 @@ class AsyncEngine:
         if request is not None:
             event.finish_reason = request.finish_reason if finished else None
             event.nfe, event.steps = request.nfe, request.steps
+            event.num_committed = int((request.answer != request.mask_id).sum())
             if group.want_canvas:
                 event.canvas_ids = request.answer.tolist()
+            error = error or request.error
+            event.error_code = request.error_code
         event.error = error
         if finished:
             del self._live[rid]

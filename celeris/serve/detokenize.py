@@ -14,6 +14,15 @@ REPLACEMENT_CHAR = "\ufffd"  # what a decoder yields for an unfinished UTF-8 seq
 MASK_PLACEHOLDER = "\u2591"  # a still-masked position in stream_mode "denoise"
 
 
+def find_stop(text: str, stops: list[str]) -> tuple[int, int] | None:
+    """(start, end) of the earliest stop string in ``text`` (the longest one where several start there), or None."""
+    hits = [(i, -len(s)) for s in stops if s and (i := text.find(s)) >= 0]
+    if not hits:
+        return None
+    start, neg_len = min(hits)
+    return start, start - neg_len
+
+
 def partial_stop_len(text: str, stops: list[str]) -> int:
     """Length of the longest tail of ``text`` that is a proper prefix of some stop string (0 if none)."""
     best = 0
@@ -36,12 +45,13 @@ class IncrementalText:
 
     Args:
         decode: token ids -> text.
-        stop: stop strings (not returned).
+        stop: stop strings (not returned, unless ``include_stop``: then the text ends with the one matched).
     """
 
-    def __init__(self, decode: Callable[[list[int]], str], stop: list[str]) -> None:
+    def __init__(self, decode: Callable[[list[int]], str], stop: list[str], include_stop: bool = False) -> None:
         self.decode = decode
         self.stop = [s for s in stop if s]
+        self.include_stop = include_stop
         self.token_ids: list[int] = []
         self.text = ""  # what has been handed out
         self.stopped = False  # a stop string ended the answer
@@ -56,10 +66,10 @@ class IncrementalText:
         full = self.decode(self.token_ids)
         if not final:  # an unfinished multi-byte character decodes to U+FFFD: hold it back
             full = full.rstrip(REPLACEMENT_CHAR)
-        first = min((i for i in (full.find(s) for s in self.stop) if i >= 0), default=None)
+        match = find_stop(full, self.stop)
         hold = len(full) - partial_stop_len(full, self.stop)  # a stop string could still start here
-        if first is not None and (final or first <= hold):
-            end, self.stopped = first, True
+        if match is not None and (final or match[0] <= hold):
+            end, self.stopped = match[1] if self.include_stop else match[0], True
         else:
             end = len(full) if final else hold
         delta = full[len(self.text) : end] if end > len(self.text) else ""

@@ -37,6 +37,9 @@ class ServerMetrics:
         self.waiting = Gauge("celeris_num_requests_waiting", "Requests queued in the engine", registry=r)
         self.running = Gauge("celeris_num_requests_running", "Requests being denoised", registry=r)
         self.rejected = Counter("celeris_rejected_requests", "Requests refused with 429 (queue full)", registry=r)
+        self.failed = Counter("celeris_failed_requests", "Engine requests ended with an error, by code "
+                              "(no_progress: a denoising step committed nothing; engine_error)", ["code"],
+                              registry=r)
         self.aborted = Counter("celeris_aborted_requests", "Engine requests aborted, by reason", ["reason"],
                                registry=r)
 

@@ -9,7 +9,9 @@ Celeris extensions (extra body fields of the ``openai`` client): ``steps``, ``bl
 ``remasking``, ``decoding``, ``threshold``, ``factor``, ``entropy_bound``, ``cfg_scale``, ``repetition_penalty`` (defaults
 from the model's ``generation_config.json``), ``cache`` (``none``, ``prefix``, ``dual``, ``delayed`` or ``dual_delayed``),
 ``cache_refresh``, ``suffix_window`` and ``stream_mode`` (``"text"``, or ``"denoise"``: every chunk carries the
-whole answer canvas).
+whole answer canvas); vLLM's ``stop_token_ids``, ``ignore_eos``, ``skip_special_tokens`` and
+``include_stop_str_in_output``. The float settings' ranges are SamplingParams' (``celeris.params.FLOAT_BOUNDS``).
+Responses carry ``choice.celeris`` (``DecodingDetails``) and ``usage.nfe``.
 """
 
 from __future__ import annotations
@@ -113,8 +115,10 @@ class SamplingRequest(StrictModel):
     """Fields shared by completions and chat completions."""
 
     model: str | None = None
-    temperature: float | None = Field(default=None, ge=0, le=2)
-    top_p: float | None = Field(default=None, gt=0, le=1)
+    # The float settings' ranges live in SamplingParams (celeris.params.FLOAT_BOUNDS), so Python, the CLI,
+    # HTTP and batch jobs refuse the same values with the same message (400 naming the valid range).
+    temperature: float | None = None
+    top_p: float | None = None
     n: int = Field(default=1, ge=1, le=MAX_N)
     stop: NonEmptyStr | Annotated[list[NonEmptyStr], Field(max_length=16)] | None = None
     seed: int | None = Field(default=None, ge=0, le=MAX_SEED)
@@ -128,15 +132,20 @@ class SamplingRequest(StrictModel):
     block_length: int | None = Field(default=None, ge=1)
     remasking: Literal["low_confidence", "random"] | None = None
     decoding: Literal["fixed", "threshold", "factor", "entropy", "verified"] | None = None
-    threshold: float | None = Field(default=None, gt=0, le=1)
-    factor: float | None = Field(default=None, gt=0)
-    entropy_bound: float | None = Field(default=None, ge=0)
-    cfg_scale: float | None = Field(default=None, ge=0)
-    repetition_penalty: float | None = Field(default=None, gt=0)  # as in vLLM
+    threshold: float | None = None
+    factor: float | None = None
+    entropy_bound: float | None = None
+    cfg_scale: float | None = None
+    repetition_penalty: float | None = None  # as in vLLM
     cache: str | None = None
     cache_refresh: int | None = Field(default=None, ge=0)
     suffix_window: int | None = Field(default=None, ge=0)
     stream_mode: Literal["text", "denoise"] = "text"
+    # vLLM's end-of-generation controls (SamplingParams has their meaning).
+    stop_token_ids: Annotated[list[Annotated[int, Field(ge=0)]], Field(max_length=64)] | None = None
+    ignore_eos: bool | None = None
+    skip_special_tokens: bool | None = None
+    include_stop_str_in_output: bool | None = None
 
     # OpenAI parameters accepted only at their neutral values (see unsupported_params).
     logprobs: Any = None
@@ -235,11 +244,34 @@ class ChatCompletionRequest(SamplingRequest):
 
 
 class UsageInfo(BaseModel):
-    """Token counts: ``completion_tokens`` counts only answer tokens returned (after stop strings)."""
+    """Token counts: ``completion_tokens`` counts only answer tokens returned (after stop strings).
+    ``nfe`` (Celeris extension): the model forward passes of all choices summed (a CFG step counts 2)."""
 
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+    nfe: int = 0
+
+
+class DecodingDetails(BaseModel):
+    """Celeris extension on every choice (``choice.celeris``): how the answer was decoded.
+
+    Attributes:
+        nfe: forward passes of the model for this choice (a CFG step counts 2).
+        steps: denoising steps taken.
+        tokens_per_forward: answer positions committed per forward pass (committed / nfe); far above
+            1 means many tokens were decided by each pass (lower quality).
+        block_length: tokens per semi-autoregressive block (capped at the answer length).
+        cache: the KV cache mode; decoding: the commit rule; remasking: the confidence rule.
+    """
+
+    nfe: int
+    steps: int
+    tokens_per_forward: float
+    block_length: int
+    cache: str
+    decoding: str
+    remasking: str
 
 
 class OmitNoneExtras(BaseModel):
@@ -257,13 +289,15 @@ class OmitNoneExtras(BaseModel):
 
 
 class CompletionChoice(OmitNoneExtras):
-    omit_if_none: ClassVar[tuple[str, ...]] = ("step",)
+    omit_if_none: ClassVar[tuple[str, ...]] = ("step", "celeris")
     index: int
     text: str
     logprobs: None = None
     finish_reason: str | None = None
     # Celeris extension, stream_mode "denoise" only: the step this canvas snapshot follows.
     step: int | None = None
+    # Celeris extension: how the answer was decoded (full responses, the last chunk of a choice, denoise chunks).
+    celeris: DecodingDetails | None = None
 
 
 class CompletionResponse(BaseModel):
@@ -284,11 +318,13 @@ class ChatMessageOut(BaseModel):
     content: str
 
 
-class ChatChoice(BaseModel):
+class ChatChoice(OmitNoneExtras):
+    omit_if_none: ClassVar[tuple[str, ...]] = ("celeris",)
     index: int
     message: ChatMessageOut
     logprobs: None = None
     finish_reason: str | None = None
+    celeris: DecodingDetails | None = None
 
 
 class ChatCompletionResponse(BaseModel):
@@ -307,12 +343,13 @@ class DeltaMessage(OmitNoneExtras):
 
 
 class ChatStreamChoice(OmitNoneExtras):
-    omit_if_none: ClassVar[tuple[str, ...]] = ("step",)
+    omit_if_none: ClassVar[tuple[str, ...]] = ("step", "celeris")
     index: int
     delta: DeltaMessage
     logprobs: None = None
     finish_reason: str | None = None
     step: int | None = None
+    celeris: DecodingDetails | None = None
 
 
 class ChatCompletionChunk(BaseModel):

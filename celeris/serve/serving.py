@@ -24,6 +24,7 @@ import json
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, replace
+from functools import partial
 from pathlib import Path
 
 from celeris.config import EngineConfig
@@ -45,6 +46,7 @@ from celeris.serve.protocol import (
     CompletionRequest,
     CompletionResponse,
     CompletionStreamResponse,
+    DecodingDetails,
     DeltaMessage,
     ModelCard,
     ModelList,
@@ -79,6 +81,7 @@ class Update:
     finish_reason: str | None
     canvas: str | None = None
     step: int | None = None
+    details: DecodingDetails | None = None
 
 
 @dataclass
@@ -86,6 +89,17 @@ class _Choice:
     text: IncrementalText
     finish_reason: str | None = None
     done: bool = False
+    details: DecodingDetails | None = None
+
+
+def decoding_details(params: SamplingParams, event: StepEvent) -> DecodingDetails:
+    """The ``celeris`` extension object of a choice after ``event``."""
+    return DecodingDetails(
+        nfe=event.nfe, steps=event.steps,
+        tokens_per_forward=round(event.num_committed / event.nfe, 4) if event.nfe else 0.0,
+        block_length=min(params.block_length, params.max_new_tokens), cache=params.cache, decoding=params.decoding,
+        remasking=params.remasking,
+    )
 
 
 @dataclass
@@ -105,8 +119,9 @@ class _Run:
 
     def usage(self) -> UsageInfo:
         completion = sum(c.text.num_tokens() for c in self.choices)
+        nfe = sum(c.details.nfe for c in self.choices if c.details is not None)
         return UsageInfo(prompt_tokens=self.prompt_tokens, completion_tokens=completion,
-                         total_tokens=self.prompt_tokens + completion)
+                         total_tokens=self.prompt_tokens + completion, nfe=nfe)
 
 
 class OpenAIServing:
@@ -137,7 +152,7 @@ class OpenAIServing:
         if async_engine is None:
             config = engine_config or EngineConfig()
             # the engine's queue counts free running slots, so it admits max_num_seqs + max_waiting in all
-            engine = Engine(llm.model, config)
+            engine = Engine(llm.model, config, llm.end_token_ids)
             async_engine = AsyncEngine(engine, max_in_flight=config.max_num_seqs + config.max_waiting,
                                        on_stats=self.metrics.set_queue_stats)
         self.async_engine = async_engine
@@ -194,7 +209,7 @@ class OpenAIServing:
         if request.stream:
             return self._completion_stream(run, request, rid, created)
         texts = await self._collect(run)
-        choices = [CompletionChoice(index=i, text=t, finish_reason=c.finish_reason)
+        choices = [CompletionChoice(index=i, text=t, finish_reason=c.finish_reason, celeris=c.details)
                    for i, (t, c) in enumerate(zip(texts, run.choices, strict=True))]
         return CompletionResponse(id=rid, created=created, model=self.model_name, choices=choices, usage=run.usage())
 
@@ -207,17 +222,18 @@ class OpenAIServing:
         max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
         params = self._params(request, max_tokens)
         messages = [{"role": m.role, "content": m.text()} for m in request.messages]
-        try:
-            prompt = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        try:  # message contents are always text: a special-token string in them never becomes its id
+            prompt_ids = self.tokenizer.encode_chat(messages, add_generation_prompt=True)
         except Exception as exc:  # jinja2 raises TemplateError (or anything a template raises)
             raise APIError(400, f"the chat template could not render these messages: {exc}", param="messages") from None
-        encoded = [self._encode(prompt, params, None, "messages")]
+        encoded = [self._encode(prompt_ids, params, None, "messages")]
         run = await self._start(request, params, encoded, arrival, is_disconnected)
         rid, created = random_id("chatcmpl"), now()
         if request.stream:
             return self._chat_stream(run, request, rid, created)
         texts = await self._collect(run)
-        choices = [ChatChoice(index=i, message=ChatMessageOut(content=t), finish_reason=c.finish_reason)
+        choices = [ChatChoice(index=i, message=ChatMessageOut(content=t), finish_reason=c.finish_reason,
+                              celeris=c.details)
                    for i, (t, c) in enumerate(zip(texts, run.choices, strict=True))]
         return ChatCompletionResponse(id=rid, created=created, model=self.model_name, choices=choices,
                                       usage=run.usage())
@@ -277,7 +293,15 @@ class OpenAIServing:
                 entropy_bound=request.entropy_bound, cfg_scale=request.cfg_scale, seed=request.seed,
                 stop=request.stop_list() or None, cache=request.cache, repetition_penalty=request.repetition_penalty,
                 cache_refresh=request.cache_refresh, suffix_window=request.suffix_window,
+                stop_token_ids=request.stop_token_ids, ignore_eos=request.ignore_eos,
+                skip_special_tokens=request.skip_special_tokens,
+                include_stop_str_in_output=request.include_stop_str_in_output,
             )
+            params = self.llm.with_special_stops(params)
+            vocab = self.tokenizer.vocab_size
+            if any(t >= vocab for t in params.stop_token_ids):
+                raise ValueError(f"stop_token_ids must be ids below the vocabulary size {vocab}; got "
+                                 f"{params.stop_token_ids}")
             check_model_support(self.llm.model, params, has_suffix=bool(getattr(request, "suffix", None)))
             return params
         except (ValueError, TypeError) as exc:  # SamplingParams names the field first: "steps must be >= 1"
@@ -285,8 +309,11 @@ class OpenAIServing:
             param = {"max_new_tokens": "max_tokens"}.get(name, name)
             raise APIError(400, str(exc), param=param if param.isidentifier() else None) from None
 
-    def _encode(self, text: str, params: SamplingParams, suffix: str | None, param: str) -> tuple[list[int], list[int]]:
-        ids = self.tokenizer.encode(text)
+    def _encode(self, text: str | list[int], params: SamplingParams, suffix: str | None,
+                param: str) -> tuple[list[int], list[int]]:
+        """Prompt (text, or ids already encoded) and suffix ids, checked against the context window. The mask
+        and pad strings in user text are encoded as text (``Tokenizer.encode``)."""
+        ids = self.tokenizer.encode(text) if isinstance(text, str) else text
         if not ids:
             raise APIError(400, f"'{param}' must not be empty", param=param)
         suffix_ids = self.tokenizer.encode(suffix) if suffix else []
@@ -325,7 +352,9 @@ class OpenAIServing:
             raise APIError(400, str(exc)) from None
         except EngineDeadError as exc:
             raise APIError(503, str(exc), code="engine_unavailable") from None
-        choices = [_Choice(IncrementalText(self.tokenizer.decode, inp.params.stop)) for inp in inputs]
+        choices = [_Choice(IncrementalText(partial(self.tokenizer.decode, skip_special_tokens=p.skip_special_tokens),
+                                           p.stop, p.include_stop_str_in_output))
+                   for p in (inp.params for inp in inputs)]
         prompt_tokens = sum(len(ids) + len(sfx) for ids, sfx in encoded)
         return _Run(group, choices, prompt_tokens, arrival, arrival + self.request_timeout, request.stream_mode,
                     is_disconnected)
@@ -362,8 +391,14 @@ class OpenAIServing:
                 choice = run.choices[event.index]
                 if choice.done:  # e.g. the abort that follows a stop string
                     continue
-                if event.finish_reason in ("error", "abort"):
+                if event.finish_reason == "error":
+                    code = event.error_code or "engine_error"
+                    self.metrics.failed.labels(code=code).inc()
+                    raise APIError(500, event.error or "the engine failed this request", code=code)
+                if event.finish_reason == "abort":
                     raise APIError(500, event.error or "the request was aborted by the engine", code="engine_error")
+                if event.steps:
+                    choice.details = decoding_details(run.group.inputs[event.index].params, event)
                 delta = choice.text.push(event.new_token_ids, final=event.finished)
                 if choice.text.stopped and not event.finished:
                     self.metrics.aborted.labels(reason="stop").inc()
@@ -378,7 +413,9 @@ class OpenAIServing:
                 canvas = None
                 if run.stream_mode == "denoise" and event.canvas_ids is not None and not choice.done:
                     canvas = render_canvas(self.tokenizer.decode, event.canvas_ids, self.mask_id, self.eos_id)
-                yield Update(event.index, delta, choice.finish_reason if choice.done else None, canvas, event.steps)
+                details = choice.details if choice.done or canvas is not None else None
+                yield Update(event.index, delta, choice.finish_reason if choice.done else None, canvas, event.steps,
+                             details)
             usage = run.usage()
             self.metrics.output_tokens.inc(usage.completion_tokens)
             self.metrics.prompt_tokens.inc(usage.prompt_tokens)
@@ -420,7 +457,8 @@ class OpenAIServing:
     async def _completion_stream(self, run: _Run, request: CompletionRequest, rid: str,
                                  created: int) -> AsyncIterator[CompletionStreamResponse]:
         async for u, text, step in self._stream_pieces(run):
-            choice = CompletionChoice(index=u.index, text=text, finish_reason=u.finish_reason, step=step)
+            choice = CompletionChoice(index=u.index, text=text, finish_reason=u.finish_reason, step=step,
+                                      celeris=u.details)
             yield CompletionStreamResponse(id=rid, created=created, model=self.model_name, choices=[choice])
         if request.stream_options is not None and request.stream_options.include_usage:
             yield CompletionStreamResponse(id=rid, created=created, model=self.model_name, choices=[],
@@ -435,6 +473,6 @@ class OpenAIServing:
             yield chunk([ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""))])
         async for u, text, step in self._stream_pieces(run):
             yield chunk([ChatStreamChoice(index=u.index, delta=DeltaMessage(content=text),
-                                          finish_reason=u.finish_reason, step=step)])
+                                          finish_reason=u.finish_reason, step=step, celeris=u.details)])
         if request.stream_options is not None and request.stream_options.include_usage:
             yield chunk([], usage=run.usage())
