@@ -58,6 +58,8 @@ def _sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cache", help="KV cache: none, prefix or dual (Fast-dLLM), delayed (dual refreshed only by "
                    "--cache-refresh), dual_delayed (the prompt and older blocks frozen, the rest refreshed per block)")
     p.add_argument("--cache-refresh", type=int, help="delayed/dual_delayed cache: full refresh every N blocks (0 = never)")
+    p.add_argument("--draft-source", choices=["lookup_first", "slots", "lookup"],
+                   help="--decoding verified: drafts from prompt lookup first, the model's mask slots, or lookup only")
     p.add_argument("--suffix-window", type=int,
                    help="passes see only this many masked columns past the block (0 = the whole canvas)")
     p.add_argument("--stop", action="append", help="stop string (repeatable)")
@@ -146,7 +148,7 @@ def _params(llm_defaults: dict, args: argparse.Namespace):
         temperature=args.temperature, top_p=args.top_p, seed=args.seed, remasking=args.remasking,
         decoding=args.decoding, threshold=args.threshold, cfg_scale=args.cfg_scale, stop=args.stop, cache=args.cache,
         repetition_penalty=args.repetition_penalty, cache_refresh=args.cache_refresh, suffix_window=args.suffix_window,
-        stop_token_ids=args.stop_token_ids, ignore_eos=args.ignore_eos, skip_special_tokens=args.skip_special_tokens,
+        draft_source=args.draft_source, stop_token_ids=args.stop_token_ids, ignore_eos=args.ignore_eos, skip_special_tokens=args.skip_special_tokens,
         include_stop_str_in_output=args.include_stop_str_in_output,
     )
 

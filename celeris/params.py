@@ -7,6 +7,7 @@ from dataclasses import dataclass, field, fields
 
 REMASKING = ("low_confidence", "random")
 DECODING = ("fixed", "threshold", "factor", "entropy", "verified")
+DRAFT_SOURCES = ("lookup_first", "slots", "lookup")
 CACHE = ("none", "prefix", "dual", "delayed", "dual_delayed")
 
 # Closed ranges [low, high] of the float settings, the same for Python, the CLI, HTTP and batch jobs
@@ -63,6 +64,11 @@ class SamplingParams:
             drafts with the next-token head (``celeris.sampling.verified``; greedy
             output equals next-token decoding; ``steps``, ``block_length`` and
             ``cache`` do not apply).
+        draft_source: where ``verified`` decoding takes the drafts it checks: ``slots`` (the
+            model's mask slots, block diffusion), ``lookup`` (prompt lookup: the tokens that followed
+            the last earlier occurrence of the context's last 3 or 2 tokens; Saxena 2023, vLLM's
+            ``ngram`` speculator; works for any causal model), ``lookup_first`` (lookup where the
+            context has a match, else the slots). The output is the same for each; only speed differs.
         cfg_scale: classifier-free guidance scale s >= 0 (0 disables it).
         repetition_penalty: theta > 0; logits of tokens already in the context (prompt,
             committed answer tokens, suffix) are divided by theta when positive and
@@ -130,6 +136,7 @@ class SamplingParams:
     cache: str = "none"
     cache_refresh: int = 0
     suffix_window: int = 0
+    draft_source: str = "lookup_first"
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -142,6 +149,8 @@ class SamplingParams:
             (self.block_length >= 1, f"block_length must be >= 1, got {self.block_length}"),
             (self.remasking in REMASKING, f"remasking must be one of {', '.join(REMASKING)}; got '{self.remasking}'"),
             (self.decoding in DECODING, f"decoding must be one of {', '.join(DECODING)}; got '{self.decoding}'"),
+            (self.draft_source in DRAFT_SOURCES,
+             f"draft_source must be one of {', '.join(DRAFT_SOURCES)}; got '{self.draft_source}'"),
             (self.cache in CACHE, f"cache must be one of {', '.join(CACHE)}; got '{self.cache}'"),
             (isinstance(self.cache_refresh, int) and not isinstance(self.cache_refresh, bool)
              and self.cache_refresh >= 0, f"cache_refresh must be an integer >= 0, got {self.cache_refresh!r}"),

@@ -22,28 +22,21 @@ from celeris.llm import resolve_model
 from celeris.models.loader import load_model
 from celeris.params import SamplingParams
 from celeris.sampling.autoregressive import generate_autoregressive
-from celeris.sampling.select import NEG_INF
-from celeris.sampling.step import banned_token_ids
-from celeris.sampling.verified import KVCache, _forward, _pass_mask
+from celeris.sampling.verified import VerifiedDecoder
 
 
 @torch.no_grad()
 def acceptance(model: torch.nn.Module, prefixes: torch.Tensor, k: int) -> dict:
     """(N, P) int64 true prefixes -> per-slot match rates and the mean leading-match length for k slots."""
-    cfg = model.config
     n, p = prefixes.shape
     out = generate_autoregressive(model, prefixes.tolist(), SamplingParams(max_new_tokens=k + 1, steps=k + 1,
-                                                                           early_exit=False))
+                                                                           block_length=1, early_exit=False))
     greedy = out.answer_ids  # (N, k + 1)
-    canvas = torch.cat([prefixes, torch.full((n, k), cfg.mask_token_id)], dim=1)
-    valid = torch.ones_like(canvas, dtype=torch.bool)
-    positions = torch.arange(p + k).expand(n, -1)
-    shape = (n, cfg.num_heads, p + k, cfg.head_dim)
-    cache = KVCache([torch.zeros(shape) for _ in model.layers], [torch.zeros(shape) for _ in model.layers])
-    columns = torch.arange(p + k).expand(n, -1)
-    logits = _forward(model, canvas, positions, cache, columns, _pass_mask(columns, torch.full((n,), p), k, valid))
-    logits[..., banned_token_ids(cfg)] = NEG_INF
-    drafts = logits[:, p:].argmax(-1)  # (N, k): slot j drafts g_{j+1}
+    model.config.draft_block_size = k  # k mask slots after the prefix (the model was trained with its own k)
+    dec = VerifiedDecoder(model, n, p + 2 * k + 4)
+    for row in prefixes.tolist():
+        dec.add(row, SamplingParams(max_new_tokens=1, steps=1, block_length=1))
+    drafts = dec._run(0, n, fresh=True)[:, p : p + k].argmax(-1)  # (N, k): slot j drafts g_{j+1}
     match = drafts == greedy[:, 1:]
     leading = match.long().cumprod(-1).sum(-1).float()
     return {"k": k, "per_slot": [round(float(x), 4) for x in match.float().mean(0)],

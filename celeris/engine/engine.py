@@ -26,7 +26,7 @@ from celeris.sampling.step import (
     context_tokens,
     denoise_step,
 )
-from celeris.sampling.verified import DraftRow, VerifiedDecoder, draft_length
+from celeris.sampling.verified import LOOKUP_DRAFTS, DraftRow, VerifiedDecoder, draft_length
 
 
 @dataclass(slots=True)
@@ -149,7 +149,7 @@ class Engine:
         requests that finished or were aborted are freed, new requests are prefilled, the others advance by
         their accepted drafts plus one token. Each request's committed tokens are final at once (streamed)."""
         if self.drafter is None:
-            k = draft_length(self.model)
+            k = draft_length(self.model) or LOOKUP_DRAFTS
             self.drafter = VerifiedDecoder(self.model, self.config.max_num_seqs,
                                            self.model.config.max_position_embeddings + 2 * k + 2)
         running = set(batch)

@@ -76,6 +76,9 @@ class VerifiedOutput:
         return [a / d if d else 0.0 for a, d in zip(self.accepted, self.drafted, strict=True)]
 
 
+LOOKUP_DRAFTS = 4  # drafts per pass for a causal model without mask slots (prompt lookup only)
+
+
 def draft_length(model: torch.nn.Module) -> int:
     """k, the number of mask slots a hybrid model drafts (config ``draft_block_size``); 0 for other models."""
     cfg = model.config
@@ -88,9 +91,13 @@ def check_verified_support(model: torch.nn.Module, params: SamplingParams, has_s
     Needs a causal model trained to draft (``draft_length`` > 0); settings it does not implement
     (``cfg_scale``, ``repetition_penalty``, infilling) are refused naming the setting.
     """
-    if draft_length(model) < 1:
-        raise ValueError("decoding 'verified' needs a hybrid model (a causal model with draft_block_size > 0, "
-                         "trained by `celeris train --objective hybrid`)")
+    if not getattr(model.config, "is_causal", False) or not getattr(model, "supports_kv_cache", False):
+        raise ValueError("decoding 'verified' needs a causal model with a KV cache (a hybrid model for mask-slot "
+                         "drafts, or any causal model with draft_source 'lookup')")
+    if draft_length(model) < 1 and params.draft_source != "lookup":
+        raise ValueError(f"draft_source '{params.draft_source}' needs a hybrid model (a causal model with "
+                         "draft_block_size > 0, trained by `celeris train --objective hybrid`); use draft_source "
+                         "'lookup' for this one")
     if params.cfg_scale:
         raise ValueError("cfg_scale is not supported with decoding 'verified'")
     if params.repetition_penalty != 1:
@@ -162,6 +169,21 @@ def _draft(slot_logits: torch.Tensor, params: SamplingParams, gen: torch.Generat
     return torch.multinomial(q, 1, generator=gen)[:, 0].tolist(), list(q)
 
 
+def lookup_drafts(tokens: list[int], k: int, n_max: int = 3, n_min: int = 2) -> list[int]:
+    """Prompt-lookup drafts (Saxena 2023, "Prompt Lookup Decoding"; vLLM's ``ngram`` speculator): the up to
+    k tokens that followed the most recent earlier occurrence of the last n tokens of ``tokens``, trying
+    n = ``n_max`` down to ``n_min``; [] when none occurs. Costs no forward pass."""
+    length = len(tokens)
+    for n in range(n_max, n_min - 1, -1):
+        if length <= n:
+            continue
+        tail = tokens[-n:]
+        for start in range(length - n - 1, -1, -1):
+            if tokens[start : start + n] == tail:
+                return tokens[start + n : start + n + k]
+    return []
+
+
 @dataclass(eq=False)
 class DraftRow:
     """One sequence under verified decoding: its tokens, drafts and the columns its next pass computes.
@@ -179,6 +201,7 @@ class DraftRow:
     draft_probs: list = field(default_factory=list)
     pending: int = -1  # column whose next-token logits give the first token of the next pass
     slot_start: int = 0  # first mask-slot column of the next pass
+    num_slots: int = 0  # mask slots in the next pass (k, or 0 when its drafts came from prompt lookup)
     passes: int = 0
     finished: bool = False
     hit_eos: bool = False
@@ -187,7 +210,7 @@ class DraftRow:
     def columns(self) -> list[int]:
         """Columns of the next pass: the whole prompt and k slots (prefill), else pending, drafts, slots."""
         first = 0 if self.pending < len(self.prompt_ids) - 1 else self.pending
-        return list(range(first, self.slot_start + self.k))
+        return list(range(first, self.slot_start + self.num_slots))
 
 
 class VerifiedDecoder:
@@ -204,9 +227,7 @@ class VerifiedDecoder:
     """
 
     def __init__(self, model: torch.nn.Module, max_rows: int, max_len: int) -> None:
-        self.model, self.k = model, draft_length(model)
-        if self.k < 1:
-            raise ValueError("verified decoding needs a hybrid model (draft_block_size > 0)")
+        self.model, self.k = model, draft_length(model) or LOOKUP_DRAFTS
         cfg = model.config
         p = next(model.parameters())
         shape = (max_rows, cfg.num_heads, max_len, cfg.head_dim)
@@ -238,7 +259,11 @@ class VerifiedDecoder:
             raise ValueError(f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({params.max_new_tokens}) + "
                              f"{2 * self.k + 2} draft columns exceed the decoder's {self.max_len}")
         ends = frozenset({self.model.config.eos_token_id}) if end_ids is None else frozenset(end_ids)
-        row = DraftRow(list(prompt_ids), params, make_generator(params.seed), self.k, ends, slot_start=len(prompt_ids))
+        if params.draft_source != "lookup" and not draft_length(self.model):
+            raise ValueError(f"draft_source '{params.draft_source}' needs a hybrid model; use 'lookup'")
+        slots = 0 if params.draft_source == "lookup" else self.k
+        row = DraftRow(list(prompt_ids), params, make_generator(params.seed), self.k, ends, slot_start=len(prompt_ids),
+                       num_slots=slots)
         self.tokens[len(self.rows), : len(prompt_ids)] = torch.tensor(prompt_ids, dtype=torch.long)
         self.tokens[len(self.rows), len(prompt_ids) : len(prompt_ids) + self.k] = self.model.config.mask_token_id
         self.rows.append(row)
@@ -334,7 +359,14 @@ class VerifiedDecoder:
             row.finished = True
             return new
         pending = base + len(new) - 1  # its keys/values are computed by the next pass
-        if a == m:  # every draft held: the slots saw the right prefix and drafted pending + 1 .. pending + k
+        policy = row.params.draft_source
+        slots_valid = a == m  # every draft held: the slots saw the right prefix and drafted pending + 1 ..
+        lookup = lookup_drafts(row.prompt_ids + row.answer, k) if policy != "slots" else []
+        if lookup:
+            row.drafts = lookup
+            row.draft_probs = [] if row.params.temperature == 0 else [
+                torch.nn.functional.one_hot(torch.tensor(t), logits.shape[-1]).double() for t in lookup]
+        elif slots_valid and row.num_slots:
             s = cols.index(row.slot_start)
             row.drafts, row.draft_probs = self.draft(row, logits[s : s + k])
         else:
@@ -342,6 +374,9 @@ class VerifiedDecoder:
         self.tokens[i, pending + 1 : pending + 1 + len(row.drafts)] = torch.tensor(row.drafts, dtype=torch.long,
                                                                                    device=self.device)
         row.pending, row.slot_start = pending, pending + 1 + len(row.drafts)
+        # slots are computed unless the drafts came from prompt lookup: the next drafts will then most likely
+        # come from lookup too (if not, the pass after next drafts with slots again)
+        row.num_slots = 0 if policy == "lookup" or (lookup and row.drafts is lookup) else k
         self.tokens[i, row.slot_start : row.slot_start + k] = self.model.config.mask_token_id
         return new
 
@@ -372,7 +407,7 @@ def generate_verified(
     for r in rows:
         check_verified_support(model, r)
     dec = VerifiedDecoder(model, len(prompt_ids), max(len(p) + r.max_new_tokens for p, r in zip(
-        prompt_ids, rows, strict=True)) + 2 * draft_length(model) + 2)
+        prompt_ids, rows, strict=True)) + 2 * (draft_length(model) or LOOKUP_DRAFTS) + 2)
     handles = [dec.add(p, r) for p, r in zip(prompt_ids, rows, strict=True)]
     first: list[float | None] = [None] * len(handles)
     while not all(h.finished for h in handles):

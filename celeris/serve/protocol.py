@@ -140,6 +140,7 @@ class SamplingRequest(StrictModel):
     cache: str | None = None
     cache_refresh: int | None = Field(default=None, ge=0)
     suffix_window: int | None = Field(default=None, ge=0)
+    draft_source: Literal["lookup_first", "slots", "lookup"] | None = None
     stream_mode: Literal["text", "denoise"] = "text"
     # vLLM's end-of-generation controls (SamplingParams has their meaning).
     stop_token_ids: Annotated[list[Annotated[int, Field(ge=0)]], Field(max_length=64)] | None = None

@@ -293,7 +293,7 @@ class OpenAIServing:
                 entropy_bound=request.entropy_bound, cfg_scale=request.cfg_scale, seed=request.seed,
                 stop=request.stop_list() or None, cache=request.cache, repetition_penalty=request.repetition_penalty,
                 cache_refresh=request.cache_refresh, suffix_window=request.suffix_window,
-                stop_token_ids=request.stop_token_ids, ignore_eos=request.ignore_eos,
+                draft_source=request.draft_source, stop_token_ids=request.stop_token_ids, ignore_eos=request.ignore_eos,
                 skip_special_tokens=request.skip_special_tokens,
                 include_stop_str_in_output=request.include_stop_str_in_output,
             )

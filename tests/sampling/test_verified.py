@@ -8,7 +8,13 @@ import torch
 
 from celeris.params import SamplingParams
 from celeris.sampling.autoregressive import generate_autoregressive
-from celeris.sampling.verified import DraftRow, VerifiedDecoder, check_verified_support, generate_verified
+from celeris.sampling.verified import (
+    DraftRow,
+    VerifiedDecoder,
+    check_verified_support,
+    generate_verified,
+    lookup_drafts,
+)
 from tests.conftest import tiny_model
 
 K = 3
@@ -59,7 +65,7 @@ def test_rejected_drafts_are_rolled_back_with_staggered_arrivals(hybrid):
     n = 24
     answers = {tuple(p): greedy(hybrid, p, n) for p in PROMPTS}
     dec = OracleDecoder(hybrid, answers, 4, 64)
-    params = SamplingParams(max_new_tokens=n, steps=n, early_exit=False)
+    params = SamplingParams(max_new_tokens=n, steps=n, early_exit=False, draft_source="slots")
     rows = [dec.add(PROMPTS[0], params), dec.add(PROMPTS[1], params)]
     steps = 0
     while not all(r.finished for r in rows) or len(rows) < len(PROMPTS):
@@ -81,7 +87,7 @@ def test_speculative_sampling_keeps_the_next_token_distribution(hybrid):
     < 0.05, a bound about 3x the sampling noise here), while the drafts' own marginal is far from it."""
     prompt = [5, 9, 11, 40]
     n_rows = 3000
-    params = [SamplingParams(max_new_tokens=2, steps=2, temperature=1.0, seed=s, early_exit=False)
+    params = [SamplingParams(max_new_tokens=2, steps=2, temperature=1.0, seed=s, early_exit=False, draft_source="slots")
               for s in range(n_rows)]
     out = generate_verified(hybrid, [prompt] * n_rows, params)
     counts = torch.bincount(torch.tensor([t[1] for t in out.token_ids]), minlength=64).double() / n_rows
@@ -108,7 +114,7 @@ def test_speculative_sampling_keeps_the_next_token_distribution(hybrid):
 def test_refuses_models_and_settings_it_cannot_run(make_model, hybrid):
     with pytest.raises(ValueError, match="hybrid model"):
         check_verified_support(make_model(is_causal=True), SamplingParams())
-    with pytest.raises(ValueError, match="hybrid model"):
+    with pytest.raises(ValueError, match="causal model"):
         check_verified_support(make_model(draft_block_size=4), SamplingParams())  # not causal
     with pytest.raises(ValueError, match="cfg_scale"):
         check_verified_support(hybrid, SamplingParams(cfg_scale=1.0))
@@ -116,3 +122,23 @@ def test_refuses_models_and_settings_it_cannot_run(make_model, hybrid):
         check_verified_support(hybrid, SamplingParams(repetition_penalty=1.2))
     with pytest.raises(ValueError, match="empty"):
         generate_verified(hybrid, [[]], SamplingParams())
+
+
+def test_lookup_drafts_follow_the_last_earlier_occurrence():
+    assert lookup_drafts([1, 2, 3, 9, 1, 2, 3, 7, 8, 1, 2, 3], k=2) == [7, 8]  # the most recent match of [1, 2, 3]
+    assert lookup_drafts([5, 6, 4, 4, 5, 6], k=4) == [4, 4, 5, 6]  # n = 2 when no 3-gram repeats
+    assert lookup_drafts([1, 2, 3, 4], k=3) == []
+
+
+@pytest.mark.parametrize("source", ["lookup", "lookup_first"])
+def test_lookup_drafts_keep_the_greedy_answer(make_model, hybrid, source):
+    """Prompt-lookup drafts (also for a plain causal model with no mask slots) change speed, not tokens;
+    a repetitive prompt makes them accepted."""
+    model = hybrid if source == "lookup_first" else make_model(seed=5, is_causal=True)
+    prompt = [5, 9, 11, 40, 5, 9, 11, 40, 5, 9, 11, 40, 5, 9]
+    params = SamplingParams(max_new_tokens=20, steps=20, early_exit=False, draft_source=source)
+    out = generate_verified(model, [prompt, PROMPTS[0]], params)
+    assert out.token_ids == [greedy(model, prompt, 20), greedy(model, PROMPTS[0], 20)]
+    assert sum(out.drafted) > 0
+    with pytest.raises(ValueError, match="hybrid model"):
+        generate_verified(make_model(is_causal=True), [prompt], SamplingParams(draft_source="slots"))
