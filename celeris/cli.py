@@ -148,8 +148,8 @@ def _params(llm_defaults: dict, args: argparse.Namespace):
         temperature=args.temperature, top_p=args.top_p, seed=args.seed, remasking=args.remasking,
         decoding=args.decoding, threshold=args.threshold, cfg_scale=args.cfg_scale, stop=args.stop, cache=args.cache,
         repetition_penalty=args.repetition_penalty, cache_refresh=args.cache_refresh, suffix_window=args.suffix_window,
-        draft_source=args.draft_source, stop_token_ids=args.stop_token_ids, ignore_eos=args.ignore_eos, skip_special_tokens=args.skip_special_tokens,
-        include_stop_str_in_output=args.include_stop_str_in_output,
+        draft_source=args.draft_source, stop_token_ids=args.stop_token_ids, ignore_eos=args.ignore_eos,
+        skip_special_tokens=args.skip_special_tokens, include_stop_str_in_output=args.include_stop_str_in_output,
     )
 
 
