@@ -12,7 +12,9 @@ every output length is swept, and every batch size of ``batch_sizes``):
 - for a hybrid model (``draft_block_size`` > 0, ``celeris train --objective hybrid``) the two systems
   above are replaced by ``hybrid-next-token`` (its own greedy next-token decoding with a KV cache, the
   reference its verified output must equal) and ``hybrid-verified`` (``decoding="verified"`` through the
-  engine; the run also records the acceptance rate per draft slot, over its warm-up and timed calls);
+  engine; the run also records the acceptance rate per draft slot, over its warm-up and timed calls),
+  and, beside the twin, ``ar-twin-lookup`` (the twin under verified decoding with prompt-lookup drafts
+  only: what the mask slots add over lookup alone);
 - ``ar-twin``: an autoregressive model of the same architecture (``--ar-model``),
   decoded token by token with a KV cache;
 - ``smollm2-135m``: SmolLM2-135M-Instruct through ``transformers`` ``generate`` (greedy), what a
@@ -247,12 +249,12 @@ def run_bench(cfg: BenchConfig) -> dict:
             out = generate_autoregressive(ar.model, batch, SamplingParams(max_new_tokens=length))
             return out.token_ids, [out.nfe] * len(batch), out.first_token_s
 
-        def diffusion(params: SamplingParams):
+        def diffusion(params: SamplingParams, owner: LLM = llm):
             def decode(batch):
-                reqs = [llm.engine.add_request(p, params) for p in batch]
-                while llm.engine.has_unfinished():
-                    llm.engine.step()
-                outs = [llm.to_output("", r) for r in reqs]
+                reqs = [owner.engine.add_request(p, params) for p in batch]
+                while owner.engine.has_unfinished():
+                    owner.engine.step()
+                outs = [owner.to_output("", r) for r in reqs]
                 return [o.token_ids for o in outs], [o.nfe for o in outs], [o.ttft_s for o in outs]
             return decode
 
@@ -271,6 +273,10 @@ def run_bench(cfg: BenchConfig) -> dict:
             systems = [("dllm-reference", diffusion(reference)), ("dllm-fast", diffusion(fast))]
         if ar is not None:
             systems.append(("ar-twin", autoregressive))
+            if draft_length(llm.model):  # the ablation: the twin with the prompt-lookup half of the drafts
+                lookup = SamplingParams(max_new_tokens=length, block_length=1, decoding="verified",
+                                        draft_source="lookup")
+                systems.append(("ar-twin-lookup", diffusion(lookup, ar)))
         if smol is not None:
             systems.append(("smollm2-135m", smollm2_system))
         runs = []

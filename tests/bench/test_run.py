@@ -151,11 +151,17 @@ def test_bench_of_a_hybrid_model_runs_verified_against_its_own_next_token_decodi
     save_checkpoint(hybrid, folder, tokenizer_dir, {"max_new_tokens": 16, "temperature": 0.0, "decoding": "verified"})
     prompts = tmp_path / "he.jsonl"
     write_prompts(prompts)
-    cfg = BenchConfig(model=str(folder), lengths=[12], batch_sizes=[1, 2], num_prompts=3, warmup=1,
-                      prompts=str(prompts), out_dir=str(tmp_path / "out"), smollm2=False)
+    ar = tiny_model(seed=6, vocab_size=len(vocab), is_causal=True, eos_token_id=vocab["<|endoftext|>"],
+                    mask_token_id=vocab["<|mask|>"], pad_token_id=vocab["<|pad|>"])
+    save_checkpoint(ar, tmp_path / "ar", tokenizer_dir)
+    cfg = BenchConfig(model=str(folder), ar_model=str(tmp_path / "ar"), lengths=[12], batch_sizes=[1, 2],
+                      num_prompts=3, warmup=1, prompts=str(prompts), out_dir=str(tmp_path / "out"), smollm2=False)
     results = run_bench(cfg)
     runs = {(r["system"], r["batch_size"]): r for r in results["runs"]}
-    assert {s for s, _ in runs} == {"hybrid-next-token", "hybrid-verified"}
+    assert {s for s, _ in runs} == {"hybrid-next-token", "hybrid-verified", "ar-twin", "ar-twin-lookup"}
+    for b in (1, 2):  # lookup drafts never change the twin's tokens
+        twin, lookup = runs["ar-twin", b], runs["ar-twin-lookup", b]
+        assert lookup["output_tokens"] == twin["output_tokens"] and lookup["nfe_mean"] <= twin["nfe_mean"]
     assert set(results["pass_cost_ms_by_width"]) == {"1", "4", "8", "16"}
     assert all(v > 0 for v in results["pass_cost_ms_by_width"].values())
     for b in (1, 2):
