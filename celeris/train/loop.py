@@ -39,6 +39,8 @@ DEFAULT_GENERATION = {"max_new_tokens": 128, "steps": 128, "block_length": 32, "
                       "top_p": 1.0, "remasking": "low_confidence", "cfg_scale": 0.0}
 # The autoregressive twin: the same defaults as LLM applies to any causal model (one token per step).
 AR_GENERATION = causal_defaults(DEFAULT_GENERATION)
+# A hybrid model: verified decoding, drafts from prompt lookup where the context repeats, else its mask slots.
+HYBRID_GENERATION = {**AR_GENERATION, "decoding": "verified", "draft_source": "lookup_first"}
 
 
 @dataclass(slots=True)
@@ -249,7 +251,8 @@ def train(cfg: TrainConfig, default_generation: dict | None = None) -> dict:
         (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         if cfg.export_dir:
             write_tokenizer_config(data)
-            generation = AR_GENERATION if model.config.is_causal else DEFAULT_GENERATION
+            generation = DEFAULT_GENERATION if not model.config.is_causal else (
+                HYBRID_GENERATION if model.config.draft_block_size else AR_GENERATION)
             save_checkpoint(model, cfg.export_dir, data, default_generation or generation)
             shutil.copy(out / "train_config.json", Path(cfg.export_dir) / "training_args.json")
             print(f"exported checkpoint to {cfg.export_dir}", flush=True)

@@ -117,6 +117,38 @@ def test_autoregressive_twin_trains_causal(corpus_dir, tmp_path):
     assert out.nfe == 6 and out.token_ids == want.token_ids[0]
 
 
+def test_hybrid_adapts_a_causal_checkpoint_and_exports_verified_defaults(corpus_dir, tmp_path):
+    """--objective hybrid --init TWIN: every weight of the twin, the mask row at the mean embedding, the
+    config's draft_block_size, verified decoding by default; its answers equal its greedy next-token ones."""
+    from celeris.llm import LLM
+    from celeris.sampling.autoregressive import generate_autoregressive
+    from celeris.train.loop import init_from_checkpoint
+
+    train(tiny_cfg(corpus_dir, tmp_path / "ar", objective="ar", max_steps=2, export_dir=str(tmp_path / "twin")))
+    twin = load_model(tmp_path / "twin")
+    cfg = tiny_cfg(corpus_dir, tmp_path / "hy", objective="hybrid", init=str(tmp_path / "twin"), block_size=3,
+                   max_steps=2, export_dir=str(tmp_path / "hybrid"))
+    start = init_from_checkpoint(cfg, {"vocab_size": twin.config.vocab_size, "is_causal": False})
+    emb = twin.embed_tokens.weight.detach()
+    torch.testing.assert_close(start.embed_tokens.weight[twin.config.mask_token_id], emb.mean(0))
+    torch.testing.assert_close(start.layers[0].mlp.down_proj.weight, twin.layers[0].mlp.down_proj.weight)
+    summary = train(cfg)
+    assert summary["steps"] == 2 and np.isfinite(summary["final_val_loss"])
+    history = json.loads((tmp_path / "hy" / "history.json").read_text())
+    assert {"val_ntp", "val_masked"} <= set(history[-1])
+    llm = LLM(tmp_path / "hybrid")
+    assert llm.model.config.draft_block_size == 3 and llm.generation_config["decoding"] == "verified"
+    params = llm.default_params(max_new_tokens=8, early_exit=False)
+    out = llm.generate("def f", params)[0]
+    want = generate_autoregressive(llm.model, [llm.tokenizer.encode("def f")], params, use_cache=False)
+    assert out.token_ids == want.token_ids[0] and out.nfe <= 8
+    with pytest.raises(ValueError, match="init"):
+        TrainConfig(data_dir="d", out_dir="o", objective="hybrid")
+    train(tiny_cfg(corpus_dir, tmp_path / "dl", max_steps=1, export_dir=str(tmp_path / "diffusion")))
+    with pytest.raises(ValueError, match="not a causal model"):
+        train(tiny_cfg(corpus_dir, tmp_path / "bad", objective="hybrid", init=str(tmp_path / "diffusion"), max_steps=1))
+
+
 @pytest.mark.parametrize(("field", "value"), [("objective", "gan"), ("seq_len", 0), ("batch_size", 0),
                                                ("max_steps", 0), ("lr", 0.0), ("eval_batches", 0)])
 def test_train_config_validation(field, value):
