@@ -261,7 +261,8 @@ class DecodingDetails(BaseModel):
         nfe: forward passes of the model for this choice (a CFG step counts 2).
         steps: denoising steps taken.
         tokens_per_forward: answer positions committed per forward pass (committed / nfe); far above
-            1 means many tokens were decided by each pass (lower quality).
+            1 means many tokens were decided by each pass (lower quality), except under ``verified``
+            decoding, where every committed token is the next-token head's own choice (drafts accepted).
         block_length: tokens per semi-autoregressive block (capped at the answer length).
         cache: the KV cache mode; decoding: the commit rule; remasking: the confidence rule.
     """
