@@ -97,6 +97,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--init", help="hybrid: causal checkpoint to start from (name or folder), e.g. celeris-code-6m-ar")
     t.add_argument("--block-size", type=int, default=4, help="hybrid: drafting block length (tokens)")
     t.add_argument("--full-mask-prob", type=float, default=0.5, help="hybrid: share of fully masked noisy blocks")
+    t.add_argument("--distill-data", help="hybrid: self-distillation sequences (scripts/self_distill_data.py); "
+                                          "every other step trains the drafts on them")
+    t.add_argument("--distill-len", type=int, default=192, help="hybrid: length of each distillation sequence")
     for name, typ, default in [
         ("max-steps", int, 1000), ("batch-size", int, 8), ("seq-len", int, 512), ("lr", float, 1.5e-3),
         ("warmup-steps", int, 100), ("eval-every", int, 300), ("eval-batches", int, 16),
@@ -255,6 +258,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         warmup_steps=args.warmup_steps, eval_every=args.eval_every, eval_batches=args.eval_batches,
         save_every=args.save_every, seed=args.seed, threads=args.threads, prefix_prob=args.prefix_prob,
         init=args.init, block_size=args.block_size, full_mask_prob=args.full_mask_prob,
+        distill_data=args.distill_data, distill_len=args.distill_len,
     )
     print(json.dumps(train(cfg)))
     return 0

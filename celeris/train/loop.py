@@ -55,6 +55,10 @@ class TrainConfig:
     init: str | None = None  # hybrid: the causal checkpoint (name or folder) every weight starts from
     block_size: int = 4  # hybrid: noisy (drafting) block length, tokens
     full_mask_prob: float = 0.5  # hybrid: share of noisy blocks masked entirely
+    # hybrid: a uint16 file of fixed-length sequences, the model's own greedy continuations
+    # (scripts/self_distill_data.py); every other step trains on them with the masked loss only
+    distill_data: str | None = None
+    distill_len: int = 192
     model: dict = field(default_factory=dict)
     seq_len: int = 512
     batch_size: int = 8
@@ -82,6 +86,8 @@ class TrainConfig:
             raise ValueError("prefix_prob applies to the diffusion objective only")
         if self.objective == "hybrid" and not self.init:
             raise ValueError("the hybrid objective starts from a causal checkpoint: give init (e.g. celeris-code-6m-ar)")
+        if self.distill_data and self.objective != "hybrid":
+            raise ValueError("distill_data applies to the hybrid objective only")
         if self.block_size < 1 or not 0 <= self.full_mask_prob <= 1:
             raise ValueError(f"block_size must be >= 1 and full_mask_prob in [0, 1], got {self.block_size}, "
                              f"{self.full_mask_prob}")
@@ -210,15 +216,23 @@ def train(cfg: TrainConfig, default_generation: dict | None = None) -> dict:
             flush=True,
         )
     loss_fn = OBJECTIVES[cfg.objective]
+    distill = None
+    if cfg.distill_data:
+        distill = np.fromfile(cfg.distill_data, dtype=np.uint16).reshape(-1, cfg.distill_len)
     bar = tqdm(total=cfg.max_steps, initial=step, disable=rank != 0, dynamic_ncols=True, mininterval=5)
     while step < cfg.max_steps:
         t0 = time.perf_counter()
         for group in optim.param_groups:
             group["lr"] = lr_at(step, cfg)
         seed = cfg.seed * 1_000_003 + step * world + rank
-        batch = get_batch(train_tokens, cfg.batch_size, cfg.seq_len, seed).to(device)
         runner = model if world == 1 else _DDPView(ddp_model, model)
-        loss, _ = loss_fn(runner, batch, torch.Generator().manual_seed(seed), **objective_kwargs(cfg))
+        if distill is not None and step % 2 == 1:  # self-distillation: drafting targets only (dParallel, d3LLM)
+            rows = np.random.default_rng(seed).integers(0, len(distill), size=cfg.batch_size)
+            batch = torch.from_numpy(distill[rows].astype(np.int64)).to(device)
+            loss, _ = loss_fn(runner, batch, torch.Generator().manual_seed(seed), **objective_kwargs(cfg), ntp_weight=0.0)
+        else:
+            batch = get_batch(train_tokens, cfg.batch_size, cfg.seq_len, seed).to(device)
+            loss, _ = loss_fn(runner, batch, torch.Generator().manual_seed(seed), **objective_kwargs(cfg))
         optim.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)

@@ -130,6 +130,7 @@ def hybrid_loss(
     block_size: int = 4,
     full_mask_prob: float = 0.5,
     return_parts: bool = False,
+    ntp_weight: float = 1.0,
 ):
     """Next-token loss on the clean stream plus masked-token loss on the noisy blocks (one forward pass).
 
@@ -146,6 +147,8 @@ def hybrid_loss(
         input_ids: (B, L) int64 clean tokens; the model must be causal (``is_causal``).
         block_size: noisy block length b (tokens).
         full_mask_prob: share of noisy blocks masked entirely.
+        ntp_weight: weight of the next-token term; 0 on self-distillation batches (the model's own greedy
+            continuations: the drafting targets, not text whose likelihood the next-token head should learn).
 
     Returns:
         (scalar float32 loss = NTP mean + masked mean, number of scored positions); with ``return_parts``
@@ -167,7 +170,7 @@ def hybrid_loss(
     same_block = (torch.arange(1, length, device=input_ids.device) % block_size) != 0  # (L-1,) p+1 in p's block
     scored = is_masked[:, 1:] | ~same_block[None]  # (B, L-1)
     masked = F.cross_entropy(model.logits(noisy_h[scored]), targets[scored])
-    loss = ntp + masked
+    loss = ntp_weight * ntp + masked
     if return_parts:
         return loss, int(targets.numel() + scored.sum()), {"ntp": ntp.item(), "masked": masked.item()}
     return loss, int(targets.numel() + scored.sum())
