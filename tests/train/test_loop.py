@@ -149,6 +149,30 @@ def test_hybrid_adapts_a_causal_checkpoint_and_exports_verified_defaults(corpus_
         train(tiny_cfg(corpus_dir, tmp_path / "bad", objective="hybrid", init=str(tmp_path / "diffusion"), max_steps=1))
 
 
+def test_hybrid_self_distillation_steps_train_drafts_only(corpus_dir, tmp_path, monkeypatch):
+    """With distill_data, odd steps draw whole rows of that file and drop the next-token term."""
+    from celeris.train import objective
+
+    train(tiny_cfg(corpus_dir, tmp_path / "ar", objective="ar", max_steps=1, export_dir=str(tmp_path / "twin")))
+    rows = np.random.default_rng(0).integers(3, 60, size=(5, 12)).astype(np.uint16)
+    rows.tofile(tmp_path / "distill.bin")
+    seen = []
+    real = objective.hybrid_loss
+
+    def spy(model, batch, gen=None, **kw):
+        seen.append((kw.get("ntp_weight", 1.0), batch.shape[1], {tuple(r) for r in batch.tolist()}))
+        return real(model, batch, gen, **kw)
+
+    monkeypatch.setitem(loop.OBJECTIVES, "hybrid", spy)
+    train(tiny_cfg(corpus_dir, tmp_path / "hy", objective="hybrid", init=str(tmp_path / "twin"), max_steps=4,
+                   distill_data=str(tmp_path / "distill.bin"), distill_len=12))
+    assert [w for w, _, _ in seen[:4]] == [1.0, 0.0, 1.0, 0.0]  # then the held-out evaluation's calls
+    assert seen[1][1] == seen[3][1] == 12 and seen[1][2] <= {tuple(r) for r in rows.tolist()}
+    assert seen[0][1] == 32  # corpus windows of seq_len
+    with pytest.raises(ValueError, match="hybrid"):
+        TrainConfig(data_dir="d", out_dir="o", distill_data="x.bin")
+
+
 @pytest.mark.parametrize(("field", "value"), [("objective", "gan"), ("seq_len", 0), ("batch_size", 0),
                                                ("max_steps", 0), ("lr", 0.0), ("eval_batches", 0)])
 def test_train_config_validation(field, value):
