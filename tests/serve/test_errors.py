@@ -177,6 +177,6 @@ def test_deep_nesting_and_huge_integers_are_400_not_500(server, body, fragment):
 @pytest.mark.parametrize("field", ["factor", "entropy_bound", "repetition_penalty", "temperature", "cfg_scale"])
 def test_non_finite_numbers_are_refused(server, literal, field):
     """NaN / Infinity are not JSON (RFC 8259), and 1e400 overflows to infinity: all 400, none reach the engine."""
-    body = '{"prompt": "x", "max_tokens": 2, "%s": %s}' % (field, literal)
+    body = f'{{"prompt": "x", "max_tokens": 2, "{field}": {literal}}}'
     err = assert_error(post(server, "/v1/completions", body), 400, code="invalid_json")
     assert literal.lstrip("-").split("e")[0] in err["message"] or "too large" in err["message"]
