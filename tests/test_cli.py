@@ -213,3 +213,30 @@ def test_bench_runs_the_embedded_twin_only_beside_the_embedded_model(tmp_path, m
         bench_ar_model(None, str(tmp_path / "missing"))
     (tmp_path / "celeris-code-6m-ar").rmdir()
     assert bench_ar_model(None, None) is None  # no twin shipped: the bench says nothing of one
+
+
+MODEL_COMMANDS = [["generate", "x"], ["chat"], ["eval", "humaneval"], ["bench"], ["serve"], ["batch", "run", "in", "out"],
+                  ["train", "--data", "d", "--out", "o"]]
+
+
+@pytest.mark.parametrize("command", MODEL_COMMANDS, ids=lambda c: " ".join(c[:2]))
+def test_every_command_that_loads_a_model_takes_threads(command):
+    from celeris.cli import build_parser
+
+    assert build_parser().parse_args([*command, "--threads", "3"]).threads == 3
+    assert build_parser().parse_args(command).threads is None  # None: PyTorch's default
+
+
+def test_threads_sets_the_intra_op_thread_count(capsys, tiny_checkpoint):
+    import torch
+
+    before = torch.get_num_threads()
+    try:
+        code, _, err = run_cli(capsys, "generate", "x", "--model", str(tiny_checkpoint), "--device", "cpu",
+                               "--max-new-tokens", "2", "--steps", "2", "--threads", "2")
+        assert code == 0, err
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+    code, _, err = run_cli(capsys, "generate", "x", "--threads", "0")
+    assert code == 2 and err.strip() == "celeris: error: --threads must be >= 1, got 0"
