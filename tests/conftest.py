@@ -26,6 +26,7 @@ from celeris.train.data import build_stdlib_corpus, train_tokenizer  # noqa: E40
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "ddp: launches two training processes with torch.distributed.run (~30 s)")
+    config.addinivalue_line("markers", "slow: a server in a subprocess, signals or resource limits (still run by CI)")
 
 
 # The machine is shared with a training job: one intra-op thread keeps tests predictable.
