@@ -79,6 +79,26 @@ def respond(result) -> Response:
     return StreamingResponse(sse(result), media_type="text/event-stream", headers=SSE_HEADERS)
 
 
+def openapi_with_bodies(app: FastAPI) -> dict:
+    """The app's OpenAPI document with the request bodies the routes parse themselves (strict JSON, see
+    ``parse_request``), so /docs and schema-driven tests see them."""
+    from fastapi.openapi.utils import get_openapi
+    from pydantic.json_schema import models_json_schema
+
+    if app.openapi_schema is None:
+        doc = get_openapi(title=app.title, version=app.version, summary=app.summary, routes=app.routes)
+        bodies = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest}
+        _, defs = models_json_schema([(m, "validation") for m in bodies.values()],
+                                     ref_template="#/components/schemas/{model}")
+        doc.setdefault("components", {}).setdefault("schemas", {}).update(defs.get("$defs", {}))
+        for path, model in bodies.items():
+            doc["paths"][path]["post"]["requestBody"] = {
+                "required": True,
+                "content": {"application/json": {"schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}
+        app.openapi_schema = doc
+    return app.openapi_schema
+
+
 def check_api_key_value(api_key: str | None) -> None:
     """Refuse a key no client could send as meant: empty, or with surrounding whitespace.
 
@@ -193,6 +213,7 @@ def create_app(serving: OpenAIServing, api_key: str | None = None, manage_engine
         return respond(serving.show_model(model_id))
 
     app.include_router(v1)
+    app.openapi = lambda: openapi_with_bodies(app)
 
     @app.get("/health")
     async def health() -> Response:

@@ -174,8 +174,12 @@ def test_api_key(serve_llm):
         assert good.models.retrieve(MODEL_NAME).id == MODEL_NAME
 
 
-def test_docs_are_open_without_a_key(server):
-    assert httpx.get(f"{server.url}/openapi.json").status_code == 200
+def test_docs_are_open_without_a_key_and_describe_the_bodies(server):
+    doc = httpx.get(f"{server.url}/openapi.json").json()
+    body = doc["paths"]["/v1/completions"]["post"]["requestBody"]["content"]["application/json"]["schema"]
+    assert body == {"$ref": "#/components/schemas/CompletionRequest"}
+    assert "max_tokens" in doc["components"]["schemas"]["CompletionRequest"]["properties"]
+    assert "ChatMessage" in doc["components"]["schemas"]
 
 
 @pytest.mark.parametrize("key", ["", " sekret", "sekret\n"])
