@@ -4,8 +4,10 @@
 one) that is echoed in the response and added to log lines; refuses new requests while the server
 drains for shutdown (503 + ``Retry-After``); refuses a body by its ``Content-Length`` before reading
 it (413); and while the app reads the body, stops at the size limit (413, also for chunked uploads)
-and at the body deadline (408). Nothing is buffered here, so streams and disconnect detection are
-untouched. Connection-level limits (header deadline, open sockets) live in ``celeris.serve.server``.
+and at the body deadline (408). A bug's exception is logged once, with the request id, and answered 500
+in the error shape (Starlette's outermost middleware would log it a second time). Nothing is buffered
+here, so streams and disconnect detection are untouched. Connection-level limits (header deadline,
+open sockets) live in ``celeris.serve.server``.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ from collections.abc import Callable
 from contextvars import ContextVar
 
 from celeris.serve.protocol import APIError
+
+logger = logging.getLogger(__name__)
 
 REQUEST_ID: ContextVar[str | None] = ContextVar("celeris_request_id", default=None)
 _REQUEST_ID_RE = re.compile(r"^[A-Za-z0-9._:/+=@-]{1,128}$")  # anything else is replaced, never logged raw
@@ -49,7 +53,7 @@ class RequestIdFilter(logging.Filter):
 
 
 def install_request_id_logging(names: tuple[str, ...] = ("uvicorn.access", "uvicorn.error", "celeris.serve.app",
-                                                          "celeris.serve.serving")) -> None:
+                                                          "celeris.serve.serving", __name__)) -> None:
     """Add ``RequestIdFilter`` to these loggers (once each)."""
     for name in names:
         log = logging.getLogger(name)
@@ -84,8 +88,12 @@ class RequestGuard:
         token = REQUEST_ID.set(rid)
         scope.setdefault("state", {})["request_id"] = rid
 
+        started = False
+
         async def send_with_id(message) -> None:
+            nonlocal started
             if message["type"] == "http.response.start":
+                started = True
                 message = {**message, "headers": [*message.get("headers", []), (b"x-request-id", rid.encode())]}
             await send(message)
 
@@ -95,6 +103,10 @@ class RequestGuard:
                 await send_error(send_with_id, refusal)
                 return
             await self.app(scope, self._guarded_receive(receive), send_with_id)
+        except Exception as exc:  # a bug: one traceback, then the error shape if nothing was sent yet
+            logger.exception("unhandled error on %s %s", scope.get("method"), scope.get("path"))
+            if not started:
+                await send_error(send_with_id, APIError(500, f"internal error: {type(exc).__name__}"))
         finally:
             REQUEST_ID.reset(token)
 

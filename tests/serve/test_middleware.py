@@ -101,3 +101,17 @@ def test_request_id_is_echoed_and_logged(guarded, caplog):
     records = [r for r in caplog.records if "disconnected" in r.getMessage()]
     assert len(records) == 1 and not records[0].exc_info  # one line, no traceback
     assert "[request_id=upload-7]" in records[0].getMessage()
+
+
+def test_a_bug_is_a_500_in_the_error_shape_with_one_traceback(guarded, caplog, monkeypatch):
+    def broken():
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(guarded.serving, "show_models", broken)
+    with caplog.at_level(logging.ERROR):
+        resp = httpx.get(f"{guarded.url}/v1/models", headers={"X-Request-Id": "bug-1"})
+        time.sleep(0.2)
+    assert resp.status_code == 500 and resp.json()["error"]["message"] == "internal error: RuntimeError"
+    assert resp.headers["x-request-id"] == "bug-1"
+    tracebacks = [r for r in caplog.records if r.exc_info]
+    assert len(tracebacks) == 1 and "[request_id=bug-1]" in tracebacks[0].getMessage()
