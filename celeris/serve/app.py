@@ -147,9 +147,9 @@ def create_app(serving: OpenAIServing, api_key: str | None = None, manage_engine
     app = FastAPI(title="Celeris", summary="OpenAI-compatible server for diffusion language models",
                   lifespan=lifespan, **docs)
     app.state.serving = serving
-    app.add_middleware(MetricsMiddleware, metrics=serving.metrics)
     app.add_middleware(RequestGuard, max_body_bytes=limits.max_body_bytes, body_timeout_s=limits.body_timeout_s,
                        is_draining=lambda: serving.draining)
+    app.add_middleware(MetricsMiddleware, metrics=serving.metrics)  # outermost: counts RequestGuard's refusals too
 
     @app.exception_handler(APIError)
     async def on_api_error(request: Request, exc: APIError) -> JSONResponse:

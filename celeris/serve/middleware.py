@@ -1,13 +1,14 @@
 """Pure ASGI middleware guarding every HTTP request before the app sees it.
 
-``RequestGuard`` (outermost) gives each request an id (``X-Request-Id``: the client's, else a new
-one) that is echoed in the response and added to log lines; refuses new requests while the server
-drains for shutdown (503 + ``Retry-After``); refuses a body by its ``Content-Length`` before reading
-it (413); and while the app reads the body, stops at the size limit (413, also for chunked uploads)
-and at the body deadline (408). A bug's exception is logged once, with the request id, and answered 500
-in the error shape (Starlette's outermost middleware would log it a second time). Nothing is buffered
-here, so streams and disconnect detection are untouched. Connection-level limits (header deadline,
-open sockets) live in ``celeris.serve.server``.
+``RequestGuard`` (inside the metrics middleware, outside routing) gives each request an id
+(``X-Request-Id``: the client's, else a new one) that is echoed in the response and added to log
+lines; refuses new requests while the server drains for shutdown (503 + ``Retry-After``); refuses a
+body by its ``Content-Length`` before reading it (413); and while the app reads the body, stops at
+the size limit (413, also for chunked uploads) and at the body deadline (408). A bug's exception is
+logged once, with the request id, and answered 500 in the error shape (Starlette's outermost
+middleware would log it a second time). Nothing is buffered here, so streams and disconnect
+detection are untouched. Connection-level limits (header deadline, open sockets) live in
+``celeris.serve.server``.
 """
 
 from __future__ import annotations

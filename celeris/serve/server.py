@@ -37,7 +37,10 @@ from celeris.serve.protocol import APIError
 
 logger = logging.getLogger(__name__)
 
-FD_RESERVE = 64  # file descriptors kept for the model, logs and the listening socket
+# asyncio accepts up to `backlog` sockets in one burst before any protocol sees them (and so before an
+# idle one can be closed): the burst, the model's files, logs and pipes must fit in the reserve.
+ACCEPT_BACKLOG = 64
+FD_RESERVE = ACCEPT_BACKLOG + 64
 RESOURCE_LOG_EVERY_S = 60.0
 MAX_BODY_BYTES = 8 << 20
 _RESOURCE_ERRNOS = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
@@ -278,5 +281,5 @@ def make_server(app, serving, limits: ServerLimits, log_level: str = "info", **c
     """A ``CelerisServer`` for ``app``; ``config`` goes to ``uvicorn.Config`` (host, port, ...)."""
     guard = ConnectionGuard(limits)
     uv_config = uvicorn.Config(app, http=partial(GuardedH11Protocol, guard=guard), log_level=log_level,
-                               lifespan="on", timeout_graceful_shutdown=5, **config)
+                               lifespan="on", timeout_graceful_shutdown=5, backlog=ACCEPT_BACKLOG, **config)
     return CelerisServer(uv_config, serving, limits)

@@ -14,6 +14,7 @@ import pytest
 from celeris.serve.app import BackgroundServer, create_app
 from celeris.serve.server import ServerLimits
 from tests.serve.conftest import make_serving
+from tests.serve.test_limits import metric
 
 
 @pytest.fixture(scope="module")
@@ -55,6 +56,7 @@ def test_content_length_over_the_limit_is_refused_before_reading(guarded):
     assert status == 413 and body["error"]["code"] == "body_too_large"
     assert b"connection: close" in response.lower()
     assert seconds < 2
+    assert metric(guarded, "celeris_http_requests_total", path="/v1/completions", status="413") >= 1
 
 
 def test_chunked_upload_stops_at_the_limit(guarded):
