@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import time
@@ -29,8 +30,26 @@ class _Parser(argparse.ArgumentParser):
         raise UsageError(message)
 
 
+def _threads_arg(p: argparse.ArgumentParser) -> None:
+    """--threads: on every command that loads a model (applied in main)."""
+    p.add_argument("--threads", type=int, help="PyTorch CPU threads per operation (default: PyTorch's, one per "
+                   "physical core); on a machine shared with other processes use 1")
+
+
+def _apply_threads(args: argparse.Namespace) -> None:
+    threads = getattr(args, "threads", None)
+    if threads is None:
+        return
+    if threads < 1:
+        raise UsageError(f"--threads must be >= 1, got {threads}")
+    import torch
+
+    torch.set_num_threads(threads)
+
+
 def _model_args(p: argparse.ArgumentParser) -> None:
     """Which checkpoint to load and how: shared by every command that loads a model."""
+    _threads_arg(p)
     p.add_argument("--model", help="checkpoint folder, or the name of an embedded one: celeris-code-6m (the "
                    "default), celeris-code-6m-ar (its autoregressive twin)")
     p.add_argument("--device", help="cpu, cuda, cuda:1 ... (default: cuda when available)")
@@ -132,6 +151,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="dllm-fast: passes see only W masked columns past the block (default: the model's)")
     b.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
                    help="weights of the diffusion model and the twin (default: bfloat16 on CUDA, float32 on CPU)")
+    _threads_arg(b)
 
     d = sub.add_parser("data", help="build a training corpus")
     d.add_argument("corpus", choices=["stdlib"], help="stdlib: this Python's standard library")
@@ -354,6 +374,7 @@ def _batch_parser(sub) -> None:
     r.add_argument("--request-timeout", type=float, default=600.0, help="seconds before one request is aborted")
     r.add_argument("--served-model-name", help="the model name request bodies may give (default: folder name)")
     r.add_argument("--no-progress", action="store_true", help="no progress bar")
+    _threads_arg(r)
     rep = bsub.add_parser("report", help="quality report of a results file: failures, empty, duplicate, lengths")
     rep.add_argument("results")
     rep.add_argument("--input", help="the job's input: also count ids without a record (missing) and extra records")
@@ -460,7 +481,13 @@ def _serve_parser(sub) -> None:
     s.add_argument("--max-waiting", type=int, default=64, help="requests queued beyond those; more get 429")
     s.add_argument("--request-timeout", type=float, default=60.0, help="seconds before a request is aborted (504)")
     s.add_argument("--api-key", default=os.environ.get("CELERIS_API_KEY"),
-                   help="require 'Authorization: Bearer KEY' on /v1 (default: $CELERIS_API_KEY, else none)")
+                   help="require 'Authorization: Bearer KEY' on /v1 and close /docs (default: $CELERIS_API_KEY, "
+                   "else none); an empty key or one with surrounding spaces is refused")
+    s.add_argument("--max-connections", type=int, default=1024,
+                   help="open sockets at most; beyond, the oldest idle one is closed, else 503 (default 1024, "
+                   "lowered to fit the file-descriptor limit)")
+    s.add_argument("--drain-timeout", type=float, default=30.0,
+                   help="on SIGTERM, seconds requests in flight may still run before they are cut (default 30)")
     s.add_argument("--served-model-name", help="the model name clients send (default: the checkpoint folder name)")
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
 
@@ -475,16 +502,25 @@ def cmd_serve(args: argparse.Namespace) -> int:
             raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if not 0 <= args.port <= 65535:
         raise UsageError(f"--port must be in [0, 65535], got {args.port}")
-    if args.request_timeout <= 0:
-        raise UsageError(f"--request-timeout must be > 0, got {args.request_timeout}")
+    for name in ("request_timeout", "drain_timeout"):
+        value = getattr(args, name)
+        if not (math.isfinite(value) and value > 0):
+            raise UsageError(f"--{name.replace('_', '-')} must be a finite number > 0, got {value}")
+    if args.api_key is not None and (not args.api_key or args.api_key != args.api_key.strip()):
+        what = "empty" if not args.api_key.strip() else "has leading or trailing whitespace"
+        raise UsageError(f"--api-key (or $CELERIS_API_KEY) {what}; give a non-empty key without surrounding spaces, "
+                         "or none to turn authentication off")
     try:
         from celeris.serve.app import run_server
+        from celeris.serve.server import ServerLimits
     except ImportError as exc:
         raise UsageError(f"celeris serve needs fastapi and uvicorn ({exc}): pip install -e .") from None
+    limits = ServerLimits(max_connections=args.max_connections, drain_timeout_s=args.drain_timeout)
     return run_server(args.model, host=args.host, port=args.port, max_num_seqs=args.max_num_seqs,
                       max_waiting=args.max_waiting, request_timeout=args.request_timeout, api_key=args.api_key,
                       served_model_name=args.served_model_name, device=args.device, log_level=args.log_level,
-                      dtype=args.dtype, enforce_eager=not args.compile, trust_remote_code=args.trust_remote_code)
+                      limits=limits, dtype=args.dtype, enforce_eager=not args.compile,
+                      trust_remote_code=args.trust_remote_code)
 
 
 COMMANDS = {"generate": cmd_generate, "chat": cmd_chat, "train": cmd_train, "data": cmd_data, "eval": cmd_eval,
@@ -494,6 +530,7 @@ COMMANDS = {"generate": cmd_generate, "chat": cmd_chat, "train": cmd_train, "dat
 def main(argv: list[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(argv)
+        _apply_threads(args)
         return COMMANDS[args.command](args)
     except (UsageError, ValueError, CheckpointError, FileNotFoundError) as exc:
         message = str(exc).splitlines()[0] if str(exc) else type(exc).__name__

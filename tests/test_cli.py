@@ -235,3 +235,30 @@ def test_generate_json_says_how_it_was_decoded(capsys, tiny_checkpoint):
     assert record["steps"] == 2 and record["block_length"] == 8
     assert record["tokens_per_forward"] == 4.0 or record["finish_reason"] == "stop"
     assert {"cache", "decoding", "remasking"} <= set(record)
+
+
+MODEL_COMMANDS = [["generate", "x"], ["chat"], ["eval", "humaneval"], ["bench"], ["serve"], ["batch", "run", "in", "out"],
+                  ["train", "--data", "d", "--out", "o"]]
+
+
+@pytest.mark.parametrize("command", MODEL_COMMANDS, ids=lambda c: " ".join(c[:2]))
+def test_every_command_that_loads_a_model_takes_threads(command):
+    from celeris.cli import build_parser
+
+    assert build_parser().parse_args([*command, "--threads", "3"]).threads == 3
+    assert build_parser().parse_args(command).threads is None  # None: PyTorch's default
+
+
+def test_threads_sets_the_intra_op_thread_count(capsys, tiny_checkpoint):
+    import torch
+
+    before = torch.get_num_threads()
+    try:
+        code, _, err = run_cli(capsys, "generate", "x", "--model", str(tiny_checkpoint), "--device", "cpu",
+                               "--max-new-tokens", "2", "--steps", "2", "--threads", "2")
+        assert code == 0, err
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+    code, _, err = run_cli(capsys, "generate", "x", "--threads", "0")
+    assert code == 2 and err.strip() == "celeris: error: --threads must be >= 1, got 0"

@@ -1,14 +1,15 @@
 """OpenAI-compatible serving: protocol models, a serving layer usable without HTTP, thin FastAPI routes.
 
 ``celeris serve --model PATH`` runs it: POST /v1/completions (``suffix`` = infilling), POST
-/v1/chat/completions, GET /v1/models, GET /health, GET /metrics (Prometheus).
+/v1/chat/completions, GET /v1/models[/{id}], GET /health, GET /metrics (Prometheus).
 ``OpenAIServing.from_model(PATH)`` gives the same layer to batch jobs;
 ``python -m celeris.serve.loadtest`` measures it under concurrency.
 
 Layout: ``protocol`` (pydantic models, error shape, body parsing), ``serving`` (requests -> engine
 calls -> responses), ``async_engine`` (the one thread that drives ``Engine.step()``), ``detokenize``
 (streamed text that never splits a character or leaks a stop string), ``app`` (routes: JSON or SSE),
-``metrics``.
+``middleware`` (request ids, body size and deadline, refusal while draining), ``server`` (uvicorn with a
+header deadline, bounded sockets and a drain on SIGTERM), ``metrics``.
 """
 
 from celeris.serve.protocol import APIError, ErrorResponse

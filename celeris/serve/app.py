@@ -21,8 +21,10 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from celeris.serve.metrics import MetricsMiddleware
+from celeris.serve.middleware import REQUEST_ID, RequestGuard, install_request_id_logging
 from celeris.serve.protocol import (
     APIError,
     ChatCompletionRequest,
@@ -31,11 +33,12 @@ from celeris.serve.protocol import (
     parse_request,
     validation_error,
 )
+from celeris.serve.server import ServerLimits, make_server
 from celeris.serve.serving import ClientDisconnected, OpenAIServing
 
 logger = logging.getLogger(__name__)
 
-MAX_BODY_BYTES = 8 << 20
+STALL_TIMEOUT_S = 10.0  # /health fails when requests are in flight and no engine step completed for this long
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
@@ -44,16 +47,13 @@ def error_response(exc: APIError) -> JSONResponse:
 
 
 async def json_body(request: Request) -> bytes:
-    """The raw body of a JSON request: 415 for another content type, 413 when too large."""
+    """The raw body of a JSON request: 415 for another content type (RequestGuard bounds its size and time)."""
     content_type = request.headers.get("content-type", "")
     media = content_type.split(";", 1)[0].strip().lower()
     if media != "application/json" and not media.endswith("+json"):
         raise APIError(415, f"Content-Type must be application/json, got '{content_type or 'none'}'",
                        code="unsupported_media_type")
-    body = await request.body()
-    if len(body) > MAX_BODY_BYTES:
-        raise APIError(413, f"the request body is {len(body)} bytes, more than the limit of {MAX_BODY_BYTES}")
-    return body
+    return await request.body()
 
 
 async def sse(chunks: AsyncIterator[BaseModel]) -> AsyncIterator[str]:
@@ -79,14 +79,59 @@ def respond(result) -> Response:
     return StreamingResponse(sse(result), media_type="text/event-stream", headers=SSE_HEADERS)
 
 
-def create_app(serving: OpenAIServing, api_key: str | None = None, manage_engine: bool = True) -> FastAPI:
+def openapi_with_bodies(app: FastAPI) -> dict:
+    """The app's OpenAPI document with the request bodies the routes parse themselves (strict JSON, see
+    ``parse_request``), so /docs and schema-driven tests see them."""
+    from fastapi.openapi.utils import get_openapi
+    from pydantic.json_schema import models_json_schema
+
+    if app.openapi_schema is None:
+        doc = get_openapi(title=app.title, version=app.version, summary=app.summary, routes=app.routes)
+        bodies = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest}
+        _, defs = models_json_schema([(m, "validation") for m in bodies.values()],
+                                     ref_template="#/components/schemas/{model}")
+        doc.setdefault("components", {}).setdefault("schemas", {}).update(defs.get("$defs", {}))
+        for path, model in bodies.items():
+            doc["paths"][path]["post"]["requestBody"] = {
+                "required": True,
+                "content": {"application/json": {"schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}
+        app.openapi_schema = doc
+    return app.openapi_schema
+
+
+def check_api_key_value(api_key: str | None) -> None:
+    """Refuse a key no client could send as meant: empty, or with surrounding whitespace.
+
+    Raises:
+        ValueError: naming the problem.
+    """
+    if api_key is None:
+        return
+    if not api_key:
+        raise ValueError("the API key is empty; give a non-empty key, or none to turn authentication off")
+    if api_key != api_key.strip():
+        raise ValueError("the API key has leading or trailing whitespace, which a bearer token cannot carry")
+
+
+def create_app(serving: OpenAIServing, api_key: str | None = None, manage_engine: bool = True,
+               limits: ServerLimits | None = None, stall_timeout_s: float = STALL_TIMEOUT_S) -> FastAPI:
     """The FastAPI app for one serving layer.
 
     Args:
         serving: the serving layer (its engine loop is started and stopped with the app when
             ``manage_engine``).
-        api_key: when set, /v1 routes require ``Authorization: Bearer <api_key>`` (401 otherwise).
+        api_key: when set, /v1 routes require ``Authorization: Bearer <api_key>`` (401 otherwise),
+            and the interactive docs (/docs, /redoc, /openapi.json) are off.
+        limits: body size and body deadline (``RequestGuard``); the defaults when None.
+        stall_timeout_s: /health answers 503 when requests are in flight and no engine step has
+            completed for this many seconds.
+
+    Raises:
+        ValueError: an empty API key, or one with surrounding whitespace.
     """
+    check_api_key_value(api_key)
+    limits = limits or ServerLimits()
+    install_request_id_logging()
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -98,10 +143,13 @@ def create_app(serving: OpenAIServing, api_key: str | None = None, manage_engine
             if manage_engine:
                 await asyncio.to_thread(serving.stop)
 
+    docs = {} if api_key is None else {"docs_url": None, "redoc_url": None, "openapi_url": None}
     app = FastAPI(title="Celeris", summary="OpenAI-compatible server for diffusion language models",
-                  lifespan=lifespan)
+                  lifespan=lifespan, **docs)
     app.state.serving = serving
-    app.add_middleware(MetricsMiddleware, metrics=serving.metrics)
+    app.add_middleware(RequestGuard, max_body_bytes=limits.max_body_bytes, body_timeout_s=limits.body_timeout_s,
+                       is_draining=lambda: serving.draining)
+    app.add_middleware(MetricsMiddleware, metrics=serving.metrics)  # outermost: counts RequestGuard's refusals too
 
     @app.exception_handler(APIError)
     async def on_api_error(request: Request, exc: APIError) -> JSONResponse:
@@ -126,9 +174,14 @@ def create_app(serving: OpenAIServing, api_key: str | None = None, manage_engine
     async def on_disconnect(request: Request, exc: ClientDisconnected) -> Response:
         return Response(status_code=499)
 
+    @app.exception_handler(ClientDisconnect)
+    async def on_upload_disconnect(request: Request, exc: ClientDisconnect) -> Response:
+        logger.info("client disconnected while sending the body of %s %s", request.method, request.url.path)
+        return Response(status_code=499)
+
     @app.exception_handler(Exception)
     async def on_exception(request: Request, exc: Exception) -> JSONResponse:
-        logger.exception("unhandled error on %s", request.url.path)
+        logger.exception("unhandled error on %s (request id %s)", request.url.path, REQUEST_ID.get())
         return error_response(APIError(500, f"internal error: {type(exc).__name__}"))
 
     async def check_api_key(request: Request) -> None:
@@ -155,12 +208,27 @@ def create_app(serving: OpenAIServing, api_key: str | None = None, manage_engine
     async def models() -> Response:
         return respond(serving.show_models())
 
+    @v1.get("/models/{model_id:path}")
+    async def model(model_id: str) -> Response:
+        return respond(serving.show_model(model_id))
+
     app.include_router(v1)
+    app.openapi = lambda: openapi_with_bodies(app)
 
     @app.get("/health")
     async def health() -> Response:
+        """200 while the server can make progress. 503 when draining for shutdown, when the engine loop
+        is not running, or when requests are in flight and no step completed for ``stall_timeout_s``.
+        A full queue (429s) alone never fails it."""
+        if serving.draining:
+            raise APIError(503, "the server is draining for shutdown", code="server_shutting_down",
+                           headers={"Retry-After": "1"})
         if not serving.async_engine.is_running:
             raise APIError(503, "the engine loop is not running", code="engine_unavailable")
+        stalled = serving.async_engine.seconds_without_progress()
+        if stalled > stall_timeout_s:
+            raise APIError(503, f"the engine has completed no step for {stalled:.0f} s while requests are in flight "
+                                f"(limit {stall_timeout_s:g} s)", code="engine_stalled")
         return JSONResponse({"status": "ok"})
 
     @app.get("/metrics")
@@ -175,20 +243,24 @@ class BackgroundServer:
     """Runs an app with uvicorn on a background thread (tests, load tests, notebooks).
 
     Binds the socket itself, so ``port=0`` gets a free port with no race; ``url`` is the base URL.
+    The server is a ``CelerisServer`` with ``limits`` (``drain()`` starts its shutdown drain).
     """
 
-    def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning") -> None:
-        import uvicorn
-
+    def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning",
+                 limits: ServerLimits | None = None) -> None:
         self.host = host
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.sock.bind((host, port))
         self.port = self.sock.getsockname()[1]
-        config = uvicorn.Config(app, log_level=log_level, lifespan="on", timeout_graceful_shutdown=2)
-        self.server = uvicorn.Server(config)
+        self.server = make_server(app, app.state.serving, limits or ServerLimits(), log_level=log_level)
+        self.server.config.timeout_graceful_shutdown = 2
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True,
                                        name="celeris-uvicorn")
+
+    def drain(self) -> None:
+        """What SIGTERM does to ``celeris serve``: drain, then stop."""
+        self.server.begin_drain()
 
     @property
     def url(self) -> str:
@@ -226,18 +298,19 @@ def run_server(
     served_model_name: str | None = None,
     device: str | None = None,
     log_level: str = "info",
+    limits: ServerLimits | None = None,
     **load_options: object,
 ) -> int:
-    """Load a checkpoint and serve it until interrupted (``celeris serve``).
+    """Load a checkpoint and serve it until SIGTERM/SIGINT, then drain (``celeris serve``).
 
     ``load_options`` (dtype, enforce_eager, trust_remote_code) go to ``celeris.llm.LLM``.
     """
-    import uvicorn
-
+    check_api_key_value(api_key)
+    limits = limits or ServerLimits()
     serving = OpenAIServing.from_model(model, device=device, max_num_seqs=max_num_seqs, max_waiting=max_waiting,
                                        request_timeout=request_timeout, served_model_name=served_model_name,
                                        **load_options)
-    app = create_app(serving, api_key=api_key)
+    app = create_app(serving, api_key=api_key, limits=limits)
     logger.info("serving %s on http://%s:%d", serving.model_name, host, port)
-    uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
+    make_server(app, serving, limits, log_level=log_level, host=host, port=port).run()
     return 0

@@ -19,6 +19,7 @@ import itertools
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -134,6 +135,7 @@ class AsyncEngine:
         self._ids = itertools.count()
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
+        self._progress_at = time.monotonic()  # the last completed step, or when work arrived at an idle engine
         self.error: BaseException | None = None  # what killed the engine thread, if anything
 
     # -- lifecycle ------------------------------------------------------------------------------
@@ -161,6 +163,13 @@ class AsyncEngine:
     def num_in_flight(self) -> int:
         return self._num_in_flight
 
+    def seconds_without_progress(self) -> float:
+        """Seconds since the last completed engine step while requests are in flight (0.0 when idle):
+        how long the engine has been stuck, for ``/health``."""
+        if self._num_in_flight == 0:
+            return 0.0
+        return time.monotonic() - self._progress_at
+
     # -- submission (any event loop) -----------------------------------------------------------
 
     async def submit(self, inputs: list[EngineInput], want_canvas: bool = False) -> RequestGroup:
@@ -180,6 +189,8 @@ class AsyncEngine:
                     f"the server is at capacity ({self._num_in_flight} requests in flight, at most "
                     f"{self.max_in_flight}); retry later"
                 )
+            if self._num_in_flight == 0:
+                self._progress_at = time.monotonic()  # an idle engine has not stalled
             self._num_in_flight += len(inputs)
         ids = [f"req-{next(self._ids)}" for _ in inputs]
         group = RequestGroup(self, ids, inputs, want_canvas, asyncio.get_running_loop())
@@ -209,9 +220,11 @@ class AsyncEngine:
                 try:
                     outputs = self.engine.step()
                 except Exception as exc:  # a failed step fails its requests, not the server
+                    self._progress_at = time.monotonic()
                     logger.exception("engine step failed")
                     self._fail_all(f"engine step failed: {type(exc).__name__}: {exc}")
                     continue
+                self._progress_at = time.monotonic()
                 for out in outputs:
                     self._emit(out.request.request_id, out.new_token_ids, out.finished, out.request)
                 self._report_stats()

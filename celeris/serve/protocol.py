@@ -17,6 +17,7 @@ Responses carry ``choice.celeris`` (``DecodingDetails``) and ``usage.nfe``.
 from __future__ import annotations
 
 import json
+import math
 import time
 import uuid
 from typing import Annotated, Any, ClassVar, Literal, TypeVar
@@ -413,11 +414,32 @@ def errors_to_api_error(errors: list | tuple) -> APIError:
     return APIError(400, message, param=param, code=code)
 
 
+def _refuse_constant(name: str) -> float:
+    raise ValueError(f"{name} is not a JSON value; send a finite number")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):  # 1e400 parses to inf
+        raise ValueError(f"the number {text[:32]} is too large for a 64-bit float")
+    return value
+
+
 def parse_json_body(raw: bytes | str) -> dict:
-    """The request body as a JSON object, or a 400 saying what is wrong with it."""
+    """The request body as a JSON object, or a 400 saying what is wrong with it.
+
+    Refuses what Python's parser would otherwise accept but JSON (RFC 8259) does not: the literals
+    ``NaN``, ``Infinity`` and ``-Infinity`` and numbers beyond a float's range; and what it cannot
+    hold: integers of more than 4,300 digits, nesting deep enough to exhaust the recursion limit.
+
+    Raises:
+        APIError: 400 with code ``invalid_json``.
+    """
     try:
-        body = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        body = json.loads(raw, parse_constant=_refuse_constant, parse_float=_finite_float)
+    except RecursionError:
+        raise APIError(400, "the request body is not valid JSON: it is nested too deeply", code="invalid_json") from None
+    except (ValueError, UnicodeDecodeError) as exc:  # JSONDecodeError, too many digits, NaN/Infinity
         raise APIError(400, f"the request body is not valid JSON: {exc}", code="invalid_json") from None
     if not isinstance(body, dict):
         raise APIError(400, f"the request body must be a JSON object, got {type(body).__name__}", code="invalid_json")

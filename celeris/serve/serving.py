@@ -162,6 +162,18 @@ class OpenAIServing:
         self.context_length = llm.context_length
         self.mask_id = llm.model.config.mask_token_id
         self.eos_id = self.tokenizer.eos_token_id
+        self.draining = False  # set by begin_drain: no new requests
+        self.cutting_off = False  # set by cut_off: requests in flight end with 503 at their next event
+
+    def begin_drain(self) -> None:
+        """Take no new requests (503); those in flight go on (any thread)."""
+        self.draining = True
+
+    def cut_off(self) -> None:
+        """End every request in flight at once with 503 ``server_shutting_down`` (any thread): a stream
+        sends that error event and ``data: [DONE]``."""
+        self.draining = True
+        self.cutting_off = True
 
     @classmethod
     def from_model(
@@ -195,6 +207,13 @@ class OpenAIServing:
 
     def show_models(self) -> ModelList:
         return ModelList(data=[ModelCard(id=self.model_name, max_model_len=self.context_length)])
+
+    def show_model(self, model_id: str) -> ModelCard:
+        """GET /v1/models/{model_id}: the served model's card, else 404 ``model_not_found``."""
+        if model_id != self.model_name:
+            raise APIError(404, f"the model '{model_id}' does not exist; this server serves '{self.model_name}'",
+                           param="model", code="model_not_found")
+        return self.show_models().data[0]
 
     async def create_completion(
         self, request: CompletionRequest, is_disconnected: IsDisconnected | None = None
@@ -340,6 +359,9 @@ class OpenAIServing:
             for j in range(request.n):
                 seed = None if params.seed is None else params.seed + j
                 inputs.append(EngineInput(ids, replace(params, seed=seed, stop=list(params.stop)), suffix_ids))
+        if self.draining:
+            raise APIError(503, "the server is shutting down and takes no new requests; retry on another replica",
+                           code="server_shutting_down", headers={"Retry-After": str(RETRY_AFTER_S)})
         if len(inputs) > self.async_engine.max_in_flight:
             raise APIError(400, f"this request needs {len(inputs)} generations (prompts x n), more than the server "
                                 f"can hold at once ({self.async_engine.max_in_flight})", param="n")
@@ -365,6 +387,12 @@ class OpenAIServing:
         """The next engine event, checking the deadline and (at most every DISCONNECT_POLL_S) the client."""
         while True:
             t = time.perf_counter()
+            if self.cutting_off:
+                run.abort_reason = "shutdown"
+                run.group.abort()
+                raise APIError(503, "the server is shutting down and cut this request off at the end of its drain "
+                                    "period; retry", code="server_shutting_down",
+                               headers={"Retry-After": str(RETRY_AFTER_S)})
             if t >= run.deadline:
                 run.abort_reason = "timeout"
                 run.group.abort()

@@ -64,8 +64,23 @@ def test_celeris_serve_rejects_bad_options(capsys):
 
     for args, message in ((["--model", "/no/such/folder"], "does not exist"),
                           (["--max-waiting", "0"], "--max-waiting must be >= 1"),
-                          (["--request-timeout", "0"], "--request-timeout must be > 0"),
+                          (["--request-timeout", "0"], "--request-timeout must be a finite number > 0"),
+                          (["--request-timeout", "nan"], "--request-timeout must be a finite number > 0"),
+                          (["--request-timeout", "inf"], "--request-timeout must be a finite number > 0"),
+                          (["--drain-timeout", "nan"], "--drain-timeout must be a finite number > 0"),
+                          (["--max-connections", "0"], "max_connections must be >= 1"),
+                          (["--api-key", ""], "--api-key (or $CELERIS_API_KEY) empty"),
+                          (["--api-key", "  "], "--api-key (or $CELERIS_API_KEY) empty"),
+                          (["--api-key", " k1 "], "leading or trailing whitespace"),
                           (["--port", "70000"], "--port must be in")):
-        assert main(["serve", *args]) == 2
+        assert main(["serve", *args]) == 2, args
         err = capsys.readouterr().err
-        assert message in err and "Traceback" not in err
+        assert message in err and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_an_empty_api_key_in_the_environment_is_refused(capsys, monkeypatch):
+    from celeris.cli import main
+
+    monkeypatch.setenv("CELERIS_API_KEY", "")
+    assert main(["serve"]) == 2
+    assert "$CELERIS_API_KEY) empty" in capsys.readouterr().err

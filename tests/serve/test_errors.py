@@ -156,3 +156,27 @@ def test_garbage_never_gives_a_server_error(server, body):
         resp = post(server, path, body)
         assert 400 <= resp.status_code < 500, (path, body, resp.text)
         assert "error" in resp.json()
+
+
+DEEP = '{"prompt": ' + "[" * 1000 + "]" * 1000 + "}"  # about 2 KB
+
+
+@pytest.mark.parametrize("body, fragment", [
+    (DEEP, "nested too deeply"),
+    ('{"prompt": "x", "max_tokens": ' + "9" * 4301 + "}", "4300 digits"),
+    ('{"messages": ' + "[" * 1000 + "]" * 1000 + "}", "nested too deeply"),
+])
+def test_deep_nesting_and_huge_integers_are_400_not_500(server, body, fragment):
+    for path in ("/v1/completions", "/v1/chat/completions"):
+        err = assert_error(post(server, path, body), 400, code="invalid_json")
+        assert "not valid JSON" in err["message"]
+    assert fragment in assert_error(post(server, "/v1/completions", body), 400)["message"]
+
+
+@pytest.mark.parametrize("literal", ["NaN", "Infinity", "-Infinity", "1e400", "-1e999"])
+@pytest.mark.parametrize("field", ["factor", "entropy_bound", "repetition_penalty", "temperature", "cfg_scale"])
+def test_non_finite_numbers_are_refused(server, literal, field):
+    """NaN / Infinity are not JSON (RFC 8259), and 1e400 overflows to infinity: all 400, none reach the engine."""
+    body = f'{{"prompt": "x", "max_tokens": 2, "{field}": {literal}}}'
+    err = assert_error(post(server, "/v1/completions", body), 400, code="invalid_json")
+    assert literal.lstrip("-").split("e")[0] in err["message"] or "too large" in err["message"]

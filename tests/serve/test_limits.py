@@ -169,6 +169,23 @@ def test_api_key(serve_llm):
         good = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="sekret", max_retries=0)
         assert good.completions.create(model=MODEL_NAME, prompt="x", max_tokens=2).choices
         assert httpx.get(f"{srv.url}/health").status_code == 200  # probes need no key
+        for path in ("/docs", "/redoc", "/openapi.json"):  # the API's map is not public when a key is set
+            assert httpx.get(f"{srv.url}{path}").status_code == 404, path
+        assert good.models.retrieve(MODEL_NAME).id == MODEL_NAME
+
+
+def test_docs_are_open_without_a_key_and_describe_the_bodies(server):
+    doc = httpx.get(f"{server.url}/openapi.json").json()
+    body = doc["paths"]["/v1/completions"]["post"]["requestBody"]["content"]["application/json"]["schema"]
+    assert body == {"$ref": "#/components/schemas/CompletionRequest"}
+    assert "max_tokens" in doc["components"]["schemas"]["CompletionRequest"]["properties"]
+    assert "ChatMessage" in doc["components"]["schemas"]
+
+
+@pytest.mark.parametrize("key", ["", " sekret", "sekret\n"])
+def test_unusable_api_keys_are_refused(serve_llm, key):
+    with pytest.raises(ValueError, match="API key"):
+        create_app(make_serving(serve_llm), api_key=key)
 
 
 def test_bounded_load_gives_only_200_or_429(serve_llm):

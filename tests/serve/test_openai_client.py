@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import httpx
+import openai
 import pytest
 
 from tests.serve.conftest import MODEL_NAME
@@ -27,6 +28,13 @@ def test_models_lists_the_served_model(client, serve_llm):
     models = client.models.list().data
     assert [m.id for m in models] == [MODEL_NAME]
     assert models[0].model_extra.get("max_model_len") == serve_llm.context_length
+
+
+def test_models_retrieve(client):
+    assert client.models.retrieve(MODEL_NAME).id == MODEL_NAME
+    with pytest.raises(openai.NotFoundError) as info:
+        client.models.retrieve("other-model")
+    assert info.value.body["code"] == "model_not_found"
 
 
 def test_completion_matches_offline_generate(client, serve_llm):
