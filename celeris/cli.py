@@ -1,7 +1,8 @@
-"""`celeris generate | chat | train | data`: the command line.
+"""`celeris generate | chat | serve | batch | eval | bench | train | data`: the command line.
 
 Every user mistake ends with one line on stderr naming the problem and exit
-code 2, never a traceback.
+code 2, never a traceback (batch jobs: 0 all lines succeeded, 3 some failed,
+1 the engine could not run, 2 a usage error).
 """
 
 from __future__ import annotations
