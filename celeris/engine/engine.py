@@ -87,6 +87,10 @@ class Engine:
             QueueFullError: the waiting queue is full.
         """
         check_model_support(self.model, params, bool(suffix_ids))
+        context = getattr(self.model.config, "max_position_embeddings", None)
+        if params.decoding == "verified" and context and len(prompt_ids) + params.max_new_tokens > context:
+            raise ValueError(f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({params.max_new_tokens}) exceeds "
+                             f"the context window of {context} tokens")
         vocab = getattr(self.model.config, "vocab_size", None)
         if vocab is not None and any(t >= vocab for t in params.stop_token_ids):
             raise ValueError(f"stop_token_ids must be ids below the vocabulary size {vocab}; got "

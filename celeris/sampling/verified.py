@@ -295,13 +295,13 @@ class VerifiedDecoder:
         cols = [r.columns for r in rows]
         width = max(len(c) for c in cols)
         columns = torch.tensor([c + c[-1:] * (width - len(c)) for c in cols], device=self.device)
-        length = max(c[-1] for c in cols) + 1 if fresh else self.max_len
+        length = max(c[-1] for c in cols) + 1  # no query sees a key past its row's last column
         if fresh:  # prefill: a cache of just these rows, copied into the pool afterwards
             shape = (hi - lo, *self.keys[0].shape[1:2], length, self.keys[0].shape[3])
             cache = KVCache([torch.zeros(shape, dtype=self.keys[0].dtype, device=self.device) for _ in self.keys],
                             [torch.zeros(shape, dtype=self.keys[0].dtype, device=self.device) for _ in self.keys])
         else:
-            cache = KVCache([t[lo:hi] for t in self.keys], [t[lo:hi] for t in self.values])
+            cache = KVCache([t[lo:hi, :, :length] for t in self.keys], [t[lo:hi, :, :length] for t in self.values])
         mask = _pass_mask(columns, torch.tensor([r.slot_start for r in rows], device=self.device), self.k, length)
         logits = _forward(self.model, self.tokens[lo:hi].gather(1, columns), cache, columns, mask).float()
         if fresh:

@@ -84,6 +84,8 @@ class TrainConfig:
             raise ValueError(f"prefix_prob must be in [0, 1], got {self.prefix_prob}")
         if self.prefix_prob and self.objective != "diffusion":
             raise ValueError("prefix_prob applies to the diffusion objective only")
+        if self.init and self.objective not in ("hybrid", "ar"):
+            raise ValueError(f"init applies to the hybrid and ar objectives, not '{self.objective}'")
         if self.objective == "hybrid" and not self.init:
             raise ValueError("the hybrid objective starts from a causal checkpoint: give init (e.g. celeris-code-6m-ar)")
         if self.distill_data and self.objective != "hybrid":
@@ -167,6 +169,9 @@ def train(cfg: TrainConfig, default_generation: dict | None = None) -> dict:
     Resumes from ``out_dir/last.pt`` when it exists. Exports a checkpoint folder
     to ``export_dir`` at the end (rank 0 only).
     """
+    if cfg.objective == "hybrid" and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        # its two-stream layout calls the layers directly, outside DDP's forward hooks (no gradient sync)
+        raise ValueError("the hybrid objective runs in one process; use `celeris train` without torchrun")
     rank, world, device = _dist_setup()
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
@@ -295,10 +300,11 @@ def init_from_checkpoint(cfg: TrainConfig, special: dict) -> CelerisModel:
         if key != "is_causal" and getattr(model.config, key) != value:
             raise ValueError(f"--init {cfg.init}: {key} {getattr(model.config, key)} differs from the corpus's {value}")
     if cfg.objective == "hybrid":
+        if not model.config.draft_block_size:  # a twin: its mask row was never trained (a hybrid's was)
+            with torch.no_grad():
+                emb = model.embed_tokens.weight
+                emb[model.config.mask_token_id] = emb.mean(dim=0)
         model.config.draft_block_size = cfg.block_size
-        with torch.no_grad():
-            emb = model.embed_tokens.weight
-            emb[model.config.mask_token_id] = emb.mean(dim=0)
     return model
 
 

@@ -50,3 +50,30 @@ def test_engine_refuses_verified_for_a_model_that_cannot_draft(make_model):
     engine = Engine(make_model(is_causal=True))
     with pytest.raises(ValueError, match="hybrid model"):
         engine.add_request([5, 6], SamplingParams(max_new_tokens=4, block_length=1, decoding="verified"))
+
+
+def test_engine_verified_stops_like_next_token_decoding(hybrid):
+    """Early exit at end ids, stop_token_ids and ignore_eos: the same tokens and finish reasons as the
+    engine's next-token decoding of the same model."""
+    prompts = [[5, 9, 11], [7, 8], [20, 21, 22, 23]]
+    reasons = {}
+    for name, extra in (("ends", {}), ("stop ids", {"stop_token_ids": [9, 14, 23]}), ("ignore", {"ignore_eos": True})):
+        got = []
+        for decoding in ("verified", "fixed"):
+            engine = Engine(hybrid, EngineConfig(max_num_seqs=3), end_ids=[hybrid.config.eos_token_id, 31, 8])
+            params = SamplingParams(max_new_tokens=24, steps=24, block_length=1, cache="delayed", decoding=decoding,
+                                    **extra)
+            reqs = [engine.add_request(p, params) for p in prompts]
+            while engine.has_unfinished():
+                engine.step()
+            got.append([(r.final_prefix(hybrid.config.eos_token_id), r.finish_reason) for r in reqs])
+        assert got[0] == got[1], name
+        reasons[name] = [reason for _, reason in got[0]]
+    assert reasons == {"ends": ["stop", "stop", "length"], "stop ids": ["stop", "stop", "stop"],
+                       "ignore": ["length", "length", "length"]}
+
+
+def test_engine_refuses_a_verified_request_longer_than_the_context(hybrid):
+    engine = Engine(hybrid)
+    with pytest.raises(ValueError, match="context window"):
+        engine.add_request([5] * 100, SamplingParams(max_new_tokens=40, block_length=1, decoding="verified"))

@@ -39,12 +39,12 @@ def test_greedy_equals_next_token_decoding_batched(hybrid):
     out = generate_verified(hybrid, PROMPTS, params)
     for prompt, n, got in zip(PROMPTS, lengths, out.token_ids, strict=True):
         assert got == greedy(hybrid, prompt, n)
-    assert out.row_passes == [len(t) for t in out.token_ids] or sum(out.accepted) > 0
+    assert all(1 <= p <= len(t) for p, t in zip(out.row_passes, out.token_ids, strict=True))
 
 
 class OracleDecoder(VerifiedDecoder):
-    """Drafts the true greedy continuation, wrong at every third draft: drafts are both accepted and
-    rejected, so the rollback of rejected drafts' keys/values is exercised."""
+    """Drafts the true greedy continuation, wrong at every fourth draft (k = 3, so each draft position is
+    rejected in turn): drafts are accepted and rejected, so the rollback of rejected keys/values is exercised."""
 
     def __init__(self, model, answers, *a):
         super().__init__(model, *a)
@@ -52,12 +52,12 @@ class OracleDecoder(VerifiedDecoder):
 
     def draft(self, row: DraftRow, slot_logits):
         truth = self.answers[tuple(row.prompt_ids)]
-        nxt = len(row.answer) + 1  # the slots draft the tokens after pending + 1
+        nxt = len(row.answer)  # drafts are checked against the token at pending + 1: answer index len(answer)
         out = []
         for j in range(self.k):
             self.calls += 1
             tok = truth[nxt + j] if nxt + j < len(truth) else 0
-            out.append(tok if self.calls % 3 else (tok + 1) % 64)
+            out.append(tok if self.calls % 4 else (tok + 1) % 64)  # not aligned with k: every position fails
         return out, []
 
 
@@ -78,6 +78,7 @@ def test_rejected_drafts_are_rolled_back_with_staggered_arrivals(hybrid):
     for prompt, row in zip(PROMPTS, rows, strict=True):
         assert row.answer == answers[tuple(prompt)]
     assert sum(dec.accepted) > 0 and sum(dec.accepted) < sum(dec.drafted)  # both kinds happened
+    assert all(0 < a < d for a, d in zip(dec.accepted, dec.drafted, strict=True))  # at every draft position
     assert sum(r.passes for r in rows) < len(PROMPTS) * n  # accepted drafts saved passes
 
 
@@ -142,3 +143,20 @@ def test_lookup_drafts_keep_the_greedy_answer(make_model, hybrid, source):
     assert sum(out.drafted) > 0
     with pytest.raises(ValueError, match="hybrid model"):
         generate_verified(make_model(is_causal=True), [prompt], SamplingParams(draft_source="slots"))
+
+
+def test_removing_a_row_while_new_rows_wait_for_their_prefill(hybrid):
+    """The pool keeps prefilled rows first: removing one while a new row waits moves the new row behind them."""
+    n = 10
+    params = SamplingParams(max_new_tokens=n, steps=n, early_exit=False)
+    dec = VerifiedDecoder(hybrid, 4, 64)
+    first = [dec.add(PROMPTS[0], params), dec.add(PROMPTS[1], params), dec.add(PROMPTS[2], params)]
+    dec.step()  # all three prefilled
+    late = dec.add(PROMPTS[3], params)  # waits for its prefill
+    dec.remove(first[0])  # the last row (the new one) moves into row 0, then behind the prefilled ones
+    assert dec.rows.index(late) == dec.num_prefilled == 2
+    rows = first[1:] + [late]
+    while not all(r.finished for r in rows):
+        dec.step()
+    for prompt, row in zip(PROMPTS[1:], rows, strict=True):
+        assert row.answer == greedy(hybrid, prompt, n)

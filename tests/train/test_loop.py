@@ -144,9 +144,21 @@ def test_hybrid_adapts_a_causal_checkpoint_and_exports_verified_defaults(corpus_
     assert out.token_ids == want.token_ids[0] and out.nfe <= 8
     with pytest.raises(ValueError, match="init"):
         TrainConfig(data_dir="d", out_dir="o", objective="hybrid")
+    with pytest.raises(ValueError, match="init applies"):
+        TrainConfig(data_dir="d", out_dir="o", objective="diffusion", init="celeris-code-6m-ar")
+    again = init_from_checkpoint(replace(cfg, init=str(tmp_path / "hybrid")), {"vocab_size": twin.config.vocab_size})
+    trained = load_model(tmp_path / "hybrid").embed_tokens.weight[twin.config.mask_token_id]
+    torch.testing.assert_close(again.embed_tokens.weight[twin.config.mask_token_id], trained)  # kept, not reset
     train(tiny_cfg(corpus_dir, tmp_path / "dl", max_steps=1, export_dir=str(tmp_path / "diffusion")))
     with pytest.raises(ValueError, match="not a causal model"):
         train(tiny_cfg(corpus_dir, tmp_path / "bad", objective="hybrid", init=str(tmp_path / "diffusion"), max_steps=1))
+
+
+def test_hybrid_refuses_torchrun(corpus_dir, tmp_path, monkeypatch):
+    """Its layout calls the layers outside DDP's forward, so gradients would not sync: refused, not wrong."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ValueError, match="one process"):
+        train(tiny_cfg(corpus_dir, tmp_path / "hy", objective="hybrid", init="celeris-code-6m-ar"))
 
 
 def test_hybrid_self_distillation_steps_train_drafts_only(corpus_dir, tmp_path, monkeypatch):
