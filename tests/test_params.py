@@ -57,7 +57,7 @@ def test_stop_string_becomes_list():
         {"temperature": 0.0},  # greedy is allowed
         {"top_p": 1.0},
         {"top_p": 1e-3},
-        {"threshold": 1.0},
+        {"decoding": "threshold", "threshold": 1.0},
         {"max_new_tokens": 1, "steps": 1, "block_length": 1},
         {"max_new_tokens": 7, "steps": 100, "block_length": 3},  # uneven lengths are legal, not asserted away
         {"remasking": "random", "decoding": "entropy", "entropy_bound": 0.0},
