@@ -175,3 +175,14 @@ def test_model_defaults_for_other_rules_are_not_the_callers_settings(serving, se
     one_pass = serving.run_sync("/v1/completions", {"prompt": "import os", "max_tokens": 8, "steps": 8,
                                                     "decoding": "threshold", "threshold": 1e-9})
     assert one_pass["usage"]["nfe"] == 1  # 8 tokens, one block: every position clears the threshold at once
+
+
+@pytest.mark.parametrize("remasking", ["margin", "entropy"])
+def test_dream_confidences_and_top_k_are_request_fields(serving, serve_llm, remasking):
+    """Issue 16 item 4 over the serving layer: the same text as LLM.generate with the same settings."""
+    body = serving.run_sync("/v1/completions", {"prompt": "import os", "max_tokens": 8, "temperature": 1.0,
+                                                "seed": 5, "remasking": remasking, "top_k": 2})
+    assert body["choices"][0]["celeris"]["remasking"] == remasking
+    want = serve_llm.generate("import os", serve_llm.default_params(max_new_tokens=8, temperature=1.0, seed=5,
+                                                                     remasking=remasking, top_k=2))
+    assert body["choices"][0]["text"] == want[0].text
