@@ -70,16 +70,21 @@ def _sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--temperature", type=float, help="0 = greedy")
     p.add_argument("--top-p", type=float, help="nucleus mass in (0, 1]")
     p.add_argument("--seed", type=int, help="RNG seed")
-    p.add_argument("--remasking", help="low_confidence or random")
-    p.add_argument("--decoding", help="fixed, threshold, factor, entropy, or verified (hybrid models)")
-    p.add_argument("--threshold", type=float, help="confidence threshold for --decoding threshold")
+    p.add_argument("--top-k", type=int, help="keep the k most likely tokens (0 = all; not with --decoding verified)")
+    p.add_argument("--remasking", help="confidence that ranks masked positions: low_confidence, random, margin (top-1 "
+                   "minus top-2 probability) or entropy (negative entropy; Dream's rules, not --decoding entropy)")
+    p.add_argument("--decoding", help="fixed, threshold, factor, entropy (EB-sampler), or verified (hybrid models)")
+    p.add_argument("--threshold", type=float, help="confidence threshold; needs --decoding threshold")
+    p.add_argument("--factor", type=float, help="Fast-dLLM factor; needs --decoding factor")
+    p.add_argument("--entropy-bound", type=float, help="summed entropy bound (nats); needs --decoding entropy")
     p.add_argument("--cfg-scale", type=float, help="classifier-free guidance scale (0 = off)")
     p.add_argument("--repetition-penalty", type=float, help="CTRL repetition penalty (1 = off)")
     p.add_argument("--cache", help="KV cache: none, prefix or dual (Fast-dLLM), delayed (dual refreshed only by "
                    "--cache-refresh), dual_delayed (the prompt and older blocks frozen, the rest refreshed per block)")
-    p.add_argument("--cache-refresh", type=int, help="delayed/dual_delayed cache: full refresh every N blocks (0 = never)")
+    p.add_argument("--cache-refresh", type=int, help="full refresh every N blocks (0 = never); needs --cache delayed "
+                   "or dual_delayed")
     p.add_argument("--draft-source", choices=["lookup_first", "slots", "lookup"],
-                   help="--decoding verified: drafts from prompt lookup first, the model's mask slots, or lookup only")
+                   help="needs --decoding verified: drafts from prompt lookup first, the model's mask slots, or lookup only")
     p.add_argument("--suffix-window", type=int,
                    help="passes see only this many masked columns past the block (0 = the whole canvas)")
     p.add_argument("--stop", action="append", help="stop string (repeatable)")
@@ -169,8 +174,9 @@ def _params(llm_defaults: dict, args: argparse.Namespace):
     return SamplingParams.from_defaults(
         llm_defaults,
         max_new_tokens=args.max_new_tokens, steps=args.steps, block_length=args.block_length,
-        temperature=args.temperature, top_p=args.top_p, seed=args.seed, remasking=args.remasking,
-        decoding=args.decoding, threshold=args.threshold, cfg_scale=args.cfg_scale, stop=args.stop, cache=args.cache,
+        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed, remasking=args.remasking,
+        decoding=args.decoding, threshold=args.threshold, factor=args.factor, entropy_bound=args.entropy_bound,
+        cfg_scale=args.cfg_scale, stop=args.stop, cache=args.cache,
         repetition_penalty=args.repetition_penalty, cache_refresh=args.cache_refresh, suffix_window=args.suffix_window,
         draft_source=args.draft_source, stop_token_ids=args.stop_token_ids, ignore_eos=args.ignore_eos,
         skip_special_tokens=args.skip_special_tokens, include_stop_str_in_output=args.include_stop_str_in_output,

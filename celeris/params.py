@@ -5,10 +5,30 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, fields
 
-REMASKING = ("low_confidence", "random")
+REMASKING = ("low_confidence", "random", "margin", "entropy")
 DECODING = ("fixed", "threshold", "factor", "entropy", "verified")
 DRAFT_SOURCES = ("lookup_first", "slots", "lookup")
 CACHE = ("none", "prefix", "dual", "delayed", "dual_delayed")
+
+# Settings that only some rules read: setting -> (the field that picks the rule, the choices that read it).
+# A caller who sets one of them for a request whose rule does not read it gets a ValueError naming both
+# (HTTP 400, CLI exit 2) instead of a setting that is silently ignored. Only values the caller gave count:
+# a model's generation_config.json default never causes the error (``SamplingParams.explicit_settings``).
+_DIFFUSION_DECODING = tuple(d for d in DECODING if d != "verified")  # verified decoding has its own sampler
+RULE_SETTINGS: dict[str, tuple[str, tuple[str, ...]]] = {
+    "threshold": ("decoding", ("threshold",)),
+    "factor": ("decoding", ("factor",)),
+    "entropy_bound": ("decoding", ("entropy",)),
+    "draft_source": ("decoding", ("verified",)),
+    "remasking": ("decoding", _DIFFUSION_DECODING),
+    "top_k": ("decoding", _DIFFUSION_DECODING),
+    "cache_refresh": ("cache", ("delayed", "dual_delayed")),
+}
+# What an unset rule setting (None) becomes.
+RULE_DEFAULTS: dict[str, object] = {
+    "threshold": 0.9, "factor": 1.0, "entropy_bound": 0.5, "draft_source": "lookup_first",
+    "remasking": "low_confidence", "top_k": 0, "cache_refresh": 0,
+}
 
 # Closed ranges [low, high] of the float settings, the same for Python, the CLI, HTTP and batch jobs
 # (the HTTP layer validates through SamplingParams). Every value must also be a finite number. The
@@ -37,6 +57,16 @@ def check_float(name: str, value: object) -> str | None:
     return None if ok else f"{name} must be a finite number in {left}{low:g}, {high:g}], got {value!r}"
 
 
+def _unread_message(name: str, picker: str, choices: tuple[str, ...], chosen: str) -> str:
+    """The error for a setting the request's rule does not read, naming both (the setting first: the HTTP
+    layer reports the first word as the parameter)."""
+    need = " or ".join(f"{picker}='{c}'" for c in choices) if len(choices) < 3 else \
+        f"{picker} other than " + ", ".join(f"'{c}'" for c in (DECODING if picker == "decoding" else CACHE)
+                                          if c not in choices)
+    return (f"{name} applies to {need} only; got {picker}='{chosen}' (set {picker} accordingly, or leave {name} "
+            f"unset)")
+
+
 @dataclass(slots=True)
 class SamplingParams:
     """Settings of one generation request (names follow vLLM and LLaDA).
@@ -52,10 +82,24 @@ class SamplingParams:
         temperature: 0 is greedy; > 0 samples by Gumbel-max in float64.
         top_p: nucleus mass in [1e-6, 1].
 
+    The settings that only some rules read (``RULE_SETTINGS``: ``threshold``, ``factor``, ``entropy_bound``,
+    ``draft_source``, ``remasking``, ``top_k``, ``cache_refresh``) default to None, "not set": construction
+    fills in ``RULE_DEFAULTS`` and records the ones the caller did set in ``explicit_settings``. Setting one
+    for a rule the request did not choose (``threshold=0.2`` with ``decoding="fixed"``) raises ValueError
+    naming both. ``from_defaults`` counts only its overrides as set, never the model's defaults.
+
     Every float setting must be a finite number within ``FLOAT_BOUNDS`` (e.g. ``cfg_scale`` in
     [0, 100], ``repetition_penalty`` in [0.01, 100]); ``seed`` in [0, 2**63 - 1].
-        remasking: ``low_confidence`` (commit the most confident predictions) or
-            ``random`` (commit random masked positions), LLaDA arXiv:2502.09992.
+        top_k: keep only the k most likely tokens (ties with the k-th kept) before sampling and before
+            the confidences are taken (with the filtered distribution, ``confidence_rule``); 0 (default) keeps
+            all. Applied after ``top_p``, in the order of Dream's published ``sample_tokens``
+            (DreamLM ``generation_utils.py``: ``top_p_logits`` then ``top_k_logits``). Not with ``verified``.
+        remasking: the confidence that ranks masked positions (which ones a step commits):
+            ``low_confidence`` (probability of the predicted token; LLaDA arXiv:2502.09992, Dream's
+            ``maskgit_plus``), ``random`` (uniform scores: random positions; LLaDA), ``margin`` (top-1 minus
+            top-2 probability; Dream's ``topk_margin``, arXiv:2508.15487) or ``entropy`` (negative entropy of
+            the position's distribution, sum p log p; Dream's ``entropy`` alg). Not the same as
+            ``decoding="entropy"``, which is the EB-sampler's commit rule. Not with ``verified``.
         decoding: how many tokens a step commits: ``fixed`` (linear schedule,
             LLaDA), ``threshold`` (confidence > ``threshold``), ``factor``
             (Fast-dLLM factor rule) or ``entropy`` (EB-sampler, summed entropy <=
@@ -119,11 +163,12 @@ class SamplingParams:
     block_length: int = 32
     temperature: float = 0.0
     top_p: float = 1.0
-    remasking: str = "low_confidence"
+    top_k: int | None = None
+    remasking: str | None = None
     decoding: str = "fixed"
-    threshold: float = 0.9
-    factor: float = 1.0
-    entropy_bound: float = 0.5
+    threshold: float | None = None
+    factor: float | None = None
+    entropy_bound: float | None = None
     cfg_scale: float = 0.0
     repetition_penalty: float = 1.0
     seed: int | None = None
@@ -134,13 +179,22 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     early_exit: bool = True
     cache: str = "none"
-    cache_refresh: int = 0
+    cache_refresh: int | None = None
     suffix_window: int = 0
-    draft_source: str = "lookup_first"
+    draft_source: str | None = None
+    # Which RULE_SETTINGS the caller set; None at construction: those given a value other than None.
+    # Kept by ``dataclasses.replace`` (it passes the field on), so replacing ``seed`` does not turn the
+    # filled-in defaults into settings of the caller.
+    explicit_settings: frozenset[str] | None = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        if self.explicit_settings is None:
+            self.explicit_settings = frozenset(n for n in RULE_SETTINGS if getattr(self, n) is not None)
+        for name, default in RULE_DEFAULTS.items():
+            if getattr(self, name) is None:
+                setattr(self, name, default)
         checks = [(message is None, message) for message in
                   (check_float(name, getattr(self, name)) for name in FLOAT_BOUNDS)]
         checks += [
@@ -154,8 +208,8 @@ class SamplingParams:
             (self.cache in CACHE, f"cache must be one of {', '.join(CACHE)}; got '{self.cache}'"),
             (isinstance(self.cache_refresh, int) and not isinstance(self.cache_refresh, bool)
              and self.cache_refresh >= 0, f"cache_refresh must be an integer >= 0, got {self.cache_refresh!r}"),
-            (self.cache_refresh == 0 or self.cache in ("delayed", "dual_delayed"),
-             f"cache_refresh applies to cache='delayed' or 'dual_delayed' only; got cache='{self.cache}'"),
+            (isinstance(self.top_k, int) and not isinstance(self.top_k, bool) and self.top_k >= 0,
+             f"top_k must be an integer >= 0 (0 keeps every token), got {self.top_k!r}"),
             (isinstance(self.suffix_window, int) and not isinstance(self.suffix_window, bool)
              and self.suffix_window >= 0, f"suffix_window must be an integer >= 0, got {self.suffix_window!r}"),
             (self.suffix_window == 0 or self.cache != "delayed",
@@ -168,6 +222,8 @@ class SamplingParams:
                 isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids),
              f"stop_token_ids must be a list of token ids >= 0, got {self.stop_token_ids!r}"),
         ]
+        checks += [(getattr(self, picker) in choices, _unread_message(name, picker, choices, getattr(self, picker)))
+                   for name, (picker, choices) in RULE_SETTINGS.items() if name in self.explicit_settings]
         for ok, message in checks:
             if not ok:
                 raise ValueError(message)
@@ -185,10 +241,11 @@ class SamplingParams:
         Raises:
             ValueError: an invalid setting (see ``__post_init__``).
         """
-        known = {f.name for f in fields(cls)}
+        known = {f.name for f in fields(cls)} - {"explicit_settings"}
         merged = {k: v for k, v in (defaults or {}).items() if k in known}
         given = {k: v for k, v in overrides.items() if v is not None}
         merged.update(given)
+        merged["explicit_settings"] = frozenset(given).intersection(RULE_SETTINGS)
         d_len, d_steps = (defaults or {}).get("max_new_tokens"), (defaults or {}).get("steps")
         length = given.get("max_new_tokens")
         if "steps" not in given and isinstance(length, int) and length >= 1 and d_len and d_steps:

@@ -262,3 +262,39 @@ def test_threads_sets_the_intra_op_thread_count(capsys, tiny_checkpoint):
         torch.set_num_threads(before)
     code, _, err = run_cli(capsys, "generate", "x", "--threads", "0")
     assert code == 2 and err.strip() == "celeris: error: --threads must be >= 1, got 0"
+
+
+@pytest.mark.parametrize(("flags", "needle"), [
+    (["--threshold", "0.2"], "threshold applies to decoding='threshold' only; got decoding='fixed'"),
+    (["--decoding", "threshold", "--factor", "2"], "factor applies to decoding='factor' only"),
+    (["--entropy-bound", "1"], "entropy_bound applies to decoding='entropy' only"),
+    (["--draft-source", "lookup"], "draft_source applies to decoding='verified' only"),
+    (["--cache", "dual", "--cache-refresh", "2"], "cache_refresh applies to cache='delayed' or"),
+])
+def test_setting_for_a_rule_not_chosen_exits_2_naming_both(capsys, tiny_checkpoint, flags, needle):
+    """Issue 16 item 3: `--threshold 0.2` without `--decoding threshold` used to be accepted and ignored."""
+    code, out, err = run_cli(capsys, "generate", "def f(x):", "--model", str(tiny_checkpoint), "--device", "cpu",
+                             "--max-new-tokens", "4", *flags)
+    assert code == 2 and out == "" and len(err.strip().splitlines()) == 1
+    assert err.startswith("celeris: error: ") and needle in err
+
+
+@pytest.mark.parametrize("flags", [["--decoding", "threshold", "--threshold", "1e-9"],
+                                   ["--decoding", "factor", "--factor", "1000"],
+                                   ["--decoding", "entropy", "--entropy-bound", "1e9"]])
+def test_commit_rule_settings_reach_the_sampler(capsys, tiny_checkpoint, flags):
+    """With its rule chosen, a loose bound commits the whole 8-token block in one pass (the default: 8 passes)."""
+    code, out, err = run_cli(capsys, "generate", "def f(x):", "--model", str(tiny_checkpoint), "--device", "cpu",
+                             "--json", "--max-new-tokens", "8", "--steps", "8", "--block-length", "8", *flags)
+    assert code == 0, err
+    assert json.loads(out.strip().splitlines()[-1])["nfe"] == 1
+
+
+def test_dream_confidences_and_top_k_are_flags(capsys, tiny_checkpoint):
+    for remasking in ("margin", "entropy"):
+        code, out, err = run_cli(capsys, "generate", "def f(x):", "--model", str(tiny_checkpoint), "--device", "cpu",
+                                 "--json", "--max-new-tokens", "4", "--remasking", remasking, "--top-k", "3")
+        assert code == 0, err
+        assert json.loads(out.strip().splitlines()[-1])["remasking"] == remasking
+    code, _, err = run_cli(capsys, "generate", "x", "--model", str(tiny_checkpoint), "--device", "cpu", "--top-k", "-2")
+    assert code == 2 and "top_k must be an integer >= 0" in err

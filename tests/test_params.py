@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from celeris.params import SamplingParams
@@ -57,7 +59,7 @@ def test_stop_string_becomes_list():
         {"temperature": 0.0},  # greedy is allowed
         {"top_p": 1.0},
         {"top_p": 1e-3},
-        {"threshold": 1.0},
+        {"decoding": "threshold", "threshold": 1.0},
         {"max_new_tokens": 1, "steps": 1, "block_length": 1},
         {"max_new_tokens": 7, "steps": 100, "block_length": 3},  # uneven lengths are legal, not asserted away
         {"remasking": "random", "decoding": "entropy", "entropy_bound": 0.0},
@@ -155,3 +157,73 @@ def test_seed_range(seed):
 def test_bounds_edges_are_accepted():
     SamplingParams(cfg_scale=100.0, repetition_penalty=0.01, top_p=1e-6, temperature=2.0, seed=2**63 - 1)
     SamplingParams(cfg_scale=0, repetition_penalty=100, top_p=1)
+
+
+# ---------------------------------------------------------------------------------------------
+# Settings only some rules read (issue 16 item 3): never silently ignored
+
+RULE_VALUES = {"threshold": 0.2, "factor": 2.0, "entropy_bound": 1.0, "draft_source": "lookup",
+               "remasking": "margin", "top_k": 5, "cache_refresh": 2}
+
+
+def unread_choice(name: str) -> tuple[str, str]:
+    """(picker field, a choice of it whose rule does not read ``name``)."""
+    from celeris.params import CACHE, DECODING, RULE_SETTINGS
+
+    picker, choices = RULE_SETTINGS[name]
+    return picker, next(c for c in (DECODING if picker == "decoding" else CACHE) if c not in choices)
+
+
+def test_every_rule_setting_is_checked():
+    from celeris.params import RULE_SETTINGS
+
+    assert set(RULE_VALUES) == set(RULE_SETTINGS)
+
+
+@pytest.mark.parametrize("name", list(RULE_VALUES))
+def test_setting_for_an_unchosen_rule_is_an_error_naming_both(name):
+    from celeris.params import RULE_SETTINGS
+
+    picker, unread = unread_choice(name)
+    with pytest.raises(ValueError, match=rf"^{name} applies to .*got {picker}='{unread}'"):
+        SamplingParams(**{name: RULE_VALUES[name], picker: unread})
+    with pytest.raises(ValueError, match=rf"^{name} applies to"):  # an override of from_defaults counts too
+        SamplingParams.from_defaults({picker: unread}, **{name: RULE_VALUES[name]})
+    chosen = RULE_SETTINGS[name][1][0]
+    assert getattr(SamplingParams(**{name: RULE_VALUES[name], picker: chosen}), name) == RULE_VALUES[name]
+
+
+def test_threshold_without_threshold_decoding_is_refused():
+    """The issue's example: threshold 0.2 and 0.95 used to give the same output under the default fixed rule."""
+    with pytest.raises(ValueError, match="threshold applies to decoding='threshold' only; got decoding='fixed'"):
+        SamplingParams(threshold=0.2)
+    assert SamplingParams(decoding="threshold", threshold=0.2).threshold == 0.2
+
+
+@pytest.mark.parametrize("name", list(RULE_VALUES))
+def test_a_model_default_never_causes_the_error(name):
+    """A generation_config.json default for a rule the caller switches away from is not the caller's setting."""
+    from celeris.params import RULE_SETTINGS
+
+    picker, unread = unread_choice(name)
+    defaults = {name: RULE_VALUES[name], picker: RULE_SETTINGS[name][1][0]}
+    p = SamplingParams.from_defaults(defaults, **{picker: unread}, seed=1)
+    assert getattr(p, picker) == unread and name not in p.explicit_settings
+    assert dataclasses.replace(p, seed=2).seed == 2  # replace keeps the record: still not the caller's
+
+
+def test_unset_rule_settings_take_their_defaults_and_replace_keeps_the_record():
+    from celeris.params import RULE_DEFAULTS
+
+    p = SamplingParams()
+    assert {n: getattr(p, n) for n in RULE_DEFAULTS} == RULE_DEFAULTS and p.explicit_settings == frozenset()
+    assert dataclasses.replace(p, decoding="verified").decoding == "verified"  # the filled-in remasking is no setting
+    mine = SamplingParams(decoding="threshold", threshold=0.2)
+    with pytest.raises(ValueError, match="threshold applies"):
+        dataclasses.replace(mine, decoding="fixed")
+
+
+@pytest.mark.parametrize("top_k", [-1, 1.5, True])
+def test_top_k_is_a_whole_number_at_least_zero(top_k):
+    with pytest.raises(ValueError, match="top_k"):
+        SamplingParams(top_k=top_k)

@@ -15,8 +15,15 @@ import torch
 from celeris.models.celeris import KVCache
 from celeris.params import SamplingParams
 from celeris.sampling.generate import GenerationOutput, build_canvas, cut_at_eos
-from celeris.sampling.select import NEG_INF, sample_tokens, top_p_filter
-from celeris.sampling.step import RowSettings, banned_token_ids, context_tokens, make_generator, penalize_repetition
+from celeris.sampling.select import NEG_INF, sample_tokens
+from celeris.sampling.step import (
+    RowSettings,
+    banned_token_ids,
+    context_tokens,
+    filter_logits,
+    make_generator,
+    penalize_repetition,
+)
 
 
 @torch.no_grad()
@@ -70,8 +77,7 @@ def generate_autoregressive(
                                   cfg.mask_token_id, device)
             logits = penalize_repetition(logits, seen, settings.repetition_penalty)
         logits[..., banned] = NEG_INF
-        if bool((settings.top_p < 1).any()):
-            logits = top_p_filter(logits, settings.top_p)
+        logits = filter_logits(logits, settings)
         canvas[:, t] = sample_tokens(logits, settings.temperature, generators)[:, 0]
         if t == lp:
             first_token_s = [time.perf_counter() - start] * len(prompt_ids)

@@ -184,7 +184,7 @@ def generate(
         prompt_ids: B non-empty lists of token ids (lengths may differ; rows are
             left-padded and padding is never attended).
         params: one SamplingParams for all rows, or one per row. Rows may differ
-            in temperature, top_p, seed, stop and cfg_scale only; the rest must
+            in temperature, top_p, top_k, seed, stop and cfg_scale only; the rest must
             match (``SamplingParams.structure_key``).
         suffix_ids: optional per-row text after the gap (infilling).
         on_step: called after every step with the (B, max_new_tokens) answer canvas.

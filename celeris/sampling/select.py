@@ -54,6 +54,24 @@ def top_p_filter(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     return logits.masked_fill(drop, NEG_INF)
 
 
+def top_k_filter(logits: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
+    """Top-k filtering (Fan et al. 2018, arXiv:1805.04833) as Dream's ``top_k_logits`` (DreamLM
+    ``generation_utils.py``): tokens whose logit is below the k-th largest are excluded; ties with it stay.
+
+    Args:
+        logits: (B, L, V) float32.
+        top_k: (B,) int64 >= 0; rows with 0 are unchanged, k > V keeps every token.
+
+    Returns:
+        (B, L, V) logits with the excluded tokens set to -inf.
+    """
+    k = top_k.clamp(1, logits.shape[-1]).to(logits.device)  # (B,)
+    kth = logits.topk(int(k.max()), dim=-1).values  # (B, L, k_max) descending
+    kth = kth.gather(-1, (k - 1)[:, None, None].expand(-1, logits.shape[1], 1))  # (B, L, 1): each row's k-th
+    drop = (logits < kth) & (top_k > 0).to(logits.device)[:, None, None]
+    return logits.masked_fill(drop, NEG_INF)
+
+
 def sample_tokens(
     logits: torch.Tensor, temperature: torch.Tensor, generators: list[torch.Generator],
     lengths: list[int] | None = None,
@@ -95,9 +113,31 @@ def random_confidence(
     return uniform(tuple(x0.shape), generators, x0.device, lengths)
 
 
+def margin_confidence(
+    probs: torch.Tensor, x0: torch.Tensor, generators: list[torch.Generator], lengths: list[int] | None = None
+) -> torch.Tensor:
+    """Margin confidence = top-1 minus top-2 probability of the position's distribution: (B, L, V) -> (B, L)
+    float64 in [0, 1]. Dream's ``alg="topk_margin"`` (``margin_confidence`` in DreamLM's ``sample_tokens``,
+    arXiv:2508.15487); it does not depend on which token was sampled."""
+    top2 = probs.topk(2, dim=-1).values.double()  # (B, L, 2)
+    return top2[..., 0] - top2[..., 1]
+
+
+def neg_entropy_confidence(
+    probs: torch.Tensor, x0: torch.Tensor, generators: list[torch.Generator], lengths: list[int] | None = None
+) -> torch.Tensor:
+    """Negative entropy sum_v p_v log p_v (nats, <= 0; 0 for a one-hot distribution): (B, L, V) -> (B, L)
+    float64. Dream's ``alg="entropy"`` (``neg_entropy`` in DreamLM's ``sample_tokens``, which adds 1e-10 inside
+    the log; here 0 log 0 = 0 exactly). Not the EB-sampler's commit rule (``commit_entropy``)."""
+    return torch.special.xlogy(probs.double(), probs.double()).sum(-1)
+
+
+# remasking name -> confidence; Dream's ``maskgit_plus`` is ``low_confidence``.
 CONFIDENCE: dict[str, Callable[..., torch.Tensor]] = {
     "low_confidence": low_confidence,
     "random": random_confidence,
+    "margin": margin_confidence,
+    "entropy": neg_entropy_confidence,
 }
 
 

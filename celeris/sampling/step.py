@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from celeris.params import SamplingParams
-from celeris.sampling.select import COMMIT_RULES, CONFIDENCE, NEG_INF, sample_tokens, top_p_filter
+from celeris.sampling.select import COMMIT_RULES, CONFIDENCE, NEG_INF, sample_tokens, top_k_filter, top_p_filter
 
 
 class NoProgressError(RuntimeError):
@@ -85,12 +85,13 @@ def make_generator(seed: int | None) -> torch.Generator:
 class RowSettings:
     """Per-row sampling settings as tensors, built once per batch composition.
 
-    Shapes: ``temperature``/``top_p`` (B,); ``threshold``/``factor``/``entropy_bound``/``cfg_scale``
+    Shapes: ``temperature``/``top_p`` (B,), ``top_k`` (B,) int64; ``threshold``/``factor``/``entropy_bound``/``cfg_scale``
     (B, 1) so they broadcast against (B, L) confidences; ``repetition_penalty`` (B, 1, 1).
     """
 
     temperature: torch.Tensor
     top_p: torch.Tensor
+    top_k: torch.Tensor
     threshold: torch.Tensor
     factor: torch.Tensor
     entropy_bound: torch.Tensor
@@ -107,6 +108,7 @@ class RowSettings:
         return cls(
             temperature=col("temperature"),
             top_p=col("top_p"),
+            top_k=torch.tensor([r.top_k for r in rows], dtype=torch.long, device=device),
             threshold=col("threshold")[:, None],
             factor=col("factor")[:, None],
             entropy_bound=col("entropy_bound")[:, None],
@@ -131,6 +133,16 @@ def penalize_repetition(logits: torch.Tensor, seen: torch.Tensor, penalty: torch
     divided by ``penalty`` (B, 1, 1) when positive, multiplied when negative."""
     penalized = torch.where(logits > 0, logits / penalty, logits * penalty)
     return torch.where(seen[:, None, :], penalized, logits)
+
+
+def filter_logits(logits: torch.Tensor, settings: RowSettings) -> torch.Tensor:
+    """Nucleus then top-k filtering of (B, L, V) logits per row (Dream's ``sample_tokens`` order); rows with
+    ``top_p`` 1 and ``top_k`` 0 unchanged."""
+    if bool((settings.top_p < 1).any()):
+        logits = top_p_filter(logits, settings.top_p)
+    if bool((settings.top_k > 0).any()):
+        logits = top_k_filter(logits, settings.top_k)
+    return logits
 
 
 def _rows_with(values: list[str], name: str, device: torch.device) -> torch.Tensor:
@@ -163,7 +175,7 @@ def denoise_step(
         lengths: each row's own block width (<= L), so its random draws depend on its own block
             alone, not on the widest block sharing the step; None: every row is L wide.
         confidence_from: the distribution whose probabilities rank positions (``low_confidence``) and give
-            entropies: "filtered" (after the banned ids and ``top_p`` are removed: Dream's and SDAR's
+            entropies: "filtered" (after the banned ids, ``top_p`` and ``top_k`` are removed: Dream's and SDAR's
             published samplers) or "unfiltered" (``softmax(logits)`` over the whole vocabulary, the mask token
             included, as LLaDA's published ``generate()``; the predicted token still never is a banned id).
 
@@ -175,8 +187,7 @@ def denoise_step(
         logits = penalize_repetition(logits, seen, settings.repetition_penalty)
     unfiltered = logits.clone() if confidence_from == "unfiltered" else None  # (B, L, V) before the ban
     logits[..., banned_ids] = NEG_INF
-    if bool((settings.top_p < 1).any()):
-        logits = top_p_filter(logits, settings.top_p)
+    logits = filter_logits(logits, settings)
     x0 = sample_tokens(logits, settings.temperature, generators, lengths)  # (B, L)
     probs = (logits if unfiltered is None else unfiltered).softmax(-1)  # (B, L, V)
     is_masked = block == mask_id  # (B, L)

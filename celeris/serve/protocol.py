@@ -5,11 +5,13 @@ unknown fields, so a parameter is never silently ignored. OpenAI parameters Cele
 (logprobs, tools, presence and frequency penalties, ...) are declared so that their neutral values (null, 0, false, [])
 pass; ``unsupported_params`` names those set to anything else, and the serving layer answers 400.
 
-Celeris extensions (extra body fields of the ``openai`` client): ``steps``, ``block_length``,
-``remasking``, ``decoding``, ``threshold``, ``factor``, ``entropy_bound``, ``cfg_scale``, ``repetition_penalty`` (defaults
-from the model's ``generation_config.json``), ``cache`` (``none``, ``prefix``, ``dual``, ``delayed`` or ``dual_delayed``),
-``cache_refresh``, ``suffix_window`` and ``stream_mode`` (``"text"``, or ``"denoise"``: every chunk carries the
-whole answer canvas); vLLM's ``stop_token_ids``, ``ignore_eos``, ``skip_special_tokens`` and
+Celeris extensions (extra body fields of the ``openai`` client): ``steps``, ``block_length``, ``top_k`` (vLLM's
+name), ``remasking``, ``decoding``, ``threshold``, ``factor``, ``entropy_bound``, ``cfg_scale``,
+``repetition_penalty`` (defaults from the model's ``generation_config.json``), ``cache`` (``none``, ``prefix``,
+``dual``, ``delayed`` or ``dual_delayed``), ``cache_refresh``, ``suffix_window`` and ``stream_mode`` (``"text"``,
+or ``"denoise"``: every chunk carries the whole answer canvas); a setting that only some rules read
+(``threshold`` without ``decoding: "threshold"``, ...: ``celeris.params.RULE_SETTINGS``) is refused with 400
+naming both, never ignored; vLLM's ``stop_token_ids``, ``ignore_eos``, ``skip_special_tokens`` and
 ``include_stop_str_in_output``. The float settings' ranges are SamplingParams' (``celeris.params.FLOAT_BOUNDS``).
 Responses carry ``choice.celeris`` (``DecodingDetails``) and ``usage.nfe``.
 """
@@ -131,7 +133,8 @@ class SamplingRequest(StrictModel):
     # keeping the model's tokens per step; SamplingParams.from_defaults).
     steps: int | None = Field(default=None, ge=1)
     block_length: int | None = Field(default=None, ge=1)
-    remasking: Literal["low_confidence", "random"] | None = None
+    top_k: int | None = None  # as in vLLM; range checked by SamplingParams
+    remasking: Literal["low_confidence", "random", "margin", "entropy"] | None = None
     decoding: Literal["fixed", "threshold", "factor", "entropy", "verified"] | None = None
     threshold: float | None = None
     factor: float | None = None

@@ -307,7 +307,7 @@ class OpenAIServing:
         try:
             params = self.llm.default_params(
                 max_new_tokens=max_tokens, steps=request.steps, block_length=request.block_length,
-                temperature=request.temperature, top_p=request.top_p, remasking=request.remasking,
+                temperature=request.temperature, top_p=request.top_p, top_k=request.top_k, remasking=request.remasking,
                 decoding=request.decoding, threshold=request.threshold, factor=request.factor,
                 entropy_bound=request.entropy_bound, cfg_scale=request.cfg_scale, seed=request.seed,
                 stop=request.stop_list() or None, cache=request.cache, repetition_penalty=request.repetition_penalty,

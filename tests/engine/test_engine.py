@@ -47,6 +47,10 @@ def run_to_end(engine: Engine) -> None:
     SamplingParams(max_new_tokens=20, steps=20, block_length=4, cache="prefix", suffix_window=2, cfg_scale=1.0,
                    early_exit=False),
     SamplingParams(max_new_tokens=20, steps=20, block_length=4, cache="dual", suffix_window=1, early_exit=False),
+    SamplingParams(max_new_tokens=20, steps=10, block_length=8, remasking="margin", top_k=5, early_exit=False),
+    SamplingParams(max_new_tokens=20, steps=10, block_length=4, remasking="entropy", cache="dual_delayed",
+                   early_exit=False),
+    SamplingParams(max_new_tokens=20, steps=20, block_length=8, temperature=1.0, seed=7, remasking="margin", top_k=3),
 ])
 def test_engine_matches_reference_sampler(params):
     model = tiny_model()
@@ -179,8 +183,8 @@ def test_engine_decodes_a_causal_model_token_by_token(cache, refresh):
     from celeris.sampling.autoregressive import generate_autoregressive
 
     model = tiny_model(is_causal=True)
-    params = SamplingParams(max_new_tokens=12, steps=12, block_length=1, cache=cache, cache_refresh=refresh,
-                            early_exit=False)
+    params = SamplingParams(max_new_tokens=12, steps=12, block_length=1, cache=cache,
+                            cache_refresh=refresh if cache == "delayed" else None, early_exit=False)
     want = generate_autoregressive(model, PROMPTS, SamplingParams(max_new_tokens=12, early_exit=False),
                                    use_cache=False).answer_ids
     assert len({tuple(row.tolist()) for row in want}) == len(PROMPTS)  # the rows differ: a real check

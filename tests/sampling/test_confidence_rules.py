@@ -91,3 +91,64 @@ def test_llada_path_matches_the_published_loop(llada_model, prompt):
     request = engine.add_request(prompt, params)
     run_to_end(engine)
     assert request.answer.tolist() == expected
+
+
+def published_dream_sample_tokens(logits: torch.Tensor, top_p: float | None, top_k: int | None, alg: str):
+    """Dream's published ``sample_tokens`` (DreamLM ``generation_utils.py``) at temperature 0 for one (N, V) set of
+    masked positions, as a plain transcription: top-p, then top-k (``finfo.min`` fill), softmax, the argmax token,
+    and the ``alg``'s confidence (``maskgit_plus``: its probability; ``topk_margin``: top-1 minus top-2;
+    ``entropy``: sum p log(p + 1e-10))."""
+    if top_p is not None and top_p < 1:
+        sorted_logits, order = torch.sort(logits, descending=True)
+        cum = torch.cumsum(F.softmax(sorted_logits, dim=-1), dim=-1)
+        remove = cum > top_p
+        remove[..., 1:] = remove[..., :-1].clone()
+        remove[..., 0] = False
+        mask = torch.zeros_like(logits, dtype=torch.bool).scatter_(-1, order, remove)
+        logits = logits.masked_fill(mask, torch.finfo(logits.dtype).min)
+    if top_k is not None:
+        kth = torch.topk(logits, min(top_k, logits.size(-1)))[0][..., -1, None]
+        logits = logits.masked_fill(logits < kth, torch.finfo(logits.dtype).min)
+    probs = torch.softmax(logits, dim=-1)
+    confidence, x0 = probs.max(dim=-1)
+    if alg == "topk_margin":
+        sorted_probs, _ = torch.sort(probs, dim=-1, descending=True)
+        confidence = sorted_probs[:, 0] - sorted_probs[:, 1]
+    if alg == "entropy":
+        confidence = torch.sum(probs * torch.log(probs + 1e-10), dim=-1)
+    return confidence, x0
+
+
+@pytest.mark.parametrize("remasking, alg", [("low_confidence", "maskgit_plus"), ("margin", "topk_margin"),
+                                            ("entropy", "entropy")])
+@pytest.mark.parametrize("top_k, top_p", [(None, None), (3, None), (4, 0.8)])
+def test_dream_rules_commit_what_dreams_sampler_would(remasking, alg, top_k, top_p):
+    """Issue 16 item 4: each step commits the positions Dream's published sampler ranks first (its ``alg``), with
+    its tokens, after its top-p and top-k filters; over random blocks with some positions already filled."""
+    vocab, length, num_tokens = 40, 16, 4
+    differs_from_maskgit = differs_from_unfiltered = False
+    for seed in range(6):
+        g = torch.Generator().manual_seed(seed)
+        logits = torch.randn(1, length, vocab, generator=g) * 1.5
+        logits[..., MASK] = float("-inf")  # Dream's mask token is never predicted either
+        block = torch.full((1, length), MASK)
+        block[0, [1, 5]] = 7  # already committed
+        params = SamplingParams(remasking=remasking, top_k=top_k, top_p=top_p if top_p is not None else 1.0)
+        settings = RowSettings.from_params([params], torch.device("cpu"))
+        new, chosen = denoise_step(logits, block, MASK, [MASK], torch.tensor([num_tokens]), settings,
+                                   [torch.Generator()], confidence_from="filtered")
+        masked = [i for i in range(length) if block[0, i] == MASK]
+
+        def dream_commits(tk, tp, rule, logits=logits, masked=masked):
+            confidence, _ = published_dream_sample_tokens(logits[0, masked], tp, tk, rule)
+            return sorted(masked[j] for j in torch.topk(confidence, num_tokens).indices.tolist())
+
+        want = dream_commits(top_k, top_p, alg)
+        _, x0 = published_dream_sample_tokens(logits[0, masked], top_p, top_k, alg)
+        assert chosen[0].nonzero().flatten().tolist() == want, seed
+        assert new[0, want].tolist() == [x0[masked.index(i)].item() for i in want]
+        differs_from_maskgit |= want != dream_commits(top_k, top_p, "maskgit_plus")
+        differs_from_unfiltered |= want != dream_commits(None, None, alg)
+    # the cases tell the rules apart: a confidence or filter that were ignored would fail above
+    assert differs_from_maskgit or alg == "maskgit_plus" or top_k is not None
+    assert differs_from_unfiltered or top_k is None or alg == "topk_margin"

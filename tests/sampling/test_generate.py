@@ -104,8 +104,8 @@ def test_never_predicts_mask_or_pad(model):
 
 @pytest.mark.parametrize("decoding", ["fixed", "threshold", "entropy"])
 def test_batched_equals_alone_greedy(model, decoding):
-    params = SamplingParams(max_new_tokens=12, steps=6, block_length=5, decoding=decoding, threshold=0.5,
-                            entropy_bound=1.0, early_exit=False)
+    own = {"threshold": {"threshold": 0.5}, "entropy": {"entropy_bound": 1.0}}.get(decoding, {})  # its rule's own
+    params = SamplingParams(max_new_tokens=12, steps=6, block_length=5, decoding=decoding, **own, early_exit=False)
     batched = generate(model, PROMPTS, params)
     for i, prompt in enumerate(PROMPTS):
         alone = generate(model, [prompt], params)
@@ -420,7 +420,8 @@ def test_cache_modes_make_the_documented_passes(cache, refresh, full_passes, mon
     prompt = [5, 6, 7, 8]
     frames: list[torch.Tensor] = []
     out = generate(model, [prompt], SamplingParams(max_new_tokens=12, steps=12, block_length=4, cache=cache,
-                                                   cache_refresh=refresh, early_exit=False),
+                                                   cache_refresh=refresh if cache.endswith("delayed") else None,
+                                                   early_exit=False),
                    on_step=lambda a: frames.append(a.clone()))
     assert len(calls) == 12 and sum(w is None for w in calls) == full_passes
     if refresh:

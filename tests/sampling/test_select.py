@@ -14,8 +14,11 @@ from celeris.sampling.select import (
     commit_fixed,
     commit_threshold,
     low_confidence,
+    margin_confidence,
+    neg_entropy_confidence,
     rank_desc,
     sample_tokens,
+    top_k_filter,
     top_p_filter,
 )
 
@@ -186,3 +189,57 @@ def test_repetition_penalty_matches_a_loop_and_moves_the_argmax():
     plain = RowSettings.from_params([SamplingParams()], torch.device("cpu"))
     new, _ = denoise_step(block_logits, block, mask_id, [mask_id], torch.tensor([1]), plain, [None], seen1)
     assert new.tolist() == [[1]]
+
+
+# ---------------------------------------------------------------------------------------------
+# Dream's remasking confidences and top-k (issue 16 item 4), against plain per-position loops
+
+
+def random_probs(seed: int, shape=(2, 5, 7)) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(shape, generator=g) * 3
+    logits[0, 0, 2:] = float("-inf")  # a position with only two possible tokens: 0 log 0 terms
+    logits[1, 1] = 0.0  # a flat position: margin 0, maximal entropy
+    return logits.softmax(-1)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_margin_is_top1_minus_top2_probability(seed):
+    probs = random_probs(seed)
+    got = margin_confidence(probs, probs.argmax(-1), [None] * 2)
+    for b, i in itertools.product(range(probs.shape[0]), range(probs.shape[1])):
+        ranked = sorted(probs[b, i].tolist(), reverse=True)
+        assert got[b, i].item() == pytest.approx(ranked[0] - ranked[1], abs=1e-7)
+    assert got.dtype == torch.float64 and got[1, 1].item() == pytest.approx(0.0, abs=1e-7)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_entropy_confidence_is_minus_the_entropy(seed):
+    import math
+
+    probs = random_probs(seed)
+    got = neg_entropy_confidence(probs, probs.argmax(-1), [None] * 2)
+    for b, i in itertools.product(range(probs.shape[0]), range(probs.shape[1])):
+        want = sum(p * math.log(p) for p in probs[b, i].tolist() if p > 0)
+        assert got[b, i].item() == pytest.approx(want, abs=1e-6)
+    assert got[1, 1].item() == pytest.approx(-math.log(7), abs=1e-6)  # uniform over 7 tokens
+    assert (got <= 1e-12).all()
+
+
+def reference_top_k(row: list[float], k: int) -> list[float]:
+    """Keep the values >= the k-th largest (ties kept, as Dream's ``top_k_logits``); k = 0 keeps all."""
+    if k == 0 or k >= len(row):
+        return row
+    kth = sorted(row, reverse=True)[k - 1]
+    return [v if v >= kth else float("-inf") for v in row]
+
+
+@pytest.mark.parametrize("ks", [[0, 3], [1, 7], [2, 100], [5, 0]])
+def test_top_k_filter_matches_a_loop(ks):
+    g = torch.Generator().manual_seed(sum(ks))
+    logits = torch.randn(2, 4, 7, generator=g)
+    logits[0, 1, :3] = 2.0  # a three-way tie for the top
+    logits[1, 2, 4:] = float("-inf")  # banned ids: fewer finite values than k
+    got = top_k_filter(logits, torch.tensor(ks))
+    for b, i in itertools.product(range(2), range(4)):
+        assert got[b, i].tolist() == reference_top_k(logits[b, i].tolist(), ks[b]), (b, i)

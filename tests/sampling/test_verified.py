@@ -65,7 +65,7 @@ def test_rejected_drafts_are_rolled_back_with_staggered_arrivals(hybrid):
     n = 24
     answers = {tuple(p): greedy(hybrid, p, n) for p in PROMPTS}
     dec = OracleDecoder(hybrid, answers, 4, 64)
-    params = SamplingParams(max_new_tokens=n, steps=n, early_exit=False, draft_source="slots")
+    params = SamplingParams(max_new_tokens=n, steps=n, early_exit=False, decoding="verified", draft_source="slots")
     rows = [dec.add(PROMPTS[0], params), dec.add(PROMPTS[1], params)]
     steps = 0
     while not all(r.finished for r in rows) or len(rows) < len(PROMPTS):
@@ -88,7 +88,8 @@ def test_speculative_sampling_keeps_the_next_token_distribution(hybrid):
     < 0.05, a bound about 3x the sampling noise here), while the drafts' own marginal is far from it."""
     prompt = [5, 9, 11, 40]
     n_rows = 3000
-    params = [SamplingParams(max_new_tokens=2, steps=2, temperature=1.0, seed=s, early_exit=False, draft_source="slots")
+    params = [SamplingParams(max_new_tokens=2, steps=2, temperature=1.0, seed=s, early_exit=False, decoding="verified",
+                             draft_source="slots")
               for s in range(n_rows)]
     out = generate_verified(hybrid, [prompt] * n_rows, params)
     counts = torch.bincount(torch.tensor([t[1] for t in out.token_ids]), minlength=64).double() / n_rows
@@ -137,12 +138,12 @@ def test_lookup_drafts_keep_the_greedy_answer(make_model, hybrid, source):
     a repetitive prompt makes them accepted."""
     model = hybrid if source == "lookup_first" else make_model(seed=5, is_causal=True)
     prompt = [5, 9, 11, 40, 5, 9, 11, 40, 5, 9, 11, 40, 5, 9]
-    params = SamplingParams(max_new_tokens=20, steps=20, early_exit=False, draft_source=source)
+    params = SamplingParams(max_new_tokens=20, steps=20, early_exit=False, decoding="verified", draft_source=source)
     out = generate_verified(model, [prompt, PROMPTS[0]], params)
     assert out.token_ids == [greedy(model, prompt, 20), greedy(model, PROMPTS[0], 20)]
     assert sum(out.drafted) > 0
     with pytest.raises(ValueError, match="hybrid model"):
-        generate_verified(make_model(is_causal=True), [prompt], SamplingParams(draft_source="slots"))
+        generate_verified(make_model(is_causal=True), [prompt], SamplingParams(decoding="verified", draft_source="slots"))
 
 
 def test_removing_a_row_while_new_rows_wait_for_their_prefill(hybrid):

@@ -180,3 +180,17 @@ def test_non_finite_numbers_are_refused(server, literal, field):
     body = f'{{"prompt": "x", "max_tokens": 2, "{field}": {literal}}}'
     err = assert_error(post(server, "/v1/completions", body), 400, code="invalid_json")
     assert literal.lstrip("-").split("e")[0] in err["message"] or "too large" in err["message"]
+
+
+@pytest.mark.parametrize("path, body, param, picked", [
+    ("/v1/completions", {"prompt": "x", "threshold": 0.2}, "threshold", "decoding='fixed'"),
+    ("/v1/completions", {"prompt": "x", "decoding": "threshold", "factor": 2.0}, "factor", "decoding='threshold'"),
+    ("/v1/chat/completions", {"messages": CHAT, "entropy_bound": 1.0}, "entropy_bound", "decoding='fixed'"),
+    ("/v1/completions", {"prompt": "x", "draft_source": "lookup"}, "draft_source", "decoding='fixed'"),
+    ("/v1/completions", {"prompt": "x", "cache": "dual", "cache_refresh": 2}, "cache_refresh", "cache='dual'"),
+    ("/v1/completions", {"prompt": "x", "top_k": -1}, "top_k", "top_k must be"),
+])
+def test_setting_for_a_rule_not_chosen_is_400_naming_both(server, path, body, param, picked):
+    """Issue 16 item 3: `threshold` without `decoding: "threshold"` used to be accepted and ignored."""
+    err = assert_error(post(server, path, body), 400, param=param)
+    assert picked in err["message"]

@@ -158,3 +158,31 @@ def test_load_test_rejects_bad_arguments_before_starting_a_server(argv, message,
     assert loadtest.main(argv) == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+def test_model_defaults_for_other_rules_are_not_the_callers_settings(serving, serve_llm, monkeypatch):
+    """Issue 16 item 3: a generation_config.json default (threshold, cache_refresh, ...) never makes a request that
+    picks another rule fail; the same setting sent by the caller is refused naming both, and with its rule chosen
+    it is used."""
+    for name, value in {"threshold": 0.3, "factor": 2.0, "entropy_bound": 1.0, "draft_source": "lookup",
+                        "top_k": 4, "remasking": "margin", "cache_refresh": 2}.items():
+        monkeypatch.setitem(serve_llm.generation_config, name, value)
+    body = serving.run_sync("/v1/completions", {"prompt": "import os", "max_tokens": 4, "cache": "dual"})
+    assert body["choices"][0]["celeris"]["remasking"] == "margin"  # the model's default rule, with its defaults
+    with pytest.raises(APIError) as info:
+        serving.run_sync("/v1/completions", {"prompt": "import os", "max_tokens": 4, "threshold": 0.3})
+    assert info.value.status_code == 400 and info.value.param == "threshold" and "decoding='fixed'" in info.value.message
+    one_pass = serving.run_sync("/v1/completions", {"prompt": "import os", "max_tokens": 8, "steps": 8,
+                                                    "decoding": "threshold", "threshold": 1e-9})
+    assert one_pass["usage"]["nfe"] == 1  # 8 tokens, one block: every position clears the threshold at once
+
+
+@pytest.mark.parametrize("remasking", ["margin", "entropy"])
+def test_dream_confidences_and_top_k_are_request_fields(serving, serve_llm, remasking):
+    """Issue 16 item 4 over the serving layer: the same text as LLM.generate with the same settings."""
+    body = serving.run_sync("/v1/completions", {"prompt": "import os", "max_tokens": 8, "temperature": 1.0,
+                                                "seed": 5, "remasking": remasking, "top_k": 2})
+    assert body["choices"][0]["celeris"]["remasking"] == remasking
+    want = serve_llm.generate("import os", serve_llm.default_params(max_new_tokens=8, temperature=1.0, seed=5,
+                                                                     remasking=remasking, top_k=2))
+    assert body["choices"][0]["text"] == want[0].text
