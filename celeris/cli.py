@@ -51,8 +51,9 @@ def _apply_threads(args: argparse.Namespace) -> None:
 def _model_args(p: argparse.ArgumentParser) -> None:
     """Which checkpoint to load and how: shared by every command that loads a model."""
     _threads_arg(p)
-    p.add_argument("--model", help="checkpoint folder, or the name of an embedded one: celeris-code-6m (the "
-                   "default), celeris-code-6m-ar (its autoregressive twin)")
+    p.add_argument("--model", help="checkpoint folder, or the name of an embedded one: celeris-code-6m-hybrid (the "
+                   "default: drafts by block diffusion, verified by its next-token head), celeris-code-6m (masked "
+                   "diffusion), celeris-code-6m-ar (the autoregressive twin)")
     p.add_argument("--device", help="cpu, cuda, cuda:1 ... (default: cuda when available)")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
                    help="weight dtype (default: bfloat16 on CUDA, float32 on CPU)")
@@ -365,7 +366,7 @@ def _batch_parser(sub) -> None:
     r = bsub.add_parser("run", help="run or resume a job: skips ids already in OUTPUT, runs the rest")
     r.add_argument("input", help="requests, one per line: OpenAI Batch format or {id, prompt|messages, ...}")
     r.add_argument("output", help="results, one OpenAI Batch output record per request (appended as they finish)")
-    r.add_argument("--model", help="checkpoint folder (default: the embedded celeris-code-6m)")
+    r.add_argument("--model", help="checkpoint folder (default: the embedded celeris-code-6m-hybrid)")
     r.add_argument("--device", help="cpu, cuda, ... (default: cuda when available)")
     r.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
                    help="weight dtype (default: bfloat16 on CUDA, float32 on CPU)")

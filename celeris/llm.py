@@ -17,12 +17,13 @@ from celeris.params import SamplingParams
 from celeris.serve.detokenize import find_stop
 
 EMBEDDED = Path(__file__).parent / "checkpoints"
-DEFAULT_MODEL = EMBEDDED / "celeris-code-6m"
+DEFAULT_MODEL = EMBEDDED / "celeris-code-6m-hybrid"  # the hybrid (verified decoding); see its model card
 
 
 def resolve_model(model: str | Path | None) -> Path:
     """Checkpoint folder of ``model``: None is the embedded default; an existing path is itself; a bare
-    name of a folder in ``celeris/checkpoints`` (``celeris-code-6m``, ``celeris-code-6m-ar``) is that folder.
+    name of a folder in ``celeris/checkpoints`` (``celeris-code-6m-hybrid``, ``celeris-code-6m``,
+    ``celeris-code-6m-ar``) is that folder.
     Anything else is returned as a path (the loader then says it does not exist)."""
     if model is None:
         return DEFAULT_MODEL

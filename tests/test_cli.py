@@ -156,6 +156,24 @@ def test_shipped_model_end_to_end(capsys):
     assert record["nfe"] <= 32
 
 
+def test_shipped_default_is_the_hybrid_and_verified_equals_its_greedy_tokens(capsys):
+    """The embedded default decodes by verified decoding: fewer passes than tokens, and exactly the tokens of
+    its own greedy next-token decoding (its generation config's other settings unchanged)."""
+    from celeris.llm import LLM
+    from celeris.sampling.autoregressive import generate_autoregressive
+
+    code, out, err = run_cli(capsys, "generate", "def fibonacci(n):", "--device", "cpu", "--json",
+                             "--max-new-tokens", "64")
+    assert code == 0, err
+    record = json.loads(out.strip().splitlines()[-1])
+    assert record["decoding"] == "verified" and record["nfe"] < len(record["token_ids"])
+    llm = LLM(None, device="cpu")
+    assert llm.path.name == "celeris-code-6m-hybrid" and llm.model.config.draft_block_size == 4
+    want = generate_autoregressive(llm.model, [llm.tokenizer.encode("def fibonacci(n):")],
+                                   llm.default_params(max_new_tokens=64, decoding="fixed", draft_source=None))
+    assert record["token_ids"] == want.token_ids[0]
+
+
 def test_shipped_twin_end_to_end(capsys):
     """The shipped autoregressive twin, by name: one forward pass per token, and the engine's greedy tokens
     are the direct next-token decoder's."""

@@ -20,7 +20,7 @@ def client():
 def test_openai_client_on_the_shipped_model(client):
     client, serving = client
     name = client.models.list().data[0].id
-    assert name == serving.model_name == "celeris-code-6m"
+    assert name == serving.model_name == "celeris-code-6m-hybrid"
     done = client.completions.create(model=name, prompt="def fibonacci(n):", max_tokens=12, seed=0)
     assert done.choices[0].text and done.usage.completion_tokens == 12 and done.choices[0].finish_reason == "length"
     pieces = client.completions.create(model=name, prompt="def fibonacci(n):", max_tokens=12, seed=0, stream=True)
