@@ -316,7 +316,7 @@ def bench_ar_model(model: str | None, ar_model: str | None) -> str | None:
     from celeris.llm import resolve_model
 
     if ar_model is None and resolve_model(model).resolve() == resolve_model(None).resolve():
-        ar_model = str(resolve_model(EMBEDDED_AR)) if resolve_model(EMBEDDED_AR).is_dir() else None
+        ar_model = EMBEDDED_AR if resolve_model(EMBEDDED_AR).is_dir() else None  # a name: no machine path
     ar_model = None if ar_model == "none" else ar_model
     if ar_model and not resolve_model(ar_model).is_dir():
         raise CheckpointError(f"checkpoint folder '{ar_model}' does not exist")
