@@ -78,3 +78,19 @@ def client(server):
     import openai
 
     return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=30)
+
+
+def wait_for_health(proc, url: str, timeout_s: float = 90) -> None:
+    """Poll ``url``/health until it answers 200; fail with the server's output if it exits or times out."""
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        assert proc.poll() is None, proc.stdout.read()
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        assert time.monotonic() < deadline, "celeris serve did not come up"
+        time.sleep(0.2)

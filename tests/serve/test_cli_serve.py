@@ -7,12 +7,13 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
 import openai
 import pytest
+
+from tests.serve.conftest import wait_for_health
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -34,16 +35,7 @@ def test_celeris_serve_subcommand(serve_checkpoint):
     proc = subprocess.Popen(cmd, env=env, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 90
-        while True:
-            assert proc.poll() is None, proc.stdout.read()
-            try:
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "celeris serve did not come up"
-            time.sleep(0.2)
+        wait_for_health(proc, url)
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="k1", max_retries=0)
         assert [m.id for m in client.models.list().data] == ["cli-model"]
         out = client.completions.create(model="cli-model", prompt="def f(x):", max_tokens=4)

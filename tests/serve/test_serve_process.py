@@ -16,6 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.serve.conftest import wait_for_health
 from tests.serve.test_cli_serve import REPO_ROOT, free_port
 
 pytestmark = pytest.mark.slow
@@ -39,16 +40,7 @@ class ServeProcess:
         self.proc = subprocess.Popen(cmd, env=env, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                      text=True, preexec_fn=limit_fds if nofile else None)
         self.log = ""
-        deadline = time.monotonic() + 90
-        while True:
-            assert self.proc.poll() is None, self.proc.stdout.read()
-            try:
-                if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "celeris serve did not come up"
-            time.sleep(0.2)
+        wait_for_health(self.proc, self.url)
 
     def rss_mb(self) -> float:
         with open(f"/proc/{self.proc.pid}/status") as f:
