@@ -152,7 +152,7 @@ class OpenAIServing:
         if async_engine is None:
             config = engine_config or EngineConfig()
             # the engine's queue counts free running slots, so it admits max_num_seqs + max_waiting in all
-            engine = Engine(llm.model, config, llm.end_token_ids)
+            engine = Engine(llm.model, config, llm.end_token_ids, getattr(llm, "grammar_tokenizer", None))
             async_engine = AsyncEngine(engine, max_in_flight=config.max_num_seqs + config.max_waiting,
                                        on_stats=self.metrics.set_queue_stats)
         self.async_engine = async_engine
