@@ -148,6 +148,8 @@ class Engine:
                                     f"masked positions are not finite numbers), so the request was ended")
             else:
                 if r.constraint is not None:  # blocks of one token: column s is the token just committed
+                    left = r.answer_start + r.params.max_new_tokens - s
+                    r.canvas[s] = r.constraint.settle(int(r.canvas[s]), left)
                     r.constraint.consume(int(r.canvas[s]))
                 r.advance(self.eos_id, (s + committed[i, : e - s].nonzero().flatten()).tolist())
                 if r.constraint is not None and r.constraint.stopped and not r.is_finished:

@@ -259,8 +259,9 @@ def generate(
             canvas[:, span], committed = denoise_step(logits, canvas[:, span], mask_id, banned, k, settings,
                                                       generators, seen, confidence_from=confidence_rule(model),
                                                       allowed=allowed)
-            for i, c in enumerate(constraints):
+            for i, c in enumerate(constraints):  # the budget rule may swap the token (Constraint.settle)
                 if c is not None and bool(committed[i, 0]):
+                    canvas[i, span.start] = c.settle(int(canvas[i, span.start]), sp.max_new_tokens - s)
                     c.consume(int(canvas[i, span.start]))
             if bool((was_masked & ~committed.any(-1)).any()):
                 raise NoProgressError(f"denoising step {steps + 1} committed no token (the model's scores are not "

@@ -24,10 +24,11 @@ except ImportError:  # pragma: no cover - llguidance is a dependency in pyprojec
     llg = None
 
 JSON_OPTIONS = {"whitespace_flexible": False}
-# Completion within the budget: once the tokens left are at most the greedy closing path's length plus SLACK
-# (room for what one freely chosen token can open), the rest of the answer follows that path. The path is
-# looked for only when at most CLOSING_WINDOW tokens are left, and is at most that long.
-CLOSING_WINDOW, SLACK = 48, 6
+# Completion within the budget (``Constraint.settle``): while at most CLOSING_WINDOW tokens are left, every
+# state keeps a greedy closing path no longer than the tokens left; a sampled token after which none is found is
+# replaced by the current path's next token. A token is checked only when the tokens left are at most the current
+# path's length plus MARGIN (a token that opens more than MARGIN tokens of obligations is not seen coming).
+CLOSING_WINDOW, MARGIN = 256, 64
 # Characters the closing path prefers, in order: the ones that end a string, an object, an array or a number.
 CLOSERS = '"}],:01a'
 
@@ -170,7 +171,8 @@ class Constraint:
         self.vocab_size = tokenizer.vocab_size
         self.eos_id = tokenizer.eos_token
         self.closers = _closer_ids(tokenizer)
-        self.forced: list[int] = []  # the closing path being followed (budget), next token first
+        self._path: list[int] | None = None  # the closing path from the current state, when known
+        self._next: tuple[int, list[int] | None] | None = None  # (a checked token, the path after it)
 
     @property
     def stopped(self) -> bool:
@@ -185,30 +187,43 @@ class Constraint:
     def allowed(self, vocab_size: int, remaining: int | None = None) -> torch.Tensor:
         """(vocab_size,) bool: the tokens the grammar accepts next; ids past the tokenizer's are never allowed.
 
-        ``remaining``: answer positions left, this one included. When it is at most the closing path's length
-        (``closing_path``) plus ``SLACK``, only the path's next token is allowed, so an answer that can end
-        within the budget does. After an error (which masked decoding never causes), only the end-of-text id.
+        ``remaining``: answer positions left, this one included; when it equals the closing path's length
+        (``settle``), only the path's next token. After an error (which masked decoding never causes), only
+        the end-of-text id.
         """
         out = torch.zeros(vocab_size, dtype=torch.bool)
         if self.matcher.is_error():
             out[self.eos_id] = True
             return out
-        if not self.forced and remaining is not None and remaining <= CLOSING_WINDOW and not self.matcher.is_stopped():
-            path = self.closing_path(CLOSING_WINDOW)
-            if path is not None and remaining <= len(path) + SLACK:
-                self.forced = path
-        if self.forced:
-            out[self.forced[0]] = True
+        if self._path and remaining is not None and remaining <= len(self._path):
+            out[self._path[0]] = True
             return out
         n = min(vocab_size, self.vocab_size)
         out[:n] = torch.from_numpy(_bits(self.matcher)[:n])
         return out
 
-    def closing_path(self, limit: int) -> list[int] | None:
+    def settle(self, token_id: int, remaining: int) -> int:
+        """The token to commit for the sampled ``token_id`` with ``remaining`` positions left (this one
+        included): ``token_id``, unless the answer could then no longer be closed within the budget while the
+        current state can, in which case the current closing path's next token (``CLOSING_WINDOW``)."""
+        if remaining > CLOSING_WINDOW or self.matcher.is_stopped():
+            return token_id
+        if self._path is None:
+            self._path = self.closing_path(remaining)
+        path = self._path
+        if path is None or (path and path[0] == token_id) or remaining > len(path) + MARGIN:
+            return token_id
+        after = self.matcher.deep_copy()
+        if not after.consume_token(int(token_id)):
+            return token_id
+        self._next = (token_id, self.closing_path(remaining - 1, after))
+        return token_id if self._next[1] is not None else path[0]
+
+    def closing_path(self, limit: int, matcher=None) -> list[int] | None:
         """A short sequence of tokens (at most ``limit``) that completes the text so far, ending with the
         end-of-text id unless the grammar stops by itself; None if none was found. Greedy: at each position
         the end-of-text id if allowed, else the first allowed of ``CLOSERS``, else the lowest allowed id."""
-        m = self.matcher.deep_copy()
+        m = (matcher or self.matcher).deep_copy()
         path: list[int] = []
         while len(path) < limit:
             if m.is_stopped():
@@ -229,8 +244,13 @@ class Constraint:
 
     def consume(self, token_id: int) -> bool:
         """Advance by one committed token; False when the grammar rejects it (never under masking)."""
-        if self.forced:
-            self.forced.pop(0)
+        if self._path and self._path[0] == token_id:
+            self._path = self._path[1:]
+        elif self._next is not None and self._next[0] == token_id:
+            self._path = self._next[1]
+        else:
+            self._path = None
+        self._next = None
         if self.matcher.is_stopped():
             return token_id == self.eos_id
         return bool(self.matcher.consume_token(int(token_id)))
@@ -251,7 +271,7 @@ def allowed_rows(constraints: list[Constraint | None], width: int, vocab_size: i
                  device: torch.device | str, remaining: list[int] | None = None) -> torch.Tensor | None:
     """(B, width, V) bool mask for a step whose blocks are one token wide: row i's column 0 takes its grammar's
     mask (the other columns are padding), rows without a constraint allow everything; None when no row has one.
-    ``remaining``: per row, the answer positions left (this one included), for the budget rule."""
+    ``remaining``: per row, the answer positions left (this one included), for the budget rule (``settle``)."""
     if all(c is None for c in constraints):
         return None
     mask = torch.ones((len(constraints), width, vocab_size), dtype=torch.bool)
