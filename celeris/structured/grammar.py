@@ -279,3 +279,19 @@ def allowed_rows(constraints: list[Constraint | None], width: int, vocab_size: i
         if c is not None:
             mask[i, 0] = c.allowed(vocab_size, None if remaining is None else remaining[i])
     return mask.to(device)
+
+
+# Caches that recompute the masked suffix at every block's first step: with blocks of one token, at every step.
+SUFFIX_CACHES = ("prefix", "dual", "dual_delayed")
+
+
+def constrained_settings(defaults: dict, block_length: int | None, cache: str | None) -> dict[str, object]:
+    """The ``block_length`` and ``cache`` a request with a grammar is decoded with, given the model's
+    generation defaults and the request's own values (None: not set). Blocks are one token (the grammar
+    applies left to right); a cache the request did not choose that would recompute the whole masked suffix at
+    every token (``SUFFIX_CACHES``) becomes ``delayed`` (each token's keys/values are computed once, a step after
+    it is committed), unless the defaults use a ``suffix_window`` (which ``delayed`` cannot go with)."""
+    out: dict[str, object] = {"block_length": 1 if block_length is None else block_length}
+    if cache is None and defaults.get("cache") in SUFFIX_CACHES and not defaults.get("suffix_window"):
+        out["cache"] = "delayed"
+    return out
