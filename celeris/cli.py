@@ -88,7 +88,7 @@ def _sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--suffix-window", type=int,
                    help="passes see only this many masked columns past the block (0 = the whole canvas)")
     p.add_argument("--json-schema", metavar="FILE", help="answer with JSON that validates against the JSON Schema "
-                   "in FILE (constrained decoding, blocks of one token)")
+                   "in FILE (constrained decoding)")
     p.add_argument("--stop", action="append", help="stop string (repeatable)")
     p.add_argument("--stop-token-id", action="append", type=int, dest="stop_token_ids",
                    help="token id that ends the answer, besides the model's end ids (repeatable)")
@@ -171,7 +171,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _grammar(llm_defaults: dict, args: argparse.Namespace) -> dict:
-    """``--json-schema FILE``: the grammar and the block length / cache it is decoded with (``celeris.structured``).
+    """``--json-schema FILE``: the grammar (``celeris.structured``), with ``--block-length`` and ``--cache``.
 
     Raises:
         UsageError: the file cannot be read, is not JSON, or is not a schema that can be enforced.
@@ -179,7 +179,7 @@ def _grammar(llm_defaults: dict, args: argparse.Namespace) -> dict:
     path = getattr(args, "json_schema", None)
     if path is None:
         return {"block_length": args.block_length, "cache": args.cache}
-    from celeris.structured.grammar import GrammarError, constrained_settings, schema_grammar
+    from celeris.structured.grammar import GrammarError, schema_grammar
 
     try:
         schema = json.loads(Path(path).read_text())
@@ -190,8 +190,7 @@ def _grammar(llm_defaults: dict, args: argparse.Namespace) -> dict:
         raise UsageError(f"--json-schema {path} is not valid JSON: {exc}") from None
     except GrammarError as exc:
         raise UsageError(str(exc)) from None
-    return {"grammar": grammar, "cache": args.cache,
-            **constrained_settings(llm_defaults, args.block_length, args.cache)}
+    return {"grammar": grammar, "block_length": args.block_length, "cache": args.cache}
 
 
 def _params(llm_defaults: dict, args: argparse.Namespace):

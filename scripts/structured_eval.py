@@ -15,7 +15,7 @@ import time
 import jsonschema
 
 from celeris.llm import LLM
-from celeris.structured.grammar import constrained_settings, schema_grammar
+from celeris.structured.grammar import schema_grammar
 
 FIELDS = [
     ("name", {"type": "string", "maxLength": 12}),
@@ -78,8 +78,7 @@ def main() -> None:
         for b in range(0, len(jobs), args.batch):
             reqs = []
             for k, seed in jobs[b : b + args.batch]:
-                extra = {"grammar": grammars[k], **constrained_settings(llm.generation_config, None, None),
-                         **CONSTRAINED} if mode == "constrained" else {}
+                extra = {"grammar": grammars[k], **CONSTRAINED} if mode == "constrained" else {}
                 params = llm.default_params(temperature=0.7, seed=seed, **extra)
                 reqs.append((k, llm.engine.add_request(prompts[k], params)))
             while any(not r.is_finished for _, r in reqs):

@@ -27,7 +27,7 @@ from celeris.sampling.step import (
     denoise_step,
 )
 from celeris.sampling.verified import LOOKUP_DRAFTS, DraftRow, VerifiedDecoder, draft_length
-from celeris.structured.grammar import allowed_rows, row_constraints
+from celeris.structured.grammar import constrain_commits, grammar_step, row_constraints
 
 
 @dataclass(slots=True)
@@ -133,11 +133,15 @@ class Engine:
         if any(r.params.repetition_penalty != 1 for r in batch):
             seen = context_tokens([r.canvas for r in batch], logits.shape[-1], self.mask_id, logits.device)
         widths = [r.block_span[1] - r.block_span[0] for r in batch]
-        allowed = allowed_rows([r.constraint for r in batch], logits.shape[1], logits.shape[-1], logits.device,
-                               [r.answer_start + r.params.max_new_tokens - r.block_span[0] for r in batch])
+        constraints = [r.constraint for r in batch]
+        grammar = grammar_step(constraints, block, self.mask_id,
+                               [r.answer_start + r.params.max_new_tokens - r.block_span[0] for r in batch],
+                               logits.shape[-1], logits.device)
         new_block, committed = denoise_step(logits, block, self.mask_id, self.banned_ids, num_tokens, settings,
                                             [r.generator for r in batch], seen, widths, self.confidence_from,
-                                            allowed)
+                                            grammar.allowed, grammar.force)
+        new_block, committed = constrain_commits(constraints, grammar, block, new_block, committed, self.mask_id,
+                                                 self.eos_id)
         new_block, committed = new_block.cpu(), committed.cpu()
         for i, r in enumerate(batch):
             s, e = r.block_span
@@ -147,10 +151,6 @@ class Engine:
                 r.fail(NO_PROGRESS, f"denoising step {r.steps + 1} committed no token (the model's scores for the "
                                     f"masked positions are not finite numbers), so the request was ended")
             else:
-                if r.constraint is not None:  # blocks of one token: column s is the token just committed
-                    left = r.answer_start + r.params.max_new_tokens - s
-                    r.canvas[s] = r.constraint.settle(int(r.canvas[s]), left)
-                    r.constraint.consume(int(r.canvas[s]))
                 r.advance(self.eos_id, (s + committed[i, : e - s].nonzero().flatten()).tolist())
                 if r.constraint is not None and r.constraint.stopped and not r.is_finished:
                     r.finish("stop")  # the grammar allows nothing but the end: no pass for that token

@@ -31,7 +31,7 @@ from celeris.sampling.step import (
     guided,
     make_generator,
 )
-from celeris.structured.grammar import allowed_rows, row_constraints
+from celeris.structured.grammar import constrain_commits, grammar_step, row_constraints
 
 
 @dataclass(slots=True)
@@ -191,8 +191,10 @@ def generate(
         suffix_ids: optional per-row text after the gap (infilling).
         on_step: called after every step with the (B, max_new_tokens) answer canvas.
         grammar_tokenizer: llguidance's tokenizer (``celeris.structured.grammar_tokenizer``), needed when a
-            row has a ``grammar``: such a row commits only tokens its grammar accepts (blocks of one token,
-            left to right) and, once its grammar is complete, only the end-of-text token.
+            row has a ``grammar``: such a row commits, left to right, the longest run of its step's committed
+            proposals from the block's leftmost open position that the grammar accepts, at least that position's
+            grammar-masked token (``celeris.structured.grammar.constrain_commits``), and, once its grammar is
+            complete, only the end-of-text token.
 
     Raises:
         ValueError: empty prompt, mismatched structural settings, or settings the model cannot
@@ -254,15 +256,12 @@ def generate(
             if any(r.repetition_penalty != 1 for r in rows):  # padding is not context
                 seen = context_tokens(list(torch.where(attn, canvas, mask_id)), logits.shape[-1], mask_id, device)
             was_masked = (canvas[:, span] == mask_id).any(-1)  # (B,)
-            allowed = allowed_rows(constraints, logits.shape[1], logits.shape[-1], device,
-                                   [sp.max_new_tokens - s] * b)
-            canvas[:, span], committed = denoise_step(logits, canvas[:, span], mask_id, banned, k, settings,
-                                                      generators, seen, confidence_from=confidence_rule(model),
-                                                      allowed=allowed)
-            for i, c in enumerate(constraints):  # the budget rule may swap the token (Constraint.settle)
-                if c is not None and bool(committed[i, 0]):
-                    canvas[i, span.start] = c.settle(int(canvas[i, span.start]), sp.max_new_tokens - s)
-                    c.consume(int(canvas[i, span.start]))
+            old = canvas[:, span].clone()
+            grammar = grammar_step(constraints, old, mask_id, [sp.max_new_tokens - s] * b, logits.shape[-1], device)
+            new, committed = denoise_step(logits, old, mask_id, banned, k, settings, generators, seen,
+                                          confidence_from=confidence_rule(model), allowed=grammar.allowed,
+                                          force=grammar.force)
+            canvas[:, span], committed = constrain_commits(constraints, grammar, old, new, committed, mask_id, eos_id)
             if bool((was_masked & ~committed.any(-1)).any()):
                 raise NoProgressError(f"denoising step {steps + 1} committed no token (the model's scores are not "
                                       f"finite numbers)")

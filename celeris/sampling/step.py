@@ -55,9 +55,6 @@ def check_model_support(model: torch.nn.Module, params: SamplingParams, has_suff
     """
     if params.grammar is not None and params.decoding == "verified":
         raise ValueError("decoding 'verified' cannot be used with a grammar (response_format, tools); use 'fixed'")
-    if params.grammar is not None and params.block_length != 1:
-        raise ValueError(f"block_length must be 1 with a grammar (response_format, tools), which is applied left "
-                         f"to right one token per step; got {params.block_length}")
     if params.decoding == "verified":  # its own contract: a hybrid model, no CFG / penalty / infilling
         from celeris.sampling.verified import check_verified_support
 
@@ -166,6 +163,7 @@ def denoise_step(
     lengths: list[int] | None = None,
     confidence_from: str = "filtered",
     allowed: torch.Tensor | None = None,
+    force: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Predict every masked position of the block and commit some of them.
 
@@ -186,6 +184,8 @@ def denoise_step(
             included, as LLaDA's published ``generate()``; the predicted token still never is a banned id).
         allowed: (B, L, V) bool, the tokens a grammar accepts at each position (``celeris.structured``), or
             None; the others are removed with the banned ids, so they are never predicted.
+        force: (B, L) bool positions committed (where masked) whatever the commit rule says, or None (a
+            grammar's leftmost open position: ``celeris.structured.grammar.grammar_step``).
 
     Returns:
         (new block (B, L) int64, committed positions (B, L) bool).
@@ -217,6 +217,8 @@ def denoise_step(
                                   factor=settings.factor.double(), entropy_bound=settings.entropy_bound.double(),
                                   **extra)
         chosen = torch.where(rows, rule, chosen)
+    if force is not None:
+        chosen |= force
     chosen &= is_masked
     return torch.where(chosen, x0, block), chosen
 

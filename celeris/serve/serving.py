@@ -66,7 +66,6 @@ from celeris.serve.tools import (
     template_messages,
     tool_mode,
 )
-from celeris.structured.grammar import constrained_settings
 
 DISCONNECT_POLL_S = 0.01  # most seconds between two client-disconnect checks while events flow
 IDLE_WAKE_S = 0.25  # wake this often when no event comes, to check time-out and disconnect
@@ -319,22 +318,17 @@ class OpenAIServing:
             raise APIError(400, "stream_mode 'denoise' is only allowed when stream is true", param="stream_mode")
 
     def _params(self, request: SamplingRequest, max_tokens: int | None, grammar: str | None = None) -> SamplingParams:
-        """The request's SamplingParams; with a ``grammar`` (structured output, forced tool calls) the answer is
-        decoded in blocks of one token unless the request set ``block_length`` (then it must be 1), and with the
-        ``delayed`` cache in place of a default one that recomputes the suffix (``constrained_settings``)."""
+        """The request's SamplingParams, with ``grammar`` (structured output, forced tool calls) if given."""
         if grammar is not None and getattr(self.llm, "grammar_tokenizer", None) is None:
             raise APIError(400, "structured output (response_format, tools) is not available for this model's "
                                 "tokenizer", param="response_format")
-        structure = {"block_length": request.block_length, "cache": request.cache}
-        if grammar is not None:
-            structure.update(constrained_settings(self.llm.generation_config, request.block_length, request.cache))
         try:
             params = self.llm.default_params(
-                max_new_tokens=max_tokens, steps=request.steps, block_length=structure["block_length"], grammar=grammar,
+                max_new_tokens=max_tokens, steps=request.steps, block_length=request.block_length, grammar=grammar,
                 temperature=request.temperature, top_p=request.top_p, top_k=request.top_k, remasking=request.remasking,
                 decoding=request.decoding, threshold=request.threshold, factor=request.factor,
                 entropy_bound=request.entropy_bound, cfg_scale=request.cfg_scale, seed=request.seed,
-                stop=request.stop_list() or None, cache=structure["cache"], repetition_penalty=request.repetition_penalty,
+                stop=request.stop_list() or None, cache=request.cache, repetition_penalty=request.repetition_penalty,
                 cache_refresh=request.cache_refresh, suffix_window=request.suffix_window,
                 draft_source=request.draft_source, stop_token_ids=request.stop_token_ids, ignore_eos=request.ignore_eos,
                 skip_special_tokens=request.skip_special_tokens,

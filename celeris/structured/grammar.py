@@ -13,6 +13,7 @@ a model can never spend its budget on spaces.
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from functools import lru_cache
 
 import numpy as np
@@ -242,6 +243,26 @@ class Constraint:
             path.append(pick)
         return None
 
+    def commit_run(self, proposals: list[int], remaining: int) -> list[int]:
+        """Advance by the longest prefix of ``proposals`` (tokens for consecutive positions from the leftmost
+        open one, which was sampled under this grammar's mask) that the grammar accepts and the budget rule keeps
+        (``settle``); the first is always kept, possibly swapped by ``settle``. Returns the kept tokens."""
+        kept: list[int] = []
+        for k, token in enumerate(proposals):
+            if k > 0 and (self.matcher.is_stopped() or not self._accepts(token)):
+                break
+            settled = self.settle(token, remaining - k)
+            if k > 0 and settled != token:
+                break
+            self.consume(settled)
+            kept.append(settled)
+        return kept
+
+    def _accepts(self, token_id: int) -> bool:
+        if token_id == self.eos_id:
+            return self.matcher.is_accepting()
+        return self.matcher.validate_tokens([int(token_id)]) == 1
+
     def consume(self, token_id: int) -> bool:
         """Advance by one committed token; False when the grammar rejects it (never under masking)."""
         if self._path and self._path[0] == token_id:
@@ -267,31 +288,78 @@ def row_constraints(rows: list, tokenizer) -> list[Constraint | None]:
     return [None if r.grammar is None else Constraint(r.grammar, tokenizer) for r in rows]
 
 
-def allowed_rows(constraints: list[Constraint | None], width: int, vocab_size: int,
-                 device: torch.device | str, remaining: list[int] | None = None) -> torch.Tensor | None:
-    """(B, width, V) bool mask for a step whose blocks are one token wide: row i's column 0 takes its grammar's
-    mask (the other columns are padding), rows without a constraint allow everything; None when no row has one.
-    ``remaining``: per row, the answer positions left (this one included), for the budget rule (``settle``)."""
+@dataclass(slots=True)
+class GrammarStep:
+    """What a step needs for the rows of a batch that have a grammar (``grammar_step``).
+
+    Attributes:
+        cols: per row, the block's leftmost open (masked) column, where the grammar's mask applies.
+        remaining: per row, the answer positions left from that column on (it included).
+        allowed: (B, L, V) bool token mask (rows without a grammar: everything), or None when no row has one.
+        force: (B, L) bool, the leftmost open column of each row with a grammar: committed whatever the commit
+            rule says, so every step commits at least one token there.
+    """
+
+    cols: list[int]
+    remaining: list[int]
+    allowed: torch.Tensor | None
+    force: torch.Tensor | None
+
+
+def grammar_step(constraints: list[Constraint | None], block: torch.Tensor, mask_id: int, left: list[int],
+                 vocab_size: int, device: torch.device | str) -> GrammarStep:
+    """The masks of one denoising step: ``block`` (B, L) the current block tokens, ``left`` per row the answer
+    positions from the block's first column to the end of the answer."""
+    is_masked = (block == mask_id).cpu()
+    cols = [int(is_masked[i].long().argmax()) for i in range(block.shape[0])]
+    remaining = [n - c for n, c in zip(left, cols, strict=True)]
     if all(c is None for c in constraints):
-        return None
-    mask = torch.ones((len(constraints), width, vocab_size), dtype=torch.bool)
+        return GrammarStep(cols, remaining, None, None)
+    b, width = block.shape
+    allowed = torch.ones((b, width, vocab_size), dtype=torch.bool)
+    force = torch.zeros((b, width), dtype=torch.bool)
     for i, c in enumerate(constraints):
         if c is not None:
-            mask[i, 0] = c.allowed(vocab_size, None if remaining is None else remaining[i])
-    return mask.to(device)
+            allowed[i, cols[i]] = c.allowed(vocab_size, remaining[i])
+            force[i, cols[i]] = True
+    return GrammarStep(cols, remaining, allowed.to(device), force.to(device))
 
 
-# Caches that recompute the masked suffix at every block's first step: with blocks of one token, at every step.
-SUFFIX_CACHES = ("prefix", "dual", "dual_delayed")
+def constrain_commits(constraints: list[Constraint | None], step: GrammarStep, old: torch.Tensor,
+                      new: torch.Tensor, committed: torch.Tensor, mask_id: int,
+                      eos_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keep, for each row with a grammar, the longest run of committed proposals from its leftmost open column
+    that the grammar accepts (at least that column's grammar-masked token; the budget rule may swap it,
+    ``Constraint.settle``); every other position of the row's block goes back to ``old``. A row whose grammar
+    had already ended fills its open positions with end-of-text. The constraints advance by the kept tokens.
 
+    Args:
+        old / new: (B, L) the block before and after ``denoise_step``; committed: (B, L) bool, what it committed.
 
-def constrained_settings(defaults: dict, block_length: int | None, cache: str | None) -> dict[str, object]:
-    """The ``block_length`` and ``cache`` a request with a grammar is decoded with, given the model's
-    generation defaults and the request's own values (None: not set). Blocks are one token (the grammar
-    applies left to right); a cache the request did not choose that would recompute the whole masked suffix at
-    every token (``SUFFIX_CACHES``) becomes ``delayed`` (each token's keys/values are computed once, a step after
-    it is committed), unless the defaults use a ``suffix_window`` (which ``delayed`` cannot go with)."""
-    out: dict[str, object] = {"block_length": 1 if block_length is None else block_length}
-    if cache is None and defaults.get("cache") in SUFFIX_CACHES and not defaults.get("suffix_window"):
-        out["cache"] = "delayed"
-    return out
+    Returns:
+        (new block, committed) with the rows that have a grammar corrected (same devices as given).
+    """
+    if step.force is None:
+        return new, committed
+    device = new.device
+    new, committed, old = new.cpu().clone(), committed.cpu().clone(), old.cpu()
+    for i, c in enumerate(constraints):
+        if c is None:
+            continue
+        col = step.cols[i]
+        if c.stopped:  # complete: only end-of-text remains
+            fill = old[i] == mask_id
+            new[i] = torch.where(fill, torch.full_like(old[i], eos_id), old[i])
+            committed[i] = fill
+            continue
+        proposals = []
+        for j in range(col, new.shape[1]):
+            if not bool(committed[i, j]):
+                break
+            proposals.append(int(new[i, j]))
+        kept = c.commit_run(proposals, step.remaining[i])
+        row_new, row_committed = old[i].clone(), torch.zeros_like(committed[i])
+        row_new[col : col + len(kept)] = torch.tensor(kept, dtype=new.dtype)
+        row_committed[col : col + len(kept)] = True
+        new[i], committed[i] = row_new, row_committed
+    return new.to(device), committed.to(device)

@@ -105,14 +105,59 @@ def test_json_object_and_tool_call_grammars(json_llm):
     jsonschema.validate(call["arguments"], tools["get_weather"])
 
 
-def test_grammar_needs_one_token_blocks_and_not_verified():
-    with pytest.raises(ValueError, match="block_length must be 1 with a grammar"):
-        from celeris.models.celeris import CelerisConfig, CelerisModel
-        from celeris.sampling.step import check_model_support
+def test_grammar_refuses_verified_decoding():
+    from celeris.models.celeris import CelerisConfig, CelerisModel
+    from celeris.sampling.step import check_model_support
 
-        model = CelerisModel(CelerisConfig(vocab_size=64, hidden_size=32, num_layers=1, num_heads=2,
-                                           intermediate_size=64, max_position_embeddings=64))
-        check_model_support(model, SamplingParams(block_length=4, grammar=json_object_grammar()))
+    model = CelerisModel(CelerisConfig(vocab_size=64, hidden_size=32, num_layers=1, num_heads=2,
+                                       intermediate_size=64, max_position_embeddings=64))
+    with pytest.raises(ValueError, match="verified"):
+        check_model_support(model, SamplingParams(decoding="verified", grammar=json_object_grammar()))
+
+
+DIFFUSION_BLOCKS = [
+    {"block_length": 8, "steps": 96},  # fixed schedule, one token per step
+    {"block_length": 8, "steps": 24},  # four per step
+    {"block_length": 16, "steps": 96, "decoding": "threshold", "threshold": 0.3},
+    {"block_length": 8, "steps": 96, "cache": "dual_delayed"},
+]
+
+
+@pytest.fixture(scope="module")
+def diffusion_llm(tmp_path_factory) -> LLM:
+    folder = tmp_path_factory.mktemp("json-diffusion")
+    return LLM(build_tiny_checkpoint(folder, TEXTS, "tiny-json", 256, GEN), device="cpu")
+
+
+@pytest.mark.parametrize("settings", DIFFUSION_BLOCKS, ids=lambda d: "-".join(map(str, d.values())))
+@pytest.mark.parametrize("name", ["nested", "refs", "array"])
+def test_parallel_blocks_reference_equals_engine_and_validate(diffusion_llm, settings, name):
+    """A diffusion model keeps its blocks under a grammar: each step commits the longest run of its proposals
+    from the leftmost open position that the grammar accepts; reference sampler == engine, all valid."""
+    schema = SCHEMAS[name]
+    params = params_for(schema_grammar(schema), **settings)
+    tok = diffusion_llm.tokenizer
+    prompts = [tok.encode("def add(a, b):"), tok.encode("import os\n")]
+    ref = generate(diffusion_llm.model, prompts, params, grammar_tokenizer=diffusion_llm.grammar_tokenizer)
+    engine = Engine(diffusion_llm.model, end_ids=[tok.eos_token_id], grammar_tokenizer=diffusion_llm.grammar_tokenizer)
+    requests = [engine.add_request(p, params) for p in prompts]
+    while engine.has_unfinished():
+        engine.step()
+    for r, ids in zip(requests, ref.token_ids, strict=True):
+        assert r.final_prefix() == ids
+        assert r.finish_reason == "stop"
+        jsonschema.validate(json.loads(tok.decode(ids)), schema)
+
+
+def test_parallel_commits_more_than_one_token_per_forward(diffusion_llm):
+    schema = SCHEMAS["array"]
+    params = params_for(schema_grammar(schema), block_length=16, steps=96, decoding="threshold", threshold=0.05,
+                        temperature=0.0)
+    outs = diffusion_llm.generate(["def f(x):", "import os\n", "class Stack:"], params)
+    for out in outs:
+        assert out.finish_reason == "stop"
+        jsonschema.validate(json.loads(out.text), schema)
+    assert sum(o.num_committed for o in outs) > sum(o.nfe for o in outs)
 
 
 @pytest.mark.parametrize("budget", [18, 24, 40])
