@@ -293,7 +293,8 @@ class GrammarStep:
     """What a step needs for the rows of a batch that have a grammar (``grammar_step``).
 
     Attributes:
-        cols: per row, the block's leftmost open (masked) column, where the grammar's mask applies.
+        cols: per row, the block's leftmost open (masked) column, where the grammar's mask applies (empty
+            when no row has a grammar, as ``remaining``).
         remaining: per row, the answer positions left from that column on (it included).
         allowed: (B, L, V) bool token mask (rows without a grammar: everything), or None when no row has one.
         force: (B, L) bool, the leftmost open column of each row with a grammar: committed whatever the commit
@@ -310,11 +311,10 @@ def grammar_step(constraints: list[Constraint | None], block: torch.Tensor, mask
                  vocab_size: int, device: torch.device | str) -> GrammarStep:
     """The masks of one denoising step: ``block`` (B, L) the current block tokens, ``left`` per row the answer
     positions from the block's first column to the end of the answer."""
-    is_masked = (block == mask_id).cpu()
-    cols = [int(is_masked[i].long().argmax()) for i in range(block.shape[0])]
+    if all(c is None for c in constraints):  # the common case costs nothing
+        return GrammarStep([], [], None, None)
+    cols = (block == mask_id).long().argmax(-1).tolist()  # (B,) first masked column
     remaining = [n - c for n, c in zip(left, cols, strict=True)]
-    if all(c is None for c in constraints):
-        return GrammarStep(cols, remaining, None, None)
     b, width = block.shape
     allowed = torch.ones((b, width, vocab_size), dtype=torch.bool)
     force = torch.zeros((b, width), dtype=torch.bool)
