@@ -59,6 +59,7 @@ from celeris.serve.protocol import (
     random_id,
 )
 from celeris.serve.tools import (
+    CallStreamer,
     chat_grammar,
     declared_functions,
     parse_tool_calls,
@@ -517,12 +518,23 @@ class OpenAIServing:
 
         for i in range(len(run.choices)):
             yield chunk([ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""))])
-        functions = declared_functions(request) if tool_mode(request) != "none" else {}
-        held = [""] * len(run.choices)  # with tools, text is held until the choice ends: calls or content?
+        mode = tool_mode(request)
+        functions = declared_functions(request) if mode != "none" else {}
+        held = [""] * len(run.choices)  # auto: text is held until the choice ends: calls or content?
+        forced = [CallStreamer() for _ in run.choices] if mode in ("required", "named") else None
         async for u, text, step in self._stream_pieces(run):
             if not functions or run.stream_mode == "denoise":
                 yield chunk([ChatStreamChoice(index=u.index, delta=DeltaMessage(content=text),
                                               finish_reason=u.finish_reason, step=step, celeris=u.details)])
+                continue
+            if forced is not None:  # the grammar makes the answer calls: stream them as they are written
+                streamer = forced[u.index]
+                for delta in streamer.push(text):
+                    yield chunk([ChatStreamChoice(index=u.index, delta=DeltaMessage(tool_calls=[delta]))])
+                if u.finish_reason is not None:
+                    reason = "tool_calls" if u.finish_reason == "stop" and streamer.calls else u.finish_reason
+                    yield chunk([ChatStreamChoice(index=u.index, delta=DeltaMessage(), finish_reason=reason,
+                                                  celeris=u.details)])
                 continue
             held[u.index] += text
             if u.finish_reason is None:

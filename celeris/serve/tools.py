@@ -15,11 +15,14 @@ grammar (``celeris.structured.grammar.tool_call_grammar``) derives. ``tool_choic
 from __future__ import annotations
 
 import json
+import re
 
 from celeris.serve.protocol import (
     APIError,
     ChatCompletionRequest,
     ChatMessage,
+    DeltaFunctionCall,
+    DeltaToolCall,
     FunctionCall,
     ResponseFormat,
     ToolCall,
@@ -219,6 +222,59 @@ def parse_tool_calls(text: str, functions: dict[str, dict]) -> list[ToolCall] | 
             jsonschema.validate(call["arguments"], functions[call["name"]])
         except jsonschema.ValidationError:
             return None
-        calls.append(ToolCall(function=FunctionCall(name=call["name"],
-                                                    arguments=json.dumps(call["arguments"], ensure_ascii=False))))
+        prefix = f'{{"name":{json.dumps(call["name"])},"arguments":'
+        if body.startswith(prefix) and body.endswith("}"):  # as the grammar writes it: the model's own text
+            arguments = body[len(prefix):-1]
+        else:
+            arguments = json.dumps(call["arguments"], ensure_ascii=False)
+        calls.append(ToolCall(function=FunctionCall(name=call["name"], arguments=arguments)))
     return calls or None
+
+
+CALL_HEADER = re.compile(r'<tool_call>\{"name":("(?:[^"\\]|\\.)*"),"arguments":')
+
+
+class CallStreamer:
+    """OpenAI tool-call deltas from the growing text of an answer that is nothing but calls (``tool_choice``
+    ``required`` or named: the grammar writes each as ``<tool_call>{"name":"f","arguments":{...}}</tool_call>``).
+
+    A call's first delta has its ``index``, ``id``, ``type`` and ``function.name`` (arguments ``""``), as
+    soon as its name is complete; then every piece of its arguments is sent as it arrives, with ``index``
+    only. The arguments sent add up to the text ``parse_tool_calls`` returns for the same answer.
+    """
+
+    def __init__(self) -> None:
+        self.text = ""
+        self.pos = 0  # where to look for the next call
+        self.calls: list[ToolCall] = []
+        self.args_start: int | None = None  # the open call's arguments start here in ``text``
+        self.sent = 0  # ``text`` up to here is sent (within the open call's arguments)
+
+    def push(self, piece: str) -> list[DeltaToolCall]:
+        """The deltas that the text ``piece`` (appended to what came before) completes."""
+        self.text += piece
+        out: list[DeltaToolCall] = []
+        decoder = json.JSONDecoder()
+        while True:
+            if self.args_start is None:
+                m = CALL_HEADER.search(self.text, self.pos)
+                if m is None:
+                    return out
+                call = ToolCall(function=FunctionCall(name=json.loads(m.group(1)), arguments=""))
+                self.calls.append(call)
+                out.append(DeltaToolCall(index=len(self.calls) - 1, id=call.id, type="function",
+                                         function=DeltaFunctionCall(name=call.function.name, arguments="")))
+                self.args_start = self.sent = m.end()
+            try:
+                _, end = decoder.raw_decode(self.text, self.args_start)
+            except json.JSONDecodeError:
+                end = None
+            stop = len(self.text) if end is None else end
+            if stop > self.sent:
+                piece = self.text[self.sent:stop]
+                self.calls[-1].function.arguments += piece
+                out.append(DeltaToolCall(index=len(self.calls) - 1, function=DeltaFunctionCall(arguments=piece)))
+                self.sent = stop
+            if end is None:
+                return out
+            self.pos, self.args_start = end, None

@@ -117,10 +117,12 @@ def test_streamed_tool_call_deltas_reassemble_to_the_call(sclient):
     full = sclient.chat.completions.create(**kwargs).choices[0].message.tool_calls
     calls: dict[int, dict] = {}
     finish = None
+    pieces = 0
     for chunk in sclient.chat.completions.create(stream=True, **kwargs):
         for choice in chunk.choices:
             finish = choice.finish_reason or finish
             for d in choice.delta.tool_calls or []:
+                pieces += 1
                 assert d.index is not None
                 if d.index not in calls:
                     assert d.id is not None and d.function.name is not None  # the first chunk of a call
@@ -131,6 +133,23 @@ def test_streamed_tool_call_deltas_reassemble_to_the_call(sclient):
     assert finish == "tool_calls"
     assert [(c["name"], c["arguments"]) for c in calls.values()] == [(c.function.name, c.function.arguments)
                                                                       for c in full]
+    assert pieces > 2 * len(calls)  # the arguments arrive in pieces, as they are decoded
+
+
+def test_call_streamer_pieces_add_up_to_the_parsed_calls():
+    from celeris.serve.tools import CallStreamer, parse_tool_calls
+
+    text = ('<tool_call>{"name":"get_weather","arguments":{"city":"P}a\\"r","unit":"c"}}</tool_call>\n'
+            '<tool_call>{"name":"get_time","arguments":{"zone":-3}}</tool_call>')
+    functions = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, TIME)}
+    parsed = parse_tool_calls(text, functions)
+    for size in (1, 3, 7, len(text)):
+        streamer = CallStreamer()
+        deltas = [d for i in range(0, len(text), size) for d in streamer.push(text[i:i + size])]
+        assert [d.id for d in deltas if d.id] == [c.id for c in streamer.calls]
+        assert [(c.function.name, c.function.arguments) for c in streamer.calls] == [
+            (c.function.name, c.function.arguments) for c in parsed]
+        assert all(d.index in (0, 1) for d in deltas)
 
 
 @pytest.mark.parametrize(("body", "param"), [
