@@ -158,8 +158,9 @@ class SamplingParams:
             view from the prefill, where they were computed outside the window.
         grammar: constrained decoding (``celeris.structured``): an llguidance grammar (a JSON Schema's,
             ``json_object``'s or tool calls'); every committed token is one the grammar accepts, and the answer
-            ends only where the grammar may end. Needs ``block_length`` 1 (the answer is decoded left to
-            right, one token per step, so the grammar applies at every position) and not ``verified``.
+            ends only where the grammar may end. Each step commits the block's leftmost open position under the
+            grammar's mask plus the run of chosen proposals after it that the grammar accepts
+            (``celeris.structured.grammar.constrain_commits``). Not with ``verified``.
     """
 
     max_new_tokens: int = 128
