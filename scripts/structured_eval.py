@@ -75,24 +75,23 @@ def main() -> None:
         valid = cut = 0
         tokens = forwards = 0
         start = time.perf_counter()
-        for b in range(0, len(jobs), args.batch):
-            reqs = []
-            for k, seed in jobs[b : b + args.batch]:
-                extra = {"grammar": grammars[k], **CONSTRAINED} if mode == "constrained" else {}
-                params = llm.default_params(temperature=0.7, seed=seed, **extra)
-                reqs.append((k, llm.engine.add_request(prompts[k], params)))
-            while any(not r.is_finished for _, r in reqs):
-                llm.engine.step()
-            for k, r in reqs:
-                out = llm.to_output("", r)
-                tokens += int((r.answer != r.mask_id).sum())
-                forwards += r.nfe
-                cut += out.finish_reason == "length"
-                try:
-                    jsonschema.validate(json.loads(out.text), schemas[k])
-                    valid += out.finish_reason == "stop"
-                except (json.JSONDecodeError, jsonschema.ValidationError):
-                    pass
+        reqs = []  # all queued at once: the engine runs --batch at a time and refills freed slots (as a server)
+        for k, seed in jobs:
+            extra = {"grammar": grammars[k], **CONSTRAINED} if mode == "constrained" else {}
+            params = llm.default_params(temperature=0.7, seed=seed, **extra)
+            reqs.append((k, llm.engine.add_request(prompts[k], params)))
+        while any(not r.is_finished for _, r in reqs):
+            llm.engine.step()
+        for k, r in reqs:
+            out = llm.to_output("", r)
+            tokens += int((r.answer != r.mask_id).sum())
+            forwards += r.nfe
+            cut += out.finish_reason == "length"
+            try:
+                jsonschema.validate(json.loads(out.text), schemas[k])
+                valid += out.finish_reason == "stop"
+            except (json.JSONDecodeError, jsonschema.ValidationError):
+                pass
         seconds = time.perf_counter() - start
         report[mode] = {"requests": len(jobs), "valid": valid, "cut_by_length": cut,
                         "tokens_per_forward": round(tokens / forwards, 3), "tokens_per_s": round(tokens / seconds, 1),
