@@ -88,6 +88,8 @@ def _sampling_args(p: argparse.ArgumentParser) -> None:
                    help="needs --decoding verified: drafts from prompt lookup first, the model's mask slots, or lookup only")
     p.add_argument("--suffix-window", type=int,
                    help="passes see only this many masked columns past the block (0 = the whole canvas)")
+    p.add_argument("--json-schema", metavar="FILE", help="answer with JSON that validates against the JSON Schema "
+                   "in FILE (constrained decoding)")
     p.add_argument("--stop", action="append", help="stop string (repeatable)")
     p.add_argument("--stop-token-id", action="append", type=int, dest="stop_token_ids",
                    help="token id that ends the answer, besides the model's end ids (repeatable)")
@@ -169,15 +171,38 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _grammar(llm_defaults: dict, args: argparse.Namespace) -> dict:
+    """``--json-schema FILE``: the grammar (``celeris.structured``), with ``--block-length`` and ``--cache``.
+
+    Raises:
+        UsageError: the file cannot be read, is not JSON, or is not a schema that can be enforced.
+    """
+    path = getattr(args, "json_schema", None)
+    if path is None:
+        return {"block_length": args.block_length, "cache": args.cache}
+    from celeris.structured.grammar import GrammarError, schema_grammar
+
+    try:
+        schema = json.loads(Path(path).read_text())
+        grammar = schema_grammar(schema, "--json-schema")
+    except OSError as exc:
+        raise UsageError(f"--json-schema {path}: {exc.strerror or exc}") from None
+    except json.JSONDecodeError as exc:
+        raise UsageError(f"--json-schema {path} is not valid JSON: {exc}") from None
+    except GrammarError as exc:
+        raise UsageError(str(exc)) from None
+    return {"grammar": grammar, "block_length": args.block_length, "cache": args.cache}
+
+
 def _params(llm_defaults: dict, args: argparse.Namespace):
     from celeris.params import SamplingParams
 
     return SamplingParams.from_defaults(
-        llm_defaults,
-        max_new_tokens=args.max_new_tokens, steps=args.steps, block_length=args.block_length,
+        llm_defaults, **_grammar(llm_defaults, args),
+        max_new_tokens=args.max_new_tokens, steps=args.steps,
         temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed, remasking=args.remasking,
         decoding=args.decoding, threshold=args.threshold, factor=args.factor, entropy_bound=args.entropy_bound,
-        cfg_scale=args.cfg_scale, stop=args.stop, cache=args.cache,
+        cfg_scale=args.cfg_scale, stop=args.stop,
         repetition_penalty=args.repetition_penalty, cache_refresh=args.cache_refresh, suffix_window=args.suffix_window,
         draft_source=args.draft_source, stop_token_ids=args.stop_token_ids, ignore_eos=args.ignore_eos,
         skip_special_tokens=args.skip_special_tokens, include_stop_str_in_output=args.include_stop_str_in_output,

@@ -15,6 +15,7 @@ from celeris.engine import Engine, Request
 from celeris.models.registry import load_any, load_tokenizer
 from celeris.params import SamplingParams
 from celeris.serve.detokenize import find_stop
+from celeris.structured.grammar import grammar_tokenizer
 
 EMBEDDED = Path(__file__).parent / "checkpoints"
 DEFAULT_MODEL = EMBEDDED / "celeris-code-6m-hybrid"  # the hybrid (verified decoding); see its model card
@@ -102,7 +103,9 @@ class LLM:
             self.generation_config = causal_defaults(self.generation_config)
         # every id that ends an answer: end-of-text, the generation config's eos_token_id list, end-of-turn
         self.end_token_ids = self.tokenizer.end_token_ids(self.path, self.generation_config)
-        self.engine = Engine(self.model, self.engine_config, self.end_token_ids)
+        # llguidance's view of the tokenizer, for requests with a grammar (structured output, tool calls)
+        self.grammar_tokenizer = grammar_tokenizer(self.tokenizer, self.model.config.vocab_size)
+        self.engine = Engine(self.model, self.engine_config, self.end_token_ids, self.grammar_tokenizer)
         self.context_length = self.model.config.max_position_embeddings
 
     def default_params(self, **overrides: object) -> SamplingParams:

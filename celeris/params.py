@@ -156,6 +156,11 @@ class SamplingParams:
             suffix to infill (it would shift the suffix's positions), nor with ``cache="delayed"``,
             which never recomputes the suffix (nothing to save) and would read columns coming into
             view from the prefill, where they were computed outside the window.
+        grammar: constrained decoding (``celeris.structured``): an llguidance grammar (a JSON Schema's,
+            ``json_object``'s or tool calls'); every committed token is one the grammar accepts, and the answer
+            ends only where the grammar may end. Each step commits the block's leftmost open position under the
+            grammar's mask plus the run of chosen proposals after it that the grammar accepts
+            (``celeris.structured.grammar.constrain_commits``). Not with ``verified``.
     """
 
     max_new_tokens: int = 128
@@ -182,6 +187,7 @@ class SamplingParams:
     cache_refresh: int | None = None
     suffix_window: int = 0
     draft_source: str | None = None
+    grammar: str | None = None
     # Which RULE_SETTINGS the caller set; None at construction: those given a value other than None.
     # Kept by ``dataclasses.replace`` (it passes the field on), so replacing ``seed`` does not turn the
     # filled-in defaults into settings of the caller.

@@ -215,13 +215,15 @@ class Tokenizer:
                 ids += (self._text_tok if i % 2 else self._tok).encode(piece).ids
         return ids
 
-    def encode_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
+    def encode_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True,
+                    tools: list[dict] | None = None) -> list[int]:
         """Render ``messages`` with the chat template and encode the result; the special tokens the template
         writes (role markers, end-of-turn) keep their ids, while every special-token string inside a message's
         content is encoded as plain text (a user cannot forge a role marker or a mask).
 
         Each such string is swapped for a private-use character absent from the messages and the template
-        before rendering, and encoded as text where that character lands.
+        before rendering, and encoded as text where that character lands. ``tools`` (OpenAI tool definitions)
+        go to a template that reads them (``apply_chat_template``).
         """
         used = "".join(m["content"] for m in messages) + (self.chat_template or "")
         base = next(c for c in range(0xE000, 0xF8FF - len(self.all_special_tokens))
@@ -230,7 +232,7 @@ class Tokenizer:
         pattern = re.compile("|".join(re.escape(t) for t in self.all_special_tokens)) if sentinel else None
         safe = [{**m, "content": pattern.sub(lambda x: sentinel[x.group(0)], m["content"]) if pattern else m["content"]}
                 for m in messages]
-        rendered = self.apply_chat_template(safe, add_generation_prompt)
+        rendered = self.apply_chat_template(safe, add_generation_prompt, tools)
         back = {c: tok for tok, c in sentinel.items()}
         ids: list[int] = []
         for piece in re.split("([" + "".join(back) + "])", rendered) if back else [rendered]:
@@ -244,8 +246,10 @@ class Tokenizer:
         """Token ids -> text; special tokens are dropped unless ``skip_special_tokens`` is False."""
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
-        """Render ``messages`` ([{"role", "content"}]) with the checkpoint's Jinja chat template."""
+    def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True,
+                            tools: list[dict] | None = None) -> str:
+        """Render ``messages`` ([{"role", "content"}, ...]) with the checkpoint's Jinja chat template; ``tools``
+        (OpenAI tool definitions, or None) are passed to it as Hugging Face does."""
         if not self.chat_template:
             return "\n".join(m["content"] for m in messages) + "\n"
         import jinja2
@@ -257,6 +261,6 @@ class Tokenizer:
             extensions=["jinja2.ext.loopcontrols"],
         )
         return env.from_string(self.chat_template).render(
-            messages=messages, add_generation_prompt=add_generation_prompt, tools=None, documents=None,
+            messages=messages, add_generation_prompt=add_generation_prompt, tools=tools, documents=None,
             **self.special_tokens,
         )

@@ -318,3 +318,29 @@ def test_dream_confidences_and_top_k_are_flags(capsys, tiny_checkpoint):
         assert json.loads(out.strip().splitlines()[-1])["remasking"] == remasking
     code, _, err = run_cli(capsys, "generate", "x", "--model", str(tiny_checkpoint), "--device", "cpu", "--top-k", "-2")
     assert code == 2 and "top_k must be an integer >= 0" in err
+
+
+def test_generate_json_schema_answers_valid_json(capsys, tiny_checkpoint, tmp_path):
+    import jsonschema
+
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}},
+              "required": ["n"], "additionalProperties": False}
+    path = tmp_path / "schema.json"
+    path.write_text(json.dumps(schema))
+    code, out, _ = run_cli(capsys, "generate", "x = ", "--model", str(tiny_checkpoint), "--device", "cpu",
+                           "--json-schema", str(path), "--max-new-tokens", "24", "--temperature", "1.0", "--seed",
+                           "3", "--json")
+    record = json.loads(out)
+    assert code == 0 and record["finish_reason"] == "stop"
+    jsonschema.validate(json.loads(record["text"]), schema)
+
+
+@pytest.mark.parametrize("content, needle", [(None, "No such file"), ("{not json", "not valid JSON"),
+                                             ('{"type": "objekt"}', "not a valid JSON Schema")])
+def test_bad_json_schema_file_exits_2(capsys, tiny_checkpoint, tmp_path, content, needle):
+    path = tmp_path / "schema.json"
+    if content is not None:
+        path.write_text(content)
+    code, out, err = run_cli(capsys, "generate", "x", "--model", str(tiny_checkpoint), "--json-schema", str(path))
+    assert code == 2 and out == ""
+    assert err.startswith("celeris: error:") and needle in err and len(err.strip().splitlines()) == 1

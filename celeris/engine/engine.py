@@ -27,6 +27,7 @@ from celeris.sampling.step import (
     denoise_step,
 )
 from celeris.sampling.verified import LOOKUP_DRAFTS, DraftRow, VerifiedDecoder, draft_length
+from celeris.structured.grammar import constrain_commits, grammar_step, row_constraints
 
 
 @dataclass(slots=True)
@@ -54,10 +55,12 @@ class Engine:
         config: batching budgets and queue length.
         end_ids: every id that ends an answer (``Tokenizer.end_token_ids``: end-of-text, the generation
             config's ``eos_token_id`` list, end-of-turn tokens); default: the model config's end-of-text id.
+        grammar_tokenizer: llguidance's tokenizer (``celeris.structured.grammar_tokenizer``), needed for
+            requests with a ``grammar`` (constrained decoding, the reference sampler's rule).
     """
 
     def __init__(self, model: torch.nn.Module, config: EngineConfig | None = None,
-                 end_ids: list[int] | None = None) -> None:
+                 end_ids: list[int] | None = None, grammar_tokenizer: object | None = None) -> None:
         self.config = config or EngineConfig()
         self.scheduler = Scheduler(self.config)
         self.runner = ModelRunner(model, self.config.enforce_eager, self.config.length_bucket)
@@ -67,6 +70,7 @@ class Engine:
         self.confidence_from = confidence_rule(model)
         self.end_ids = frozenset(end_ids if end_ids is not None else [self.eos_id])
         self.model = model
+        self.grammar_tokenizer = grammar_tokenizer
         self._ids = itertools.count()
         self.num_steps = 0
         self.drafter: VerifiedDecoder | None = None  # verified decoding (hybrid models), made at first use
@@ -83,7 +87,8 @@ class Engine:
 
         Raises:
             ValueError: empty prompt, or settings the model cannot decode (``check_model_support``: an
-                unsupported cache; for an autoregressive model, blocks longer than one token, CFG, a suffix).
+                unsupported cache; for an autoregressive model, blocks longer than one token, CFG, a suffix;
+                a grammar without ``grammar_tokenizer``, or one that does not compile).
             QueueFullError: the waiting queue is full.
         """
         check_model_support(self.model, params, bool(suffix_ids))
@@ -98,6 +103,7 @@ class Engine:
         request = Request(request_id or f"req-{next(self._ids)}", list(prompt_ids), params, self.mask_id,
                           list(suffix_ids or []))
         request.stop_ids = (frozenset() if params.ignore_eos else self.end_ids) | frozenset(params.stop_token_ids)
+        request.constraint = row_constraints([params], self.grammar_tokenizer)[0]
         self.scheduler.add(request)
         return request
 
@@ -127,8 +133,15 @@ class Engine:
         if any(r.params.repetition_penalty != 1 for r in batch):
             seen = context_tokens([r.canvas for r in batch], logits.shape[-1], self.mask_id, logits.device)
         widths = [r.block_span[1] - r.block_span[0] for r in batch]
+        constraints = [r.constraint for r in batch]
+        grammar = grammar_step(constraints, block, self.mask_id,
+                               [r.answer_start + r.params.max_new_tokens - r.block_span[0] for r in batch],
+                               logits.shape[-1], logits.device)
         new_block, committed = denoise_step(logits, block, self.mask_id, self.banned_ids, num_tokens, settings,
-                                            [r.generator for r in batch], seen, widths, self.confidence_from)
+                                            [r.generator for r in batch], seen, widths, self.confidence_from,
+                                            grammar.allowed, grammar.force)
+        new_block, committed = constrain_commits(constraints, grammar, block, new_block, committed, self.mask_id,
+                                                 self.eos_id)
         new_block, committed = new_block.cpu(), committed.cpu()
         for i, r in enumerate(batch):
             s, e = r.block_span
@@ -139,6 +152,8 @@ class Engine:
                                     f"masked positions are not finite numbers), so the request was ended")
             else:
                 r.advance(self.eos_id, (s + committed[i, : e - s].nonzero().flatten()).tolist())
+                if r.constraint is not None and r.constraint.stopped and not r.is_finished:
+                    r.finish("stop")  # the grammar allows nothing but the end: no pass for that token
             prefix = r.final_prefix(self.eos_id)
             new_ids = prefix[r.num_emitted :]
             r.num_emitted = len(prefix)

@@ -55,6 +55,8 @@ class Request:
     # Ids that end the answer (the model's end ids unless ignore_eos, plus params.stop_token_ids); None: the
     # ``eos_id`` given to ``advance`` / ``final_prefix``.
     stop_ids: frozenset[int] | None = None
+    # The grammar state of a constrained request (``celeris.structured.grammar.Constraint``), else None.
+    constraint: object | None = None
 
     def __post_init__(self) -> None:
         if not self.prompt_ids:

@@ -31,6 +31,7 @@ from celeris.sampling.step import (
     guided,
     make_generator,
 )
+from celeris.structured.grammar import constrain_commits, grammar_step, row_constraints
 
 
 @dataclass(slots=True)
@@ -174,6 +175,7 @@ def generate(
     params: SamplingParams | list[SamplingParams],
     suffix_ids: list[list[int]] | None = None,
     on_step: Callable[[torch.Tensor], None] | None = None,
+    grammar_tokenizer: object | None = None,
 ) -> GenerationOutput:
     """Generate answers for a batch of prompts by masked diffusion.
 
@@ -188,6 +190,11 @@ def generate(
             match (``SamplingParams.structure_key``).
         suffix_ids: optional per-row text after the gap (infilling).
         on_step: called after every step with the (B, max_new_tokens) answer canvas.
+        grammar_tokenizer: llguidance's tokenizer (``celeris.structured.grammar_tokenizer``), needed when a
+            row has a ``grammar``: such a row commits, left to right, the longest run of its step's committed
+            proposals from the block's leftmost open position that the grammar accepts, at least that position's
+            grammar-masked token (``celeris.structured.grammar.constrain_commits``), and, once its grammar is
+            complete, only the end-of-text token.
 
     Raises:
         ValueError: empty prompt, mismatched structural settings, or settings the model cannot
@@ -216,6 +223,7 @@ def generate(
     generators = [make_generator(r.seed) for r in rows]
     banned = banned_token_ids(cfg)
     check_model_support(model, sp, any(suffix_ids or []))
+    constraints = row_constraints(rows, grammar_tokenizer)
     blocks, steps_per_block = block_plan(sp.max_new_tokens, sp.block_length, sp.steps)
     caches = (KVCache(), KVCache()) if sp.cache != "none" else (None, None)
     nfe = steps = 0
@@ -248,8 +256,12 @@ def generate(
             if any(r.repetition_penalty != 1 for r in rows):  # padding is not context
                 seen = context_tokens(list(torch.where(attn, canvas, mask_id)), logits.shape[-1], mask_id, device)
             was_masked = (canvas[:, span] == mask_id).any(-1)  # (B,)
-            canvas[:, span], committed = denoise_step(logits, canvas[:, span], mask_id, banned, k, settings,
-                                                      generators, seen, confidence_from=confidence_rule(model))
+            old = canvas[:, span].clone()
+            grammar = grammar_step(constraints, old, mask_id, [sp.max_new_tokens - s] * b, logits.shape[-1], device)
+            new, committed = denoise_step(logits, old, mask_id, banned, k, settings, generators, seen,
+                                          confidence_from=confidence_rule(model), allowed=grammar.allowed,
+                                          force=grammar.force)
+            canvas[:, span], committed = constrain_commits(constraints, grammar, old, new, committed, mask_id, eos_id)
             if bool((was_masked & ~committed.any(-1)).any()):
                 raise NoProgressError(f"denoising step {steps + 1} committed no token (the model's scores are not "
                                       f"finite numbers)")

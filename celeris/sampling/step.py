@@ -53,6 +53,8 @@ def check_model_support(model: torch.nn.Module, params: SamplingParams, has_suff
     neither see a suffix (infilling) nor score a masked prompt (classifier-free
     guidance). A ``suffix_window`` cannot go with a suffix to infill.
     """
+    if params.grammar is not None and params.decoding == "verified":
+        raise ValueError("decoding 'verified' cannot be used with a grammar (response_format, tools); use 'fixed'")
     if params.decoding == "verified":  # its own contract: a hybrid model, no CFG / penalty / infilling
         from celeris.sampling.verified import check_verified_support
 
@@ -160,6 +162,8 @@ def denoise_step(
     seen: torch.Tensor | None = None,
     lengths: list[int] | None = None,
     confidence_from: str = "filtered",
+    allowed: torch.Tensor | None = None,
+    force: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Predict every masked position of the block and commit some of them.
 
@@ -178,6 +182,10 @@ def denoise_step(
             entropies: "filtered" (after the banned ids, ``top_p`` and ``top_k`` are removed: Dream's and SDAR's
             published samplers) or "unfiltered" (``softmax(logits)`` over the whole vocabulary, the mask token
             included, as LLaDA's published ``generate()``; the predicted token still never is a banned id).
+        allowed: (B, L, V) bool, the tokens a grammar accepts at each position (``celeris.structured``), or
+            None; the others are removed with the banned ids, so they are never predicted.
+        force: (B, L) bool positions committed (where masked) whatever the commit rule says, or None (a
+            grammar's leftmost open position: ``celeris.structured.grammar.grammar_step``).
 
     Returns:
         (new block (B, L) int64, committed positions (B, L) bool).
@@ -187,6 +195,8 @@ def denoise_step(
         logits = penalize_repetition(logits, seen, settings.repetition_penalty)
     unfiltered = logits.clone() if confidence_from == "unfiltered" else None  # (B, L, V) before the ban
     logits[..., banned_ids] = NEG_INF
+    if allowed is not None:
+        logits = logits.masked_fill(~allowed, NEG_INF)
     logits = filter_logits(logits, settings)
     x0 = sample_tokens(logits, settings.temperature, generators, lengths)  # (B, L)
     probs = (logits if unfiltered is None else unfiltered).softmax(-1)  # (B, L, V)
@@ -207,6 +217,8 @@ def denoise_step(
                                   factor=settings.factor.double(), entropy_bound=settings.entropy_bound.double(),
                                   **extra)
         chosen = torch.where(rows, rule, chosen)
+    if force is not None:
+        chosen |= force
     chosen &= is_masked
     return torch.where(chosen, x0, block), chosen
 

@@ -2,7 +2,8 @@
 
 Request models are strict (a JSON string is not an integer, ``true`` is not ``1``) and forbid
 unknown fields, so a parameter is never silently ignored. OpenAI parameters Celeris cannot honour
-(logprobs, tools, presence and frequency penalties, ...) are declared so that their neutral values (null, 0, false, [])
+(logprobs, presence and frequency penalties, the deprecated ``functions``, ...)
+are declared so that their neutral values (null, 0, false, [])
 pass; ``unsupported_params`` names those set to anything else, and the serving layer answers 400.
 
 Celeris extensions (extra body fields of the ``openai`` client): ``steps``, ``block_length``, ``top_k`` (vLLM's
@@ -109,9 +110,56 @@ class StreamOptions(StrictModel):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(StrictModel):
+    """``response_format.json_schema``: the schema the answer must validate against (``schema`` in JSON)."""
+
+    model_config = ConfigDict(strict=True, extra="forbid", populate_by_name=True)
+    name: Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")]
+    description: str | None = None
+    json_schema: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
 class ResponseFormat(StrictModel):
-    model_config = ConfigDict(strict=True, extra="allow")
-    type: str
+    """``{"type": "text" | "json_object" | "json_schema", "json_schema": {...}}``; both JSON kinds are enforced
+    by constrained decoding (``celeris.structured``), ``strict`` or not."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class FunctionDefinition(StrictModel):
+    name: Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")]
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolDefinition(StrictModel):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(StrictModel):
+    name: NonEmptyStr
+
+
+class NamedToolChoice(StrictModel):
+    type: Literal["function"]
+    function: FunctionName
+
+
+class FunctionCallIn(StrictModel):
+    name: NonEmptyStr
+    arguments: str
+
+
+class ToolCallIn(StrictModel):
+    """A call in an assistant message of the conversation (as the API returned it)."""
+
+    id: NonEmptyStr
+    type: Literal["function"] = "function"
+    function: FunctionCallIn
 
 
 class SamplingRequest(StrictModel):
@@ -128,6 +176,10 @@ class SamplingRequest(StrictModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    # OpenAI fields that do not change the output: accepted and ignored.
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+    service_tier: str | None = None
 
     # Celeris extensions; None takes the model's generation_config.json value (steps: scaled to max_tokens,
     # keeping the model's tokens per step; SamplingParams.from_defaults).
@@ -193,6 +245,7 @@ class CompletionRequest(SamplingRequest):
     max_tokens: int | None = Field(default=None, ge=1)
     echo: Any = None
     best_of: Any = None
+    response_format: ResponseFormat | None = None  # as vLLM: JSON mode and JSON Schema on completions too
 
     def prompts(self) -> list[str]:
         return [self.prompt] if isinstance(self.prompt, str) else list(self.prompt)
@@ -212,11 +265,18 @@ class TextContentPart(StrictModel):
 
 
 class ChatMessage(StrictModel):
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextContentPart]
+    """One message. An assistant message may carry ``tool_calls`` (``content`` null); a ``tool`` message
+    answers the call ``tool_call_id``."""
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallIn] | None = None
+    tool_call_id: str | None = None
 
     def text(self) -> str:
+        if self.content is None:
+            return ""
         return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
 
 
@@ -226,21 +286,19 @@ class ChatCompletionRequest(SamplingRequest):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_tokens: int | None = Field(default=None, ge=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
-    tools: Any = None
-    tool_choice: Any = None
+    tools: Annotated[list[ToolDefinition], Field(max_length=128)] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    response_format: ResponseFormat | None = None
+    # the deprecated function-calling fields, accepted only at their neutral values
     functions: Any = None
     function_call: Any = None
-    parallel_tool_calls: Any = None
-    response_format: ResponseFormat | None = None
 
     def unsupported_params(self) -> list[str]:
         names = super().unsupported_params()
-        for name, neutral in (("tools", (None, [])), ("functions", (None, [])), ("tool_choice", (None, "none")),
-                              ("function_call", (None, "none")), ("parallel_tool_calls", (None, False))):
+        for name, neutral in (("functions", (None, [])), ("function_call", (None, "none"))):
             if not _is_neutral(getattr(self, name), neutral):
                 names.append(name)
-        if self.response_format is not None and self.response_format.type != "text":
-            names.append("response_format")
         return names
 
 
@@ -319,9 +377,38 @@ class CompletionStreamResponse(CompletionResponse):
     """One SSE chunk of a streamed completion (same ``object`` as the full response, as OpenAI sends)."""
 
 
-class ChatMessageOut(BaseModel):
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # a JSON object, as a string
+
+
+class ToolCall(BaseModel):
+    id: str = Field(default_factory=lambda: f"call_{uuid.uuid4().hex[:24]}")
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class ChatMessageOut(OmitNoneExtras):
+    omit_if_none: ClassVar[tuple[str, ...]] = ("tool_calls",)
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] | None = None
+
+
+class DeltaFunctionCall(OmitNoneExtras):
+    omit_if_none: ClassVar[tuple[str, ...]] = ("name", "arguments")
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(OmitNoneExtras):
+    """A piece of a streamed call: ``index`` in each, ``id``/``type``/``function.name`` in its first only."""
+
+    omit_if_none: ClassVar[tuple[str, ...]] = ("id", "type")
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall
 
 
 class ChatChoice(OmitNoneExtras):
@@ -343,9 +430,10 @@ class ChatCompletionResponse(BaseModel):
 
 
 class DeltaMessage(OmitNoneExtras):
-    omit_if_none: ClassVar[tuple[str, ...]] = ("role",)
+    omit_if_none: ClassVar[tuple[str, ...]] = ("role", "tool_calls")
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatStreamChoice(OmitNoneExtras):

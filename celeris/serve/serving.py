@@ -47,7 +47,9 @@ from celeris.serve.protocol import (
     CompletionResponse,
     CompletionStreamResponse,
     DecodingDetails,
+    DeltaFunctionCall,
     DeltaMessage,
+    DeltaToolCall,
     ModelCard,
     ModelList,
     SamplingRequest,
@@ -55,6 +57,15 @@ from celeris.serve.protocol import (
     now,
     parse_request,
     random_id,
+)
+from celeris.serve.tools import (
+    CallStreamer,
+    chat_grammar,
+    declared_functions,
+    parse_tool_calls,
+    response_format_grammar,
+    template_messages,
+    tool_mode,
 )
 
 DISCONNECT_POLL_S = 0.01  # most seconds between two client-disconnect checks while events flow
@@ -152,7 +163,7 @@ class OpenAIServing:
         if async_engine is None:
             config = engine_config or EngineConfig()
             # the engine's queue counts free running slots, so it admits max_num_seqs + max_waiting in all
-            engine = Engine(llm.model, config, llm.end_token_ids)
+            engine = Engine(llm.model, config, llm.end_token_ids, getattr(llm, "grammar_tokenizer", None))
             async_engine = AsyncEngine(engine, max_in_flight=config.max_num_seqs + config.max_waiting,
                                        on_stats=self.metrics.set_queue_stats)
         self.async_engine = async_engine
@@ -221,7 +232,7 @@ class OpenAIServing:
         """POST /v1/completions: one choice per prompt and ``n``; ``suffix`` fills the gap before it."""
         arrival = time.perf_counter()
         self._check_common(request)
-        params = self._params(request, request.max_tokens)
+        params = self._params(request, request.max_tokens, response_format_grammar(request.response_format))
         encoded = [self._encode(p, params, request.suffix, "prompt") for p in request.prompts()]
         run = await self._start(request, params, encoded, arrival, is_disconnected)
         rid, created = random_id("cmpl"), now()
@@ -239,10 +250,10 @@ class OpenAIServing:
         arrival = time.perf_counter()
         self._check_common(request)
         max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
-        params = self._params(request, max_tokens)
-        messages = [{"role": m.role, "content": m.text()} for m in request.messages]
+        params = self._params(request, max_tokens, chat_grammar(request))
+        messages, tools = template_messages(request, self.tokenizer.chat_template)
         try:  # message contents are always text: a special-token string in them never becomes its id
-            prompt_ids = self.tokenizer.encode_chat(messages, add_generation_prompt=True)
+            prompt_ids = self.tokenizer.encode_chat(messages, add_generation_prompt=True, tools=tools)
         except Exception as exc:  # jinja2 raises TemplateError (or anything a template raises)
             raise APIError(400, f"the chat template could not render these messages: {exc}", param="messages") from None
         encoded = [self._encode(prompt_ids, params, None, "messages")]
@@ -251,9 +262,13 @@ class OpenAIServing:
         if request.stream:
             return self._chat_stream(run, request, rid, created)
         texts = await self._collect(run)
-        choices = [ChatChoice(index=i, message=ChatMessageOut(content=t), finish_reason=c.finish_reason,
-                              celeris=c.details)
-                   for i, (t, c) in enumerate(zip(texts, run.choices, strict=True))]
+        functions = declared_functions(request) if tool_mode(request) != "none" else {}
+        choices = []
+        for i, (t, c) in enumerate(zip(texts, run.choices, strict=True)):
+            calls = parse_tool_calls(t, functions) if functions and c.finish_reason == "stop" else None
+            message = ChatMessageOut(content=None, tool_calls=calls) if calls else ChatMessageOut(content=t)
+            choices.append(ChatChoice(index=i, message=message, finish_reason="tool_calls" if calls else c.finish_reason,
+                                      celeris=c.details))
         return ChatCompletionResponse(id=rid, created=created, model=self.model_name, choices=choices,
                                       usage=run.usage())
 
@@ -303,10 +318,14 @@ class OpenAIServing:
         if request.stream_mode == "denoise" and not request.stream:
             raise APIError(400, "stream_mode 'denoise' is only allowed when stream is true", param="stream_mode")
 
-    def _params(self, request: SamplingRequest, max_tokens: int | None) -> SamplingParams:
+    def _params(self, request: SamplingRequest, max_tokens: int | None, grammar: str | None = None) -> SamplingParams:
+        """The request's SamplingParams, with ``grammar`` (structured output, forced tool calls) if given."""
+        if grammar is not None and getattr(self.llm, "grammar_tokenizer", None) is None:
+            raise APIError(400, "structured output (response_format, tools) is not available for this model's "
+                                "tokenizer", param="response_format")
         try:
             params = self.llm.default_params(
-                max_new_tokens=max_tokens, steps=request.steps, block_length=request.block_length,
+                max_new_tokens=max_tokens, steps=request.steps, block_length=request.block_length, grammar=grammar,
                 temperature=request.temperature, top_p=request.top_p, top_k=request.top_k, remasking=request.remasking,
                 decoding=request.decoding, threshold=request.threshold, factor=request.factor,
                 entropy_bound=request.entropy_bound, cfg_scale=request.cfg_scale, seed=request.seed,
@@ -499,8 +518,39 @@ class OpenAIServing:
 
         for i in range(len(run.choices)):
             yield chunk([ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""))])
+        mode = tool_mode(request)
+        functions = declared_functions(request) if mode != "none" else {}
+        held = [""] * len(run.choices)  # auto: text is held until the choice ends: calls or content?
+        forced = [CallStreamer() for _ in run.choices] if mode in ("required", "named") else None
         async for u, text, step in self._stream_pieces(run):
-            yield chunk([ChatStreamChoice(index=u.index, delta=DeltaMessage(content=text),
-                                          finish_reason=u.finish_reason, step=step, celeris=u.details)])
+            if not functions or run.stream_mode == "denoise":
+                yield chunk([ChatStreamChoice(index=u.index, delta=DeltaMessage(content=text),
+                                              finish_reason=u.finish_reason, step=step, celeris=u.details)])
+                continue
+            if forced is not None:  # the grammar makes the answer calls: stream them as they are written
+                streamer = forced[u.index]
+                for delta in streamer.push(text):
+                    yield chunk([ChatStreamChoice(index=u.index, delta=DeltaMessage(tool_calls=[delta]))])
+                if u.finish_reason is not None:
+                    reason = "tool_calls" if u.finish_reason == "stop" and streamer.calls else u.finish_reason
+                    yield chunk([ChatStreamChoice(index=u.index, delta=DeltaMessage(), finish_reason=reason,
+                                                  celeris=u.details)])
+                continue
+            held[u.index] += text
+            if u.finish_reason is None:
+                continue
+            calls = parse_tool_calls(held[u.index], functions) if u.finish_reason == "stop" else None
+            if not calls:
+                yield chunk([ChatStreamChoice(index=u.index, delta=DeltaMessage(content=held[u.index]),
+                                              finish_reason=u.finish_reason, celeris=u.details)])
+                continue
+            for k, call in enumerate(calls):  # as OpenAI: id, type and name first, then the arguments
+                first = DeltaToolCall(index=k, id=call.id, type="function",
+                                      function=DeltaFunctionCall(name=call.function.name, arguments=""))
+                yield chunk([ChatStreamChoice(index=u.index, delta=DeltaMessage(tool_calls=[first]))])
+                rest = DeltaToolCall(index=k, function=DeltaFunctionCall(arguments=call.function.arguments))
+                yield chunk([ChatStreamChoice(index=u.index, delta=DeltaMessage(tool_calls=[rest]))])
+            yield chunk([ChatStreamChoice(index=u.index, delta=DeltaMessage(), finish_reason="tool_calls",
+                                          celeris=u.details)])
         if request.stream_options is not None and request.stream_options.include_usage:
             yield chunk([], usage=run.usage())

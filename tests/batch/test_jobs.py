@@ -418,3 +418,25 @@ def test_setting_for_a_rule_not_chosen_is_a_failed_record(tmp_path, make_serving
     error = records["rule"]["response"]["body"]["error"]
     assert records["rule"]["response"]["status_code"] == 400 and error["param"] == "threshold"
     assert "decoding='fixed'" in error["message"]
+
+
+def test_structured_output_in_batch_records_validates(tmp_path, make_serving):
+    """Batch lines take response_format as the server does (the same code path): every answer validates."""
+    import jsonschema
+
+    schema = {"type": "object", "properties": {"k": {"enum": ["a", "b"]}, "n": {"type": "integer", "minimum": 0,
+                                                                               "maximum": 50}},
+              "required": ["k", "n"], "additionalProperties": False}
+    fmt = {"type": "json_schema", "json_schema": {"name": "kn", "schema": schema}}
+    rows = [{"id": f"s{i}", "prompt": f"Once upon a time {i}", "max_tokens": 48, "temperature": 0.7, "seed": i,
+             "response_format": fmt} for i in range(3)]
+    rows.append({"custom_id": "chat", "method": "POST", "url": "/v1/chat/completions",
+                 "body": {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 48,
+                          "response_format": fmt}})
+    src = write_jsonl(tmp_path / "in.jsonl", rows)
+    out = tmp_path / "out.jsonl"
+    summary = run_batch(src, out, make_serving, window=4, progress=False)
+    assert summary["succeeded"] == 4
+    for record in by_id(read_records(out)).values():
+        assert record["response"]["body"]["choices"][0]["finish_reason"] == "stop"
+        jsonschema.validate(json.loads(answer_text(record)), schema)

@@ -99,14 +99,23 @@ def test_bad_parameters_are_400_naming_the_parameter(server, path, body, param):
     ("/v1/chat/completions", {"messages": CHAT, "frequency_penalty": 1}, "frequency_penalty"),
     ("/v1/chat/completions", {"messages": CHAT, "logprobs": True}, "logprobs"),
     ("/v1/chat/completions", {"messages": CHAT, "top_logprobs": 2}, "top_logprobs"),
-    ("/v1/chat/completions", {"messages": CHAT, "tools": [{"type": "function"}]}, "tools"),
-    ("/v1/chat/completions", {"messages": CHAT, "tool_choice": "auto"}, "tool_choice"),
     ("/v1/chat/completions", {"messages": CHAT, "functions": [{"name": "f"}]}, "functions"),
-    ("/v1/chat/completions", {"messages": CHAT, "response_format": {"type": "json_object"}}, "response_format"),
+    ("/v1/chat/completions", {"messages": CHAT, "function_call": "auto"}, "function_call"),
 ])
 def test_unsupported_openai_parameters_are_named(server, path, body, param):
     err = assert_error(post(server, path, body), 400, param=param, code="unsupported_parameter")
     assert "unsupported" in err["message"]
+
+
+def test_malformed_tools_and_formats_are_400_naming_the_field(server):
+    """tools, tool_choice and response_format are supported (tests/serve/test_structured.py); malformed ones
+    are refused naming the field."""
+    assert_error(post(server, "/v1/chat/completions", {"messages": CHAT, "tools": [{"type": "function"}]}), 400,
+                 param="tools[0].function")
+    assert_error(post(server, "/v1/chat/completions", {"messages": CHAT, "response_format": {"type": "yaml"}}), 400,
+                 param="response_format.type")
+    assert_error(post(server, "/v1/chat/completions", {"messages": CHAT, "tool_choice": "sometimes"}), 400,
+                 param="tool_choice")
 
 
 def test_neutral_values_of_unsupported_parameters_pass(server):

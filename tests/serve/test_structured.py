@@ -1,0 +1,180 @@
+"""Structured output and tool calls through the live server and the official ``openai`` client: ``.parse()``
+with pydantic models, json_object on completions, a two-turn tool loop, streamed tool-call deltas, and the 400s."""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import openai
+import pytest
+from pydantic import BaseModel, Field
+
+from celeris.llm import LLM
+from celeris.serve.app import BackgroundServer, create_app
+from tests.conftest import build_tiny_checkpoint
+from tests.serve.conftest import GENERATION_CONFIG, MODEL_NAME, TEXTS, make_serving
+from tests.structured.schemas import SCHEMAS
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Current weather of a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8},
+                                                    "unit": {"enum": ["c", "f"]}},
+                   "required": ["city", "unit"], "additionalProperties": False}}}
+TIME = {"type": "function", "function": {
+    "name": "get_time", "parameters": {"type": "object", "properties": {"zone": {"type": "integer", "minimum": -12,
+                                                                                "maximum": 12}},
+                                       "required": ["zone"], "additionalProperties": False}}}
+USER = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+class Address(BaseModel):
+    city: str = Field(max_length=6)
+    zip_code: int = Field(ge=0, le=99999)
+
+
+class Person(BaseModel):
+    name: str = Field(max_length=6)
+    age: int = Field(ge=0, le=120)
+    address: Address  # a nested model: .parse() sends it as $defs / $ref
+
+
+@pytest.fixture(scope="module")
+def long_llm(tmp_path_factory) -> LLM:
+    """The serve tests' tiny model with a context long enough for tool definitions in the prompt."""
+    folder = tmp_path_factory.mktemp("structured")
+    return LLM(build_tiny_checkpoint(folder, TEXTS, MODEL_NAME, 2048, GENERATION_CONFIG), device="cpu")
+
+
+@pytest.fixture(scope="module")
+def sclient(long_llm):
+    serving = make_serving(long_llm)
+    with BackgroundServer(create_app(serving)) as srv:
+        yield openai.OpenAI(base_url=f"{srv.url}/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def test_parse_returns_a_pydantic_object(sclient):
+    for seed in range(3):
+        completion = sclient.chat.completions.parse(model=MODEL_NAME, messages=USER, response_format=Person,
+                                                    max_tokens=96, temperature=0.7, seed=seed)
+        choice = completion.choices[0]
+        assert choice.finish_reason == "stop"
+        assert isinstance(choice.message.parsed, Person)
+
+
+@pytest.mark.parametrize("name", sorted(SCHEMAS))
+def test_json_schema_outputs_validate(sclient, name):
+    fmt = {"type": "json_schema", "json_schema": {"name": name, "schema": SCHEMAS[name], "strict": True}}
+    out = sclient.chat.completions.create(model=MODEL_NAME, messages=USER, response_format=fmt, max_tokens=96,
+                                          temperature=0.7, seed=11, n=2)
+    for choice in out.choices:
+        assert choice.finish_reason == "stop"
+        jsonschema.validate(json.loads(choice.message.content), SCHEMAS[name])
+
+
+def test_json_object_on_completions_and_chat(sclient):
+    out = sclient.completions.create(model=MODEL_NAME, prompt="def f(x):", max_tokens=64, temperature=0.7, seed=1,
+                                     extra_body={"response_format": {"type": "json_object"}})
+    assert out.choices[0].finish_reason == "stop"
+    assert isinstance(json.loads(out.choices[0].text), dict)
+    chat = sclient.chat.completions.create(model=MODEL_NAME, messages=USER, max_tokens=64, seed=2,
+                                           response_format={"type": "json_object"})
+    assert isinstance(json.loads(chat.choices[0].message.content), dict)
+
+
+def test_two_turn_tool_loop(sclient):
+    tools = [WEATHER, TIME]
+    first = sclient.chat.completions.create(model=MODEL_NAME, messages=USER, tools=tools, tool_choice="required",
+                                            max_tokens=96, temperature=0.7, seed=5)
+    choice = first.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    assert choice.message.content is None and choice.message.tool_calls
+    for call in choice.message.tool_calls:
+        assert call.id.startswith("call_") and call.type == "function"
+        spec = {t["function"]["name"]: t["function"]["parameters"] for t in tools}[call.function.name]
+        jsonschema.validate(json.loads(call.function.arguments), spec)
+    messages = USER + [choice.message.model_dump(exclude_none=True)]
+    messages += [{"role": "tool", "tool_call_id": c.id, "content": '{"temp": 21}'} for c in choice.message.tool_calls]
+    second = sclient.chat.completions.create(model=MODEL_NAME, messages=messages, tools=tools, tool_choice="none",
+                                             max_tokens=16)
+    assert second.choices[0].message.tool_calls is None
+    assert isinstance(second.choices[0].message.content, str)
+    assert second.choices[0].finish_reason in ("stop", "length")
+
+
+def test_named_tool_choice_and_single_call(sclient):
+    out = sclient.chat.completions.create(
+        model=MODEL_NAME, messages=USER, tools=[WEATHER, TIME], max_tokens=96, temperature=0.7, seed=3,
+        tool_choice={"type": "function", "function": {"name": "get_time"}}, parallel_tool_calls=False)
+    calls = out.choices[0].message.tool_calls
+    assert [c.function.name for c in calls] == ["get_time"]
+    assert out.choices[0].finish_reason == "tool_calls"
+
+
+def test_streamed_tool_call_deltas_reassemble_to_the_call(sclient):
+    kwargs = {"model": MODEL_NAME, "messages": USER, "tools": [WEATHER, TIME], "tool_choice": "required",
+              "max_tokens": 96, "temperature": 0.7, "seed": 9}
+    full = sclient.chat.completions.create(**kwargs).choices[0].message.tool_calls
+    calls: dict[int, dict] = {}
+    finish = None
+    pieces = 0
+    for chunk in sclient.chat.completions.create(stream=True, **kwargs):
+        for choice in chunk.choices:
+            finish = choice.finish_reason or finish
+            for d in choice.delta.tool_calls or []:
+                pieces += 1
+                assert d.index is not None
+                if d.index not in calls:
+                    assert d.id is not None and d.function.name is not None  # the first chunk of a call
+                    calls[d.index] = {"id": d.id, "name": d.function.name, "arguments": ""}
+                else:
+                    assert d.id is None
+                calls[d.index]["arguments"] += d.function.arguments or ""
+    assert finish == "tool_calls"
+    assert [(c["name"], c["arguments"]) for c in calls.values()] == [(c.function.name, c.function.arguments)
+                                                                      for c in full]
+    assert pieces > 2 * len(calls)  # the arguments arrive in pieces, as they are decoded
+
+
+def test_call_streamer_pieces_add_up_to_the_parsed_calls():
+    from celeris.serve.tools import CallStreamer, parse_tool_calls
+
+    text = ('<tool_call>{"name":"get_weather","arguments":{"city":"P}a\\"r","unit":"c"}}</tool_call>\n'
+            '<tool_call>{"name":"get_time","arguments":{"zone":-3}}</tool_call>')
+    functions = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, TIME)}
+    parsed = parse_tool_calls(text, functions)
+    for size in (1, 3, 7, len(text)):
+        streamer = CallStreamer()
+        deltas = [d for i in range(0, len(text), size) for d in streamer.push(text[i:i + size])]
+        assert [d.id for d in deltas if d.id] == [c.id for c in streamer.calls]
+        assert [(c.function.name, c.function.arguments) for c in streamer.calls] == [
+            (c.function.name, c.function.arguments) for c in parsed]
+        assert all(d.index in (0, 1) for d in deltas)
+
+
+@pytest.mark.parametrize(("body", "param"), [
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objekt"}}}},
+     "response_format.json_schema.schema"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "string",
+                                                                                         "format": "nope"}}}},
+     "response_format.json_schema.schema"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "absent"}}}, "tool_choice"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"tools": [WEATHER, WEATHER]}, "tools[1].function.name"),
+    ({"response_format": {"type": "json_object"}, "decoding": "verified"}, "decoding"),
+    ({"messages": USER + [{"role": "tool", "content": "x"}]}, "messages[1].tool_call_id"),
+    ({"functions": [{"name": "f"}]}, "functions"),
+])
+def test_bad_structured_requests_are_400_naming_the_field(sclient, body, param):
+    extra = {k: body[k] for k in ("decoding",) if k in body}  # Celeris extensions
+    body = {k: v for k, v in body.items() if k not in extra}
+    with pytest.raises(openai.BadRequestError) as info:
+        sclient.chat.completions.create(**{"model": MODEL_NAME, "messages": USER, "max_tokens": 8, **body},
+                                        extra_body=extra)
+    assert info.value.body["param"] == param
+
+
+def test_fields_that_do_not_change_the_output_are_accepted(sclient):
+    out = sclient.chat.completions.create(model=MODEL_NAME, messages=USER, max_tokens=4, store=False,
+                                          metadata={"k": "v"}, service_tier="auto")
+    assert out.choices[0].message.content is not None
