@@ -227,3 +227,15 @@ def test_unset_rule_settings_take_their_defaults_and_replace_keeps_the_record():
 def test_top_k_is_a_whole_number_at_least_zero(top_k):
     with pytest.raises(ValueError, match="top_k"):
         SamplingParams(top_k=top_k)
+
+
+def test_a_default_verified_decoding_gives_way_to_a_grammar():
+    defaults = {"decoding": "verified", "draft_source": "lookup_first", "block_length": 1}
+    assert SamplingParams.from_defaults(defaults, grammar="start: x").decoding == "fixed"
+    assert SamplingParams.from_defaults(defaults).decoding == "verified"
+    with pytest.raises(ValueError, match="verified"):
+        from celeris.sampling.step import check_model_support
+        from tests.conftest import tiny_model
+
+        params = SamplingParams.from_defaults(defaults, grammar="start: x", decoding="verified")
+        check_model_support(tiny_model(is_causal=True, draft_block_size=2), params)

@@ -28,3 +28,25 @@ def test_openai_client_on_the_shipped_model(client):
     chat = client.chat.completions.create(model=name, messages=[{"role": "user", "content": "a stack class"}],
                                           max_tokens=8, extra_body={"cache": "delayed"})
     assert chat.choices[0].message.role == "assistant" and chat.usage.completion_tokens >= 1
+
+
+def test_structured_output_on_the_default_hybrid_model(client):
+    """The default's `verified` decoding gives way to next-token decoding under a grammar (same greedy text),
+    so structured output works on the shipped model; a caller who asks for both gets a 400."""
+    import json
+
+    import jsonschema
+
+    client, serving = client
+    schema = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+              "required": ["name", "age"], "additionalProperties": False}
+    r = client.chat.completions.create(model=serving.model_name, messages=[{"role": "user", "content": "Ada, 36"}],
+                                       max_tokens=64, response_format={"type": "json_schema", "json_schema": {
+                                           "name": "person", "schema": schema, "strict": True}})
+    assert r.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(r.choices[0].message.content), schema)
+    assert r.model_extra is not None and r.choices[0].model_extra["celeris"]["decoding"] == "fixed"
+    with pytest.raises(openai.BadRequestError, match="verified"):
+        client.chat.completions.create(model=serving.model_name, messages=[{"role": "user", "content": "x"}],
+                                       max_tokens=8, response_format={"type": "json_object"},
+                                       extra_body={"decoding": "verified"})
