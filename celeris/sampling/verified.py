@@ -27,6 +27,12 @@ sampled from the slots' distributions q and accepted by speculative sampling (Le
 arXiv:2211.17192, Sec. 2.3; Chen et al., arXiv:2302.01318, Alg. 2): draft x is kept with probability
 min(1, p(x) / q(x)), a rejection samples from norm(max(0, p - q)), so every committed token is distributed
 as the next-token head p (after temperature and top-p) says.
+
+Drafts may also come from prompt lookup (``SamplingParams.draft_source``: the tokens that followed the last
+earlier occurrence of the context's last 3 or 2 tokens; Saxena 2023, vLLM's ``ngram`` speculator), which needs
+no mask slots and so also runs on a plain causal model; ``lookup_first`` (the default) uses lookup where the
+context repeats and the slots elsewhere, and a pass whose drafts came from lookup computes no slots. The drafts'
+source changes the speed, never the tokens.
 """
 
 from __future__ import annotations
@@ -376,7 +382,7 @@ class VerifiedDecoder:
         row.pending, row.slot_start = pending, pending + 1 + len(row.drafts)
         # slots are computed unless the drafts came from prompt lookup: the next drafts will then most likely
         # come from lookup too (if not, the pass after next drafts with slots again)
-        row.num_slots = 0 if policy == "lookup" or (lookup and row.drafts is lookup) else k
+        row.num_slots = 0 if policy == "lookup" or lookup else k
         self.tokens[i, row.slot_start : row.slot_start + k] = self.model.config.mask_token_id
         return new
 
