@@ -7,7 +7,7 @@ prefix's last token). Reported: per slot, the share of drafts equal to the greed
 of leading slots that match: mean + 1 bounds the tokens per forward of verified decoding from above.
 
     python scripts/draft_acceptance.py --model runs/hybrid-export --data data/stdlib --k 4 8 --n 200
-    python scripts/draft_acceptance.py --run runs/hybrid --init celeris-code-6m-ar ...   # a run's last.pt
+    python scripts/draft_acceptance.py --run runs/hybrid ...   # a training run's last.pt
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from celeris.models.loader import load_model
 from celeris.params import SamplingParams
 from celeris.sampling.autoregressive import generate_autoregressive
 from celeris.sampling.verified import VerifiedDecoder
+from celeris.train.loop import load_run
 
 
 @torch.no_grad()
@@ -46,8 +47,7 @@ def acceptance(model: torch.nn.Module, prefixes: torch.Tensor, k: int) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", help="hybrid checkpoint folder or name")
-    ap.add_argument("--run", help="a training run folder: its last.pt on top of --init's config")
-    ap.add_argument("--init", default="celeris-code-6m-ar")
+    ap.add_argument("--run", help="a hybrid training run folder: its last.pt (celeris.train.loop.load_run)")
     ap.add_argument("--data", default="data/stdlib")
     ap.add_argument("--k", type=int, nargs="+", default=[4, 8])
     ap.add_argument("--n", type=int, default=200)
@@ -55,15 +55,7 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
     torch.set_num_threads(1)
-    if args.run:
-        model = load_model(resolve_model(args.init))
-        state = torch.load(f"{args.run}/last.pt", map_location="cpu", weights_only=False)
-        model.load_state_dict(state["model"])
-        step = state["step"]
-    else:
-        model = load_model(resolve_model(args.model))
-        step = None
-    model.eval()
+    model, step = load_run(args.run) if args.run else (load_model(resolve_model(args.model)), None)
     tokens = np.memmap(f"{args.data}/val.bin", dtype=np.uint16, mode="r")
     rng = np.random.default_rng(args.seed)
     starts = rng.integers(0, len(tokens) - args.prefix - 16, size=args.n)

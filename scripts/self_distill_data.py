@@ -21,17 +21,14 @@ import time
 import numpy as np
 import torch
 
-from celeris.llm import resolve_model
-from celeris.models.loader import load_model
 from celeris.params import SamplingParams
 from celeris.sampling.verified import generate_verified
+from celeris.train.loop import load_run
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--run", required=True, help="hybrid training run folder (its last.pt)")
-    ap.add_argument("--init", default="celeris-code-6m-ar", help="the run's --init (config)")
-    ap.add_argument("--block-size", type=int, default=4)
     ap.add_argument("--data", default="data/stdlib")
     ap.add_argument("--out", required=True)
     ap.add_argument("--num-sequences", type=int, default=2048)
@@ -42,10 +39,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    model = load_model(resolve_model(args.init))
-    state = torch.load(f"{args.run}/last.pt", map_location="cpu", weights_only=False)
-    model.load_state_dict(state["model"])
-    model.config.draft_block_size = args.block_size
+    model, step = load_run(args.run)
     tokens = np.memmap(f"{args.data}/train.bin", dtype=np.uint16, mode="r")
     rng = np.random.default_rng(args.seed)
     starts = rng.integers(0, len(tokens) - args.prompt_len, size=args.num_sequences)
@@ -61,7 +55,7 @@ def main() -> None:
                 ans = (ans + [model.config.eos_token_id] * args.gen_len)[: args.gen_len]  # cut at end-of-text: pad
                 np.asarray(p + ans, dtype=np.uint16).tofile(handle)
     os.replace(tmp, args.out)
-    print(json.dumps({"step": state["step"], "sequences": args.num_sequences,
+    print(json.dumps({"step": step, "sequences": args.num_sequences,
                       "tokens": args.num_sequences * (args.prompt_len + args.gen_len),
                       "seconds": round(time.perf_counter() - start, 1)}))
 

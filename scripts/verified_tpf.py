@@ -20,25 +20,20 @@ from celeris.models.loader import load_model
 from celeris.params import SamplingParams
 from celeris.sampling.verified import generate_verified
 from celeris.tokenizer import Tokenizer
+from celeris.train.loop import load_run
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="celeris-code-6m-ar", help="checkpoint (or --run's config and tokenizer)")
-    ap.add_argument("--run", help="a hybrid training run folder: its last.pt")
-    ap.add_argument("--block-size", type=int, default=4, help="--run: the run's draft block size")
+    ap.add_argument("--run", help="a hybrid training run folder: its last.pt (celeris.train.loop.load_run)")
     ap.add_argument("--prompts", default="../shared/data/humaneval/HumanEval.jsonl.gz")
     ap.add_argument("--num-prompts", type=int, default=16)
     ap.add_argument("--max-new-tokens", type=int, default=256)
     ap.add_argument("--draft-source", default="lookup_first", choices=["lookup_first", "slots", "lookup"])
     args = ap.parse_args()
     torch.set_num_threads(1)
-    model = load_model(resolve_model(args.model))
-    step = None
-    if args.run:
-        state = torch.load(f"{args.run}/last.pt", map_location="cpu", weights_only=False)
-        model.load_state_dict(state["model"])
-        model.config.draft_block_size, step = args.block_size, state["step"]
+    model, step = load_run(args.run) if args.run else (load_model(resolve_model(args.model)), None)
     tok = Tokenizer(resolve_model(args.model))
     problems = load_humaneval(args.prompts)[: args.num_prompts]
     ids = [tok.encode(heal_prompt(p["prompt"])) for p in problems]

@@ -308,6 +308,28 @@ def init_from_checkpoint(cfg: TrainConfig, special: dict) -> CelerisModel:
     return model
 
 
+def load_run(run_dir: str | Path) -> tuple[CelerisModel, int]:
+    """A hybrid (or any --init) run's ``last.pt`` on the architecture of the checkpoint its
+    ``train_config.json`` started from, with that run's ``draft_block_size``: (eval-mode model, step).
+
+    Raises:
+        FileNotFoundError: the folder has no ``train_config.json`` or ``last.pt``.
+        ValueError: the run did not start from a checkpoint (no ``init``).
+    """
+    from celeris.llm import resolve_model
+
+    run = Path(run_dir)
+    cfg = json.loads((run / "train_config.json").read_text())
+    if not cfg.get("init"):
+        raise ValueError(f"{run} did not start from a checkpoint (no init in train_config.json)")
+    model = load_model(resolve_model(cfg["init"]))
+    state = torch.load(run / "last.pt", map_location="cpu", weights_only=False)
+    model.load_state_dict(state["model"])
+    if cfg.get("objective") == "hybrid":
+        model.config.draft_block_size = cfg.get("block_size", 4)
+    return model.eval(), state["step"]
+
+
 class _DDPView:
     """Lets the objective call ``hidden_states``/``logits`` while gradients sync through DDP.
 

@@ -138,6 +138,9 @@ def test_hybrid_adapts_a_causal_checkpoint_and_exports_verified_defaults(corpus_
     assert {"val_ntp", "val_masked"} <= set(history[-1])
     llm = LLM(tmp_path / "hybrid")
     assert llm.model.config.draft_block_size == 3 and llm.generation_config["decoding"] == "verified"
+    run_model, step = loop.load_run(tmp_path / "hy")  # what the measurement scripts load from a run
+    assert step == 2 and run_model.config.draft_block_size == 3
+    torch.testing.assert_close(run_model.state_dict(), llm.model.state_dict())
     params = llm.default_params(max_new_tokens=8, early_exit=False)
     out = llm.generate("def f", params)[0]
     want = generate_autoregressive(llm.model, [llm.tokenizer.encode("def f")], params, use_cache=False)
