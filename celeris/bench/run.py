@@ -181,6 +181,13 @@ def pass_cost_ms(model: torch.nn.Module, widths: tuple[int, ...] = (1, 4, 8, 16)
     return out
 
 
+def draft_counts(llm: LLM) -> list[tuple[int, int]]:
+    """(drafts checked, drafts accepted) per draft position so far in ``llm``'s engine (none before its first
+    verified request)."""
+    drafter = llm.engine.drafter
+    return list(zip(drafter.drafted, drafter.accepted, strict=True)) if drafter else []
+
+
 def agreement(candidate: list[list[int]], reference: list[list[int]]) -> float:
     """Position-wise share of the reference's tokens that the candidate reproduces."""
     same = total = 0
@@ -231,6 +238,7 @@ def run_bench(cfg: BenchConfig) -> dict:
         else:
             smol = smollm2.load_smollm2(llm.device)
     results["judge"] = "smollm2-135m" if smol else "ar-twin" if ar else None
+    hybrid = draft_length(llm.model) > 0
     for length, batch_size in [(n, b) for n in cfg.lengths for b in cfg.batch_sizes]:
         room = llm.context_length - length
         if room < 8:
@@ -245,9 +253,11 @@ def run_bench(cfg: BenchConfig) -> dict:
         fast = llm.default_params(max_new_tokens=length, temperature=0.0, steps=-(-length // k) if k else None,
                                   suffix_window=cfg.fast_suffix_window)
 
-        def autoregressive(batch, length=length):
-            out = generate_autoregressive(ar.model, batch, SamplingParams(max_new_tokens=length))
-            return out.token_ids, [out.nfe] * len(batch), out.first_token_s
+        def next_token(model: torch.nn.Module, length: int = length):  # greedy, KV cache, one token per pass
+            def decode(batch):
+                out = generate_autoregressive(model, batch, SamplingParams(max_new_tokens=length))
+                return out.token_ids, [out.nfe] * len(batch), out.first_token_s
+            return decode
 
         def diffusion(params: SamplingParams, owner: LLM = llm):
             def decode(batch):
@@ -262,18 +272,14 @@ def run_bench(cfg: BenchConfig) -> dict:
             ids, nfe, ttft = smollm2.generate_hf(*smol, [llm.tokenizer.decode(p) for p in batch], length)
             return ids, nfe, [ttft] * len(batch)
 
-        def own_next_token(batch, length=length):  # a hybrid model's own greedy next-token decoding
-            out = generate_autoregressive(llm.model, batch, SamplingParams(max_new_tokens=length))
-            return out.token_ids, [out.nfe] * len(batch), out.first_token_s
-
-        if draft_length(llm.model):  # a hybrid model: verified decoding against its own next-token decoding
+        if hybrid:  # verified decoding against the model's own next-token decoding
             fast = llm.default_params(max_new_tokens=length, temperature=0.0, decoding="verified")
-            systems = [("hybrid-next-token", own_next_token), ("hybrid-verified", diffusion(fast))]
+            systems = [("hybrid-next-token", next_token(llm.model)), ("hybrid-verified", diffusion(fast))]
         else:
             systems = [("dllm-reference", diffusion(reference)), ("dllm-fast", diffusion(fast))]
         if ar is not None:
-            systems.append(("ar-twin", autoregressive))
-            if draft_length(llm.model):  # the ablation: the twin with the prompt-lookup half of the drafts
+            systems.append(("ar-twin", next_token(ar.model)))
+            if hybrid:  # the ablation: the twin with the prompt-lookup half of the drafts
                 lookup = SamplingParams(max_new_tokens=length, block_length=1, decoding="verified",
                                         draft_source="lookup")
                 systems.append(("ar-twin-lookup", diffusion(lookup, ar)))
@@ -281,15 +287,13 @@ def run_bench(cfg: BenchConfig) -> dict:
             systems.append(("smollm2-135m", smollm2_system))
         runs = []
         for name, fn in systems:
-            drafter = llm.engine.drafter
-            before = (list(drafter.drafted), list(drafter.accepted)) if drafter else None
+            before = draft_counts(llm)
             runs.append(run_system(name, fn, batches, cfg.warmup))
-            if name == "hybrid-verified" and llm.engine.drafter is not None:  # acceptance per draft slot
-                d0, a0 = before or ([0] * llm.engine.drafter.k, [0] * llm.engine.drafter.k)
-                drafted = [x - y for x, y in zip(llm.engine.drafter.drafted, d0, strict=True)]
-                accepted = [x - y for x, y in zip(llm.engine.drafter.accepted, a0, strict=True)]
-                runs[-1]["draft_acceptance"] = [round(a / d, 4) if d else None
-                                                for a, d in zip(accepted, drafted, strict=True)]
+            if name == "hybrid-verified":  # acceptance per draft position over this system's calls
+                after = draft_counts(llm)
+                before = before or [(0, 0)] * len(after)  # the drafter was made by this system's first call
+                runs[-1]["draft_acceptance"] = [round((a - a0) / (d - d0), 4) if d > d0 else None
+                                                for (d0, a0), (d, a) in zip(before, after, strict=True)]
         prompt_texts = [llm.tokenizer.decode(p) for p in prompt_ids]  # as truncated for the context window
         for r in runs:
             r["load_s"] = round(load_s, 3)
@@ -307,7 +311,7 @@ def run_bench(cfg: BenchConfig) -> dict:
             r["max_new_tokens"] = length
             r["batch_size"] = batch_size
         results["runs"] += [{k: v for k, v in r.items() if k != "outputs"} for r in runs]
-    if draft_length(llm.model) and getattr(llm.model, "supports_kv_cache", False):
+    if hybrid:
         results["pass_cost_ms_by_width"] = pass_cost_ms(llm.model)
     write_outputs(results, Path(cfg.out_dir))
     return results
