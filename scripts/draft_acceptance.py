@@ -34,7 +34,7 @@ def acceptance(model: torch.nn.Module, prefixes: torch.Tensor, k: int) -> dict:
                                                                            block_length=1, early_exit=False))
     greedy = out.answer_ids  # (N, k + 1)
     model.config.draft_block_size = k  # k mask slots after the prefix (the model was trained with its own k)
-    dec = VerifiedDecoder(model, n, p + 2 * k + 4)
+    dec = VerifiedDecoder(model, n, p + 1)
     for row in prefixes.tolist():
         dec.add(row, SamplingParams(max_new_tokens=1, steps=1, block_length=1))
     drafts = dec._run(0, n, fresh=True)[:, p : p + k].argmax(-1)  # (N, k): slot j drafts g_{j+1}

@@ -26,7 +26,7 @@ from celeris.sampling.step import (
     context_tokens,
     denoise_step,
 )
-from celeris.sampling.verified import LOOKUP_DRAFTS, DraftRow, VerifiedDecoder, draft_length
+from celeris.sampling.verified import DraftRow, VerifiedDecoder
 from celeris.structured.grammar import constrain_commits, grammar_step, row_constraints
 
 
@@ -168,9 +168,8 @@ class Engine:
         requests that finished or were aborted are freed, new requests are prefilled, the others advance by
         their accepted drafts plus one token. Each request's committed tokens are final at once (streamed)."""
         if self.drafter is None:
-            k = draft_length(self.model) or LOOKUP_DRAFTS
             self.drafter = VerifiedDecoder(self.model, self.config.max_num_seqs,
-                                           self.model.config.max_position_embeddings + 2 * k + 2)
+                                           self.model.config.max_position_embeddings)
         running = set(batch)
         for request in [r for r in self._draft_rows if r not in running or r.is_finished]:
             self.drafter.remove(self._draft_rows.pop(request))

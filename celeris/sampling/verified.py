@@ -228,12 +228,14 @@ class VerifiedDecoder:
     in one pass. Finished rows are removed by moving the last row into the hole (one row copy).
 
     Args:
-        model: a hybrid model (``draft_length`` k > 0).
-        max_rows: most rows at once. max_len: longest row, tokens (prompt + answer + 2k + 2).
+        model: a causal model; k = ``draft_length`` (mask slots), or ``LOOKUP_DRAFTS`` without slots.
+        max_rows: most rows at once. max_tokens: longest prompt + answer, tokens (the pool adds the
+            2k + 2 columns the last pass's drafts and slots may need).
     """
 
-    def __init__(self, model: torch.nn.Module, max_rows: int, max_len: int) -> None:
+    def __init__(self, model: torch.nn.Module, max_rows: int, max_tokens: int) -> None:
         self.model, self.k = model, draft_length(model) or LOOKUP_DRAFTS
+        max_len = max_tokens + 2 * self.k + 2
         cfg = model.config
         p = next(model.parameters())
         shape = (max_rows, cfg.num_heads, max_len, cfg.head_dim)
@@ -247,9 +249,6 @@ class VerifiedDecoder:
         self.drafted, self.accepted = [0] * self.k, [0] * self.k
         self.nfe = 0
 
-    def room(self, prompt_len: int, max_new_tokens: int) -> int:
-        """Pool columns a row of this size needs."""
-        return prompt_len + max_new_tokens + 2 * self.k + 2
 
     def add(self, prompt_ids: list[int], params: SamplingParams, end_ids: frozenset[int] | None = None) -> DraftRow:
         """Queue a row for the next step; ``end_ids`` end its answer (default: the end-of-text id).
@@ -261,7 +260,7 @@ class VerifiedDecoder:
             raise ValueError(f"the verified decoder holds at most {self.max_rows} rows")
         if not prompt_ids:
             raise ValueError("prompt must not be empty")
-        if self.room(len(prompt_ids), params.max_new_tokens) > self.max_len:
+        if len(prompt_ids) + params.max_new_tokens + 2 * self.k + 2 > self.max_len:
             raise ValueError(f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({params.max_new_tokens}) + "
                              f"{2 * self.k + 2} draft columns exceed the decoder's {self.max_len}")
         ends = frozenset({self.model.config.eos_token_id}) if end_ids is None else frozenset(end_ids)
@@ -413,7 +412,7 @@ def generate_verified(
     for r in rows:
         check_verified_support(model, r)
     dec = VerifiedDecoder(model, len(prompt_ids), max(len(p) + r.max_new_tokens for p, r in zip(
-        prompt_ids, rows, strict=True)) + 2 * (draft_length(model) or LOOKUP_DRAFTS) + 2)
+        prompt_ids, rows, strict=True)))
     handles = [dec.add(p, r) for p, r in zip(prompt_ids, rows, strict=True)]
     first: list[float | None] = [None] * len(handles)
     while not all(h.finished for h in handles):
