@@ -60,23 +60,29 @@ def test_masked_tokens_only_derive_grammar_text(json_llm):
     assert c.accepting and c.stopped
 
 
-@pytest.mark.parametrize("name", sorted(SCHEMAS))
-def test_reference_sampler_equals_engine_and_output_validates(json_llm, name):
-    """Temperature 0: the reference sampler and the engine commit the same tokens under a grammar, and the
-    answer is JSON that validates against the schema."""
-    schema = SCHEMAS[name]
-    params = params_for(schema_grammar(schema), cache=json_llm.generation_config.get("cache", "none"))
-    prompts = [json_llm.tokenizer.encode("def add(a, b):"), json_llm.tokenizer.encode("import os\n")]
-    ref = generate(json_llm.model, prompts, params, grammar_tokenizer=json_llm.grammar_tokenizer)
-    engine = Engine(json_llm.model, end_ids=[json_llm.tokenizer.eos_token_id],
-                    grammar_tokenizer=json_llm.grammar_tokenizer)
+def assert_engine_equals_reference_and_validates(llm, params, schema) -> None:
+    """Two prompts through the reference sampler and the engine under ``params``' grammar: the same tokens,
+    finished by "stop", and JSON that validates against ``schema``."""
+    tok = llm.tokenizer
+    prompts = [tok.encode("def add(a, b):"), tok.encode("import os\n")]
+    ref = generate(llm.model, prompts, params, grammar_tokenizer=llm.grammar_tokenizer)
+    engine = Engine(llm.model, end_ids=[tok.eos_token_id], grammar_tokenizer=llm.grammar_tokenizer)
     requests = [engine.add_request(p, params) for p in prompts]
     while engine.has_unfinished():
         engine.step()
     for r, ids in zip(requests, ref.token_ids, strict=True):
         assert r.final_prefix() == ids
         assert r.finish_reason == "stop"
-        jsonschema.validate(json.loads(json_llm.tokenizer.decode(ids)), schema)
+        jsonschema.validate(json.loads(tok.decode(ids)), schema)
+
+
+@pytest.mark.parametrize("name", sorted(SCHEMAS))
+def test_reference_sampler_equals_engine_and_output_validates(json_llm, name):
+    """Temperature 0: the reference sampler and the engine commit the same tokens under a grammar, and the
+    answer is JSON that validates against the schema."""
+    schema = SCHEMAS[name]
+    params = params_for(schema_grammar(schema), cache=json_llm.generation_config.get("cache", "none"))
+    assert_engine_equals_reference_and_validates(json_llm, params, schema)
 
 
 def test_sampled_outputs_validate(json_llm):
@@ -135,18 +141,7 @@ def test_parallel_blocks_reference_equals_engine_and_validate(diffusion_llm, set
     """A diffusion model keeps its blocks under a grammar: each step commits the longest run of its proposals
     from the leftmost open position that the grammar accepts; reference sampler == engine, all valid."""
     schema = SCHEMAS[name]
-    params = params_for(schema_grammar(schema), **settings)
-    tok = diffusion_llm.tokenizer
-    prompts = [tok.encode("def add(a, b):"), tok.encode("import os\n")]
-    ref = generate(diffusion_llm.model, prompts, params, grammar_tokenizer=diffusion_llm.grammar_tokenizer)
-    engine = Engine(diffusion_llm.model, end_ids=[tok.eos_token_id], grammar_tokenizer=diffusion_llm.grammar_tokenizer)
-    requests = [engine.add_request(p, params) for p in prompts]
-    while engine.has_unfinished():
-        engine.step()
-    for r, ids in zip(requests, ref.token_ids, strict=True):
-        assert r.final_prefix() == ids
-        assert r.finish_reason == "stop"
-        jsonschema.validate(json.loads(tok.decode(ids)), schema)
+    assert_engine_equals_reference_and_validates(diffusion_llm, params_for(schema_grammar(schema), **settings), schema)
 
 
 def test_parallel_commits_more_than_one_token_per_forward(diffusion_llm):
