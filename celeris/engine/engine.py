@@ -154,14 +154,18 @@ class Engine:
                 r.advance(self.eos_id, (s + committed[i, : e - s].nonzero().flatten()).tolist())
                 if r.constraint is not None and r.constraint.stopped and not r.is_finished:
                     r.finish("stop")  # the grammar allows nothing but the end: no pass for that token
-            prefix = r.final_prefix(self.eos_id)
-            new_ids = prefix[r.num_emitted :]
-            r.num_emitted = len(prefix)
-            outputs.append(StepOutput(r, new_ids, r.is_finished))
+            outputs.append(self._emit(r))
         if any(o.finished for o in outputs):  # free finished requests' KV rows now, not at the next step
             self.runner.pool.release({r for r in batch if not r.is_finished})
         self.num_steps += 1
         return outputs
+
+    def _emit(self, request: Request) -> StepOutput:
+        """The answer tokens that became final since the request's last StepOutput (streaming)."""
+        prefix = request.final_prefix(self.eos_id)
+        new_ids = prefix[request.num_emitted :]
+        request.num_emitted = len(prefix)
+        return StepOutput(request, new_ids, request.is_finished)
 
     def _step_verified(self, batch: list[Request]) -> list[StepOutput]:
         """One verified-decoding pass for ``batch`` (``celeris.sampling.verified.VerifiedDecoder``): rows of
@@ -191,8 +195,5 @@ class Engine:
             if row.finished:
                 request.finish("stop" if not request.ends(self.eos_id).isdisjoint(row.answer) else "length")
                 self.drafter.remove(self._draft_rows.pop(request))
-            prefix = request.final_prefix(self.eos_id)
-            new_ids = prefix[request.num_emitted :]
-            request.num_emitted = len(prefix)
-            outputs.append(StepOutput(request, new_ids, request.is_finished))
+            outputs.append(self._emit(request))
         return outputs
