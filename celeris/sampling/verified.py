@@ -414,15 +414,14 @@ def generate_verified(
     dec = VerifiedDecoder(model, len(prompt_ids), max(len(p) + r.max_new_tokens for p, r in zip(
         prompt_ids, rows, strict=True)))
     handles = [dec.add(p, r) for p, r in zip(prompt_ids, rows, strict=True)]
-    first: list[float | None] = [None] * len(handles)
-    while not all(h.finished for h in handles):
-        for row, new in dec.step():
-            if new and first[handles.index(row)] is None:
-                first[handles.index(row)] = time.perf_counter() - start
+    first_token_s = None  # every row commits its first token in the first step (its prefill)
+    while dec.rows:
+        for row, _ in dec.step():
             if row.finished:
                 dec.remove(row)
+        first_token_s = first_token_s or time.perf_counter() - start
     eos = model.config.eos_token_id
     token_ids = [h.answer[: h.answer.index(eos)] if eos in h.answer else h.answer for h in handles]
     return VerifiedOutput(token_ids=token_ids, nfe=dec.nfe, row_passes=[h.passes for h in handles],
-                          drafted=dec.drafted, accepted=dec.accepted, first_token_s=first,
+                          drafted=dec.drafted, accepted=dec.accepted, first_token_s=[first_token_s] * len(handles),
                           seconds=time.perf_counter() - start)
