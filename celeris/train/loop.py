@@ -231,13 +231,14 @@ def train(cfg: TrainConfig, default_generation: dict | None = None) -> dict:
             group["lr"] = lr_at(step, cfg)
         seed = cfg.seed * 1_000_003 + step * world + rank
         runner = model if world == 1 else _DDPView(ddp_model, model)
+        kwargs = objective_kwargs(cfg)
         if distill is not None and step % 2 == 1:  # self-distillation: drafting targets only (dParallel, d3LLM)
             rows = np.random.default_rng(seed).integers(0, len(distill), size=cfg.batch_size)
             batch = torch.from_numpy(distill[rows].astype(np.int64)).to(device)
-            loss, _ = loss_fn(runner, batch, torch.Generator().manual_seed(seed), **objective_kwargs(cfg), ntp_weight=0.0)
+            kwargs["ntp_weight"] = 0.0
         else:
             batch = get_batch(train_tokens, cfg.batch_size, cfg.seq_len, seed).to(device)
-            loss, _ = loss_fn(runner, batch, torch.Generator().manual_seed(seed), **objective_kwargs(cfg))
+        loss, _ = loss_fn(runner, batch, torch.Generator().manual_seed(seed), **kwargs)
         optim.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
