@@ -200,6 +200,21 @@ class CelerisModel(nn.Module):
             cache.keys.clear()
             cache.values.clear()
         ids, positions = window_inputs(input_ids, positions, window)  # (B, Lq)
+        return self.layout_hidden_states(ids, positions, attn_mask, cache, window)
+
+    def layout_hidden_states(
+        self,
+        ids: torch.Tensor,
+        positions: torch.Tensor,
+        attn_mask: torch.Tensor | None,
+        cache: KVCache | None = None,
+        window: Window | None = None,
+    ) -> torch.Tensor:
+        """The transformer on a layout the caller builds: (B, Lq) ids at (B, Lq) RoPE positions with an SDPA
+        mask (B or 1, 1, Lq, T) bool (True: attend), or None for the config's own rule -> (B, Lq, d) final
+        normed hidden states. ``cache``/``window`` as in ``hidden_states`` (``window`` (B, Lq) per-row columns
+        or a span). The hybrid objective's two-stream layout and verified decoding's passes use it.
+        """
         cos, sin = rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta)
         x = self.embed_tokens(ids)  # (B, Lq, d)
         for i, layer in enumerate(self.layers):

@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from celeris.models.layers import KVCache, rope_cos_sin
+from celeris.models.layers import KVCache
 from celeris.params import SamplingParams
 from celeris.sampling.select import NEG_INF, top_p_filter
 from celeris.sampling.step import banned_token_ids, make_generator
@@ -128,12 +128,7 @@ def _forward(model: torch.nn.Module, ids: torch.Tensor, cache: KVCache, columns:
              mask: torch.Tensor) -> torch.Tensor:
     """Logits (B, Lw, V) float32 of token ``ids`` (B, Lw) at ``columns`` (B, Lw, also their RoPE positions),
     reading and writing ``cache`` (per layer (B, H, T, D)) at those columns."""
-    cfg = model.config
-    cos, sin = rope_cos_sin(columns, cfg.head_dim, cfg.rope_theta)
-    x = model.embed_tokens(ids)
-    for i, layer in enumerate(model.layers):
-        x = layer(x, cos, sin, mask, cache=cache, layer_idx=i, window=columns)
-    return model.logits(model.norm(x))
+    return model.logits(model.layout_hidden_states(ids, columns, mask, cache, columns))
 
 
 def _probs(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:

@@ -111,16 +111,10 @@ def hybrid_noise(
 
 def hybrid_hidden_states(model: CelerisModel, clean: torch.Tensor, noisy: torch.Tensor, block_size: int) -> torch.Tensor:
     """Hidden states of the hybrid training layout: (B, L) clean and noisy ids -> (B, 2L, d), clean first."""
-    from celeris.models.layers import rope_cos_sin
-
     b, length = clean.shape
     positions = torch.arange(length, device=clean.device).repeat(2).expand(b, 2 * length)
-    cos, sin = rope_cos_sin(positions, model.config.head_dim, model.config.rope_theta)
     mask = hybrid_attention_mask(length, block_size, clean.device)[None, None]  # (1, 1, 2L, 2L)
-    x = model.embed_tokens(torch.cat([clean, noisy], dim=1))
-    for layer in model.layers:
-        x = layer(x, cos, sin, mask)
-    return model.norm(x)
+    return model.layout_hidden_states(torch.cat([clean, noisy], dim=1), positions, mask)
 
 
 def hybrid_loss(
