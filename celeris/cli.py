@@ -128,6 +128,13 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--distill-data", help="hybrid: self-distillation sequences (scripts/self_distill_data.py); "
                                           "every other step trains the drafts on them")
     t.add_argument("--distill-len", type=int, default=192, help="hybrid: length of each distillation sequence")
+    t.add_argument("--certainty-weight", type=float, default=0.0,
+                   help="hybrid, distillation steps: weight of dParallel's entropy term on drafts already right")
+    t.add_argument("--certainty-temperature", type=float, default=1.0, help="temperature of that entropy term")
+    t.add_argument("--gate-prompts", type=int, default=0,
+                   help="score every checkpoint on this many held-out function prompts (parse rate) and export the "
+                        "best one (ar, hybrid); 0: off, export the last")
+    t.add_argument("--gate-tokens", type=int, default=128, help="tokens per gate completion")
     for name, typ, default in [
         ("max-steps", int, 1000), ("batch-size", int, 8), ("seq-len", int, 512), ("lr", float, 1.5e-3),
         ("warmup-steps", int, 100), ("eval-every", int, 300), ("eval-batches", int, 16),
@@ -311,7 +318,8 @@ def cmd_train(args: argparse.Namespace) -> int:
         warmup_steps=args.warmup_steps, eval_every=args.eval_every, eval_batches=args.eval_batches,
         save_every=args.save_every, seed=args.seed, threads=args.threads, prefix_prob=args.prefix_prob,
         init=args.init, block_size=args.block_size, full_mask_prob=args.full_mask_prob,
-        distill_data=args.distill_data, distill_len=args.distill_len,
+        distill_data=args.distill_data, distill_len=args.distill_len, certainty_weight=args.certainty_weight,
+        certainty_temperature=args.certainty_temperature, gate_prompts=args.gate_prompts, gate_tokens=args.gate_tokens,
     )
     print(json.dumps(train(cfg)))
     return 0

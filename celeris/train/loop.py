@@ -31,6 +31,7 @@ from celeris.models.celeris import CelerisConfig, CelerisModel, count_parameters
 from celeris.models.loader import load_model, save_checkpoint
 from celeris.tokenizer import write_tokenizer_config
 from celeris.train.data import load_tokens
+from celeris.train.gate import function_prompts, parse_rate
 from celeris.train.objective import OBJECTIVES
 
 # Written to generation_config.json when the caller gives none: LLaDA's reference
@@ -59,6 +60,13 @@ class TrainConfig:
     # (scripts/self_distill_data.py); every other step trains on them with the masked loss only
     distill_data: str | None = None
     distill_len: int = 192
+    # hybrid, distillation steps: weight and temperature of dParallel's certainty-forcing entropy term
+    certainty_weight: float = 0.0
+    certainty_temperature: float = 1.0
+    # checkpoint gate: held-out function prompts scored at every save (celeris.train.gate); the export takes the
+    # best-scoring checkpoint (ties go to the later one); 0 turns the gate off
+    gate_prompts: int = 0
+    gate_tokens: int = 128
     model: dict = field(default_factory=dict)
     seq_len: int = 512
     batch_size: int = 8
@@ -90,11 +98,26 @@ class TrainConfig:
             raise ValueError("the hybrid objective starts from a causal checkpoint: give init (e.g. celeris-code-6m-ar)")
         if self.distill_data and self.objective != "hybrid":
             raise ValueError("distill_data applies to the hybrid objective only")
+        if self.certainty_weight and not self.distill_data:
+            raise ValueError("certainty_weight applies to self-distillation steps: give distill_data")
+        if self.certainty_weight < 0 or not self.certainty_temperature > 0:
+            raise ValueError(f"certainty_weight must be >= 0 and certainty_temperature > 0, got "
+                             f"{self.certainty_weight}, {self.certainty_temperature}")
+        if self.gate_prompts < 0 or self.gate_tokens < 1:
+            raise ValueError(f"gate_prompts must be >= 0 and gate_tokens >= 1, got {self.gate_prompts}, "
+                             f"{self.gate_tokens}")
+        if self.gate_prompts and self.objective == "diffusion":
+            raise ValueError("the parse-rate gate decodes next-token: it needs the ar or hybrid objective")
         if self.block_size < 1 or not 0 <= self.full_mask_prob <= 1:
             raise ValueError(f"block_size must be >= 1 and full_mask_prob in [0, 1], got {self.block_size}, "
                              f"{self.full_mask_prob}")
         if self.lr <= 0:
             raise ValueError(f"lr must be > 0, got {self.lr}")
+
+
+def best_gate(history: list[dict]) -> float:
+    """The best held-out parse rate in ``history`` so far (-1.0 before the first gate)."""
+    return max((h["gate_parse_rate"] for h in history if "gate_parse_rate" in h), default=-1.0)
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
@@ -224,6 +247,12 @@ def train(cfg: TrainConfig, default_generation: dict | None = None) -> dict:
     distill = None
     if cfg.distill_data:
         distill = np.fromfile(cfg.distill_data, dtype=np.uint16).reshape(-1, cfg.distill_len)
+    gate_prompts = function_prompts(val_tokens, tok, cfg.gate_prompts) if cfg.gate_prompts and rank == 0 else []
+    if gate_prompts and not any("gate_parse_rate" in h for h in history):  # the starting point is a candidate too
+        history.append({"step": step, "gate_parse_rate": parse_rate(model, tok, gate_prompts, cfg.gate_tokens)})
+        _atomic_torch_save({"model": model.state_dict(), "step": step,
+                            "gate_parse_rate": history[-1]["gate_parse_rate"]}, out / "best.pt")
+        print(f"step {step}: held-out parse rate {history[-1]['gate_parse_rate']:.3f} before training", flush=True)
     bar = tqdm(total=cfg.max_steps, initial=step, disable=rank != 0, dynamic_ncols=True, mininterval=5)
     while step < cfg.max_steps:
         t0 = time.perf_counter()
@@ -235,7 +264,8 @@ def train(cfg: TrainConfig, default_generation: dict | None = None) -> dict:
         if distill is not None and step % 2 == 1:  # self-distillation: drafting targets only (dParallel, d3LLM)
             rows = np.random.default_rng(seed).integers(0, len(distill), size=cfg.batch_size)
             batch = torch.from_numpy(distill[rows].astype(np.int64)).to(device)
-            kwargs["ntp_weight"] = 0.0
+            kwargs.update(ntp_weight=0.0, certainty_weight=cfg.certainty_weight,
+                          certainty_temperature=cfg.certainty_temperature)
         else:
             batch = get_batch(train_tokens, cfg.batch_size, cfg.seq_len, seed).to(device)
         loss, _ = loss_fn(runner, batch, torch.Generator().manual_seed(seed), **kwargs)
@@ -255,8 +285,15 @@ def train(cfg: TrainConfig, default_generation: dict | None = None) -> dict:
             if rank == 0:
                 parts = ", ".join(f"{k} {v:.4f}" for k, v in record.items() if k.startswith("val_"))
                 bar.write(f"step {step}: held-out {parts} nats/token")
+        saving = rank == 0 and (step % cfg.save_every == 0 or step == cfg.max_steps)
+        if saving and gate_prompts:
+            record["gate_parse_rate"] = parse_rate(model, tok, gate_prompts, cfg.gate_tokens)
+            bar.write(f"step {step}: held-out parse rate {record['gate_parse_rate']:.3f} ({len(gate_prompts)} prompts)")
+            if record["gate_parse_rate"] >= best_gate(history):
+                _atomic_torch_save({"model": model.state_dict(), "step": step,
+                                    "gate_parse_rate": record["gate_parse_rate"]}, out / "best.pt")
         history.append(record)
-        if rank == 0 and (step % cfg.save_every == 0 or step == cfg.max_steps):
+        if saving:
             _atomic_torch_save(
                 {"model": model.state_dict(), "optim": optim.state_dict(), "step": step,
                  "tokens_seen": tokens_seen, "wall": wall, "history": history},
@@ -266,6 +303,10 @@ def train(cfg: TrainConfig, default_generation: dict | None = None) -> dict:
     val = [h["val_loss"] for h in history if "val_loss" in h]
     summary = {"steps": step, "tokens_seen": tokens_seen, "wall_s": round(wall, 1),
                "final_val_loss": val[-1] if val else None, "parameters": count_parameters(model)}
+    if gate_prompts:
+        best = torch.load(out / "best.pt", map_location=device, weights_only=False)
+        model.load_state_dict(best["model"])  # the export is the best-gated checkpoint
+        summary.update(exported_step=best["step"], gate_parse_rate=best["gate_parse_rate"])
     if rank == 0:
         (out / "history.json").write_text(json.dumps(history) + "\n")
         (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")

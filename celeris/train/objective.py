@@ -125,6 +125,8 @@ def hybrid_loss(
     full_mask_prob: float = 0.5,
     return_parts: bool = False,
     ntp_weight: float = 1.0,
+    certainty_weight: float = 0.0,
+    certainty_temperature: float = 1.0,
 ):
     """Next-token loss on the clean stream plus masked-token loss on the noisy blocks (one forward pass).
 
@@ -143,6 +145,10 @@ def hybrid_loss(
         full_mask_prob: share of noisy blocks masked entirely.
         ntp_weight: weight of the next-token term; 0 on self-distillation batches (the model's own greedy
             continuations: the drafting targets, not text whose likelihood the next-token head should learn).
+        certainty_weight: weight beta of dParallel's certainty-forcing term (arXiv:2509.26488 Sec. 3.3):
+            the mean entropy of softmax(logits / ``certainty_temperature``) over the scored drafting slots whose
+            argmax already equals the target, added to the loss; it makes drafts that are right also confident,
+            so that more of them clear a confidence threshold. 0 (the default) leaves it out.
 
     Returns:
         (scalar float32 loss = NTP mean + masked mean, number of scored positions); with ``return_parts``
@@ -163,11 +169,41 @@ def hybrid_loss(
     # slot p scores x_{p+1}: hidden unless the block showed it (same block and unmasked)
     same_block = (torch.arange(1, length, device=input_ids.device) % block_size) != 0  # (L-1,) p+1 in p's block
     scored = is_masked[:, 1:] | ~same_block[None]  # (B, L-1)
-    masked = F.cross_entropy(model.logits(noisy_h[scored]), targets[scored])
+    draft_logits = model.logits(noisy_h[scored])  # (M, V)
+    masked = F.cross_entropy(draft_logits, targets[scored])
     loss = ntp_weight * ntp + masked
+    parts = {"ntp": ntp.item(), "masked": masked.item()}
+    if certainty_weight:
+        certainty = certainty_entropy(draft_logits, targets[scored], certainty_temperature)
+        loss = loss + certainty_weight * certainty
+        parts["certainty"] = certainty.item()
     if return_parts:
-        return loss, int(targets.numel() + scored.sum()), {"ntp": ntp.item(), "masked": masked.item()}
+        return loss, int(targets.numel() + scored.sum()), parts
     return loss, int(targets.numel() + scored.sum())
 
 
 OBJECTIVES["hybrid"] = hybrid_loss
+
+
+def certainty_entropy(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """dParallel's certainty-forcing term (arXiv:2509.26488 Sec. 3.3): mean temperature-scaled entropy, in nats,
+    of the positions whose argmax already equals the target (a wrong prediction is left to the cross-entropy).
+
+    Args:
+        logits: (M, V) float scores of M drafting positions.
+        targets: (M,) int64 target ids.
+        temperature: T > 0; the entropy is of softmax(logits / T).
+
+    Returns:
+        Scalar float tensor; 0 (still attached to the graph) when no position is right.
+
+    Raises:
+        ValueError: ``temperature`` is not > 0.
+    """
+    if not temperature > 0:
+        raise ValueError(f"certainty temperature must be > 0, got {temperature}")
+    right = logits.argmax(dim=-1) == targets  # (M,)
+    if not bool(right.any()):
+        return logits.sum() * 0.0
+    logp = F.log_softmax(logits[right].float() / temperature, dim=-1)  # (R, V)
+    return -(logp.exp() * logp).sum(dim=-1).mean()

@@ -214,3 +214,48 @@ def test_hybrid_loss_equals_a_hand_built_cross_entropy(make_model):
                 count += 1
     assert parts["ntp"] == pytest.approx(float(torch.stack(ntp).mean()), rel=1e-5)
     assert parts["masked"] == pytest.approx(ce / count, rel=1e-5)
+
+
+def test_certainty_entropy_counts_only_positions_already_right():
+    """dParallel's term: entropy of softmax(z / T) averaged over rows whose argmax is the target; none right -> 0."""
+    from celeris.train.objective import certainty_entropy
+
+    logits = torch.tensor([[2.0, 0.0, 0.0], [0.0, 1.0, 3.0], [0.5, 0.4, 0.0]], requires_grad=True)
+    targets = torch.tensor([0, 1, 0])  # rows 0 and 2 right, row 1 wrong
+    got = certainty_entropy(logits, targets, temperature=0.5)
+
+    def entropy(row):
+        p = torch.softmax(row / 0.5, dim=-1)
+        return float(-(p * p.log()).sum())
+
+    want = (entropy(logits[0].detach()) + entropy(logits[2].detach())) / 2
+    assert float(got.detach()) == pytest.approx(want, rel=1e-6)
+    got.backward()
+    assert logits.grad[1].abs().sum() == 0 and logits.grad[0].abs().sum() > 0
+    none_right = certainty_entropy(logits, torch.tensor([1, 0, 1]))
+    assert float(none_right.detach()) == 0.0 and none_right.requires_grad
+    with pytest.raises(ValueError, match="temperature"):
+        certainty_entropy(logits, targets, temperature=0.0)
+
+
+def test_hybrid_loss_adds_the_weighted_certainty_term(make_model):
+    """Same noise draws: loss(weight w) - loss(0) == w * the reported certainty part, and the part equals
+    certainty_entropy over the scored drafting slots rebuilt by hand."""
+    from celeris.train.objective import certainty_entropy, hybrid_hidden_states, hybrid_loss, hybrid_noise
+
+    model = make_model(seed=3, is_causal=True)
+    with torch.no_grad():  # a sharper head so that some drafts are already right
+        model.embed_tokens.weight.mul_(8)
+    batch = torch.randint(3, 64, (2, 12))
+    base, _, _ = hybrid_loss(model, batch, torch.Generator().manual_seed(4), full_mask_prob=0.5, return_parts=True)
+    loss, _, parts = hybrid_loss(model, batch, torch.Generator().manual_seed(4), full_mask_prob=0.5,
+                                 return_parts=True, certainty_weight=0.3, certainty_temperature=0.7)
+    assert float((loss - base).detach()) == pytest.approx(0.3 * parts["certainty"], rel=1e-5, abs=1e-7)
+    masked = hybrid_noise(batch, 4, 0.5, torch.Generator().manual_seed(4))
+    noisy = torch.where(masked, model.config.mask_token_id, batch)
+    with torch.no_grad():
+        noisy_h = hybrid_hidden_states(model, batch, noisy, 4)[:, 12:23]
+    scored = masked[:, 1:] | (torch.arange(1, 12) % 4 == 0)[None]
+    with torch.no_grad():
+        want = certainty_entropy(model.logits(noisy_h[scored]), batch[:, 1:][scored], 0.7)
+    assert parts["certainty"] == pytest.approx(float(want), rel=1e-5)
