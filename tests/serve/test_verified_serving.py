@@ -43,7 +43,7 @@ def test_verified_completion_equals_next_token_decoding_and_is_counted(hybrid_se
     metrics = httpx.get(f"{hybrid_server.url}/metrics").text
     drafted = [line for line in metrics.splitlines() if line.startswith("celeris_spec_decode_num_draft_tokens_total")]
     assert drafted and float(drafted[0].split()[-1]) > 0
-    assert 'celeris_spec_decode_num_accepted_tokens_per_pos_total{position="1"}' in metrics
+    assert 'celeris_spec_decode_num_accepted_tokens_per_pos_total{model="tiny-serve",position="1"}' in metrics
 
 
 def test_verified_refuses_settings_it_cannot_honour(hybrid_server):
