@@ -235,6 +235,8 @@ class LiveView {
       this.set("tpf", details.tokens_per_forward.toFixed(2));
       if (details.tokens) this.draw(details);
     }
+    const text = choice.text !== undefined ? choice.text : (choice.delta && choice.delta.content);
+    if (!choice.finish_reason && text) $(`${this.prefix}-text`).textContent = text;  // the canvas, masks as \u2591
     if (choice.finish_reason) {
       this.finishReason = choice.finish_reason;
       this.text = choice.text !== undefined ? choice.text : (choice.delta && choice.delta.content) || "";
