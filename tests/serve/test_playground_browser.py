@@ -220,3 +220,20 @@ def test_view_code_and_a_narrow_window(server, browser):
         aside: document.getElementById('settings').getBoundingClientRect().bottom,
         view: document.getElementById('view-generate').getBoundingClientRect().top};""")
     assert layout["scroll"] <= layout["width"] and layout["aside"] <= layout["view"], layout
+
+
+def test_chat_mode_with_a_system_prompt(server, browser):
+    open_page(browser, server.url)
+    browser.find_element(By.CSS_SELECTOR, "input[name=mode][value=chat]").click()
+    assert browser.find_element(By.ID, "system").is_displayed()
+    set_field(browser, "system", "Answer with code only.")
+    set_field(browser, "prompt", "write a fibonacci function")
+    set_field(browser, "max_tokens", "24")
+    browser.find_element(By.ID, "generate").click()
+    WebDriverWait(browser, 60).until(lambda d: text_of(d, "status") != "generating")
+    assert text_of(browser, "status").startswith("done"), text_of(browser, "error")
+    messages = [{"role": "system", "content": "Answer with code only."},
+                {"role": "user", "content": "write a fibonacci function"}]
+    resp = httpx.post(f"{server.url}/v1/chat/completions", headers={"Authorization": f"Bearer {KEY}"}, timeout=60,
+                      json={"model": HYBRID, "messages": messages, "max_tokens": 24, "seed": 0})
+    assert text_of(browser, "gen-text") == resp.json()["choices"][0]["message"]["content"]

@@ -326,6 +326,11 @@ class LiveView {
   }
 }
 
+function defaultMaxTokens(model) {
+  const gen = (state.cards[model] && state.cards[model].generation_config) || {};
+  return gen.max_tokens || gen.max_new_tokens || 64;  // the canvas grows if the answer is longer
+}
+
 // ---- generate -------------------------------------------------------------------------------------
 
 let live;
@@ -338,7 +343,7 @@ function setRunning(running) {
 async function generate() {
   clearError();
   const [path, body] = buildRequest($("model").value, $("prompt").value, true);
-  const numTokens = body.max_tokens || (state.cards[body.model]?.generation_config || {}).max_new_tokens || 64;
+  const numTokens = body.max_tokens || defaultMaxTokens(body.model);
   state.controller = new AbortController();
   setRunning(true);
   $("status").textContent = "generating";
@@ -368,7 +373,7 @@ const RACE_SETTINGS = ["max_tokens", "seed", "temperature"];
 
 async function runLane(view, model, prompt, signal) {
   const [path, body] = buildRequest(model, prompt, true, RACE_SETTINGS);
-  view.start(body.max_tokens || (state.cards[model]?.generation_config || {}).max_new_tokens || 64);
+  view.start(body.max_tokens || defaultMaxTokens(model));
   await streamRequest(path, body, signal, (chunk) => view.onChunk(chunk));
   view.finish();
   return view.usage ? view.usage.completion_tokens / view.elapsed() : 0;
