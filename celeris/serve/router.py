@@ -47,11 +47,11 @@ class ModelRouter:
     """Serves several models; each request goes to the one its ``model`` names (the first when omitted).
 
     Args:
-        servings: one serving layer per model, the default first; their ``model_name`` must differ. Their
-            metrics should share one registry (``ServerMetrics.for_model``) so /metrics shows them all.
+        servings: one serving layer per model, the default first; their ``model_name`` must differ and their
+            metrics must share one registry (pass one ``ServerMetrics`` to each), so /metrics shows them all.
 
     Raises:
-        ValueError: no serving layer, or two with the same model name.
+        ValueError: no serving layer, two with the same model name, or metrics in different registries.
     """
 
     def __init__(self, servings: list[OpenAIServing]) -> None:
@@ -62,6 +62,8 @@ class ModelRouter:
         if duplicates:
             raise ValueError(f"two served models have the same name {duplicates}; give each its own folder or "
                              "--served-model-name")
+        if any(s.metrics.registry is not servings[0].metrics.registry for s in servings):
+            raise ValueError("the served models' metrics must share one registry: pass one ServerMetrics to each")
         self.servings = {s.model_name: s for s in servings}
         self.default = servings[0]
         self.metrics: ServerMetrics = self.default.metrics

@@ -112,6 +112,9 @@ def test_a_router_refuses_two_models_of_one_name(serve_llm):
                 for _ in range(2)]
     with pytest.raises(ValueError, match="same name"):
         ModelRouter(servings)
+    servings[1].model_name = "other"
+    with pytest.raises(ValueError, match="share one registry"):
+        ModelRouter(servings)
 
 
 def test_also_serve_options_are_checked(capsys):
