@@ -530,6 +530,9 @@ def _serve_parser(sub) -> None:
     s.add_argument("--drain-timeout", type=float, default=30.0,
                    help="on SIGTERM, seconds requests in flight may still run before they are cut (default 30)")
     s.add_argument("--served-model-name", help="the model name clients send (default: the checkpoint folder name)")
+    s.add_argument("--also-serve", action="append", default=[], metavar="MODEL",
+                   help="serve this checkpoint too (repeatable; named by its folder; requests choose by 'model'; "
+                   "the playground's race view compares them)")
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
 
 
@@ -538,6 +541,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     if args.model and not resolve_model(args.model).is_dir():
         raise CheckpointError(f"checkpoint folder '{args.model}' does not exist")
+    for extra in args.also_serve:
+        if not resolve_model(extra).is_dir():
+            raise CheckpointError(f"--also-serve: checkpoint folder '{extra}' does not exist")
+    names = [args.served_model_name or resolve_model(args.model).name] + [resolve_model(m).name for m in args.also_serve]
+    if len(set(names)) < len(names):
+        raise UsageError(f"--also-serve: two served models would have the same name ({', '.join(names)})")
     for name in ("max_num_seqs", "max_waiting"):
         if getattr(args, name) < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
@@ -560,7 +569,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return run_server(args.model, host=args.host, port=args.port, max_num_seqs=args.max_num_seqs,
                       max_waiting=args.max_waiting, request_timeout=args.request_timeout, api_key=args.api_key,
                       served_model_name=args.served_model_name, device=args.device, log_level=args.log_level,
-                      limits=limits, dtype=args.dtype, enforce_eager=not args.compile,
+                      limits=limits, also_serve=args.also_serve, dtype=args.dtype, enforce_eager=not args.compile,
                       trust_remote_code=args.trust_remote_code)
 
 

@@ -114,6 +114,12 @@ class Engine:
     def has_unfinished(self) -> bool:
         return self.scheduler.num_unfinished > 0
 
+    def pending_drafts(self, request: Request) -> list[int]:
+        """Under verified decoding, the drafts the request's next pass checks (token ids for the answer positions
+        right after its committed tokens); [] for other requests and after the last pass."""
+        row = self._draft_rows.get(request)
+        return list(row.drafts) if row is not None and not row.finished else []
+
     @torch.no_grad()
     def step(self) -> list[StepOutput]:
         """Run one denoising step for every scheduled request; returns one StepOutput each."""

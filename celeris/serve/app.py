@@ -23,7 +23,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
-from celeris.serve.metrics import MetricsMiddleware
+from celeris.serve.metrics import MetricsMiddleware, ServerMetrics
 from celeris.serve.middleware import REQUEST_ID, RequestGuard, install_request_id_logging
 from celeris.serve.protocol import (
     APIError,
@@ -33,6 +33,7 @@ from celeris.serve.protocol import (
     parse_request,
     validation_error,
 )
+from celeris.serve.router import ModelRouter
 from celeris.serve.server import ServerLimits, make_server
 from celeris.serve.serving import ClientDisconnected, OpenAIServing
 
@@ -113,13 +114,29 @@ def check_api_key_value(api_key: str | None) -> None:
         raise ValueError("the API key has leading or trailing whitespace, which a bearer token cannot carry")
 
 
-def create_app(serving: OpenAIServing, api_key: str | None = None, manage_engine: bool = True,
+PLAYGROUND = Path(__file__).parent / "static"
+
+
+def mount_playground(app: FastAPI) -> None:
+    """The playground page at ``/`` and its files under ``/static`` (package data; open even with an API key:
+    the page asks for the key and sends it on its /v1 calls)."""
+    from fastapi.staticfiles import StaticFiles
+
+    @app.get("/", include_in_schema=False)
+    async def playground() -> Response:
+        return Response((PLAYGROUND / "index.html").read_bytes(), media_type="text/html; charset=utf-8",
+                        headers={"Cache-Control": "no-cache"})
+
+    app.mount("/static", StaticFiles(directory=PLAYGROUND), name="static")
+
+
+def create_app(serving: OpenAIServing | ModelRouter, api_key: str | None = None, manage_engine: bool = True,
                limits: ServerLimits | None = None, stall_timeout_s: float = STALL_TIMEOUT_S) -> FastAPI:
     """The FastAPI app for one serving layer.
 
     Args:
-        serving: the serving layer (its engine loop is started and stopped with the app when
-            ``manage_engine``).
+        serving: the serving layer, or a ``ModelRouter`` over several (engine loops are started and stopped
+            with the app when ``manage_engine``).
         api_key: when set, /v1 routes require ``Authorization: Bearer <api_key>`` (401 otherwise),
             and the interactive docs (/docs, /redoc, /openapi.json) are off.
         limits: body size and body deadline (``RequestGuard``); the defaults when None.
@@ -236,6 +253,8 @@ def create_app(serving: OpenAIServing, api_key: str | None = None, manage_engine
         body, content_type = serving.metrics.render()
         return Response(body, media_type=content_type)
 
+    mount_playground(app)
+
     return app
 
 
@@ -299,18 +318,27 @@ def run_server(
     device: str | None = None,
     log_level: str = "info",
     limits: ServerLimits | None = None,
+    also_serve: list[str | Path] | None = None,
     **load_options: object,
 ) -> int:
     """Load a checkpoint and serve it until SIGTERM/SIGINT, then drain (``celeris serve``).
 
-    ``load_options`` (dtype, enforce_eager, trust_remote_code) go to ``celeris.llm.LLM``.
+    ``load_options`` (dtype, enforce_eager, trust_remote_code) go to ``celeris.llm.LLM``. ``also_serve``: more
+    checkpoints served beside it (each named by its folder; requests choose by ``model``).
+
+    Raises:
+        ValueError: two models with the same name, or a bad API key.
     """
     check_api_key_value(api_key)
     limits = limits or ServerLimits()
-    serving = OpenAIServing.from_model(model, device=device, max_num_seqs=max_num_seqs, max_waiting=max_waiting,
-                                       request_timeout=request_timeout, served_model_name=served_model_name,
-                                       **load_options)
+    shared = ServerMetrics()
+    options = dict(device=device, max_num_seqs=max_num_seqs, max_waiting=max_waiting, request_timeout=request_timeout,
+                   metrics=shared, **load_options)
+    servings = [OpenAIServing.from_model(model, served_model_name=served_model_name, **options)]
+    servings += [OpenAIServing.from_model(extra, **options) for extra in also_serve or []]
+    serving = servings[0] if len(servings) == 1 else ModelRouter(servings)
     app = create_app(serving, api_key=api_key, limits=limits)
-    logger.info("serving %s on http://%s:%d", serving.model_name, host, port)
+    logger.info("serving %s on http://%s:%d (playground: http://%s:%d/)", ", ".join(s.model_name for s in servings),
+                host, port, host, port)
     make_server(app, serving, limits, log_level=log_level, host=host, port=port).run()
     return 0

@@ -58,6 +58,8 @@ class StepEvent:
         num_committed: answer positions committed so far.
         canvas_ids: the whole answer span (mask id where still masked), only for groups
             submitted with ``want_canvas``.
+        draft_ids: under verified decoding, the drafts the next pass checks (answer positions right after
+            the committed ones), only with ``want_canvas``.
         error: what went wrong when ``finish_reason == "error"``.
         error_code: machine-readable code of that error (``"no_progress"``: a denoising step committed
             nothing; ``"engine_error"``: the step itself failed).
@@ -71,6 +73,7 @@ class StepEvent:
     steps: int = 0
     num_committed: int = 0
     canvas_ids: list[int] | None = None
+    draft_ids: list[int] | None = None
     error: str | None = None
     error_code: str | None = None
 
@@ -310,6 +313,7 @@ class AsyncEngine:
             event.num_committed = int((request.answer != request.mask_id).sum())
             if group.want_canvas:
                 event.canvas_ids = request.answer.tolist()
+                event.draft_ids = self.engine.pending_drafts(request)
             error = error or request.error
             event.error_code = request.error_code
         event.error = error

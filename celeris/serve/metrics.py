@@ -7,6 +7,8 @@ counts 2), the cost measure of a diffusion model.
 
 from __future__ import annotations
 
+import copy
+
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily
 
@@ -17,36 +19,72 @@ NFE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 KNOWN_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
 
 
-class ServerMetrics:
-    """The server's counters, histograms and gauges (all thread-safe; the engine thread sets the gauges)."""
+class _Labelled:
+    """A labelled metric with its ``model`` label bound: ``labels(code=...)`` adds the other labels."""
 
-    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+    def __init__(self, parent, model: str) -> None:
+        self.parent, self.model = parent, model
+
+    def labels(self, **labels: str):
+        return self.parent.labels(model=self.model, **labels)
+
+
+class ServerMetrics:
+    """The server's counters, histograms and gauges (all thread-safe; the engine thread sets the gauges).
+
+    Every per-model series carries a ``model`` label (the served model name): one registry serves all the
+    models of a server (``celeris serve --also-serve``); ``for_model(name)`` is a view whose attributes record
+    into that model's series. HTTP request counts (``celeris_http_requests``) are per server, without it.
+    """
+
+    def __init__(self, registry: CollectorRegistry | None = None, model: str | None = None) -> None:
         self.registry = registry or CollectorRegistry()
         r = self.registry
+        m = ["model"]
         self.requests = Counter("celeris_http_requests", "HTTP requests by path and status code",
                                 ["path", "status"], registry=r)
-        self.ttft = Histogram("celeris_time_to_first_token_seconds", "Arrival to the first final answer text",
-                              buckets=LATENCY_BUCKETS, registry=r)
-        self.e2e = Histogram("celeris_e2e_request_latency_seconds", "Arrival to the full answer (successful requests)",
-                             buckets=LATENCY_BUCKETS, registry=r)
-        self.output_tokens = Counter("celeris_output_tokens", "Answer tokens returned to clients", registry=r)
-        self.prompt_tokens = Counter("celeris_prompt_tokens", "Prompt (and suffix) tokens of finished requests",
-                                     registry=r)
-        self.nfe = Histogram("celeris_request_nfe", "Forward passes per answer (a CFG step counts 2)",
-                             buckets=NFE_BUCKETS, registry=r)
-        self.waiting = Gauge("celeris_num_requests_waiting", "Requests queued in the engine", registry=r)
-        self.running = Gauge("celeris_num_requests_running", "Requests being denoised", registry=r)
-        self.rejected = Counter("celeris_rejected_requests", "Requests refused with 429 (queue full)", registry=r)
-        self.failed = Counter("celeris_failed_requests", "Engine requests ended with an error, by code "
-                              "(no_progress: a denoising step committed nothing; engine_error)", ["code"],
-                              registry=r)
-        self.aborted = Counter("celeris_aborted_requests", "Engine requests aborted, by reason", ["reason"],
+        self._ttft = Histogram("celeris_time_to_first_token_seconds", "Arrival to the first final answer text", m,
+                               buckets=LATENCY_BUCKETS, registry=r)
+        self._e2e = Histogram("celeris_e2e_request_latency_seconds", "Arrival to the full answer (successful requests)",
+                              m, buckets=LATENCY_BUCKETS, registry=r)
+        self._output_tokens = Counter("celeris_output_tokens", "Answer tokens returned to clients", m, registry=r)
+        self._prompt_tokens = Counter("celeris_prompt_tokens", "Prompt (and suffix) tokens of finished requests", m,
+                                      registry=r)
+        self._nfe = Histogram("celeris_request_nfe", "Forward passes per answer (a CFG step counts 2)", m,
+                              buckets=NFE_BUCKETS, registry=r)
+        self._waiting = Gauge("celeris_num_requests_waiting", "Requests queued in the engine", m, registry=r)
+        self._running = Gauge("celeris_num_requests_running", "Requests being denoised", m, registry=r)
+        self._rejected = Counter("celeris_rejected_requests", "Requests refused with 429 (queue full)", m, registry=r)
+        self._failed = Counter("celeris_failed_requests", "Engine requests ended with an error, by code "
+                               "(no_progress: a denoising step committed nothing; engine_error)", ["code", *m],
                                registry=r)
+        self._aborted = Counter("celeris_aborted_requests", "Engine requests aborted, by reason", ["reason", *m],
+                                registry=r)
+        self._drafts = _DraftCollector()
+        r.register(self._drafts)
+        if model is not None:  # else only the HTTP counts until for_model (no empty-named series)
+            self._bind(model)
+
+    def _bind(self, model: str) -> None:
+        self.model = model
+        self.ttft, self.e2e = self._ttft.labels(model=model), self._e2e.labels(model=model)
+        self.output_tokens = self._output_tokens.labels(model=model)
+        self.prompt_tokens = self._prompt_tokens.labels(model=model)
+        self.nfe = self._nfe.labels(model=model)
+        self.waiting, self.running = self._waiting.labels(model=model), self._running.labels(model=model)
+        self.rejected = self._rejected.labels(model=model)
+        self.failed, self.aborted = _Labelled(self._failed, model), _Labelled(self._aborted, model)
+
+    def for_model(self, model: str) -> ServerMetrics:
+        """A view on the same registry whose per-model series carry ``model="<model>"``."""
+        view = copy.copy(self)
+        view._bind(model)
+        return view
 
     def watch_drafts(self, engine) -> None:
         """Expose the engine's verified-decoding counters (read at scrape time), as vLLM reports speculative
         decoding: drafts checked and accepted in total and per draft position (1 = the first drafted token)."""
-        self.registry.register(_DraftCollector(engine))
+        self._drafts.engines[self.model] = engine
 
     def set_queue_stats(self, num_waiting: int, num_running: int) -> None:
         self.waiting.set(num_waiting)
@@ -58,27 +96,29 @@ class ServerMetrics:
 
 
 class _DraftCollector:
-    """Prometheus collector over ``engine.drafter`` (``celeris.sampling.verified.VerifiedDecoder``)."""
+    """Prometheus collector over each model's ``engine.drafter`` (``celeris.sampling.verified.VerifiedDecoder``)."""
 
-    def __init__(self, engine) -> None:
-        self.engine = engine
+    def __init__(self) -> None:
+        self.engines: dict[str, object] = {}  # model name -> engine
 
     def describe(self) -> list:
         return []  # registered without a description: read only at collect time
 
     def collect(self):
-        drafter = self.engine.drafter
-        drafted = list(drafter.drafted) if drafter else []
-        accepted = list(drafter.accepted) if drafter else []
-        total_d = CounterMetricFamily("celeris_spec_decode_num_draft_tokens", "Draft tokens checked (verified decoding)")
+        total_d = CounterMetricFamily("celeris_spec_decode_num_draft_tokens", "Draft tokens checked (verified decoding)",
+                                      labels=["model"])
         total_a = CounterMetricFamily("celeris_spec_decode_num_accepted_tokens",
-                                      "Draft tokens accepted (verified decoding)")
+                                      "Draft tokens accepted (verified decoding)", labels=["model"])
         per_pos = CounterMetricFamily("celeris_spec_decode_num_accepted_tokens_per_pos",
-                                      "Accepted draft tokens by draft position", labels=["position"])
-        total_d.add_metric([], sum(drafted))
-        total_a.add_metric([], sum(accepted))
-        for j, a in enumerate(accepted):
-            per_pos.add_metric([str(j + 1)], a)
+                                      "Accepted draft tokens by draft position", labels=["position", "model"])
+        for model, engine in list(self.engines.items()):
+            drafter = engine.drafter
+            drafted = list(drafter.drafted) if drafter else []
+            accepted = list(drafter.accepted) if drafter else []
+            total_d.add_metric([model], sum(drafted))
+            total_a.add_metric([model], sum(accepted))
+            for j, a in enumerate(accepted):
+                per_pos.add_metric([str(j + 1), model], a)
         yield from (total_d, total_a, per_pos)
 
 

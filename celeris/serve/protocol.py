@@ -338,6 +338,23 @@ class DecodingDetails(BaseModel):
     remasking: str
 
 
+class DenoiseDetails(DecodingDetails):
+    """``choice.celeris`` of a ``stream_mode: "denoise"`` chunk: the decoding details so far plus the canvas.
+
+    Attributes:
+        tokens: per answer position, the committed token's text piece (each token decoded alone), None
+            while the position is masked.
+        token_steps: per answer position, the value of ``steps`` after the step that committed it (1 = the
+            first denoising step, or verified decoding's first pass), None while masked.
+        drafts: verified decoding only: the text pieces of the drafts the next pass checks, for the
+            positions right after the committed ones ([] otherwise).
+    """
+
+    tokens: list[str | None]
+    token_steps: list[int | None]
+    drafts: list[str] = Field(default_factory=list)
+
+
 class OmitNoneExtras(BaseModel):
     """Serializes without the fields in ``omit_if_none`` when they are None (extensions stay off the wire)."""
 
@@ -361,7 +378,7 @@ class CompletionChoice(OmitNoneExtras):
     # Celeris extension, stream_mode "denoise" only: the step this canvas snapshot follows.
     step: int | None = None
     # Celeris extension: how the answer was decoded (full responses, the last chunk of a choice, denoise chunks).
-    celeris: DecodingDetails | None = None
+    celeris: DenoiseDetails | DecodingDetails | None = None
 
 
 class CompletionResponse(BaseModel):
@@ -443,7 +460,7 @@ class ChatStreamChoice(OmitNoneExtras):
     logprobs: None = None
     finish_reason: str | None = None
     step: int | None = None
-    celeris: DecodingDetails | None = None
+    celeris: DenoiseDetails | DecodingDetails | None = None
 
 
 class ChatCompletionChunk(BaseModel):
@@ -455,12 +472,19 @@ class ChatCompletionChunk(BaseModel):
     usage: UsageInfo | None = None
 
 
-class ModelCard(BaseModel):
+class ModelCard(OmitNoneExtras):
+    """One served model. Celeris extensions: ``generation_config`` (the settings a request without them
+    gets: the checkpoint's generation_config.json, the playground's presets) and ``decoding_kind``
+    (``"diffusion"``, ``"autoregressive"`` or ``"hybrid"``)."""
+
+    omit_if_none: ClassVar[tuple[str, ...]] = ("generation_config", "decoding_kind")
     id: str
     object: Literal["model"] = "model"
     created: int = Field(default_factory=now)
     owned_by: str = "celeris"
     max_model_len: int | None = None
+    generation_config: dict | None = None
+    decoding_kind: str | None = None
 
 
 class ModelList(BaseModel):

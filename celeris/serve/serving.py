@@ -50,6 +50,7 @@ from celeris.serve.protocol import (
     DeltaFunctionCall,
     DeltaMessage,
     DeltaToolCall,
+    DenoiseDetails,
     ModelCard,
     ModelList,
     SamplingRequest,
@@ -101,6 +102,24 @@ class _Choice:
     finish_reason: str | None = None
     done: bool = False
     details: DecodingDetails | None = None
+    token_steps: list[int | None] | None = None  # stream_mode "denoise": the step that committed each position
+
+
+def denoise_details(details: DecodingDetails, choice: _Choice, event: StepEvent, mask_id: int,
+                    piece: Callable[[int], str]) -> DenoiseDetails:
+    """``details`` plus the canvas after ``event`` (``DenoiseDetails``): each committed position's text piece and
+    the step that committed it (positions newly unmasked since the previous event get ``event.steps``), and under
+    verified decoding the pending drafts. ``piece`` decodes one token id alone."""
+    ids = event.canvas_ids or []
+    if choice.token_steps is None:
+        choice.token_steps = [None] * len(ids)
+    steps = choice.token_steps
+    for i, tid in enumerate(ids):
+        if tid != mask_id and steps[i] is None:
+            steps[i] = event.steps
+    tokens = [None if tid == mask_id else piece(tid) for tid in ids]
+    return DenoiseDetails(**details.model_dump(), tokens=tokens, token_steps=list(steps),
+                          drafts=[piece(t) for t in event.draft_ids or []])
 
 
 def decoding_details(params: SamplingParams, event: StepEvent) -> DecodingDetails:
@@ -159,7 +178,8 @@ class OpenAIServing:
     ) -> None:
         self.llm = llm
         self.tokenizer = llm.tokenizer
-        self.metrics = metrics or ServerMetrics()
+        self.model_name = served_model_name or Path(llm.path).name
+        self.metrics = (metrics or ServerMetrics()).for_model(self.model_name)
         if async_engine is None:
             config = engine_config or EngineConfig()
             # the engine's queue counts free running slots, so it admits max_num_seqs + max_waiting in all
@@ -168,7 +188,6 @@ class OpenAIServing:
                                        on_stats=self.metrics.set_queue_stats)
         self.async_engine = async_engine
         self.metrics.watch_drafts(async_engine.engine)
-        self.model_name = served_model_name or Path(llm.path).name
         self.request_timeout = request_timeout
         self.context_length = llm.context_length
         self.mask_id = llm.model.config.mask_token_id
@@ -195,18 +214,21 @@ class OpenAIServing:
         max_waiting: int = 64,
         request_timeout: float = 60.0,
         served_model_name: str | None = None,
+        metrics: ServerMetrics | None = None,
         **load_options: object,
     ) -> OpenAIServing:
         """Load a checkpoint (None: the embedded default model) and build its serving layer (not started).
 
-        ``load_options`` (dtype, enforce_eager, trust_remote_code) go to ``celeris.llm.LLM``.
+        ``load_options`` (dtype, enforce_eager, trust_remote_code) go to ``celeris.llm.LLM``; ``metrics``: a
+        registry shared with other models' serving layers (``celeris serve --also-serve``).
         """
         from celeris.llm import LLM
 
         llm = LLM(model, device=device, max_batch_size=max_num_seqs, **load_options)
         config = EngineConfig(max_num_seqs=max_num_seqs, max_waiting=max_waiting, device=device,
                               dtype=load_options.get("dtype"), enforce_eager=load_options.get("enforce_eager", True))
-        return cls(llm, served_model_name=served_model_name, request_timeout=request_timeout, engine_config=config)
+        return cls(llm, served_model_name=served_model_name, request_timeout=request_timeout, engine_config=config,
+                   metrics=metrics)
 
     def start(self) -> None:
         self.async_engine.start()
@@ -216,8 +238,18 @@ class OpenAIServing:
 
     # -- endpoints --------------------------------------------------------------------------------
 
+    def model_card(self) -> ModelCard:
+        """This model's card, with its generation defaults and decoding kind (the playground reads them)."""
+        from celeris.sampling.verified import draft_length
+
+        model = self.llm.model
+        kind = ("hybrid" if draft_length(model) else "autoregressive") if getattr(model.config, "is_causal", False) \
+            else "diffusion"
+        return ModelCard(id=self.model_name, max_model_len=self.context_length,
+                         generation_config=dict(getattr(self.llm, "generation_config", {}) or {}), decoding_kind=kind)
+
     def show_models(self) -> ModelList:
-        return ModelList(data=[ModelCard(id=self.model_name, max_model_len=self.context_length)])
+        return ModelList(data=[self.model_card()])
 
     def show_model(self, model_id: str) -> ModelCard:
         """GET /v1/models/{model_id}: the served model's card, else 404 ``model_not_found``."""
@@ -400,6 +432,10 @@ class OpenAIServing:
         return _Run(group, choices, prompt_tokens, arrival, arrival + self.request_timeout, request.stream_mode,
                     is_disconnected)
 
+    def _piece(self, token_id: int) -> str:
+        """One token's text alone (special tokens as "")."""
+        return self.tokenizer.decode([token_id], skip_special_tokens=True)
+
     # -- driving a request ------------------------------------------------------------------------
 
     async def _next_event(self, run: _Run) -> StepEvent:
@@ -458,9 +494,12 @@ class OpenAIServing:
                     run.first_text_time = time.perf_counter()
                     self.metrics.ttft.observe(run.first_text_time - run.arrival)
                 canvas = None
-                if run.stream_mode == "denoise" and event.canvas_ids is not None and not choice.done:
-                    canvas = render_canvas(self.tokenizer.decode, event.canvas_ids, self.mask_id, self.eos_id)
-                details = choice.details if choice.done or canvas is not None else None
+                details = choice.details if choice.done else None
+                if run.stream_mode == "denoise" and event.canvas_ids is not None:
+                    if not choice.done:
+                        canvas = render_canvas(self.tokenizer.decode, event.canvas_ids, self.mask_id, self.eos_id)
+                    if choice.details is not None:
+                        details = denoise_details(choice.details, choice, event, self.mask_id, self._piece)
                 yield Update(event.index, delta, choice.finish_reason if choice.done else None, canvas, event.steps,
                              details)
             usage = run.usage()

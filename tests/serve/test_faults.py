@@ -78,7 +78,7 @@ def test_a_request_that_cannot_progress_ends_with_no_progress(serve_llm):
         error = assert_error(resp, 500, code="no_progress")
         assert "committed no token" in error["message"]
         metrics = httpx.get(f"{srv.url}/metrics", timeout=10).text
-        assert 'celeris_failed_requests_total{code="no_progress"}' in metrics
+        assert 'celeris_failed_requests_total{code="no_progress",model="tiny-serve"}' in metrics
         # the slots were freed: a normal-looking request is admitted (and fails the same way) at once
         assert_error(post(srv, "/v1/completions", {"prompt": "x", "max_tokens": 4}), 500, code="no_progress")
 

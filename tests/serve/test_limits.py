@@ -44,12 +44,16 @@ def idle(server) -> None:
 
 
 def metric(server, name: str, **labels) -> float:
+    """The sum of the ``name`` series whose labels include ``labels`` (the model label among others)."""
     text = httpx.get(f"{server.url}/metrics").text
-    want = name + ("{" + ",".join(f'{k}="{v}"' for k, v in labels.items()) + "}" if labels else "")
+    want = {f'{k}="{v}"' for k, v in labels.items()}
+    total = 0.0
     for line in text.splitlines():
-        if line.startswith(want + " "):
-            return float(line.split()[-1])
-    return 0.0
+        series, _, value = line.rpartition(" ")
+        base, _, rest = series.partition("{")
+        if base == name and want <= set(rest.rstrip("}").split(",") if rest else []):
+            total += float(value)
+    return total
 
 
 @pytest.fixture

@@ -43,7 +43,7 @@ def test_verified_completion_equals_next_token_decoding_and_is_counted(hybrid_se
     metrics = httpx.get(f"{hybrid_server.url}/metrics").text
     drafted = [line for line in metrics.splitlines() if line.startswith("celeris_spec_decode_num_draft_tokens_total")]
     assert drafted and float(drafted[0].split()[-1]) > 0
-    assert 'celeris_spec_decode_num_accepted_tokens_per_pos_total{position="1"}' in metrics
+    assert 'celeris_spec_decode_num_accepted_tokens_per_pos_total{model="tiny-serve",position="1"}' in metrics
 
 
 def test_verified_refuses_settings_it_cannot_honour(hybrid_server):
@@ -53,3 +53,19 @@ def test_verified_refuses_settings_it_cannot_honour(hybrid_server):
     with pytest.raises(ValueError, match="cfg_scale"):
         hybrid_server.llm.generate("x", SamplingParams(max_new_tokens=4, block_length=1, decoding="verified",
                                                         cfg_scale=1.0))
+
+
+def test_denoise_stream_shows_drafts_apart_from_accepted_tokens(hybrid_server):
+    """Each pass commits the accepted prefix of the drafts the previous chunk showed, plus one token."""
+    body = {"prompt": "def fibonacci(n):", "max_tokens": 12, "stream": True, "stream_mode": "denoise",
+            "draft_source": "slots"}
+    with httpx.stream("POST", f"{hybrid_server.url}/v1/completions", json=body, timeout=30) as resp:
+        chunks = [json.loads(line[6:]) for line in resp.iter_lines() if line.startswith("data: {")]
+    details = [c["choices"][0]["celeris"] for c in chunks]
+    assert details[0]["decoding"] == "verified" and any(d["drafts"] for d in details)
+    for before, after in zip(details, details[1:], strict=False):
+        start = before["tokens"].index(None) if None in before["tokens"] else len(before["tokens"])
+        new = [t for t in after["tokens"][start:] if t is not None]
+        # every committed token but the pass's own last one is an accepted draft (compared as text)
+        assert 1 <= len(new) <= len(before["drafts"]) + 1 and new[:-1] == before["drafts"][: len(new) - 1]
+        assert set(after["token_steps"][start:start + len(new)]) <= {after["steps"]}
