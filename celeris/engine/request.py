@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 import torch
 
 from celeris.params import SamplingParams
-from celeris.sampling.generate import cache_window, visible_end
+from celeris.sampling.cache import CACHE_MODES, cache_window, visible_end
 from celeris.sampling.schedule import block_plan, num_transfer_tokens
 from celeris.sampling.step import make_generator
 
@@ -105,13 +105,13 @@ class Request:
 
     def cache_columns(self) -> tuple[list[int], int] | None:
         """Canvas columns this step computes with a KV cache and where the block starts among them, or
-        None for a full pass: the reference sampler's rule (``celeris.sampling.generate.cache_window``,
-        plus ``stale_cols`` at a block's first step under the ``delayed`` cache)."""
+        None for a full pass: the cache policy's rule (``celeris.sampling.cache.cache_window``, plus
+        ``stale_cols`` at a block's first step under a policy that ``rewrites_stale``)."""
         window = cache_window(self.params.cache, self.blocks, self.block_idx, self.answer_start, self.visible_end,
                               self.step_in_block, self.params.cache_refresh)
         if window is None:
             return None
-        stale = self.stale_cols if self.params.cache == "delayed" and self.step_in_block == 0 else []
+        stale = self.stale_cols if CACHE_MODES[self.params.cache].rewrites_stale and self.step_in_block == 0 else []
         return stale + list(range(*window)), len(stale) + self.block_span[0] - window[0]
 
     def tokens_this_step(self) -> int:

@@ -6,6 +6,7 @@ import torch
 
 from celeris.engine.request import Request
 from celeris.models.layers import KVCache, column_window
+from celeris.sampling.cache import CACHE_MODES
 from celeris.sampling.step import guided
 
 Row = tuple[Request, str]  # (request, "cond" | "uncond"): a CFG request owns an unconditional row too
@@ -150,7 +151,7 @@ class ModelRunner:
         return logits, block
 
     def _needs_full_pass(self, r: Request) -> bool:
-        return r.params.cache == "none" or self.pool.row(r) is None or r.cache_columns() is None
+        return not CACHE_MODES[r.params.cache].uses_cache or self.pool.row(r) is None or r.cache_columns() is None
 
     def _uncond(self, canvas: torch.Tensor, is_answer: torch.Tensor) -> torch.Tensor:
         """CFG's unconditional input: prompt and suffix replaced by the mask token."""

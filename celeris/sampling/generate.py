@@ -3,7 +3,7 @@
 Semi-autoregressive remasking (LLaDA arXiv:2502.09992, Sec. 2.4 and App. B):
 the answer starts fully masked and is denoised block by block, left to right.
 At every denoising step the model predicts all positions at once; a commit
-rule (``celeris.sampling.select.COMMIT_RULES``) decides which masked positions
+rule (``celeris.sampling.rules.COMMIT_RULES``) decides which masked positions
 of the current block take their prediction, the rest stay masked. Committed
 tokens never change.
 """
@@ -16,9 +16,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from celeris.models.celeris import KVCache
-from celeris.models.layers import column_window
+from celeris.models.layers import KVCache
 from celeris.params import SamplingParams
+from celeris.sampling.cache import CACHE_MODES, cache_args, cache_window, delayed_columns, visible_end
 from celeris.sampling.schedule import block_plan, num_transfer_tokens
 from celeris.sampling.step import (
     NoProgressError,
@@ -109,65 +109,6 @@ def answer_done(answer: torch.Tensor, eos_id: int, mask_id: int) -> torch.Tensor
     return is_eos.any(-1) & ~masked_before
 
 
-def visible_end(total: int, block_end: int, suffix_window: int) -> int:
-    """Canvas columns [0, visible_end) a pass sees: all ``total``, or up to ``suffix_window`` columns past
-    the block's end column ``block_end`` (``SamplingParams.suffix_window``; 0 = all)."""
-    return total if not suffix_window else min(total, block_end + suffix_window)
-
-
-def cache_window(
-    mode: str, blocks: list[tuple[int, int]], block_idx: int, answer_start: int, total: int, step_in_block: int,
-    refresh: int = 0,
-) -> tuple[int, int] | None:
-    """Canvas columns [w0, w1) a step recomputes; None means a full pass that (re)fills the cache.
-
-    ``blocks`` is the answer's block plan (``block_plan``: [start, end) offsets in the
-    answer), ``block_idx`` the block being denoised, ``answer_start`` the answer's first
-    canvas column and ``total`` the end of what the passes see (the canvas length, or
-    ``visible_end`` under a ``suffix_window``); the block is ``span`` below.
-
-    ``none``: always all. ``prefix`` / ``dual`` (Fast-dLLM): a full pass at each
-    block's first step, then block..end (prefix) or the block (dual).
-    ``delayed``: one full pass (prefill) at the very first step, and again at the
-    first step of every ``refresh``-th block when ``refresh`` > 0, else only the
-    block; at another block's first step the caller adds the columns committed at
-    the previous block's last step (``delayed_columns``). ``refresh`` 1 is the dual cache.
-    ``dual_delayed``: as ``delayed``, except that another block's first step recomputes
-    from the previous block's first column to the end: the previous block with its
-    final tokens and the whole masked suffix; the prompt and older blocks keep the
-    keys/values they were last computed with.
-    """
-    span = slice(answer_start + blocks[block_idx][0], answer_start + blocks[block_idx][1])
-    if mode in ("delayed", "dual_delayed"):
-        full = step_in_block == 0 and (block_idx == 0 or (refresh > 0 and block_idx % refresh == 0))
-        if full:
-            return None
-        if mode == "dual_delayed" and step_in_block == 0:
-            return (answer_start + blocks[block_idx - 1][0], total)
-        return (span.start, span.stop)
-    if mode == "none" or step_in_block == 0:
-        return None
-    return (span.start, total) if mode == "prefix" else (span.start, span.stop)
-
-
-def delayed_columns(
-    stale: list[list[int]], span: slice, device: torch.device
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-row window of a ``delayed`` cache at a block's first step: each row's stale columns
-    (committed at its previous block's last step, so their cached keys/values were computed
-    while they were still masked: dKV-Cache's one-step delayed caching, arXiv:2505.15781),
-    then the block. Returns the (B, Lw) columns, padded by repeating the block's last column,
-    and the (B, L) index of the block's columns inside them."""
-    block = list(range(span.start, span.stop))
-    index = [[len(s) + j for j in range(len(block))] for s in stale]
-    return column_window([s + block for s in stale], device), torch.tensor(index, device=device)
-
-
-def cache_args(cache: KVCache | None, window: tuple[int, int] | torch.Tensor | None) -> dict:
-    """Keyword arguments for the model: fill ``cache`` (window None) or read it (window given)."""
-    return {} if cache is None else {"cache": cache, "window": window}
-
-
 @torch.no_grad()
 def generate(
     model: torch.nn.Module,
@@ -225,7 +166,8 @@ def generate(
     check_model_support(model, sp, any(suffix_ids or []))
     constraints = row_constraints(rows, grammar_tokenizer)
     blocks, steps_per_block = block_plan(sp.max_new_tokens, sp.block_length, sp.steps)
-    caches = (KVCache(), KVCache()) if sp.cache != "none" else (None, None)
+    policy = CACHE_MODES[sp.cache]
+    caches = (KVCache(), KVCache()) if policy.uses_cache else (None, None)
     nfe = steps = 0
     first_token_s: list[float | None] = [None] * b
     last_commit: list[list[int]] = [[] for _ in range(b)]  # per row: columns its latest committing step filled
@@ -241,7 +183,7 @@ def generate(
                 step_attn = attn & (torch.arange(canvas.shape[1], device=device) < visible)
             window = cache_window(sp.cache, blocks, block_idx, lp, visible, step_in_block, sp.cache_refresh)
             where = {"logits_slice": span}
-            if sp.cache == "delayed" and step_in_block == 0 and window is not None:
+            if policy.rewrites_stale and step_in_block == 0 and window is not None:
                 window, index = delayed_columns(last_commit, span, device)
                 where = {"logits_index": index}
             logits = model(canvas, step_attn, **where, **cache_args(caches[0], window))  # (B, L, V)

@@ -1,12 +1,11 @@
-"""Per-step token choice and commit rules for masked diffusion.
+"""Per-step token choice for masked diffusion: sampling, filtering and the remasking confidences
+(the commit rules and the registries that name them are in ``celeris.sampling.rules``).
 
 Every function is vectorised over the batch; shapes use B (batch), L (positions
 of the block being denoised) and V (vocabulary).
 """
 
 from __future__ import annotations
-
-from collections.abc import Callable
 
 import torch
 
@@ -132,64 +131,7 @@ def neg_entropy_confidence(
     return torch.special.xlogy(probs.double(), probs.double()).sum(-1)
 
 
-# remasking name -> confidence; Dream's ``maskgit_plus`` is ``low_confidence``.
-CONFIDENCE: dict[str, Callable[..., torch.Tensor]] = {
-    "low_confidence": low_confidence,
-    "random": random_confidence,
-    "margin": margin_confidence,
-    "entropy": neg_entropy_confidence,
-}
-
-
 def rank_desc(scores: torch.Tensor) -> torch.Tensor:
     """Rank of every entry within its row when sorted descending (0 = highest); (B, L) -> (B, L)."""
     order = scores.argsort(dim=-1, descending=True, stable=True)
     return order.argsort(dim=-1)
-
-
-def commit_fixed(conf: torch.Tensor, num_tokens: torch.Tensor, **_: object) -> torch.Tensor:
-    """Commit the ``num_tokens`` (B,) most confident masked positions (LLaDA low-confidence remasking).
-
-    ``conf`` (B, L) is -inf at positions that are not masked. Returns (B, L) bool.
-    """
-    return (rank_desc(conf) < num_tokens[:, None]) & (conf > NEG_INF)
-
-
-def _at_least_one(conf: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
-    """Add each row's most confident masked position, so every step makes progress."""
-    return chosen | ((rank_desc(conf) == 0) & (conf > NEG_INF))
-
-
-def commit_threshold(conf: torch.Tensor, threshold: float, **_: object) -> torch.Tensor:
-    """Fast-dLLM (arXiv:2505.22618, Sec. 3.3): commit every masked position with confidence > threshold,
-    and at least the most confident one. Returns (B, L) bool."""
-    return _at_least_one(conf, conf > threshold)
-
-
-def commit_factor(conf: torch.Tensor, factor: float, **_: object) -> torch.Tensor:
-    """Fast-dLLM factor rule: with confidences sorted c_1 >= c_2 >= ..., commit the n most
-    confident for the largest n with c_j >= 1 - factor / (j + 1) for all j <= n (at least one)."""
-    sorted_conf, order = conf.sort(dim=-1, descending=True)  # (B, L)
-    j = torch.arange(1, conf.shape[-1] + 1, device=conf.device, dtype=conf.dtype)
-    ok = (sorted_conf >= 1 - factor / (j + 1)) & (sorted_conf > NEG_INF)
-    prefix = ok.long().cumprod(-1).bool()  # accepted while every earlier one was accepted
-    chosen = torch.zeros_like(prefix).scatter(-1, order, prefix)
-    return _at_least_one(conf, chosen)
-
-
-def commit_entropy(conf: torch.Tensor, entropy: torch.Tensor, entropy_bound: float, **_: object) -> torch.Tensor:
-    """EB-sampler (arXiv:2505.24857): in confidence order, commit positions while the summed
-    entropy (nats) of the committed set stays <= entropy_bound; at least one per step."""
-    _, order = conf.sort(dim=-1, descending=True)
-    ent_sorted = entropy.gather(-1, order).masked_fill(conf.gather(-1, order) == NEG_INF, float("inf"))
-    prefix = ent_sorted.cumsum(-1) <= entropy_bound
-    chosen = torch.zeros_like(prefix).scatter(-1, order, prefix)
-    return _at_least_one(conf, chosen)
-
-
-COMMIT_RULES: dict[str, Callable[..., torch.Tensor]] = {
-    "fixed": commit_fixed,
-    "threshold": commit_threshold,
-    "factor": commit_factor,
-    "entropy": commit_entropy,
-}

@@ -17,7 +17,8 @@ from celeris.models import celeris as celeris_module
 from celeris.models import layers
 from celeris.models.registry import FORMATS, load_any
 from celeris.params import SamplingParams
-from celeris.sampling.generate import cache_window, generate
+from celeris.sampling.cache import cache_window
+from celeris.sampling.generate import generate
 from tests.models.conftest_formats import padded_batch, write_dream, write_llada
 
 WRITERS = {"llada": write_llada, "dream": write_dream}

@@ -7,12 +7,9 @@ import itertools
 import pytest
 import torch
 
+from celeris.sampling.rules import commit_entropy, commit_factor, commit_fixed, commit_threshold
 from celeris.sampling.select import (
     NEG_INF,
-    commit_entropy,
-    commit_factor,
-    commit_fixed,
-    commit_threshold,
     low_confidence,
     margin_confidence,
     neg_entropy_confidence,
