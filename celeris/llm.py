@@ -13,7 +13,7 @@ import torch
 from celeris.config import EngineConfig, resolve_device, resolve_dtype
 from celeris.engine import Engine, Request
 from celeris.models.registry import load_any, load_tokenizer
-from celeris.params import SamplingParams
+from celeris.params import SamplingParams, causal_defaults
 from celeris.serve.detokenize import find_stop
 from celeris.structured.grammar import grammar_tokenizer
 
@@ -61,13 +61,6 @@ class RequestOutput:
     num_committed: int = 0
     error_code: str | None = None
     error: str | None = None
-
-
-def causal_defaults(generation_config: dict) -> dict:
-    """An autoregressive (causal) model's defaults: blocks of one token, and the ``delayed`` cache unless the
-    file asks for ``none`` (``check_model_support`` refuses anything else for such a model)."""
-    cache = generation_config.get("cache", "delayed")
-    return {**generation_config, "block_length": 1, "cache": cache if cache in ("none", "delayed") else "delayed"}
 
 
 class LLM:
@@ -129,11 +122,11 @@ class LLM:
             raise ValueError("prompt must not be empty")
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         suffix_ids = self.tokenizer.encode(suffix) if suffix else []
-        need = len(ids) + params.max_new_tokens + len(suffix_ids)
+        need = len(ids) + params.max_tokens + len(suffix_ids)
         if need > self.context_length:
             raise ValueError(
-                f"prompt ({len(ids)} tokens) + suffix ({len(suffix_ids)}) + max_new_tokens "
-                f"({params.max_new_tokens}) = {need} tokens exceeds the context window of "
+                f"prompt ({len(ids)} tokens) + suffix ({len(suffix_ids)}) + max_tokens "
+                f"({params.max_tokens}) = {need} tokens exceeds the context window of "
                 f"{self.context_length} tokens"
             )
         return ids, suffix_ids

@@ -37,7 +37,7 @@ def main() -> None:
     tok = Tokenizer(resolve_model(args.model))
     problems = load_humaneval(args.prompts)[: args.num_prompts]
     ids = [tok.encode(heal_prompt(p["prompt"])) for p in problems]
-    params = SamplingParams(max_new_tokens=args.max_new_tokens, steps=1, block_length=1, early_exit=False,
+    params = SamplingParams(max_tokens=args.max_tokens, steps=1, block_length=1, early_exit=False,
                             decoding="verified", draft_source=args.draft_source)
     out = generate_verified(model, ids, params)
     print(json.dumps({"step": step, "draft_source": args.draft_source, "tokens_per_forward":

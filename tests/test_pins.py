@@ -62,8 +62,6 @@ MODELS = {
 
 def make_params(fields: dict) -> SamplingParams:
     """SamplingParams from a case's fields."""
-    fields = dict(fields)
-    fields["max_new_tokens"] = fields.pop("max_tokens")
     return SamplingParams(**fields)
 
 

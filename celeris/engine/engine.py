@@ -93,8 +93,8 @@ class Engine:
         """
         check_model_support(self.model, params, bool(suffix_ids))
         context = getattr(self.model.config, "max_position_embeddings", None)
-        if params.decoding == "verified" and context and len(prompt_ids) + params.max_new_tokens > context:
-            raise ValueError(f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({params.max_new_tokens}) exceeds "
+        if params.decoding == "verified" and context and len(prompt_ids) + params.max_tokens > context:
+            raise ValueError(f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
                              f"the context window of {context} tokens")
         vocab = getattr(self.model.config, "vocab_size", None)
         if vocab is not None and any(t >= vocab for t in params.stop_token_ids):
@@ -135,7 +135,7 @@ class Engine:
         widths = [r.block_span[1] - r.block_span[0] for r in batch]
         constraints = [r.constraint for r in batch]
         grammar = grammar_step(constraints, block, self.mask_id,
-                               [r.answer_start + r.params.max_new_tokens - r.block_span[0] for r in batch],
+                               [r.answer_start + r.params.max_tokens - r.block_span[0] for r in batch],
                                logits.shape[-1], logits.device)
         new_block, committed = denoise_step(logits, block, self.mask_id, self.banned_ids, num_tokens, settings,
                                             [r.generator for r in batch], seen, widths, self.confidence_from,

@@ -29,7 +29,7 @@ class RequestStatus(enum.Enum):
 class Request:
     """A request's whole state.
 
-    The canvas is ``prompt | answer (max_new_tokens, mask id until committed) | suffix``
+    The canvas is ``prompt | answer (max_tokens, mask id until committed) | suffix``
     as a 1-D int64 CPU tensor of length ``num_tokens``. The answer is denoised
     block by block (``blocks``); ``schedule`` holds the tokens to commit at each
     step of the current block under ``fixed`` decoding.
@@ -61,7 +61,7 @@ class Request:
     def __post_init__(self) -> None:
         if not self.prompt_ids:
             raise ValueError("prompt must not be empty")
-        n = self.params.max_new_tokens
+        n = self.params.max_tokens
         self.canvas = torch.tensor(self.prompt_ids + [self.mask_id] * n + self.suffix_ids, dtype=torch.long)
         self.answer_start = len(self.prompt_ids)
         self.blocks, self.steps_per_block = block_plan(n, self.params.block_length, self.params.steps)
@@ -93,8 +93,8 @@ class Request:
 
     @property
     def answer(self) -> torch.Tensor:
-        """(max_new_tokens,) int64 view of the answer span."""
-        return self.canvas[self.answer_start : self.answer_start + self.params.max_new_tokens]
+        """(max_tokens,) int64 view of the answer span."""
+        return self.canvas[self.answer_start : self.answer_start + self.params.max_tokens]
 
     def _new_block(self) -> None:
         s, e = self.block_span

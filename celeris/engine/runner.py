@@ -186,7 +186,7 @@ class ModelRunner:
         for i, (r, off) in enumerate(zip(requests, offsets, strict=True)):
             canvas[i, off : off + r.num_tokens] = r.canvas
             attn[i, off : off + r.visible_end] = True  # the rest of the canvas: past the suffix window
-            is_answer[i, off + r.answer_start : off + r.answer_start + r.params.max_new_tokens] = True
+            is_answer[i, off + r.answer_start : off + r.answer_start + r.params.max_tokens] = True
         cfg_rows = [i for i, r in enumerate(requests) if r.params.cfg_scale > 0]
         batch_ids = torch.cat([canvas, self._uncond(canvas, is_answer)[cfg_rows]]).to(self.device)
         batch_attn = torch.cat([attn, attn[cfg_rows]]).to(self.device)
@@ -225,7 +225,7 @@ class ModelRunner:
             ids = r.canvas
             if kind == "uncond":
                 is_answer = torch.zeros(n, dtype=torch.bool)
-                is_answer[r.answer_start : r.answer_start + r.params.max_new_tokens] = True
+                is_answer[r.answer_start : r.answer_start + r.params.max_tokens] = True
                 ids = self._uncond(ids, is_answer)
             canvas[row, :n] = ids
             attn[row, : r.visible_end] = True

@@ -33,7 +33,7 @@ def generate_autoregressive(
     params: SamplingParams | list[SamplingParams],
     use_cache: bool = True,
 ) -> GenerationOutput:
-    """Next-token decoding of ``max_new_tokens`` tokens per prompt (greedy at temperature 0; top-p and the
+    """Next-token decoding of ``max_tokens`` tokens per prompt (greedy at temperature 0; top-p and the
     repetition penalty over prompt and answer so far as in the engine).
 
     Args:
@@ -57,7 +57,7 @@ def generate_autoregressive(
     rows = params if isinstance(params, list) else [params] * len(prompt_ids)
     if any(not p for p in prompt_ids):
         raise ValueError("prompt must not be empty")
-    n = rows[0].max_new_tokens
+    n = rows[0].max_tokens
     device = next(model.parameters()).device
     canvas, attn, _, lp = build_canvas(prompt_ids, n, cfg.pad_token_id, cfg.pad_token_id, None, device)
     attn[:, lp:] = True  # answer positions become real tokens as they are written

@@ -39,7 +39,7 @@ class GenerationOutput:
     """Result of one batched sampler call.
 
     Attributes:
-        answer_ids: (B, max_new_tokens) int64 final canvas of the answer span
+        answer_ids: (B, max_tokens) int64 final canvas of the answer span
             (positions never reached by early exit hold the mask id).
         token_ids: per row, the answer cut before the first end-of-text token.
         nfe: forward passes of the model (a CFG step counts as 2).
@@ -59,7 +59,7 @@ class GenerationOutput:
 
 def build_canvas(
     prompt_ids: list[list[int]],
-    max_new_tokens: int,
+    max_tokens: int,
     mask_id: int,
     pad_id: int,
     suffix_ids: list[list[int]] | None = None,
@@ -76,16 +76,16 @@ def build_canvas(
     suffix_ids = suffix_ids or [[] for _ in range(b)]
     lp = max(len(p) for p in prompt_ids)
     ls = max(len(s) for s in suffix_ids)
-    total = lp + max_new_tokens + ls
+    total = lp + max_tokens + ls
     canvas = torch.full((b, total), pad_id, dtype=torch.long)
     attn = torch.zeros((b, total), dtype=torch.bool)
     for i, (p, s) in enumerate(zip(prompt_ids, suffix_ids, strict=True)):
         canvas[i, lp - len(p) : lp] = torch.tensor(p, dtype=torch.long)
-        canvas[i, lp : lp + max_new_tokens] = mask_id
-        canvas[i, lp + max_new_tokens : lp + max_new_tokens + len(s)] = torch.tensor(s, dtype=torch.long)
-        attn[i, lp - len(p) : lp + max_new_tokens + len(s)] = True
+        canvas[i, lp : lp + max_tokens] = mask_id
+        canvas[i, lp + max_tokens : lp + max_tokens + len(s)] = torch.tensor(s, dtype=torch.long)
+        attn[i, lp - len(p) : lp + max_tokens + len(s)] = True
     is_prompt = attn.clone()
-    is_prompt[:, lp : lp + max_new_tokens] = False
+    is_prompt[:, lp : lp + max_tokens] = False
     return canvas.to(device), attn.to(device), is_prompt.to(device), lp
 
 
@@ -130,7 +130,7 @@ def generate(
             in temperature, top_p, top_k, seed, stop and cfg_scale only; the rest must
             match (``SamplingParams.structure_key``).
         suffix_ids: optional per-row text after the gap (infilling).
-        on_step: called after every step with the (B, max_new_tokens) answer canvas.
+        on_step: called after every step with the (B, max_tokens) answer canvas.
         grammar_tokenizer: llguidance's tokenizer (``celeris.structured.grammar_tokenizer``), needed when a
             row has a ``grammar``: such a row commits, left to right, the longest run of its step's committed
             proposals from the block's leftmost open position that the grammar accepts, at least that position's
@@ -149,14 +149,14 @@ def generate(
     if any(not p for p in prompt_ids):
         raise ValueError("prompt must not be empty")
     if len({r.structure_key() for r in rows}) > 1:
-        raise ValueError("rows of one batch must share max_new_tokens, steps, block_length, remasking, decoding "
+        raise ValueError("rows of one batch must share max_tokens, steps, block_length, remasking, decoding "
                          "and cache settings")
     sp = rows[0]
     cfg = model.config
     device = next(model.parameters()).device
     mask_id, eos_id = cfg.mask_token_id, cfg.eos_token_id
     canvas, attn, is_prompt, lp = build_canvas(
-        prompt_ids, sp.max_new_tokens, mask_id, cfg.pad_token_id, suffix_ids, device
+        prompt_ids, sp.max_tokens, mask_id, cfg.pad_token_id, suffix_ids, device
     )
     b = canvas.shape[0]
     settings = RowSettings.from_params(rows, device)
@@ -165,7 +165,7 @@ def generate(
     banned = banned_token_ids(cfg)
     check_model_support(model, sp, any(suffix_ids or []))
     constraints = row_constraints(rows, grammar_tokenizer)
-    blocks, steps_per_block = block_plan(sp.max_new_tokens, sp.block_length, sp.steps)
+    blocks, steps_per_block = block_plan(sp.max_tokens, sp.block_length, sp.steps)
     policy = CACHE_MODES[sp.cache]
     caches = (KVCache(), KVCache()) if policy.uses_cache else (None, None)
     nfe = steps = 0
@@ -199,7 +199,7 @@ def generate(
                 seen = context_tokens(list(torch.where(attn, canvas, mask_id)), logits.shape[-1], mask_id, device)
             was_masked = (canvas[:, span] == mask_id).any(-1)  # (B,)
             old = canvas[:, span].clone()
-            grammar = grammar_step(constraints, old, mask_id, [sp.max_new_tokens - s] * b, logits.shape[-1], device)
+            grammar = grammar_step(constraints, old, mask_id, [sp.max_tokens - s] * b, logits.shape[-1], device)
             new, committed = denoise_step(logits, old, mask_id, banned, k, settings, generators, seen,
                                           confidence_from=confidence_rule(model), allowed=grammar.allowed,
                                           force=grammar.force)
@@ -211,7 +211,7 @@ def generate(
                 last_commit[i] = (span.start + committed[i].nonzero().flatten()).tolist()
             steps += 1
             step_in_block += 1
-            answer = canvas[:, lp : lp + sp.max_new_tokens]
+            answer = canvas[:, lp : lp + sp.max_tokens]
             now = time.perf_counter() - start
             for i in (answer[:, 0] != mask_id).nonzero().flatten().tolist():
                 if first_token_s[i] is None:
@@ -220,7 +220,7 @@ def generate(
                 on_step(answer)
         if sp.early_exit and bool(answer_done(canvas[:, lp : lp + e], eos_id, mask_id).all()):
             break
-    answer = canvas[:, lp : lp + sp.max_new_tokens]
+    answer = canvas[:, lp : lp + sp.max_tokens]
     return GenerationOutput(
         answer_ids=answer.cpu(),
         token_ids=cut_at_eos(answer.cpu(), eos_id, mask_id),

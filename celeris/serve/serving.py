@@ -108,7 +108,7 @@ def decoding_details(params: SamplingParams, event: StepEvent) -> DecodingDetail
     return DecodingDetails(
         nfe=event.nfe, steps=event.steps,
         tokens_per_forward=round(event.num_committed / event.nfe, 4) if event.nfe else 0.0,
-        block_length=min(params.block_length, params.max_new_tokens), cache=params.cache, decoding=params.decoding,
+        block_length=min(params.block_length, params.max_tokens), cache=params.cache, decoding=params.decoding,
         remasking=params.remasking,
     )
 
@@ -325,7 +325,7 @@ class OpenAIServing:
                                 "tokenizer", param="response_format")
         try:
             params = self.llm.default_params(
-                max_new_tokens=max_tokens, steps=request.steps, block_length=request.block_length, grammar=grammar,
+                max_tokens=max_tokens, steps=request.steps, block_length=request.block_length, grammar=grammar,
                 temperature=request.temperature, top_p=request.top_p, top_k=request.top_k, remasking=request.remasking,
                 decoding=request.decoding, threshold=request.threshold, factor=request.factor,
                 entropy_bound=request.entropy_bound, cfg_scale=request.cfg_scale, seed=request.seed,
@@ -344,7 +344,7 @@ class OpenAIServing:
             return params
         except (ValueError, TypeError) as exc:  # SamplingParams names the field first: "steps must be >= 1"
             name = str(exc).split(" ", 1)[0].split("=", 1)[0]
-            param = {"max_new_tokens": "max_tokens"}.get(name, name)
+            param = {"max_tokens": "max_tokens"}.get(name, name)
             raise APIError(400, str(exc), param=param if param.isidentifier() else None) from None
 
     def _encode(self, text: str | list[int], params: SamplingParams, suffix: str | None,
@@ -358,14 +358,14 @@ class OpenAIServing:
         if suffix_ids and getattr(self.llm.model.config, "is_causal", False):
             raise APIError(400, "suffix (infilling) needs a masked-diffusion model; this one is autoregressive",
                            param="suffix")
-        need = len(ids) + len(suffix_ids) + params.max_new_tokens
+        need = len(ids) + len(suffix_ids) + params.max_tokens
         if need > self.context_length:
             what = "the prompt" if param == "prompt" else "the messages (rendered with the chat template)"
             parts = f"{what} ({len(ids)} tokens)" + (f" and suffix ({len(suffix_ids)} tokens)" if suffix_ids else "")
             raise APIError(
                 400,
                 f"this model's context window is {self.context_length} tokens, but {parts} plus max_tokens "
-                f"({params.max_new_tokens}) need {need} tokens; shorten the prompt or lower max_tokens",
+                f"({params.max_tokens}) need {need} tokens; shorten the prompt or lower max_tokens",
                 param=param, code="context_length_exceeded",
             )
         return ids, suffix_ids

@@ -142,6 +142,6 @@ def test_llm_generates_and_renders_chat(dream_dir):
     prompt = llm.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}])
     assert prompt == ("<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
                       "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
-    outs = llm.generate([prompt], SamplingParams(max_new_tokens=8, steps=8, block_length=8))
+    outs = llm.generate([prompt], SamplingParams(max_tokens=8, steps=8, block_length=8))
     assert len(outs) == 1 and isinstance(outs[0].text, str)
     assert cfg["mask_token_id"] not in outs[0].token_ids

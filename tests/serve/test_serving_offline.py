@@ -24,7 +24,7 @@ def test_run_sync_returns_the_openai_body(serving, serve_llm):
     body = serving.run_sync("/v1/completions", {"model": MODEL_NAME, "prompt": "import os", "max_tokens": 8,
                                                 "temperature": 1.0, "seed": 3})
     assert body["object"] == "text_completion"
-    expected = serve_llm.generate("import os", serve_llm.default_params(max_new_tokens=8, temperature=1.0, seed=3))
+    expected = serve_llm.generate("import os", serve_llm.default_params(max_tokens=8, temperature=1.0, seed=3))
     assert body["choices"][0]["text"] == expected[0].text
     assert body["usage"]["completion_tokens"] == len(expected[0].token_ids)
     chat = serving.run_sync("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})
@@ -52,14 +52,14 @@ def test_autoregressive_twin_is_served_and_refuses_diffusion_only_settings(tmp_p
     from tests.conftest import build_tiny_checkpoint
     from tests.serve.conftest import CONTEXT, TEXTS
 
-    folder = build_tiny_checkpoint(tmp_path, TEXTS, "twin", CONTEXT, {**AR_GENERATION, "max_new_tokens": 8},
+    folder = build_tiny_checkpoint(tmp_path, TEXTS, "twin", CONTEXT, {**AR_GENERATION, "max_tokens": 8},
                                    is_causal=True)
     llm = LLM(folder, device="cpu")
     serving = OpenAIServing(llm, served_model_name="twin")
     serving.start()
     try:
         body = serving.run_sync("/v1/completions", {"prompt": "import os", "max_tokens": 8})
-        expected = llm.generate("import os", llm.default_params(max_new_tokens=8))[0]
+        expected = llm.generate("import os", llm.default_params(max_tokens=8))[0]
         assert body["choices"][0]["text"] == expected.text and expected.nfe == min(len(expected.token_ids) + 1, 8)
         for extra, param in (({"block_length": 4}, "block_length"), ({"suffix": "x = 1"}, "suffix"),
                              ({"cfg_scale": 1.0}, "cfg_scale"), ({"cache": "dual"}, "cache")):
@@ -183,6 +183,6 @@ def test_dream_confidences_and_top_k_are_request_fields(serving, serve_llm, rema
     body = serving.run_sync("/v1/completions", {"prompt": "import os", "max_tokens": 8, "temperature": 1.0,
                                                 "seed": 5, "remasking": remasking, "top_k": 2})
     assert body["choices"][0]["celeris"]["remasking"] == remasking
-    want = serve_llm.generate("import os", serve_llm.default_params(max_new_tokens=8, temperature=1.0, seed=5,
+    want = serve_llm.generate("import os", serve_llm.default_params(max_tokens=8, temperature=1.0, seed=5,
                                                                      remasking=remasking, top_k=2))
     assert body["choices"][0]["text"] == want[0].text
