@@ -324,17 +324,9 @@ class OpenAIServing:
             raise APIError(400, "structured output (response_format, tools) is not available for this model's "
                                 "tokenizer", param="response_format")
         try:
-            params = self.llm.default_params(
-                max_tokens=max_tokens, steps=request.steps, block_length=request.block_length, grammar=grammar,
-                temperature=request.temperature, top_p=request.top_p, top_k=request.top_k, remasking=request.remasking,
-                decoding=request.decoding, threshold=request.threshold, factor=request.factor,
-                entropy_bound=request.entropy_bound, cfg_scale=request.cfg_scale, seed=request.seed,
-                stop=request.stop_list() or None, cache=request.cache, repetition_penalty=request.repetition_penalty,
-                cache_refresh=request.cache_refresh, suffix_window=request.suffix_window,
-                draft_source=request.draft_source, stop_token_ids=request.stop_token_ids, ignore_eos=request.ignore_eos,
-                skip_special_tokens=request.skip_special_tokens,
-                include_stop_str_in_output=request.include_stop_str_in_output,
-            )
+            params = self.llm.default_params(max_tokens=max_tokens, grammar=grammar, temperature=request.temperature,
+                                             top_p=request.top_p, seed=request.seed, stop=request.stop_list() or None,
+                                             **request.sampling_fields())
             params = self.llm.with_special_stops(params)
             vocab = self.tokenizer.vocab_size
             if any(t >= vocab for t in params.stop_token_ids):
@@ -343,8 +335,7 @@ class OpenAIServing:
             check_model_support(self.llm.model, params, has_suffix=bool(getattr(request, "suffix", None)))
             return params
         except (ValueError, TypeError) as exc:  # SamplingParams names the field first: "steps must be >= 1"
-            name = str(exc).split(" ", 1)[0].split("=", 1)[0]
-            param = {"max_tokens": "max_tokens"}.get(name, name)
+            param = str(exc).split(" ", 1)[0].split("=", 1)[0]
             raise APIError(400, str(exc), param=param if param.isidentifier() else None) from None
 
     def _encode(self, text: str | list[int], params: SamplingParams, suffix: str | None,

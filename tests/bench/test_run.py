@@ -112,12 +112,12 @@ def test_bench_runs_in_the_dtype_asked_for(tiny_checkpoint, tmp_path):
 
 def test_hf_generate_cuts_at_end_of_text_and_judge_scores(tokenizer_dir):
     model, tok = tiny_hf_causal_lm(tokenizer_dir)
-    ids, nfe, ttft = smollm2.generate_hf(model, tok, ["def f(x):", "import os"], max_tokens=6)
+    ids, nfe, ttft = smollm2.generate_hf(model, tok, ["def f(x):", "import os"], max_new_tokens=6)
     assert len(ids) == 2 and all(0 < len(row) <= 6 for row in ids) and ttft >= 0
     with torch.no_grad():
         model.lm_head.weight.zero_()  # all logits 0: greedy picks id 0, the end-of-text token
     assert tok.eos_token_id == 0
-    ids, nfe, _ = smollm2.generate_hf(model, tok, ["def f(x):", "import os"], max_tokens=6)
+    ids, nfe, _ = smollm2.generate_hf(model, tok, ["def f(x):", "import os"], max_new_tokens=6)
     assert ids == [[], []] and nfe == [1, 1]  # nothing from the end-of-text token on is returned
     ppl = smollm2.judge_perplexity(model, tok, ["def f(x):"], ["    return x"])
     assert ppl is not None and abs(ppl - len(tok)) / len(tok) < 1e-3  # uniform: perplexity = vocabulary size
