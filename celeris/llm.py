@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -69,7 +70,8 @@ class LLM:
     Args:
         model: checkpoint folder or embedded model name (``resolve_model``); None uses the embedded default.
         device: "cpu", "cuda", ...; None picks CUDA when available.
-        max_batch_size: most requests denoised together in one forward pass.
+        max_num_seqs: most requests denoised together in one forward pass (vLLM's name; ``max_batch_size`` is
+            a deprecated alias).
         trust_remote_code: allow a checkpoint format Celeris does not implement to run its own
             modeling code (``celeris.models.registry.load_any``).
         dtype: "float32", "bfloat16" or "float16"; None: bfloat16 on CUDA, float32 on CPU.
@@ -80,11 +82,15 @@ class LLM:
     """
 
     def __init__(
-        self, model: str | Path | None = None, device: str | None = None, max_batch_size: int = 8,
+        self, model: str | Path | None = None, device: str | None = None, max_num_seqs: int = 8,
         trust_remote_code: bool = False, dtype: str | None = None, enforce_eager: bool = True,
+        max_batch_size: int | None = None,
     ) -> None:
+        if max_batch_size is not None:
+            warnings.warn("LLM(max_batch_size=...) is deprecated; use max_num_seqs", DeprecationWarning, stacklevel=2)
+            max_num_seqs = max_batch_size
         self.path = resolve_model(model)
-        self.engine_config = EngineConfig(max_num_seqs=max_batch_size, max_waiting=1 << 30, device=device,
+        self.engine_config = EngineConfig(max_num_seqs=max_num_seqs, max_waiting=1 << 30, device=device,
                                           dtype=dtype, enforce_eager=enforce_eager)
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)

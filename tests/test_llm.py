@@ -206,3 +206,9 @@ def test_causal_checkpoint_defaults_to_one_token_blocks(tiny_checkpoint, tokeniz
     assert (params.block_length, params.cache, params.max_tokens) == (1, "delayed", 6)
     out = twin.generate("def f", params)[0]
     assert out.nfe == min(len(out.token_ids) + 1, 6)
+
+
+def test_max_batch_size_is_a_deprecated_alias_of_max_num_seqs(tiny_checkpoint):
+    assert LLM(tiny_checkpoint, device="cpu", max_num_seqs=3).engine_config.max_num_seqs == 3
+    with pytest.warns(DeprecationWarning, match="max_num_seqs"):
+        assert LLM(tiny_checkpoint, device="cpu", max_batch_size=2).engine_config.max_num_seqs == 2

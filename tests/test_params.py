@@ -242,3 +242,31 @@ def test_a_default_verified_decoding_gives_way_to_a_grammar():
 
         params = SamplingParams.from_defaults(defaults, grammar="start: x", decoding="verified")
         check_model_support(tiny_model(is_causal=True, draft_block_size=2), params)
+
+
+# ---------------------------------------------------------------------------------------------
+# vLLM's names, with the old ones as deprecated aliases (issue 16 item 2)
+
+
+def test_max_new_tokens_is_a_deprecated_alias_of_max_tokens():
+    with pytest.warns(DeprecationWarning, match="max_new_tokens"):
+        p = SamplingParams(max_new_tokens=7)
+    assert p.max_tokens == 7 and p.max_new_tokens == 7
+    with pytest.raises(TypeError, match="not both"):
+        SamplingParams(max_tokens=3, max_new_tokens=7)
+    with pytest.warns(DeprecationWarning):
+        assert SamplingParams.from_defaults({}, max_new_tokens=5).max_tokens == 5
+    # a generation_config.json with the old key: read as max_tokens, and steps scale with it
+    p = SamplingParams.from_defaults({"max_new_tokens": 8, "steps": 4}, max_tokens=16)
+    assert (p.max_tokens, p.steps) == (16, 8)
+    with pytest.raises(ValueError, match="^max_tokens must be an integer >= 1, got 0"):
+        SamplingParams(max_tokens=0)
+
+
+def test_structure_key_is_every_setting_rows_cannot_differ_in():
+    base = SamplingParams()
+    for change in ({"temperature": 0.5}, {"seed": 3}, {"top_k": 4}, {"stop": ["x"]}, {"cfg_scale": 2.0}):
+        assert dataclasses.replace(base, cfg_scale=1.0, **{k: v for k, v in change.items() if k != "cfg_scale"}) \
+            .structure_key() == dataclasses.replace(base, cfg_scale=1.0).structure_key()
+    for change in ({"steps": 3}, {"block_length": 4}, {"cache": "dual"}, {"cfg_scale": 1.0}):
+        assert dataclasses.replace(base, **change).structure_key() != base.structure_key()

@@ -220,11 +220,11 @@ def run_bench(cfg: BenchConfig) -> dict:
         ValueError: the AR twin's tokenizer is not the diffusion model's.
     """
     load_start = time.perf_counter()
-    llm = LLM(cfg.model, max_batch_size=max(cfg.batch_sizes), dtype=cfg.dtype)
+    llm = LLM(cfg.model, max_num_seqs=max(cfg.batch_sizes), dtype=cfg.dtype)
     load_s = time.perf_counter() - load_start  # cold request = load_s + first_request_s
     problems = load_humaneval(cfg.prompts)[: cfg.num_prompts]
     texts = [heal_prompt(p["prompt"]) for p in problems]
-    ar = LLM(cfg.ar_model, max_batch_size=max(cfg.batch_sizes), dtype=cfg.dtype) if cfg.ar_model else None
+    ar = LLM(cfg.ar_model, max_num_seqs=max(cfg.batch_sizes), dtype=cfg.dtype) if cfg.ar_model else None
     probe = "def f(x):\n    return x  # probe"
     if ar is not None and (ar.model.config.vocab_size != llm.model.config.vocab_size
                            or ar.tokenizer.encode(probe) != llm.tokenizer.encode(probe)):

@@ -203,7 +203,7 @@ class OpenAIServing:
         """
         from celeris.llm import LLM
 
-        llm = LLM(model, device=device, max_batch_size=max_num_seqs, **load_options)
+        llm = LLM(model, device=device, max_num_seqs=max_num_seqs, **load_options)
         config = EngineConfig(max_num_seqs=max_num_seqs, max_waiting=max_waiting, device=device,
                               dtype=load_options.get("dtype"), enforce_eager=load_options.get("enforce_eager", True))
         return cls(llm, served_model_name=served_model_name, request_timeout=request_timeout, engine_config=config)

@@ -211,7 +211,7 @@ def test_answer_can_end_when_pad_is_eos(tmp_path):
 
 def test_llm_generates_and_renders_chat(llada_dir):
     folder, cfg, _ = llada_dir
-    llm = LLM(folder, device="cpu", max_batch_size=2)
+    llm = LLM(folder, device="cpu", max_num_seqs=2)
     assert llm.context_length == cfg["max_sequence_length"]
     prompt = llm.tokenizer.apply_chat_template([{"role": "user", "content": "add two numbers"}])
     assert prompt.startswith("<|startoftext|><|start_header_id|>user<|end_header_id|>\n\nadd two numbers<|eot_id|>")
