@@ -15,6 +15,7 @@ from celeris.config import EngineConfig, resolve_device, resolve_dtype
 from celeris.engine import Engine, Request
 from celeris.models.registry import load_any, load_tokenizer
 from celeris.params import SamplingParams, causal_defaults
+from celeris.sampling.step import check_fits_context, check_prompts
 from celeris.serve.detokenize import find_stop
 from celeris.structured.grammar import grammar_tokenizer
 
@@ -119,22 +120,19 @@ class LLM:
             return params
         return replace(params, stop=strings, stop_token_ids=sorted(set(params.stop_token_ids) | set(ids)))
 
-    def encode_prompt(self, prompt: str | list[int], params: SamplingParams,
-                      suffix: str | None = None) -> tuple[list[int], list[int]]:
-        """Tokenize (a list of ids is taken as already encoded) and check against the context window; raises
-        ValueError naming both numbers. The mask and pad strings in the text are encoded as text, never as
-        their reserved ids (``Tokenizer.encode``)."""
-        if not prompt:
-            raise ValueError("prompt must not be empty")
+    def encode_prompt(self, prompt: str | list[int], params: SamplingParams, suffix: str | None = None,
+                      what: str = "the prompt") -> tuple[list[int], list[int]]:
+        """Tokenize (a list of ids is taken as already encoded) and check against the context window. The mask
+        and pad strings in the text are encoded as text, never as their reserved ids (``Tokenizer.encode``).
+
+        Raises:
+            ValueError: an empty prompt; ContextLengthError (a ValueError) naming every count when prompt, suffix
+                and ``max_tokens`` do not fit (``what`` names the prompt in that message).
+        """
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        check_prompts([ids])
         suffix_ids = self.tokenizer.encode(suffix) if suffix else []
-        need = len(ids) + params.max_tokens + len(suffix_ids)
-        if need > self.context_length:
-            raise ValueError(
-                f"prompt ({len(ids)} tokens) + suffix ({len(suffix_ids)}) + max_tokens "
-                f"({params.max_tokens}) = {need} tokens exceeds the context window of "
-                f"{self.context_length} tokens"
-            )
+        check_fits_context(len(ids), len(suffix_ids), params.max_tokens, self.context_length, what)
         return ids, suffix_ids
 
     def finish(self, token_ids: list[int], params: SamplingParams, hit_eos: bool) -> tuple[str, list[int], str]:

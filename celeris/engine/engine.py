@@ -21,6 +21,7 @@ from celeris.params import SamplingParams
 from celeris.sampling.step import (
     RowSettings,
     banned_token_ids,
+    check_fits_context,
     check_model_support,
     confidence_rule,
     context_tokens,
@@ -93,9 +94,8 @@ class Engine:
         """
         check_model_support(self.model, params, bool(suffix_ids))
         context = getattr(self.model.config, "max_position_embeddings", None)
-        if params.decoding == "verified" and context and len(prompt_ids) + params.max_tokens > context:
-            raise ValueError(f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
-                             f"the context window of {context} tokens")
+        if params.decoding == "verified" and context:
+            check_fits_context(len(prompt_ids), 0, params.max_tokens, context)
         vocab = getattr(self.model.config, "vocab_size", None)
         if vocab is not None and any(t >= vocab for t in params.stop_token_ids):
             raise ValueError(f"stop_token_ids must be ids below the vocabulary size {vocab}; got "

@@ -11,7 +11,7 @@ import torch
 from celeris.params import SamplingParams
 from celeris.sampling.cache import CACHE_MODES, cache_window, visible_end
 from celeris.sampling.schedule import block_plan, num_transfer_tokens
-from celeris.sampling.step import make_generator
+from celeris.sampling.step import check_prompts, make_generator
 
 NO_PROGRESS = "no_progress"  # error code: a denoising step committed nothing (see ``Engine.step``)
 
@@ -59,8 +59,7 @@ class Request:
     constraint: object | None = None
 
     def __post_init__(self) -> None:
-        if not self.prompt_ids:
-            raise ValueError("prompt must not be empty")
+        check_prompts([self.prompt_ids])
         n = self.params.max_tokens
         self.canvas = torch.tensor(self.prompt_ids + [self.mask_id] * n + self.suffix_ids, dtype=torch.long)
         self.answer_start = len(self.prompt_ids)

@@ -103,6 +103,11 @@ class RowSettings:
     remasking: list[str]
     decoding: list[str]
     rule_values: dict[str, torch.Tensor]
+    # which optional stages some row needs, decided from the Python settings (no device sync in the step)
+    any_cfg: bool = False
+    any_penalty: bool = False
+    any_top_p: bool = False
+    any_top_k: bool = False
 
     @classmethod
     def from_params(cls, rows: list[SamplingParams], device: torch.device) -> RowSettings:
@@ -120,6 +125,10 @@ class RowSettings:
             remasking=[r.remasking for r in rows],
             decoding=[r.decoding for r in rows],
             rule_values={p: col(p)[:, None].double() for p in numeric},
+            any_cfg=any(r.cfg_scale > 0 for r in rows),
+            any_penalty=any(r.repetition_penalty != 1 for r in rows),
+            any_top_p=any(r.top_p < 1 for r in rows),
+            any_top_k=any(r.top_k > 0 for r in rows),
         )
 
 
@@ -142,11 +151,60 @@ def penalize_repetition(logits: torch.Tensor, seen: torch.Tensor, penalty: torch
 def filter_logits(logits: torch.Tensor, settings: RowSettings) -> torch.Tensor:
     """Nucleus then top-k filtering of (B, L, V) logits per row (Dream's ``sample_tokens`` order); rows with
     ``top_p`` 1 and ``top_k`` 0 unchanged."""
-    if bool((settings.top_p < 1).any()):
+    if settings.any_top_p:
         logits = top_p_filter(logits, settings.top_p)
-    if bool((settings.top_k > 0).any()):
+    if settings.any_top_k:
         logits = top_k_filter(logits, settings.top_k)
     return logits
+
+
+def prepare_logits(
+    logits: torch.Tensor, settings: RowSettings, banned_ids: list[int], seen: torch.Tensor | None = None,
+    allowed: torch.Tensor | None = None, keep_unfiltered: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The logits pipeline shared by the denoising step and next-token decoding (``generate_autoregressive``):
+    CTRL's repetition penalty (rows with one, given ``seen`` (B, V)), then the banned ids and the tokens a grammar
+    does not allow (``allowed`` (B, L, V) bool) to -inf, then top-p and top-k (``filter_logits``).
+
+    Args:
+        logits: (B, L, V) float32; not modified.
+        keep_unfiltered: also return the logits after the penalty, before anything is removed (the
+            distribution LLaDA's published sampler takes confidences from).
+
+    Returns:
+        (filtered (B, L, V), unfiltered (B, L, V) or None).
+    """
+    logits = logits.clone()
+    if seen is not None and settings.any_penalty:
+        logits = penalize_repetition(logits, seen, settings.repetition_penalty)
+    unfiltered = logits.clone() if keep_unfiltered else None  # (B, L, V) before the ban
+    logits[..., banned_ids] = NEG_INF
+    if allowed is not None:
+        logits = logits.masked_fill(~allowed, NEG_INF)
+    return filter_logits(logits, settings), unfiltered
+
+
+class ContextLengthError(ValueError):
+    """A prompt (and suffix) plus ``max_tokens`` do not fit the model's context window (HTTP: 400
+    ``context_length_exceeded``)."""
+
+
+def check_fits_context(num_prompt: int, num_suffix: int, max_tokens: int, context_length: int,
+                       what: str = "the prompt") -> None:
+    """Raise ContextLengthError, naming the window and every count, when ``num_prompt`` + ``num_suffix`` +
+    ``max_tokens`` tokens exceed ``context_length``; ``what`` names the prompt (e.g. "the messages")."""
+    need = num_prompt + num_suffix + max_tokens
+    if need > context_length:
+        parts = f"{what} ({num_prompt} tokens)" + (f" and suffix ({num_suffix} tokens)" if num_suffix else "")
+        raise ContextLengthError(f"this model's context window is {context_length} tokens, but {parts} plus "
+                                 f"max_tokens ({max_tokens}) need {need} tokens; shorten the prompt or lower max_tokens")
+
+
+def check_prompts(prompt_ids: list[list[int]]) -> None:
+    """Raise ValueError("prompt must not be empty") when a prompt has no token: every sampler and the engine
+    need at least one token of context."""
+    if any(len(p) == 0 for p in prompt_ids):
+        raise ValueError("prompt must not be empty")
 
 
 def _rows_with(values: list[str], name: str, device: torch.device) -> torch.Tensor:
@@ -192,14 +250,8 @@ def denoise_step(
     Returns:
         (new block (B, L) int64, committed positions (B, L) bool).
     """
-    logits = logits.clone()
-    if seen is not None and bool((settings.repetition_penalty != 1).any()):
-        logits = penalize_repetition(logits, seen, settings.repetition_penalty)
-    unfiltered = logits.clone() if confidence_from == "unfiltered" else None  # (B, L, V) before the ban
-    logits[..., banned_ids] = NEG_INF
-    if allowed is not None:
-        logits = logits.masked_fill(~allowed, NEG_INF)
-    logits = filter_logits(logits, settings)
+    logits, unfiltered = prepare_logits(logits, settings, banned_ids, seen, allowed,
+                                        keep_unfiltered=confidence_from == "unfiltered")
     x0 = sample_tokens(logits, settings.temperature, generators, lengths)  # (B, L)
     probs = (logits if unfiltered is None else unfiltered).softmax(-1)  # (B, L, V)
     is_masked = block == mask_id  # (B, L)

@@ -45,7 +45,7 @@ import torch
 from celeris.models.layers import KVCache
 from celeris.params import SamplingParams
 from celeris.sampling.select import NEG_INF, top_p_filter
-from celeris.sampling.step import banned_token_ids, make_generator
+from celeris.sampling.step import banned_token_ids, check_prompts, make_generator
 
 
 @dataclass(slots=True)
@@ -253,8 +253,7 @@ class VerifiedDecoder:
         """
         if len(self.rows) >= self.max_rows:
             raise ValueError(f"the verified decoder holds at most {self.max_rows} rows")
-        if not prompt_ids:
-            raise ValueError("prompt must not be empty")
+        check_prompts([prompt_ids])
         if len(prompt_ids) + params.max_tokens + 2 * self.k + 2 > self.max_len:
             raise ValueError(f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) + "
                              f"{2 * self.k + 2} draft columns exceed the decoder's {self.max_len}")

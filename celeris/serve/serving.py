@@ -30,7 +30,7 @@ from pathlib import Path
 from celeris.config import EngineConfig
 from celeris.engine import Engine, QueueFullError
 from celeris.params import SamplingParams
-from celeris.sampling.step import check_model_support
+from celeris.sampling.step import ContextLengthError, check_model_support
 from celeris.serve.async_engine import AsyncEngine, EngineDeadError, EngineInput, RequestGroup, StepEvent
 from celeris.serve.detokenize import IncrementalText, render_canvas
 from celeris.serve.metrics import ServerMetrics
@@ -340,26 +340,15 @@ class OpenAIServing:
 
     def _encode(self, text: str | list[int], params: SamplingParams, suffix: str | None,
                 param: str) -> tuple[list[int], list[int]]:
-        """Prompt (text, or ids already encoded) and suffix ids, checked against the context window. The mask
-        and pad strings in user text are encoded as text (``Tokenizer.encode``)."""
-        ids = self.tokenizer.encode(text) if isinstance(text, str) else text
-        if not ids:
-            raise APIError(400, f"'{param}' must not be empty", param=param)
-        suffix_ids = self.tokenizer.encode(suffix) if suffix else []
-        if suffix_ids and getattr(self.llm.model.config, "is_causal", False):
-            raise APIError(400, "suffix (infilling) needs a masked-diffusion model; this one is autoregressive",
-                           param="suffix")
-        need = len(ids) + len(suffix_ids) + params.max_tokens
-        if need > self.context_length:
-            what = "the prompt" if param == "prompt" else "the messages (rendered with the chat template)"
-            parts = f"{what} ({len(ids)} tokens)" + (f" and suffix ({len(suffix_ids)} tokens)" if suffix_ids else "")
-            raise APIError(
-                400,
-                f"this model's context window is {self.context_length} tokens, but {parts} plus max_tokens "
-                f"({params.max_tokens}) need {need} tokens; shorten the prompt or lower max_tokens",
-                param=param, code="context_length_exceeded",
-            )
-        return ids, suffix_ids
+        """Prompt (text, or ids already encoded) and suffix ids, checked against the context window
+        (``LLM.encode_prompt``), its errors as 400s naming ``param``."""
+        what = "the prompt" if param == "prompt" else "the messages (rendered with the chat template)"
+        try:
+            return self.llm.encode_prompt(text, params, suffix, what)
+        except ContextLengthError as exc:
+            raise APIError(400, str(exc), param=param, code="context_length_exceeded") from None
+        except ValueError:  # the only other refusal: nothing to condition on
+            raise APIError(400, f"'{param}' must not be empty", param=param) from None
 
     async def _start(self, request: SamplingRequest, params: SamplingParams, encoded: list[tuple[list[int], list[int]]],
                      arrival: float, is_disconnected: IsDisconnected | None) -> _Run:
