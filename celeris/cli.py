@@ -19,8 +19,6 @@ from celeris.models.loader import CheckpointError
 
 EMBEDDED_AR = "celeris-code-6m-ar"  # the shipped autoregressive twin, `celeris bench`'s default baseline
 
-MASK_GLYPH = "\u2591"  # light shade: a still-masked position in --show-denoising
-
 
 class UsageError(Exception):
     """A bad command line; printed as one line, exit code 2."""
@@ -204,22 +202,9 @@ def _load(args: argparse.Namespace):
     return llm, _params(llm.generation_config, args)  # the defaults as the loaded model reads them
 
 
-def _render(tokenizer, answer_row: list[int], mask_id: int) -> str:
-    pieces, run = [], []
-    for tid in answer_row:
-        if tid == mask_id:
-            if run:
-                pieces.append(tokenizer.decode(run))
-                run = []
-            pieces.append(MASK_GLYPH)
-        else:
-            run.append(tid)
-    if run:
-        pieces.append(tokenizer.decode(run))
-    return "".join(pieces)
-
-
 def cmd_generate(args: argparse.Namespace) -> int:
+    from celeris.serve.detokenize import render_canvas
+
     start = time.perf_counter()
     llm, params = _load(args)
     on_step = None
@@ -229,7 +214,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
         def on_step(answer):  # noqa: ANN001
             counter["step"] += 1
-            text = _render(llm.tokenizer, answer[0].tolist(), mask_id)
+            text = render_canvas(llm.tokenizer.decode, answer[0].tolist(), mask_id, llm.tokenizer.eos_token_id)
             prefix = "\x1b[2J\x1b[H" if tty else f"--- step {counter['step']} ---\n"
             print(f"{prefix}{args.prompt}{text}", flush=True)
 

@@ -16,7 +16,7 @@ from celeris.engine import Engine, Request
 from celeris.models.registry import load_any, load_tokenizer
 from celeris.params import SamplingParams, causal_defaults
 from celeris.sampling.step import check_fits_context, check_prompts
-from celeris.serve.detokenize import find_stop
+from celeris.serve.detokenize import cut_at_stop
 from celeris.structured.grammar import grammar_tokenizer
 
 EMBEDDED = Path(__file__).parent / "checkpoints"
@@ -138,16 +138,9 @@ class LLM:
     def finish(self, token_ids: list[int], params: SamplingParams, hit_eos: bool) -> tuple[str, list[int], str]:
         """Apply stop strings: returns (text, token_ids, finish_reason). The text keeps special tokens when
         ``params.skip_special_tokens`` is False and the matched stop string when ``include_stop_str_in_output``."""
-        skip = params.skip_special_tokens
-        text = self.tokenizer.decode(token_ids, skip)
-        match = find_stop(text, params.stop)
-        if match is None:
-            return text, token_ids, "stop" if hit_eos else "length"
-        text = text[: match[1] if params.include_stop_str_in_output else match[0]]
-        n = 0
-        while n < len(token_ids) and len(self.tokenizer.decode(token_ids[: n + 1], skip)) <= len(text):
-            n += 1
-        return text, token_ids[:n], "stop"
+        text, token_ids, stopped = cut_at_stop(lambda ids: self.tokenizer.decode(ids, params.skip_special_tokens),
+                                               token_ids, params.stop, params.include_stop_str_in_output)
+        return text, token_ids, "stop" if stopped or hit_eos else "length"
 
     def generate(
         self,

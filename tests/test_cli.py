@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from celeris.cli import MASK_GLYPH, main
+from celeris.cli import main
+from celeris.serve.detokenize import MASK_PLACEHOLDER
 from tests.conftest import REPO_ROOT
 
 SHIPPED = REPO_ROOT / "celeris" / "checkpoints" / "celeris-code-6m"
@@ -70,7 +71,7 @@ def test_show_denoising_prints_every_step(capsys, tiny_checkpoint):
     step_lines = [line for line in lines if line.startswith("--- step ")]
     assert len(step_lines) == record["nfe"] >= 1
     assert step_lines[0] == "--- step 1 ---"
-    assert MASK_GLYPH in out  # the first frames still show masked positions
+    assert MASK_PLACEHOLDER in out  # the first frames still show masked positions
     assert out.count("def add(a, b):") >= len(step_lines)
 
 
