@@ -156,7 +156,7 @@ class Engine:
                     r.finish("stop")  # the grammar allows nothing but the end: no pass for that token
             outputs.append(self._emit(r))
         if any(o.finished for o in outputs):  # free finished requests' KV rows now, not at the next step
-            self.runner.pool.release({r for r in batch if not r.is_finished})
+            self.runner.release({r for r in batch if not r.is_finished})
         self.num_steps += 1
         return outputs
 

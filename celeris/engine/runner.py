@@ -126,6 +126,10 @@ class ModelRunner:
         self.pool = KVPool()
         self.num_split_passes = 0  # window steps run as a shared pass plus one for the wide rows (_window_pass)
 
+    def release(self, keep: set[Request]) -> None:
+        """Free the KV-cache rows of every request not in ``keep`` (finished or aborted)."""
+        self.pool.release(keep)
+
     @torch.no_grad()
     def run(self, requests: list[Request]) -> tuple[torch.Tensor, torch.Tensor]:
         """One denoising step's forward passes over ``requests``.
@@ -135,7 +139,7 @@ class ModelRunner:
             and block (B, Lb) int64 current block tokens (columns past a short block
             hold the pad id, so they are never committed). Lb is the longest block.
         """
-        self.pool.release(set(requests))
+        self.release(set(requests))
         full = [i for i, r in enumerate(requests) if self._needs_full_pass(r)]
         windowed = sorted(set(range(len(requests))) - set(full))
         lb = max(e - s for s, e in (r.block_span for r in requests))

@@ -145,7 +145,8 @@ class OpenAIServing:
         request_timeout: seconds from arrival until a request is aborted (504).
         metrics: Prometheus metrics to record into (a fresh registry when None).
         engine_config: ``max_num_seqs`` running and ``max_waiting`` queued requests at most (beyond
-            that: 429), when ``async_engine`` is None.
+            that: 429) for an engine of its own, when ``async_engine`` is None; None drives ``llm.engine`` (with
+            ``llm.engine_config``), so the serving loop must then be the only caller of that engine.
     """
 
     def __init__(
@@ -161,9 +162,12 @@ class OpenAIServing:
         self.tokenizer = llm.tokenizer
         self.metrics = metrics or ServerMetrics()
         if async_engine is None:
-            config = engine_config or EngineConfig()
+            if engine_config is None:  # the LLM's own engine: one engine per loaded model
+                engine, config = llm.engine, llm.engine_config
+            else:
+                config = engine_config
+                engine = Engine(llm.model, config, llm.end_token_ids, getattr(llm, "grammar_tokenizer", None))
             # the engine's queue counts free running slots, so it admits max_num_seqs + max_waiting in all
-            engine = Engine(llm.model, config, llm.end_token_ids, getattr(llm, "grammar_tokenizer", None))
             async_engine = AsyncEngine(engine, max_in_flight=config.max_num_seqs + config.max_waiting,
                                        on_stats=self.metrics.set_queue_stats)
         self.async_engine = async_engine
@@ -203,10 +207,8 @@ class OpenAIServing:
         """
         from celeris.llm import LLM
 
-        llm = LLM(model, device=device, max_num_seqs=max_num_seqs, **load_options)
-        config = EngineConfig(max_num_seqs=max_num_seqs, max_waiting=max_waiting, device=device,
-                              dtype=load_options.get("dtype"), enforce_eager=load_options.get("enforce_eager", True))
-        return cls(llm, served_model_name=served_model_name, request_timeout=request_timeout, engine_config=config)
+        llm = LLM(model, device=device, max_num_seqs=max_num_seqs, max_waiting=max_waiting, **load_options)
+        return cls(llm, served_model_name=served_model_name, request_timeout=request_timeout)
 
     def start(self) -> None:
         self.async_engine.start()
