@@ -179,4 +179,4 @@ class LLM:
         ttft = request.first_token_time - request.arrival_time if request.first_token_time else None
         committed = int((request.answer != request.mask_id).sum())
         return RequestOutput(prompt, text, ids, reason, request.nfe, end - request.arrival_time, ttft,
-                             request.steps, committed, request.error_code, request.error)
+                             request.num_steps, committed, request.error_code, request.error)

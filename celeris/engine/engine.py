@@ -65,9 +65,9 @@ class Engine:
         self.config = config or EngineConfig()
         self.scheduler = Scheduler(self.config)
         self.runner = ModelRunner(model, self.config.enforce_eager, self.config.length_bucket)
-        cfg = model.config
-        self.mask_id, self.eos_id = cfg.mask_token_id, cfg.eos_token_id
-        self.banned_ids = banned_token_ids(cfg)
+        config = model.config
+        self.mask_id, self.eos_id = config.mask_token_id, config.eos_token_id
+        self.banned_ids = banned_token_ids(config)
         self.confidence_from = confidence_rule(model)
         self.end_ids = frozenset(end_ids if end_ids is not None else [self.eos_id])
         self.model = model
@@ -148,7 +148,7 @@ class Engine:
             r.canvas[s:e] = new_block[i, : e - s]  # a short block's pad columns are dropped
             r.nfe += 2 if r.params.cfg_scale > 0 else 1
             if not bool(committed[i, : e - s].any()):  # progress guarantee: never take another step in vain
-                r.fail(NO_PROGRESS, f"denoising step {r.steps + 1} committed no token (the model's scores for the "
+                r.fail(NO_PROGRESS, f"denoising step {r.num_steps + 1} committed no token (the model's scores for the "
                                     f"masked positions are not finite numbers), so the request was ended")
             else:
                 r.advance(self.eos_id, (s + committed[i, : e - s].nonzero().flatten()).tolist())
@@ -189,7 +189,7 @@ class Engine:
             start = request.answer_start + len(row.answer) - len(new)
             request.canvas[start : start + len(new)] = torch.tensor(new, dtype=torch.long)
             request.nfe += 1
-            request.steps += 1
+            request.num_steps += 1
             if request.first_token_time is None and new:
                 request.first_token_time = time.perf_counter()
             if row.finished:

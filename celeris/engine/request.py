@@ -48,7 +48,7 @@ class Request:
     first_token_time: float | None = None
     finish_time: float | None = None
     nfe: int = 0
-    steps: int = 0
+    num_steps: int = 0  # denoising steps taken (the budget is params.steps)
     finish_reason: str | None = None
     error_code: str | None = None  # set with finish_reason "error": e.g. NO_PROGRESS
     error: str | None = None  # what went wrong, one sentence
@@ -70,6 +70,15 @@ class Request:
         self.num_emitted = 0  # answer tokens already handed out as final (streaming)
         self.stale_cols: list[int] = []  # columns committed at the previous block's last step (delayed cache)
         self._new_block()
+
+    @property
+    def steps(self) -> int:
+        """Deprecated name of ``num_steps``."""
+        return self.num_steps
+
+    @steps.setter
+    def steps(self, value: int) -> None:
+        self.num_steps = value
 
     @property
     def num_tokens(self) -> int:
@@ -135,7 +144,7 @@ class Request:
     def advance(self, eos_id: int, committed_cols: list[int] | None = None) -> None:
         """After a committed step (``committed_cols``: the canvas columns it filled): move to the next
         block, or finish (end of answer / early exit)."""
-        self.steps += 1
+        self.num_steps += 1
         self.step_in_block += 1
         s, e = self.block_span
         if self.first_token_time is None and int(self.answer[0]) != self.mask_id:
@@ -153,7 +162,7 @@ class Request:
 
     def fail(self, code: str, message: str) -> None:
         """End the request with ``finish_reason`` "error", an error ``code`` and a ``message``."""
-        self.steps += 1
+        self.num_steps += 1
         self.error_code, self.error = code, message
         self.finish("error")
 

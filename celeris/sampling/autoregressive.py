@@ -58,16 +58,16 @@ def generate_autoregressive(
     check_prompts(prompt_ids)
     n = rows[0].max_tokens
     device = next(model.parameters()).device
-    canvas, attn, _, lp = build_canvas(prompt_ids, n, config.pad_token_id, config.pad_token_id, None, device)
-    attn[:, lp:] = True  # answer positions become real tokens as they are written
+    canvas, attn, _, answer_start = build_canvas(prompt_ids, n, config.pad_token_id, config.pad_token_id, None, device)
+    attn[:, answer_start:] = True  # answer positions become real tokens as they are written
     settings = RowSettings.from_params(rows, device)
     generators = [make_generator(r.seed) for r in rows]
     cache = KVCache() if use_cache else None
     banned = banned_token_ids(config)
     first_token_s: list[float | None] = [None] * len(prompt_ids)
     nfe = 0
-    for t in range(lp, lp + n):
-        window = (t - 1, t) if cache is not None and t > lp else None  # the newest token only
+    for t in range(answer_start, answer_start + n):
+        window = (t - 1, t) if cache is not None and t > answer_start else None  # the newest token only
         hidden = model.hidden_states(canvas, attn, cache, window)  # (B, T, d), or (B, 1, d) for the window
         logits = model.logits(hidden[:, t - 1 : t] if window is None else hidden)  # (B, 1, V): token t from h[t-1]
         nfe += 1
@@ -77,11 +77,11 @@ def generate_autoregressive(
                                   config.mask_token_id, device)
         logits, _ = prepare_logits(logits, settings, banned, seen)
         canvas[:, t] = sample_tokens(logits, settings.temperature, generators)[:, 0]
-        if t == lp:
+        if t == answer_start:
             first_token_s = [time.perf_counter() - start] * len(prompt_ids)
-        if rows[0].early_exit and bool((canvas[:, lp : t + 1] == config.eos_token_id).any(-1).all()):
+        if rows[0].early_exit and bool((canvas[:, answer_start : t + 1] == config.eos_token_id).any(-1).all()):
             canvas[:, t + 1 :] = config.eos_token_id  # never decoded: every row already ended
             break
-    answer = canvas[:, lp : lp + n].cpu()
+    answer = canvas[:, answer_start : answer_start + n].cpu()
     return GenerationOutput(answer_ids=answer, token_ids=cut_at_eos(answer, config.eos_token_id, config.mask_token_id),
                             nfe=nfe, steps=nfe, first_token_s=first_token_s, seconds=time.perf_counter() - start)

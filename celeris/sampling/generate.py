@@ -75,19 +75,19 @@ def build_canvas(
     """
     b = len(prompt_ids)
     suffix_ids = suffix_ids or [[] for _ in range(b)]
-    lp = max(len(p) for p in prompt_ids)
-    ls = max(len(s) for s in suffix_ids)
-    total = lp + max_tokens + ls
+    prompt_len = max(len(p) for p in prompt_ids)
+    suffix_len = max(len(s) for s in suffix_ids)
+    total = prompt_len + max_tokens + suffix_len
     canvas = torch.full((b, total), pad_id, dtype=torch.long)
     attn = torch.zeros((b, total), dtype=torch.bool)
     for i, (p, s) in enumerate(zip(prompt_ids, suffix_ids, strict=True)):
-        canvas[i, lp - len(p) : lp] = torch.tensor(p, dtype=torch.long)
-        canvas[i, lp : lp + max_tokens] = mask_id
-        canvas[i, lp + max_tokens : lp + max_tokens + len(s)] = torch.tensor(s, dtype=torch.long)
-        attn[i, lp - len(p) : lp + max_tokens + len(s)] = True
+        canvas[i, prompt_len - len(p) : prompt_len] = torch.tensor(p, dtype=torch.long)
+        canvas[i, prompt_len : prompt_len + max_tokens] = mask_id
+        canvas[i, prompt_len + max_tokens : prompt_len + max_tokens + len(s)] = torch.tensor(s, dtype=torch.long)
+        attn[i, prompt_len - len(p) : prompt_len + max_tokens + len(s)] = True
     is_prompt = attn.clone()
-    is_prompt[:, lp : lp + max_tokens] = False
-    return canvas.to(device), attn.to(device), is_prompt.to(device), lp
+    is_prompt[:, prompt_len : prompt_len + max_tokens] = False
+    return canvas.to(device), attn.to(device), is_prompt.to(device), prompt_len
 
 
 def cut_at_eos(answer: torch.Tensor, eos_id: int, mask_id: int) -> list[list[int]]:
@@ -148,16 +148,16 @@ def _pass_layout(
 
 
 def _forward(
-    model: torch.nn.Module, canvas: torch.Tensor, step_attn: torch.Tensor, where: dict,
+    model: torch.nn.Module, canvas: torch.Tensor, step_attn: torch.Tensor, outputs: dict,
     caches: tuple[KVCache | None, KVCache | None], window: tuple[int, int] | torch.Tensor | None,
     is_prompt: torch.Tensor, settings: RowSettings,
 ) -> tuple[torch.Tensor, int]:
     """The step's (B, L, V) logits of the block and the number of forward passes: one, or two under
     classifier-free guidance (a second, unconditional pass with the prompt and suffix masked, on its own cache)."""
-    logits = model(canvas, step_attn, **where, **cache_args(caches[0], window))  # (B, L, V)
+    logits = model(canvas, step_attn, **outputs, **cache_args(caches[0], window))  # (B, L, V)
     if not settings.any_cfg:
         return logits, 1
-    uncond = model(canvas.masked_fill(is_prompt, model.config.mask_token_id), step_attn, **where,
+    uncond = model(canvas.masked_fill(is_prompt, model.config.mask_token_id), step_attn, **outputs,
                    **cache_args(caches[1], window))
     return guided(logits, uncond, settings.cfg_scale), 2
 
@@ -229,9 +229,9 @@ def generate(
         schedule = num_transfer_tokens((canvas[:, span] == mask_id).sum(-1), block_steps)  # (B, S)
         step_in_block = 0
         while bool((canvas[:, span] == mask_id).any()):
-            step_attn, window, where = _pass_layout(first, attn, blocks, block_idx, answer_start, step_in_block,
+            step_attn, window, outputs = _pass_layout(first, attn, blocks, block_idx, answer_start, step_in_block,
                                                     last_commit)
-            logits, passes = _forward(model, canvas, step_attn, where, caches, window, is_prompt, settings)
+            logits, passes = _forward(model, canvas, step_attn, outputs, caches, window, is_prompt, settings)
             nfe += passes
             seen = None
             if any(r.repetition_penalty != 1 for r in rows):  # padding is not context

@@ -146,11 +146,11 @@ def test_aborted_request_takes_no_more_steps():
     engine.step()
     engine.step()
     assert engine.abort("gone") and gone.status is RequestStatus.ABORTED
-    steps_at_abort = gone.steps
+    steps_at_abort = gone.num_steps
     outputs = engine.step()
     assert [o.request.request_id for o in outputs] == ["keep"]
     run_to_end(engine)
-    assert gone.steps == steps_at_abort and keep.steps == 16 and gone.finish_reason == "abort"
+    assert gone.num_steps == steps_at_abort and keep.num_steps == 16 and gone.finish_reason == "abort"
     assert not engine.abort("unknown")
 
 

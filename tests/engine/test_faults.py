@@ -129,7 +129,7 @@ def test_generation_ends_at_every_end_id(scripted_model, params, expect_ids, rea
     run_to_end(engine)
     assert r.final_prefix() == expect_ids and r.finish_reason == reason
     if reason == "stop" and not params.ignore_eos:
-        assert r.steps == 4  # early exit after the first block: the end-of-turn token ended it
+        assert r.num_steps == 4  # early exit after the first block: the end-of-turn token ended it
 
 
 def test_stop_token_ids_outside_the_vocabulary_are_refused():
