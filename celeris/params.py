@@ -101,6 +101,9 @@ class SamplingParams:
     top_k: int | None = setting(None, low=0, unset=0, per_row=True,
                                 help="keep the k most likely tokens, ties with the k-th kept (0 = all); applied "
                                 "after top_p, as Dream's sample_tokens, also to the confidences")
+    min_p: float | None = setting(None, low=0.0, high=1.0, unset=0.0, per_row=True,
+                                  help="drop tokens below min_p times the top token's probability (vLLM; "
+                                  "arXiv:2407.01082; 0 = off); after top_k")
     remasking: str | None = setting(None, choices=_registry("remasking"), unset="low_confidence",
                                     help="the confidence that ranks masked positions (celeris.sampling.rules."
                                     "REMASKING; margin and entropy are Dream's rules, not decoding 'entropy')")

@@ -119,7 +119,7 @@ class Confidence:
 
 
 # Settings every masked-diffusion commit rule reads (not the ``verified`` sampler).
-DENOISING_PARAMS = ("remasking", "top_k")
+DENOISING_PARAMS = ("remasking", "top_k", "min_p")
 
 COMMIT_RULES: dict[str, CommitRule] = {
     "fixed": CommitRule(commit_fixed, "the linear schedule's count per step (LLaDA)"),

@@ -71,6 +71,22 @@ def top_k_filter(logits: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
     return logits.masked_fill(drop, NEG_INF)
 
 
+def min_p_filter(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Min-p filtering (Nguyen et al. 2024, arXiv:2407.01082; vLLM's ``min_p``): tokens whose probability is below
+    ``min_p`` times the most likely token's are excluded.
+
+    Args:
+        logits: (B, L, V) float32.
+        min_p: (B,) float in [0, 1]; rows with 0 are unchanged (the most likely token always stays).
+
+    Returns:
+        (B, L, V) logits with the excluded tokens set to -inf.
+    """
+    probs = logits.softmax(-1)  # (B, L, V)
+    floor = min_p.to(logits.device)[:, None, None] * probs.max(-1, keepdim=True).values  # (B, L, 1)
+    return logits.masked_fill(probs < floor, NEG_INF)
+
+
 def sample_tokens(
     logits: torch.Tensor, temperature: torch.Tensor, generators: list[torch.Generator],
     lengths: list[int] | None = None,

@@ -14,7 +14,7 @@ import torch
 from celeris.params import SamplingParams
 from celeris.sampling.cache import CACHE_MODES
 from celeris.sampling.rules import COMMIT_RULES, NEEDS, REMASKING
-from celeris.sampling.select import NEG_INF, sample_tokens, top_k_filter, top_p_filter
+from celeris.sampling.select import NEG_INF, min_p_filter, sample_tokens, top_k_filter, top_p_filter
 
 
 class NoProgressError(RuntimeError):
@@ -89,7 +89,7 @@ def make_generator(seed: int | None) -> torch.Generator:
 class RowSettings:
     """Per-row sampling settings as tensors, built for the rows of one step.
 
-    Shapes: ``temperature``/``top_p`` (B,), ``top_k`` (B,) int64; ``cfg_scale`` (B, 1); ``repetition_penalty``
+    Shapes: ``temperature``/``top_p``/``min_p`` (B,), ``top_k`` (B,) int64; ``cfg_scale`` (B, 1); ``repetition_penalty``
     (B, 1, 1). ``rule_values`` holds, for every numeric setting the rows' commit rules declare
     (``CommitRule.params``: ``threshold``, ``factor``, ...), a (B, 1) float64 column that broadcasts against (B, L)
     confidences (taken through float32, as every float setting).
@@ -98,6 +98,7 @@ class RowSettings:
     temperature: torch.Tensor
     top_p: torch.Tensor
     top_k: torch.Tensor
+    min_p: torch.Tensor
     cfg_scale: torch.Tensor
     repetition_penalty: torch.Tensor
     remasking: list[str]
@@ -108,6 +109,7 @@ class RowSettings:
     any_penalty: bool = False
     any_top_p: bool = False
     any_top_k: bool = False
+    any_min_p: bool = False
 
     @classmethod
     def from_params(cls, rows: list[SamplingParams], device: torch.device) -> RowSettings:
@@ -120,6 +122,7 @@ class RowSettings:
             temperature=col("temperature"),
             top_p=col("top_p"),
             top_k=torch.tensor([r.top_k for r in rows], dtype=torch.long, device=device),
+            min_p=col("min_p"),
             cfg_scale=col("cfg_scale")[:, None],
             repetition_penalty=col("repetition_penalty")[:, None, None],
             remasking=[r.remasking for r in rows],
@@ -129,6 +132,7 @@ class RowSettings:
             any_penalty=any(r.repetition_penalty != 1 for r in rows),
             any_top_p=any(r.top_p < 1 for r in rows),
             any_top_k=any(r.top_k > 0 for r in rows),
+            any_min_p=any(r.min_p > 0 for r in rows),
         )
 
 
@@ -149,12 +153,14 @@ def penalize_repetition(logits: torch.Tensor, seen: torch.Tensor, penalty: torch
 
 
 def filter_logits(logits: torch.Tensor, settings: RowSettings) -> torch.Tensor:
-    """Nucleus then top-k filtering of (B, L, V) logits per row (Dream's ``sample_tokens`` order); rows with
-    ``top_p`` 1 and ``top_k`` 0 unchanged."""
+    """Nucleus then top-k filtering of (B, L, V) logits per row (Dream's ``sample_tokens`` order), then min-p (as
+    vLLM, after top-k and top-p); rows with ``top_p`` 1, ``top_k`` 0 and ``min_p`` 0 unchanged."""
     if settings.any_top_p:
         logits = top_p_filter(logits, settings.top_p)
     if settings.any_top_k:
         logits = top_k_filter(logits, settings.top_k)
+    if settings.any_min_p:
+        logits = min_p_filter(logits, settings.min_p)
     return logits
 
 

@@ -155,6 +155,12 @@ def test_same_seed_same_tokens_and_different_seeds_differ(flat_model, remasking)
     assert not torch.equal(a, c)
 
 
+def test_min_p_one_keeps_only_the_top_token_so_sampling_is_greedy(flat_model):
+    greedy = sampled(flat_model, [PROMPTS[0]], temperature=0.0)
+    assert torch.equal(sampled(flat_model, [PROMPTS[0]], seed=5, min_p=1.0), greedy)
+    assert not torch.equal(sampled(flat_model, [PROMPTS[0]], seed=5), greedy)  # min_p off: a real sample
+
+
 def test_unseeded_requests_differ(flat_model):
     a = sampled(flat_model, [PROMPTS[0]], seed=None, max_tokens=24)
     b = sampled(flat_model, [PROMPTS[0]], seed=None, max_tokens=24)

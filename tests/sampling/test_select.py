@@ -12,6 +12,7 @@ from celeris.sampling.select import (
     NEG_INF,
     low_confidence,
     margin_confidence,
+    min_p_filter,
     neg_entropy_confidence,
     rank_desc,
     sample_tokens,
@@ -240,3 +241,11 @@ def test_top_k_filter_matches_a_loop(ks):
     got = top_k_filter(logits, torch.tensor(ks))
     for b, i in itertools.product(range(2), range(4)):
         assert got[b, i].tolist() == reference_top_k(logits[b, i].tolist(), ks[b]), (b, i)
+
+
+def test_min_p_keeps_tokens_at_least_min_p_times_the_top_probability():
+    probs = torch.tensor([[[0.5, 0.3, 0.15, 0.05]], [[0.5, 0.3, 0.15, 0.05]]])
+    logits = probs.log()
+    kept = min_p_filter(logits, torch.tensor([0.5, 0.0])) > NEG_INF  # row 0: floor 0.25; row 1: off
+    assert kept.tolist() == [[[True, True, False, False]], [[True, True, True, True]]]
+    assert (min_p_filter(logits, torch.tensor([1.0, 1.0])) > NEG_INF).sum(-1).tolist() == [[1], [1]]  # the top stays
