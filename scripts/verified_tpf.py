@@ -1,6 +1,6 @@
 """Tokens per forward and draft acceptance of verified decoding on HumanEval prompts (greedy, no early exit).
 
-    python scripts/verified_tpf.py --run runs/hybrid --num-prompts 16 --max-new-tokens 256 --draft-source slots
+    python scripts/verified_tpf.py --run runs/hybrid --num-prompts 16 --max-tokens 256 --draft-source slots
     python scripts/verified_tpf.py --model celeris-code-6m-hybrid ...
 
 Prints one JSON line: the checkpoint's training step (for --run), tokens per forward (prefill included) and
@@ -29,7 +29,7 @@ def main() -> None:
     ap.add_argument("--run", help="a hybrid training run folder: its last.pt (celeris.train.loop.load_run)")
     ap.add_argument("--prompts", default="../shared/data/humaneval/HumanEval.jsonl.gz")
     ap.add_argument("--num-prompts", type=int, default=16)
-    ap.add_argument("--max-new-tokens", type=int, default=256)
+    ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--draft-source", default="lookup_first", choices=["lookup_first", "slots", "lookup"])
     args = ap.parse_args()
     torch.set_num_threads(1)
