@@ -87,8 +87,8 @@ LOOKUP_DRAFTS = 4  # drafts per pass for a causal model without mask slots (prom
 
 def draft_length(model: torch.nn.Module) -> int:
     """k, the number of mask slots a hybrid model drafts (config ``draft_block_size``); 0 for other models."""
-    cfg = model.config
-    return int(getattr(cfg, "draft_block_size", 0) or 0) if getattr(cfg, "is_causal", False) else 0
+    config = model.config
+    return int(getattr(config, "draft_block_size", 0) or 0) if getattr(config, "is_causal", False) else 0
 
 
 def check_verified_support(model: torch.nn.Module, params: SamplingParams, has_suffix: bool = False) -> None:
@@ -231,14 +231,14 @@ class VerifiedDecoder:
     def __init__(self, model: torch.nn.Module, max_rows: int, max_tokens: int) -> None:
         self.model, self.k = model, draft_length(model) or LOOKUP_DRAFTS
         max_len = max_tokens + 2 * self.k + 2
-        cfg = model.config
+        config = model.config
         p = next(model.parameters())
-        shape = (max_rows, cfg.num_heads, max_len, cfg.head_dim)
+        shape = (max_rows, config.num_heads, max_len, config.head_dim)
         self.keys = [torch.zeros(shape, dtype=p.dtype, device=p.device) for _ in model.layers]
         self.values = [torch.zeros(shape, dtype=p.dtype, device=p.device) for _ in model.layers]
-        self.tokens = torch.full((max_rows, max_len), cfg.mask_token_id, dtype=torch.long, device=p.device)
+        self.tokens = torch.full((max_rows, max_len), config.mask_token_id, dtype=torch.long, device=p.device)
         self.max_rows, self.max_len, self.device = max_rows, max_len, p.device
-        self.banned = banned_token_ids(cfg)
+        self.banned = banned_token_ids(config)
         self.rows: list[DraftRow] = []
         self.num_prefilled = 0  # rows [0, num_prefilled) have been through their first pass
         self.drafted, self.accepted = [0] * self.k, [0] * self.k
