@@ -145,8 +145,10 @@ class OpenAIServing:
         request_timeout: seconds from arrival until a request is aborted (504).
         metrics: Prometheus metrics to record into (a fresh registry when None).
         engine_config: ``max_num_seqs`` running and ``max_waiting`` queued requests at most (beyond
-            that: 429) for an engine of its own, when ``async_engine`` is None; None drives ``llm.engine`` (with
-            ``llm.engine_config``), so the serving loop must then be the only caller of that engine.
+            that: 429), when ``async_engine`` and ``engine`` are None: an engine of its own on ``llm.model``, so
+            the caller may go on using ``llm.generate``.
+        engine: the engine to drive when ``async_engine`` is None, e.g. ``llm.engine`` (``from_model``: one engine
+            per loaded model; the serving loop must then be that engine's only caller).
     """
 
     def __init__(
@@ -157,18 +159,17 @@ class OpenAIServing:
         request_timeout: float = 60.0,
         metrics: ServerMetrics | None = None,
         engine_config: EngineConfig | None = None,
+        engine: Engine | None = None,
     ) -> None:
         self.llm = llm
         self.tokenizer = llm.tokenizer
         self.metrics = metrics or ServerMetrics()
         if async_engine is None:
-            if engine_config is None:  # the LLM's own engine: one engine per loaded model
-                engine, config = llm.engine, llm.engine_config
-            else:
-                config = engine_config
-                engine = Engine(llm.model, config, llm.end_token_ids, getattr(llm, "grammar_tokenizer", None))
+            if engine is None:
+                engine = Engine(llm.model, engine_config or EngineConfig(), llm.end_token_ids,
+                                getattr(llm, "grammar_tokenizer", None))
             # the engine's queue counts free running slots, so it admits max_num_seqs + max_waiting in all
-            async_engine = AsyncEngine(engine, max_in_flight=config.max_num_seqs + config.max_waiting,
+            async_engine = AsyncEngine(engine, max_in_flight=engine.config.max_num_seqs + engine.config.max_waiting,
                                        on_stats=self.metrics.set_queue_stats)
         self.async_engine = async_engine
         self.metrics.watch_drafts(async_engine.engine)
@@ -208,7 +209,7 @@ class OpenAIServing:
         from celeris.llm import LLM
 
         llm = LLM(model, device=device, max_num_seqs=max_num_seqs, max_waiting=max_waiting, **load_options)
-        return cls(llm, served_model_name=served_model_name, request_timeout=request_timeout)
+        return cls(llm, served_model_name=served_model_name, request_timeout=request_timeout, engine=llm.engine)
 
     def start(self) -> None:
         self.async_engine.start()

@@ -69,6 +69,22 @@ def test_autoregressive_twin_is_served_and_refuses_diffusion_only_settings(tmp_p
         serving.stop()
 
 
+def test_from_model_drives_the_llms_own_engine(serve_checkpoint):
+    """One engine per loaded model: the serving layer of ``from_model`` steps ``llm.engine`` with its limits."""
+    from celeris.serve.serving import OpenAIServing
+
+    serving = OpenAIServing.from_model(serve_checkpoint, device="cpu", max_num_seqs=3, max_waiting=5)
+    assert serving.async_engine.engine is serving.llm.engine
+    assert (serving.llm.engine.config.max_num_seqs, serving.llm.engine.config.max_waiting) == (3, 5)
+    serving.start()
+    try:
+        text = serving.run_sync("/v1/completions", {"prompt": "def f(x):", "max_tokens": 8})["choices"][0]["text"]
+    finally:
+        serving.stop()
+    # the loop has stopped: the same engine, driven offline, gives the same answer
+    assert serving.llm.generate("def f(x):", serving.llm.default_params(max_tokens=8))[0].text == text
+
+
 def test_stream_iterator_without_http(serving):
     async def collect():
         request = CompletionRequest.model_validate_json('{"prompt": "def f():", "max_tokens": 8, "stream": true}')
