@@ -64,26 +64,12 @@ def _model_args(p: argparse.ArgumentParser) -> None:
 
 
 def _sampling_args(p: argparse.ArgumentParser) -> None:
-    """The model flags and one flag per ``SamplingParams`` setting, derived from its declaration
-    (``celeris.params.Setting``: help, type, choices read from the registries now), plus ``--json-schema``."""
-    from celeris.params import declared, field_type
+    """The model flags, one flag per ``SamplingParams`` setting (``celeris.params.add_setting_flags``: derived
+    from its declaration, choices read from the registries now) and ``--json-schema``."""
+    from celeris.params import add_setting_flags
 
     _model_args(p)
-    for name, spec in declared().items():
-        if spec.cli is False:
-            continue
-        options = dict(spec.cli) if isinstance(spec.cli, dict) else {}
-        flags = options.pop("flags", (f"--{name.replace('_', '-')}",))
-        options.setdefault("dest", name)
-        options.setdefault("help", spec.help)
-        if options.get("action") in ("store_true", "store_false"):
-            options.setdefault("default", None)  # None: the model's default
-        elif field_type(name) is not list:  # a list's flag repeats (its cli declares the items' type)
-            options.setdefault("type", field_type(name))
-        choices = spec.valid_choices()
-        if choices is not None:
-            options["choices"] = list(choices)
-        p.add_argument(*flags, **options)
+    add_setting_flags(p)
     p.add_argument("--json-schema", metavar="FILE", help="answer with JSON that validates against the JSON Schema "
                    "in FILE (constrained decoding)")
 

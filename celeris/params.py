@@ -16,10 +16,11 @@ alias of ``max_tokens`` (keyword, attribute, ``generation_config.json`` key, ``-
 
 from __future__ import annotations
 
+import argparse
 import inspect
 import math
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import MISSING, dataclass, field, fields
 
 from celeris.sampling.cache import CACHE_MODES
@@ -322,6 +323,27 @@ def _unread_message(name: str, picker: str, choices: tuple[str, ...], chosen: st
         f"{picker} other than " + ", ".join(f"'{c}'" for c in others)
     return (f"{name} applies to {need} only; got {picker}='{chosen}' (set {picker} accordingly, or leave {name} "
             f"unset)")
+
+
+def add_setting_flags(parser: argparse.ArgumentParser, names: Iterable[str] | None = None) -> None:
+    """One argparse flag per declared setting (``names``: those only; None: every one with a ``Setting.cli``):
+    ``--name-with-dashes`` of the field's type with its help and, for a choice, the choices the registries hold
+    now. A flag not given is None, so ``SamplingParams.from_defaults`` keeps the model's default."""
+    for name, spec in declared().items():
+        if spec.cli is False or (names is not None and name not in names):
+            continue
+        options = dict(spec.cli) if isinstance(spec.cli, dict) else {}
+        flags = options.pop("flags", (f"--{name.replace('_', '-')}",))
+        options.setdefault("dest", name)
+        options.setdefault("help", spec.help)
+        if options.get("action") in ("store_true", "store_false"):
+            options.setdefault("default", None)
+        elif field_type(name) is not list:  # a list's flag repeats (its cli declares the items' type)
+            options.setdefault("type", field_type(name))
+        choices = spec.valid_choices()
+        if choices is not None:
+            options["choices"] = list(choices)
+        parser.add_argument(*flags, **options)
 
 
 def causal_defaults(generation_config: dict) -> dict:
