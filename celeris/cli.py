@@ -1,5 +1,8 @@
 """`celeris generate | chat | serve | batch | eval | bench | train | data`: the command line.
 
+The sampling flags of `generate`, `chat` and `eval` are derived from ``SamplingParams``' declaration
+(``celeris.params``) when the parser is built, with the choices the rule and cache registries hold then.
+
 Every user mistake ends with one line on stderr naming the problem and exit
 code 2, never a traceback (batch jobs: 0 all lines succeeded, 3 some failed,
 1 the engine could not run, 2 a usage error).
@@ -18,8 +21,6 @@ from pathlib import Path
 from celeris.models.loader import CheckpointError
 
 EMBEDDED_AR = "celeris-code-6m-ar"  # the shipped autoregressive twin, `celeris bench`'s default baseline
-
-MASK_GLYPH = "\u2591"  # light shade: a still-masked position in --show-denoising
 
 
 class UsageError(Exception):
@@ -63,42 +64,14 @@ def _model_args(p: argparse.ArgumentParser) -> None:
 
 
 def _sampling_args(p: argparse.ArgumentParser) -> None:
+    """The model flags, one flag per ``SamplingParams`` setting (``celeris.params.add_setting_flags``: derived
+    from its declaration, choices read from the registries now) and ``--json-schema``."""
+    from celeris.params import add_setting_flags
+
     _model_args(p)
-    p.add_argument("--max-new-tokens", type=int, help="answer length in tokens")
-    p.add_argument("--steps", type=int, help="denoising steps for the whole answer (default: the model's tokens "
-                   "per step, e.g. one per token for the embedded model)")
-    p.add_argument("--block-length", type=int, help="tokens per semi-autoregressive block")
-    p.add_argument("--temperature", type=float, help="0 = greedy")
-    p.add_argument("--top-p", type=float, help="nucleus mass in (0, 1]")
-    p.add_argument("--seed", type=int, help="RNG seed")
-    p.add_argument("--top-k", type=int, help="keep the k most likely tokens (0 = all; not with --decoding verified)")
-    p.add_argument("--remasking", help="confidence that ranks masked positions: low_confidence, random, margin (top-1 "
-                   "minus top-2 probability) or entropy (negative entropy; Dream's rules, not --decoding entropy)")
-    p.add_argument("--decoding", help="fixed, threshold, factor, entropy (EB-sampler), or verified (hybrid models)")
-    p.add_argument("--threshold", type=float, help="confidence threshold; needs --decoding threshold")
-    p.add_argument("--factor", type=float, help="Fast-dLLM factor; needs --decoding factor")
-    p.add_argument("--entropy-bound", type=float, help="summed entropy bound (nats); needs --decoding entropy")
-    p.add_argument("--cfg-scale", type=float, help="classifier-free guidance scale (0 = off)")
-    p.add_argument("--repetition-penalty", type=float, help="CTRL repetition penalty (1 = off)")
-    p.add_argument("--cache", help="KV cache: none, prefix or dual (Fast-dLLM), delayed (dual refreshed only by "
-                   "--cache-refresh), dual_delayed (the prompt and older blocks frozen, the rest refreshed per block)")
-    p.add_argument("--cache-refresh", type=int, help="full refresh every N blocks (0 = never); needs --cache delayed "
-                   "or dual_delayed")
-    p.add_argument("--draft-source", choices=["lookup_first", "slots", "lookup"],
-                   help="needs --decoding verified: drafts from prompt lookup first, the model's mask slots, or lookup only")
-    p.add_argument("--suffix-window", type=int,
-                   help="passes see only this many masked columns past the block (0 = the whole canvas)")
+    add_setting_flags(p)
     p.add_argument("--json-schema", metavar="FILE", help="answer with JSON that validates against the JSON Schema "
                    "in FILE (constrained decoding)")
-    p.add_argument("--stop", action="append", help="stop string (repeatable)")
-    p.add_argument("--stop-token-id", action="append", type=int, dest="stop_token_ids",
-                   help="token id that ends the answer, besides the model's end ids (repeatable)")
-    p.add_argument("--ignore-eos", action="store_true", default=None,
-                   help="do not end at the model's end-of-text / end-of-turn ids")
-    p.add_argument("--keep-special-tokens", action="store_false", default=None, dest="skip_special_tokens",
-                   help="keep special tokens in the printed text")
-    p.add_argument("--include-stop-str", action="store_true", default=None, dest="include_stop_str_in_output",
-                   help="keep the matched stop string at the end of the text")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -178,42 +151,34 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _grammar(llm_defaults: dict, args: argparse.Namespace) -> dict:
-    """``--json-schema FILE``: the grammar (``celeris.structured``), with ``--block-length`` and ``--cache``.
+def _grammar(args: argparse.Namespace) -> str | None:
+    """``--json-schema FILE``: the grammar (``celeris.structured``), or None.
 
     Raises:
         UsageError: the file cannot be read, is not JSON, or is not a schema that can be enforced.
     """
     path = getattr(args, "json_schema", None)
     if path is None:
-        return {"block_length": args.block_length, "cache": args.cache}
+        return None
     from celeris.structured.grammar import GrammarError, schema_grammar
 
     try:
         schema = json.loads(Path(path).read_text())
-        grammar = schema_grammar(schema, "--json-schema")
+        return schema_grammar(schema, "--json-schema")
     except OSError as exc:
         raise UsageError(f"--json-schema {path}: {exc.strerror or exc}") from None
     except json.JSONDecodeError as exc:
         raise UsageError(f"--json-schema {path} is not valid JSON: {exc}") from None
     except GrammarError as exc:
         raise UsageError(str(exc)) from None
-    return {"grammar": grammar, "block_length": args.block_length, "cache": args.cache}
 
 
 def _params(llm_defaults: dict, args: argparse.Namespace):
-    from celeris.params import SamplingParams
+    """The flags' SamplingParams over the model's defaults (a flag not given is None: the default)."""
+    from celeris.params import SamplingParams, declared
 
-    return SamplingParams.from_defaults(
-        llm_defaults, **_grammar(llm_defaults, args),
-        max_new_tokens=args.max_new_tokens, steps=args.steps,
-        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed, remasking=args.remasking,
-        decoding=args.decoding, threshold=args.threshold, factor=args.factor, entropy_bound=args.entropy_bound,
-        cfg_scale=args.cfg_scale, stop=args.stop,
-        repetition_penalty=args.repetition_penalty, cache_refresh=args.cache_refresh, suffix_window=args.suffix_window,
-        draft_source=args.draft_source, stop_token_ids=args.stop_token_ids, ignore_eos=args.ignore_eos,
-        skip_special_tokens=args.skip_special_tokens, include_stop_str_in_output=args.include_stop_str_in_output,
-    )
+    given = {name: getattr(args, name) for name, spec in declared().items() if spec.cli is not False}
+    return SamplingParams.from_defaults(llm_defaults, grammar=_grammar(args), **given)
 
 
 def _load(args: argparse.Namespace):
@@ -233,22 +198,9 @@ def _load(args: argparse.Namespace):
     return llm, _params(llm.generation_config, args)  # the defaults as the loaded model reads them
 
 
-def _render(tokenizer, answer_row: list[int], mask_id: int) -> str:
-    pieces, run = [], []
-    for tid in answer_row:
-        if tid == mask_id:
-            if run:
-                pieces.append(tokenizer.decode(run))
-                run = []
-            pieces.append(MASK_GLYPH)
-        else:
-            run.append(tid)
-    if run:
-        pieces.append(tokenizer.decode(run))
-    return "".join(pieces)
-
-
 def cmd_generate(args: argparse.Namespace) -> int:
+    from celeris.serve.detokenize import render_canvas
+
     start = time.perf_counter()
     llm, params = _load(args)
     on_step = None
@@ -258,7 +210,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
         def on_step(answer):  # noqa: ANN001
             counter["step"] += 1
-            text = _render(llm.tokenizer, answer[0].tolist(), mask_id)
+            text = render_canvas(llm.tokenizer.decode, answer[0].tolist(), mask_id, llm.tokenizer.eos_token_id)
             prefix = "\x1b[2J\x1b[H" if tty else f"--- step {counter['step']} ---\n"
             print(f"{prefix}{args.prompt}{text}", flush=True)
 
@@ -271,7 +223,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
                   "seconds": round(out.seconds, 4), "ttft_s": out.ttft_s and round(out.ttft_s, 4),
                   "finish_reason": out.finish_reason, "total_seconds": round(time.perf_counter() - start, 4),
                   "steps": out.steps, "tokens_per_forward": round(out.num_committed / out.nfe, 4) if out.nfe else 0.0,
-                  "block_length": min(params.block_length, params.max_new_tokens), "cache": params.cache,
+                  "block_length": min(params.block_length, params.max_tokens), "cache": params.cache,
                   "decoding": params.decoding, "remasking": params.remasking}
         print(json.dumps(record))
     elif args.suffix:

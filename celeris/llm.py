@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -13,8 +14,9 @@ import torch
 from celeris.config import EngineConfig, resolve_device, resolve_dtype
 from celeris.engine import Engine, Request
 from celeris.models.registry import load_any, load_tokenizer
-from celeris.params import SamplingParams
-from celeris.serve.detokenize import find_stop
+from celeris.params import SamplingParams, causal_defaults
+from celeris.sampling.step import check_fits_context, check_prompts
+from celeris.serve.detokenize import cut_at_stop
 from celeris.structured.grammar import grammar_tokenizer
 
 EMBEDDED = Path(__file__).parent / "checkpoints"
@@ -63,35 +65,35 @@ class RequestOutput:
     error: str | None = None
 
 
-def causal_defaults(generation_config: dict) -> dict:
-    """An autoregressive (causal) model's defaults: blocks of one token, and the ``delayed`` cache unless the
-    file asks for ``none`` (``check_model_support`` refuses anything else for such a model)."""
-    cache = generation_config.get("cache", "delayed")
-    return {**generation_config, "block_length": 1, "cache": cache if cache in ("none", "delayed") else "delayed"}
-
-
 class LLM:
     """A loaded checkpoint (model, tokenizer, default sampling settings) ready to generate.
 
     Args:
         model: checkpoint folder or embedded model name (``resolve_model``); None uses the embedded default.
         device: "cpu", "cuda", ...; None picks CUDA when available.
-        max_batch_size: most requests denoised together in one forward pass.
+        max_num_seqs: most requests denoised together in one forward pass (vLLM's name; ``max_batch_size`` is
+            a deprecated alias).
         trust_remote_code: allow a checkpoint format Celeris does not implement to run its own
             modeling code (``celeris.models.registry.load_any``).
         dtype: "float32", "bfloat16" or "float16"; None: bfloat16 on CUDA, float32 on CPU.
         enforce_eager: False compiles the model with ``torch.compile`` (see EngineConfig).
+        max_waiting: requests queued beyond the running ones before ``add_request`` raises QueueFullError (the
+            server's 429; ``OpenAIServing.from_model`` sets it); offline use needs no limit.
 
     Raises:
         CheckpointError: the folder is missing, incomplete or inconsistent.
     """
 
     def __init__(
-        self, model: str | Path | None = None, device: str | None = None, max_batch_size: int = 8,
+        self, model: str | Path | None = None, device: str | None = None, max_num_seqs: int = 8,
         trust_remote_code: bool = False, dtype: str | None = None, enforce_eager: bool = True,
+        max_waiting: int = 1 << 30, max_batch_size: int | None = None,
     ) -> None:
+        if max_batch_size is not None:
+            warnings.warn("LLM(max_batch_size=...) is deprecated; use max_num_seqs", DeprecationWarning, stacklevel=2)
+            max_num_seqs = max_batch_size
         self.path = resolve_model(model)
-        self.engine_config = EngineConfig(max_num_seqs=max_batch_size, max_waiting=1 << 30, device=device,
+        self.engine_config = EngineConfig(max_num_seqs=max_num_seqs, max_waiting=max_waiting, device=device,
                                           dtype=dtype, enforce_eager=enforce_eager)
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
@@ -120,37 +122,27 @@ class LLM:
             return params
         return replace(params, stop=strings, stop_token_ids=sorted(set(params.stop_token_ids) | set(ids)))
 
-    def encode_prompt(self, prompt: str | list[int], params: SamplingParams,
-                      suffix: str | None = None) -> tuple[list[int], list[int]]:
-        """Tokenize (a list of ids is taken as already encoded) and check against the context window; raises
-        ValueError naming both numbers. The mask and pad strings in the text are encoded as text, never as
-        their reserved ids (``Tokenizer.encode``)."""
-        if not prompt:
-            raise ValueError("prompt must not be empty")
+    def encode_prompt(self, prompt: str | list[int], params: SamplingParams, suffix: str | None = None,
+                      what: str = "the prompt") -> tuple[list[int], list[int]]:
+        """Tokenize (a list of ids is taken as already encoded) and check against the context window. The mask
+        and pad strings in the text are encoded as text, never as their reserved ids (``Tokenizer.encode``).
+
+        Raises:
+            ValueError: an empty prompt; ContextLengthError (a ValueError) naming every count when prompt, suffix
+                and ``max_tokens`` do not fit (``what`` names the prompt in that message).
+        """
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        check_prompts([ids])
         suffix_ids = self.tokenizer.encode(suffix) if suffix else []
-        need = len(ids) + params.max_new_tokens + len(suffix_ids)
-        if need > self.context_length:
-            raise ValueError(
-                f"prompt ({len(ids)} tokens) + suffix ({len(suffix_ids)}) + max_new_tokens "
-                f"({params.max_new_tokens}) = {need} tokens exceeds the context window of "
-                f"{self.context_length} tokens"
-            )
+        check_fits_context(len(ids), len(suffix_ids), params.max_tokens, self.context_length, what)
         return ids, suffix_ids
 
     def finish(self, token_ids: list[int], params: SamplingParams, hit_eos: bool) -> tuple[str, list[int], str]:
         """Apply stop strings: returns (text, token_ids, finish_reason). The text keeps special tokens when
         ``params.skip_special_tokens`` is False and the matched stop string when ``include_stop_str_in_output``."""
-        skip = params.skip_special_tokens
-        text = self.tokenizer.decode(token_ids, skip)
-        match = find_stop(text, params.stop)
-        if match is None:
-            return text, token_ids, "stop" if hit_eos else "length"
-        text = text[: match[1] if params.include_stop_str_in_output else match[0]]
-        n = 0
-        while n < len(token_ids) and len(self.tokenizer.decode(token_ids[: n + 1], skip)) <= len(text):
-            n += 1
-        return text, token_ids[:n], "stop"
+        text, token_ids, stopped = cut_at_stop(lambda ids: self.tokenizer.decode(ids, params.skip_special_tokens),
+                                               token_ids, params.stop, params.include_stop_str_in_output)
+        return text, token_ids, "stop" if stopped or hit_eos else "length"
 
     def generate(
         self,
@@ -187,4 +179,4 @@ class LLM:
         ttft = request.first_token_time - request.arrival_time if request.first_token_time else None
         committed = int((request.answer != request.mask_id).sum())
         return RequestOutput(prompt, text, ids, reason, request.nfe, end - request.arrival_time, ttft,
-                             request.steps, committed, request.error_code, request.error)
+                             request.num_steps, committed, request.error_code, request.error)

@@ -1,194 +1,159 @@
-"""SamplingParams: per-request generation settings and their validation."""
+"""SamplingParams: the single declaration of a request's generation settings.
+
+Each field declares, next to its default, its help text, its range or choices, whether rows of one batch may
+differ in it (``per_row``) and how it reaches the command line and HTTP (``Setting``). From that one declaration
+come: the validation in ``__post_init__``, the CLI flags (``celeris.cli``), the HTTP extension fields
+(``celeris.serve.protocol``), the serving layer's mapping (``celeris.serve.serving``) and ``structure_key``.
+Choices come from the registries (``celeris.sampling.rules.COMMIT_RULES`` and ``REMASKING``,
+``celeris.sampling.cache.CACHE_MODES``), read at call time, so a rule registered after import is a valid choice
+everywhere. A setting that only some rules read (``rule_settings``) is refused, naming both, when the request
+chose another rule (HTTP 400, CLI exit 2); a model's ``generation_config.json`` default never causes that error.
+
+Names follow vLLM where vLLM has the concept (``max_tokens``, ``top_k``, ``top_p``, ``repetition_penalty``,
+``stop_token_ids``, ...) and LLaDA / Fast-dLLM for the diffusion settings. ``max_new_tokens`` is a deprecated
+alias of ``max_tokens`` (keyword, attribute, ``generation_config.json`` key, ``--max-new-tokens``).
+"""
 
 from __future__ import annotations
 
+import argparse
+import inspect
 import math
-from dataclasses import dataclass, field, fields
+import warnings
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import MISSING, dataclass, field, fields
 
-REMASKING = ("low_confidence", "random", "margin", "entropy")
-DECODING = ("fixed", "threshold", "factor", "entropy", "verified")
+from celeris.sampling.cache import CACHE_MODES
+from celeris.sampling.rules import COMMIT_RULES, REMASKING
+
 DRAFT_SOURCES = ("lookup_first", "slots", "lookup")
-CACHE = ("none", "prefix", "dual", "delayed", "dual_delayed")
-
-# Settings that only some rules read: setting -> (the field that picks the rule, the choices that read it).
-# A caller who sets one of them for a request whose rule does not read it gets a ValueError naming both
-# (HTTP 400, CLI exit 2) instead of a setting that is silently ignored. Only values the caller gave count:
-# a model's generation_config.json default never causes the error (``SamplingParams.explicit_settings``).
-_DIFFUSION_DECODING = tuple(d for d in DECODING if d != "verified")  # verified decoding has its own sampler
-RULE_SETTINGS: dict[str, tuple[str, tuple[str, ...]]] = {
-    "threshold": ("decoding", ("threshold",)),
-    "factor": ("decoding", ("factor",)),
-    "entropy_bound": ("decoding", ("entropy",)),
-    "draft_source": ("decoding", ("verified",)),
-    "remasking": ("decoding", _DIFFUSION_DECODING),
-    "top_k": ("decoding", _DIFFUSION_DECODING),
-    "cache_refresh": ("cache", ("delayed", "dual_delayed")),
-}
-# What an unset rule setting (None) becomes.
-RULE_DEFAULTS: dict[str, object] = {
-    "threshold": 0.9, "factor": 1.0, "entropy_bound": 0.5, "draft_source": "lookup_first",
-    "remasking": "low_confidence", "top_k": 0, "cache_refresh": 0,
-}
-
-# Closed ranges [low, high] of the float settings, the same for Python, the CLI, HTTP and batch jobs
-# (the HTTP layer validates through SamplingParams). Every value must also be a finite number. The
-# bounds keep the sampler's float32 arithmetic finite: a cfg_scale, repetition_penalty or top_p that
-# float32 cannot hold (1e308 -> inf, 1e-300 -> 0, 1e-50 -> 0) turns every confidence into NaN and no
-# position could ever be committed. Lower bounds marked open in ``OPEN_LOW`` exclude the low end.
-FLOAT_BOUNDS: dict[str, tuple[float, float]] = {
-    "temperature": (0.0, 2.0),  # OpenAI's range
-    "top_p": (1e-6, 1.0),
-    "threshold": (0.0, 1.0),
-    "factor": (0.0, 1e12),
-    "entropy_bound": (0.0, 1e12),
-    "cfg_scale": (0.0, 100.0),
-    "repetition_penalty": (0.01, 100.0),
-}
-OPEN_LOW = ("threshold", "factor")  # must be > low, not >= low
 MAX_SEED = 2**63 - 1
 
 
-def check_float(name: str, value: object) -> str | None:
-    """None when ``value`` is a finite number within ``FLOAT_BOUNDS[name]``, else a message naming the range."""
-    low, high = FLOAT_BOUNDS[name]
-    left = "(" if name in OPEN_LOW else "["
-    ok = (isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
-          and (value > low if name in OPEN_LOW else value >= low) and value <= high)
-    return None if ok else f"{name} must be a finite number in {left}{low:g}, {high:g}], got {value!r}"
+@dataclass(frozen=True, slots=True)
+class Setting:
+    """How one ``SamplingParams`` field is declared to users.
+
+    Attributes:
+        help: one line for ``--help``, the HTTP schema and the docs.
+        low / high: closed range of a number (``open_low``: the low end excluded); every float must also be
+            finite. The float bounds keep the sampler's float32 arithmetic finite: a ``cfg_scale``,
+            ``repetition_penalty`` or ``top_p`` that float32 cannot hold (1e308 -> inf, 1e-300 -> 0) turns every
+            confidence into NaN.
+        choices: the valid strings, or a function returning them (a registry's keys, read at call time).
+        per_row: rows of one batch may differ in it; the others form ``structure_key``.
+        unset: what None becomes for a rule setting (one some rule declares in its ``params``).
+        cli: True: a flag ``--name-with-dashes`` of the field's type; a dict: argparse keyword overrides
+            (``flags``, ``action``, ...); False: no flag.
+        http: a Celeris extension field of the HTTP requests (OpenAI's own fields are declared there by hand).
+    """
+
+    help: str
+    low: float | None = None
+    high: float | None = None
+    open_low: bool = False
+    choices: tuple[str, ...] | Callable[[], Mapping[str, object]] | None = None
+    per_row: bool = False
+    unset: object = None
+    cli: dict | bool = True
+    http: bool = True
+
+    def valid_choices(self) -> tuple[str, ...] | None:
+        """The choices now (a registry's current keys), or None."""
+        if self.choices is None:
+            return None
+        return tuple(self.choices()) if callable(self.choices) else self.choices
 
 
-def _unread_message(name: str, picker: str, choices: tuple[str, ...], chosen: str) -> str:
-    """The error for a setting the request's rule does not read, naming both (the setting first: the HTTP
-    layer reports the first word as the parameter)."""
-    need = " or ".join(f"{picker}='{c}'" for c in choices) if len(choices) < 3 else \
-        f"{picker} other than " + ", ".join(f"'{c}'" for c in (DECODING if picker == "decoding" else CACHE)
-                                          if c not in choices)
-    return (f"{name} applies to {need} only; got {picker}='{chosen}' (set {picker} accordingly, or leave {name} "
-            f"unset)")
+def setting(default: object = MISSING, *, default_factory: Callable[[], object] | object = MISSING,
+            **spec: object) -> object:
+    """A dataclass field carrying its ``Setting`` (``spec``) as metadata."""
+    return field(default=default, default_factory=default_factory, metadata={"setting": Setting(**spec)})
+
+
+def _registry(table: str) -> Callable[[], Mapping[str, object]]:
+    """The registry ``table`` as a function, so choices are read at call time."""
+    return {"decoding": lambda: COMMIT_RULES, "remasking": lambda: REMASKING, "cache": lambda: CACHE_MODES}[table]
 
 
 @dataclass(slots=True)
 class SamplingParams:
-    """Settings of one generation request (names follow vLLM and LLaDA).
+    """Settings of one generation request; each field's meaning is its ``help`` (``Setting``).
 
-    Attributes:
-        max_new_tokens: answer length in tokens (the masked canvas), >= 1.
-        steps: denoising steps for the whole answer (``fixed`` decoding), >= 1.
-            See ``celeris.sampling.schedule.block_plan`` for how steps that do not
-            divide evenly over the blocks are rounded.
-        block_length: tokens per semi-autoregressive block, >= 1; capped at
-            ``max_new_tokens``; a last block may be shorter. An autoregressive
-            (causal) model needs 1 (``check_model_support``).
-        temperature: 0 is greedy; > 0 samples by Gumbel-max in float64.
-        top_p: nucleus mass in [1e-6, 1].
+    The decoding rules, remasking confidences and cache modes, with their sources, are documented where they
+    are registered (``celeris.sampling.rules``, ``celeris.sampling.cache``). Rule settings (``rule_settings``)
+    default to None, "not set": construction fills in their ``unset`` value and records the ones the caller set
+    in ``explicit_settings``; ``from_defaults`` counts only its overrides as set.
 
-    The settings that only some rules read (``RULE_SETTINGS``: ``threshold``, ``factor``, ``entropy_bound``,
-    ``draft_source``, ``remasking``, ``top_k``, ``cache_refresh``) default to None, "not set": construction
-    fills in ``RULE_DEFAULTS`` and records the ones the caller did set in ``explicit_settings``. Setting one
-    for a rule the request did not choose (``threshold=0.2`` with ``decoding="fixed"``) raises ValueError
-    naming both. ``from_defaults`` counts only its overrides as set, never the model's defaults.
-
-    Every float setting must be a finite number within ``FLOAT_BOUNDS`` (e.g. ``cfg_scale`` in
-    [0, 100], ``repetition_penalty`` in [0.01, 100]); ``seed`` in [0, 2**63 - 1].
-        top_k: keep only the k most likely tokens (ties with the k-th kept) before sampling and before
-            the confidences are taken (with the filtered distribution, ``confidence_rule``); 0 (default) keeps
-            all. Applied after ``top_p``, in the order of Dream's published ``sample_tokens``
-            (DreamLM ``generation_utils.py``: ``top_p_logits`` then ``top_k_logits``). Not with ``verified``.
-        remasking: the confidence that ranks masked positions (which ones a step commits):
-            ``low_confidence`` (probability of the predicted token; LLaDA arXiv:2502.09992, Dream's
-            ``maskgit_plus``), ``random`` (uniform scores: random positions; LLaDA), ``margin`` (top-1 minus
-            top-2 probability; Dream's ``topk_margin``, arXiv:2508.15487) or ``entropy`` (negative entropy of
-            the position's distribution, sum p log p; Dream's ``entropy`` alg). Not the same as
-            ``decoding="entropy"``, which is the EB-sampler's commit rule. Not with ``verified``.
-        decoding: how many tokens a step commits: ``fixed`` (linear schedule,
-            LLaDA), ``threshold`` (confidence > ``threshold``), ``factor``
-            (Fast-dLLM factor rule) or ``entropy`` (EB-sampler, summed entropy <=
-            ``entropy_bound``); ``verified`` for hybrid models only: a block of mask
-            slots drafts the next tokens in the same pass that checks the previous
-            drafts with the next-token head (``celeris.sampling.verified``; greedy
-            output equals next-token decoding; ``steps``, ``block_length`` and
-            ``cache`` do not apply).
-        draft_source: where ``verified`` decoding takes the drafts it checks: ``slots`` (the
-            model's mask slots, block diffusion), ``lookup`` (prompt lookup: the tokens that followed
-            the last earlier occurrence of the context's last 3 or 2 tokens; Saxena 2023, vLLM's
-            ``ngram`` speculator; works for any causal model), ``lookup_first`` (lookup where the
-            context has a match, else the slots). The output is the same for each; only speed differs.
-        cfg_scale: classifier-free guidance scale s >= 0 (0 disables it).
-        repetition_penalty: theta > 0; logits of tokens already in the context (prompt,
-            committed answer tokens, suffix) are divided by theta when positive and
-            multiplied by it when negative (CTRL, arXiv:1909.05858, Sec. 4.1; the
-            ``repetition_penalty`` of transformers and vLLM). 1 disables it.
-        seed: per-request RNG seed; None draws a fresh one.
-        stop: strings that end the answer (the stop string is not returned unless
-            ``include_stop_str_in_output``). A stop string that is exactly a special token (``"<|im_end|>"``)
-            ends the answer at that token (``LLM`` and the server add its id to ``stop_token_ids``).
-        stop_token_ids: token ids that end the answer, besides the model's end ids (the generation
-            config's ``eos_token_id`` list, the tokenizer's end-of-text and end-of-turn tokens). As vLLM.
-        ignore_eos: do not end at the model's end ids (``stop_token_ids`` still end it); as vLLM.
-        skip_special_tokens: leave special tokens out of the returned text (default); as vLLM.
-        include_stop_str_in_output: keep the matched stop string at the end of the text; as vLLM.
-        early_exit: stop denoising once every answer holds an end-of-text token
-            with all positions before it filled; returns the same text.
-        cache: ``none``; ``prefix`` or ``dual`` (Fast-dLLM arXiv:2505.22618): keys
-            and values are refreshed by a full pass at the first step of each block;
-            later steps recompute only the block and what follows it (prefix) or
-            only the block (dual). An approximation for bidirectional models.
-            ``delayed``: one full pass (prefill) at the first step, then refreshed only
-            as ``cache_refresh`` says; each step recomputes only the block, and a
-            block's first step also rewrites the previous block's keys/values with
-            its final tokens (the delayed caching of decoded tokens of dKV-Cache,
-            arXiv:2505.15781, on top of the dual cache). Cheapest per token; a
-            further approximation for a bidirectional model, exact for a causal one.
-            ``dual_delayed``: ``delayed`` for what is behind the previous block (the
-            prompt and older blocks keep the keys/values they were last computed with),
-            the dual cache for the rest: a block's first step recomputes from the
-            previous block's first column to the end (that block's final tokens and
-            the whole masked suffix), the other steps only the block. Its block-start
-            passes shrink as the answer grows; the prompt is never recomputed.
-        cache_refresh: with ``cache="delayed"`` or ``"dual_delayed"``, also refill the
-            whole cache by a full pass at the first step of every ``cache_refresh``-th
-            block (0: only the prefill; 1: every block, i.e. the dual cache). Bounds how
-            stale the cached keys/values get (dKV-Cache's refresh interval, arXiv:2505.15781).
-        suffix_window: W > 0 lets every pass see only the first W masked answer columns after the
-            current block; the rest of the masked suffix is left out of attention (DPad's suffix
-            dropping, arXiv:2508.14148, as a fixed window). With a KV cache the passes that recompute
-            the suffix then stop at the block's end + W. 0 (default): the whole canvas. Not with a
-            suffix to infill (it would shift the suffix's positions), nor with ``cache="delayed"``,
-            which never recomputes the suffix (nothing to save) and would read columns coming into
-            view from the prefill, where they were computed outside the window.
-        grammar: constrained decoding (``celeris.structured``): an llguidance grammar (a JSON Schema's,
-            ``json_object``'s or tool calls'); every committed token is one the grammar accepts, and the answer
-            ends only where the grammar may end. Each step commits the block's leftmost open position under the
-            grammar's mask plus the run of chosen proposals after it that the grammar accepts
-            (``celeris.structured.grammar.constrain_commits``). Not with ``verified``.
+    Raises (construction):
+        ValueError: a value out of its range or choices, or a rule setting for a rule the request did not choose
+            (the message starts with the field's name).
     """
 
-    max_new_tokens: int = 128
-    steps: int = 128
-    block_length: int = 32
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int | None = None
-    remasking: str | None = None
-    decoding: str = "fixed"
-    threshold: float | None = None
-    factor: float | None = None
-    entropy_bound: float | None = None
-    cfg_scale: float = 0.0
-    repetition_penalty: float = 1.0
-    seed: int | None = None
-    stop: list[str] = field(default_factory=list)
-    stop_token_ids: list[int] = field(default_factory=list)
-    ignore_eos: bool = False
-    skip_special_tokens: bool = True
-    include_stop_str_in_output: bool = False
-    early_exit: bool = True
-    cache: str = "none"
-    cache_refresh: int | None = None
-    suffix_window: int = 0
-    draft_source: str | None = None
-    grammar: str | None = None
-    # Which RULE_SETTINGS the caller set; None at construction: those given a value other than None.
+    max_tokens: int = setting(128, low=1, help="answer length in tokens (the masked canvas)", http=False,
+                              cli={"flags": ("--max-tokens", "--max-new-tokens")})
+    steps: int = setting(128, low=1, help="denoising steps for the whole answer (fixed decoding; steps that do "
+                         "not divide over the blocks are rounded as celeris.sampling.schedule.block_plan says)")
+    block_length: int = setting(32, low=1, help="tokens per semi-autoregressive block (capped at max_tokens); "
+                                "an autoregressive (causal) model needs 1")
+    temperature: float = setting(0.0, low=0.0, high=2.0, per_row=True, http=False,
+                                 help="0 = greedy; > 0 samples by Gumbel-max in float64 (arXiv:2409.02908)")
+    top_p: float = setting(1.0, low=1e-6, high=1.0, per_row=True, http=False, help="nucleus mass (arXiv:1904.09751)")
+    top_k: int | None = setting(None, low=0, unset=0, per_row=True,
+                                help="keep the k most likely tokens, ties with the k-th kept (0 = all); applied "
+                                "after top_p, as Dream's sample_tokens, also to the confidences")
+    min_p: float | None = setting(None, low=0.0, high=1.0, unset=0.0, per_row=True,
+                                  help="drop tokens below min_p times the top token's probability (vLLM; "
+                                  "arXiv:2407.01082; 0 = off); after top_k")
+    remasking: str | None = setting(None, choices=_registry("remasking"), unset="low_confidence",
+                                    help="the confidence that ranks masked positions (celeris.sampling.rules."
+                                    "REMASKING; margin and entropy are Dream's rules, not decoding 'entropy')")
+    decoding: str = setting("fixed", choices=_registry("decoding"),
+                            help="how many positions a step commits (celeris.sampling.rules.COMMIT_RULES; 'entropy' is "
+                            "the EB-sampler, not remasking 'entropy'; 'verified' is for hybrid models)")
+    threshold: float | None = setting(None, low=0.0, high=1.0, open_low=True, unset=0.9,
+                                      help="confidence threshold of decoding 'threshold' (Fast-dLLM)")
+    factor: float | None = setting(None, low=0.0, high=1e12, open_low=True, unset=1.0,
+                                   help="factor of decoding 'factor' (Fast-dLLM)")
+    entropy_bound: float | None = setting(None, low=0.0, high=1e12, unset=0.5,
+                                          help="summed entropy bound in nats of decoding 'entropy' (EB-sampler)")
+    cfg_scale: float = setting(0.0, low=0.0, high=100.0, per_row=True,
+                               help="classifier-free guidance scale (LLaDA Eq. 16; 0 = off)")
+    repetition_penalty: float = setting(1.0, low=0.01, high=100.0, per_row=True,
+                                        help="CTRL repetition penalty (arXiv:1909.05858; 1 = off)")
+    seed: int | None = setting(None, low=0, high=MAX_SEED, per_row=True, http=False,
+                               help="per-request RNG seed (None: a fresh one)")
+    stop: list[str] = setting(default_factory=list, per_row=True, http=False, cli={"action": "append"},
+                              help="stop string (repeatable); one that is exactly a special token ends the answer "
+                              "at that token")
+    stop_token_ids: list[int] = setting(default_factory=list, per_row=True,
+                                        cli={"flags": ("--stop-token-id",), "action": "append", "type": int},
+                                        help="token id that ends the answer, besides the model's end ids (vLLM)")
+    ignore_eos: bool = setting(False, per_row=True, cli={"action": "store_true"},
+                               help="do not end at the model's end-of-text / end-of-turn ids (vLLM)")
+    skip_special_tokens: bool = setting(True, per_row=True,
+                                        cli={"flags": ("--keep-special-tokens",), "action": "store_false"},
+                                        help="leave special tokens out of the text (vLLM); the flag keeps them")
+    include_stop_str_in_output: bool = setting(False, per_row=True,
+                                               cli={"flags": ("--include-stop-str",), "action": "store_true"},
+                                               help="keep the matched stop string at the end of the text (vLLM)")
+    early_exit: bool = setting(True, cli=False, http=False,
+                               help="stop denoising once every answer holds an end-of-text token with all positions "
+                               "before it filled (same text)")
+    cache: str = setting("none", choices=_registry("cache"),
+                         help="KV cache policy (celeris.sampling.cache.CACHE_MODES, with a table of what each "
+                         "recomputes)")
+    cache_refresh: int | None = setting(None, low=0, unset=0,
+                                        help="with a delayed cache: also a full refresh every N blocks (0 = never)")
+    suffix_window: int = setting(0, low=0, help="passes see only this many masked columns past the block (DPad, "
+                                 "arXiv:2508.14148; 0 = the whole canvas)")
+    draft_source: str | None = setting(None, choices=DRAFT_SOURCES, unset="lookup_first", per_row=True,
+                                       help="verified decoding's drafts: prompt lookup first, the model's mask "
+                                       "slots, or prompt lookup only")
+    grammar: str | None = setting(None, per_row=True, cli=False, http=False,
+                                  help="an llguidance grammar (celeris.structured): every committed token is one it "
+                                  "accepts")
+    # Which rule settings the caller set; None at construction: those given a value other than None.
     # Kept by ``dataclasses.replace`` (it passes the field on), so replacing ``seed`` does not turn the
     # filled-in defaults into settings of the caller.
     explicit_settings: frozenset[str] | None = field(default=None, repr=False, compare=False)
@@ -196,43 +161,35 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        rules = rule_settings()
         if self.explicit_settings is None:
-            self.explicit_settings = frozenset(n for n in RULE_SETTINGS if getattr(self, n) is not None)
-        for name, default in RULE_DEFAULTS.items():
-            if getattr(self, name) is None:
-                setattr(self, name, default)
-        checks = [(message is None, message) for message in
-                  (check_float(name, getattr(self, name)) for name in FLOAT_BOUNDS)]
-        checks += [
-            (self.max_new_tokens >= 1, f"max_new_tokens must be >= 1, got {self.max_new_tokens}"),
-            (self.steps >= 1, f"steps must be >= 1, got {self.steps}"),
-            (self.block_length >= 1, f"block_length must be >= 1, got {self.block_length}"),
-            (self.remasking in REMASKING, f"remasking must be one of {', '.join(REMASKING)}; got '{self.remasking}'"),
-            (self.decoding in DECODING, f"decoding must be one of {', '.join(DECODING)}; got '{self.decoding}'"),
-            (self.draft_source in DRAFT_SOURCES,
-             f"draft_source must be one of {', '.join(DRAFT_SOURCES)}; got '{self.draft_source}'"),
-            (self.cache in CACHE, f"cache must be one of {', '.join(CACHE)}; got '{self.cache}'"),
-            (isinstance(self.cache_refresh, int) and not isinstance(self.cache_refresh, bool)
-             and self.cache_refresh >= 0, f"cache_refresh must be an integer >= 0, got {self.cache_refresh!r}"),
-            (isinstance(self.top_k, int) and not isinstance(self.top_k, bool) and self.top_k >= 0,
-             f"top_k must be an integer >= 0 (0 keeps every token), got {self.top_k!r}"),
-            (isinstance(self.suffix_window, int) and not isinstance(self.suffix_window, bool)
-             and self.suffix_window >= 0, f"suffix_window must be an integer >= 0, got {self.suffix_window!r}"),
-            (self.suffix_window == 0 or self.cache != "delayed",
-             "suffix_window cannot be used with cache='delayed' (it never recomputes the suffix); use 'dual_delayed'"),
-            (self.seed is None or (isinstance(self.seed, int) and not isinstance(self.seed, bool)
-                                   and 0 <= self.seed <= MAX_SEED),
-             f"seed must be an integer in [0, {MAX_SEED}], got {self.seed!r}"),
+            self.explicit_settings = frozenset(n for n in rules if getattr(self, n) is not None)
+        for name, spec in declared().items():
+            if spec.unset is not None and getattr(self, name) is None:
+                setattr(self, name, spec.unset)
+        for name, spec in declared().items():
+            message = check_setting(name, getattr(self, name), spec)
+            if message:
+                raise ValueError(message)
+        checks = [
             (all(isinstance(s, str) and s for s in self.stop), "stop must be a non-empty string or a list of them"),
             (isinstance(self.stop_token_ids, list) and all(
                 isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids),
              f"stop_token_ids must be a list of token ids >= 0, got {self.stop_token_ids!r}"),
+            (self.suffix_window == 0 or CACHE_MODES[self.cache].recomputes_suffix,
+             f"suffix_window cannot be used with cache='{self.cache}' (it never recomputes the suffix); use "
+             f"'dual_delayed'"),
         ]
         checks += [(getattr(self, picker) in choices, _unread_message(name, picker, choices, getattr(self, picker)))
-                   for name, (picker, choices) in RULE_SETTINGS.items() if name in self.explicit_settings]
+                   for name, (picker, choices) in rules.items() if name in self.explicit_settings]
         for ok, message in checks:
             if not ok:
                 raise ValueError(message)
+
+    @property
+    def max_new_tokens(self) -> int:
+        """Deprecated alias of ``max_tokens``."""
+        return self.max_tokens
 
     @classmethod
     def from_defaults(cls, defaults: dict | None = None, **overrides: object) -> SamplingParams:
@@ -242,22 +199,23 @@ class SamplingParams:
         model, the same greedy text) when a ``grammar`` is given: constrained decoding does not run under
         verified decoding; a caller who asks for both gets the error.
 
-        A default ``steps`` goes with the default ``max_new_tokens``: when only the
-        length is overridden, steps are scaled to keep the default's tokens per step,
-        ``ceil(max_new_tokens * steps / default max_new_tokens)``, so a longer answer
-        is not decoded with more tokens per step (the quality knob) than the model's
-        defaults were chosen at. An explicit ``steps`` is used as given.
+        A default ``steps`` goes with the default ``max_tokens``: when only the length is overridden, steps are
+        scaled to keep the default's tokens per step, ``ceil(max_tokens * steps / default max_tokens)``, so a
+        longer answer is not decoded with more tokens per step (the quality knob) than the model's defaults were
+        chosen at. An explicit ``steps`` is used as given. ``max_new_tokens`` (in ``defaults`` or as an
+        override) is read as ``max_tokens``.
 
         Raises:
             ValueError: an invalid setting (see ``__post_init__``).
         """
-        known = {f.name for f in fields(cls)} - {"explicit_settings"}
-        merged = {k: v for k, v in (defaults or {}).items() if k in known}
-        given = {k: v for k, v in overrides.items() if v is not None}
+        defaults = _renamed(dict(defaults or {}))
+        known = set(declared())
+        merged = {k: v for k, v in defaults.items() if k in known}
+        given = {k: v for k, v in _renamed(overrides, warn=True).items() if v is not None}
         merged.update(given)
-        merged["explicit_settings"] = frozenset(given).intersection(RULE_SETTINGS)
-        d_len, d_steps = (defaults or {}).get("max_new_tokens"), (defaults or {}).get("steps")
-        length = given.get("max_new_tokens")
+        merged["explicit_settings"] = frozenset(given).intersection(rule_settings())
+        d_len, d_steps = defaults.get("max_tokens"), defaults.get("steps")
+        length = given.get("max_tokens")
         if "steps" not in given and isinstance(length, int) and length >= 1 and d_len and d_steps:
             merged["steps"] = -(-length * d_steps // d_len)
         if merged.get("grammar") is not None and merged.get("decoding") == "verified" and "decoding" not in given:
@@ -266,7 +224,132 @@ class SamplingParams:
         return cls(**merged)
 
     def structure_key(self) -> tuple:
-        """Settings that must be equal for requests to share one batched sampler call."""
-        return (self.max_new_tokens, self.steps, self.block_length, self.remasking, self.decoding,
-                self.threshold, self.factor, self.entropy_bound, self.cfg_scale > 0, self.early_exit, self.cache,
-                self.cache_refresh, self.suffix_window)
+        """Settings that must be equal for requests to share one batched sampler call: every field that is not
+        ``per_row``, and whether classifier-free guidance is on."""
+        return (*(getattr(self, name) for name, spec in declared().items() if not spec.per_row), self.cfg_scale > 0)
+
+
+_dataclass_init = SamplingParams.__init__
+
+
+def _init(self: SamplingParams, *args: object, max_new_tokens: int | None = None, **kwargs: object) -> None:
+    """The dataclass ``__init__``, also taking the deprecated ``max_new_tokens`` keyword."""
+    if max_new_tokens is not None:
+        if "max_tokens" in kwargs:
+            raise TypeError("give max_tokens or its deprecated alias max_new_tokens, not both")
+        warnings.warn("SamplingParams(max_new_tokens=...) is deprecated; use max_tokens", DeprecationWarning,
+                      stacklevel=2)
+        kwargs["max_tokens"] = max_new_tokens
+    _dataclass_init(self, *args, **kwargs)
+
+
+_init.__signature__ = inspect.signature(_dataclass_init)
+SamplingParams.__init__ = _init
+
+
+def _renamed(values: dict, warn: bool = False) -> dict:
+    """``values`` with the deprecated key ``max_new_tokens`` read as ``max_tokens`` (a given ``max_tokens``
+    wins)."""
+    if "max_new_tokens" not in values:
+        return values
+    values = dict(values)
+    old = values.pop("max_new_tokens")
+    if warn and old is not None:
+        warnings.warn("max_new_tokens is deprecated; use max_tokens", DeprecationWarning, stacklevel=3)
+    if values.get("max_tokens") is None:
+        values["max_tokens"] = old
+    return values
+
+
+def declared() -> dict[str, Setting]:
+    """Every ``SamplingParams`` field with its ``Setting``, in declaration order."""
+    return {f.name: f.metadata["setting"] for f in fields(SamplingParams) if "setting" in f.metadata}
+
+
+def field_type(name: str) -> type:
+    """The value type of a declared field: int, float, bool, str, or list (``stop``, ``stop_token_ids``)."""
+    annotation = SamplingParams.__dataclass_fields__[name].type
+    for kind in ("list", "bool", "float", "int", "str"):
+        if annotation.startswith(kind):
+            return {"list": list, "bool": bool, "float": float, "int": int, "str": str}[kind]
+    raise TypeError(f"{name}: no setting type for {annotation}")
+
+
+def rule_settings() -> dict[str, tuple[str, tuple[str, ...]]]:
+    """Settings only some rules read: setting -> (the field that picks the rule, the choices that read it), from
+    what the registries declare now (``CommitRule.reads``, ``CachePolicy.reads``, ``Confidence.params``)."""
+    out: dict[str, tuple[str, list[str]]] = {}
+    for picker in ("decoding", "remasking", "cache"):
+        for choice, entry in _registry(picker)().items():
+            for name in getattr(entry, "reads", getattr(entry, "params", ())):
+                out.setdefault(name, (picker, []))[1].append(choice)
+    return {name: (picker, tuple(choices)) for name, (picker, choices) in out.items()}
+
+
+def check_setting(name: str, value: object, spec: Setting) -> str | None:
+    """None when ``value`` is valid for the declared field ``name``, else the message (it starts with ``name``)."""
+    kind = field_type(name)
+    choices = spec.valid_choices()
+    if choices is not None:
+        return None if value in choices else f"{name} must be one of {', '.join(choices)}; got '{value}'"
+    if kind is float:
+        return check_float(name, value)
+    if kind is int and spec.low is not None:
+        if value is None and spec.unset is None and SamplingParams.__dataclass_fields__[name].default is None:
+            return None  # an optional integer such as seed
+        ok = isinstance(value, int) and not isinstance(value, bool) and value >= spec.low and (
+            spec.high is None or value <= spec.high)
+        where = f">= {spec.low:g}" if spec.high is None else f"in [{spec.low:g}, {spec.high}]"
+        return None if ok else f"{name} must be an integer {where}, got {value!r}"
+    return None
+
+
+def check_float(name: str, value: object) -> str | None:
+    """None when ``value`` is a finite number within the declared range of float field ``name``, else a message
+    naming the range."""
+    spec = declared()[name]
+    low, high = spec.low, spec.high
+    left = "(" if spec.open_low else "["
+    ok = (isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+          and (value > low if spec.open_low else value >= low) and value <= high)
+    return None if ok else f"{name} must be a finite number in {left}{low:g}, {high:g}], got {value!r}"
+
+
+def _unread_message(name: str, picker: str, choices: tuple[str, ...], chosen: str) -> str:
+    """The error for a setting the request's rule does not read, naming both (the setting first: the HTTP
+    layer reports the first word as the parameter)."""
+    others = [c for c in declared()[picker].valid_choices() if c not in choices]
+    need = " or ".join(f"{picker}='{c}'" for c in choices) if len(choices) < 3 else \
+        f"{picker} other than " + ", ".join(f"'{c}'" for c in others)
+    return (f"{name} applies to {need} only; got {picker}='{chosen}' (set {picker} accordingly, or leave {name} "
+            f"unset)")
+
+
+def add_setting_flags(parser: argparse.ArgumentParser, names: Iterable[str] | None = None) -> None:
+    """One argparse flag per declared setting (``names``: those only; None: every one with a ``Setting.cli``):
+    ``--name-with-dashes`` of the field's type with its help and, for a choice, the choices the registries hold
+    now. A flag not given is None, so ``SamplingParams.from_defaults`` keeps the model's default."""
+    for name, spec in declared().items():
+        if spec.cli is False or (names is not None and name not in names):
+            continue
+        options = dict(spec.cli) if isinstance(spec.cli, dict) else {}
+        flags = options.pop("flags", (f"--{name.replace('_', '-')}",))
+        options.setdefault("dest", name)
+        options.setdefault("help", spec.help)
+        if options.get("action") in ("store_true", "store_false"):
+            options.setdefault("default", None)
+        elif field_type(name) is not list:  # a list's flag repeats (its cli declares the items' type)
+            options.setdefault("type", field_type(name))
+        choices = spec.valid_choices()
+        if choices is not None:
+            options["choices"] = list(choices)
+        parser.add_argument(*flags, **options)
+
+
+def causal_defaults(generation_config: dict) -> dict:
+    """An autoregressive (causal) model's defaults: blocks of one token, and the ``delayed`` cache unless the
+    file asks for another mode a causal model can use (``CachePolicy.exact_for_causal``; ``check_model_support``
+    refuses the others for such a model)."""
+    cache = generation_config.get("cache", "delayed")
+    ok = cache in CACHE_MODES and CACHE_MODES[cache].exact_for_causal
+    return {**generation_config, "block_length": 1, "cache": cache if ok else "delayed"}

@@ -30,13 +30,13 @@ from celeris.train.loop import load_run
 def acceptance(model: torch.nn.Module, prefixes: torch.Tensor, k: int) -> dict:
     """(N, P) int64 true prefixes -> per-slot match rates and the mean leading-match length for k slots."""
     n, p = prefixes.shape
-    out = generate_autoregressive(model, prefixes.tolist(), SamplingParams(max_new_tokens=k + 1, steps=k + 1,
+    out = generate_autoregressive(model, prefixes.tolist(), SamplingParams(max_tokens=k + 1, steps=k + 1,
                                                                            block_length=1, early_exit=False))
     greedy = out.answer_ids  # (N, k + 1)
     model.config.draft_block_size = k  # k mask slots after the prefix (the model was trained with its own k)
     dec = VerifiedDecoder(model, n, p + 1)
     for row in prefixes.tolist():
-        dec.add(row, SamplingParams(max_new_tokens=1, steps=1, block_length=1))
+        dec.add(row, SamplingParams(max_tokens=1, steps=1, block_length=1))
     drafts = dec._run(0, n, fresh=True)[:, p : p + k].argmax(-1)  # (N, k): slot j drafts g_{j+1}
     match = drafts == greedy[:, 1:]
     leading = match.long().cumprod(-1).sum(-1).float()

@@ -43,7 +43,7 @@ def main() -> None:
     tokens = np.memmap(f"{args.data}/train.bin", dtype=np.uint16, mode="r")
     rng = np.random.default_rng(args.seed)
     starts = rng.integers(0, len(tokens) - args.prompt_len, size=args.num_sequences)
-    params = SamplingParams(max_new_tokens=args.gen_len, steps=1, block_length=1, early_exit=False,
+    params = SamplingParams(max_tokens=args.gen_len, steps=1, block_length=1, early_exit=False,
                             decoding="verified", draft_source="lookup_first")
     start = time.perf_counter()
     tmp = args.out + ".tmp"

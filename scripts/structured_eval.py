@@ -63,7 +63,7 @@ def main() -> None:
     ap.add_argument("--schemas", type=int, default=24)
     ap.add_argument("--batch", type=int, default=8)
     args = ap.parse_args()
-    llm = LLM(args.model, device="cpu", max_batch_size=args.batch)
+    llm = LLM(args.model, device="cpu", max_num_seqs=args.batch)
     schemas = make_schemas(args.schemas)
     grammars = [schema_grammar(s) for s in schemas]
     rng = random.Random(1)

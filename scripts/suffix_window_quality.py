@@ -45,7 +45,7 @@ def main() -> None:
     args = p.parse_args()
     llm, twin = LLM(None, device="cpu"), LLM("celeris-code-6m-ar", device="cpu")
     prompts = [llm.tokenizer.encode(heal_prompt(x["prompt"])) for x in load_humaneval()[: args.num_prompts]]
-    params = llm.default_params(max_new_tokens=args.length, cache="none", early_exit=False, temperature=0.0)
+    params = llm.default_params(max_tokens=args.length, cache="none", early_exit=False, temperature=0.0)
     base = None
     for window in [0] + [int(w) for w in args.windows.split(",")]:
         start = time.perf_counter()

@@ -32,7 +32,7 @@ def main() -> None:
         default = None
         for threshold in (None, 0.9, 0.7, 0.5):
             extra = {} if threshold is None else {"decoding": "threshold", "threshold": threshold}
-            params = llm.default_params(max_new_tokens=length, early_exit=False, temperature=0.0, **extra)
+            params = llm.default_params(max_tokens=length, early_exit=False, temperature=0.0, **extra)
             outs = [generate(llm.model, [ids], params) for ids in prompts]
             answers = torch.stack([o.answer_ids[0] for o in outs])  # (N, length)
             default = answers if default is None else default

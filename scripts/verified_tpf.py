@@ -1,6 +1,6 @@
 """Tokens per forward and draft acceptance of verified decoding on HumanEval prompts (greedy, no early exit).
 
-    python scripts/verified_tpf.py --run runs/hybrid --num-prompts 16 --max-new-tokens 256 --draft-source slots
+    python scripts/verified_tpf.py --run runs/hybrid --num-prompts 16 --max-tokens 256 --draft-source slots
     python scripts/verified_tpf.py --model celeris-code-6m-hybrid ...
 
 Prints one JSON line: the checkpoint's training step (for --run), tokens per forward (prefill included) and
@@ -29,7 +29,7 @@ def main() -> None:
     ap.add_argument("--run", help="a hybrid training run folder: its last.pt (celeris.train.loop.load_run)")
     ap.add_argument("--prompts", default="../shared/data/humaneval/HumanEval.jsonl.gz")
     ap.add_argument("--num-prompts", type=int, default=16)
-    ap.add_argument("--max-new-tokens", type=int, default=256)
+    ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--draft-source", default="lookup_first", choices=["lookup_first", "slots", "lookup"])
     args = ap.parse_args()
     torch.set_num_threads(1)
@@ -37,7 +37,7 @@ def main() -> None:
     tok = Tokenizer(resolve_model(args.model))
     problems = load_humaneval(args.prompts)[: args.num_prompts]
     ids = [tok.encode(heal_prompt(p["prompt"])) for p in problems]
-    params = SamplingParams(max_new_tokens=args.max_new_tokens, steps=1, block_length=1, early_exit=False,
+    params = SamplingParams(max_tokens=args.max_tokens, steps=1, block_length=1, early_exit=False,
                             decoding="verified", draft_source=args.draft_source)
     out = generate_verified(model, ids, params)
     print(json.dumps({"step": step, "draft_source": args.draft_source, "tokens_per_forward":

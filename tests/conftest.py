@@ -165,7 +165,7 @@ def tiny_checkpoint(tokenizer_dir, tmp_path_factory) -> Path:
     )
     model = tiny_model(seed=0, **{k: getattr(cfg, k) for k in TINY})
     out = tmp_path_factory.mktemp("ckpt") / "tiny"
-    generation = {"max_new_tokens": 16, "steps": 16, "block_length": 8, "temperature": 0.0, "top_p": 1.0,
+    generation = {"max_tokens": 16, "steps": 16, "block_length": 8, "temperature": 0.0, "top_p": 1.0,
                   "remasking": "low_confidence", "cfg_scale": 0.0}
     save_checkpoint(model, out, tokenizer_dir, generation)
     return out

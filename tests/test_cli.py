@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from celeris.cli import MASK_GLYPH, main
+from celeris.cli import main
+from celeris.serve.detokenize import MASK_PLACEHOLDER
 from tests.conftest import REPO_ROOT
 
 SHIPPED = REPO_ROOT / "celeris" / "checkpoints" / "celeris-code-6m"
@@ -70,7 +71,7 @@ def test_show_denoising_prints_every_step(capsys, tiny_checkpoint):
     step_lines = [line for line in lines if line.startswith("--- step ")]
     assert len(step_lines) == record["nfe"] >= 1
     assert step_lines[0] == "--- step 1 ---"
-    assert MASK_GLYPH in out  # the first frames still show masked positions
+    assert MASK_PLACEHOLDER in out  # the first frames still show masked positions
     assert out.count("def add(a, b):") >= len(step_lines)
 
 
@@ -170,7 +171,7 @@ def test_shipped_default_is_the_hybrid_and_verified_equals_its_greedy_tokens(cap
     llm = LLM(None, device="cpu")
     assert llm.path.name == "celeris-code-6m-hybrid" and llm.model.config.draft_block_size == 4
     want = generate_autoregressive(llm.model, [llm.tokenizer.encode("def fibonacci(n):")],
-                                   llm.default_params(max_new_tokens=64, decoding="fixed", draft_source=None))
+                                   llm.default_params(max_tokens=64, decoding="fixed", draft_source=None))
     assert record["token_ids"] == want.token_ids[0]
 
 
@@ -190,7 +191,7 @@ def test_shipped_twin_end_to_end(capsys):
     assert record["text"].strip() and record["nfe"] == min(len(record["token_ids"]) + 1, 32)
     llm = LLM("celeris-code-6m-ar", device="cpu")
     want = generate_autoregressive(llm.model, [llm.tokenizer.encode("def fibonacci(n):")],
-                                   llm.default_params(max_new_tokens=32))
+                                   llm.default_params(max_tokens=32))
     assert record["token_ids"] == want.token_ids[0]
 
 
@@ -205,7 +206,7 @@ def test_causal_twin_generates_token_by_token_and_refuses_blocks(capsys, tiny_ch
     special = {k: config[k] for k in ("vocab_size", "eos_token_id", "mask_token_id", "pad_token_id")}
     model = tiny_model(seed=1, **{**{k: config[k] for k in TINY if k in config}, **special, "is_causal": True})
     folder = tmp_path / "twin"
-    save_checkpoint(model, folder, tokenizer_dir, {**AR_GENERATION, "max_new_tokens": 10})
+    save_checkpoint(model, folder, tokenizer_dir, {**AR_GENERATION, "max_tokens": 10})
     code, out, err = run_cli(capsys, "generate", "def f():", "--model", str(folder), "--json", "--device", "cpu")
     assert code == 0, err
     record = json.loads(out)

@@ -23,7 +23,7 @@ def llm(tiny_checkpoint):
 
 
 def params(**kw):
-    return SamplingParams(**{"max_new_tokens": 16, "steps": 16, "block_length": 8, **kw})
+    return SamplingParams(**{"max_tokens": 16, "steps": 16, "block_length": 8, **kw})
 
 
 def test_loads_tokenizer_and_defaults(llm):
@@ -34,7 +34,7 @@ def test_loads_tokenizer_and_defaults(llm):
     assert tok.vocab_size == cfg.vocab_size
     assert llm.context_length == 64
     d = llm.default_params()
-    assert (d.max_new_tokens, d.steps, d.block_length) == (16, 16, 8)
+    assert (d.max_tokens, d.steps, d.block_length) == (16, 16, 8)
     assert llm.default_params(steps=4).steps == 4
 
 
@@ -93,11 +93,11 @@ def _stop_candidate(text: str) -> str | None:
 @pytest.mark.parametrize("as_list", [False, True])
 def test_stop_string_cuts_text(llm, as_list):
     prompt = PROMPTS[2]
-    full = llm.generate(prompt, params(max_new_tokens=24, steps=24))[0]
+    full = llm.generate(prompt, params(max_tokens=24, steps=24))[0]
     stop = _stop_candidate(full.text)
     assert stop is not None, f"tiny model text too uniform for a stop-string test: {full.text!r}"
     cut = full.text.find(stop)
-    out = llm.generate(prompt, params(max_new_tokens=24, steps=24, stop=[stop, "never-there"] if as_list else stop))[0]
+    out = llm.generate(prompt, params(max_tokens=24, steps=24, stop=[stop, "never-there"] if as_list else stop))[0]
     assert out.text == full.text[:cut]
     assert stop not in out.text
     assert out.finish_reason == "stop"
@@ -107,10 +107,10 @@ def test_stop_string_cuts_text(llm, as_list):
 
 
 def test_earliest_stop_string_wins(llm):
-    full = llm.generate(PROMPTS[0], params(max_new_tokens=24, steps=24))[0]
+    full = llm.generate(PROMPTS[0], params(max_tokens=24, steps=24))[0]
     assert len(full.text) >= 6
     late, early = full.text[-2:], full.text[1:3]
-    out = llm.generate(PROMPTS[0], params(max_new_tokens=24, steps=24, stop=[late, early]))[0]
+    out = llm.generate(PROMPTS[0], params(max_tokens=24, steps=24, stop=[late, early]))[0]
     assert out.text == full.text[: min(full.text.find(late), full.text.find(early))]
     assert out.finish_reason == "stop"
 
@@ -124,7 +124,7 @@ def test_stop_string_absent_keeps_length(llm):
 def test_context_window_overflow_names_both_numbers(llm):
     prompt = "def fibonacci(n):\n" * 6
     n_prompt = len(llm.tokenizer.encode(prompt))
-    p = params(max_new_tokens=40, steps=8)
+    p = params(max_tokens=40, steps=8)
     need = n_prompt + 40
     assert need > 64
     with pytest.raises(ValueError) as info:
@@ -132,7 +132,7 @@ def test_context_window_overflow_names_both_numbers(llm):
     message = str(info.value)
     assert str(need) in message and "64" in message
     # exactly at the limit is fine
-    fits = params(max_new_tokens=64 - n_prompt, steps=4, block_length=64 - n_prompt)
+    fits = params(max_tokens=64 - n_prompt, steps=4, block_length=64 - n_prompt)
     assert llm.generate(prompt, fits)[0].nfe >= 1
 
 
@@ -144,7 +144,7 @@ def test_empty_prompt_rejected(llm):
 
 
 def test_infilling_with_suffix(llm):
-    p = params(max_new_tokens=8, steps=8, block_length=8, early_exit=False)
+    p = params(max_tokens=8, steps=8, block_length=8, early_exit=False)
     a = llm.generate(["def f(x):\n"], p, suffixes=["    return y\n"])[0]
     b = llm.generate(["def f(x):\n"], p, suffixes=["class Stack:\n    pass\n"])[0]
     assert a.token_ids != b.token_ids  # the suffix is part of the context
@@ -171,7 +171,7 @@ def test_missing_or_corrupt_checkpoint(tiny_checkpoint, tmp_path):
 def test_generation_config_supplies_defaults(tiny_checkpoint, tmp_path):
     folder = tmp_path / "ckpt"
     shutil.copytree(tiny_checkpoint, folder)
-    (folder / "generation_config.json").write_text(json.dumps({"max_new_tokens": 5, "steps": 5, "block_length": 5}))
+    (folder / "generation_config.json").write_text(json.dumps({"max_tokens": 5, "steps": 5, "block_length": 5}))
     llm = LLM(folder, device="cpu")
     out = llm.generate("import os")[0]
     assert len(out.token_ids) <= 5
@@ -200,9 +200,15 @@ def test_causal_checkpoint_defaults_to_one_token_blocks(tiny_checkpoint, tokeniz
     config = json.loads((tiny_checkpoint / "config.json").read_text())
     model = tiny_model(**{k: config[k] for k in (*TINY, "vocab_size", "eos_token_id", "mask_token_id",
                                                  "pad_token_id") if k in config}, is_causal=True)
-    save_checkpoint(model, tmp_path / "twin", tokenizer_dir, {"max_new_tokens": 6, "block_length": 32, "cache": "dual"})
+    save_checkpoint(model, tmp_path / "twin", tokenizer_dir, {"max_tokens": 6, "block_length": 32, "cache": "dual"})
     twin = LLM(tmp_path / "twin")
     params = twin.default_params()
-    assert (params.block_length, params.cache, params.max_new_tokens) == (1, "delayed", 6)
+    assert (params.block_length, params.cache, params.max_tokens) == (1, "delayed", 6)
     out = twin.generate("def f", params)[0]
     assert out.nfe == min(len(out.token_ids) + 1, 6)
+
+
+def test_max_batch_size_is_a_deprecated_alias_of_max_num_seqs(tiny_checkpoint):
+    assert LLM(tiny_checkpoint, device="cpu", max_num_seqs=3).engine_config.max_num_seqs == 3
+    with pytest.warns(DeprecationWarning, match="max_num_seqs"):
+        assert LLM(tiny_checkpoint, device="cpu", max_batch_size=2).engine_config.max_num_seqs == 2

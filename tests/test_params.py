@@ -12,8 +12,8 @@ from celeris.params import SamplingParams
 @pytest.mark.parametrize(
     ("name", "value"),
     [
-        ("max_new_tokens", 0),
-        ("max_new_tokens", -3),
+        ("max_tokens", 0),
+        ("max_tokens", -3),
         ("steps", 0),
         ("steps", -1),
         ("block_length", 0),
@@ -60,8 +60,8 @@ def test_stop_string_becomes_list():
         {"top_p": 1.0},
         {"top_p": 1e-3},
         {"decoding": "threshold", "threshold": 1.0},
-        {"max_new_tokens": 1, "steps": 1, "block_length": 1},
-        {"max_new_tokens": 7, "steps": 100, "block_length": 3},  # uneven lengths are legal, not asserted away
+        {"max_tokens": 1, "steps": 1, "block_length": 1},
+        {"max_tokens": 7, "steps": 100, "block_length": 3},  # uneven lengths are legal, not asserted away
         {"remasking": "random", "decoding": "entropy", "entropy_bound": 0.0},
     ],
 )
@@ -72,32 +72,32 @@ def test_valid_values(kwargs):
 
 
 def test_defaults_then_overrides():
-    defaults = {"max_new_tokens": 64, "steps": 32, "temperature": 0.5, "unknown_key": 1}
+    defaults = {"max_tokens": 64, "steps": 32, "temperature": 0.5, "unknown_key": 1}
     p = SamplingParams.from_defaults(defaults, steps=8, temperature=None)
-    assert (p.max_new_tokens, p.steps, p.temperature) == (64, 8, 0.5)  # None overrides are ignored
+    assert (p.max_tokens, p.steps, p.temperature) == (64, 8, 0.5)  # None overrides are ignored
     with pytest.raises(ValueError, match="steps"):
         SamplingParams.from_defaults(defaults, steps=0)
-    assert SamplingParams.from_defaults(None).max_new_tokens == SamplingParams().max_new_tokens
+    assert SamplingParams.from_defaults(None).max_tokens == SamplingParams().max_tokens
 
 
 def test_default_steps_keep_the_default_tokens_per_step():
-    """The model's steps go with its max_new_tokens: another length keeps the same tokens per step."""
-    one_per_step = {"max_new_tokens": 128, "steps": 128}
-    assert SamplingParams.from_defaults(one_per_step, max_new_tokens=256).steps == 256
-    assert SamplingParams.from_defaults(one_per_step, max_new_tokens=5).steps == 5
+    """The model's steps go with its max_tokens: another length keeps the same tokens per step."""
+    one_per_step = {"max_tokens": 128, "steps": 128}
+    assert SamplingParams.from_defaults(one_per_step, max_tokens=256).steps == 256
+    assert SamplingParams.from_defaults(one_per_step, max_tokens=5).steps == 5
     assert SamplingParams.from_defaults(one_per_step).steps == 128
-    assert SamplingParams.from_defaults(one_per_step, max_new_tokens=256, steps=64).steps == 64  # explicit wins
-    two_per_step = {"max_new_tokens": 64, "steps": 32}
-    assert SamplingParams.from_defaults(two_per_step, max_new_tokens=7).steps == 4  # ceil(7 / 2)
-    assert SamplingParams.from_defaults({"steps": 32}, max_new_tokens=256).steps == 32  # no default length: as given
-    with pytest.raises(ValueError, match="max_new_tokens"):
-        SamplingParams.from_defaults(one_per_step, max_new_tokens=0)
+    assert SamplingParams.from_defaults(one_per_step, max_tokens=256, steps=64).steps == 64  # explicit wins
+    two_per_step = {"max_tokens": 64, "steps": 32}
+    assert SamplingParams.from_defaults(two_per_step, max_tokens=7).steps == 4  # ceil(7 / 2)
+    assert SamplingParams.from_defaults({"steps": 32}, max_tokens=256).steps == 32  # no default length: as given
+    with pytest.raises(ValueError, match="max_tokens"):
+        SamplingParams.from_defaults(one_per_step, max_tokens=0)
 
 
 def test_zero_is_not_treated_as_unset():
     """`max_tokens: 0` treated as unset is a known bug: an explicit 0 must be rejected, not replaced."""
-    with pytest.raises(ValueError, match="max_new_tokens"):
-        SamplingParams.from_defaults({"max_new_tokens": 64}, max_new_tokens=0)
+    with pytest.raises(ValueError, match="max_tokens"):
+        SamplingParams.from_defaults({"max_tokens": 64}, max_tokens=0)
     assert SamplingParams.from_defaults({"temperature": 0.8}, temperature=0.0).temperature == 0.0
 
 
@@ -163,33 +163,33 @@ def test_bounds_edges_are_accepted():
 # Settings only some rules read (issue 16 item 3): never silently ignored
 
 RULE_VALUES = {"threshold": 0.2, "factor": 2.0, "entropy_bound": 1.0, "draft_source": "lookup",
-               "remasking": "margin", "top_k": 5, "cache_refresh": 2}
+               "remasking": "margin", "top_k": 5, "min_p": 0.1, "cache_refresh": 2}
 
 
 def unread_choice(name: str) -> tuple[str, str]:
     """(picker field, a choice of it whose rule does not read ``name``)."""
-    from celeris.params import CACHE, DECODING, RULE_SETTINGS
+    from celeris.params import declared, rule_settings
 
-    picker, choices = RULE_SETTINGS[name]
-    return picker, next(c for c in (DECODING if picker == "decoding" else CACHE) if c not in choices)
+    picker, choices = rule_settings()[name]
+    return picker, next(c for c in declared()[picker].valid_choices() if c not in choices)
 
 
 def test_every_rule_setting_is_checked():
-    from celeris.params import RULE_SETTINGS
+    from celeris.params import rule_settings
 
-    assert set(RULE_VALUES) == set(RULE_SETTINGS)
+    assert set(RULE_VALUES) == set(rule_settings())
 
 
 @pytest.mark.parametrize("name", list(RULE_VALUES))
 def test_setting_for_an_unchosen_rule_is_an_error_naming_both(name):
-    from celeris.params import RULE_SETTINGS
+    from celeris.params import rule_settings
 
     picker, unread = unread_choice(name)
     with pytest.raises(ValueError, match=rf"^{name} applies to .*got {picker}='{unread}'"):
         SamplingParams(**{name: RULE_VALUES[name], picker: unread})
     with pytest.raises(ValueError, match=rf"^{name} applies to"):  # an override of from_defaults counts too
         SamplingParams.from_defaults({picker: unread}, **{name: RULE_VALUES[name]})
-    chosen = RULE_SETTINGS[name][1][0]
+    chosen = rule_settings()[name][1][0]
     assert getattr(SamplingParams(**{name: RULE_VALUES[name], picker: chosen}), name) == RULE_VALUES[name]
 
 
@@ -203,20 +203,23 @@ def test_threshold_without_threshold_decoding_is_refused():
 @pytest.mark.parametrize("name", list(RULE_VALUES))
 def test_a_model_default_never_causes_the_error(name):
     """A generation_config.json default for a rule the caller switches away from is not the caller's setting."""
-    from celeris.params import RULE_SETTINGS
+    from celeris.params import rule_settings
 
     picker, unread = unread_choice(name)
-    defaults = {name: RULE_VALUES[name], picker: RULE_SETTINGS[name][1][0]}
+    defaults = {name: RULE_VALUES[name], picker: rule_settings()[name][1][0]}
     p = SamplingParams.from_defaults(defaults, **{picker: unread}, seed=1)
     assert getattr(p, picker) == unread and name not in p.explicit_settings
     assert dataclasses.replace(p, seed=2).seed == 2  # replace keeps the record: still not the caller's
 
 
 def test_unset_rule_settings_take_their_defaults_and_replace_keeps_the_record():
-    from celeris.params import RULE_DEFAULTS
+    from celeris.params import declared, rule_settings
 
     p = SamplingParams()
-    assert {n: getattr(p, n) for n in RULE_DEFAULTS} == RULE_DEFAULTS and p.explicit_settings == frozenset()
+    unset = {n: declared()[n].unset for n in rule_settings()}
+    assert unset == {"threshold": 0.9, "factor": 1.0, "entropy_bound": 0.5, "draft_source": "lookup_first",
+                     "remasking": "low_confidence", "top_k": 0, "min_p": 0.0, "cache_refresh": 0}
+    assert {n: getattr(p, n) for n in unset} == unset and p.explicit_settings == frozenset()
     assert dataclasses.replace(p, decoding="verified").decoding == "verified"  # the filled-in remasking is no setting
     mine = SamplingParams(decoding="threshold", threshold=0.2)
     with pytest.raises(ValueError, match="threshold applies"):
@@ -239,3 +242,31 @@ def test_a_default_verified_decoding_gives_way_to_a_grammar():
 
         params = SamplingParams.from_defaults(defaults, grammar="start: x", decoding="verified")
         check_model_support(tiny_model(is_causal=True, draft_block_size=2), params)
+
+
+# ---------------------------------------------------------------------------------------------
+# vLLM's names, with the old ones as deprecated aliases (issue 16 item 2)
+
+
+def test_max_new_tokens_is_a_deprecated_alias_of_max_tokens():
+    with pytest.warns(DeprecationWarning, match="max_new_tokens"):
+        p = SamplingParams(max_new_tokens=7)
+    assert p.max_tokens == 7 and p.max_new_tokens == 7
+    with pytest.raises(TypeError, match="not both"):
+        SamplingParams(max_tokens=3, max_new_tokens=7)
+    with pytest.warns(DeprecationWarning):
+        assert SamplingParams.from_defaults({}, max_new_tokens=5).max_tokens == 5
+    # a generation_config.json with the old key: read as max_tokens, and steps scale with it
+    p = SamplingParams.from_defaults({"max_new_tokens": 8, "steps": 4}, max_tokens=16)
+    assert (p.max_tokens, p.steps) == (16, 8)
+    with pytest.raises(ValueError, match="^max_tokens must be an integer >= 1, got 0"):
+        SamplingParams(max_tokens=0)
+
+
+def test_structure_key_is_every_setting_rows_cannot_differ_in():
+    base = SamplingParams()
+    for change in ({"temperature": 0.5}, {"seed": 3}, {"top_k": 4}, {"stop": ["x"]}, {"cfg_scale": 2.0}):
+        assert dataclasses.replace(base, cfg_scale=1.0, **{k: v for k, v in change.items() if k != "cfg_scale"}) \
+            .structure_key() == dataclasses.replace(base, cfg_scale=1.0).structure_key()
+    for change in ({"steps": 3}, {"block_length": 4}, {"cache": "dual"}, {"cfg_scale": 1.0}):
+        assert dataclasses.replace(base, **change).structure_key() != base.structure_key()

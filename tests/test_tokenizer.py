@@ -64,7 +64,7 @@ def test_chat_contents_cannot_write_special_tokens(formats, name, marker):
 
 def test_prompt_with_mask_string_is_not_filled_as_a_hole(tiny_checkpoint):
     llm = LLM(tiny_checkpoint, device="cpu")
-    params = SamplingParams(max_new_tokens=4, steps=4, block_length=4)
+    params = SamplingParams(max_tokens=4, steps=4, block_length=4)
     ids, _ = llm.encode_prompt("x = <|mask|> + 1", params, suffix="<|mask|>")
     assert llm.tokenizer.mask_token_id not in ids
     request = llm.engine.add_request(ids, params)
@@ -90,8 +90,8 @@ def test_llm_ends_at_end_of_turn_and_special_stop_strings(formats):
     llm = LLM(folder, device="cpu")
     im_end = llm.tokenizer._tok.token_to_id("<|im_end|>")
     assert im_end in llm.engine.end_ids
-    params = llm.with_special_stops(SamplingParams(max_new_tokens=4, steps=4, stop=["<|im_end|>", "x"]))
+    params = llm.with_special_stops(SamplingParams(max_tokens=4, steps=4, stop=["<|im_end|>", "x"]))
     assert params.stop == ["x"] and params.stop_token_ids == [im_end]
-    out = llm.generate(["hello"], SamplingParams(max_new_tokens=6, steps=6, block_length=6, ignore_eos=True,
+    out = llm.generate(["hello"], SamplingParams(max_tokens=6, steps=6, block_length=6, ignore_eos=True,
                                                  skip_special_tokens=False))[0]
     assert len(out.token_ids) == 6  # ignore_eos: nothing ends it early

@@ -34,7 +34,7 @@ from pathlib import Path
 
 import numpy as np
 
-from celeris.batch.output import Key, RecordKeys
+from celeris.batch.output import Key, RecordKeys, is_success
 
 SHORT_CHARS = 5
 OUTLIER_FACTOR = 4.0
@@ -60,10 +60,6 @@ def error_type(record: dict) -> str:
     response = record.get("response") or {}
     body_error = (response.get("body") or {}).get("error") or {}
     return str(body_error.get("code") or body_error.get("type") or f"http_{response.get('status_code')}")
-
-
-def _is_success(record: dict) -> bool:
-    return record.get("error") is None and (record.get("response") or {}).get("status_code") == 200
 
 
 def record_name(record: dict) -> str:
@@ -166,7 +162,7 @@ def build_report(path: str | Path, input_path: str | Path | None = None) -> dict
     outputs: list[tuple[str, str]] = []  # (output name, text)
     tokens: list[int] = []
     for key, record in records.items():
-        if not _is_success(record):
+        if not is_success(record):
             errors[error_type(record)] += 1
             continue
         body = record["response"].get("body") or {}

@@ -65,7 +65,7 @@ def check_correctness(device: torch.device) -> dict:
         diff = (model(ids.to(device)).cpu() - cpu_model(ids)).abs().max().item()
     out = {"check": "correctness", "device": str(device), "max_logit_diff_vs_cpu": diff, "cache_modes": {}}
     for cache in ("none", "prefix", "dual", "delayed", "dual_delayed"):
-        params = SamplingParams(max_new_tokens=16, steps=16, block_length=4, cache=cache, early_exit=False)
+        params = SamplingParams(max_tokens=16, steps=16, block_length=4, cache=cache, early_exit=False)
         reference = generate(model, prompts, params)
         engine = Engine(model, EngineConfig(max_num_seqs=8))
         requests = [engine.add_request(p, params) for p in prompts]
@@ -118,7 +118,7 @@ def llada_shape_speed(device: torch.device, smoke: bool) -> list[dict]:
             return model(ids, cache=cache, window=span)
 
         full_s, window_s = time_call(full_pass, device), time_call(window_pass, device)
-        params = SamplingParams(max_new_tokens=answer, steps=answer, block_length=32, cache="dual",
+        params = SamplingParams(max_tokens=answer, steps=answer, block_length=32, cache="dual",
                                 decoding="threshold", threshold=0.9)
         prompts = ids[:, :answer].tolist()
         engine = Engine(model, EngineConfig(max_num_seqs=batch))
@@ -144,7 +144,7 @@ def shipped_model_speed(out_dir: str) -> list[dict]:
 
     cfg = BenchConfig(lengths=[256], batch_sizes=[1, 8], num_prompts=8, warmup=1, out_dir=out_dir, smollm2=False)
     runs = run_bench(cfg)["runs"]
-    return [{"check": "shipped-model", **{k: r.get(k) for k in ("system", "max_new_tokens", "batch_size",
+    return [{"check": "shipped-model", **{k: r.get(k) for k in ("system", "max_tokens", "batch_size",
                                                                  "tokens_per_s", "latency_p50_s", "nfe_mean",
                                                                  "peak_rss_mb")}} for r in runs]
 

@@ -78,7 +78,7 @@ def heal_prompt(prompt: str) -> str:
 def fit_prompt(llm: LLM, prompt: str, params: SamplingParams) -> tuple[list[int], bool]:
     """Token ids of ``prompt``, left-truncated to fit the context window; (ids, truncated?)."""
     ids = llm.tokenizer.encode(prompt)
-    room = llm.context_length - params.max_new_tokens
+    room = llm.context_length - params.max_tokens
     return (ids[-room:], True) if len(ids) > room else (ids, False)
 
 
@@ -86,7 +86,7 @@ def evaluate_humaneval(llm: LLM, params: SamplingParams, problems: list[dict]) -
     """Complete every problem (batched by the engine) and score syntax and repetition.
 
     Prompts are healed (``heal_prompt``); prompts longer than the context window
-    minus ``max_new_tokens`` are left-truncated for the model; the parse check
+    minus ``max_tokens`` are left-truncated for the model; the parse check
     always uses the full (healed) prompt.
 
     Returns:

@@ -4,7 +4,7 @@ Systems (each run on the same HumanEval prompts, same output length, same batch 
 every output length is swept, and every batch size of ``batch_sizes``):
 
 - ``dllm-reference``: the diffusion model with LLaDA's reference sampler: one token per
-  denoising step (``steps = max_new_tokens``), blocks of 32, no cache, no early exit;
+  denoising step (``steps = max_tokens``), blocks of 32, no cache, no early exit;
 - ``dllm-fast``: the diffusion model with the model's default settings
   (``generation_config.json``, its steps scaled with the length; for the embedded model: one
   token per step, blocks of 8, the ``dual_delayed`` KV cache), or with ``ceil(length /
@@ -220,11 +220,11 @@ def run_bench(cfg: BenchConfig) -> dict:
         ValueError: the AR twin's tokenizer is not the diffusion model's.
     """
     load_start = time.perf_counter()
-    llm = LLM(cfg.model, max_batch_size=max(cfg.batch_sizes), dtype=cfg.dtype)
+    llm = LLM(cfg.model, max_num_seqs=max(cfg.batch_sizes), dtype=cfg.dtype)
     load_s = time.perf_counter() - load_start  # cold request = load_s + first_request_s
     problems = load_humaneval(cfg.prompts)[: cfg.num_prompts]
     texts = [heal_prompt(p["prompt"]) for p in problems]
-    ar = LLM(cfg.ar_model, max_batch_size=max(cfg.batch_sizes), dtype=cfg.dtype) if cfg.ar_model else None
+    ar = LLM(cfg.ar_model, max_num_seqs=max(cfg.batch_sizes), dtype=cfg.dtype) if cfg.ar_model else None
     probe = "def f(x):\n    return x  # probe"
     if ar is not None and (ar.model.config.vocab_size != llm.model.config.vocab_size
                            or ar.tokenizer.encode(probe) != llm.tokenizer.encode(probe)):
@@ -242,20 +242,20 @@ def run_bench(cfg: BenchConfig) -> dict:
     for length, batch_size in [(n, b) for n in cfg.lengths for b in cfg.batch_sizes]:
         room = llm.context_length - length
         if room < 8:
-            results["runs"].append({"max_new_tokens": length, "batch_size": batch_size,
+            results["runs"].append({"max_tokens": length, "batch_size": batch_size,
                                     "skipped": f"context window {llm.context_length} too short"})
             continue
         prompt_ids = [llm.tokenizer.encode(t)[-room:] for t in texts]
         batches = [prompt_ids[i : i + batch_size] for i in range(0, len(prompt_ids), batch_size)]
         results["conditions"] = results["conditions"] or conditions(cfg, llm, [len(p) for p in prompt_ids])
-        reference = SamplingParams(max_new_tokens=length, steps=length, block_length=32, early_exit=False)
+        reference = SamplingParams(max_tokens=length, steps=length, block_length=32, early_exit=False)
         k = cfg.fast_tokens_per_step
-        fast = llm.default_params(max_new_tokens=length, temperature=0.0, steps=-(-length // k) if k else None,
+        fast = llm.default_params(max_tokens=length, temperature=0.0, steps=-(-length // k) if k else None,
                                   suffix_window=cfg.fast_suffix_window)
 
         def next_token(model: torch.nn.Module, length: int = length):  # greedy, KV cache, one token per pass
             def decode(batch):
-                out = generate_autoregressive(model, batch, SamplingParams(max_new_tokens=length))
+                out = generate_autoregressive(model, batch, SamplingParams(max_tokens=length))
                 return out.token_ids, [out.nfe] * len(batch), out.first_token_s
             return decode
 
@@ -273,14 +273,14 @@ def run_bench(cfg: BenchConfig) -> dict:
             return ids, nfe, [ttft] * len(batch)
 
         if hybrid:  # verified decoding against the model's own next-token decoding
-            fast = llm.default_params(max_new_tokens=length, temperature=0.0, decoding="verified")
+            fast = llm.default_params(max_tokens=length, temperature=0.0, decoding="verified")
             systems = [("hybrid-next-token", next_token(llm.model)), ("hybrid-verified", diffusion(fast))]
         else:
             systems = [("dllm-reference", diffusion(reference)), ("dllm-fast", diffusion(fast))]
         if ar is not None:
             systems.append(("ar-twin", next_token(ar.model)))
             if hybrid:  # the ablation: the twin with the prompt-lookup half of the drafts
-                lookup = SamplingParams(max_new_tokens=length, block_length=1, decoding="verified",
+                lookup = SamplingParams(max_tokens=length, block_length=1, decoding="verified",
                                         draft_source="lookup")
                 systems.append(("ar-twin-lookup", diffusion(lookup, ar)))
         if smol is not None:
@@ -308,7 +308,7 @@ def run_bench(cfg: BenchConfig) -> dict:
                 r["judge_perplexity"] = smollm2.judge_perplexity(*smol, prompt_texts, decoded)
             else:
                 r["judge_perplexity"] = perplexity(ar, prompt_ids, r["outputs"]) if ar and own_tokens else None
-            r["max_new_tokens"] = length
+            r["max_tokens"] = length
             r["batch_size"] = batch_size
         results["runs"] += [{k: v for k, v in r.items() if k != "outputs"} for r in runs]
     if hybrid:
@@ -318,7 +318,7 @@ def run_bench(cfg: BenchConfig) -> dict:
 
 
 def format_table(results: dict) -> str:
-    cols = ["system", "max_new_tokens", "batch_size", "tokens_per_s", "first_request_s", "ttft_mean_s", "latency_p50_s",
+    cols = ["system", "max_tokens", "batch_size", "tokens_per_s", "first_request_s", "ttft_mean_s", "latency_p50_s",
             "latency_p95_s", "nfe_mean", "tokens_per_forward", "parse_rate", "repetition_share",
             "agreement_with_reference", "judge_perplexity"]
     rows = [cols] + [[str(r.get(c, "")) for c in cols] for r in results["runs"] if "system" in r]
@@ -343,16 +343,16 @@ def write_outputs(results: dict, out: Path) -> None:
     if not runs:
         return
     sizes = sorted({r["batch_size"] for r in runs})
-    lengths = sorted({r["max_new_tokens"] for r in runs})
+    lengths = sorted({r["max_tokens"] for r in runs})
     # tokens/s against output length at the smallest batch size; against batch size at the longest length
-    for name, x_key, fixed_key, fixed in (("tokens_per_s.png", "max_new_tokens", "batch_size", sizes[0]),
-                                          ("tokens_per_s_by_batch.png", "batch_size", "max_new_tokens", lengths[-1])):
+    for name, x_key, fixed_key, fixed in (("tokens_per_s.png", "max_tokens", "batch_size", sizes[0]),
+                                          ("tokens_per_s_by_batch.png", "batch_size", "max_tokens", lengths[-1])):
         fig, ax = plt.subplots(figsize=(6, 4))
         for system in sorted({r["system"] for r in runs}):
             pts = sorted((r[x_key], r["tokens_per_s"]) for r in runs if r["system"] == system and r[fixed_key] == fixed)
             if pts:
                 ax.plot(*zip(*pts, strict=True), marker="o", label=system)
-        ax.set_xlabel("output length (tokens)" if x_key == "max_new_tokens" else "batch size (prompts)")
+        ax.set_xlabel("output length (tokens)" if x_key == "max_tokens" else "batch size (prompts)")
         ax.set_ylabel("output tokens/s")
         ax.set_title(f"{fixed_key.replace('_', ' ')} {fixed}")
         ax.set_xscale("log", base=2)

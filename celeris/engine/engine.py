@@ -21,6 +21,7 @@ from celeris.params import SamplingParams
 from celeris.sampling.step import (
     RowSettings,
     banned_token_ids,
+    check_fits_context,
     check_model_support,
     confidence_rule,
     context_tokens,
@@ -64,9 +65,9 @@ class Engine:
         self.config = config or EngineConfig()
         self.scheduler = Scheduler(self.config)
         self.runner = ModelRunner(model, self.config.enforce_eager, self.config.length_bucket)
-        cfg = model.config
-        self.mask_id, self.eos_id = cfg.mask_token_id, cfg.eos_token_id
-        self.banned_ids = banned_token_ids(cfg)
+        config = model.config
+        self.mask_id, self.eos_id = config.mask_token_id, config.eos_token_id
+        self.banned_ids = banned_token_ids(config)
         self.confidence_from = confidence_rule(model)
         self.end_ids = frozenset(end_ids if end_ids is not None else [self.eos_id])
         self.model = model
@@ -93,9 +94,8 @@ class Engine:
         """
         check_model_support(self.model, params, bool(suffix_ids))
         context = getattr(self.model.config, "max_position_embeddings", None)
-        if params.decoding == "verified" and context and len(prompt_ids) + params.max_new_tokens > context:
-            raise ValueError(f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({params.max_new_tokens}) exceeds "
-                             f"the context window of {context} tokens")
+        if params.decoding == "verified" and context:
+            check_fits_context(len(prompt_ids), 0, params.max_tokens, context)
         vocab = getattr(self.model.config, "vocab_size", None)
         if vocab is not None and any(t >= vocab for t in params.stop_token_ids):
             raise ValueError(f"stop_token_ids must be ids below the vocabulary size {vocab}; got "
@@ -141,7 +141,7 @@ class Engine:
         widths = [r.block_span[1] - r.block_span[0] for r in batch]
         constraints = [r.constraint for r in batch]
         grammar = grammar_step(constraints, block, self.mask_id,
-                               [r.answer_start + r.params.max_new_tokens - r.block_span[0] for r in batch],
+                               [r.answer_start + r.params.max_tokens - r.block_span[0] for r in batch],
                                logits.shape[-1], logits.device)
         new_block, committed = denoise_step(logits, block, self.mask_id, self.banned_ids, num_tokens, settings,
                                             [r.generator for r in batch], seen, widths, self.confidence_from,
@@ -154,7 +154,7 @@ class Engine:
             r.canvas[s:e] = new_block[i, : e - s]  # a short block's pad columns are dropped
             r.nfe += 2 if r.params.cfg_scale > 0 else 1
             if not bool(committed[i, : e - s].any()):  # progress guarantee: never take another step in vain
-                r.fail(NO_PROGRESS, f"denoising step {r.steps + 1} committed no token (the model's scores for the "
+                r.fail(NO_PROGRESS, f"denoising step {r.num_steps + 1} committed no token (the model's scores for the "
                                     f"masked positions are not finite numbers), so the request was ended")
             else:
                 r.advance(self.eos_id, (s + committed[i, : e - s].nonzero().flatten()).tolist())
@@ -162,7 +162,7 @@ class Engine:
                     r.finish("stop")  # the grammar allows nothing but the end: no pass for that token
             outputs.append(self._emit(r))
         if any(o.finished for o in outputs):  # free finished requests' KV rows now, not at the next step
-            self.runner.pool.release({r for r in batch if not r.is_finished})
+            self.runner.release({r for r in batch if not r.is_finished})
         self.num_steps += 1
         return outputs
 
@@ -195,7 +195,7 @@ class Engine:
             start = request.answer_start + len(row.answer) - len(new)
             request.canvas[start : start + len(new)] = torch.tensor(new, dtype=torch.long)
             request.nfe += 1
-            request.steps += 1
+            request.num_steps += 1
             if request.first_token_time is None and new:
                 request.first_token_time = time.perf_counter()
             if row.finished:

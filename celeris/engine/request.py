@@ -9,9 +9,9 @@ from dataclasses import dataclass, field
 import torch
 
 from celeris.params import SamplingParams
-from celeris.sampling.generate import cache_window, visible_end
+from celeris.sampling.cache import CACHE_MODES, cache_window, visible_end
 from celeris.sampling.schedule import block_plan, num_transfer_tokens
-from celeris.sampling.step import make_generator
+from celeris.sampling.step import check_prompts, make_generator
 
 NO_PROGRESS = "no_progress"  # error code: a denoising step committed nothing (see ``Engine.step``)
 
@@ -29,7 +29,7 @@ class RequestStatus(enum.Enum):
 class Request:
     """A request's whole state.
 
-    The canvas is ``prompt | answer (max_new_tokens, mask id until committed) | suffix``
+    The canvas is ``prompt | answer (max_tokens, mask id until committed) | suffix``
     as a 1-D int64 CPU tensor of length ``num_tokens``. The answer is denoised
     block by block (``blocks``); ``schedule`` holds the tokens to commit at each
     step of the current block under ``fixed`` decoding.
@@ -48,7 +48,7 @@ class Request:
     first_token_time: float | None = None
     finish_time: float | None = None
     nfe: int = 0
-    steps: int = 0
+    num_steps: int = 0  # denoising steps taken (the budget is params.steps)
     finish_reason: str | None = None
     error_code: str | None = None  # set with finish_reason "error": e.g. NO_PROGRESS
     error: str | None = None  # what went wrong, one sentence
@@ -59,9 +59,8 @@ class Request:
     constraint: object | None = None
 
     def __post_init__(self) -> None:
-        if not self.prompt_ids:
-            raise ValueError("prompt must not be empty")
-        n = self.params.max_new_tokens
+        check_prompts([self.prompt_ids])
+        n = self.params.max_tokens
         self.canvas = torch.tensor(self.prompt_ids + [self.mask_id] * n + self.suffix_ids, dtype=torch.long)
         self.answer_start = len(self.prompt_ids)
         self.blocks, self.steps_per_block = block_plan(n, self.params.block_length, self.params.steps)
@@ -71,6 +70,15 @@ class Request:
         self.num_emitted = 0  # answer tokens already handed out as final (streaming)
         self.stale_cols: list[int] = []  # columns committed at the previous block's last step (delayed cache)
         self._new_block()
+
+    @property
+    def steps(self) -> int:
+        """Deprecated name of ``num_steps``."""
+        return self.num_steps
+
+    @steps.setter
+    def steps(self, value: int) -> None:
+        self.num_steps = value
 
     @property
     def num_tokens(self) -> int:
@@ -93,8 +101,8 @@ class Request:
 
     @property
     def answer(self) -> torch.Tensor:
-        """(max_new_tokens,) int64 view of the answer span."""
-        return self.canvas[self.answer_start : self.answer_start + self.params.max_new_tokens]
+        """(max_tokens,) int64 view of the answer span."""
+        return self.canvas[self.answer_start : self.answer_start + self.params.max_tokens]
 
     def _new_block(self) -> None:
         s, e = self.block_span
@@ -105,13 +113,13 @@ class Request:
 
     def cache_columns(self) -> tuple[list[int], int] | None:
         """Canvas columns this step computes with a KV cache and where the block starts among them, or
-        None for a full pass: the reference sampler's rule (``celeris.sampling.generate.cache_window``,
-        plus ``stale_cols`` at a block's first step under the ``delayed`` cache)."""
+        None for a full pass: the cache policy's rule (``celeris.sampling.cache.cache_window``, plus
+        ``stale_cols`` at a block's first step under a policy that ``rewrites_stale``)."""
         window = cache_window(self.params.cache, self.blocks, self.block_idx, self.answer_start, self.visible_end,
                               self.step_in_block, self.params.cache_refresh)
         if window is None:
             return None
-        stale = self.stale_cols if self.params.cache == "delayed" and self.step_in_block == 0 else []
+        stale = self.stale_cols if CACHE_MODES[self.params.cache].rewrites_stale and self.step_in_block == 0 else []
         return stale + list(range(*window)), len(stale) + self.block_span[0] - window[0]
 
     def tokens_this_step(self) -> int:
@@ -136,7 +144,7 @@ class Request:
     def advance(self, eos_id: int, committed_cols: list[int] | None = None) -> None:
         """After a committed step (``committed_cols``: the canvas columns it filled): move to the next
         block, or finish (end of answer / early exit)."""
-        self.steps += 1
+        self.num_steps += 1
         self.step_in_block += 1
         s, e = self.block_span
         if self.first_token_time is None and int(self.answer[0]) != self.mask_id:
@@ -154,7 +162,7 @@ class Request:
 
     def fail(self, code: str, message: str) -> None:
         """End the request with ``finish_reason`` "error", an error ``code`` and a ``message``."""
-        self.steps += 1
+        self.num_steps += 1
         self.error_code, self.error = code, message
         self.finish("error")
 

@@ -6,6 +6,7 @@ import torch
 
 from celeris.engine.request import Request
 from celeris.models.layers import KVCache, column_window
+from celeris.sampling.cache import CACHE_MODES
 from celeris.sampling.step import guided
 
 Row = tuple[Request, str]  # (request, "cond" | "uncond"): a CFG request owns an unconditional row too
@@ -125,6 +126,10 @@ class ModelRunner:
         self.pool = KVPool()
         self.num_split_passes = 0  # window steps run as a shared pass plus one for the wide rows (_window_pass)
 
+    def release(self, keep: set[Request]) -> None:
+        """Free the KV-cache rows of every request not in ``keep`` (finished or aborted)."""
+        self.pool.release(keep)
+
     @torch.no_grad()
     def run(self, requests: list[Request]) -> tuple[torch.Tensor, torch.Tensor]:
         """One denoising step's forward passes over ``requests``.
@@ -134,33 +139,33 @@ class ModelRunner:
             and block (B, Lb) int64 current block tokens (columns past a short block
             hold the pad id, so they are never committed). Lb is the longest block.
         """
-        self.pool.release(set(requests))
+        self.release(set(requests))
         full = [i for i, r in enumerate(requests) if self._needs_full_pass(r)]
         windowed = sorted(set(range(len(requests))) - set(full))
-        lb = max(e - s for s, e in (r.block_span for r in requests))
+        block_width = max(e - s for s, e in (r.block_span for r in requests))
         logits = block = None
         for rows, forward in ((full, self._full_pass), (windowed, self._window_pass)):
             if not rows:
                 continue
-            g_logits, g_block = forward([requests[i] for i in rows], lb)
+            g_logits, g_block = forward([requests[i] for i in rows], block_width)
             if logits is None:
-                logits = g_logits.new_empty((len(requests), lb, g_logits.shape[-1]))
-                block = g_block.new_empty((len(requests), lb))
+                logits = g_logits.new_empty((len(requests), block_width, g_logits.shape[-1]))
+                block = g_block.new_empty((len(requests), block_width))
             logits[rows], block[rows] = g_logits, g_block
         return logits, block
 
     def _needs_full_pass(self, r: Request) -> bool:
-        return r.params.cache == "none" or self.pool.row(r) is None or r.cache_columns() is None
+        return not CACHE_MODES[r.params.cache].uses_cache or self.pool.row(r) is None or r.cache_columns() is None
 
     def _uncond(self, canvas: torch.Tensor, is_answer: torch.Tensor) -> torch.Tensor:
         """CFG's unconditional input: prompt and suffix replaced by the mask token."""
         return torch.where(is_answer, canvas, self.mask_id)
 
-    def _block_tokens(self, canvas: torch.Tensor, starts: list[int], widths: list[int], lb: int) -> torch.Tensor:
-        """(B, lb) tokens of each row's block from a (B, T) canvas; columns past a row's width hold the pad id."""
-        cols = torch.tensor(starts)[:, None] + torch.arange(lb)[None]
+    def _block_tokens(self, canvas: torch.Tensor, starts: list[int], widths: list[int], block_width: int) -> torch.Tensor:
+        """(B, block_width) tokens of each row's block from a (B, T) canvas; columns past a row's width hold the pad id."""
+        cols = torch.tensor(starts)[:, None] + torch.arange(block_width)[None]
         block = canvas.gather(1, cols.clamp(max=canvas.shape[1] - 1))
-        return torch.where(torch.arange(lb)[None] < torch.tensor(widths)[:, None], block, self.pad_id)
+        return torch.where(torch.arange(block_width)[None] < torch.tensor(widths)[:, None], block, self.pad_id)
 
     def _guide(self, requests: list[Request], logits: torch.Tensor, cond: list[int], uncond: list[int]) -> torch.Tensor:
         """Rows ``cond`` of ``logits`` for every request, CFG applied to the guided ones (rows ``uncond``)."""
@@ -172,10 +177,10 @@ class ModelRunner:
             out[guided_rows] = guided(out[guided_rows], logits[uncond], scale)
         return out
 
-    def _full_pass(self, requests: list[Request], lb: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _full_pass(self, requests: list[Request], block_width: int) -> tuple[torch.Tensor, torch.Tensor]:
         spans = [r.block_span for r in requests]
         align = max(s for s, _ in spans)  # every row's block starts at this column
-        total = align + max(max(r.num_tokens - s for r, (s, _) in zip(requests, spans, strict=True)), lb)
+        total = align + max(max(r.num_tokens - s for r, (s, _) in zip(requests, spans, strict=True)), block_width)
         total = -(-total // self.length_bucket) * self.length_bucket  # right padding up to a bucket
         offsets = [align - s for s, _ in spans]
         b = len(requests)
@@ -185,25 +190,26 @@ class ModelRunner:
         for i, (r, off) in enumerate(zip(requests, offsets, strict=True)):
             canvas[i, off : off + r.num_tokens] = r.canvas
             attn[i, off : off + r.visible_end] = True  # the rest of the canvas: past the suffix window
-            is_answer[i, off + r.answer_start : off + r.answer_start + r.params.max_new_tokens] = True
-        cfg_rows = [i for i, r in enumerate(requests) if r.params.cfg_scale > 0]
-        batch_ids = torch.cat([canvas, self._uncond(canvas, is_answer)[cfg_rows]]).to(self.device)
-        batch_attn = torch.cat([attn, attn[cfg_rows]]).to(self.device)
+            is_answer[i, off + r.answer_start : off + r.answer_start + r.params.max_tokens] = True
+        uncond_rows = [i for i, r in enumerate(requests) if r.params.cfg_scale > 0]
+        batch_ids = torch.cat([canvas, self._uncond(canvas, is_answer)[uncond_rows]]).to(self.device)
+        batch_attn = torch.cat([attn, attn[uncond_rows]]).to(self.device)
         caching = any(r.params.cache != "none" for r in requests)
         cache = KVCache() if caching else None
         kwargs = {} if cache is None else {"cache": cache}
-        logits = self.model(batch_ids, batch_attn, logits_slice=slice(align, align + lb), **kwargs)  # (B + C, Lb, V)
+        columns = slice(align, align + block_width)
+        logits = self.model(batch_ids, batch_attn, logits_slice=columns, **kwargs)  # (B + C, Lb, V)
         if cache is not None:
-            sources = [(r, "cond") for r in requests] + [(requests[i], "uncond") for i in cfg_rows]
-            for row, ((r, kind), off) in enumerate(zip(sources, offsets + [offsets[i] for i in cfg_rows], strict=True)):
+            sources = [(r, "cond") for r in requests] + [(requests[i], "uncond") for i in uncond_rows]
+            for row, ((r, kind), off) in enumerate(zip(sources, offsets + [offsets[i] for i in uncond_rows], strict=True)):
                 if r.params.cache != "none":
                     cols = slice(off, off + r.num_tokens)
                     self.pool.store(r, kind, [k[row, :, cols] for k in cache.keys], [v[row, :, cols] for v in cache.values])
-        logits = self._guide(requests, logits, list(range(b)), list(range(b, b + len(cfg_rows))))
+        logits = self._guide(requests, logits, list(range(b)), list(range(b, b + len(uncond_rows))))
         widths = [e - s for s, e in spans]
-        return logits, self._block_tokens(canvas, [align] * b, widths, lb).to(self.device)
+        return logits, self._block_tokens(canvas, [align] * b, widths, block_width).to(self.device)
 
-    def _window_pass(self, requests: list[Request], lb: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _window_pass(self, requests: list[Request], block_width: int) -> tuple[torch.Tensor, torch.Tensor]:
         """One window pass over every live pool row, or two when a few rows need far more columns than the rest.
 
         Per-row columns are padded to the widest row, so one row at a ``dual_delayed`` (or ``prefix``)
@@ -224,7 +230,7 @@ class ModelRunner:
             ids = r.canvas
             if kind == "uncond":
                 is_answer = torch.zeros(n, dtype=torch.bool)
-                is_answer[r.answer_start : r.answer_start + r.params.max_new_tokens] = True
+                is_answer[r.answer_start : r.answer_start + r.params.max_tokens] = True
                 ids = self._uncond(ids, is_answer)
             canvas[row, :n] = ids
             attn[row, : r.visible_end] = True
@@ -232,19 +238,19 @@ class ModelRunner:
             cols, block_start = r.cache_columns() or (list(range(*r.block_span)), 0)
             columns.append(cols)
             block_starts.append(block_start)
-        wide = [row for row, c in enumerate(columns) if len(c) > 2 * lb]
+        wide = [row for row, c in enumerate(columns) if len(c) > 2 * block_width]
         if not wide or 2 * len(wide) > rows:  # splitting pays (and copies at most half the pool) when few are wide
-            logits = self._run_window(canvas, attn, pool.view(), columns, block_starts, lb)
+            logits = self._run_window(canvas, attn, pool.view(), columns, block_starts, block_width)
         else:
             shared, shared_starts = list(columns), list(block_starts)
             for row in wide:  # in the shared pass a wide row only redoes its block
                 shared[row], shared_starts[row] = list(range(*pool.owners[row][0].block_span)), 0
-            logits = self._run_window(canvas, attn, pool.view(), shared, shared_starts, lb)
+            logits = self._run_window(canvas, attn, pool.view(), shared, shared_starts, block_width)
             self.num_split_passes += 1
             idx = torch.tensor(wide, device=self.device)
             sub = KVCache([k.index_select(0, idx) for k in pool.keys], [v.index_select(0, idx) for v in pool.values])
             logits[idx] = self._run_window(canvas[wide], attn[wide], sub, [columns[i] for i in wide],
-                                           [block_starts[i] for i in wide], lb)
+                                           [block_starts[i] for i in wide], block_width)
             for layer in range(len(pool.keys)):
                 pool.keys[layer].index_copy_(0, idx, sub.keys[layer])
                 pool.values[layer].index_copy_(0, idx, sub.values[layer])
@@ -252,15 +258,15 @@ class ModelRunner:
         uncond = [pool.row(r, "uncond") for r in requests if r.params.cfg_scale > 0]
         logits = self._guide(requests, logits, cond, uncond)
         spans = [r.block_span for r in requests]
-        block = self._block_tokens(canvas[cond], [s for s, _ in spans], [e - s for s, e in spans], lb)
+        block = self._block_tokens(canvas[cond], [s for s, _ in spans], [e - s for s, e in spans], block_width)
         return logits, block.to(self.device)
 
     def _run_window(self, canvas: torch.Tensor, attn: torch.Tensor, cache: KVCache, columns: list[list[int]],
-                    block_starts: list[int], lb: int) -> torch.Tensor:
-        """A window pass: row i computes canvas columns ``columns[i]`` and scores the ``lb`` of them from
+                    block_starts: list[int], block_width: int) -> torch.Tensor:
+        """A window pass: row i computes canvas columns ``columns[i]`` and scores the ``block_width`` of them from
         ``block_starts[i]`` on. canvas/attn (R, T) on the CPU, cache rows (R, ...). Returns (R, Lb, V) logits."""
         cols = column_window(columns)  # (R, Lw)
         width = torch.tensor([len(c) for c in columns])[:, None]
-        index = torch.minimum(torch.tensor(block_starts)[:, None] + torch.arange(lb)[None], width - 1)  # (R, Lb)
+        index = torch.minimum(torch.tensor(block_starts)[:, None] + torch.arange(block_width)[None], width - 1)  # (R, Lb)
         return self.model(canvas.to(self.device), attn.to(self.device), cache=cache,
                           window=cols.to(self.device), logits_index=index.to(self.device))

@@ -12,17 +12,17 @@ import time
 
 import torch
 
-from celeris.models.celeris import KVCache
+from celeris.models.layers import KVCache
 from celeris.params import SamplingParams
 from celeris.sampling.generate import GenerationOutput, build_canvas, cut_at_eos
-from celeris.sampling.select import NEG_INF, sample_tokens
+from celeris.sampling.select import sample_tokens
 from celeris.sampling.step import (
     RowSettings,
     banned_token_ids,
+    check_prompts,
     context_tokens,
-    filter_logits,
     make_generator,
-    penalize_repetition,
+    prepare_logits,
 )
 
 
@@ -33,7 +33,7 @@ def generate_autoregressive(
     params: SamplingParams | list[SamplingParams],
     use_cache: bool = True,
 ) -> GenerationOutput:
-    """Next-token decoding of ``max_new_tokens`` tokens per prompt (greedy at temperature 0; top-p and the
+    """Next-token decoding of ``max_tokens`` tokens per prompt (greedy at temperature 0; top-p and the
     repetition penalty over prompt and answer so far as in the engine).
 
     Args:
@@ -51,39 +51,37 @@ def generate_autoregressive(
         ValueError: the model is not causal, or a prompt is empty.
     """
     start = time.perf_counter()
-    cfg = model.config
-    if not getattr(cfg, "is_causal", False):
+    config = model.config
+    if not getattr(config, "is_causal", False):
         raise ValueError("autoregressive decoding needs a causal model (config is_causal=true)")
     rows = params if isinstance(params, list) else [params] * len(prompt_ids)
-    if any(not p for p in prompt_ids):
-        raise ValueError("prompt must not be empty")
-    n = rows[0].max_new_tokens
+    check_prompts(prompt_ids)
+    n = rows[0].max_tokens
     device = next(model.parameters()).device
-    canvas, attn, _, lp = build_canvas(prompt_ids, n, cfg.pad_token_id, cfg.pad_token_id, None, device)
-    attn[:, lp:] = True  # answer positions become real tokens as they are written
+    canvas, attn, _, answer_start = build_canvas(prompt_ids, n, config.pad_token_id, config.pad_token_id, None, device)
+    attn[:, answer_start:] = True  # answer positions become real tokens as they are written
     settings = RowSettings.from_params(rows, device)
     generators = [make_generator(r.seed) for r in rows]
     cache = KVCache() if use_cache else None
-    banned = banned_token_ids(cfg)
+    banned = banned_token_ids(config)
     first_token_s: list[float | None] = [None] * len(prompt_ids)
     nfe = 0
-    for t in range(lp, lp + n):
-        window = (t - 1, t) if cache is not None and t > lp else None  # the newest token only
+    for t in range(answer_start, answer_start + n):
+        window = (t - 1, t) if cache is not None and t > answer_start else None  # the newest token only
         hidden = model.hidden_states(canvas, attn, cache, window)  # (B, T, d), or (B, 1, d) for the window
         logits = model.logits(hidden[:, t - 1 : t] if window is None else hidden)  # (B, 1, V): token t from h[t-1]
         nfe += 1
-        if bool((settings.repetition_penalty != 1).any()):  # the context so far: prompt and answer, not padding
+        seen = None
+        if settings.any_penalty:  # the context so far: prompt and answer, not padding
             seen = context_tokens([row[:t][a[:t]] for row, a in zip(canvas, attn, strict=True)], logits.shape[-1],
-                                  cfg.mask_token_id, device)
-            logits = penalize_repetition(logits, seen, settings.repetition_penalty)
-        logits[..., banned] = NEG_INF
-        logits = filter_logits(logits, settings)
+                                  config.mask_token_id, device)
+        logits, _ = prepare_logits(logits, settings, banned, seen)
         canvas[:, t] = sample_tokens(logits, settings.temperature, generators)[:, 0]
-        if t == lp:
+        if t == answer_start:
             first_token_s = [time.perf_counter() - start] * len(prompt_ids)
-        if rows[0].early_exit and bool((canvas[:, lp : t + 1] == cfg.eos_token_id).any(-1).all()):
-            canvas[:, t + 1 :] = cfg.eos_token_id  # never decoded: every row already ended
+        if rows[0].early_exit and bool((canvas[:, answer_start : t + 1] == config.eos_token_id).any(-1).all()):
+            canvas[:, t + 1 :] = config.eos_token_id  # never decoded: every row already ended
             break
-    answer = canvas[:, lp : lp + n].cpu()
-    return GenerationOutput(answer_ids=answer, token_ids=cut_at_eos(answer, cfg.eos_token_id, cfg.mask_token_id),
+    answer = canvas[:, answer_start : answer_start + n].cpu()
+    return GenerationOutput(answer_ids=answer, token_ids=cut_at_eos(answer, config.eos_token_id, config.mask_token_id),
                             nfe=nfe, steps=nfe, first_token_s=first_token_s, seconds=time.perf_counter() - start)

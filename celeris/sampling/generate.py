@@ -3,7 +3,7 @@
 Semi-autoregressive remasking (LLaDA arXiv:2502.09992, Sec. 2.4 and App. B):
 the answer starts fully masked and is denoised block by block, left to right.
 At every denoising step the model predicts all positions at once; a commit
-rule (``celeris.sampling.select.COMMIT_RULES``) decides which masked positions
+rule (``celeris.sampling.rules.COMMIT_RULES``) decides which masked positions
 of the current block take their prediction, the rest stay masked. Committed
 tokens never change.
 """
@@ -16,15 +16,16 @@ from dataclasses import dataclass, field
 
 import torch
 
-from celeris.models.celeris import KVCache
-from celeris.models.layers import column_window
+from celeris.models.layers import KVCache
 from celeris.params import SamplingParams
+from celeris.sampling.cache import CACHE_MODES, cache_args, cache_window, delayed_columns, visible_end
 from celeris.sampling.schedule import block_plan, num_transfer_tokens
 from celeris.sampling.step import (
     NoProgressError,
     RowSettings,
     banned_token_ids,
     check_model_support,
+    check_prompts,
     confidence_rule,
     context_tokens,
     denoise_step,
@@ -39,7 +40,7 @@ class GenerationOutput:
     """Result of one batched sampler call.
 
     Attributes:
-        answer_ids: (B, max_new_tokens) int64 final canvas of the answer span
+        answer_ids: (B, max_tokens) int64 final canvas of the answer span
             (positions never reached by early exit hold the mask id).
         token_ids: per row, the answer cut before the first end-of-text token.
         nfe: forward passes of the model (a CFG step counts as 2).
@@ -59,7 +60,7 @@ class GenerationOutput:
 
 def build_canvas(
     prompt_ids: list[list[int]],
-    max_new_tokens: int,
+    max_tokens: int,
     mask_id: int,
     pad_id: int,
     suffix_ids: list[list[int]] | None = None,
@@ -74,19 +75,19 @@ def build_canvas(
     """
     b = len(prompt_ids)
     suffix_ids = suffix_ids or [[] for _ in range(b)]
-    lp = max(len(p) for p in prompt_ids)
-    ls = max(len(s) for s in suffix_ids)
-    total = lp + max_new_tokens + ls
+    prompt_len = max(len(p) for p in prompt_ids)
+    suffix_len = max(len(s) for s in suffix_ids)
+    total = prompt_len + max_tokens + suffix_len
     canvas = torch.full((b, total), pad_id, dtype=torch.long)
     attn = torch.zeros((b, total), dtype=torch.bool)
     for i, (p, s) in enumerate(zip(prompt_ids, suffix_ids, strict=True)):
-        canvas[i, lp - len(p) : lp] = torch.tensor(p, dtype=torch.long)
-        canvas[i, lp : lp + max_new_tokens] = mask_id
-        canvas[i, lp + max_new_tokens : lp + max_new_tokens + len(s)] = torch.tensor(s, dtype=torch.long)
-        attn[i, lp - len(p) : lp + max_new_tokens + len(s)] = True
+        canvas[i, prompt_len - len(p) : prompt_len] = torch.tensor(p, dtype=torch.long)
+        canvas[i, prompt_len : prompt_len + max_tokens] = mask_id
+        canvas[i, prompt_len + max_tokens : prompt_len + max_tokens + len(s)] = torch.tensor(s, dtype=torch.long)
+        attn[i, prompt_len - len(p) : prompt_len + max_tokens + len(s)] = True
     is_prompt = attn.clone()
-    is_prompt[:, lp : lp + max_new_tokens] = False
-    return canvas.to(device), attn.to(device), is_prompt.to(device), lp
+    is_prompt[:, prompt_len : prompt_len + max_tokens] = False
+    return canvas.to(device), attn.to(device), is_prompt.to(device), prompt_len
 
 
 def cut_at_eos(answer: torch.Tensor, eos_id: int, mask_id: int) -> list[list[int]]:
@@ -109,63 +110,63 @@ def answer_done(answer: torch.Tensor, eos_id: int, mask_id: int) -> torch.Tensor
     return is_eos.any(-1) & ~masked_before
 
 
-def visible_end(total: int, block_end: int, suffix_window: int) -> int:
-    """Canvas columns [0, visible_end) a pass sees: all ``total``, or up to ``suffix_window`` columns past
-    the block's end column ``block_end`` (``SamplingParams.suffix_window``; 0 = all)."""
-    return total if not suffix_window else min(total, block_end + suffix_window)
+def batch_rows(prompt_ids: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[SamplingParams]:
+    """One SamplingParams per prompt (``params`` repeated when it is one).
 
-
-def cache_window(
-    mode: str, blocks: list[tuple[int, int]], block_idx: int, answer_start: int, total: int, step_in_block: int,
-    refresh: int = 0,
-) -> tuple[int, int] | None:
-    """Canvas columns [w0, w1) a step recomputes; None means a full pass that (re)fills the cache.
-
-    ``blocks`` is the answer's block plan (``block_plan``: [start, end) offsets in the
-    answer), ``block_idx`` the block being denoised, ``answer_start`` the answer's first
-    canvas column and ``total`` the end of what the passes see (the canvas length, or
-    ``visible_end`` under a ``suffix_window``); the block is ``span`` below.
-
-    ``none``: always all. ``prefix`` / ``dual`` (Fast-dLLM): a full pass at each
-    block's first step, then block..end (prefix) or the block (dual).
-    ``delayed``: one full pass (prefill) at the very first step, and again at the
-    first step of every ``refresh``-th block when ``refresh`` > 0, else only the
-    block; at another block's first step the caller adds the columns committed at
-    the previous block's last step (``delayed_columns``). ``refresh`` 1 is the dual cache.
-    ``dual_delayed``: as ``delayed``, except that another block's first step recomputes
-    from the previous block's first column to the end: the previous block with its
-    final tokens and the whole masked suffix; the prompt and older blocks keep the
-    keys/values they were last computed with.
+    Raises:
+        ValueError: no prompt, an empty prompt, a params list of another length, or rows that differ in a setting
+            they must share (``SamplingParams.structure_key``).
     """
+    rows = params if isinstance(params, list) else [params] * len(prompt_ids)
+    if len(rows) != len(prompt_ids) or not prompt_ids:
+        raise ValueError("need one SamplingParams per prompt and at least one prompt")
+    check_prompts(prompt_ids)
+    if len({r.structure_key() for r in rows}) > 1:
+        raise ValueError("rows of one batch must share max_tokens, steps, block_length, remasking, decoding "
+                         "and cache settings")
+    return rows
+
+
+def _pass_layout(
+    params: SamplingParams, attn: torch.Tensor, blocks: list[tuple[int, int]], block_idx: int, answer_start: int,
+    step_in_block: int, last_commit: list[list[int]],
+) -> tuple[torch.Tensor, tuple[int, int] | torch.Tensor | None, dict]:
+    """What this step's passes see and compute: the (B, T) bool attention mask (cut at ``visible_end`` under a
+    ``suffix_window``), the cache window (``celeris.sampling.cache``; None: a full pass; per-row columns at a
+    block's first step under a policy that ``rewrites_stale``) and the model's output-position keyword."""
+    total = attn.shape[1]
     span = slice(answer_start + blocks[block_idx][0], answer_start + blocks[block_idx][1])
-    if mode in ("delayed", "dual_delayed"):
-        full = step_in_block == 0 and (block_idx == 0 or (refresh > 0 and block_idx % refresh == 0))
-        if full:
-            return None
-        if mode == "dual_delayed" and step_in_block == 0:
-            return (answer_start + blocks[block_idx - 1][0], total)
-        return (span.start, span.stop)
-    if mode == "none" or step_in_block == 0:
-        return None
-    return (span.start, total) if mode == "prefix" else (span.start, span.stop)
+    visible = visible_end(total, span.stop, params.suffix_window)
+    step_attn = attn  # (B, T) bool: the columns this step's passes attend to
+    if visible < total:
+        step_attn = attn & (torch.arange(total, device=attn.device) < visible)
+    window = cache_window(params.cache, blocks, block_idx, answer_start, visible, step_in_block, params.cache_refresh)
+    if CACHE_MODES[params.cache].rewrites_stale and step_in_block == 0 and window is not None:
+        window, index = delayed_columns(last_commit, span, attn.device)
+        return step_attn, window, {"logits_index": index}
+    return step_attn, window, {"logits_slice": span}
 
 
-def delayed_columns(
-    stale: list[list[int]], span: slice, device: torch.device
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-row window of a ``delayed`` cache at a block's first step: each row's stale columns
-    (committed at its previous block's last step, so their cached keys/values were computed
-    while they were still masked: dKV-Cache's one-step delayed caching, arXiv:2505.15781),
-    then the block. Returns the (B, Lw) columns, padded by repeating the block's last column,
-    and the (B, L) index of the block's columns inside them."""
-    block = list(range(span.start, span.stop))
-    index = [[len(s) + j for j in range(len(block))] for s in stale]
-    return column_window([s + block for s in stale], device), torch.tensor(index, device=device)
+def _forward(
+    model: torch.nn.Module, canvas: torch.Tensor, step_attn: torch.Tensor, outputs: dict,
+    caches: tuple[KVCache | None, KVCache | None], window: tuple[int, int] | torch.Tensor | None,
+    is_prompt: torch.Tensor, settings: RowSettings,
+) -> tuple[torch.Tensor, int]:
+    """The step's (B, L, V) logits of the block and the number of forward passes: one, or two under
+    classifier-free guidance (a second, unconditional pass with the prompt and suffix masked, on its own cache)."""
+    logits = model(canvas, step_attn, **outputs, **cache_args(caches[0], window))  # (B, L, V)
+    if not settings.any_cfg:
+        return logits, 1
+    uncond = model(canvas.masked_fill(is_prompt, model.config.mask_token_id), step_attn, **outputs,
+                   **cache_args(caches[1], window))
+    return guided(logits, uncond, settings.cfg_scale), 2
 
 
-def cache_args(cache: KVCache | None, window: tuple[int, int] | torch.Tensor | None) -> dict:
-    """Keyword arguments for the model: fill ``cache`` (window None) or read it (window given)."""
-    return {} if cache is None else {"cache": cache, "window": window}
+def _first_tokens(answer: torch.Tensor, mask_id: int, first_token_s: list[float | None], now: float) -> None:
+    """Record ``now`` for the rows whose answer position 0 became final at this step."""
+    for i in (answer[:, 0] != mask_id).nonzero().flatten().tolist():
+        if first_token_s[i] is None:
+            first_token_s[i] = now
 
 
 @torch.no_grad()
@@ -189,7 +190,7 @@ def generate(
             in temperature, top_p, top_k, seed, stop and cfg_scale only; the rest must
             match (``SamplingParams.structure_key``).
         suffix_ids: optional per-row text after the gap (infilling).
-        on_step: called after every step with the (B, max_new_tokens) answer canvas.
+        on_step: called after every step with the (B, max_tokens) answer canvas.
         grammar_tokenizer: llguidance's tokenizer (``celeris.structured.grammar_tokenizer``), needed when a
             row has a ``grammar``: such a row commits, left to right, the longest run of its step's committed
             proposals from the block's leftmost open position that the grammar accepts, at least that position's
@@ -202,65 +203,45 @@ def generate(
         NoProgressError: a step committed nothing for a row (non-finite scores).
     """
     start = time.perf_counter()
-    rows = params if isinstance(params, list) else [params] * len(prompt_ids)
-    if len(rows) != len(prompt_ids) or not prompt_ids:
-        raise ValueError("need one SamplingParams per prompt and at least one prompt")
-    if any(not p for p in prompt_ids):
-        raise ValueError("prompt must not be empty")
-    if len({r.structure_key() for r in rows}) > 1:
-        raise ValueError("rows of one batch must share max_new_tokens, steps, block_length, remasking, decoding "
-                         "and cache settings")
-    sp = rows[0]
-    cfg = model.config
+    rows = batch_rows(prompt_ids, params)
+    first = rows[0]  # the settings all rows share (structure_key)
+    config = model.config
     device = next(model.parameters()).device
-    mask_id, eos_id = cfg.mask_token_id, cfg.eos_token_id
-    canvas, attn, is_prompt, lp = build_canvas(
-        prompt_ids, sp.max_new_tokens, mask_id, cfg.pad_token_id, suffix_ids, device
+    mask_id, eos_id = config.mask_token_id, config.eos_token_id
+    canvas, attn, is_prompt, answer_start = build_canvas(
+        prompt_ids, first.max_tokens, mask_id, config.pad_token_id, suffix_ids, device
     )
-    b = canvas.shape[0]
+    batch = canvas.shape[0]
     settings = RowSettings.from_params(rows, device)
-    use_cfg = bool((settings.cfg_scale > 0).any())
     generators = [make_generator(r.seed) for r in rows]
-    banned = banned_token_ids(cfg)
-    check_model_support(model, sp, any(suffix_ids or []))
+    banned = banned_token_ids(config)
+    check_model_support(model, first, any(suffix_ids or []))
     constraints = row_constraints(rows, grammar_tokenizer)
-    blocks, steps_per_block = block_plan(sp.max_new_tokens, sp.block_length, sp.steps)
-    caches = (KVCache(), KVCache()) if sp.cache != "none" else (None, None)
+    blocks, steps_per_block = block_plan(first.max_tokens, first.block_length, first.steps)
+    policy = CACHE_MODES[first.cache]
+    caches = (KVCache(), KVCache()) if policy.uses_cache else (None, None)
     nfe = steps = 0
-    first_token_s: list[float | None] = [None] * b
-    last_commit: list[list[int]] = [[] for _ in range(b)]  # per row: columns its latest committing step filled
+    first_token_s: list[float | None] = [None] * batch
+    last_commit: list[list[int]] = [[] for _ in range(batch)]  # per row: columns its latest committing step filled
     for block_idx, (s, e) in enumerate(blocks):
-        span = slice(lp + s, lp + e)
+        span = slice(answer_start + s, answer_start + e)
         block_steps = min(steps_per_block, e - s)
         schedule = num_transfer_tokens((canvas[:, span] == mask_id).sum(-1), block_steps)  # (B, S)
         step_in_block = 0
         while bool((canvas[:, span] == mask_id).any()):
-            visible = visible_end(canvas.shape[1], lp + e, sp.suffix_window)
-            step_attn = attn  # (B, T) bool: the columns this step's passes attend to
-            if visible < canvas.shape[1]:
-                step_attn = attn & (torch.arange(canvas.shape[1], device=device) < visible)
-            window = cache_window(sp.cache, blocks, block_idx, lp, visible, step_in_block, sp.cache_refresh)
-            where = {"logits_slice": span}
-            if sp.cache == "delayed" and step_in_block == 0 and window is not None:
-                window, index = delayed_columns(last_commit, span, device)
-                where = {"logits_index": index}
-            logits = model(canvas, step_attn, **where, **cache_args(caches[0], window))  # (B, L, V)
-            nfe += 1
-            if use_cfg:  # unconditional pass: prompt (and suffix) replaced by the mask token
-                uncond = model(canvas.masked_fill(is_prompt, mask_id), step_attn, **where,
-                               **cache_args(caches[1], window))
-                nfe += 1
-                logits = guided(logits, uncond, settings.cfg_scale)
-            k = schedule[:, min(step_in_block, block_steps - 1)]  # (B,)
+            step_attn, window, outputs = _pass_layout(first, attn, blocks, block_idx, answer_start, step_in_block,
+                                                    last_commit)
+            logits, passes = _forward(model, canvas, step_attn, outputs, caches, window, is_prompt, settings)
+            nfe += passes
             seen = None
             if any(r.repetition_penalty != 1 for r in rows):  # padding is not context
                 seen = context_tokens(list(torch.where(attn, canvas, mask_id)), logits.shape[-1], mask_id, device)
             was_masked = (canvas[:, span] == mask_id).any(-1)  # (B,)
             old = canvas[:, span].clone()
-            grammar = grammar_step(constraints, old, mask_id, [sp.max_new_tokens - s] * b, logits.shape[-1], device)
-            new, committed = denoise_step(logits, old, mask_id, banned, k, settings, generators, seen,
-                                          confidence_from=confidence_rule(model), allowed=grammar.allowed,
-                                          force=grammar.force)
+            grammar = grammar_step(constraints, old, mask_id, [first.max_tokens - s] * batch, logits.shape[-1], device)
+            new, committed = denoise_step(logits, old, mask_id, banned, schedule[:, min(step_in_block, block_steps - 1)],
+                                          settings, generators, seen, confidence_from=confidence_rule(model),
+                                          allowed=grammar.allowed, force=grammar.force)
             canvas[:, span], committed = constrain_commits(constraints, grammar, old, new, committed, mask_id, eos_id)
             if bool((was_masked & ~committed.any(-1)).any()):
                 raise NoProgressError(f"denoising step {steps + 1} committed no token (the model's scores are not "
@@ -269,16 +250,13 @@ def generate(
                 last_commit[i] = (span.start + committed[i].nonzero().flatten()).tolist()
             steps += 1
             step_in_block += 1
-            answer = canvas[:, lp : lp + sp.max_new_tokens]
-            now = time.perf_counter() - start
-            for i in (answer[:, 0] != mask_id).nonzero().flatten().tolist():
-                if first_token_s[i] is None:
-                    first_token_s[i] = now
+            answer = canvas[:, answer_start : answer_start + first.max_tokens]
+            _first_tokens(answer, mask_id, first_token_s, time.perf_counter() - start)
             if on_step is not None:
                 on_step(answer)
-        if sp.early_exit and bool(answer_done(canvas[:, lp : lp + e], eos_id, mask_id).all()):
+        if first.early_exit and bool(answer_done(canvas[:, answer_start : answer_start + e], eos_id, mask_id).all()):
             break
-    answer = canvas[:, lp : lp + sp.max_new_tokens]
+    answer = canvas[:, answer_start : answer_start + first.max_tokens]
     return GenerationOutput(
         answer_ids=answer.cpu(),
         token_ids=cut_at_eos(answer.cpu(), eos_id, mask_id),

@@ -7,11 +7,11 @@ import math
 import torch
 
 
-def block_plan(max_new_tokens: int, block_length: int, steps: int) -> tuple[list[tuple[int, int]], int]:
+def block_plan(max_tokens: int, block_length: int, steps: int) -> tuple[list[tuple[int, int]], int]:
     """Split the answer into blocks and steps per block.
 
     Rounding rule (documented, never an assertion): ``block_length`` is capped at
-    ``max_new_tokens``; there are ``ceil(max_new_tokens / block_length)`` blocks
+    ``max_tokens``; there are ``ceil(max_tokens / block_length)`` blocks
     and the last one may be shorter. Each block gets
     ``ceil(steps / num_blocks)`` denoising steps, clamped to [1, block size],
     because a step must commit at least one token. The total number of forward
@@ -20,9 +20,9 @@ def block_plan(max_new_tokens: int, block_length: int, steps: int) -> tuple[list
     Returns:
         ([(start, end) offsets within the answer, ...], steps per full block).
     """
-    block_length = min(block_length, max_new_tokens)
-    num_blocks = math.ceil(max_new_tokens / block_length)
-    bounds = [(b * block_length, min((b + 1) * block_length, max_new_tokens)) for b in range(num_blocks)]
+    block_length = min(block_length, max_tokens)
+    num_blocks = math.ceil(max_tokens / block_length)
+    bounds = [(b * block_length, min((b + 1) * block_length, max_tokens)) for b in range(num_blocks)]
     return bounds, max(1, math.ceil(steps / num_blocks))
 
 

@@ -1,12 +1,11 @@
-"""Per-step token choice and commit rules for masked diffusion.
+"""Per-step token choice for masked diffusion: sampling, filtering and the remasking confidences
+(the commit rules and the registries that name them are in ``celeris.sampling.rules``).
 
 Every function is vectorised over the batch; shapes use B (batch), L (positions
 of the block being denoised) and V (vocabulary).
 """
 
 from __future__ import annotations
-
-from collections.abc import Callable
 
 import torch
 
@@ -72,6 +71,22 @@ def top_k_filter(logits: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
     return logits.masked_fill(drop, NEG_INF)
 
 
+def min_p_filter(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Min-p filtering (Nguyen et al. 2024, arXiv:2407.01082; vLLM's ``min_p``): tokens whose probability is below
+    ``min_p`` times the most likely token's are excluded.
+
+    Args:
+        logits: (B, L, V) float32.
+        min_p: (B,) float in [0, 1]; rows with 0 are unchanged (the most likely token always stays).
+
+    Returns:
+        (B, L, V) logits with the excluded tokens set to -inf.
+    """
+    probs = logits.softmax(-1)  # (B, L, V)
+    floor = min_p.to(logits.device)[:, None, None] * probs.max(-1, keepdim=True).values  # (B, L, 1)
+    return logits.masked_fill(probs < floor, NEG_INF)
+
+
 def sample_tokens(
     logits: torch.Tensor, temperature: torch.Tensor, generators: list[torch.Generator],
     lengths: list[int] | None = None,
@@ -132,64 +147,7 @@ def neg_entropy_confidence(
     return torch.special.xlogy(probs.double(), probs.double()).sum(-1)
 
 
-# remasking name -> confidence; Dream's ``maskgit_plus`` is ``low_confidence``.
-CONFIDENCE: dict[str, Callable[..., torch.Tensor]] = {
-    "low_confidence": low_confidence,
-    "random": random_confidence,
-    "margin": margin_confidence,
-    "entropy": neg_entropy_confidence,
-}
-
-
 def rank_desc(scores: torch.Tensor) -> torch.Tensor:
     """Rank of every entry within its row when sorted descending (0 = highest); (B, L) -> (B, L)."""
     order = scores.argsort(dim=-1, descending=True, stable=True)
     return order.argsort(dim=-1)
-
-
-def commit_fixed(conf: torch.Tensor, num_tokens: torch.Tensor, **_: object) -> torch.Tensor:
-    """Commit the ``num_tokens`` (B,) most confident masked positions (LLaDA low-confidence remasking).
-
-    ``conf`` (B, L) is -inf at positions that are not masked. Returns (B, L) bool.
-    """
-    return (rank_desc(conf) < num_tokens[:, None]) & (conf > NEG_INF)
-
-
-def _at_least_one(conf: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
-    """Add each row's most confident masked position, so every step makes progress."""
-    return chosen | ((rank_desc(conf) == 0) & (conf > NEG_INF))
-
-
-def commit_threshold(conf: torch.Tensor, threshold: float, **_: object) -> torch.Tensor:
-    """Fast-dLLM (arXiv:2505.22618, Sec. 3.3): commit every masked position with confidence > threshold,
-    and at least the most confident one. Returns (B, L) bool."""
-    return _at_least_one(conf, conf > threshold)
-
-
-def commit_factor(conf: torch.Tensor, factor: float, **_: object) -> torch.Tensor:
-    """Fast-dLLM factor rule: with confidences sorted c_1 >= c_2 >= ..., commit the n most
-    confident for the largest n with c_j >= 1 - factor / (j + 1) for all j <= n (at least one)."""
-    sorted_conf, order = conf.sort(dim=-1, descending=True)  # (B, L)
-    j = torch.arange(1, conf.shape[-1] + 1, device=conf.device, dtype=conf.dtype)
-    ok = (sorted_conf >= 1 - factor / (j + 1)) & (sorted_conf > NEG_INF)
-    prefix = ok.long().cumprod(-1).bool()  # accepted while every earlier one was accepted
-    chosen = torch.zeros_like(prefix).scatter(-1, order, prefix)
-    return _at_least_one(conf, chosen)
-
-
-def commit_entropy(conf: torch.Tensor, entropy: torch.Tensor, entropy_bound: float, **_: object) -> torch.Tensor:
-    """EB-sampler (arXiv:2505.24857): in confidence order, commit positions while the summed
-    entropy (nats) of the committed set stays <= entropy_bound; at least one per step."""
-    _, order = conf.sort(dim=-1, descending=True)
-    ent_sorted = entropy.gather(-1, order).masked_fill(conf.gather(-1, order) == NEG_INF, float("inf"))
-    prefix = ent_sorted.cumsum(-1) <= entropy_bound
-    chosen = torch.zeros_like(prefix).scatter(-1, order, prefix)
-    return _at_least_one(conf, chosen)
-
-
-COMMIT_RULES: dict[str, Callable[..., torch.Tensor]] = {
-    "fixed": commit_fixed,
-    "threshold": commit_threshold,
-    "factor": commit_factor,
-    "entropy": commit_entropy,
-}

@@ -12,7 +12,9 @@ from dataclasses import dataclass
 import torch
 
 from celeris.params import SamplingParams
-from celeris.sampling.select import COMMIT_RULES, CONFIDENCE, NEG_INF, sample_tokens, top_k_filter, top_p_filter
+from celeris.sampling.cache import CACHE_MODES
+from celeris.sampling.rules import COMMIT_RULES, NEEDS, REMASKING
+from celeris.sampling.select import NEG_INF, min_p_filter, sample_tokens, top_k_filter, top_p_filter
 
 
 class NoProgressError(RuntimeError):
@@ -47,9 +49,8 @@ def check_model_support(model: torch.nn.Module, params: SamplingParams, has_suff
     twin, ``config.is_causal``) decodes one token per step: it needs
     ``block_length`` 1 (each block then takes one step, whatever ``steps`` says,
     see ``block_plan``) and the ``delayed`` cache (exact for it: each token's
-    keys/values are written once, a step after it is committed) or none
-    (``prefix``/``dual`` would re-run a full pass for every token, ``dual_delayed`` a pass from
-    the previous token to the end of the canvas); it can
+    keys/values are written once, a step after it is committed) or none: the modes whose
+    ``CachePolicy.exact_for_causal`` is set (``celeris.sampling.cache``); it can
     neither see a suffix (infilling) nor score a masked prompt (classifier-free
     guidance). A ``suffix_window`` cannot go with a suffix to infill.
     """
@@ -62,16 +63,17 @@ def check_model_support(model: torch.nn.Module, params: SamplingParams, has_suff
         return
     if params.suffix_window and has_suffix:
         raise ValueError("suffix_window cannot be used with a suffix to infill (it would shift the suffix's positions)")
-    if params.cache != "none" and not getattr(model, "supports_kv_cache", False):
+    policy = CACHE_MODES[params.cache]
+    if policy.uses_cache and not getattr(model, "supports_kv_cache", False):
         raise ValueError(f"cache='{params.cache}' is not supported by {type(model).__name__}; use cache='none'")
     if not getattr(model.config, "is_causal", False):
         return
     if params.block_length != 1:
         raise ValueError(f"block_length must be 1 for an autoregressive (causal) model, which decodes one token "
                          f"per step; got {params.block_length}")
-    if params.cache not in ("none", "delayed"):
-        raise ValueError(f"cache must be 'delayed' or 'none' for an autoregressive (causal) model; got "
-                         f"'{params.cache}'")
+    if not policy.exact_for_causal:
+        allowed = " or ".join(f"'{name}'" for name, p in reversed(CACHE_MODES.items()) if p.exact_for_causal)
+        raise ValueError(f"cache must be {allowed} for an autoregressive (causal) model; got '{params.cache}'")
     if params.cfg_scale > 0:
         raise ValueError(f"cfg_scale must be 0 for an autoregressive (causal) model; got {params.cfg_scale}")
     if has_suffix:
@@ -85,39 +87,52 @@ def make_generator(seed: int | None) -> torch.Generator:
 
 @dataclass(slots=True)
 class RowSettings:
-    """Per-row sampling settings as tensors, built once per batch composition.
+    """Per-row sampling settings as tensors, built for the rows of one step.
 
-    Shapes: ``temperature``/``top_p`` (B,), ``top_k`` (B,) int64; ``threshold``/``factor``/``entropy_bound``/``cfg_scale``
-    (B, 1) so they broadcast against (B, L) confidences; ``repetition_penalty`` (B, 1, 1).
+    Shapes: ``temperature``/``top_p``/``min_p`` (B,), ``top_k`` (B,) int64; ``cfg_scale`` (B, 1); ``repetition_penalty``
+    (B, 1, 1). ``rule_values`` holds, for every numeric setting the rows' commit rules declare
+    (``CommitRule.params``: ``threshold``, ``factor``, ...), a (B, 1) float64 column that broadcasts against (B, L)
+    confidences (taken through float32, as every float setting).
     """
 
     temperature: torch.Tensor
     top_p: torch.Tensor
     top_k: torch.Tensor
-    threshold: torch.Tensor
-    factor: torch.Tensor
-    entropy_bound: torch.Tensor
+    min_p: torch.Tensor
     cfg_scale: torch.Tensor
     repetition_penalty: torch.Tensor
     remasking: list[str]
     decoding: list[str]
+    rule_values: dict[str, torch.Tensor]
+    # which optional stages some row needs, decided from the Python settings (no device sync in the step)
+    any_cfg: bool = False
+    any_penalty: bool = False
+    any_top_p: bool = False
+    any_top_k: bool = False
+    any_min_p: bool = False
 
     @classmethod
     def from_params(cls, rows: list[SamplingParams], device: torch.device) -> RowSettings:
         def col(name: str) -> torch.Tensor:
             return torch.tensor([float(getattr(r, name)) for r in rows], device=device)
 
+        declared = {p for r in rows for p in COMMIT_RULES[r.decoding].params}
+        numeric = sorted(p for p in declared if all(isinstance(getattr(r, p), int | float) for r in rows))
         return cls(
             temperature=col("temperature"),
             top_p=col("top_p"),
             top_k=torch.tensor([r.top_k for r in rows], dtype=torch.long, device=device),
-            threshold=col("threshold")[:, None],
-            factor=col("factor")[:, None],
-            entropy_bound=col("entropy_bound")[:, None],
+            min_p=col("min_p"),
             cfg_scale=col("cfg_scale")[:, None],
             repetition_penalty=col("repetition_penalty")[:, None, None],
             remasking=[r.remasking for r in rows],
             decoding=[r.decoding for r in rows],
+            rule_values={p: col(p)[:, None].double() for p in numeric},
+            any_cfg=any(r.cfg_scale > 0 for r in rows),
+            any_penalty=any(r.repetition_penalty != 1 for r in rows),
+            any_top_p=any(r.top_p < 1 for r in rows),
+            any_top_k=any(r.top_k > 0 for r in rows),
+            any_min_p=any(r.min_p > 0 for r in rows),
         )
 
 
@@ -138,13 +153,64 @@ def penalize_repetition(logits: torch.Tensor, seen: torch.Tensor, penalty: torch
 
 
 def filter_logits(logits: torch.Tensor, settings: RowSettings) -> torch.Tensor:
-    """Nucleus then top-k filtering of (B, L, V) logits per row (Dream's ``sample_tokens`` order); rows with
-    ``top_p`` 1 and ``top_k`` 0 unchanged."""
-    if bool((settings.top_p < 1).any()):
+    """Nucleus then top-k filtering of (B, L, V) logits per row (Dream's ``sample_tokens`` order), then min-p (as
+    vLLM, after top-k and top-p); rows with ``top_p`` 1, ``top_k`` 0 and ``min_p`` 0 unchanged."""
+    if settings.any_top_p:
         logits = top_p_filter(logits, settings.top_p)
-    if bool((settings.top_k > 0).any()):
+    if settings.any_top_k:
         logits = top_k_filter(logits, settings.top_k)
+    if settings.any_min_p:
+        logits = min_p_filter(logits, settings.min_p)
     return logits
+
+
+def prepare_logits(
+    logits: torch.Tensor, settings: RowSettings, banned_ids: list[int], seen: torch.Tensor | None = None,
+    allowed: torch.Tensor | None = None, keep_unfiltered: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The logits pipeline shared by the denoising step and next-token decoding (``generate_autoregressive``):
+    CTRL's repetition penalty (rows with one, given ``seen`` (B, V)), then the banned ids and the tokens a grammar
+    does not allow (``allowed`` (B, L, V) bool) to -inf, then top-p and top-k (``filter_logits``).
+
+    Args:
+        logits: (B, L, V) float32; not modified.
+        keep_unfiltered: also return the logits after the penalty, before anything is removed (the
+            distribution LLaDA's published sampler takes confidences from).
+
+    Returns:
+        (filtered (B, L, V), unfiltered (B, L, V) or None).
+    """
+    logits = logits.clone()
+    if seen is not None and settings.any_penalty:
+        logits = penalize_repetition(logits, seen, settings.repetition_penalty)
+    unfiltered = logits.clone() if keep_unfiltered else None  # (B, L, V) before the ban
+    logits[..., banned_ids] = NEG_INF
+    if allowed is not None:
+        logits = logits.masked_fill(~allowed, NEG_INF)
+    return filter_logits(logits, settings), unfiltered
+
+
+class ContextLengthError(ValueError):
+    """A prompt (and suffix) plus ``max_tokens`` do not fit the model's context window (HTTP: 400
+    ``context_length_exceeded``)."""
+
+
+def check_fits_context(num_prompt: int, num_suffix: int, max_tokens: int, context_length: int,
+                       what: str = "the prompt") -> None:
+    """Raise ContextLengthError, naming the window and every count, when ``num_prompt`` + ``num_suffix`` +
+    ``max_tokens`` tokens exceed ``context_length``; ``what`` names the prompt (e.g. "the messages")."""
+    need = num_prompt + num_suffix + max_tokens
+    if need > context_length:
+        parts = f"{what} ({num_prompt} tokens)" + (f" and suffix ({num_suffix} tokens)" if num_suffix else "")
+        raise ContextLengthError(f"this model's context window is {context_length} tokens, but {parts} plus "
+                                 f"max_tokens ({max_tokens}) need {need} tokens; shorten the prompt or lower max_tokens")
+
+
+def check_prompts(prompt_ids: list[list[int]]) -> None:
+    """Raise ValueError("prompt must not be empty") when a prompt has no token: every sampler and the engine
+    need at least one token of context."""
+    if any(len(p) == 0 for p in prompt_ids):
+        raise ValueError("prompt must not be empty")
 
 
 def _rows_with(values: list[str], name: str, device: torch.device) -> torch.Tensor:
@@ -190,14 +256,8 @@ def denoise_step(
     Returns:
         (new block (B, L) int64, committed positions (B, L) bool).
     """
-    logits = logits.clone()
-    if seen is not None and bool((settings.repetition_penalty != 1).any()):
-        logits = penalize_repetition(logits, seen, settings.repetition_penalty)
-    unfiltered = logits.clone() if confidence_from == "unfiltered" else None  # (B, L, V) before the ban
-    logits[..., banned_ids] = NEG_INF
-    if allowed is not None:
-        logits = logits.masked_fill(~allowed, NEG_INF)
-    logits = filter_logits(logits, settings)
+    logits, unfiltered = prepare_logits(logits, settings, banned_ids, seen, allowed,
+                                        keep_unfiltered=confidence_from == "unfiltered")
     x0 = sample_tokens(logits, settings.temperature, generators, lengths)  # (B, L)
     probs = (logits if unfiltered is None else unfiltered).softmax(-1)  # (B, L, V)
     is_masked = block == mask_id  # (B, L)
@@ -205,18 +265,15 @@ def denoise_step(
     for name in set(settings.remasking):
         rows = _rows_with(settings.remasking, name, x0.device)
         row_generators = [g if r == name else None for g, r in zip(generators, settings.remasking, strict=True)]
-        conf = torch.where(rows, CONFIDENCE[name](probs, x0, row_generators, lengths), conf)
+        conf = torch.where(rows, REMASKING[name].fn(probs, x0, row_generators, lengths), conf)
     conf = conf.masked_fill(~is_masked, NEG_INF)  # (B, L)
     chosen = torch.zeros_like(is_masked)
     for name in set(settings.decoding):
         rows = _rows_with(settings.decoding, name, x0.device)
-        extra = {}
-        if name == "entropy":
-            extra["entropy"] = -(probs * probs.clamp_min(1e-30).log()).sum(-1).double()  # (B, L) nats
-        rule = COMMIT_RULES[name](conf, num_tokens=num_tokens, threshold=settings.threshold.double(),
-                                  factor=settings.factor.double(), entropy_bound=settings.entropy_bound.double(),
-                                  **extra)
-        chosen = torch.where(rows, rule, chosen)
+        rule = COMMIT_RULES[name]
+        needs = {need: NEEDS[need](probs) for need in rule.needs}  # e.g. (B, L) entropies
+        values = {p: settings.rule_values[p] for p in rule.params}  # (B, 1) each
+        chosen = torch.where(rows, rule.fn(conf, num_tokens=num_tokens, **values, **needs), chosen)
     if force is not None:
         chosen |= force
     chosen &= is_masked

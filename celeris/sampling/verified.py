@@ -45,7 +45,7 @@ import torch
 from celeris.models.layers import KVCache
 from celeris.params import SamplingParams
 from celeris.sampling.select import NEG_INF, top_p_filter
-from celeris.sampling.step import banned_token_ids, make_generator
+from celeris.sampling.step import banned_token_ids, check_prompts, make_generator
 
 
 @dataclass(slots=True)
@@ -87,8 +87,8 @@ LOOKUP_DRAFTS = 4  # drafts per pass for a causal model without mask slots (prom
 
 def draft_length(model: torch.nn.Module) -> int:
     """k, the number of mask slots a hybrid model drafts (config ``draft_block_size``); 0 for other models."""
-    cfg = model.config
-    return int(getattr(cfg, "draft_block_size", 0) or 0) if getattr(cfg, "is_causal", False) else 0
+    config = model.config
+    return int(getattr(config, "draft_block_size", 0) or 0) if getattr(config, "is_causal", False) else 0
 
 
 def check_verified_support(model: torch.nn.Module, params: SamplingParams, has_suffix: bool = False) -> None:
@@ -231,14 +231,14 @@ class VerifiedDecoder:
     def __init__(self, model: torch.nn.Module, max_rows: int, max_tokens: int) -> None:
         self.model, self.k = model, draft_length(model) or LOOKUP_DRAFTS
         max_len = max_tokens + 2 * self.k + 2
-        cfg = model.config
+        config = model.config
         p = next(model.parameters())
-        shape = (max_rows, cfg.num_heads, max_len, cfg.head_dim)
+        shape = (max_rows, config.num_heads, max_len, config.head_dim)
         self.keys = [torch.zeros(shape, dtype=p.dtype, device=p.device) for _ in model.layers]
         self.values = [torch.zeros(shape, dtype=p.dtype, device=p.device) for _ in model.layers]
-        self.tokens = torch.full((max_rows, max_len), cfg.mask_token_id, dtype=torch.long, device=p.device)
+        self.tokens = torch.full((max_rows, max_len), config.mask_token_id, dtype=torch.long, device=p.device)
         self.max_rows, self.max_len, self.device = max_rows, max_len, p.device
-        self.banned = banned_token_ids(cfg)
+        self.banned = banned_token_ids(config)
         self.rows: list[DraftRow] = []
         self.num_prefilled = 0  # rows [0, num_prefilled) have been through their first pass
         self.drafted, self.accepted = [0] * self.k, [0] * self.k
@@ -253,10 +253,9 @@ class VerifiedDecoder:
         """
         if len(self.rows) >= self.max_rows:
             raise ValueError(f"the verified decoder holds at most {self.max_rows} rows")
-        if not prompt_ids:
-            raise ValueError("prompt must not be empty")
-        if len(prompt_ids) + params.max_new_tokens + 2 * self.k + 2 > self.max_len:
-            raise ValueError(f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({params.max_new_tokens}) + "
+        check_prompts([prompt_ids])
+        if len(prompt_ids) + params.max_tokens + 2 * self.k + 2 > self.max_len:
+            raise ValueError(f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) + "
                              f"{2 * self.k + 2} draft columns exceed the decoder's {self.max_len}")
         ends = frozenset({self.model.config.eos_token_id}) if end_ids is None else frozenset(end_ids)
         if params.draft_source != "lookup" and not draft_length(self.model):
@@ -315,7 +314,7 @@ class VerifiedDecoder:
         """One pass for the rows already prefilled and one prefill pass for new rows (each only if any).
 
         Returns (row, tokens committed this pass) for every row that ran; a row ends (``finished``) at
-        ``max_new_tokens`` or, with ``early_exit``, at its first end-of-text token. Finished rows stay until
+        ``max_tokens`` or, with ``early_exit``, at its first end-of-text token. Finished rows stay until
         ``remove``.
         """
         out = []
@@ -346,7 +345,7 @@ class VerifiedDecoder:
             self.drafted[j] += 1
             self.accepted[j] += j < a
         new = row.drafts[:a] + [token]
-        n = row.params.max_new_tokens
+        n = row.params.max_tokens
         new = new[: n - len(row.answer)]
         hit = next((j for j, t in enumerate(new) if t in row.end_ids), None)
         if row.params.early_exit and hit is not None:
@@ -387,16 +386,16 @@ def generate_verified(
     prompt_ids: list[list[int]],
     params: SamplingParams | list[SamplingParams],
 ) -> VerifiedOutput:
-    """Verified decoding of up to ``max_new_tokens`` tokens per prompt, all rows in one batch.
+    """Verified decoding of up to ``max_tokens`` tokens per prompt, all rows in one batch.
 
     Args:
         model: a hybrid Celeris model (causal, ``draft_block_size`` = k > 0).
         prompt_ids: B non-empty prompts.
-        params: one SamplingParams for all rows or one per row (temperature, top_p, seed, max_new_tokens and
+        params: one SamplingParams for all rows or one per row (temperature, top_p, seed, max_tokens and
             early_exit are used; rows may differ in each).
 
     Returns:
-        VerifiedOutput; a row stops at its first end-of-text token (``early_exit``) or ``max_new_tokens``.
+        VerifiedOutput; a row stops at its first end-of-text token (``early_exit``) or ``max_tokens``.
 
     Raises:
         ValueError: the model cannot draft, a prompt is empty, or a setting is unsupported
@@ -406,7 +405,7 @@ def generate_verified(
     rows = params if isinstance(params, list) else [params] * len(prompt_ids)
     for r in rows:
         check_verified_support(model, r)
-    dec = VerifiedDecoder(model, len(prompt_ids), max(len(p) + r.max_new_tokens for p, r in zip(
+    dec = VerifiedDecoder(model, len(prompt_ids), max(len(p) + r.max_tokens for p, r in zip(
         prompt_ids, rows, strict=True)))
     handles = [dec.add(p, r) for p, r in zip(prompt_ids, rows, strict=True)]
     first_token_s = None  # every row commits its first token in the first step (its prefill)

@@ -309,7 +309,7 @@ class AsyncEngine:
         event = StepEvent(index, list(new_ids), finished, reason)
         if request is not None:
             event.finish_reason = request.finish_reason if finished else None
-            event.nfe, event.steps = request.nfe, request.steps
+            event.nfe, event.steps = request.nfe, request.num_steps
             event.num_committed = int((request.answer != request.mask_id).sum())
             if group.want_canvas:
                 event.canvas_ids = request.answer.tolist()

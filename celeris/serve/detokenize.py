@@ -3,7 +3,7 @@
 Byte-level BPE decoding of a prefix of tokens is a prefix of the decoded text, except for an
 unfinished multi-byte UTF-8 character at the end, which decodes to U+FFFD; ``IncrementalText``
 holds such a tail back, and also any tail that could still become the start of a stop string, so the
-concatenated deltas equal the non-streamed answer (``LLM.finish``'s stop rule) for the same tokens.
+concatenated deltas equal the non-streamed answer (``cut_at_stop``) for the same tokens.
 """
 
 from __future__ import annotations
@@ -34,6 +34,31 @@ def partial_stop_len(text: str, stops: list[str]) -> int:
     return best
 
 
+def tokens_within(decode: Callable[[list[int]], str], token_ids: list[int], num_chars: int) -> int:
+    """The largest n with ``len(decode(token_ids[:n])) <= num_chars``: the tokens behind a text cut at a stop
+    string (``cut_at_stop``; the decoded length of a prefix grows with it), by binary search."""
+    lo, hi = 0, len(token_ids)
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if len(decode(token_ids[:mid])) <= num_chars:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def cut_at_stop(decode: Callable[[list[int]], str], token_ids: list[int], stops: list[str],
+                include_stop: bool = False) -> tuple[str, list[int], bool]:
+    """The answer's text and tokens cut before its earliest stop string (after it with ``include_stop``), and
+    whether one was found. The rule ``IncrementalText`` streams by."""
+    text = decode(token_ids)
+    match = find_stop(text, stops)
+    if match is None:
+        return text, token_ids, False
+    text = text[: match[1] if include_stop else match[0]]
+    return text, token_ids[: tokens_within(decode, token_ids, len(text))], True
+
+
 class IncrementalText:
     """Turns final answer tokens, arriving in pieces, into text deltas that are never taken back.
 
@@ -41,7 +66,7 @@ class IncrementalText:
     text, except for an unfinished multi-byte character, which decodes to U+FFFD and is held back)
     and returns the new text that is safe to send: text before the first stop string, minus trailing
     U+FFFD and any tail that could still become the start of one. With ``final=True`` everything left is flushed, with
-    the same stop rule as ``LLM.finish``: the answer ends before the earliest stop occurrence.
+    the same stop rule as ``cut_at_stop``: the answer ends before the earliest stop occurrence.
 
     Args:
         decode: token ids -> text.
@@ -79,16 +104,7 @@ class IncrementalText:
 
     def num_tokens(self) -> int:
         """Answer tokens behind the returned text (all final tokens, or those before a stop string)."""
-        if not self.stopped:
-            return len(self.token_ids)
-        lo, hi = 0, len(self.token_ids)  # largest n with len(decode(ids[:n])) <= len(text), as LLM.finish
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            if len(self.decode(self.token_ids[:mid])) <= len(self.text):
-                lo = mid
-            else:
-                hi = mid - 1
-        return lo
+        return tokens_within(self.decode, self.token_ids, len(self.text)) if self.stopped else len(self.token_ids)
 
 
 def render_canvas(decode: Callable[[list[int]], str], ids: list[int], mask_id: int, eos_id: int) -> str:

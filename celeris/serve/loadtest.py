@@ -183,7 +183,12 @@ def format_table(results: list[LevelResult]) -> str:
     return "\n".join("  ".join(c.rjust(w) for c, w in zip(row, widths, strict=True)) for row in rows)
 
 
+LOAD_SETTINGS = ("steps", "block_length", "decoding", "cache")  # sampling settings a load test may set
+
+
 def build_parser() -> argparse.ArgumentParser:
+    from celeris.params import add_setting_flags  # the server's declaration of these settings
+
     p = argparse.ArgumentParser(prog="python -m celeris.serve.loadtest", description=__doc__.split("\n\n")[0])
     p.add_argument("--url", help="target server base URL (default: start `celeris serve` in a separate process)")
     p.add_argument("--model", help="checkpoint folder for the started server (default: the embedded model)")
@@ -196,10 +201,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompts", default="auto", help="auto, humaneval, code, or a .jsonl[.gz] with 'prompt'")
     p.add_argument("--num-prompts", type=int, default=16)
     p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--steps", type=int, help="denoising steps (default: the model's)")
-    p.add_argument("--decoding", help="fixed, threshold, factor or entropy (default: the model's)")
-    p.add_argument("--block-length", type=int, help="tokens per block (default: the model's)")
-    p.add_argument("--cache", help="none, prefix, dual, delayed or dual_delayed (default: the model's)")
+    add_setting_flags(p, LOAD_SETTINGS)  # default: the model's
     p.add_argument("--stagger-s", type=float, default=0.0,
                    help="client w starts w * this many seconds late, so requests run out of phase (default 0)")
     p.add_argument("--warmup", type=int, default=1, help="requests sent (and not counted) before measuring")
@@ -224,9 +226,7 @@ def concurrency_levels(args: argparse.Namespace) -> list[int]:
 async def run(args: argparse.Namespace, url: str, levels: list[int]) -> dict:
     prompts = load_prompts(args.prompts, args.num_prompts)
     settings = {"max_tokens": args.max_tokens, "temperature": 0.0, "seed": 0}
-    if args.steps is not None:
-        settings["steps"] = args.steps
-    for name in ("decoding", "block_length", "cache"):
+    for name in LOAD_SETTINGS:
         if getattr(args, name) is not None:
             settings[name] = getattr(args, name)
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}

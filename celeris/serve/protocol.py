@@ -6,14 +6,14 @@ unknown fields, so a parameter is never silently ignored. OpenAI parameters Cele
 are declared so that their neutral values (null, 0, false, [])
 pass; ``unsupported_params`` names those set to anything else, and the serving layer answers 400.
 
-Celeris extensions (extra body fields of the ``openai`` client): ``steps``, ``block_length``, ``top_k`` (vLLM's
-name), ``remasking``, ``decoding``, ``threshold``, ``factor``, ``entropy_bound``, ``cfg_scale``,
-``repetition_penalty`` (defaults from the model's ``generation_config.json``), ``cache`` (``none``, ``prefix``,
-``dual``, ``delayed`` or ``dual_delayed``), ``cache_refresh``, ``suffix_window`` and ``stream_mode`` (``"text"``,
-or ``"denoise"``: every chunk carries the whole answer canvas); a setting that only some rules read
-(``threshold`` without ``decoding: "threshold"``, ...: ``celeris.params.RULE_SETTINGS``) is refused with 400
-naming both, never ignored; vLLM's ``stop_token_ids``, ``ignore_eos``, ``skip_special_tokens`` and
-``include_stop_str_in_output``. The float settings' ranges are SamplingParams' (``celeris.params.FLOAT_BOUNDS``).
+Celeris extensions (extra body fields of the ``openai`` client) are derived from ``SamplingParams``' declaration
+(every field whose ``Setting.http`` is set: ``steps``, ``block_length``, ``top_k``, ``remasking``, ``decoding``,
+``threshold``, ``cache``, ``repetition_penalty``, vLLM's ``stop_token_ids`` ... ; ``celeris.params``), plus
+``stream_mode`` (``"text"``, or ``"denoise"``: every chunk carries the whole answer canvas). None takes the model's
+``generation_config.json`` value. Their ranges and choices (the registries' keys, read at call time) are checked
+by ``SamplingParams`` when the serving layer builds it, so Python, the CLI, HTTP and batch jobs refuse the same
+values with the same message (400 naming the parameter); a setting that only some rules read (``threshold``
+without ``decoding: "threshold"``, ...: ``celeris.params.rule_settings``) is refused with 400 naming both.
 Responses carry ``choice.celeris`` (``DecodingDetails``) and ``usage.nfe``.
 """
 
@@ -25,7 +25,9 @@ import time
 import uuid
 from typing import Annotated, Any, ClassVar, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_serializer
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, model_serializer
+
+from celeris.params import declared, field_type
 
 NonEmptyStr = Annotated[str, Field(min_length=1)]
 
@@ -162,12 +164,31 @@ class ToolCallIn(StrictModel):
     function: FunctionCallIn
 
 
-class SamplingRequest(StrictModel):
-    """Fields shared by completions and chat completions."""
+def _extension_fields() -> dict[str, tuple[object, object]]:
+    """One optional field per ``SamplingParams`` setting declared for HTTP (``Setting.http``); None takes the
+    model's default. Types only: ranges and choices are SamplingParams' (checked when it is built)."""
+    out = {}
+    for name, spec in declared().items():
+        if not spec.http:
+            continue
+        kind = field_type(name)
+        if kind is list:  # stop_token_ids: ids, at most 64
+            out[name] = (list[int] | None, Field(default=None, max_length=64, description=spec.help))
+        else:
+            out[name] = (kind | None, Field(default=None, description=spec.help))
+    return out
+
+
+SamplingExtensions = create_model("SamplingExtensions", __base__=StrictModel, **_extension_fields())
+
+
+class SamplingRequest(SamplingExtensions):
+    """Fields shared by completions and chat completions: OpenAI's, and the Celeris extensions
+    (``SamplingExtensions``)."""
 
     model: str | None = None
-    # The float settings' ranges live in SamplingParams (celeris.params.FLOAT_BOUNDS), so Python, the CLI,
-    # HTTP and batch jobs refuse the same values with the same message (400 naming the valid range).
+    # The float settings' ranges live in SamplingParams (celeris.params), so Python, the CLI, HTTP and batch
+    # jobs refuse the same values with the same message (400 naming the valid range).
     temperature: float | None = None
     top_p: float | None = None
     n: int = Field(default=1, ge=1, le=MAX_N)
@@ -181,28 +202,7 @@ class SamplingRequest(StrictModel):
     metadata: dict[str, str] | None = None
     service_tier: str | None = None
 
-    # Celeris extensions; None takes the model's generation_config.json value (steps: scaled to max_tokens,
-    # keeping the model's tokens per step; SamplingParams.from_defaults).
-    steps: int | None = Field(default=None, ge=1)
-    block_length: int | None = Field(default=None, ge=1)
-    top_k: int | None = None  # as in vLLM; range checked by SamplingParams
-    remasking: Literal["low_confidence", "random", "margin", "entropy"] | None = None
-    decoding: Literal["fixed", "threshold", "factor", "entropy", "verified"] | None = None
-    threshold: float | None = None
-    factor: float | None = None
-    entropy_bound: float | None = None
-    cfg_scale: float | None = None
-    repetition_penalty: float | None = None  # as in vLLM
-    cache: str | None = None
-    cache_refresh: int | None = Field(default=None, ge=0)
-    suffix_window: int | None = Field(default=None, ge=0)
-    draft_source: Literal["lookup_first", "slots", "lookup"] | None = None
     stream_mode: Literal["text", "denoise"] = "text"
-    # vLLM's end-of-generation controls (SamplingParams has their meaning).
-    stop_token_ids: Annotated[list[Annotated[int, Field(ge=0)]], Field(max_length=64)] | None = None
-    ignore_eos: bool | None = None
-    skip_special_tokens: bool | None = None
-    include_stop_str_in_output: bool | None = None
 
     # OpenAI parameters accepted only at their neutral values (see unsupported_params).
     logprobs: Any = None
@@ -210,6 +210,10 @@ class SamplingRequest(StrictModel):
     logit_bias: Any = None
     presence_penalty: Any = None
     frequency_penalty: Any = None
+
+    def sampling_fields(self) -> dict[str, object]:
+        """The Celeris extension settings as SamplingParams keywords (None: the model's default)."""
+        return {name: getattr(self, name) for name in SamplingExtensions.model_fields}
 
     def stop_list(self) -> list[str]:
         if self.stop is None:

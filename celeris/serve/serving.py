@@ -30,7 +30,7 @@ from pathlib import Path
 from celeris.config import EngineConfig
 from celeris.engine import Engine, QueueFullError
 from celeris.params import SamplingParams
-from celeris.sampling.step import check_model_support
+from celeris.sampling.step import ContextLengthError, check_model_support
 from celeris.serve.async_engine import AsyncEngine, EngineDeadError, EngineInput, RequestGroup, StepEvent
 from celeris.serve.detokenize import IncrementalText, render_canvas
 from celeris.serve.metrics import ServerMetrics
@@ -127,7 +127,7 @@ def decoding_details(params: SamplingParams, event: StepEvent) -> DecodingDetail
     return DecodingDetails(
         nfe=event.nfe, steps=event.steps,
         tokens_per_forward=round(event.num_committed / event.nfe, 4) if event.nfe else 0.0,
-        block_length=min(params.block_length, params.max_new_tokens), cache=params.cache, decoding=params.decoding,
+        block_length=min(params.block_length, params.max_tokens), cache=params.cache, decoding=params.decoding,
         remasking=params.remasking,
     )
 
@@ -164,7 +164,10 @@ class OpenAIServing:
         request_timeout: seconds from arrival until a request is aborted (504).
         metrics: Prometheus metrics to record into (a fresh registry when None).
         engine_config: ``max_num_seqs`` running and ``max_waiting`` queued requests at most (beyond
-            that: 429), when ``async_engine`` is None.
+            that: 429), when ``async_engine`` and ``engine`` are None: an engine of its own on ``llm.model``, so
+            the caller may go on using ``llm.generate``.
+        engine: the engine to drive when ``async_engine`` is None, e.g. ``llm.engine`` (``from_model``: one engine
+            per loaded model; the serving loop must then be that engine's only caller).
     """
 
     def __init__(
@@ -175,16 +178,18 @@ class OpenAIServing:
         request_timeout: float = 60.0,
         metrics: ServerMetrics | None = None,
         engine_config: EngineConfig | None = None,
+        engine: Engine | None = None,
     ) -> None:
         self.llm = llm
         self.tokenizer = llm.tokenizer
         self.model_name = served_model_name or Path(llm.path).name
         self.metrics = (metrics or ServerMetrics()).for_model(self.model_name)
         if async_engine is None:
-            config = engine_config or EngineConfig()
+            if engine is None:
+                engine = Engine(llm.model, engine_config or EngineConfig(), llm.end_token_ids,
+                                getattr(llm, "grammar_tokenizer", None))
             # the engine's queue counts free running slots, so it admits max_num_seqs + max_waiting in all
-            engine = Engine(llm.model, config, llm.end_token_ids, getattr(llm, "grammar_tokenizer", None))
-            async_engine = AsyncEngine(engine, max_in_flight=config.max_num_seqs + config.max_waiting,
+            async_engine = AsyncEngine(engine, max_in_flight=engine.config.max_num_seqs + engine.config.max_waiting,
                                        on_stats=self.metrics.set_queue_stats)
         self.async_engine = async_engine
         self.metrics.watch_drafts(async_engine.engine)
@@ -224,10 +229,8 @@ class OpenAIServing:
         """
         from celeris.llm import LLM
 
-        llm = LLM(model, device=device, max_batch_size=max_num_seqs, **load_options)
-        config = EngineConfig(max_num_seqs=max_num_seqs, max_waiting=max_waiting, device=device,
-                              dtype=load_options.get("dtype"), enforce_eager=load_options.get("enforce_eager", True))
-        return cls(llm, served_model_name=served_model_name, request_timeout=request_timeout, engine_config=config,
+        llm = LLM(model, device=device, max_num_seqs=max_num_seqs, max_waiting=max_waiting, **load_options)
+        return cls(llm, served_model_name=served_model_name, request_timeout=request_timeout, engine=llm.engine,
                    metrics=metrics)
 
     def start(self) -> None:
@@ -356,17 +359,9 @@ class OpenAIServing:
             raise APIError(400, "structured output (response_format, tools) is not available for this model's "
                                 "tokenizer", param="response_format")
         try:
-            params = self.llm.default_params(
-                max_new_tokens=max_tokens, steps=request.steps, block_length=request.block_length, grammar=grammar,
-                temperature=request.temperature, top_p=request.top_p, top_k=request.top_k, remasking=request.remasking,
-                decoding=request.decoding, threshold=request.threshold, factor=request.factor,
-                entropy_bound=request.entropy_bound, cfg_scale=request.cfg_scale, seed=request.seed,
-                stop=request.stop_list() or None, cache=request.cache, repetition_penalty=request.repetition_penalty,
-                cache_refresh=request.cache_refresh, suffix_window=request.suffix_window,
-                draft_source=request.draft_source, stop_token_ids=request.stop_token_ids, ignore_eos=request.ignore_eos,
-                skip_special_tokens=request.skip_special_tokens,
-                include_stop_str_in_output=request.include_stop_str_in_output,
-            )
+            params = self.llm.default_params(max_tokens=max_tokens, grammar=grammar, temperature=request.temperature,
+                                             top_p=request.top_p, seed=request.seed, stop=request.stop_list() or None,
+                                             **request.sampling_fields())
             params = self.llm.with_special_stops(params)
             vocab = self.tokenizer.vocab_size
             if any(t >= vocab for t in params.stop_token_ids):
@@ -375,32 +370,20 @@ class OpenAIServing:
             check_model_support(self.llm.model, params, has_suffix=bool(getattr(request, "suffix", None)))
             return params
         except (ValueError, TypeError) as exc:  # SamplingParams names the field first: "steps must be >= 1"
-            name = str(exc).split(" ", 1)[0].split("=", 1)[0]
-            param = {"max_new_tokens": "max_tokens"}.get(name, name)
+            param = str(exc).split(" ", 1)[0].split("=", 1)[0]
             raise APIError(400, str(exc), param=param if param.isidentifier() else None) from None
 
     def _encode(self, text: str | list[int], params: SamplingParams, suffix: str | None,
                 param: str) -> tuple[list[int], list[int]]:
-        """Prompt (text, or ids already encoded) and suffix ids, checked against the context window. The mask
-        and pad strings in user text are encoded as text (``Tokenizer.encode``)."""
-        ids = self.tokenizer.encode(text) if isinstance(text, str) else text
-        if not ids:
-            raise APIError(400, f"'{param}' must not be empty", param=param)
-        suffix_ids = self.tokenizer.encode(suffix) if suffix else []
-        if suffix_ids and getattr(self.llm.model.config, "is_causal", False):
-            raise APIError(400, "suffix (infilling) needs a masked-diffusion model; this one is autoregressive",
-                           param="suffix")
-        need = len(ids) + len(suffix_ids) + params.max_new_tokens
-        if need > self.context_length:
-            what = "the prompt" if param == "prompt" else "the messages (rendered with the chat template)"
-            parts = f"{what} ({len(ids)} tokens)" + (f" and suffix ({len(suffix_ids)} tokens)" if suffix_ids else "")
-            raise APIError(
-                400,
-                f"this model's context window is {self.context_length} tokens, but {parts} plus max_tokens "
-                f"({params.max_new_tokens}) need {need} tokens; shorten the prompt or lower max_tokens",
-                param=param, code="context_length_exceeded",
-            )
-        return ids, suffix_ids
+        """Prompt (text, or ids already encoded) and suffix ids, checked against the context window
+        (``LLM.encode_prompt``), its errors as 400s naming ``param``."""
+        what = "the prompt" if param == "prompt" else "the messages (rendered with the chat template)"
+        try:
+            return self.llm.encode_prompt(text, params, suffix, what)
+        except ContextLengthError as exc:
+            raise APIError(400, str(exc), param=param, code="context_length_exceeded") from None
+        except ValueError:  # the only other refusal: nothing to condition on
+            raise APIError(400, f"'{param}' must not be empty", param=param) from None
 
     async def _start(self, request: SamplingRequest, params: SamplingParams, encoded: list[tuple[list[int], list[int]]],
                      arrival: float, is_disconnected: IsDisconnected | None) -> _Run:

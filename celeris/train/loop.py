@@ -26,9 +26,9 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from celeris.llm import causal_defaults
 from celeris.models.celeris import CelerisConfig, CelerisModel, count_parameters
 from celeris.models.loader import load_model, save_checkpoint
+from celeris.params import causal_defaults
 from celeris.tokenizer import write_tokenizer_config
 from celeris.train.data import load_tokens
 from celeris.train.gate import function_prompts, parse_rate
@@ -36,7 +36,7 @@ from celeris.train.objective import OBJECTIVES
 
 # Written to generation_config.json when the caller gives none: LLaDA's reference
 # sampler (one token per denoising step, blocks of 32, greedy, low-confidence remasking).
-DEFAULT_GENERATION = {"max_new_tokens": 128, "steps": 128, "block_length": 32, "temperature": 0.0,
+DEFAULT_GENERATION = {"max_tokens": 128, "steps": 128, "block_length": 32, "temperature": 0.0,
                       "top_p": 1.0, "remasking": "low_confidence", "cfg_scale": 0.0}
 # The autoregressive twin: the same defaults as LLM applies to any causal model (one token per step).
 AR_GENERATION = causal_defaults(DEFAULT_GENERATION)

@@ -16,7 +16,7 @@ from tests.conftest import build_tiny_checkpoint
 
 MODEL_NAME = "tiny-batch"
 CONTEXT = 128
-GENERATION_CONFIG = {"max_new_tokens": 8, "steps": 8, "block_length": 8, "temperature": 0.0, "top_p": 1.0,
+GENERATION_CONFIG = {"max_tokens": 8, "steps": 8, "block_length": 8, "temperature": 0.0, "top_p": 1.0,
                      "remasking": "low_confidence", "cfg_scale": 0.0}
 TEXTS = [
     "Once upon a time, there was a little girl named Lily. She loved to play outside in the sun.\n",

@@ -76,7 +76,7 @@ def test_the_run_reads_the_bytes_the_scan_read(tmp_path):
 
 
 def test_request_hash_covers_the_request_not_its_spelling():
-    short = parse_line(json.dumps({"id": "q", "prompt": "hi", "max_new_tokens": 4, "temperature": 0}), 1)
+    short = parse_line(json.dumps({"id": "q", "prompt": "hi", "max_tokens": 4, "temperature": 0}), 1)
     openai = parse_line(json.dumps({"custom_id": "q", "method": "POST", "url": "/v1/completions",
                                     "body": {"temperature": 0, "max_tokens": 4, "prompt": "hi"}}), 7)
     assert short.request_hash == openai.request_hash == request_hash("/v1/completions", short.body, "")

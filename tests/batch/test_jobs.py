@@ -44,7 +44,7 @@ def never_called():
 
 
 def test_parse_short_and_openai_forms():
-    item = parse_line(json.dumps({"id": 7, "prompt": "hi", "max_new_tokens": 4, "seed": 1}), 3)
+    item = parse_line(json.dumps({"id": 7, "prompt": "hi", "max_tokens": 4, "seed": 1}), 3)
     assert (item.custom_id, item.url, item.body) == ("7", "/v1/completions", {"prompt": "hi", "max_tokens": 4, "seed": 1})
     item = parse_line(json.dumps({"id": "c", "messages": [{"role": "user", "content": "hi"}]}), 1)
     assert item.url == "/v1/chat/completions" and item.body == {"messages": [{"role": "user", "content": "hi"}]}

@@ -61,17 +61,17 @@ def test_bench_runs_all_systems_and_writes_results(tiny_checkpoint, tokenizer_di
     hf = [r for r in runs if r["system"] == "smollm2-135m"]
     assert all(r["agreement_with_reference"] is None and r["nfe_mean"] >= 1 for r in hf)  # another tokenizer
     for r in runs:
-        assert r["output_tokens"] <= 3 * r["max_new_tokens"] and r["tokens_per_s"] > 0
+        assert r["output_tokens"] <= 3 * r["max_tokens"] and r["tokens_per_s"] > 0
         assert r["latency_p50_s"] <= r["latency_p95_s"]
         assert 0 <= r["parse_rate"] <= 1 and 0 <= r["repetition_share"] <= 1
         assert r["output_tokens"] == 0 or r["judge_perplexity"] > 0
         assert r["peak_rss_mb"] > 0 and r["peak_rss_reset"] == os.access("/proc/self/clear_refs", os.W_OK)
     reference = [r for r in runs if r["system"] == "dllm-reference"]
     assert all(r["agreement_with_reference"] == 1.0 for r in reference if r["output_tokens"])
-    assert all(r["nfe_mean"] == r["max_new_tokens"] for r in reference)  # one token per step, no early exit
+    assert all(r["nfe_mean"] == r["max_tokens"] for r in reference)  # one token per step, no early exit
     on_disk = json.loads((tmp_path / "out" / "bench.json").read_text())
     assert on_disk["conditions"]["config"]["batch_sizes"] == [1, 2] and on_disk["conditions"]["prompt_tokens"]["max"] > 0
-    assert {(r["max_new_tokens"], r["batch_size"]) for r in runs} == {(8, 1), (8, 2), (16, 1), (16, 2)}
+    assert {(r["max_tokens"], r["batch_size"]) for r in runs} == {(8, 1), (8, 2), (16, 1), (16, 2)}
     for name in ("tokens_per_s.png", "tokens_per_s_by_batch.png"):
         assert (tmp_path / "out" / name).stat().st_size > 0
     assert "dllm-fast" in format_table(results)
@@ -148,7 +148,7 @@ def test_bench_of_a_hybrid_model_runs_verified_against_its_own_next_token_decodi
                         eos_token_id=vocab["<|endoftext|>"], mask_token_id=vocab["<|mask|>"],
                         pad_token_id=vocab["<|pad|>"])
     folder = tmp_path / "hybrid"
-    save_checkpoint(hybrid, folder, tokenizer_dir, {"max_new_tokens": 16, "temperature": 0.0, "decoding": "verified"})
+    save_checkpoint(hybrid, folder, tokenizer_dir, {"max_tokens": 16, "temperature": 0.0, "decoding": "verified"})
     prompts = tmp_path / "he.jsonl"
     write_prompts(prompts)
     ar = tiny_model(seed=6, vocab_size=len(vocab), is_causal=True, eos_token_id=vocab["<|endoftext|>"],

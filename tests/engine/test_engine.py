@@ -23,34 +23,34 @@ def run_to_end(engine: Engine) -> None:
 
 
 @pytest.mark.parametrize("params", [
-    SamplingParams(max_new_tokens=20, steps=10, block_length=8, early_exit=False),
-    SamplingParams(max_new_tokens=20, steps=20, block_length=8, cfg_scale=1.5, early_exit=False),
-    SamplingParams(max_new_tokens=20, steps=20, block_length=8, decoding="threshold", threshold=0.3, early_exit=False),
-    SamplingParams(max_new_tokens=20, steps=20, block_length=8, temperature=1.0, seed=7, remasking="random"),
-    SamplingParams(max_new_tokens=20, steps=20, block_length=8, cache="prefix", early_exit=False),
-    SamplingParams(max_new_tokens=20, steps=20, block_length=8, cache="dual", cfg_scale=1.0, early_exit=False),
-    SamplingParams(max_new_tokens=20, steps=20, block_length=4, cache="delayed", early_exit=False),
-    SamplingParams(max_new_tokens=20, steps=20, block_length=4, repetition_penalty=1.5, early_exit=False),
-    SamplingParams(max_new_tokens=20, steps=20, block_length=8, cache="delayed", decoding="threshold", threshold=0.3,
+    SamplingParams(max_tokens=20, steps=10, block_length=8, early_exit=False),
+    SamplingParams(max_tokens=20, steps=20, block_length=8, cfg_scale=1.5, early_exit=False),
+    SamplingParams(max_tokens=20, steps=20, block_length=8, decoding="threshold", threshold=0.3, early_exit=False),
+    SamplingParams(max_tokens=20, steps=20, block_length=8, temperature=1.0, seed=7, remasking="random"),
+    SamplingParams(max_tokens=20, steps=20, block_length=8, cache="prefix", early_exit=False),
+    SamplingParams(max_tokens=20, steps=20, block_length=8, cache="dual", cfg_scale=1.0, early_exit=False),
+    SamplingParams(max_tokens=20, steps=20, block_length=4, cache="delayed", early_exit=False),
+    SamplingParams(max_tokens=20, steps=20, block_length=4, repetition_penalty=1.5, early_exit=False),
+    SamplingParams(max_tokens=20, steps=20, block_length=8, cache="delayed", decoding="threshold", threshold=0.3,
                    early_exit=False),
-    SamplingParams(max_new_tokens=20, steps=20, block_length=8, cache="prefix", decoding="threshold", threshold=0.3,
+    SamplingParams(max_tokens=20, steps=20, block_length=8, cache="prefix", decoding="threshold", threshold=0.3,
                    early_exit=False),
-    SamplingParams(max_new_tokens=20, steps=20, block_length=4, cache="delayed", cfg_scale=1.0, early_exit=False),
-    SamplingParams(max_new_tokens=20, steps=10, block_length=4, cache="delayed", cache_refresh=2, early_exit=False),
-    SamplingParams(max_new_tokens=20, steps=10, block_length=4, cache="dual_delayed", early_exit=False),
-    SamplingParams(max_new_tokens=18, steps=18, block_length=4, cache="dual_delayed", cfg_scale=1.0, early_exit=False),
-    SamplingParams(max_new_tokens=20, steps=20, block_length=8, cache="dual_delayed", decoding="threshold", threshold=0.3,
+    SamplingParams(max_tokens=20, steps=20, block_length=4, cache="delayed", cfg_scale=1.0, early_exit=False),
+    SamplingParams(max_tokens=20, steps=10, block_length=4, cache="delayed", cache_refresh=2, early_exit=False),
+    SamplingParams(max_tokens=20, steps=10, block_length=4, cache="dual_delayed", early_exit=False),
+    SamplingParams(max_tokens=18, steps=18, block_length=4, cache="dual_delayed", cfg_scale=1.0, early_exit=False),
+    SamplingParams(max_tokens=20, steps=20, block_length=8, cache="dual_delayed", decoding="threshold", threshold=0.3,
                    early_exit=False),
-    SamplingParams(max_new_tokens=20, steps=10, block_length=4, cache="dual_delayed", cache_refresh=2, early_exit=False),
-    SamplingParams(max_new_tokens=20, steps=20, block_length=8, suffix_window=2, early_exit=False),
-    SamplingParams(max_new_tokens=20, steps=20, block_length=4, cache="dual_delayed", suffix_window=3, early_exit=False),
-    SamplingParams(max_new_tokens=20, steps=20, block_length=4, cache="prefix", suffix_window=2, cfg_scale=1.0,
+    SamplingParams(max_tokens=20, steps=10, block_length=4, cache="dual_delayed", cache_refresh=2, early_exit=False),
+    SamplingParams(max_tokens=20, steps=20, block_length=8, suffix_window=2, early_exit=False),
+    SamplingParams(max_tokens=20, steps=20, block_length=4, cache="dual_delayed", suffix_window=3, early_exit=False),
+    SamplingParams(max_tokens=20, steps=20, block_length=4, cache="prefix", suffix_window=2, cfg_scale=1.0,
                    early_exit=False),
-    SamplingParams(max_new_tokens=20, steps=20, block_length=4, cache="dual", suffix_window=1, early_exit=False),
-    SamplingParams(max_new_tokens=20, steps=10, block_length=8, remasking="margin", top_k=5, early_exit=False),
-    SamplingParams(max_new_tokens=20, steps=10, block_length=4, remasking="entropy", cache="dual_delayed",
+    SamplingParams(max_tokens=20, steps=20, block_length=4, cache="dual", suffix_window=1, early_exit=False),
+    SamplingParams(max_tokens=20, steps=10, block_length=8, remasking="margin", top_k=5, early_exit=False),
+    SamplingParams(max_tokens=20, steps=10, block_length=4, remasking="entropy", cache="dual_delayed",
                    early_exit=False),
-    SamplingParams(max_new_tokens=20, steps=20, block_length=8, temperature=1.0, seed=7, remasking="margin", top_k=3),
+    SamplingParams(max_tokens=20, steps=20, block_length=8, temperature=1.0, seed=7, remasking="margin", top_k=3),
 ])
 def test_engine_matches_reference_sampler(params):
     model = tiny_model()
@@ -73,7 +73,7 @@ def test_engine_matches_reference_sampler(params):
 def test_request_joining_mid_flight_gets_the_same_tokens_as_alone():
     """Continuous batching: a request admitted while others are mid-block is unaffected by them."""
     model = tiny_model()
-    params = SamplingParams(max_new_tokens=16, steps=16, block_length=8, early_exit=False)
+    params = SamplingParams(max_tokens=16, steps=16, block_length=8, early_exit=False)
     alone = [generate(model, [p], params).answer_ids[0] for p in PROMPTS]
     engine = Engine(model, EngineConfig(max_num_seqs=8))
     first = engine.add_request(PROMPTS[0], params)
@@ -91,7 +91,7 @@ def test_kv_pool_rows_survive_others_finishing_and_joining(cache):
     (the last row moved into the hole) and reused, and every request still gets its tokens alone."""
     model = tiny_model()
     lengths = [8, 20, 12, 16]
-    params = [SamplingParams(max_new_tokens=n, steps=n, block_length=4, cache=cache, early_exit=False,
+    params = [SamplingParams(max_tokens=n, steps=n, block_length=4, cache=cache, early_exit=False,
                              cfg_scale=1.0 if i == 1 else 0.0) for i, n in enumerate(lengths)]
     prompts = [*PROMPTS, [20, 21, 22, 23, 24]]
     alone = [generate(model, [p], sp).answer_ids[0] for p, sp in zip(prompts, params, strict=True)]
@@ -115,7 +115,7 @@ def test_kv_pool_rows_survive_others_finishing_and_joining(cache):
 
 def test_scheduler_respects_sequence_and_token_budgets():
     model = tiny_model()
-    params = SamplingParams(max_new_tokens=8, steps=8, block_length=8, early_exit=False)
+    params = SamplingParams(max_tokens=8, steps=8, block_length=8, early_exit=False)
     engine = Engine(model, EngineConfig(max_num_seqs=2, max_num_batched_tokens=10_000))
     requests = [engine.add_request(PROMPTS[0], params) for _ in range(5)]
     outputs = engine.step()
@@ -129,7 +129,7 @@ def test_scheduler_respects_sequence_and_token_budgets():
 
 def test_queue_limit_counts_free_slots_and_aborts_free_places():
     engine = Engine(tiny_model(), EngineConfig(max_num_seqs=1, max_waiting=2))
-    params = SamplingParams(max_new_tokens=4, steps=4, block_length=4)
+    params = SamplingParams(max_tokens=4, steps=4, block_length=4)
     for i in range(3):  # one takes the free running slot at the next step, two wait
         engine.add_request([5, 6], params, request_id=f"r{i}")
     with pytest.raises(QueueFullError):
@@ -140,24 +140,24 @@ def test_queue_limit_counts_free_slots_and_aborts_free_places():
 
 def test_aborted_request_takes_no_more_steps():
     engine = Engine(tiny_model(), EngineConfig(max_num_seqs=4))
-    params = SamplingParams(max_new_tokens=16, steps=16, block_length=8, early_exit=False)
+    params = SamplingParams(max_tokens=16, steps=16, block_length=8, early_exit=False)
     keep = engine.add_request(PROMPTS[0], params, request_id="keep")
     gone = engine.add_request(PROMPTS[1], params, request_id="gone")
     engine.step()
     engine.step()
     assert engine.abort("gone") and gone.status is RequestStatus.ABORTED
-    steps_at_abort = gone.steps
+    steps_at_abort = gone.num_steps
     outputs = engine.step()
     assert [o.request.request_id for o in outputs] == ["keep"]
     run_to_end(engine)
-    assert gone.steps == steps_at_abort and keep.steps == 16 and gone.finish_reason == "abort"
+    assert gone.num_steps == steps_at_abort and keep.num_steps == 16 and gone.finish_reason == "abort"
     assert not engine.abort("unknown")
 
 
 def test_streamed_tokens_are_the_final_prefix():
     """new_token_ids over all steps concatenate to the answer cut at end-of-text."""
     model = tiny_model()
-    params = SamplingParams(max_new_tokens=16, steps=16, block_length=4, early_exit=False)
+    params = SamplingParams(max_tokens=16, steps=16, block_length=4, early_exit=False)
     engine = Engine(model, EngineConfig())
     request = engine.add_request(PROMPTS[0], params)
     streamed: list[int] = []
@@ -183,9 +183,9 @@ def test_engine_decodes_a_causal_model_token_by_token(cache, refresh):
     from celeris.sampling.autoregressive import generate_autoregressive
 
     model = tiny_model(is_causal=True)
-    params = SamplingParams(max_new_tokens=12, steps=12, block_length=1, cache=cache,
+    params = SamplingParams(max_tokens=12, steps=12, block_length=1, cache=cache,
                             cache_refresh=refresh if cache == "delayed" else None, early_exit=False)
-    want = generate_autoregressive(model, PROMPTS, SamplingParams(max_new_tokens=12, early_exit=False),
+    want = generate_autoregressive(model, PROMPTS, SamplingParams(max_tokens=12, early_exit=False),
                                    use_cache=False).answer_ids
     assert len({tuple(row.tolist()) for row in want}) == len(PROMPTS)  # the rows differ: a real check
     assert torch.equal(generate(model, PROMPTS, params).answer_ids, want)  # the reference sampler too
@@ -204,10 +204,10 @@ def test_causal_model_with_repetition_penalty_matches_the_ar_decoder():
     from celeris.sampling.autoregressive import generate_autoregressive
 
     model = tiny_model(is_causal=True)
-    params = SamplingParams(max_new_tokens=12, steps=12, block_length=1, cache="delayed", repetition_penalty=3.0,
+    params = SamplingParams(max_tokens=12, steps=12, block_length=1, cache="delayed", repetition_penalty=3.0,
                             early_exit=False)
     want = generate_autoregressive(model, PROMPTS, params).answer_ids
-    plain = generate_autoregressive(model, PROMPTS, SamplingParams(max_new_tokens=12, early_exit=False)).answer_ids
+    plain = generate_autoregressive(model, PROMPTS, SamplingParams(max_tokens=12, early_exit=False)).answer_ids
     assert not torch.equal(want, plain)  # the penalty changes the answers: a real check
     engine = Engine(model, EngineConfig(max_num_seqs=8))
     requests = [engine.add_request(p, params) for p in PROMPTS]
@@ -235,7 +235,7 @@ def test_causal_model_refuses_what_it_cannot_decode(params, suffix, match):
 def test_compiled_runner_gives_the_eager_tokens():
     """enforce_eager=False wraps the model in torch.compile; tokens must not change."""
     model = tiny_model()
-    params = SamplingParams(max_new_tokens=8, steps=8, block_length=8, early_exit=False)
+    params = SamplingParams(max_tokens=8, steps=8, block_length=8, early_exit=False)
     answers = []
     for eager in (True, False):
         engine = Engine(model, EngineConfig(enforce_eager=eager))
@@ -252,7 +252,7 @@ def test_dual_delayed_cache_with_infilling_matches_reference_sampler(early_exit)
     last block included; with cache_refresh 1 it is exactly the dual cache."""
     model = tiny_model()
     suffixes = [[20, 21, 22], [], [30]]
-    params = SamplingParams(max_new_tokens=18, steps=18, block_length=4, cache="dual_delayed", early_exit=early_exit)
+    params = SamplingParams(max_tokens=18, steps=18, block_length=4, cache="dual_delayed", early_exit=early_exit)
     reference = generate(model, PROMPTS, params, suffixes)
     engine = Engine(model, EngineConfig(max_num_seqs=8))
     requests = [engine.add_request(p, params, s) for p, s in zip(PROMPTS, suffixes, strict=True)]
@@ -260,8 +260,8 @@ def test_dual_delayed_cache_with_infilling_matches_reference_sampler(early_exit)
     eos = model.config.eos_token_id
     for i, r in enumerate(requests):
         assert r.final_prefix(eos) == reference.token_ids[i], f"row {i}"
-    every_block = SamplingParams(max_new_tokens=18, steps=18, block_length=4, cache="dual_delayed", cache_refresh=1,
+    every_block = SamplingParams(max_tokens=18, steps=18, block_length=4, cache="dual_delayed", cache_refresh=1,
                                  early_exit=early_exit)
-    dual = SamplingParams(max_new_tokens=18, steps=18, block_length=4, cache="dual", early_exit=early_exit)
+    dual = SamplingParams(max_tokens=18, steps=18, block_length=4, cache="dual", early_exit=early_exit)
     assert torch.equal(generate(model, PROMPTS, every_block, suffixes).answer_ids,
                        generate(model, PROMPTS, dual, suffixes).answer_ids)

@@ -31,9 +31,9 @@ def test_a_step_that_commits_nothing_ends_the_request(values):
     (finish reason "error", code "no_progress") and the other request in the batch finishes normally."""
     model = tiny_model()
     engine = Engine(model, EngineConfig(max_num_seqs=4))
-    bad = engine.add_request(PROMPT, unchecked(SamplingParams(max_new_tokens=4, steps=4, block_length=4, seed=0),
+    bad = engine.add_request(PROMPT, unchecked(SamplingParams(max_tokens=4, steps=4, block_length=4, seed=0),
                                                **values))
-    good = engine.add_request(PROMPT, SamplingParams(max_new_tokens=4, steps=4, block_length=4))
+    good = engine.add_request(PROMPT, SamplingParams(max_tokens=4, steps=4, block_length=4))
     outputs = engine.step()
     if values.get("top_p") is None:  # a top_p that rounds to 0 keeps the top token: that one progresses
         assert bad.is_finished and bad.finish_reason == "error" and bad.error_code == "no_progress"
@@ -53,23 +53,23 @@ def test_nan_logits_end_the_request_not_the_loop():
 
     model.forward = nan_forward
     engine = Engine(model, EngineConfig(max_num_seqs=2))
-    r = engine.add_request(PROMPT, SamplingParams(max_new_tokens=8, steps=8, block_length=4))
+    r = engine.add_request(PROMPT, SamplingParams(max_tokens=8, steps=8, block_length=4))
     engine.step()
     assert r.finish_reason == "error" and r.error_code == "no_progress" and not engine.has_unfinished()
     with pytest.raises(NoProgressError):
-        generate(model, [PROMPT], SamplingParams(max_new_tokens=8, steps=8, block_length=4))
+        generate(model, [PROMPT], SamplingParams(max_tokens=8, steps=8, block_length=4))
 
 
-SAMPLED = SamplingParams(max_new_tokens=12, steps=12, block_length=4, temperature=0.8, seed=5, early_exit=False)
+SAMPLED = SamplingParams(max_tokens=12, steps=12, block_length=4, temperature=0.8, seed=5, early_exit=False)
 OTHERS = [
-    ([12, 13], SamplingParams(max_new_tokens=12, steps=12, block_length=8, temperature=0.8, seed=1)),
-    ([14, 15, 16, 17], SamplingParams(max_new_tokens=6, steps=6, block_length=2, temperature=1.0, seed=2,
+    ([12, 13], SamplingParams(max_tokens=12, steps=12, block_length=8, temperature=0.8, seed=1)),
+    ([14, 15, 16, 17], SamplingParams(max_tokens=6, steps=6, block_length=2, temperature=1.0, seed=2,
                                       remasking="random")),
-    ([20, 21, 22], SamplingParams(max_new_tokens=16, steps=8, block_length=16)),
+    ([20, 21, 22], SamplingParams(max_tokens=16, steps=8, block_length=16)),
 ]
 
 
-@pytest.mark.parametrize("params", [SAMPLED, SamplingParams(max_new_tokens=12, steps=12, block_length=4,
+@pytest.mark.parametrize("params", [SAMPLED, SamplingParams(max_tokens=12, steps=12, block_length=4,
                                                             temperature=1.0, seed=3, remasking="random",
                                                             early_exit=False)])
 @pytest.mark.parametrize("others", [OTHERS[:1], OTHERS[1:2], OTHERS])
@@ -115,11 +115,11 @@ def eot_table(prompt_len: int, eot_at: int):
 
 
 @pytest.mark.parametrize("params, expect_ids, reason", [
-    (SamplingParams(max_new_tokens=8, steps=8, block_length=4), [10, 11, 12], "stop"),
-    (SamplingParams(max_new_tokens=8, steps=8, block_length=4, ignore_eos=True), [10, 11, 12, EOT, 14, 15, 16, 17],
+    (SamplingParams(max_tokens=8, steps=8, block_length=4), [10, 11, 12], "stop"),
+    (SamplingParams(max_tokens=8, steps=8, block_length=4, ignore_eos=True), [10, 11, 12, EOT, 14, 15, 16, 17],
      "length"),
-    (SamplingParams(max_new_tokens=8, steps=8, block_length=4, stop_token_ids=[11]), [10], "stop"),
-    (SamplingParams(max_new_tokens=8, steps=8, block_length=4, ignore_eos=True, stop_token_ids=[15]),
+    (SamplingParams(max_tokens=8, steps=8, block_length=4, stop_token_ids=[11]), [10], "stop"),
+    (SamplingParams(max_tokens=8, steps=8, block_length=4, ignore_eos=True, stop_token_ids=[15]),
      [10, 11, 12, EOT, 14], "stop"),
 ])
 def test_generation_ends_at_every_end_id(scripted_model, params, expect_ids, reason):
@@ -129,12 +129,12 @@ def test_generation_ends_at_every_end_id(scripted_model, params, expect_ids, rea
     run_to_end(engine)
     assert r.final_prefix() == expect_ids and r.finish_reason == reason
     if reason == "stop" and not params.ignore_eos:
-        assert r.steps == 4  # early exit after the first block: the end-of-turn token ended it
+        assert r.num_steps == 4  # early exit after the first block: the end-of-turn token ended it
 
 
 def test_stop_token_ids_outside_the_vocabulary_are_refused():
     engine = Engine(tiny_model(), EngineConfig(max_num_seqs=2))
     with pytest.raises(ValueError, match="stop_token_ids"):
-        engine.add_request(PROMPT, SamplingParams(max_new_tokens=4, stop_token_ids=[64]))
+        engine.add_request(PROMPT, SamplingParams(max_tokens=4, stop_token_ids=[64]))
     with pytest.raises(ValueError, match="stop_token_ids"):
         SamplingParams(stop_token_ids=[-1])

@@ -21,9 +21,9 @@ def test_engine_verified_equals_greedy_with_staggered_arrivals(hybrid):
     prompts = [[5, 9, 11], [7, 8], [20, 21, 22, 23, 24, 25], [33], [40, 41, 42, 43]]
     lengths = [14, 9, 20, 6, 12]
     engine = Engine(hybrid, EngineConfig(max_num_seqs=3))
-    verified = [SamplingParams(max_new_tokens=n, steps=n, block_length=1, decoding="verified", early_exit=False)
+    verified = [SamplingParams(max_tokens=n, steps=n, block_length=1, decoding="verified", early_exit=False)
                 for n in lengths]
-    plain = SamplingParams(max_new_tokens=8, steps=8, block_length=1, cache="delayed", early_exit=False)
+    plain = SamplingParams(max_tokens=8, steps=8, block_length=1, cache="delayed", early_exit=False)
     requests, streamed = [], {}
     arrivals = {0: [0, 1], 2: [2], 3: [3, 4]}  # step -> requests that arrive then (more than max_num_seqs run)
     other = None
@@ -49,7 +49,7 @@ def test_engine_verified_equals_greedy_with_staggered_arrivals(hybrid):
 def test_engine_refuses_verified_for_a_model_that_cannot_draft(make_model):
     engine = Engine(make_model(is_causal=True))
     with pytest.raises(ValueError, match="hybrid model"):
-        engine.add_request([5, 6], SamplingParams(max_new_tokens=4, block_length=1, decoding="verified"))
+        engine.add_request([5, 6], SamplingParams(max_tokens=4, block_length=1, decoding="verified"))
 
 
 def test_engine_verified_stops_like_next_token_decoding(hybrid):
@@ -61,7 +61,7 @@ def test_engine_verified_stops_like_next_token_decoding(hybrid):
         got = []
         for decoding in ("verified", "fixed"):
             engine = Engine(hybrid, EngineConfig(max_num_seqs=3), end_ids=[hybrid.config.eos_token_id, 31, 8])
-            params = SamplingParams(max_new_tokens=24, steps=24, block_length=1, cache="delayed", decoding=decoding,
+            params = SamplingParams(max_tokens=24, steps=24, block_length=1, cache="delayed", decoding=decoding,
                                     **extra)
             reqs = [engine.add_request(p, params) for p in prompts]
             while engine.has_unfinished():
@@ -76,4 +76,4 @@ def test_engine_verified_stops_like_next_token_decoding(hybrid):
 def test_engine_refuses_a_verified_request_longer_than_the_context(hybrid):
     engine = Engine(hybrid)
     with pytest.raises(ValueError, match="context window"):
-        engine.add_request([5] * 100, SamplingParams(max_new_tokens=40, block_length=1, decoding="verified"))
+        engine.add_request([5] * 100, SamplingParams(max_tokens=40, block_length=1, decoding="verified"))

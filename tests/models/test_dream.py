@@ -138,10 +138,10 @@ def test_unsupported_settings_are_refused(tmp_path):
 
 def test_llm_generates_and_renders_chat(dream_dir):
     folder, cfg, _ = dream_dir
-    llm = LLM(folder, device="cpu", max_batch_size=2)
+    llm = LLM(folder, device="cpu", max_num_seqs=2)
     prompt = llm.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}])
     assert prompt == ("<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
                       "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
-    outs = llm.generate([prompt], SamplingParams(max_new_tokens=8, steps=8, block_length=8))
+    outs = llm.generate([prompt], SamplingParams(max_tokens=8, steps=8, block_length=8))
     assert len(outs) == 1 and isinstance(outs[0].text, str)
     assert cfg["mask_token_id"] not in outs[0].token_ids

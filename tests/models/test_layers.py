@@ -17,7 +17,8 @@ from celeris.models import celeris as celeris_module
 from celeris.models import layers
 from celeris.models.registry import FORMATS, load_any
 from celeris.params import SamplingParams
-from celeris.sampling.generate import cache_window, generate
+from celeris.sampling.cache import cache_window
+from celeris.sampling.generate import generate
 from tests.models.conftest_formats import padded_batch, write_dream, write_llada
 
 WRITERS = {"llada": write_llada, "dream": write_dream}
@@ -56,7 +57,7 @@ def test_checkpoint_keys_name_every_module_parameter(name, variant, tmp_path):
 @pytest.mark.parametrize("overrides", [{"decoding": "fixed"}, {"decoding": "threshold", "threshold": 0.5},
                                        {"cfg_scale": 1.0}])
 def test_sampler_runs(model, overrides):
-    params = SamplingParams(max_new_tokens=8, steps=8, block_length=4, early_exit=False, seed=0, **overrides)
+    params = SamplingParams(max_tokens=8, steps=8, block_length=4, early_exit=False, seed=0, **overrides)
     out = generate(model, [[5, 6, 7, 8], [9, 10]], params)
     assert out.answer_ids.shape == (2, 8)
     assert not (out.answer_ids == model.config.mask_token_id).any()
@@ -65,7 +66,7 @@ def test_sampler_runs(model, overrides):
 
 
 def test_batched_equals_unbatched(model):
-    params = SamplingParams(max_new_tokens=8, steps=8, block_length=4, early_exit=False)
+    params = SamplingParams(max_tokens=8, steps=8, block_length=4, early_exit=False)
     prompts = [[5, 6, 7, 8, 9, 10], [11, 12]]
     both = generate(model, prompts, params).answer_ids
     for i, p in enumerate(prompts):
@@ -129,14 +130,14 @@ def test_logits_slice_must_lie_inside_the_window(model):
 def test_generate_with_cache_runs_and_one_step_per_block_equals_no_cache(model, cache):
     prompts = [[5, 6, 7, 8, 9, 10], [11, 12]]
     mask_id = model.config.mask_token_id
-    params = SamplingParams(max_new_tokens=12, steps=12, block_length=4, early_exit=False, cache=cache, seed=0)
+    params = SamplingParams(max_tokens=12, steps=12, block_length=4, early_exit=False, cache=cache, seed=0)
     out = generate(model, prompts, params)  # several steps per block: window passes read the cache
     assert out.answer_ids.shape == (2, 12) and not (out.answer_ids == mask_id).any()
     assert out.nfe == 12
-    guided = SamplingParams(max_new_tokens=8, steps=8, block_length=4, early_exit=False, cache=cache, cfg_scale=1.0)
+    guided = SamplingParams(max_tokens=8, steps=8, block_length=4, early_exit=False, cache=cache, cfg_scale=1.0)
     assert not (generate(model, prompts, guided).answer_ids == mask_id).any()
-    one = SamplingParams(max_new_tokens=12, steps=3, block_length=4, early_exit=False, cache=cache)
-    none = SamplingParams(max_new_tokens=12, steps=3, block_length=4, early_exit=False)
+    one = SamplingParams(max_tokens=12, steps=3, block_length=4, early_exit=False, cache=cache)
+    none = SamplingParams(max_tokens=12, steps=3, block_length=4, early_exit=False)
     assert torch.equal(generate(model, prompts, one).answer_ids, generate(model, prompts, none).answer_ids)
 
 
@@ -144,7 +145,7 @@ def test_generate_with_cache_runs_and_one_step_per_block_equals_no_cache(model, 
 def test_engine_with_cache_matches_reference_sampler(model, cache):
     """The engine's block-aligned padded window passes give the reference sampler's tokens on both formats."""
     prompts = [[5, 6, 7, 8, 9, 10, 11], [12, 13], [14, 15, 16, 17]]
-    params = SamplingParams(max_new_tokens=12, steps=12, block_length=4, early_exit=False, cache=cache)
+    params = SamplingParams(max_tokens=12, steps=12, block_length=4, early_exit=False, cache=cache)
     reference = generate(model, prompts, params)
     engine = Engine(model, EngineConfig(max_num_seqs=4))
     requests = [engine.add_request(p, params) for p in prompts]
@@ -162,7 +163,7 @@ def test_engine_out_of_phase_requests_match_reference_sampler(model, cache, suff
     pass apart from the others (``ModelRunner.num_split_passes``), and each request still gets the reference
     sampler's tokens for its prompt alone, on both formats (Dream scores each column from the one before it)."""
     prompts = [[5, 6, 7, 8, 9, 10, 11], [12, 13], [14, 15, 16, 17]]
-    params = SamplingParams(max_new_tokens=12, steps=12, block_length=2, early_exit=False, cache=cache,
+    params = SamplingParams(max_tokens=12, steps=12, block_length=2, early_exit=False, cache=cache,
                             suffix_window=suffix_window)
     alone = [generate(model, [p], params).answer_ids[0] for p in prompts]
     engine = Engine(model, EngineConfig(max_num_seqs=4))

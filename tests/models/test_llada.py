@@ -205,18 +205,18 @@ def test_answer_can_end_when_pad_is_eos(tmp_path):
     head = torch.zeros_like(state["model.transformer.ff_out.weight"])
     head[cfg["eos_token_id"], 0] = 10.0
     rewrite_weights(folder, state, **{"model.transformer.ff_out.weight": head})
-    out = generate(load_any(folder), [[5, 6]], SamplingParams(max_new_tokens=4, steps=4, block_length=4))
+    out = generate(load_any(folder), [[5, 6]], SamplingParams(max_tokens=4, steps=4, block_length=4))
     assert out.token_ids == [[]]
 
 
 def test_llm_generates_and_renders_chat(llada_dir):
     folder, cfg, _ = llada_dir
-    llm = LLM(folder, device="cpu", max_batch_size=2)
+    llm = LLM(folder, device="cpu", max_num_seqs=2)
     assert llm.context_length == cfg["max_sequence_length"]
     prompt = llm.tokenizer.apply_chat_template([{"role": "user", "content": "add two numbers"}])
     assert prompt.startswith("<|startoftext|><|start_header_id|>user<|end_header_id|>\n\nadd two numbers<|eot_id|>")
     assert prompt.endswith("<|start_header_id|>assistant<|end_header_id|>\n\n")
-    outs = llm.generate([prompt, "def add(a, b):"], SamplingParams(max_new_tokens=8, steps=8, block_length=8))
+    outs = llm.generate([prompt, "def add(a, b):"], SamplingParams(max_tokens=8, steps=8, block_length=8))
     assert len(outs) == 2 and all(isinstance(o.text, str) for o in outs)
     assert all(cfg["mask_token_id"] not in o.token_ids for o in outs)
 

@@ -166,7 +166,7 @@ def test_remote_code_backend(remote_dir):
         assert got.dtype == torch.float32
         assert (got - remote_reference(state, ids, mask))[mask].abs().max() < 1e-4
         assert torch.allclose(model(ids, mask, logits_slice=slice(3, 6)), got[:, 3:6])
-    out = generate(model, [[5, 6, 7], [8]], SamplingParams(max_new_tokens=4, steps=4, block_length=4,
+    out = generate(model, [[5, 6, 7], [8]], SamplingParams(max_tokens=4, steps=4, block_length=4,
                                                           early_exit=False, cfg_scale=0.5))
     assert out.answer_ids.shape == (2, 4) and not (out.answer_ids == config["mask_token_id"]).any()
 
@@ -179,5 +179,5 @@ def test_llm_with_trust_remote_code(remote_dir):
     with pytest.raises(CheckpointError, match="trust_remote_code"):
         LLM(folder, device="cpu")
     llm = LLM(folder, device="cpu", trust_remote_code=True)
-    outs = llm.generate(["def add(a, b):"], SamplingParams(max_new_tokens=4, steps=4, block_length=4))
+    outs = llm.generate(["def add(a, b):"], SamplingParams(max_tokens=4, steps=4, block_length=4))
     assert len(outs) == 1 and isinstance(outs[0].text, str)

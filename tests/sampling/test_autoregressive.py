@@ -30,7 +30,7 @@ def slow_greedy(model: CelerisModel, prompt: list[int], n: int) -> list[int]:
 def test_cached_greedy_matches_full_recompute_and_batching():
     model = tiny_causal()
     prompts = [[5, 6, 7, 8, 9], [10, 11], [12, 13, 14]]
-    params = SamplingParams(max_new_tokens=12, early_exit=False)
+    params = SamplingParams(max_tokens=12, early_exit=False)
     batched = generate_autoregressive(model, prompts, params)
     uncached = generate_autoregressive(model, prompts, params, use_cache=False)
     assert torch.equal(batched.answer_ids, uncached.answer_ids)
@@ -41,7 +41,7 @@ def test_cached_greedy_matches_full_recompute_and_batching():
 
 def test_seeded_sampling_is_reproducible_and_requires_causal_model():
     model = tiny_causal()
-    params = SamplingParams(max_new_tokens=10, temperature=1.0, seed=3)
+    params = SamplingParams(max_tokens=10, temperature=1.0, seed=3)
     a = generate_autoregressive(model, [[5, 6, 7]], params).answer_ids
     b = generate_autoregressive(model, [[5, 6, 7]], params).answer_ids
     assert torch.equal(a, b)

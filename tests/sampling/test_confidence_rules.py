@@ -85,7 +85,7 @@ def test_llada_format_uses_its_published_rule(llada_model):
 def test_llada_path_matches_the_published_loop(llada_model, prompt):
     mask_id = llada_model.config.mask_token_id
     expected = published_llada_generate(llada_model, prompt, steps=8, gen_length=8, block_length=4, mask_id=mask_id)
-    params = SamplingParams(max_new_tokens=8, steps=8, block_length=4, early_exit=False)
+    params = SamplingParams(max_tokens=8, steps=8, block_length=4, early_exit=False)
     assert generate(llada_model, [prompt], params).answer_ids[0].tolist() == expected
     engine = Engine(llada_model, EngineConfig(max_num_seqs=2))
     request = engine.add_request(prompt, params)

@@ -19,18 +19,18 @@ from celeris.sampling.generate import generate
 from tests.conftest import tiny_model
 
 
-def reference_generate(model, prompt, max_new_tokens, steps, block_length, suffix=()):
+def reference_generate(model, prompt, max_tokens, steps, block_length, suffix=()):
     """Greedy (temperature 0) low-confidence remasking for ONE row; returns the answer's token ids."""
     cfg = model.config
-    x = list(prompt) + [cfg.mask_token_id] * max_new_tokens + list(suffix)
+    x = list(prompt) + [cfg.mask_token_id] * max_tokens + list(suffix)
     start0 = len(prompt)
-    block_length = min(block_length, max_new_tokens)
-    num_blocks = math.ceil(max_new_tokens / block_length)
+    block_length = min(block_length, max_tokens)
+    num_blocks = math.ceil(max_tokens / block_length)
     steps_per_block = max(1, math.ceil(steps / num_blocks))
     nfe = 0
     for blk in range(num_blocks):
         start = start0 + blk * block_length
-        end = start0 + min((blk + 1) * block_length, max_new_tokens)
+        end = start0 + min((blk + 1) * block_length, max_tokens)
         block_steps = min(steps_per_block, end - start)
         num_masked = sum(1 for pos in range(start, end) if x[pos] == cfg.mask_token_id)
         # linear schedule: spread evenly, remainder to the first steps
@@ -52,8 +52,8 @@ def reference_generate(model, prompt, max_new_tokens, steps, block_length, suffi
             candidates.sort(key=lambda c: -c[0])  # stable: the earlier position wins a tie
             for _, pos, token in candidates[: schedule[i]]:
                 x[pos] = token
-    assert cfg.mask_token_id not in x[start0 : start0 + max_new_tokens]
-    return x[start0 : start0 + max_new_tokens], nfe
+    assert cfg.mask_token_id not in x[start0 : start0 + max_tokens]
+    return x[start0 : start0 + max_tokens], nfe
 
 
 PROMPTS = [[5, 9, 17, 33, 4], [40, 41], [12, 60, 3, 8, 22, 19, 7, 50, 11]]
@@ -71,7 +71,7 @@ PROMPTS = [[5, 9, 17, 33, 4], [40, 41], [12, 60, 3, 8, 22, 19, 7, 50, 11]]
     ],
 )
 def test_matches_loop_reference(model, max_new, steps, block):
-    params = SamplingParams(max_new_tokens=max_new, steps=steps, block_length=block, temperature=0.0,
+    params = SamplingParams(max_tokens=max_new, steps=steps, block_length=block, temperature=0.0,
                             early_exit=False)
     out = generate(model, PROMPTS, params)
     assert out.answer_ids.shape == (len(PROMPTS), max_new)
@@ -85,7 +85,7 @@ def test_matches_loop_reference(model, max_new, steps, block):
 
 
 def test_matches_loop_reference_with_suffix(model):
-    params = SamplingParams(max_new_tokens=11, steps=6, block_length=4, early_exit=False)
+    params = SamplingParams(max_tokens=11, steps=6, block_length=4, early_exit=False)
     suffixes = [[20, 21, 22], [], [30]]
     out = generate(model, PROMPTS, params, suffix_ids=suffixes)
     for i, (prompt, suffix) in enumerate(zip(PROMPTS, suffixes, strict=True)):
@@ -94,7 +94,7 @@ def test_matches_loop_reference_with_suffix(model):
 
 
 def test_never_predicts_mask_or_pad(model):
-    out = generate(model, PROMPTS, SamplingParams(max_new_tokens=24, steps=12, block_length=8, early_exit=False))
+    out = generate(model, PROMPTS, SamplingParams(max_tokens=24, steps=12, block_length=8, early_exit=False))
     assert not torch.isin(out.answer_ids, torch.tensor([model.config.mask_token_id, model.config.pad_token_id])).any()
 
 
@@ -105,7 +105,7 @@ def test_never_predicts_mask_or_pad(model):
 @pytest.mark.parametrize("decoding", ["fixed", "threshold", "entropy"])
 def test_batched_equals_alone_greedy(model, decoding):
     own = {"threshold": {"threshold": 0.5}, "entropy": {"entropy_bound": 1.0}}.get(decoding, {})  # its rule's own
-    params = SamplingParams(max_new_tokens=12, steps=6, block_length=5, decoding=decoding, **own, early_exit=False)
+    params = SamplingParams(max_tokens=12, steps=6, block_length=5, decoding=decoding, **own, early_exit=False)
     batched = generate(model, PROMPTS, params)
     for i, prompt in enumerate(PROMPTS):
         alone = generate(model, [prompt], params)
@@ -113,7 +113,7 @@ def test_batched_equals_alone_greedy(model, decoding):
 
 
 def test_batched_equals_alone_with_suffix(model):
-    params = SamplingParams(max_new_tokens=9, steps=9, block_length=4, early_exit=False)
+    params = SamplingParams(max_tokens=9, steps=9, block_length=4, early_exit=False)
     suffixes = [[20, 21, 22, 23], [30], []]
     batched = generate(model, PROMPTS, params, suffix_ids=suffixes)
     for i, (prompt, suffix) in enumerate(zip(PROMPTS, suffixes, strict=True)):
@@ -139,7 +139,7 @@ def flat_model():
 
 
 def sampled(model, prompts, **kw):
-    base = {"max_new_tokens": 16, "steps": 8, "block_length": 8, "temperature": 1.0, "early_exit": False}
+    base = {"max_tokens": 16, "steps": 8, "block_length": 8, "temperature": 1.0, "early_exit": False}
     params = kw.pop("params", None)
     if params is None:
         params = SamplingParams(**{**base, **kw})
@@ -155,14 +155,20 @@ def test_same_seed_same_tokens_and_different_seeds_differ(flat_model, remasking)
     assert not torch.equal(a, c)
 
 
+def test_min_p_one_keeps_only_the_top_token_so_sampling_is_greedy(flat_model):
+    greedy = sampled(flat_model, [PROMPTS[0]], temperature=0.0)
+    assert torch.equal(sampled(flat_model, [PROMPTS[0]], seed=5, min_p=1.0), greedy)
+    assert not torch.equal(sampled(flat_model, [PROMPTS[0]], seed=5), greedy)  # min_p off: a real sample
+
+
 def test_unseeded_requests_differ(flat_model):
-    a = sampled(flat_model, [PROMPTS[0]], seed=None, max_new_tokens=24)
-    b = sampled(flat_model, [PROMPTS[0]], seed=None, max_new_tokens=24)
+    a = sampled(flat_model, [PROMPTS[0]], seed=None, max_tokens=24)
+    b = sampled(flat_model, [PROMPTS[0]], seed=None, max_tokens=24)
     assert not torch.equal(a, b)
 
 
 def test_seeded_row_same_alone_and_batched(flat_model):
-    base = {"max_new_tokens": 16, "steps": 8, "block_length": 8, "early_exit": False}
+    base = {"max_tokens": 16, "steps": 8, "block_length": 8, "early_exit": False}
     rows = [
         SamplingParams(**base, temperature=1.0, seed=7),
         SamplingParams(**base, temperature=0.7, top_p=0.9, seed=8),
@@ -176,7 +182,7 @@ def test_seeded_row_same_alone_and_batched(flat_model):
 
 def test_random_remasking_seeded_row_same_alone_and_batched(model):
     """A greedy row with random remasking must not depend on whether a sampled row shares its batch."""
-    base = {"max_new_tokens": 16, "steps": 16, "block_length": 8, "early_exit": False, "remasking": "random"}
+    base = {"max_tokens": 16, "steps": 16, "block_length": 8, "early_exit": False, "remasking": "random"}
     rows = [SamplingParams(**base, temperature=0.0, seed=11), SamplingParams(**base, temperature=1.0, seed=12)]
     batched = generate(model, PROMPTS[:2], rows).answer_ids
     for i in range(2):
@@ -187,7 +193,7 @@ def test_random_remasking_seeded_row_same_alone_and_batched(model):
 def test_test_model_is_order_sensitive(model):
     """Guard: the tiny model's answers depend on context and commit order, so the equality tests
     above would notice a sampler that commits the wrong positions."""
-    base = {"max_new_tokens": 16, "steps": 16, "block_length": 8, "early_exit": False}
+    base = {"max_tokens": 16, "steps": 16, "block_length": 8, "early_exit": False}
     greedy = generate(model, PROMPTS, SamplingParams(**base)).answer_ids
     assert all(len(set(row)) >= 4 for row in greedy.tolist())
     orders = {tuple(generate(model, PROMPTS[:1], SamplingParams(**base, remasking="random", seed=s)).answer_ids[0].tolist())
@@ -223,7 +229,7 @@ def eos_table(eos_position: int, vocab: int = 64, eos_id: int = 0):
 def test_nothing_after_first_eos_is_returned(scripted_model):
     prompt = [5, 6, 7, 8]
     m = scripted_model(eos_table(eos_position=len(prompt) + 5))
-    out = generate(m, [prompt], SamplingParams(max_new_tokens=16, steps=16, block_length=8, early_exit=False))
+    out = generate(m, [prompt], SamplingParams(max_tokens=16, steps=16, block_length=8, early_exit=False))
     answer = out.answer_ids[0].tolist()
     assert answer[5] == 0  # the EOS was committed ...
     assert answer[6:] != [] and 0 not in answer[6:]  # ... and the canvas goes on after it
@@ -234,7 +240,7 @@ def test_nothing_after_first_eos_is_returned(scripted_model):
 def test_eos_cut_per_row_in_a_batch(scripted_model):
     prompts = [[5, 6, 7, 8], [9, 10]]  # same real EOS position -> answer positions 5 and 7
     m = scripted_model(eos_table(eos_position=9))
-    out = generate(m, prompts, SamplingParams(max_new_tokens=12, steps=12, block_length=4, early_exit=False))
+    out = generate(m, prompts, SamplingParams(max_tokens=12, steps=12, block_length=4, early_exit=False))
     assert [len(ids) for ids in out.token_ids] == [5, 7]
     assert all(0 not in ids for ids in out.token_ids)
 
@@ -243,7 +249,7 @@ def test_eos_cut_per_row_in_a_batch(scripted_model):
 def test_early_exit_same_tokens_fewer_nfe(scripted_model, eos_answer_pos):
     prompt = [5, 6, 7, 8]
     m = scripted_model(eos_table(eos_position=len(prompt) + eos_answer_pos))
-    base = {"max_new_tokens": 32, "steps": 32, "block_length": 8}
+    base = {"max_tokens": 32, "steps": 32, "block_length": 8}
     full = generate(m, [prompt], SamplingParams(**base, early_exit=False))
     early = generate(m, [prompt], SamplingParams(**base, early_exit=True))
     assert early.token_ids == full.token_ids
@@ -258,7 +264,7 @@ def test_early_exit_same_tokens_fewer_nfe(scripted_model, eos_answer_pos):
 def test_early_exit_waits_for_every_row(scripted_model):
     prompts = [list(range(5, 13)), [9]]  # EOS at real position 14: answer position 6 (block 0) and 13 (block 1)
     m = scripted_model(eos_table(eos_position=14))
-    base = {"max_new_tokens": 32, "steps": 32, "block_length": 8}
+    base = {"max_tokens": 32, "steps": 32, "block_length": 8}
     full = generate(m, prompts, SamplingParams(**base, early_exit=False))
     early = generate(m, prompts, SamplingParams(**base, early_exit=True))
     assert early.token_ids == full.token_ids
@@ -268,7 +274,7 @@ def test_early_exit_waits_for_every_row(scripted_model):
 
 def test_early_exit_on_real_model_keeps_tokens(model):
     """On a random model EOS may or may not appear; either way early exit must not change the answer."""
-    base = {"max_new_tokens": 24, "steps": 24, "block_length": 4}
+    base = {"max_tokens": 24, "steps": 24, "block_length": 4}
     full = generate(model, PROMPTS, SamplingParams(**base, early_exit=False))
     early = generate(model, PROMPTS, SamplingParams(**base, early_exit=True))
     assert early.token_ids == full.token_ids
@@ -281,7 +287,7 @@ def test_early_exit_on_real_model_keeps_tokens(model):
 
 def test_on_step_sees_monotone_commits(model):
     seen: list[torch.Tensor] = []
-    params = SamplingParams(max_new_tokens=10, steps=5, block_length=4, early_exit=False)
+    params = SamplingParams(max_tokens=10, steps=5, block_length=4, early_exit=False)
     out = generate(model, PROMPTS[:2], params, on_step=lambda a: seen.append(a.clone()))
     mask_id = model.config.mask_token_id
     assert len(seen) == out.steps == out.nfe
@@ -305,7 +311,7 @@ def test_on_step_sees_monotone_commits(model):
     ],
 )
 def test_decoding_rules_set_the_pace(model, overrides, expected_nfe):
-    params = SamplingParams(**{"max_new_tokens": 12, "steps": 12, "block_length": 4, "early_exit": False,
+    params = SamplingParams(**{"max_tokens": 12, "steps": 12, "block_length": 4, "early_exit": False,
                                **overrides})
     out = generate(model, PROMPTS, params)
     assert out.nfe == expected_nfe
@@ -314,8 +320,8 @@ def test_decoding_rules_set_the_pace(model, overrides, expected_nfe):
 
 def test_temperature_zero_threshold_equals_fixed_tokens_when_one_per_step(model):
     """With one commit per step both rules take the single most confident prediction."""
-    a = generate(model, PROMPTS, SamplingParams(max_new_tokens=8, steps=8, block_length=4, early_exit=False))
-    b = generate(model, PROMPTS, SamplingParams(max_new_tokens=8, steps=8, block_length=4, early_exit=False,
+    a = generate(model, PROMPTS, SamplingParams(max_tokens=8, steps=8, block_length=4, early_exit=False))
+    b = generate(model, PROMPTS, SamplingParams(max_tokens=8, steps=8, block_length=4, early_exit=False,
                                                 decoding="threshold", threshold=1.0))
     assert torch.equal(a.answer_ids, b.answer_ids)
 
@@ -346,7 +352,7 @@ def cfg_tables():
 def test_cfg_formula(scripted_model, scale, token):
     cond, uncond = cfg_tables()
     m = scripted_model(cond, uncond_table=uncond)
-    params = SamplingParams(max_new_tokens=4, steps=4, block_length=4, cfg_scale=scale, early_exit=False)
+    params = SamplingParams(max_tokens=4, steps=4, block_length=4, cfg_scale=scale, early_exit=False)
     out = generate(m, [[7, 8, 9]], params, suffix_ids=[[10, 11]])
     assert out.answer_ids[0].tolist() == [token] * 4
     assert out.nfe == (8 if scale > 0 else 4)
@@ -361,7 +367,7 @@ def test_cfg_formula(scripted_model, scale, token):
 def test_cfg_scale_per_row(scripted_model):
     cond, uncond = cfg_tables()
     m = scripted_model(cond, uncond_table=uncond)
-    base = {"max_new_tokens": 4, "steps": 4, "block_length": 4, "early_exit": False}
+    base = {"max_tokens": 4, "steps": 4, "block_length": 4, "early_exit": False}
     rows = [SamplingParams(**base, cfg_scale=0.0), SamplingParams(**base, cfg_scale=3.0)]
     with pytest.raises(ValueError):  # cfg on/off changes the number of passes: not batchable
         generate(m, [[7, 8], [7, 8]], rows)
@@ -371,7 +377,7 @@ def test_cfg_scale_per_row(scripted_model):
 
 
 def test_cfg_doubles_nfe_on_real_model(model):
-    base = {"max_new_tokens": 8, "steps": 8, "block_length": 4, "early_exit": False}
+    base = {"max_tokens": 8, "steps": 8, "block_length": 4, "early_exit": False}
     plain = generate(model, PROMPTS, SamplingParams(**base))
     guided = generate(model, PROMPTS, SamplingParams(**base, cfg_scale=2.0))
     assert guided.nfe == 2 * plain.nfe == 16
@@ -383,15 +389,15 @@ def test_cfg_doubles_nfe_on_real_model(model):
 
 
 def test_rejects_bad_calls(model):
-    p = SamplingParams(max_new_tokens=4, steps=4)
+    p = SamplingParams(max_tokens=4, steps=4)
     with pytest.raises(ValueError, match="empty"):
         generate(model, [[5], []], p)
     with pytest.raises(ValueError):
         generate(model, [], p)
     with pytest.raises(ValueError):
         generate(model, [[5], [6]], [p])
-    with pytest.raises(ValueError, match="max_new_tokens"):
-        generate(model, [[5], [6]], [p, SamplingParams(max_new_tokens=5, steps=4)])
+    with pytest.raises(ValueError, match="max_tokens"):
+        generate(model, [[5], [6]], [p, SamplingParams(max_tokens=5, steps=4)])
 
 
 def record_windows(model: torch.nn.Module, monkeypatch) -> list[object]:
@@ -419,7 +425,7 @@ def test_cache_modes_make_the_documented_passes(cache, refresh, full_passes, mon
     calls = record_windows(model, monkeypatch)
     prompt = [5, 6, 7, 8]
     frames: list[torch.Tensor] = []
-    out = generate(model, [prompt], SamplingParams(max_new_tokens=12, steps=12, block_length=4, cache=cache,
+    out = generate(model, [prompt], SamplingParams(max_tokens=12, steps=12, block_length=4, cache=cache,
                                                    cache_refresh=refresh if cache.endswith("delayed") else None,
                                                    early_exit=False),
                    on_step=lambda a: frames.append(a.clone()))
@@ -460,13 +466,13 @@ def test_suffix_window_equals_cutting_the_canvas(window):
     W columns past the block; a window covering the whole answer changes nothing."""
     model = tiny_model()
     prompts = [[5, 6, 7, 8, 9], [10, 11]]
-    params = SamplingParams(max_new_tokens=12, steps=12, block_length=4, early_exit=False, suffix_window=window)
+    params = SamplingParams(max_tokens=12, steps=12, block_length=4, early_exit=False, suffix_window=window)
     masked = generate(model, prompts, params)
-    cut = generate(CutCanvas(model, window), prompts, SamplingParams(max_new_tokens=12, steps=12, block_length=4,
+    cut = generate(CutCanvas(model, window), prompts, SamplingParams(max_tokens=12, steps=12, block_length=4,
                                                                      early_exit=False))
     assert torch.equal(masked.answer_ids, cut.answer_ids)
-    whole = SamplingParams(max_new_tokens=12, steps=12, block_length=4, early_exit=False)
-    wide = SamplingParams(max_new_tokens=12, steps=12, block_length=4, early_exit=False, suffix_window=12)
+    whole = SamplingParams(max_tokens=12, steps=12, block_length=4, early_exit=False)
+    wide = SamplingParams(max_tokens=12, steps=12, block_length=4, early_exit=False, suffix_window=12)
     assert torch.equal(generate(model, prompts, wide).answer_ids, generate(model, prompts, whole).answer_ids)
 
 
@@ -478,7 +484,7 @@ def test_suffix_window_with_a_cache_stops_the_suffix_passes_at_the_window(cache,
     calls = record_windows(model, monkeypatch)
     prompt = [5, 6, 7, 8]
     lp = len(prompt)
-    generate(model, [prompt], SamplingParams(max_new_tokens=12, steps=12, block_length=4, cache=cache,
+    generate(model, [prompt], SamplingParams(max_tokens=12, steps=12, block_length=4, cache=cache,
                                              early_exit=False, suffix_window=2))
     assert len(calls) == 12  # one token per step: calls[i] denoises block i // 4, which ends at lp + 4 * (i // 4 + 1)
     spans = [(i, w) for i, w in enumerate(calls) if isinstance(w, tuple)]
@@ -487,15 +493,15 @@ def test_suffix_window_with_a_cache_stops_the_suffix_passes_at_the_window(cache,
         assert calls[4] == (lp, lp + 8 + 2)  # block 1's first step: block 0 through block 1 and 2 masked columns
     if cache == "prefix":
         assert calls[1] == (lp, lp + 4 + 2)
-    one_step = SamplingParams(max_new_tokens=12, steps=3, block_length=4, early_exit=False, suffix_window=2)
+    one_step = SamplingParams(max_tokens=12, steps=3, block_length=4, early_exit=False, suffix_window=2)
     if cache in ("prefix", "dual"):
-        with_cache = SamplingParams(max_new_tokens=12, steps=3, block_length=4, early_exit=False, suffix_window=2,
+        with_cache = SamplingParams(max_tokens=12, steps=3, block_length=4, early_exit=False, suffix_window=2,
                                     cache=cache)
         assert torch.equal(generate(model, [prompt], with_cache).answer_ids, generate(model, [prompt], one_step).answer_ids)
 
 
 def test_suffix_window_refuses_infilling():
-    params = SamplingParams(max_new_tokens=4, steps=4, block_length=4, suffix_window=2)
+    params = SamplingParams(max_tokens=4, steps=4, block_length=4, suffix_window=2)
     with pytest.raises(ValueError, match="suffix_window cannot be used with a suffix"):
         generate(tiny_model(), [[5, 6]], params, suffix_ids=[[7, 8]])
 
@@ -509,7 +515,7 @@ def test_suffix_window_never_reads_a_key_computed_outside_the_window(cache, monk
 
     model = tiny_model()
     prompts = [[5, 6, 7, 8, 9], [10, 11]]
-    params = SamplingParams(max_new_tokens=12, steps=12, block_length=4, early_exit=False, cache=cache,
+    params = SamplingParams(max_tokens=12, steps=12, block_length=4, early_exit=False, cache=cache,
                             suffix_window=2, cfg_scale=1.0 if cache == "dual" else 0.0)
     windowed = generate(model, prompts, params).answer_ids
 

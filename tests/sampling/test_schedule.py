@@ -17,7 +17,7 @@ from celeris.sampling.schedule import block_plan, num_transfer_tokens
         (13, 5, 7, [(0, 5), (5, 10), (10, 13)], 3),  # ceil(7 / 3)
         (10, 4, 20, [(0, 4), (4, 8), (8, 10)], 7),  # more steps than tokens: clamped later, per block
         (12, 4, 2, [(0, 4), (4, 8), (8, 12)], 1),  # fewer steps than blocks: at least one each
-        (9, 32, 5, [(0, 9)], 5),  # block_length capped at max_new_tokens
+        (9, 32, 5, [(0, 9)], 5),  # block_length capped at max_tokens
     ],
 )
 def test_block_plan(max_new, block, steps, bounds, per_block):

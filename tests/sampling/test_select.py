@@ -1,4 +1,5 @@
-"""Per-step rules of celeris.sampling.select, checked on hand-made confidences and brute force."""
+"""Sampling, filters and confidences of celeris.sampling.select, checked on hand-made inputs and brute force
+(the commit rules: tests/sampling/test_rules.py)."""
 
 from __future__ import annotations
 
@@ -9,12 +10,9 @@ import torch
 
 from celeris.sampling.select import (
     NEG_INF,
-    commit_entropy,
-    commit_factor,
-    commit_fixed,
-    commit_threshold,
     low_confidence,
     margin_confidence,
+    min_p_filter,
     neg_entropy_confidence,
     rank_desc,
     sample_tokens,
@@ -29,74 +27,6 @@ def conf_of(rows):
 
 def test_rank_desc():
     assert rank_desc(conf_of([[0.2, 0.9, 0.5]])).tolist() == [[2, 0, 1]]
-
-
-def test_fixed_commits_top_k_masked_positions():
-    conf = conf_of([[0.2, 0.9, NEG_INF, 0.5, 0.7], [0.1, NEG_INF, NEG_INF, 0.3, 0.2]])
-    chosen = commit_fixed(conf, num_tokens=torch.tensor([2, 3]))
-    assert chosen.tolist() == [[False, True, False, False, True], [True, False, False, True, True]]
-    # asking for more than are masked commits only masked positions
-    chosen = commit_fixed(conf, num_tokens=torch.tensor([5, 5]))
-    assert chosen.tolist() == (conf > NEG_INF).tolist()
-    assert not commit_fixed(conf, num_tokens=torch.tensor([0, 0])).any()
-
-
-def test_threshold_commits_exactly_those_above():
-    conf = conf_of([[0.95, 0.5, 0.91, NEG_INF, 0.9], [0.3, 0.2, NEG_INF, 0.6, 0.1]])
-    chosen = commit_threshold(conf, threshold=0.9)
-    # strictly greater than the threshold: 0.9 itself is not committed
-    assert chosen[0].tolist() == [True, False, True, False, False]
-    # nothing above: exactly one, the most confident
-    assert chosen[1].tolist() == [False, False, False, True, False]
-
-
-def test_threshold_per_row_tensor():
-    conf = conf_of([[0.8, 0.6, 0.4], [0.8, 0.6, 0.4]])
-    chosen = commit_threshold(conf, threshold=torch.tensor([[0.5], [0.7]], dtype=torch.float64))
-    assert chosen.tolist() == [[True, True, False], [True, False, False]]
-
-
-def test_threshold_never_commits_unmasked():
-    conf = conf_of([[NEG_INF, NEG_INF, NEG_INF]])
-    assert not commit_threshold(conf, threshold=0.5).any()
-
-
-def test_factor_rule():
-    # factor 1: the j-th most confident needs c_j >= 1 - 1 / (j + 1): 0.5, 0.667, 0.75, 0.8 ...
-    conf = conf_of([[0.9, 0.7, 0.76, 0.3, NEG_INF], [0.4, 0.2, NEG_INF, 0.1, 0.3], [0.99, 0.98, 0.97, 0.96, 0.95]])
-    chosen = commit_factor(conf, factor=1.0)
-    assert chosen[0].tolist() == [True, False, True, False, False]  # 0.9 >= .5, 0.76 >= .667, 0.7 < .75
-    assert chosen[1].tolist() == [True, False, False, False, False]  # none qualifies: the best one
-    assert chosen[2].all()
-    # a larger factor lowers the bar: with factor 2, 0.7 >= 1 - 2/4 = 0.5 and 0.3 < 1 - 2/5
-    assert commit_factor(conf[:1], factor=2.0)[0].tolist() == [True, True, True, False, False]
-
-
-def test_factor_rule_matches_brute_force():
-    gen = torch.Generator().manual_seed(0)
-    conf = torch.rand(50, 6, generator=gen, dtype=torch.float64)
-    conf[torch.rand(50, 6, generator=gen) < 0.3] = NEG_INF
-    for factor in (0.5, 1.0, 1.5):
-        chosen = commit_factor(conf, factor=factor)
-        for row, got in zip(conf.tolist(), chosen.tolist(), strict=True):
-            order = sorted((c, -i, i) for i, c in enumerate(row) if c > NEG_INF)[::-1]
-            n = 0
-            while n < len(order) and order[n][0] >= 1 - factor / (n + 2):
-                n += 1
-            n = max(n, 1) if order else 0
-            expected = {i for _, _, i in order[:n]}
-            assert {i for i, g in enumerate(got) if g} == expected
-
-
-def test_entropy_bound():
-    conf = conf_of([[0.9, 0.8, 0.7, 0.6], [0.9, 0.8, 0.7, NEG_INF], [0.5, 0.6, NEG_INF, NEG_INF]])
-    entropy = conf_of([[0.1, 0.2, 0.3, 0.05], [2.0, 0.0, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0]])
-    chosen = commit_entropy(conf, entropy=entropy, entropy_bound=0.35)
-    assert chosen[0].tolist() == [True, True, False, False]  # 0.1 + 0.2 <= 0.35 < 0.6
-    assert chosen[1].tolist() == [True, False, False, False]  # first already over: still commit one
-    assert chosen[2].tolist() == [True, True, False, False]  # unmasked never, however low the entropy
-    everything = commit_entropy(conf, entropy=entropy, entropy_bound=1e9)
-    assert everything.tolist() == (conf > NEG_INF).tolist()
 
 
 def brute_force_nucleus(probs: list[float], top_p: float) -> set[int]:
@@ -243,3 +173,11 @@ def test_top_k_filter_matches_a_loop(ks):
     got = top_k_filter(logits, torch.tensor(ks))
     for b, i in itertools.product(range(2), range(4)):
         assert got[b, i].tolist() == reference_top_k(logits[b, i].tolist(), ks[b]), (b, i)
+
+
+def test_min_p_keeps_tokens_at_least_min_p_times_the_top_probability():
+    probs = torch.tensor([[[0.5, 0.3, 0.15, 0.05]], [[0.5, 0.3, 0.15, 0.05]]])
+    logits = probs.log()
+    kept = min_p_filter(logits, torch.tensor([0.5, 0.0])) > NEG_INF  # row 0: floor 0.25; row 1: off
+    assert kept.tolist() == [[[True, True, False, False]], [[True, True, True, True]]]
+    assert (min_p_filter(logits, torch.tensor([1.0, 1.0])) > NEG_INF).sum(-1).tolist() == [[1], [1]]  # the top stays

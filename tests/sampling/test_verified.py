@@ -26,7 +26,7 @@ def hybrid():
 
 
 def greedy(model, prompt, n):
-    return generate_autoregressive(model, [prompt], SamplingParams(max_new_tokens=n, steps=n)).token_ids[0]
+    return generate_autoregressive(model, [prompt], SamplingParams(max_tokens=n, steps=n)).token_ids[0]
 
 
 PROMPTS = [[5, 9, 11, 40], [7], [20, 21, 22, 23, 24, 25, 26, 27, 28], [33, 3, 60]]
@@ -35,7 +35,7 @@ PROMPTS = [[5, 9, 11, 40], [7], [20, 21, 22, 23, 24, 25, 26, 27, 28], [33, 3, 60
 def test_greedy_equals_next_token_decoding_batched(hybrid):
     """Rows of different prompt lengths and answer lengths in one batch: each equals its greedy answer."""
     lengths = [12, 20, 7, 16]
-    params = [SamplingParams(max_new_tokens=n, steps=n, early_exit=False) for n in lengths]
+    params = [SamplingParams(max_tokens=n, steps=n, early_exit=False) for n in lengths]
     out = generate_verified(hybrid, PROMPTS, params)
     for prompt, n, got in zip(PROMPTS, lengths, out.token_ids, strict=True):
         assert got == greedy(hybrid, prompt, n)
@@ -65,7 +65,7 @@ def test_rejected_drafts_are_rolled_back_with_staggered_arrivals(hybrid):
     n = 24
     answers = {tuple(p): greedy(hybrid, p, n) for p in PROMPTS}
     dec = OracleDecoder(hybrid, answers, 4, 64)
-    params = SamplingParams(max_new_tokens=n, steps=n, early_exit=False, decoding="verified", draft_source="slots")
+    params = SamplingParams(max_tokens=n, steps=n, early_exit=False, decoding="verified", draft_source="slots")
     rows = [dec.add(PROMPTS[0], params), dec.add(PROMPTS[1], params)]
     steps = 0
     while not all(r.finished for r in rows) or len(rows) < len(PROMPTS):
@@ -88,7 +88,7 @@ def test_speculative_sampling_keeps_the_next_token_distribution(hybrid):
     < 0.05, a bound about 3x the sampling noise here), while the drafts' own marginal is far from it."""
     prompt = [5, 9, 11, 40]
     n_rows = 3000
-    params = [SamplingParams(max_new_tokens=2, steps=2, temperature=1.0, seed=s, early_exit=False, decoding="verified",
+    params = [SamplingParams(max_tokens=2, steps=2, temperature=1.0, seed=s, early_exit=False, decoding="verified",
                              draft_source="slots")
               for s in range(n_rows)]
     out = generate_verified(hybrid, [prompt] * n_rows, params)
@@ -107,7 +107,7 @@ def test_speculative_sampling_keeps_the_next_token_distribution(hybrid):
     assert tv < 0.05, tv
     assert 0 < sum(out.accepted) < sum(out.drafted)
     drafts_only = VerifiedDecoder(hybrid, 1, 16)  # what accepting every draft would give: the slots' marginal
-    row = drafts_only.add(prompt, SamplingParams(max_new_tokens=2, steps=2))
+    row = drafts_only.add(prompt, SamplingParams(max_tokens=2, steps=2))
     slot = drafts_only._run(0, 1, fresh=True)[0, len(prompt)].double().softmax(-1)
     q_marginal = slot / slot.sum()
     assert row.k == K and 0.5 * float((q_marginal - exact).abs().sum()) > 3 * tv
@@ -138,7 +138,7 @@ def test_lookup_drafts_keep_the_greedy_answer(make_model, hybrid, source):
     a repetitive prompt makes them accepted."""
     model = hybrid if source == "lookup_first" else make_model(seed=5, is_causal=True)
     prompt = [5, 9, 11, 40, 5, 9, 11, 40, 5, 9, 11, 40, 5, 9]
-    params = SamplingParams(max_new_tokens=20, steps=20, early_exit=False, decoding="verified", draft_source=source)
+    params = SamplingParams(max_tokens=20, steps=20, early_exit=False, decoding="verified", draft_source=source)
     out = generate_verified(model, [prompt, PROMPTS[0]], params)
     assert out.token_ids == [greedy(model, prompt, 20), greedy(model, PROMPTS[0], 20)]
     assert sum(out.drafted) > 0
@@ -149,7 +149,7 @@ def test_lookup_drafts_keep_the_greedy_answer(make_model, hybrid, source):
 def test_removing_a_row_while_new_rows_wait_for_their_prefill(hybrid):
     """The pool keeps prefilled rows first: removing one while a new row waits moves the new row behind them."""
     n = 10
-    params = SamplingParams(max_new_tokens=n, steps=n, early_exit=False)
+    params = SamplingParams(max_tokens=n, steps=n, early_exit=False)
     dec = VerifiedDecoder(hybrid, 4, 64)
     first = [dec.add(PROMPTS[0], params), dec.add(PROMPTS[1], params), dec.add(PROMPTS[2], params)]
     dec.step()  # all three prefilled

@@ -18,7 +18,7 @@ from tests.conftest import build_tiny_checkpoint
 
 MODEL_NAME = "tiny-serve"
 CONTEXT = 128
-GENERATION_CONFIG = {"max_new_tokens": 16, "steps": 8, "block_length": 8, "temperature": 0.0, "top_p": 1.0,
+GENERATION_CONFIG = {"max_tokens": 16, "steps": 8, "block_length": 8, "temperature": 0.0, "top_p": 1.0,
                      "remasking": "low_confidence", "cfg_scale": 0.0}
 TEXTS = [
     "def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)\n",

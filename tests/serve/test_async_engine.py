@@ -14,7 +14,7 @@ def test_add_after_the_submitter_cancelled_does_not_kill_the_engine_thread(serve
     ``group.abort()`` runs; the engine thread must then drop the group instead of raising
     InvalidStateError from ``set_result`` on the cancelled future."""
     async_engine = AsyncEngine(Engine(serve_llm.model))
-    params = serve_llm.default_params(max_new_tokens=4, steps=4)
+    params = serve_llm.default_params(max_tokens=4, steps=4)
     inputs = [EngineInput(serve_llm.tokenizer.encode("def add(a, b):"), params)]
     loop = asyncio.new_event_loop()
     try:

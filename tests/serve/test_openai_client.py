@@ -41,7 +41,7 @@ def test_completion_matches_offline_generate(client, serve_llm):
     out = client.completions.create(model=MODEL_NAME, prompt=PROMPT, seed=11, **SAMPLED)
     choice = out.choices[0]
     assert out.object == "text_completion" and out.model == MODEL_NAME
-    assert choice.text == offline(serve_llm, PROMPT, max_new_tokens=16, temperature=1.0, seed=11)
+    assert choice.text == offline(serve_llm, PROMPT, max_tokens=16, temperature=1.0, seed=11)
     assert choice.finish_reason in ("stop", "length")
     assert out.usage.prompt_tokens == len(serve_llm.tokenizer.encode(PROMPT))
     assert 0 < out.usage.completion_tokens <= 16
@@ -53,7 +53,7 @@ def test_extension_parameters_reach_the_engine(client, serve_llm):
              "cfg_scale": 1.0, "cache": "none"}
     out = client.completions.create(model=MODEL_NAME, prompt=PROMPT, seed=5, extra_body=extra, **SAMPLED)
     overrides = {k: v for k, v in extra.items() if k != "cache"}
-    assert out.choices[0].text == offline(serve_llm, PROMPT, max_new_tokens=16, temperature=1.0, seed=5, **overrides)
+    assert out.choices[0].text == offline(serve_llm, PROMPT, max_tokens=16, temperature=1.0, seed=5, **overrides)
 
 
 def test_seed_reproducibility(client):
@@ -86,7 +86,7 @@ def test_chat_completion_uses_the_chat_template(client, serve_llm):
     prompt = serve_llm.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
     assert out.object == "chat.completion"
     assert out.choices[0].message.role == "assistant"
-    assert out.choices[0].message.content == offline(serve_llm, prompt, max_new_tokens=12, temperature=1.0, seed=2)
+    assert out.choices[0].message.content == offline(serve_llm, prompt, max_tokens=12, temperature=1.0, seed=2)
     assert out.usage.prompt_tokens == len(serve_llm.tokenizer.encode(prompt))
     assert out.usage.completion_tokens <= 12
 
@@ -153,8 +153,8 @@ def test_stream_wire_format_usage_once_then_done(server):
 def test_infilling_with_suffix(client, serve_llm):
     suffix = "\n    return result\n"
     out = client.completions.create(model=MODEL_NAME, prompt=PROMPT, suffix=suffix, seed=9, **SAMPLED)
-    assert out.choices[0].text == offline(serve_llm, PROMPT, suffix, max_new_tokens=16, temperature=1.0, seed=9)
-    assert out.choices[0].text != offline(serve_llm, PROMPT, max_new_tokens=16, temperature=1.0, seed=9)
+    assert out.choices[0].text == offline(serve_llm, PROMPT, suffix, max_tokens=16, temperature=1.0, seed=9)
+    assert out.choices[0].text != offline(serve_llm, PROMPT, max_tokens=16, temperature=1.0, seed=9)
     tok = serve_llm.tokenizer
     assert out.usage.prompt_tokens == len(tok.encode(PROMPT)) + len(tok.encode(suffix))
 

@@ -24,7 +24,7 @@ def test_run_sync_returns_the_openai_body(serving, serve_llm):
     body = serving.run_sync("/v1/completions", {"model": MODEL_NAME, "prompt": "import os", "max_tokens": 8,
                                                 "temperature": 1.0, "seed": 3})
     assert body["object"] == "text_completion"
-    expected = serve_llm.generate("import os", serve_llm.default_params(max_new_tokens=8, temperature=1.0, seed=3))
+    expected = serve_llm.generate("import os", serve_llm.default_params(max_tokens=8, temperature=1.0, seed=3))
     assert body["choices"][0]["text"] == expected[0].text
     assert body["usage"]["completion_tokens"] == len(expected[0].token_ids)
     chat = serving.run_sync("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})
@@ -52,14 +52,14 @@ def test_autoregressive_twin_is_served_and_refuses_diffusion_only_settings(tmp_p
     from tests.conftest import build_tiny_checkpoint
     from tests.serve.conftest import CONTEXT, TEXTS
 
-    folder = build_tiny_checkpoint(tmp_path, TEXTS, "twin", CONTEXT, {**AR_GENERATION, "max_new_tokens": 8},
+    folder = build_tiny_checkpoint(tmp_path, TEXTS, "twin", CONTEXT, {**AR_GENERATION, "max_tokens": 8},
                                    is_causal=True)
     llm = LLM(folder, device="cpu")
     serving = OpenAIServing(llm, served_model_name="twin")
     serving.start()
     try:
         body = serving.run_sync("/v1/completions", {"prompt": "import os", "max_tokens": 8})
-        expected = llm.generate("import os", llm.default_params(max_new_tokens=8))[0]
+        expected = llm.generate("import os", llm.default_params(max_tokens=8))[0]
         assert body["choices"][0]["text"] == expected.text and expected.nfe == min(len(expected.token_ids) + 1, 8)
         for extra, param in (({"block_length": 4}, "block_length"), ({"suffix": "x = 1"}, "suffix"),
                              ({"cfg_scale": 1.0}, "cfg_scale"), ({"cache": "dual"}, "cache")):
@@ -67,6 +67,22 @@ def test_autoregressive_twin_is_served_and_refuses_diffusion_only_settings(tmp_p
             assert status == 400 and body["error"]["param"] == param, body
     finally:
         serving.stop()
+
+
+def test_from_model_drives_the_llms_own_engine(serve_checkpoint):
+    """One engine per loaded model: the serving layer of ``from_model`` steps ``llm.engine`` with its limits."""
+    from celeris.serve.serving import OpenAIServing
+
+    serving = OpenAIServing.from_model(serve_checkpoint, device="cpu", max_num_seqs=3, max_waiting=5)
+    assert serving.async_engine.engine is serving.llm.engine
+    assert (serving.llm.engine.config.max_num_seqs, serving.llm.engine.config.max_waiting) == (3, 5)
+    serving.start()
+    try:
+        text = serving.run_sync("/v1/completions", {"prompt": "def f(x):", "max_tokens": 8})["choices"][0]["text"]
+    finally:
+        serving.stop()
+    # the loop has stopped: the same engine, driven offline, gives the same answer
+    assert serving.llm.generate("def f(x):", serving.llm.default_params(max_tokens=8))[0].text == text
 
 
 def test_stream_iterator_without_http(serving):
@@ -183,6 +199,6 @@ def test_dream_confidences_and_top_k_are_request_fields(serving, serve_llm, rema
     body = serving.run_sync("/v1/completions", {"prompt": "import os", "max_tokens": 8, "temperature": 1.0,
                                                 "seed": 5, "remasking": remasking, "top_k": 2})
     assert body["choices"][0]["celeris"]["remasking"] == remasking
-    want = serve_llm.generate("import os", serve_llm.default_params(max_new_tokens=8, temperature=1.0, seed=5,
+    want = serve_llm.generate("import os", serve_llm.default_params(max_tokens=8, temperature=1.0, seed=5,
                                                                      remasking=remasking, top_k=2))
     assert body["choices"][0]["text"] == want[0].text

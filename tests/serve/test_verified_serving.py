@@ -18,7 +18,7 @@ from tests.serve.conftest import CONTEXT, TEXTS, make_serving
 @pytest.fixture(scope="module")
 def hybrid_server(tmp_path_factory):
     folder = build_tiny_checkpoint(tmp_path_factory.mktemp("hybrid"), TEXTS, "tiny-hybrid", CONTEXT,
-                                   {"max_new_tokens": 12, "temperature": 0.0, "decoding": "verified"}, is_causal=True)
+                                   {"max_tokens": 12, "temperature": 0.0, "decoding": "verified"}, is_causal=True)
     config = json.loads((folder / "config.json").read_text())
     (folder / "config.json").write_text(json.dumps({**config, "draft_block_size": 3}))
     llm = LLM(folder, device="cpu")
@@ -51,7 +51,7 @@ def test_verified_refuses_settings_it_cannot_honour(hybrid_server):
                    json={"prompt": "x = 1", "max_tokens": 4, "decoding": "verified", "repetition_penalty": 1.3})
     assert r.status_code == 400 and "repetition_penalty" in r.json()["error"]["message"]
     with pytest.raises(ValueError, match="cfg_scale"):
-        hybrid_server.llm.generate("x", SamplingParams(max_new_tokens=4, block_length=1, decoding="verified",
+        hybrid_server.llm.generate("x", SamplingParams(max_tokens=4, block_length=1, decoding="verified",
                                                         cfg_scale=1.0))
 
 

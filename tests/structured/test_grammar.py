@@ -23,7 +23,7 @@ from tests.conftest import build_tiny_checkpoint
 from tests.serve.conftest import TEXTS
 from tests.structured.schemas import SCHEMAS
 
-GEN = {"max_new_tokens": 16, "steps": 8, "block_length": 8, "temperature": 0.0, "top_p": 1.0,
+GEN = {"max_tokens": 16, "steps": 8, "block_length": 8, "temperature": 0.0, "top_p": 1.0,
        "remasking": "low_confidence", "cfg_scale": 0.0}
 
 
@@ -34,7 +34,7 @@ def json_llm(request, tmp_path_factory) -> LLM:
 
 
 def params_for(grammar: str, **overrides) -> SamplingParams:
-    base = {"max_new_tokens": 96, "steps": 96, "block_length": 1, "grammar": grammar}
+    base = {"max_tokens": 96, "steps": 96, "block_length": 1, "grammar": grammar}
     return SamplingParams(**{**base, **overrides})
 
 
@@ -97,7 +97,7 @@ def test_sampled_outputs_validate(json_llm):
 
 
 def test_json_object_and_tool_call_grammars(json_llm):
-    outs = json_llm.generate(["x = 1"], params_for(json_object_grammar(), temperature=0.5, seed=1, max_new_tokens=128))
+    outs = json_llm.generate(["x = 1"], params_for(json_object_grammar(), temperature=0.5, seed=1, max_tokens=128))
     if outs[0].finish_reason == "stop":
         assert isinstance(json.loads(outs[0].text), dict)
     tools = {"get_weather": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 6}},
@@ -163,13 +163,13 @@ def test_answers_close_within_a_small_budget(json_llm, budget):
               "required": ["p", "s"], "additionalProperties": False}
     for seed in range(4):
         out = json_llm.generate(["def f(x):"], params_for(schema_grammar(schema), temperature=1.0, seed=seed,
-                                                          max_new_tokens=budget, steps=budget))[0]
+                                                          max_tokens=budget, steps=budget))[0]
         assert out.finish_reason == "stop", out.text
         jsonschema.validate(json.loads(out.text), schema)
 
 
 def test_an_impossible_budget_ends_with_length_never_claimed_complete(json_llm):
-    out = json_llm.generate(["def f(x):"], params_for(schema_grammar(SCHEMAS["nested"]), max_new_tokens=4,
+    out = json_llm.generate(["def f(x):"], params_for(schema_grammar(SCHEMAS["nested"]), max_tokens=4,
                                                       steps=4))[0]
     assert out.finish_reason == "length"
     with pytest.raises(json.JSONDecodeError):

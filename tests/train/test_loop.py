@@ -36,7 +36,7 @@ def assert_same_state(a: dict, b: dict) -> None:
 
 def test_train_writes_run_and_exports_loadable_checkpoint(corpus_dir, tmp_path):
     cfg = tiny_cfg(corpus_dir, tmp_path / "run", export_dir=str(tmp_path / "export"))
-    summary = train(cfg, {"max_new_tokens": 8, "steps": 8, "block_length": 8})
+    summary = train(cfg, {"max_tokens": 8, "steps": 8, "block_length": 8})
     run = tmp_path / "run"
     for name in ("last.pt", "history.json", "summary.json", "train_config.json"):
         assert (run / name).is_file(), name
@@ -55,7 +55,7 @@ def test_train_writes_run_and_exports_loadable_checkpoint(corpus_dir, tmp_path):
     llm = LLM(tmp_path / "export", device="cpu")
     assert llm.tokenizer.vocab_size == model.config.vocab_size
     assert llm.tokenizer.mask_token_id == model.config.mask_token_id
-    out = llm.generate("def f(", SamplingParams(max_new_tokens=4, steps=4, block_length=4))[0]
+    out = llm.generate("def f(", SamplingParams(max_tokens=4, steps=4, block_length=4))[0]
     assert out.nfe >= 1
     assert json.loads((tmp_path / "export" / "generation_config.json").read_text())["steps"] == 8
 
@@ -111,7 +111,7 @@ def test_autoregressive_twin_trains_causal(corpus_dir, tmp_path):
 
     llm = LLM(tmp_path / "ar_export")
     assert llm.generation_config["block_length"] == 1
-    params = llm.default_params(max_new_tokens=6, early_exit=False)
+    params = llm.default_params(max_tokens=6, early_exit=False)
     out = llm.generate("def f", params)[0]
     want = generate_autoregressive(llm.model, [llm.tokenizer.encode("def f")], params, use_cache=False)
     assert out.nfe == 6 and out.token_ids == want.token_ids[0]
@@ -141,7 +141,7 @@ def test_hybrid_adapts_a_causal_checkpoint_and_exports_verified_defaults(corpus_
     run_model, step = loop.load_run(tmp_path / "hy")  # what the measurement scripts load from a run
     assert step == 2 and run_model.config.draft_block_size == 3
     torch.testing.assert_close(run_model.state_dict(), llm.model.state_dict())
-    params = llm.default_params(max_new_tokens=8, early_exit=False)
+    params = llm.default_params(max_tokens=8, early_exit=False)
     out = llm.generate("def f", params)[0]
     want = generate_autoregressive(llm.model, [llm.tokenizer.encode("def f")], params, use_cache=False)
     assert out.token_ids == want.token_ids[0] and out.nfe <= 8

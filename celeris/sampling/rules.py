@@ -1,0 +1,162 @@
+"""Decoding rules as registered objects: the commit rules (how many masked positions a denoising step fills)
+and the remasking confidences (which ones), each declaring the ``SamplingParams`` fields it reads.
+
+The reference sampler (``celeris.sampling.generate``) and the engine share ``denoise_step``
+(``celeris.sampling.step``), which looks rules up here and never names one. ``SamplingParams`` takes its
+``decoding`` and ``remasking`` choices from these dicts and refuses a setting the chosen rule does not read
+(``celeris.params.rule_settings``), so a new rule that reuses existing settings is one function and one
+``register_commit_rule`` call; one that needs a new setting also declares that field in ``SamplingParams``.
+The registries are read at call time (validation, CLI choices, HTTP), so a rule registered after import works
+everywhere.
+
+Every commit function has the signature ``fn(conf, *, num_tokens, <its params>, <its needs>) -> chosen``:
+``conf`` (B, L) float64 confidences, -inf where a position is not masked; ``num_tokens`` (B,) int64 the linear
+schedule's count for this step; each declared param as a (B, 1) float64 tensor (one value per row); each
+declared need as a (B, L) tensor (``NEEDS``). It returns (B, L) bool, the positions to commit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from celeris.sampling.select import (
+    NEG_INF,
+    low_confidence,
+    margin_confidence,
+    neg_entropy_confidence,
+    random_confidence,
+    rank_desc,
+)
+
+
+def commit_fixed(conf: torch.Tensor, num_tokens: torch.Tensor, **_: object) -> torch.Tensor:
+    """Commit the ``num_tokens`` (B,) most confident masked positions (LLaDA low-confidence remasking).
+
+    ``conf`` (B, L) is -inf at positions that are not masked. Returns (B, L) bool.
+    """
+    return (rank_desc(conf) < num_tokens[:, None]) & (conf > NEG_INF)
+
+
+def _at_least_one(conf: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
+    """Add each row's most confident masked position, so every step makes progress."""
+    return chosen | ((rank_desc(conf) == 0) & (conf > NEG_INF))
+
+
+def commit_threshold(conf: torch.Tensor, threshold: float, **_: object) -> torch.Tensor:
+    """Fast-dLLM (arXiv:2505.22618, Sec. 3.3): commit every masked position with confidence > threshold,
+    and at least the most confident one. Returns (B, L) bool."""
+    return _at_least_one(conf, conf > threshold)
+
+
+def commit_factor(conf: torch.Tensor, factor: float, **_: object) -> torch.Tensor:
+    """Fast-dLLM factor rule: with confidences sorted c_1 >= c_2 >= ..., commit the n most
+    confident for the largest n with c_j >= 1 - factor / (j + 1) for all j <= n (at least one)."""
+    sorted_conf, order = conf.sort(dim=-1, descending=True)  # (B, L)
+    j = torch.arange(1, conf.shape[-1] + 1, device=conf.device, dtype=conf.dtype)
+    ok = (sorted_conf >= 1 - factor / (j + 1)) & (sorted_conf > NEG_INF)
+    prefix = ok.long().cumprod(-1).bool()  # accepted while every earlier one was accepted
+    chosen = torch.zeros_like(prefix).scatter(-1, order, prefix)
+    return _at_least_one(conf, chosen)
+
+
+def commit_entropy(conf: torch.Tensor, entropy: torch.Tensor, entropy_bound: float, **_: object) -> torch.Tensor:
+    """EB-sampler (arXiv:2505.24857): in confidence order, commit positions while the summed
+    entropy (nats) of the committed set stays <= entropy_bound; at least one per step."""
+    _, order = conf.sort(dim=-1, descending=True)
+    ent_sorted = entropy.gather(-1, order).masked_fill(conf.gather(-1, order) == NEG_INF, float("inf"))
+    prefix = ent_sorted.cumsum(-1) <= entropy_bound
+    chosen = torch.zeros_like(prefix).scatter(-1, order, prefix)
+    return _at_least_one(conf, chosen)
+
+
+def token_entropy(probs: torch.Tensor) -> torch.Tensor:
+    """Entropy -sum_v p_v log p_v (nats) of each position's distribution: (B, L, V) -> (B, L) float64."""
+    return -(probs * probs.clamp_min(1e-30).log()).sum(-1).double()
+
+
+# Inputs a commit rule may ask for besides the confidences, computed from the step's (B, L, V) probabilities.
+NEEDS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {"entropy": token_entropy}
+
+
+@dataclass(frozen=True, slots=True)
+class CommitRule:
+    """One ``decoding`` choice.
+
+    Attributes:
+        fn: the commit function (module docstring), or None for a choice with its own sampler (``verified``).
+        help: one line for ``--help`` and the docs, with the source.
+        params: the ``SamplingParams`` fields it reads (each passed to ``fn`` as a (B, 1) float64 tensor).
+        needs: names in ``NEEDS`` passed to ``fn`` as well.
+    """
+
+    fn: Callable[..., torch.Tensor] | None
+    help: str
+    params: tuple[str, ...] = ()
+    needs: tuple[str, ...] = ()
+
+    @property
+    def denoises(self) -> bool:
+        """True for a masked-diffusion commit rule (it reads ``DENOISING_PARAMS``)."""
+        return self.fn is not None
+
+    @property
+    def reads(self) -> tuple[str, ...]:
+        """Every ``SamplingParams`` field a request with this rule reads beyond the common ones."""
+        return self.params + (DENOISING_PARAMS if self.denoises else ())
+
+
+@dataclass(frozen=True, slots=True)
+class Confidence:
+    """One ``remasking`` choice: ``fn(probs (B, L, V), x0 (B, L), generators, lengths) -> (B, L) float64``
+    scores (higher commits first); ``params`` as ``CommitRule.params``."""
+
+    fn: Callable[..., torch.Tensor]
+    help: str
+    params: tuple[str, ...] = ()
+
+
+# Settings every masked-diffusion commit rule reads (not the ``verified`` sampler).
+DENOISING_PARAMS = ("remasking", "top_k", "min_p")
+
+COMMIT_RULES: dict[str, CommitRule] = {
+    "fixed": CommitRule(commit_fixed, "the linear schedule's count per step (LLaDA)"),
+    "threshold": CommitRule(commit_threshold, "confidence > --threshold (Fast-dLLM)", params=("threshold",)),
+    "factor": CommitRule(commit_factor, "Fast-dLLM's factor rule (--factor)", params=("factor",)),
+    "entropy": CommitRule(commit_entropy, "EB-sampler: summed entropy <= --entropy-bound (not --remasking entropy)",
+                          params=("entropy_bound",), needs=("entropy",)),
+    "verified": CommitRule(None, "hybrid models: drafts checked by the next-token head (celeris.sampling.verified)",
+                           params=("draft_source",)),
+}
+
+# remasking name -> confidence; Dream's ``maskgit_plus`` is ``low_confidence``.
+REMASKING: dict[str, Confidence] = {
+    "low_confidence": Confidence(low_confidence, "probability of the predicted token (LLaDA; Dream's maskgit_plus)"),
+    "random": Confidence(random_confidence, "uniform scores: random positions (LLaDA)"),
+    "margin": Confidence(margin_confidence, "top-1 minus top-2 probability (Dream's topk_margin)"),
+    "entropy": Confidence(neg_entropy_confidence, "negative entropy (Dream's entropy alg; not --decoding entropy)"),
+}
+
+
+def register_commit_rule(name: str, rule: CommitRule) -> None:
+    """Add a ``decoding`` choice. Its params must be ``SamplingParams`` fields and its needs keys of ``NEEDS``.
+
+    Raises:
+        ValueError: ``name`` is taken, or the rule declares an unknown field or need.
+    """
+    from celeris.params import SamplingParams
+
+    if name in COMMIT_RULES:
+        raise ValueError(f"decoding rule '{name}' is already registered")
+    unknown = [p for p in rule.params if p not in SamplingParams.__dataclass_fields__]
+    unknown += [n for n in rule.needs if n not in NEEDS]
+    if unknown:
+        raise ValueError(f"decoding rule '{name}' declares unknown settings or needs: {', '.join(unknown)}")
+    COMMIT_RULES[name] = rule
+
+
+def unregister_commit_rule(name: str) -> None:
+    """Remove a rule added by ``register_commit_rule`` (tests)."""
+    COMMIT_RULES.pop(name, None)
