@@ -76,9 +76,14 @@ def test_matches_sampler_and_batching_does_not_change_answers(llm):
 
 
 def test_seeded_sampling_reproducible(llm):
+    """The same seed gives the same tokens; sampling really samples: other seeds give other answers than
+    greedy decoding (a sampler that ignored temperature would give greedy's tokens for every seed)."""
     a = llm.generate(PROMPTS[0], params(temperature=1.0, seed=3))[0]
     b = llm.generate(PROMPTS[0], params(temperature=1.0, seed=3))[0]
     assert a.token_ids == b.token_ids
+    greedy = llm.generate(PROMPTS[0], params(temperature=0.0))[0].token_ids
+    sampled = {tuple(llm.generate(PROMPTS[0], params(temperature=1.0, seed=s))[0].token_ids) for s in range(4)}
+    assert len(sampled) > 1 and sampled != {tuple(greedy)}
 
 
 def _stop_candidate(text: str) -> str | None:
