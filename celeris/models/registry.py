@@ -3,7 +3,9 @@
 ``config.json`` says which format a folder holds: ``model_type`` "celeris" ->
 ``celeris.models.loader``; LLaDA (``model_type`` "llada" or architecture
 ``LLaDAModelLM``) and Dream (``model_type`` "Dream" or architecture
-``DreamModel``) -> the native classes in ``llada.py`` / ``dream.py``; anything
+``DreamModel``) -> the native classes in ``llada.py`` / ``dream.py``; the block-diffusion
+formats SDAR (``sdar`` / ``SDARForCausalLM``) and Fast-dLLM v2 (``Fast_dLLM_Qwen`` /
+``Fast_dLLM_QwenForCausalLM``) -> ``sdar.py`` / ``fast_dllm.py``; anything
 else runs the folder's own modeling code through ``transformers``
 (``remote.py``), and only when the caller passes ``trust_remote_code=True``.
 
@@ -28,7 +30,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from torch import nn
 
-from celeris.models import dream, llada
+from celeris.models import dream, fast_dllm, llada, sdar
 from celeris.models.loader import CheckpointError, load_model
 from celeris.tokenizer import Tokenizer
 
@@ -56,6 +58,10 @@ class Format:
 FORMATS = {
     "llada": Format("llada", ("llada",), ("LLaDAModelLM",), llada.LLaDAConfig, llada.LLaDAModel, llada.CHECKPOINT_KEYS),
     "dream": Format("dream", ("dream",), ("DreamModel",), dream.DreamConfig, dream.DreamModel, dream.CHECKPOINT_KEYS),
+    # block diffusion (celeris.models.contract): SDAR (Qwen3 layout), Fast-dLLM v2 (Qwen2.5 layout)
+    "sdar": Format("sdar", ("sdar",), ("SDARForCausalLM",), sdar.SDARConfig, sdar.SDARModel, sdar.CHECKPOINT_KEYS),
+    "fast_dllm_v2": Format("fast_dllm_v2", ("fast_dllm_qwen",), ("Fast_dLLM_QwenForCausalLM",),
+                           fast_dllm.FastDLLMConfig, fast_dllm.FastDLLMModel, fast_dllm.CHECKPOINT_KEYS),
 }
 CELERIS_MODEL_TYPES = ("celeris",)
 

@@ -1,0 +1,118 @@
+"""Tiny checkpoint folders in the published block-diffusion formats (SDAR, Fast-dLLM v2), built in-process.
+
+As ``conftest_formats``: config.json with the published keys (Qwen3's for SDAR, Qwen2's plus ``bd_size`` for
+Fast-dLLM v2), safetensors with the published tensor names, a tiny byte-level BPE carrying the published
+special tokens (``<|im_start|>``, ``<|im_end|>``, the mask token) and a tokenizer_config.json with a Qwen-style
+chat template. Like the published SDAR folder, config.json states no mask id: it comes from the mask token.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from tests.models.conftest_formats import random_weights, save_weights, write_tokenizer
+
+# Qwen3-style template: tools, enable_thinking (an empty think block when thinking is off).
+QWEN3_CHAT_TEMPLATE = (
+    "{%- if tools %}{{- '<|im_start|>system\ntools<|im_end|>\n' }}{%- endif %}\n"
+    "{%- for message in messages %}\n"
+    "    {{- '<|im_start|>' + message.role + '\n' + message.content + '<|im_end|>\n' }}\n"
+    "{%- endfor %}\n"
+    "{%- if add_generation_prompt %}\n"
+    "    {{- '<|im_start|>assistant\n' }}\n"
+    "    {%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\n\n</think>\n\n' }}{%- endif %}\n"
+    "{%- endif %}\n"
+)
+SDAR_SPECIALS = ["<|im_start|>", "<|im_end|>", "<think>", "</think>", "<|MASK|>"]
+FAST_DLLM_SPECIALS = ["<|im_start|>", "<|im_end|>", "|<MASK>|"]
+
+
+def qwen_tokenizer_config(eos: str) -> dict:
+    return {"add_prefix_space": False, "bos_token": None, "chat_template": QWEN3_CHAT_TEMPLATE, "eos_token": eos,
+            "errors": "replace", "model_max_length": 131072, "pad_token": "<|endoftext|>",
+            "tokenizer_class": "Qwen2Tokenizer"}
+
+
+def sdar_config(ids: dict[str, int], **overrides: object) -> dict:
+    """A tiny config.json with SDAR's published keys (values as SDAR-1.7B-Chat except the sizes)."""
+    config = {
+        "architectures": ["SDARForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+        "auto_map": {"AutoConfig": "configuration_sdar.SDARConfig", "AutoModel": "modeling_sdar.SDARModel",
+                     "AutoModelForCausalLM": "modeling_sdar.SDARForCausalLM"},
+        "bos_token_id": ids["<|endoftext|>"], "eos_token_id": ids["<|endoftext|>"], "head_dim": 16,
+        "hidden_act": "silu", "hidden_size": 32, "initializer_range": 0.02, "intermediate_size": 48,
+        "max_position_embeddings": 256, "max_window_layers": 28, "model_type": "sdar", "num_attention_heads": 4,
+        "num_hidden_layers": 2, "num_key_value_heads": 2, "rms_norm_eps": 1e-06, "rope_scaling": None,
+        "rope_theta": 1000000, "sliding_window": None, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+        "transformers_version": "4.52.4", "use_cache": False, "use_sliding_window": False,
+        "vocab_size": ids["__size__"],
+    }
+    return config | overrides
+
+
+def qwen_shapes(cfg: dict, qk_norm: bool, bias: bool) -> dict[str, tuple[int, ...]]:
+    """Published Qwen2 / Qwen3 tensor names and shapes for a config."""
+    d, heads, kv = cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    hd = cfg.get("head_dim") or d // heads
+    ff, vocab = cfg["intermediate_size"], cfg["vocab_size"]
+    shapes = {"model.embed_tokens.weight": (vocab, d), "model.norm.weight": (d,)}
+    if not cfg["tie_word_embeddings"]:
+        shapes["lm_head.weight"] = (vocab, d)
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        shapes |= {p + "input_layernorm.weight": (d,), p + "post_attention_layernorm.weight": (d,),
+                   p + "self_attn.q_proj.weight": (heads * hd, d), p + "self_attn.k_proj.weight": (kv * hd, d),
+                   p + "self_attn.v_proj.weight": (kv * hd, d), p + "self_attn.o_proj.weight": (d, heads * hd),
+                   p + "mlp.gate_proj.weight": (ff, d), p + "mlp.up_proj.weight": (ff, d),
+                   p + "mlp.down_proj.weight": (d, ff)}
+        if qk_norm:
+            shapes |= {p + "self_attn.q_norm.weight": (hd,), p + "self_attn.k_norm.weight": (hd,)}
+        if bias:
+            shapes |= {p + "self_attn.q_proj.bias": (heads * hd,), p + "self_attn.k_proj.bias": (kv * hd,),
+                       p + "self_attn.v_proj.bias": (kv * hd,)}
+    return shapes
+
+
+def write_sdar(folder: Path, seed: int = 3, scale: float = 1.0, **overrides: object) -> tuple[dict, dict]:
+    """A tiny SDAR checkpoint folder; returns (config dict, state dict under the published names).
+    ``scale`` multiplies the matrices (larger: sharper logits, clearer margins between greedy choices)."""
+    ids = write_tokenizer(folder, SDAR_SPECIALS, qwen_tokenizer_config("<|im_end|>"))
+    cfg = sdar_config(ids, **overrides)
+    (folder / "config.json").write_text(json.dumps(cfg, indent=2))
+    state = random_weights(qwen_shapes(cfg, qk_norm=True, bias=False), seed)
+    state = {k: v * scale if v.dim() == 2 else v for k, v in state.items()}
+    save_weights(folder, state)
+    (folder / "generation_config.json").write_text(json.dumps(
+        {"bos_token_id": ids["<|endoftext|>"], "eos_token_id": [ids["<|im_end|>"], ids["<|endoftext|>"]],
+         "do_sample": True, "temperature": 0.0, "top_p": 1.0}))
+    return cfg, state
+
+
+def fast_dllm_config(ids: dict[str, int], **overrides: object) -> dict:
+    """A tiny config.json with Fast-dLLM v2's published keys (values as Fast_dLLM_v2_7B except the sizes)."""
+    config = {
+        "architectures": ["Fast_dLLM_QwenForCausalLM"], "attention_dropout": 0.0,
+        "auto_map": {"AutoConfig": "configuration.Fast_dLLM_QwenConfig",
+                     "AutoModelForCausalLM": "modeling.Fast_dLLM_QwenForCausalLM"},
+        "bd_size": 8, "bos_token_id": ids["<|endoftext|>"], "eos_token_id": ids["<|im_end|>"], "hidden_act": "silu",
+        "hidden_size": 32, "initializer_range": 0.02, "intermediate_size": 48,
+        "layer_types": ["full_attention", "full_attention"], "max_position_embeddings": 256,
+        "max_window_layers": 28, "model_type": "Fast_dLLM_Qwen", "num_attention_heads": 4, "num_hidden_layers": 2,
+        "num_key_value_heads": 2, "rms_norm_eps": 1e-06, "rope_scaling": None, "rope_theta": 1000000.0,
+        "sliding_window": None, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+        "transformers_version": "4.53.1", "use_cache": True, "use_sliding_window": False,
+        "vocab_size": ids["__size__"],
+    }
+    return config | overrides
+
+
+def write_fast_dllm(folder: Path, seed: int = 4, scale: float = 1.0, **overrides: object) -> tuple[dict, dict]:
+    """A tiny Fast-dLLM v2 checkpoint folder; returns (config dict, state dict under the published names)."""
+    ids = write_tokenizer(folder, FAST_DLLM_SPECIALS, qwen_tokenizer_config("<|im_end|>"))
+    cfg = fast_dllm_config(ids, **overrides)
+    (folder / "config.json").write_text(json.dumps(cfg, indent=2))
+    state = random_weights(qwen_shapes(cfg, qk_norm=False, bias=True), seed)
+    state = {k: v * scale if v.dim() == 2 else v for k, v in state.items()}
+    save_weights(folder, state)
+    return cfg, state
