@@ -74,7 +74,7 @@ def qwen_shapes(cfg: dict, qk_norm: bool, bias: bool) -> dict[str, tuple[int, ..
     return shapes
 
 
-def write_sdar(folder: Path, seed: int = 3, scale: float = 1.0, **overrides: object) -> tuple[dict, dict]:
+def write_sdar(folder: Path, seed: int = 3, scale: float = 1.0, num_shards: int = 1, **overrides: object) -> tuple[dict, dict]:
     """A tiny SDAR checkpoint folder; returns (config dict, state dict under the published names).
     ``scale`` multiplies the matrices (larger: sharper logits, clearer margins between greedy choices)."""
     ids = write_tokenizer(folder, SDAR_SPECIALS, qwen_tokenizer_config("<|im_end|>"))
@@ -82,7 +82,7 @@ def write_sdar(folder: Path, seed: int = 3, scale: float = 1.0, **overrides: obj
     (folder / "config.json").write_text(json.dumps(cfg, indent=2))
     state = random_weights(qwen_shapes(cfg, qk_norm=True, bias=False), seed)
     state = {k: v * scale if v.dim() == 2 else v for k, v in state.items()}
-    save_weights(folder, state)
+    save_weights(folder, state, num_shards)
     (folder / "generation_config.json").write_text(json.dumps(
         {"bos_token_id": ids["<|endoftext|>"], "eos_token_id": [ids["<|im_end|>"], ids["<|endoftext|>"]],
          "do_sample": True, "temperature": 0.0, "top_p": 1.0}))
@@ -107,12 +107,12 @@ def fast_dllm_config(ids: dict[str, int], **overrides: object) -> dict:
     return config | overrides
 
 
-def write_fast_dllm(folder: Path, seed: int = 4, scale: float = 1.0, **overrides: object) -> tuple[dict, dict]:
+def write_fast_dllm(folder: Path, seed: int = 4, scale: float = 1.0, num_shards: int = 1, **overrides: object) -> tuple[dict, dict]:
     """A tiny Fast-dLLM v2 checkpoint folder; returns (config dict, state dict under the published names)."""
     ids = write_tokenizer(folder, FAST_DLLM_SPECIALS, qwen_tokenizer_config("<|im_end|>"))
     cfg = fast_dllm_config(ids, **overrides)
     (folder / "config.json").write_text(json.dumps(cfg, indent=2))
     state = random_weights(qwen_shapes(cfg, qk_norm=False, bias=True), seed)
     state = {k: v * scale if v.dim() == 2 else v for k, v in state.items()}
-    save_weights(folder, state)
+    save_weights(folder, state, num_shards)
     return cfg, state
