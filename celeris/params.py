@@ -6,7 +6,8 @@ import math
 from dataclasses import dataclass, field, fields
 
 REMASKING = ("low_confidence", "random", "margin", "entropy")
-DECODING = ("fixed", "threshold", "factor", "entropy", "verified")
+DECODING = ("fixed", "threshold", "factor", "entropy", "verified", "low_confidence_static", "low_confidence_dynamic",
+            "sequential")
 DRAFT_SOURCES = ("lookup_first", "slots", "lookup")
 CACHE = ("none", "prefix", "dual", "delayed", "dual_delayed")
 
@@ -16,7 +17,7 @@ CACHE = ("none", "prefix", "dual", "delayed", "dual_delayed")
 # a model's generation_config.json default never causes the error (``SamplingParams.explicit_settings``).
 _DIFFUSION_DECODING = tuple(d for d in DECODING if d != "verified")  # verified decoding has its own sampler
 RULE_SETTINGS: dict[str, tuple[str, tuple[str, ...]]] = {
-    "threshold": ("decoding", ("threshold",)),
+    "threshold": ("decoding", ("threshold", "low_confidence_dynamic")),
     "factor": ("decoding", ("factor",)),
     "entropy_bound": ("decoding", ("entropy",)),
     "draft_source": ("decoding", ("verified",)),
@@ -107,7 +108,12 @@ class SamplingParams:
             slots drafts the next tokens in the same pass that checks the previous
             drafts with the next-token head (``celeris.sampling.verified``; greedy
             output equals next-token decoding; ``steps``, ``block_length`` and
-            ``cache`` do not apply).
+            ``cache`` do not apply). SDAR's rules (``celeris.sampling.select``):
+            ``low_confidence_static`` (= ``fixed``), ``low_confidence_dynamic`` (every position above
+            ``threshold`` when there are at least the step's fixed count, else that count) and
+            ``sequential`` (the step's count, left to right). For a block-diffusion model
+            (``celeris.sampling.block``) ``block_length`` is the denoising sub-block, which must divide the
+            model's trained block size, and ``steps`` counts steps per sub-block.
         draft_source: where ``verified`` decoding takes the drafts it checks: ``slots`` (the
             model's mask slots, block diffusion), ``lookup`` (prompt lookup: the tokens that followed
             the last earlier occurrence of the context's last 3 or 2 tokens; Saxena 2023, vLLM's

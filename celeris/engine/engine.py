@@ -14,10 +14,12 @@ from dataclasses import dataclass
 import torch
 
 from celeris.config import EngineConfig
+from celeris.engine.blocks import BlockDecoder
 from celeris.engine.request import NO_PROGRESS, Request
 from celeris.engine.runner import ModelRunner
 from celeris.engine.scheduler import Scheduler
 from celeris.params import SamplingParams
+from celeris.sampling.block import contract_of
 from celeris.sampling.step import (
     RowSettings,
     banned_token_ids,
@@ -75,6 +77,8 @@ class Engine:
         self.num_steps = 0
         self.drafter: VerifiedDecoder | None = None  # verified decoding (hybrid models), made at first use
         self._draft_rows: dict[Request, DraftRow] = {}
+        contract = contract_of(model)  # a block-diffusion model: every request takes the block path
+        self.block_decoder = BlockDecoder(model, contract) if contract is not None else None
 
     def add_request(
         self,
@@ -124,6 +128,10 @@ class Engine:
         outputs = self._step_verified(verified) if verified or self._draft_rows else []
         batch = [r for r in batch if r.params.decoding != "verified"]
         if not batch:
+            self.num_steps += 1
+            return outputs
+        if self.block_decoder is not None:  # celeris.engine.blocks: one pass, exact KV cache of the history
+            outputs += [self._emit(r) for r in self.block_decoder.step(batch)]
             self.num_steps += 1
             return outputs
         logits, block = self.runner.run(batch)

@@ -201,6 +201,12 @@ def generate(
             do (``check_model_support``: e.g. blocks longer than 1 on a causal model).
         NoProgressError: a step committed nothing for a row (non-finite scores).
     """
+    from celeris.sampling.block import contract_of, generate_block
+
+    if contract_of(model) is not None:  # a block-diffusion model decodes by its own reference sampler
+        if suffix_ids and any(suffix_ids):
+            raise ValueError("suffix (infilling) needs a full-attention model: a block model never sees what follows")
+        return generate_block(model, prompt_ids, params)
     start = time.perf_counter()
     rows = params if isinstance(params, list) else [params] * len(prompt_ids)
     if len(rows) != len(prompt_ids) or not prompt_ids:

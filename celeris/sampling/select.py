@@ -187,9 +187,34 @@ def commit_entropy(conf: torch.Tensor, entropy: torch.Tensor, entropy_bound: flo
     return _at_least_one(conf, chosen)
 
 
+def commit_low_confidence_dynamic(conf: torch.Tensor, num_tokens: torch.Tensor, threshold: float | torch.Tensor,
+                                  **_: object) -> torch.Tensor:
+    """SDAR's ``low_confidence_dynamic`` (JetAstra/SDAR ``generate.py``; LMDeploy's ``dllm_unmasking_strategy``):
+    commit every masked position with confidence > ``threshold`` when there are at least ``num_tokens`` (B,)
+    of them (the static count of this step), else fall back to the ``num_tokens`` most confident (not to one
+    token). ``conf`` (B, L) is -inf where not masked. Returns (B, L) bool."""
+    above = (conf > threshold) & (conf > NEG_INF)
+    enough = above.sum(-1, keepdim=True) >= num_tokens[:, None]
+    return torch.where(enough, above, commit_fixed(conf, num_tokens))
+
+
+def commit_sequential(conf: torch.Tensor, num_tokens: torch.Tensor, **_: object) -> torch.Tensor:
+    """SDAR's ``sequential`` rule: the ``num_tokens`` (B,) positions from the block's first masked one on, left to
+    right (those of them that are masked), whatever their confidence. Returns (B, L) bool."""
+    is_masked = conf > NEG_INF  # (B, L)
+    cols = torch.arange(conf.shape[-1], device=conf.device)[None]
+    first = torch.where(is_masked, cols, conf.shape[-1]).min(-1, keepdim=True).values  # (B, 1)
+    return is_masked & (cols >= first) & (cols < first + num_tokens[:, None])
+
+
 COMMIT_RULES: dict[str, Callable[..., torch.Tensor]] = {
     "fixed": commit_fixed,
     "threshold": commit_threshold,
     "factor": commit_factor,
     "entropy": commit_entropy,
+    # SDAR's names (arXiv:2510.06303; JetEngine / LMDeploy ``remasking_strategy``): ``low_confidence_static``
+    # is LLaDA's fixed count of the most confident positions
+    "low_confidence_static": commit_fixed,
+    "low_confidence_dynamic": commit_low_confidence_dynamic,
+    "sequential": commit_sequential,
 }

@@ -51,8 +51,15 @@ def check_model_support(model: torch.nn.Module, params: SamplingParams, has_suff
     (``prefix``/``dual`` would re-run a full pass for every token, ``dual_delayed`` a pass from
     the previous token to the end of the canvas); it can
     neither see a suffix (infilling) nor score a masked prompt (classifier-free
-    guidance). A ``suffix_window`` cannot go with a suffix to infill.
+    guidance). A ``suffix_window`` cannot go with a suffix to infill. A block-diffusion model
+    (``block_contract``) is checked by ``celeris.sampling.block.check_block_support``.
     """
+    from celeris.sampling.block import check_block_support, contract_of
+
+    contract = contract_of(model)
+    if contract is not None:  # a block-diffusion model: its own contract (celeris.sampling.block)
+        check_block_support(contract, params, has_suffix)
+        return
     if params.grammar is not None and params.decoding == "verified":
         raise ValueError("decoding 'verified' cannot be used with a grammar (response_format, tools); use 'fixed'")
     if params.decoding == "verified":  # its own contract: a hybrid model, no CFG / penalty / infilling
