@@ -74,7 +74,8 @@ def qwen_shapes(cfg: dict, qk_norm: bool, bias: bool) -> dict[str, tuple[int, ..
     return shapes
 
 
-def write_sdar(folder: Path, seed: int = 3, scale: float = 1.0, num_shards: int = 1, **overrides: object) -> tuple[dict, dict]:
+def write_sdar(folder: Path, seed: int = 3, scale: float = 1.0, num_shards: int = 1,
+               **overrides: object) -> tuple[dict, dict]:
     """A tiny SDAR checkpoint folder; returns (config dict, state dict under the published names).
     ``scale`` multiplies the matrices (larger: sharper logits, clearer margins between greedy choices)."""
     ids = write_tokenizer(folder, SDAR_SPECIALS, qwen_tokenizer_config("<|im_end|>"))
@@ -107,7 +108,8 @@ def fast_dllm_config(ids: dict[str, int], **overrides: object) -> dict:
     return config | overrides
 
 
-def write_fast_dllm(folder: Path, seed: int = 4, scale: float = 1.0, num_shards: int = 1, **overrides: object) -> tuple[dict, dict]:
+def write_fast_dllm(folder: Path, seed: int = 4, scale: float = 1.0, num_shards: int = 1,
+                    **overrides: object) -> tuple[dict, dict]:
     """A tiny Fast-dLLM v2 checkpoint folder; returns (config dict, state dict under the published names)."""
     ids = write_tokenizer(folder, FAST_DLLM_SPECIALS, qwen_tokenizer_config("<|im_end|>"))
     cfg = fast_dllm_config(ids, **overrides)
