@@ -117,4 +117,7 @@ def write_fast_dllm(folder: Path, seed: int = 4, scale: float = 1.0, num_shards:
     state = random_weights(qwen_shapes(cfg, qk_norm=False, bias=True), seed)
     state = {k: v * scale if v.dim() == 2 else v for k, v in state.items()}
     save_weights(folder, state, num_shards)
+    (folder / "generation_config.json").write_text(json.dumps(  # Qwen2.5-Instruct's end ids
+        {"bos_token_id": ids["<|endoftext|>"], "eos_token_id": [ids["<|im_end|>"], ids["<|endoftext|>"]],
+         "pad_token_id": ids["<|endoftext|>"]}))
     return cfg, state
