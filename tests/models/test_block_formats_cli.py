@@ -71,3 +71,49 @@ def test_end_of_turn_ids_and_enable_thinking(block_dir):
     off = tok.apply_chat_template(messages, enable_thinking=False)
     assert off.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
     assert tok.apply_chat_template(messages).endswith("<|im_start|>assistant\n")
+
+
+@pytest.mark.slow
+def test_cli_generate_and_serve_processes_on_block_folders(block_dir):
+    """The commands as a user runs them: `celeris generate` and `celeris serve` child processes."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    import openai
+
+    from tests.serve.conftest import wait_for_health
+    from tests.serve.test_cli_serve import REPO_ROOT, free_port
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH", "")) if p)}
+    done = subprocess.run([sys.executable, "-m", "celeris.cli", "generate", "def add(a, b):", "--model",
+                           str(block_dir), "--max-new-tokens", "8", "--json"], env=env, cwd=REPO_ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["nfe"] >= 1
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "celeris.cli", "serve", "--model", str(block_dir), "--port",
+                             str(port), "--max-num-seqs", "2", "--log-level", "warning"], env=env, cwd=REPO_ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_for_health(proc, url)
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+        model = client.models.list().data[0].id
+        out = client.completions.create(model=model, prompt="def f(x):", max_tokens=6)
+        assert out.usage.completion_tokens <= 6
+        pieces = list(client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}],
+                                                     max_tokens=6, stream=True))
+        assert pieces and pieces[-1].choices[0].finish_reason in ("stop", "length")
+        with pytest.raises(openai.BadRequestError, match="block_length 3 must divide"):
+            client.completions.create(model=model, prompt="x", max_tokens=4, extra_body={"block_length": 3})
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0
