@@ -74,8 +74,9 @@ def _sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-k", type=int, help="keep the k most likely tokens (0 = all; not with --decoding verified)")
     p.add_argument("--remasking", help="confidence that ranks masked positions: low_confidence, random, margin (top-1 "
                    "minus top-2 probability) or entropy (negative entropy; Dream's rules, not --decoding entropy)")
-    p.add_argument("--decoding", help="fixed, threshold, factor, entropy (EB-sampler), or verified (hybrid models)")
-    p.add_argument("--threshold", type=float, help="confidence threshold; needs --decoding threshold")
+    p.add_argument("--decoding", help="fixed, threshold, factor, entropy (EB-sampler), verified (hybrid models), or SDAR's "
+                   "low_confidence_static, low_confidence_dynamic, sequential")
+    p.add_argument("--threshold", type=float, help="confidence threshold; needs --decoding threshold or low_confidence_dynamic")
     p.add_argument("--factor", type=float, help="Fast-dLLM factor; needs --decoding factor")
     p.add_argument("--entropy-bound", type=float, help="summed entropy bound (nats); needs --decoding entropy")
     p.add_argument("--cfg-scale", type=float, help="classifier-free guidance scale (0 = off)")

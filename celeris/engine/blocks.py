@@ -82,9 +82,10 @@ class BlockDecoder:
         p, n = request.answer_start, request.params.max_new_tokens
         row = BlockRow(request, block_units(p, n, self.contract, request.params.block_length))
         row.start_unit(self.mask_id)
-        attn = self.model.layers[0].attn
-        zeros = [torch.zeros(attn.num_kv_heads, request.num_tokens, attn.head_dim, dtype=self.dtype,
-                             device=self.device) for _ in self.model.layers]
+        attn = self.model.layers[0].attn  # TransformerLM's grouped K/V heads, or CelerisModel's full heads
+        heads = getattr(attn, "num_kv_heads", attn.num_heads)
+        zeros = [torch.zeros(heads, request.num_tokens, attn.head_dim, dtype=self.dtype, device=self.device)
+                 for _ in self.model.layers]
         self.pool.store(request, "cond", zeros, zeros)
         self.rows[request] = row
 

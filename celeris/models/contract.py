@@ -102,6 +102,17 @@ CONTRACTS: dict[str, DecodingContract] = {
 }
 
 
+def hybrid_contract(block_size: int, mask_token_id: int) -> DecodingContract:
+    """The contract of a Celeris hybrid model (``draft_block_size`` > 0, ``is_causal``; ``celeris train --objective
+    hybrid``), read from its training layout (``celeris.train.objective.hybrid_attention_mask``): blocks of
+    ``draft_block_size`` at multiples of it from position 0, a token-causal clean history (``causal_history``),
+    shifted logits (the hidden state at p scores token p + 1), so a block's first token is the exact next-token
+    prediction of the history, which ``commit_first`` commits at the block's first step."""
+    return DecodingContract(block_size=block_size, mask_token="<|mask|>", mask_token_id=mask_token_id,
+                            logits_shift=1, attention="causal_history", alignment="absolute", commit_first=True,
+                            source="celeris.train.objective.hybrid_attention_mask / hybrid_loss")
+
+
 def block_index(cols: torch.Tensor, origin: torch.Tensor, block_size: int) -> torch.Tensor:
     """Block number of canvas columns ``cols`` (B, L) int64: ``(c - origin) // block_size`` for c >= origin,
     -1 before ``origin`` (B,) (the prompt under ``answer`` alignment: one block of history)."""

@@ -51,15 +51,28 @@ def contract_of(model: torch.nn.Module) -> DecodingContract | None:
     return contract if isinstance(contract, DecodingContract) and contract.attention != "full" else None
 
 
+def block_mode(model: torch.nn.Module, params: SamplingParams) -> DecodingContract | None:
+    """The contract when ``params`` decode ``model`` by block diffusion, else None. A published block model
+    (SDAR, Fast-dLLM v2) always does; a Celeris hybrid model (causal, ``draft_block_size`` > 0) does when the
+    request asks for blocks (``block_length`` > 1) and not for ``verified`` decoding: with ``block_length`` 1 it
+    decodes token by token as its autoregressive twin does."""
+    contract = contract_of(model)
+    if contract is None or not getattr(model.config, "is_causal", False):
+        return contract
+    return contract if params.decoding != "verified" and params.block_length > 1 else None
+
+
 def check_block_support(contract: DecodingContract, params: SamplingParams, has_suffix: bool = False) -> None:
     """Raise ValueError (first word: the parameter) for settings a block-diffusion model cannot use."""
     if params.block_length < 1 or contract.block_size % params.block_length:
         raise ValueError(f"block_length {params.block_length} must divide this model's trained block size "
                          f"{contract.block_size} (it is the denoising sub-block; the trained block never changes)")
+    # a causal history's keys/values written once, a step after commit: what cache='delayed' means for a causal model
+    allowed_cache = ("none", "delayed") if contract.attention == "causal_history" else ("none",)
     refused = [
         ("decoding", params.decoding == "verified", "'verified' is for hybrid models"),
-        ("cache", params.cache != "none", f"'{params.cache}' does not apply: the committed history has an exact KV "
-                                          f"cache, always on; use cache='none'"),
+        ("cache", params.cache not in allowed_cache, f"'{params.cache}' does not apply: the committed history has an "
+                                                    f"exact KV cache, always on; use cache='none'"),
         ("suffix_window", params.suffix_window != 0, "does not apply: nothing after the current block is attended"),
         ("suffix", has_suffix, "(infilling) needs a full-attention model: a block model never sees what follows"),
         ("cfg_scale", params.cfg_scale > 0, "(classifier-free guidance) is not supported for block-diffusion models"),

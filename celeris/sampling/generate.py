@@ -201,9 +201,10 @@ def generate(
             do (``check_model_support``: e.g. blocks longer than 1 on a causal model).
         NoProgressError: a step committed nothing for a row (non-finite scores).
     """
-    from celeris.sampling.block import contract_of, generate_block
+    from celeris.sampling.block import block_mode, generate_block
 
-    if contract_of(model) is not None:  # a block-diffusion model decodes by its own reference sampler
+    first = params[0] if isinstance(params, list) and params else params
+    if isinstance(first, SamplingParams) and block_mode(model, first) is not None:  # block diffusion's reference
         if suffix_ids and any(suffix_ids):
             raise ValueError("suffix (infilling) needs a full-attention model: a block model never sees what follows")
         return generate_block(model, prompt_ids, params)

@@ -54,9 +54,9 @@ def check_model_support(model: torch.nn.Module, params: SamplingParams, has_suff
     guidance). A ``suffix_window`` cannot go with a suffix to infill. A block-diffusion model
     (``block_contract``) is checked by ``celeris.sampling.block.check_block_support``.
     """
-    from celeris.sampling.block import check_block_support, contract_of
+    from celeris.sampling.block import block_mode, check_block_support
 
-    contract = contract_of(model)
+    contract = block_mode(model, params)
     if contract is not None:  # a block-diffusion model: its own contract (celeris.sampling.block)
         check_block_support(contract, params, has_suffix)
         return

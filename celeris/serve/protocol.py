@@ -187,7 +187,8 @@ class SamplingRequest(StrictModel):
     block_length: int | None = Field(default=None, ge=1)
     top_k: int | None = None  # as in vLLM; range checked by SamplingParams
     remasking: Literal["low_confidence", "random", "margin", "entropy"] | None = None
-    decoding: Literal["fixed", "threshold", "factor", "entropy", "verified"] | None = None
+    decoding: Literal["fixed", "threshold", "factor", "entropy", "verified", "low_confidence_static",
+                      "low_confidence_dynamic", "sequential"] | None = None
     threshold: float | None = None
     factor: float | None = None
     entropy_bound: float | None = None

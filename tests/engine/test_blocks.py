@@ -118,3 +118,52 @@ def test_end_ids_stop_the_answer_and_early_exit_saves_passes(model):
     assert request.finish_reason == "stop" and streamed == full[: full.index(stop_id)]
     ref = generate_block(model, [PROMPTS[0]], stopped, end_ids=[stop_id])
     assert ref.token_ids[0] == streamed and request.nfe == ref.nfe < generate_block(model, [PROMPTS[0]], params).nfe
+
+
+@pytest.fixture(scope="module")
+def hybrid():
+    """A tiny Celeris hybrid model (causal, draft blocks of 4): its block-diffusion mode."""
+    from celeris.models.celeris import CelerisConfig, CelerisModel
+
+    torch.manual_seed(0)
+    model = CelerisModel(CelerisConfig(vocab_size=64, hidden_size=32, num_layers=2, num_heads=4, intermediate_size=64,
+                                       max_position_embeddings=128, is_causal=True, draft_block_size=4))
+    model.init_weights(0.5)
+    return model.double().eval()
+
+
+@pytest.mark.parametrize("settings", [{"block_length": 4, "decoding": "fixed", "steps": 2},
+                                      {"block_length": 2, "decoding": "threshold", "threshold": 0.2},
+                                      {"block_length": 4, "decoding": "low_confidence_dynamic", "cache": "delayed"}])
+def test_hybrid_block_mode_engine_equals_reference(hybrid, settings):
+    params = SamplingParams(max_new_tokens=10, early_exit=False, **settings)
+    prompts = [[5, 6, 7], [8, 9, 10, 11, 12, 13], [14]]
+    ref = generate_block(hybrid, prompts, params)
+    requests, engine = run_engine(hybrid, [(0, p, params) for p in prompts])
+    assert [r.answer.tolist() for r in requests] == ref.answer_ids.tolist()
+    assert engine.block_decoder.num_passes == max(r.nfe for r in requests)
+
+
+def test_hybrid_next_token_and_block_requests_share_the_engine(hybrid):
+    """block_length 1 stays the next-token path (one token per pass), block_length 4 the block path."""
+    token = SamplingParams(max_new_tokens=6, block_length=1, steps=6, cache="delayed", early_exit=False)
+    block = SamplingParams(max_new_tokens=8, block_length=4, steps=4, early_exit=False)
+    requests, _ = run_engine(hybrid, [(0, [5, 6, 7], token), (1, [8, 9], block)])
+    assert requests[0].nfe == 6
+    assert requests[1].answer.tolist() == generate_block(hybrid, [[8, 9]], block).answer_ids[0].tolist()
+
+
+def test_hybrid_training_layout_equals_block_inference(hybrid):
+    """The hybrid objective's clean (+) noisy layout scores each noisy block as the block path does."""
+    from celeris.train.objective import hybrid_hidden_states
+
+    g = torch.Generator().manual_seed(4)
+    clean = torch.randint(3, 64, (1, 12), generator=g)
+    noisy = torch.where(torch.rand(1, 12, generator=g) < 0.5, hybrid.config.mask_token_id, clean)
+    hidden = hybrid_hidden_states(hybrid, clean, noisy, 4)[:, 12:]  # the noisy stream
+    for b in range(3):
+        canvas = torch.cat([clean[:, : 4 * b], noisy[:, 4 * b : 4 * b + 4]], dim=1)
+        mask = layout_mask(torch.arange(canvas.shape[1])[None], canvas.shape[1], torch.tensor([4 * b]),
+                           torch.tensor([4 * b + 4]), torch.tensor([0]), 4, "causal_history")
+        inference = hybrid.hidden_states(canvas, layout_mask=mask)[:, 4 * b :]
+        torch.testing.assert_close(hidden[:, 4 * b : 4 * b + 4], inference, atol=1e-6, rtol=1e-6)
