@@ -76,7 +76,8 @@ def _sampling_args(p: argparse.ArgumentParser) -> None:
                    "minus top-2 probability) or entropy (negative entropy; Dream's rules, not --decoding entropy)")
     p.add_argument("--decoding", help="fixed, threshold, factor, entropy (EB-sampler), verified (hybrid models), or SDAR's "
                    "low_confidence_static, low_confidence_dynamic, sequential")
-    p.add_argument("--threshold", type=float, help="confidence threshold; needs --decoding threshold or low_confidence_dynamic")
+    p.add_argument("--threshold", type=float, help="confidence threshold; needs --decoding threshold or "
+                   "low_confidence_dynamic")
     p.add_argument("--factor", type=float, help="Fast-dLLM factor; needs --decoding factor")
     p.add_argument("--entropy-bound", type=float, help="summed entropy bound (nats); needs --decoding entropy")
     p.add_argument("--cfg-scale", type=float, help="classifier-free guidance scale (0 = off)")
