@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -40,6 +41,9 @@ from celeris.sampling.step import (
     denoise_step,
     make_generator,
 )
+
+if TYPE_CHECKING:
+    from celeris.sampling.generate import GenerationOutput
 
 Unit = tuple[int, int, int, int]
 """(attention block start, attention block end, sub-block start, sub-block end) canvas columns."""
@@ -129,7 +133,7 @@ def generate_block(
     params: SamplingParams | list[SamplingParams],
     end_ids: list[int] | None = None,
     on_step: Callable[[int, torch.Tensor], None] | None = None,
-) -> object:
+) -> GenerationOutput:
     """Generate answers with a block-diffusion model, recomputing everything at every step (the reference).
 
     Args:
@@ -147,7 +151,7 @@ def generate_block(
         ValueError: empty prompt or a setting the model cannot use (``check_block_support``).
         NoProgressError: a step committed nothing (non-finite scores).
     """
-    from celeris.sampling.generate import GenerationOutput
+    from celeris.sampling.generate import GenerationOutput  # noqa: F811 (generate.py imports this module)
 
     start = time.perf_counter()
     rows = params if isinstance(params, list) else [params] * len(prompt_ids)

@@ -207,7 +207,8 @@ def generate(
     if isinstance(first, SamplingParams) and block_mode(model, first) is not None:  # block diffusion's reference
         if suffix_ids and any(suffix_ids):
             raise ValueError("suffix (infilling) needs a full-attention model: a block model never sees what follows")
-        return generate_block(model, prompt_ids, params)
+        step_hook = (lambda _row, answer: on_step(answer[None])) if on_step is not None else None  # (1, N) per row
+        return generate_block(model, prompt_ids, params, on_step=step_hook)
     start = time.perf_counter()
     rows = params if isinstance(params, list) else [params] * len(prompt_ids)
     if len(rows) != len(prompt_ids) or not prompt_ids:

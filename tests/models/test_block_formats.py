@@ -142,3 +142,14 @@ def test_config_block_size_overrides_the_table(tmp_path):
     write_sdar(tmp_path / "s", block_size=8)
     model = load_any(tmp_path / "s")
     assert model.block_contract.block_size == 8 and model.block_contract.defaults["block_length"] == 8
+
+
+def test_memory_estimate_and_refusal(sdar_dir, monkeypatch):
+    from celeris.models import registry
+
+    folder, _, state = sdar_dir
+    numel = sum(t.numel() for t in state.values())
+    monkeypatch.setattr(registry, "available_bytes", lambda device: numel * 3)  # float32 needs 4x, bfloat16 2x
+    with pytest.raises(CheckpointError, match="not enough memory"):
+        load_any(folder)
+    assert load_any(folder, dtype=torch.bfloat16) is not None

@@ -117,3 +117,14 @@ def test_cli_generate_and_serve_processes_on_block_folders(block_dir):
             proc.kill()
             proc.wait()
     assert proc.returncode == 0
+
+
+def test_stop_strings_cut_a_block_models_answer(block_dir):
+    llm = LLM(block_dir, device="cpu")
+    params = llm.default_params(max_new_tokens=16, seed=0, ignore_eos=True)
+    first = llm.generate(["def add(a, b):"], params)[0]
+    stop = first.text[4:7]
+    assert stop.strip(), first.text
+    out = llm.generate(["def add(a, b):"], llm.default_params(max_new_tokens=16, seed=0, ignore_eos=True,
+                                                               stop=[stop]))[0]
+    assert out.finish_reason == "stop" and out.text == first.text[: first.text.index(stop)]
