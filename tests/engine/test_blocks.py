@@ -20,7 +20,8 @@ PROMPTS = [[5, 6, 7], [8, 9, 10, 11, 12, 13], [14], [20, 21, 22, 23, 24, 25, 26,
 RULES = [{"decoding": "fixed"}, {"decoding": "threshold", "threshold": 0.3}, {"decoding": "factor", "factor": 1.0},
          {"decoding": "entropy", "entropy_bound": 1.0}, {"decoding": "low_confidence_static"},
          {"decoding": "low_confidence_dynamic", "threshold": 0.3}, {"decoding": "sequential"},
-         {"decoding": "fixed", "remasking": "margin"}]
+         {"decoding": "fixed", "remasking": "margin"}, {"decoding": "fixed", "repetition_penalty": 1.5, "top_k": 20},
+         {"decoding": "threshold", "threshold": 0.5, "temperature": 0.7, "seed": 5, "remasking": "random"}]
 
 
 @pytest.fixture(scope="module", params=["sdar", "fast_dllm_v2"])
