@@ -94,10 +94,12 @@ CONTRACTS: dict[str, DecodingContract] = {
         source="NVlabs/Fast-dLLM v2 modeling (generate: bd_size 32, small_block_size 8, threshold rule, mask "
                "151665, shifted logits, eval_block_diff_mask block_q >= block_kv); arXiv:2509.26328",
     ),
-    "llada2": DecodingContract(  # recorded for the table; the Ling MoE layout is not loaded natively (FORMATS.md)
+    "llada2": DecodingContract(
         block_size=32, mask_token="<|mask|>", mask_token_id=156895, logits_shift=0, attention="block_causal",
-        defaults={"block_length": 32, "steps": 32, "decoding": "threshold", "threshold": 0.95},
-        source="SGLang dllm/config.py (LLaDA2: block 32, mask 156895), dllm LLaDA2 sampler; arXiv:2512.15745",
+        defaults={"block_length": 32, "steps": 32, "decoding": "low_confidence_dynamic", "threshold": 0.95,
+                  "max_new_tokens": 256},
+        source="modeling_llada2_moe.py generate (block_length 32, steps 32, threshold 0.95 else the static count, "
+               "mask 156895, eos 156892, tril block mask); SGLang dllm/config.py; arXiv:2512.15745",
     ),
 }
 

@@ -121,3 +121,72 @@ def write_fast_dllm(folder: Path, seed: int = 4, scale: float = 1.0, num_shards:
         {"bos_token_id": ids["<|endoftext|>"], "eos_token_id": [ids["<|im_end|>"], ids["<|endoftext|>"]],
          "pad_token_id": ids["<|endoftext|>"]}))
     return cfg, state
+
+
+# ---------------------------------------------------------------- LLaDA2.0 (Ling 2.0 mixture of experts)
+
+LING_CHAT_TEMPLATE = (
+    "{% for message in messages %}<role>{{ message['role'] | upper }}</role>{{ message['content'] }}<|role_end|>"
+    "{% endfor %}{% if add_generation_prompt %}<role>ASSISTANT</role>{% endif %}"
+)
+LLADA2_SPECIALS = ["<role>", "</role>", "<|role_end|>"]
+
+
+def llada2_config(ids: dict[str, int], **overrides: object) -> dict:
+    """A tiny config.json with LLaDA2.0's published keys (``LLaDA2MoeConfig``): 2 layers, the first dense, the
+    second a mixture of 8 experts in 4 groups (2 groups kept, 2 experts per token) plus a shared expert."""
+    config = {
+        "architectures": ["LLaDA2MoeModelLM"], "attention_dropout": 0.0,
+        "auto_map": {"AutoConfig": "configuration_llada2_moe.LLaDA2MoeConfig",
+                     "AutoModelForCausalLM": "modeling_llada2_moe.LLaDA2MoeModelLM"},
+        "eos_token_id": ids["<|endoftext|>"], "pad_token_id": ids["<|endoftext|>"], "first_k_dense_replace": 1,
+        "head_dim": 8, "hidden_act": "silu", "hidden_size": 32, "intermediate_size": 48,
+        "max_position_embeddings": 256, "model_type": "llada2_moe", "moe_intermediate_size": 16, "n_group": 4,
+        "num_attention_heads": 4, "num_experts": 8, "num_experts_per_tok": 2, "num_hidden_layers": 2,
+        "num_key_value_heads": 2, "num_shared_experts": 1, "partial_rotary_factor": 0.5, "rms_norm_eps": 1e-06,
+        "rope_scaling": None, "rope_theta": 600000, "routed_scaling_factor": 2.5, "score_function": "sigmoid",
+        "tie_word_embeddings": False, "topk_group": 2, "torch_dtype": "bfloat16", "use_bias": False,
+        "use_qkv_bias": False, "vocab_size": ids["__size__"],
+    }
+    return config | overrides
+
+
+def llada2_shapes(cfg: dict) -> dict[str, tuple[int, ...]]:
+    """Published LLaDA2.0 tensor names and shapes for a config."""
+    d, heads, kv, hd = cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
+    ff, moe, vocab = cfg["intermediate_size"], cfg["moe_intermediate_size"], cfg["vocab_size"]
+    shapes = {"model.word_embeddings.weight": (vocab, d), "model.norm.weight": (d,), "lm_head.weight": (vocab, d)}
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        shapes |= {p + "input_layernorm.weight": (d,), p + "post_attention_layernorm.weight": (d,),
+                   p + "attention.query_key_value.weight": ((heads + 2 * kv) * hd, d),
+                   p + "attention.query_layernorm.weight": (hd,), p + "attention.key_layernorm.weight": (hd,),
+                   p + "attention.dense.weight": (d, heads * hd)}
+        if i < cfg["first_k_dense_replace"]:
+            shapes |= {p + "mlp.gate_proj.weight": (ff, d), p + "mlp.up_proj.weight": (ff, d),
+                       p + "mlp.down_proj.weight": (d, ff)}
+            continue
+        shared = moe * cfg["num_shared_experts"]
+        shapes |= {p + "mlp.gate.weight": (cfg["num_experts"], d), p + "mlp.gate.expert_bias": (cfg["num_experts"],),
+                   p + "mlp.shared_experts.gate_proj.weight": (shared, d),
+                   p + "mlp.shared_experts.up_proj.weight": (shared, d),
+                   p + "mlp.shared_experts.down_proj.weight": (d, shared)}
+        for e in range(cfg["num_experts"]):
+            shapes |= {f"{p}mlp.experts.{e}.gate_proj.weight": (moe, d), f"{p}mlp.experts.{e}.up_proj.weight": (moe, d),
+                       f"{p}mlp.experts.{e}.down_proj.weight": (d, moe)}
+    return shapes
+
+
+def write_llada2(folder: Path, seed: int = 5, scale: float = 1.0, num_shards: int = 1,
+                 **overrides: object) -> tuple[dict, dict]:
+    """A tiny LLaDA2.0 checkpoint folder; returns (config dict, state dict under the published names)."""
+    tokenizer_config = {"bos_token": "<|endoftext|>", "eos_token": "<|endoftext|>", "mask_token": "<|mask|>",
+                        "pad_token": "<|endoftext|>", "chat_template": LING_CHAT_TEMPLATE,
+                        "tokenizer_class": "PreTrainedTokenizerFast"}
+    ids = write_tokenizer(folder, LLADA2_SPECIALS, tokenizer_config)
+    cfg = llada2_config(ids, **overrides)
+    (folder / "config.json").write_text(json.dumps(cfg, indent=2))
+    state = random_weights(llada2_shapes(cfg), seed)
+    state = {k: v * scale if v.dim() == 2 else v for k, v in state.items()}
+    save_weights(folder, state, num_shards)
+    return cfg, state

@@ -11,9 +11,10 @@ import pytest
 from celeris.cli import main
 from celeris.llm import LLM
 from celeris.serve.serving import OpenAIServing
-from tests.models.conftest_block_formats import write_fast_dllm, write_sdar
+from tests.models.conftest_block_formats import write_fast_dllm, write_llada2, write_sdar
 
-WRITERS = {"sdar": write_sdar, "fast_dllm_v2": write_fast_dllm}
+QWEN_WRITERS = {"sdar": write_sdar, "fast_dllm_v2": write_fast_dllm}  # Qwen chat tokenizers (<|im_end|>)
+WRITERS = QWEN_WRITERS | {"llada2": write_llada2}
 
 
 @pytest.fixture(scope="module", params=sorted(WRITERS))
@@ -30,7 +31,7 @@ def test_cli_generate_with_the_contract_defaults(block_dir, capsys):
     assert rc == 0, out.err
     record = json.loads(out.out)
     contract = LLM(block_dir, device="cpu").model.block_contract
-    assert record["block_length"] == contract.defaults["block_length"]
+    assert record["block_length"] == min(contract.defaults["block_length"], 12)  # the CLI reports the capped block
     assert record["decoding"] == contract.defaults["decoding"] and 1 <= record["nfe"] <= 12
 
 
@@ -61,8 +62,15 @@ def test_serving_layer_on_block_format(block_dir):
         serving.stop()
 
 
-def test_end_of_turn_ids_and_enable_thinking(block_dir):
-    llm = LLM(block_dir, device="cpu")
+@pytest.fixture(scope="module", params=sorted(QWEN_WRITERS))
+def qwen_dir(request, tmp_path_factory):
+    folder = tmp_path_factory.mktemp(request.param)
+    QWEN_WRITERS[request.param](folder)
+    return folder
+
+
+def test_end_of_turn_ids_and_enable_thinking(qwen_dir):
+    llm = LLM(qwen_dir, device="cpu")
     tok = llm.tokenizer
     im_end, eot = tok._tok.token_to_id("<|im_end|>"), tok._tok.token_to_id("<|endoftext|>")
     assert {im_end, eot} <= set(llm.end_token_ids)  # the chat end and the config's end-of-text both end an answer
