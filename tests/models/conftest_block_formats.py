@@ -155,22 +155,29 @@ def llada2_shapes(cfg: dict) -> dict[str, tuple[int, ...]]:
     """Published LLaDA2.0 tensor names and shapes for a config."""
     d, heads, kv, hd = cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
     ff, moe, vocab = cfg["intermediate_size"], cfg["moe_intermediate_size"], cfg["vocab_size"]
-    shapes = {"model.word_embeddings.weight": (vocab, d), "model.norm.weight": (d,), "lm_head.weight": (vocab, d)}
+    shapes = {"model.word_embeddings.weight": (vocab, d), "model.norm.weight": (d,)}
+    if not cfg["tie_word_embeddings"]:
+        shapes["lm_head.weight"] = (vocab, d)
     for i in range(cfg["num_hidden_layers"]):
         p = f"model.layers.{i}."
         shapes |= {p + "input_layernorm.weight": (d,), p + "post_attention_layernorm.weight": (d,),
                    p + "attention.query_key_value.weight": ((heads + 2 * kv) * hd, d),
                    p + "attention.query_layernorm.weight": (hd,), p + "attention.key_layernorm.weight": (hd,),
                    p + "attention.dense.weight": (d, heads * hd)}
+        if cfg["use_qkv_bias"]:
+            shapes[p + "attention.query_key_value.bias"] = ((heads + 2 * kv) * hd,)
+        if cfg["use_bias"]:
+            shapes[p + "attention.dense.bias"] = (d,)
         if i < cfg["first_k_dense_replace"]:
             shapes |= {p + "mlp.gate_proj.weight": (ff, d), p + "mlp.up_proj.weight": (ff, d),
                        p + "mlp.down_proj.weight": (d, ff)}
             continue
-        shared = moe * cfg["num_shared_experts"]
-        shapes |= {p + "mlp.gate.weight": (cfg["num_experts"], d), p + "mlp.gate.expert_bias": (cfg["num_experts"],),
-                   p + "mlp.shared_experts.gate_proj.weight": (shared, d),
-                   p + "mlp.shared_experts.up_proj.weight": (shared, d),
-                   p + "mlp.shared_experts.down_proj.weight": (d, shared)}
+        shapes |= {p + "mlp.gate.weight": (cfg["num_experts"], d), p + "mlp.gate.expert_bias": (cfg["num_experts"],)}
+        if cfg["num_shared_experts"]:
+            shared = moe * cfg["num_shared_experts"]
+            shapes |= {p + "mlp.shared_experts.gate_proj.weight": (shared, d),
+                       p + "mlp.shared_experts.up_proj.weight": (shared, d),
+                       p + "mlp.shared_experts.down_proj.weight": (d, shared)}
         for e in range(cfg["num_experts"]):
             shapes |= {f"{p}mlp.experts.{e}.gate_proj.weight": (moe, d), f"{p}mlp.experts.{e}.up_proj.weight": (moe, d),
                        f"{p}mlp.experts.{e}.down_proj.weight": (d, moe)}
