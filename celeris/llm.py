@@ -15,6 +15,7 @@ from celeris.config import EngineConfig, resolve_device, resolve_dtype
 from celeris.engine import Engine, Request
 from celeris.models.registry import load_any, load_tokenizer
 from celeris.params import SamplingParams, causal_defaults
+from celeris.sampling.block import contract_of
 from celeris.sampling.step import check_fits_context, check_prompts
 from celeris.serve.detokenize import cut_at_stop
 from celeris.structured.grammar import grammar_tokenizer
@@ -101,6 +102,9 @@ class LLM:
         self.tokenizer = load_tokenizer(self.path, self.model)
         gen_path = self.path / "generation_config.json"
         self.generation_config: dict = json.loads(gen_path.read_text()) if gen_path.is_file() else {}
+        contract = contract_of(self.model)
+        if contract is not None:  # a block-diffusion model: its contract's decoding defaults, under the folder's own
+            self.generation_config = {**contract.defaults, **self.generation_config}
         if getattr(self.model.config, "is_causal", False):  # what an autoregressive model can decode by default
             self.generation_config = causal_defaults(self.generation_config)
         # every id that ends an answer: end-of-text, the generation config's eos_token_id list, end-of-turn

@@ -93,9 +93,11 @@ class SamplingParams:
     max_tokens: int = setting(128, low=1, help="answer length in tokens (the masked canvas)", http=False,
                               cli={"flags": ("--max-tokens", "--max-new-tokens")})
     steps: int = setting(128, low=1, help="denoising steps for the whole answer (fixed decoding; steps that do "
-                         "not divide over the blocks are rounded as celeris.sampling.schedule.block_plan says)")
+                         "not divide over the blocks are rounded as celeris.sampling.schedule.block_plan says); "
+                         "for a block-diffusion model (celeris.sampling.block), steps per sub-block")
     block_length: int = setting(32, low=1, help="tokens per semi-autoregressive block (capped at max_tokens); "
-                                "an autoregressive (causal) model needs 1")
+                                "an autoregressive (causal) model needs 1; for a block-diffusion model, the "
+                                "denoising sub-block, which must divide the model's trained block size")
     temperature: float = setting(0.0, low=0.0, high=2.0, per_row=True, http=False,
                                  help="0 = greedy; > 0 samples by Gumbel-max in float64 (arXiv:2409.02908)")
     top_p: float = setting(1.0, low=1e-6, high=1.0, per_row=True, http=False, help="nucleus mass (arXiv:1904.09751)")

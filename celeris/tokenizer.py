@@ -190,9 +190,10 @@ class Tokenizer:
             for v in value if isinstance(value, list) else [value]:
                 if isinstance(v, int) and not isinstance(v, bool):
                     ids.append(v)
+        declared = set(ids)  # a pad id that a config also declares an end id (Qwen chat folders: <|endoftext|>) ends
         special = {a.content for a in self._tok.get_added_tokens_decoder().values() if a.special}
         ids += [self._tok.token_to_id(t) for t in END_OF_TURN if t in special]
-        reserved = {self.mask_token_id} | ({self.pad_token_id} - {self.eos_token_id})
+        reserved = {self.mask_token_id} | ({self.pad_token_id} - declared)
         return sorted({i for i in ids if 0 <= i < self.vocab_size and i not in reserved})
 
     def split_stop(self, stop: list[str]) -> tuple[list[str], list[int]]:
@@ -216,14 +217,14 @@ class Tokenizer:
         return ids
 
     def encode_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True,
-                    tools: list[dict] | None = None) -> list[int]:
+                    tools: list[dict] | None = None, **template_kwargs: object) -> list[int]:
         """Render ``messages`` with the chat template and encode the result; the special tokens the template
         writes (role markers, end-of-turn) keep their ids, while every special-token string inside a message's
         content is encoded as plain text (a user cannot forge a role marker or a mask).
 
         Each such string is swapped for a private-use character absent from the messages and the template
         before rendering, and encoded as text where that character lands. ``tools`` (OpenAI tool definitions)
-        go to a template that reads them (``apply_chat_template``).
+        go to a template that reads them (``apply_chat_template``), as do ``template_kwargs``.
         """
         used = "".join(m["content"] for m in messages) + (self.chat_template or "")
         base = next(c for c in range(0xE000, 0xF8FF - len(self.all_special_tokens))
@@ -232,7 +233,7 @@ class Tokenizer:
         pattern = re.compile("|".join(re.escape(t) for t in self.all_special_tokens)) if sentinel else None
         safe = [{**m, "content": pattern.sub(lambda x: sentinel[x.group(0)], m["content"]) if pattern else m["content"]}
                 for m in messages]
-        rendered = self.apply_chat_template(safe, add_generation_prompt, tools)
+        rendered = self.apply_chat_template(safe, add_generation_prompt, tools, **template_kwargs)
         back = {c: tok for tok, c in sentinel.items()}
         ids: list[int] = []
         for piece in re.split("([" + "".join(back) + "])", rendered) if back else [rendered]:
@@ -247,9 +248,13 @@ class Tokenizer:
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True,
-                            tools: list[dict] | None = None) -> str:
+                            tools: list[dict] | None = None, **template_kwargs: object) -> str:
         """Render ``messages`` ([{"role", "content"}, ...]) with the checkpoint's Jinja chat template; ``tools``
-        (OpenAI tool definitions, or None) are passed to it as Hugging Face does."""
+        (OpenAI tool definitions, or None) and ``template_kwargs`` (e.g. Qwen3's ``enable_thinking``, which SDAR's
+        template reads) are passed to it as Hugging Face's ``apply_chat_template`` does.
+
+        Raises:
+            TypeError: a ``template_kwargs`` key that is one of the template's own variables."""
         if not self.chat_template:
             return "\n".join(m["content"] for m in messages) + "\n"
         import jinja2
@@ -262,5 +267,5 @@ class Tokenizer:
         )
         return env.from_string(self.chat_template).render(
             messages=messages, add_generation_prompt=add_generation_prompt, tools=tools, documents=None,
-            **self.special_tokens,
+            **self.special_tokens, **template_kwargs,
         )

@@ -286,7 +286,8 @@ def test_threads_sets_the_intra_op_thread_count(capsys, tiny_checkpoint):
 
 
 @pytest.mark.parametrize(("flags", "needle"), [
-    (["--threshold", "0.2"], "threshold applies to decoding='threshold' only; got decoding='fixed'"),
+    (["--threshold", "0.2"], "threshold applies to decoding='threshold' or decoding='low_confidence_dynamic' only; "
+                              "got decoding='fixed'"),
     (["--decoding", "threshold", "--factor", "2"], "factor applies to decoding='factor' only"),
     (["--entropy-bound", "1"], "entropy_bound applies to decoding='entropy' only"),
     (["--draft-source", "lookup"], "draft_source applies to decoding='verified' only"),

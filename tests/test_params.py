@@ -195,7 +195,8 @@ def test_setting_for_an_unchosen_rule_is_an_error_naming_both(name):
 
 def test_threshold_without_threshold_decoding_is_refused():
     """The issue's example: threshold 0.2 and 0.95 used to give the same output under the default fixed rule."""
-    with pytest.raises(ValueError, match="threshold applies to decoding='threshold' only; got decoding='fixed'"):
+    with pytest.raises(ValueError, match="threshold applies to decoding='threshold' or decoding='low_confidence_dynamic' "
+                                         "only; got decoding='fixed'"):
         SamplingParams(threshold=0.2)
     assert SamplingParams(decoding="threshold", threshold=0.2).threshold == 0.2
 

@@ -11,6 +11,12 @@ memory of the shipped model and of a randomly initialised model with LLaDA-8B's 
 3. LLaDA-8B's shape (arXiv:2502.09992: 32 layers, d_model 4096, 32 heads, SwiGLU 12288, vocabulary
    126,464), random weights, bfloat16: latency of one full pass and of one dual-cache window pass at batch
    1 and 8 over a 512-token canvas, tokens/s of a 256-token answer at the fast settings, peak memory.
+4. Block diffusion: a tiny random SDAR model on the device gives the reference block sampler's tokens through
+   the engine's block path (batched); then SDAR-1.7B's shape (arXiv:2510.06303 / JetLM/SDAR-1.7B-Chat
+   config: 28 layers, hidden 2048, 16 query / 8 K/V heads of 128, q/k norms, SwiGLU 6144, vocabulary
+   151,936), random weights, bfloat16: latency of one engine step (every row's 4-token block against the KV
+   cache of its history) and of the reference's full recompute over the same canvas, tokens/s of a 256-token
+   answer at the contract's defaults (block 4, ``low_confidence_dynamic`` 0.9), at batch 1 and 8, peak memory.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ import torch
 from celeris.config import EngineConfig
 from celeris.engine import Engine
 from celeris.models.llada import LLaDAConfig, LLaDAModel
+from celeris.models.sdar import SDARConfig, SDARModel
 from celeris.params import SamplingParams
 from celeris.sampling.generate import generate
 
@@ -138,6 +145,90 @@ def llada_shape_speed(device: torch.device, smoke: bool) -> list[dict]:
     return results
 
 
+def sdar_shape(smoke: bool) -> SDARConfig:
+    """SDAR-1.7B-Chat's published config (``smoke``: the same layout, small)."""
+    big = dict(hidden_size=2048, num_attention_heads=16, num_key_value_heads=8, head_dim=128, num_hidden_layers=28,
+               intermediate_size=6144, vocab_size=151936)
+    small = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_hidden_layers=2,
+                 intermediate_size=128, vocab_size=512)
+    dims = small if smoke else big
+    return SDARConfig(**dims, rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=False,
+                      mask_token_id=dims["vocab_size"] - 1, eos_token_id=dims["vocab_size"] - 3,
+                      pad_token_id=dims["vocab_size"] - 3)
+
+
+def random_model(cfg: SDARConfig, device: torch.device, dtype: torch.dtype, std: float) -> SDARModel:
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = SDARModel(cfg).to(dtype).eval()
+    for name, p in model.named_parameters():
+        if "norm" not in name:
+            p.data.normal_(0.0, std)
+    return model
+
+
+def check_block_correctness(device: torch.device) -> dict:
+    """The engine's block path == the reference block sampler on the device (batched, mixed prompt lengths)."""
+    from celeris.sampling.block import generate_block
+
+    model = random_model(sdar_shape(True), device, torch.float32, 0.2)
+    prompts = [[5, 6, 7, 8, 9, 10, 11], [12, 13], [14, 15, 16, 17, 18, 19, 20, 21, 22]]
+    out = {"check": "block-correctness", "device": str(device), "decoding": {}}
+    for decoding in ("fixed", "low_confidence_dynamic", "threshold"):
+        params = SamplingParams(max_tokens=16, steps=4, block_length=4, decoding=decoding, early_exit=False)
+        reference = generate_block(model, prompts, params)
+        engine = Engine(model, EngineConfig(max_num_seqs=8))
+        requests = [engine.add_request(p, params) for p in prompts]
+        while engine.has_unfinished():
+            engine.step()
+        out["decoding"][decoding] = all(torch.equal(r.answer, reference.answer_ids[i].cpu())
+                                        for i, r in enumerate(requests))
+    out["ok"] = all(out["decoding"].values())
+    return out
+
+
+def sdar_shape_speed(device: torch.device, smoke: bool) -> list[dict]:
+    """One engine step and one reference recompute, then tokens/s of a 256-token answer, at batch 1 and 8."""
+    from celeris.models.contract import layout_mask
+
+    cfg = sdar_shape(smoke)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    model = random_model(cfg, device, dtype, 0.02)
+    answer = 32 if smoke else 256
+    params = SamplingParams(**model.block_contract.defaults | {"max_tokens": answer})
+    results = []
+    for batch in (1, 8):
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        prompts = torch.randint(0, cfg.vocab_size - 8, (batch, answer)).tolist()
+        canvas = torch.randint(0, cfg.vocab_size - 8, (batch, 2 * answer), device=device)
+        cols = torch.arange(2 * answer, device=device)[None].expand(batch, -1)
+        end = torch.full((batch,), 2 * answer, device=device)
+        mask = layout_mask(cols, 2 * answer, end - 4, end, torch.zeros_like(end), 4, "block_causal")
+        recompute_s = time_call(lambda canvas=canvas, mask=mask: model.hidden_states(canvas, layout_mask=mask), device)
+        engine = Engine(model, EngineConfig(max_num_seqs=batch))
+        requests = [engine.add_request(p, params) for p in prompts]
+        engine.step()  # the prefill pass (prompt + first block)
+        step_s = time_call(engine.step, device, repeats=3)
+        while engine.has_unfinished():
+            engine.step()
+        engine = Engine(model, EngineConfig(max_num_seqs=batch))
+        sync(device)
+        start = time.perf_counter()
+        requests = [engine.add_request(p, params) for p in prompts]
+        while engine.has_unfinished():
+            engine.step()
+        sync(device)
+        seconds = time.perf_counter() - start
+        tokens = sum(len(r.final_prefix(cfg.eos_token_id)) for r in requests)
+        results.append({"check": "sdar-1.7b-shape", "dtype": str(dtype).removeprefix("torch."), "batch": batch,
+                        "canvas_tokens": 2 * answer, "engine_step_ms": round(step_s * 1e3, 2),
+                        "reference_recompute_ms": round(recompute_s * 1e3, 2), "answer_tokens": tokens,
+                        "seconds": round(seconds, 3), "tokens_per_s": round(tokens / seconds, 1),
+                        "nfe": max(r.nfe for r in requests), "peak_memory_gb": peak_memory_gb(device)})
+    return results
+
+
 def shipped_model_speed(out_dir: str) -> list[dict]:
     """The embedded model through ``celeris bench`` (on CUDA when available) at 256 tokens, batch 1 and 8."""
     from celeris.bench.run import BenchConfig, run_bench
@@ -165,10 +256,14 @@ def main(argv: list[str] | None = None) -> int:
     print(json.dumps(correctness), flush=True)
     for row in llada_shape_speed(device, args.smoke):
         print(json.dumps(row), flush=True)
+    block = check_block_correctness(device)
+    print(json.dumps(block), flush=True)
+    for row in sdar_shape_speed(device, args.smoke):
+        print(json.dumps(row), flush=True)
     if not args.smoke:
         for row in shipped_model_speed(args.out):
             print(json.dumps(row), flush=True)
-    return 0 if correctness["ok"] else 1
+    return 0 if correctness["ok"] and block["ok"] else 1
 
 
 if __name__ == "__main__":

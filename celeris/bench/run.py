@@ -15,6 +15,10 @@ every output length is swept, and every batch size of ``batch_sizes``):
   engine; the run also records the acceptance rate per draft slot, over its warm-up and timed calls),
   and, beside the twin, ``ar-twin-lookup`` (the twin under verified decoding with prompt-lookup drafts
   only: what the mask slots add over lookup alone);
+- for a block-diffusion model (SDAR, Fast-dLLM v2: ``celeris.models.contract``) the two systems are
+  ``block-reference`` (its reference sampler, ``celeris.sampling.block.generate_block``: the whole canvas
+  recomputed every step, no cache) and ``block-engine`` (the engine's block path: exact KV cache of the
+  history), both with the model's default decoding settings at temperature 0; they give the same tokens
 - ``ar-twin``: an autoregressive model of the same architecture (``--ar-model``),
   decoded token by token with a KV cache;
 - ``smollm2-135m``: SmolLM2-135M-Instruct through ``transformers`` ``generate`` (greedy), what a
@@ -56,6 +60,7 @@ from celeris.llm import LLM
 from celeris.models.layers import KVCache
 from celeris.params import SamplingParams
 from celeris.sampling.autoregressive import generate_autoregressive
+from celeris.sampling.block import contract_of, generate_block
 from celeris.sampling.verified import draft_length
 
 
@@ -213,6 +218,15 @@ def perplexity(ar: LLM, prompts: list[list[int]], outputs: list[list[int]]) -> f
     return round(math.exp(nll / count), 3) if count else None
 
 
+def block_reference(llm: LLM, params: SamplingParams):
+    """A block-diffusion model's reference sampler (``celeris.sampling.block.generate_block``: recomputes the
+    canvas every step, no KV cache) as a bench system; one row at a time, as it decodes them."""
+    def decode(batch):
+        outs = [generate_block(llm.model, [p], params, llm.end_token_ids) for p in batch]
+        return [o.token_ids[0] for o in outs], [o.nfe for o in outs], [o.first_token_s[0] for o in outs]
+    return decode
+
+
 def run_bench(cfg: BenchConfig) -> dict:
     """Run every system at every output length and batch size; returns the results (also written to ``out_dir``).
 
@@ -275,6 +289,9 @@ def run_bench(cfg: BenchConfig) -> dict:
         if hybrid:  # verified decoding against the model's own next-token decoding
             fast = llm.default_params(max_tokens=length, temperature=0.0, decoding="verified")
             systems = [("hybrid-next-token", next_token(llm.model)), ("hybrid-verified", diffusion(fast))]
+        elif contract_of(llm.model) is not None:  # a block model: its reference sampler, then the engine
+            fast = llm.default_params(max_tokens=length, temperature=0.0)
+            systems = [("block-reference", block_reference(llm, fast)), ("block-engine", diffusion(fast))]
         else:
             systems = [("dllm-reference", diffusion(reference)), ("dllm-fast", diffusion(fast))]
         if ar is not None:

@@ -14,10 +14,12 @@ from dataclasses import dataclass
 import torch
 
 from celeris.config import EngineConfig
+from celeris.engine.blocks import BlockDecoder
 from celeris.engine.request import NO_PROGRESS, Request
 from celeris.engine.runner import ModelRunner
 from celeris.engine.scheduler import Scheduler
 from celeris.params import SamplingParams
+from celeris.sampling.block import block_mode, contract_of
 from celeris.sampling.step import (
     RowSettings,
     banned_token_ids,
@@ -76,6 +78,8 @@ class Engine:
         self.num_steps = 0
         self.drafter: VerifiedDecoder | None = None  # verified decoding (hybrid models), made at first use
         self._draft_rows: dict[Request, DraftRow] = {}
+        contract = contract_of(model)  # a block-diffusion model (or a hybrid's block mode): the block path
+        self.block_decoder = BlockDecoder(model, contract) if contract is not None else None
 
     def add_request(
         self,
@@ -132,6 +136,14 @@ class Engine:
         if not batch:
             self.num_steps += 1
             return outputs
+        if self.block_decoder is not None:  # celeris.engine.blocks: one pass, exact KV cache of the history
+            blocks = [r for r in batch if block_mode(self.model, r.params) is not None]
+            if blocks or self.block_decoder.rows:
+                outputs += [self._emit(r) for r in self.block_decoder.step(blocks)]
+            batch = [r for r in batch if r not in set(blocks)]
+            if not batch:
+                self.num_steps += 1
+                return outputs
         logits, block = self.runner.run(batch)
         settings = RowSettings.from_params([r.params for r in batch], logits.device)
         num_tokens = torch.tensor([r.tokens_this_step() for r in batch], device=logits.device)

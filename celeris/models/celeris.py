@@ -22,6 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from celeris.models.contract import hybrid_contract
+
 # shared with the LLaDA and Dream formats; still importable from here
 from celeris.models.layers import (
     KVCache,
@@ -157,6 +159,9 @@ class CelerisModel(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        # a hybrid model also decodes by plain block diffusion (celeris.sampling.block) with this contract
+        self.block_contract = (hybrid_contract(cfg.draft_block_size, cfg.mask_token_id)
+                               if cfg.is_causal and cfg.draft_block_size > 0 else None)
 
     @torch.no_grad()
     def init_weights(self, std: float = 0.02) -> None:
@@ -174,6 +179,7 @@ class CelerisModel(nn.Module):
         attention_mask: torch.Tensor | None = None,
         cache: KVCache | None = None,
         window: Window | None = None,
+        layout_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Final normed hidden states.
 
@@ -187,13 +193,18 @@ class CelerisModel(nn.Module):
                 fills; with ``window`` (w0, w1) or per-row columns (B, Lw) (see
                 ``layers.Window``), a filled cache: only those positions are
                 computed (and written back), the other keys/values come from the cache.
+            layout_mask: optional (B, 1, Lq, T) bool block-diffusion layout
+                (``celeris.models.contract.layout_mask``; a hybrid model's block mode),
+                used instead of the causal rule and combined with the padding mask.
 
         Returns:
             (B, T, hidden_size), or (B, Lw, hidden_size) for a window pass,
             in the parameter dtype.
         """
         positions, attn_mask = positions_and_mask(input_ids, attention_mask)  # None mask: SDPA's fast path
-        if self.config.is_causal and (attn_mask is not None or window is not None):
+        if layout_mask is not None:
+            attn_mask = layout_mask if attn_mask is None else layout_mask & attn_mask
+        elif self.config.is_causal and (attn_mask is not None or window is not None):
             causal = causal_mask(input_ids.shape[1], window, input_ids.device)
             attn_mask = causal if attn_mask is None else attn_mask & causal  # (B, 1, Lq, T)
         if cache is not None and window is None:

@@ -182,13 +182,20 @@ class Attention(nn.Module):
     Llama's attention (arXiv:2302.13971) with grouped-query K/V heads (GQA,
     arXiv:2305.13245: query head h reads K/V head ``h // (num_heads //
     num_kv_heads)``) and, optionally, biases on q/k/v (Qwen2, as in Dream;
-    LLaDA's ``include_qkv_bias``). The output projection has no bias.
+    LLaDA's ``include_qkv_bias``). The output projection has no bias. ``head_dim`` may be given (Qwen3
+    states it; default hidden_size // num_heads) and ``qk_norm_eps`` adds Qwen3's per-head RMSNorm of the
+    queries and keys before RoPE (``q_norm`` / ``k_norm``, as SDAR).
     Shapes: x (B, L, hidden) -> (B, L, hidden); q (B, H, L, D), k/v (B, H_kv, L, D).
     """
 
-    def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int, qkv_bias: bool = False) -> None:
+    def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int, qkv_bias: bool = False,
+                 head_dim: int | None = None, qk_norm_eps: float | None = None) -> None:
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, hidden_size // num_heads
+        self.num_heads, self.num_kv_heads = num_heads, num_kv_heads
+        self.head_dim = head_dim or hidden_size // num_heads
+        # Qwen3 / SDAR: RMSNorm over each head's queries and keys before RoPE (``q_norm`` / ``k_norm``)
+        self.q_norm = RMSNorm(self.head_dim, qk_norm_eps) if qk_norm_eps is not None else None
+        self.k_norm = RMSNorm(self.head_dim, qk_norm_eps) if qk_norm_eps is not None else None
         self.q_proj = nn.Linear(hidden_size, num_heads * self.head_dim, bias=qkv_bias)
         self.k_proj = nn.Linear(hidden_size, num_kv_heads * self.head_dim, bias=qkv_bias)
         self.v_proj = nn.Linear(hidden_size, num_kv_heads * self.head_dim, bias=qkv_bias)
@@ -210,8 +217,11 @@ class Attention(nn.Module):
         (L = w1 - w0) the queries attend to all T cached positions.
         """
         b, length, _ = x.shape
-        q = self.q_proj(x).view(b, length, self.num_heads, self.head_dim).transpose(1, 2)  # (B, H, L, D)
-        k = self.k_proj(x).view(b, length, self.num_kv_heads, self.head_dim).transpose(1, 2)  # (B, Hkv, L, D)
+        q = self.q_proj(x).view(b, length, self.num_heads, self.head_dim)  # (B, L, H, D)
+        k = self.k_proj(x).view(b, length, self.num_kv_heads, self.head_dim)  # (B, L, Hkv, D)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)  # (B, H, L, D), (B, Hkv, L, D)
         v = self.v_proj(x).view(b, length, self.num_kv_heads, self.head_dim).transpose(1, 2)  # (B, Hkv, L, D)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         k, v = update_cache(k, v, cache, layer_idx, window)  # (B, Hkv, T, D) with a window
@@ -239,11 +249,12 @@ class Block(nn.Module):
     """Pre-norm transformer block (Llama): ``x += attn(attn_norm(x)); x += mlp(mlp_norm(x))``, (B, L, hidden)."""
 
     def __init__(
-        self, hidden_size: int, num_heads: int, num_kv_heads: int, intermediate_size: int, eps: float, qkv_bias: bool
+        self, hidden_size: int, num_heads: int, num_kv_heads: int, intermediate_size: int, eps: float, qkv_bias: bool,
+        head_dim: int | None = None, qk_norm: bool = False,
     ) -> None:
         super().__init__()
         self.attn_norm = RMSNorm(hidden_size, eps)
-        self.attn = Attention(hidden_size, num_heads, num_kv_heads, qkv_bias)
+        self.attn = Attention(hidden_size, num_heads, num_kv_heads, qkv_bias, head_dim, eps if qk_norm else None)
         self.mlp_norm = RMSNorm(hidden_size, eps)
         self.mlp = MLP(hidden_size, intermediate_size)
 
@@ -286,12 +297,14 @@ class TransformerLM(nn.Module):
         rope_theta: float,
         qkv_bias: bool,
         tie_head: bool,
+        head_dim: int | None = None,
+        qk_norm: bool = False,
     ) -> None:
         super().__init__()
-        self.vocab_size, self.head_dim, self.rope_theta = vocab_size, hidden_size // num_heads, rope_theta
+        self.vocab_size, self.head_dim, self.rope_theta = vocab_size, head_dim or hidden_size // num_heads, rope_theta
         self.embed_tokens = nn.Embedding(embedding_rows, hidden_size)
         self.layers = nn.ModuleList(
-            Block(hidden_size, num_heads, num_kv_heads, intermediate_size, rms_norm_eps, qkv_bias)
+            Block(hidden_size, num_heads, num_kv_heads, intermediate_size, rms_norm_eps, qkv_bias, head_dim, qk_norm)
             for _ in range(num_layers)
         )
         self.norm = RMSNorm(hidden_size, rms_norm_eps)
@@ -307,6 +320,7 @@ class TransformerLM(nn.Module):
         attention_mask: torch.Tensor | None = None,
         cache: KVCache | None = None,
         window: Window | None = None,
+        layout_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Final normed hidden states (unshifted).
 
@@ -320,12 +334,16 @@ class TransformerLM(nn.Module):
                 a filled cache: only those positions are computed, their
                 keys/values are written back into the cache and the other
                 positions' keys/values are read from it.
+            layout_mask: optional (B, 1, Lq, T) bool query/key mask of a block-diffusion layout
+                (``celeris.models.contract.layout_mask``), combined with the padding mask.
 
         Returns:
             (B, T, hidden), or (B, Lw, hidden) for a window pass, in the
             parameter dtype.
         """
         positions, attn_mask = positions_and_mask(input_ids, attention_mask)
+        if layout_mask is not None:
+            attn_mask = layout_mask if attn_mask is None else layout_mask & attn_mask
         if cache is not None and window is None:
             cache.keys.clear()
             cache.values.clear()

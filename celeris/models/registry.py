@@ -3,7 +3,10 @@
 ``config.json`` says which format a folder holds: ``model_type`` "celeris" ->
 ``celeris.models.loader``; LLaDA (``model_type`` "llada" or architecture
 ``LLaDAModelLM``) and Dream (``model_type`` "Dream" or architecture
-``DreamModel``) -> the native classes in ``llada.py`` / ``dream.py``; anything
+``DreamModel``) -> the native classes in ``llada.py`` / ``dream.py``; the block-diffusion
+formats SDAR (``sdar`` / ``SDARForCausalLM``) and Fast-dLLM v2 (``Fast_dLLM_Qwen`` /
+``Fast_dLLM_QwenForCausalLM``) and LLaDA2.0 (``llada2_moe`` / ``LLaDA2MoeModelLM``, mixture of experts) ->
+``sdar.py`` / ``fast_dllm.py`` / ``llada2.py``; anything
 else runs the folder's own modeling code through ``transformers``
 (``remote.py``), and only when the caller passes ``trust_remote_code=True``.
 
@@ -28,7 +31,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from torch import nn
 
-from celeris.models import dream, llada
+from celeris.models import dream, fast_dllm, llada, llada2, sdar
 from celeris.models.loader import CheckpointError, load_model
 from celeris.tokenizer import Tokenizer
 
@@ -56,6 +59,12 @@ class Format:
 FORMATS = {
     "llada": Format("llada", ("llada",), ("LLaDAModelLM",), llada.LLaDAConfig, llada.LLaDAModel, llada.CHECKPOINT_KEYS),
     "dream": Format("dream", ("dream",), ("DreamModel",), dream.DreamConfig, dream.DreamModel, dream.CHECKPOINT_KEYS),
+    # block diffusion (celeris.models.contract): SDAR (Qwen3 layout), Fast-dLLM v2 (Qwen2.5 layout)
+    "sdar": Format("sdar", ("sdar",), ("SDARForCausalLM",), sdar.SDARConfig, sdar.SDARModel, sdar.CHECKPOINT_KEYS),
+    "fast_dllm_v2": Format("fast_dllm_v2", ("fast_dllm_qwen",), ("Fast_dLLM_QwenForCausalLM",),
+                           fast_dllm.FastDLLMConfig, fast_dllm.FastDLLMModel, fast_dllm.CHECKPOINT_KEYS),
+    "llada2": Format("llada2", ("llada2_moe",), ("LLaDA2MoeModelLM",), llada2.LLaDA2Config, llada2.LLaDA2Model,
+                     llada2.CHECKPOINT_KEYS),
 }
 CELERIS_MODEL_TYPES = ("celeris",)
 
@@ -223,16 +232,25 @@ def _numel(shape: tuple[int, ...]) -> int:
 # ---------------------------------------------------------------- renaming
 
 
+INDEXES = ("i", "e")  # "{i}": a layer index; "{e}": an expert index (mixture-of-experts formats)
+
+
 def _pattern(template: str) -> re.Pattern:
-    return re.compile(re.escape(template).replace(re.escape("{i}"), r"(?P<i>\d+)") + "$")
+    pattern = re.escape(template)
+    for key in INDEXES:
+        pattern = pattern.replace(re.escape("{" + key + "}"), rf"(?P<{key}>\d+)")
+    return re.compile(pattern + "$")
 
 
 def rename(name: str, table: dict[str, str]) -> str | None:
-    """Map ``name`` through a ``{pattern: target}`` table ("{i}" matches a layer index); None if no pattern fits."""
+    """Map ``name`` through a ``{pattern: target}`` table ("{i}" matches a layer index, "{e}" an expert index);
+    None if no pattern fits."""
     for source, target in table.items():
         match = _pattern(source).match(name)
         if match:
-            return target.replace("{i}", match.group("i")) if "i" in match.groupdict() else target
+            for key, value in match.groupdict().items():
+                target = target.replace("{" + key + "}", value)
+            return target
     return None
 
 

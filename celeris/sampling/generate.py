@@ -202,6 +202,14 @@ def generate(
             do (``check_model_support``: e.g. blocks longer than 1 on a causal model).
         NoProgressError: a step committed nothing for a row (non-finite scores).
     """
+    from celeris.sampling.block import block_mode, generate_block
+
+    first = params[0] if isinstance(params, list) and params else params
+    if isinstance(first, SamplingParams) and block_mode(model, first) is not None:  # block diffusion's reference
+        if suffix_ids and any(suffix_ids):
+            raise ValueError("suffix (infilling) needs a full-attention model: a block model never sees what follows")
+        step_hook = (lambda _row, answer: on_step(answer[None])) if on_step is not None else None  # (1, N) per row
+        return generate_block(model, prompt_ids, params, on_step=step_hook)
     start = time.perf_counter()
     rows = batch_rows(prompt_ids, params)
     first = rows[0]  # the settings all rows share (structure_key)

@@ -72,6 +72,26 @@ def commit_entropy(conf: torch.Tensor, entropy: torch.Tensor, entropy_bound: flo
     return _at_least_one(conf, chosen)
 
 
+def commit_low_confidence_dynamic(conf: torch.Tensor, num_tokens: torch.Tensor, threshold: float | torch.Tensor,
+                                  **_: object) -> torch.Tensor:
+    """SDAR's ``low_confidence_dynamic`` (JetAstra/SDAR ``generate.py``; LMDeploy's ``dllm_unmasking_strategy``):
+    commit every masked position with confidence > ``threshold`` when there are at least ``num_tokens`` (B,)
+    of them (the static count of this step), else fall back to the ``num_tokens`` most confident (not to one
+    token). ``conf`` (B, L) is -inf where not masked. Returns (B, L) bool."""
+    above = (conf > threshold) & (conf > NEG_INF)
+    enough = above.sum(-1, keepdim=True) >= num_tokens[:, None]
+    return torch.where(enough, above, commit_fixed(conf, num_tokens))
+
+
+def commit_sequential(conf: torch.Tensor, num_tokens: torch.Tensor, **_: object) -> torch.Tensor:
+    """SDAR's ``sequential`` rule: the ``num_tokens`` (B,) positions from the block's first masked one on, left to
+    right (those of them that are masked), whatever their confidence. Returns (B, L) bool."""
+    is_masked = conf > NEG_INF  # (B, L)
+    cols = torch.arange(conf.shape[-1], device=conf.device)[None]
+    first = torch.where(is_masked, cols, conf.shape[-1]).min(-1, keepdim=True).values  # (B, 1)
+    return is_masked & (cols >= first) & (cols < first + num_tokens[:, None])
+
+
 def token_entropy(probs: torch.Tensor) -> torch.Tensor:
     """Entropy -sum_v p_v log p_v (nats) of each position's distribution: (B, L, V) -> (B, L) float64."""
     return -(probs * probs.clamp_min(1e-30).log()).sum(-1).double()
@@ -127,6 +147,12 @@ COMMIT_RULES: dict[str, CommitRule] = {
     "factor": CommitRule(commit_factor, "Fast-dLLM's factor rule (--factor)", params=("factor",)),
     "entropy": CommitRule(commit_entropy, "EB-sampler: summed entropy <= --entropy-bound (not --remasking entropy)",
                           params=("entropy_bound",), needs=("entropy",)),
+    # SDAR's names (arXiv:2510.06303; JetEngine / LMDeploy ``remasking_strategy``); ``low_confidence_static`` is
+    # LLaDA's fixed count of the most confident positions
+    "low_confidence_static": CommitRule(commit_fixed, "SDAR's name for fixed: the step's count, most confident first"),
+    "low_confidence_dynamic": CommitRule(commit_low_confidence_dynamic, "SDAR: every position above --threshold "
+                                         "when at least the step's count are, else that count", params=("threshold",)),
+    "sequential": CommitRule(commit_sequential, "SDAR: the step's count, left to right"),
     "verified": CommitRule(None, "hybrid models: drafts checked by the next-token head (celeris.sampling.verified)",
                            params=("draft_source",)),
 }

@@ -52,8 +52,15 @@ def check_model_support(model: torch.nn.Module, params: SamplingParams, has_suff
     keys/values are written once, a step after it is committed) or none: the modes whose
     ``CachePolicy.exact_for_causal`` is set (``celeris.sampling.cache``); it can
     neither see a suffix (infilling) nor score a masked prompt (classifier-free
-    guidance). A ``suffix_window`` cannot go with a suffix to infill.
+    guidance). A ``suffix_window`` cannot go with a suffix to infill. A block-diffusion model
+    (``block_contract``) is checked by ``celeris.sampling.block.check_block_support``.
     """
+    from celeris.sampling.block import block_mode, check_block_support
+
+    contract = block_mode(model, params)
+    if contract is not None:  # a block-diffusion model: its own contract (celeris.sampling.block)
+        check_block_support(contract, params, has_suffix)
+        return
     if params.grammar is not None and params.decoding == "verified":
         raise ValueError("decoding 'verified' cannot be used with a grammar (response_format, tools); use 'fixed'")
     if params.decoding == "verified":  # its own contract: a hybrid model, no CFG / penalty / infilling

@@ -294,6 +294,8 @@ class ChatCompletionRequest(SamplingRequest):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
     response_format: ResponseFormat | None = None
+    # extra variables for the chat template, as vLLM's field (e.g. Qwen3 / SDAR's {"enable_thinking": false})
+    chat_template_kwargs: dict[str, Any] | None = None
     # the deprecated function-calling fields, accepted only at their neutral values
     functions: Any = None
     function_call: Any = None

@@ -288,7 +288,8 @@ class OpenAIServing:
         params = self._params(request, max_tokens, chat_grammar(request))
         messages, tools = template_messages(request, self.tokenizer.chat_template)
         try:  # message contents are always text: a special-token string in them never becomes its id
-            prompt_ids = self.tokenizer.encode_chat(messages, add_generation_prompt=True, tools=tools)
+            prompt_ids = self.tokenizer.encode_chat(messages, add_generation_prompt=True, tools=tools,
+                                                    **(request.chat_template_kwargs or {}))
         except Exception as exc:  # jinja2 raises TemplateError (or anything a template raises)
             raise APIError(400, f"the chat template could not render these messages: {exc}", param="messages") from None
         encoded = [self._encode(prompt_ids, params, None, "messages")]

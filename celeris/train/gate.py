@@ -46,7 +46,7 @@ def function_prompts(tokens: np.ndarray, tokenizer: Tokenizer, count: int, max_c
 
 
 @torch.no_grad()
-def parse_rate(model: torch.nn.Module, tokenizer: Tokenizer, prompts: list[str], max_new_tokens: int = 128) -> float:
+def parse_rate(model: torch.nn.Module, tokenizer: Tokenizer, prompts: list[str], max_tokens: int = 128) -> float:
     """Share of ``prompts`` whose greedy next-token completion holds code and parses with its prompt.
 
     Greedy next-token decoding is what verified decoding outputs at temperature 0 (tested in
@@ -55,7 +55,7 @@ def parse_rate(model: torch.nn.Module, tokenizer: Tokenizer, prompts: list[str],
     Args:
         model: a causal Celeris model (``config.is_causal``); put back in its training mode afterwards.
         prompts: strings from ``function_prompts``.
-        max_new_tokens: tokens per completion.
+        max_tokens: tokens per completion.
 
     Returns:
         Parse rate in [0, 1]; 0.0 for no prompts.
@@ -67,7 +67,7 @@ def parse_rate(model: torch.nn.Module, tokenizer: Tokenizer, prompts: list[str],
         return 0.0
     was_training = model.training
     model.eval()
-    params = SamplingParams(max_new_tokens=max_new_tokens, steps=max_new_tokens, block_length=max_new_tokens,
+    params = SamplingParams(max_tokens=max_tokens, steps=max_tokens, block_length=max_tokens,
                             temperature=0.0)
     ids = [tokenizer.encode(p).ids for p in prompts]
     out = generate_autoregressive(model, ids, params)

@@ -15,6 +15,11 @@ def test_gpu_check_smoke_on_cpu(capsys):
     speed = [r for r in rows if r.get("check") == "llada-8b-shape"]
     assert [r["batch"] for r in speed] == [1, 8]
     assert all(r["tokens_per_s"] > 0 and r["full_pass_ms"] > 0 and r["answer_tokens"] > 0 for r in speed)
+    block = next(r for r in rows if r.get("check") == "block-correctness")
+    assert block["ok"] and set(block["decoding"]) == {"fixed", "low_confidence_dynamic", "threshold"}
+    sdar = [r for r in rows if r.get("check") == "sdar-1.7b-shape"]
+    assert [r["batch"] for r in sdar] == [1, 8]
+    assert all(r["tokens_per_s"] > 0 and r["engine_step_ms"] > 0 and r["nfe"] >= 8 for r in sdar)
 
 
 def test_gpu_check_without_cuda_says_so(capsys):

@@ -169,3 +169,17 @@ def test_bench_of_a_hybrid_model_runs_verified_against_its_own_next_token_decodi
         assert ver["agreement_with_reference"] == 1.0 and ver["output_tokens"] == ref["output_tokens"]
         assert ver["nfe_mean"] <= ref["nfe_mean"]
         assert len(ver["draft_acceptance"]) == 3
+
+
+def test_bench_of_a_block_model_runs_its_reference_sampler_as_baseline(tmp_path):
+    from tests.models.conftest_block_formats import write_sdar
+
+    write_sdar(tmp_path / "sdar", scale=3.0)
+    prompts = tmp_path / "he.jsonl"
+    write_prompts(prompts, n=2)
+    cfg = BenchConfig(model=str(tmp_path / "sdar"), ar_model=None, lengths=[12], batch_sizes=[2], num_prompts=2,
+                      warmup=0, prompts=str(prompts), out_dir=str(tmp_path / "out"), smollm2=False)
+    runs = {r["system"]: r for r in run_bench(cfg)["runs"]}
+    assert set(runs) == {"block-reference", "block-engine"}
+    assert runs["block-engine"]["agreement_with_reference"] == 1.0  # the same tokens, with the KV cache
+    assert runs["block-engine"]["nfe_mean"] == runs["block-reference"]["nfe_mean"] >= 3

@@ -19,13 +19,19 @@ from celeris.models.registry import FORMATS, load_any
 from celeris.params import SamplingParams
 from celeris.sampling.cache import cache_window
 from celeris.sampling.generate import generate
+from tests.models.conftest_block_formats import write_fast_dllm, write_llada2, write_sdar
 from tests.models.conftest_formats import padded_batch, write_dream, write_llada
 
 WRITERS = {"llada": write_llada, "dream": write_dream}
 VARIANTS = {  # config overrides that change the module layout (tied head, biases, one K/V head)
     "llada": {"weight_tying": True, "include_qkv_bias": True, "n_kv_heads": 1},
     "dream": {"tie_word_embeddings": True, "num_key_value_heads": 1},
+    "sdar": {"tie_word_embeddings": True, "num_key_value_heads": 1, "head_dim": 4},
+    "fast_dllm_v2": {"tie_word_embeddings": True, "num_key_value_heads": 1},
+    "llada2": {"use_qkv_bias": True, "use_bias": True, "num_key_value_heads": 1, "num_shared_experts": None},
 }
+# block-diffusion formats too
+ALL_WRITERS = WRITERS | {"sdar": write_sdar, "fast_dllm_v2": write_fast_dllm, "llada2": write_llada2}
 
 
 @pytest.fixture(scope="module", params=sorted(WRITERS))
@@ -46,10 +52,12 @@ def test_celeris_module_reexports_the_shared_layers():
 def test_checkpoint_keys_name_every_module_parameter(name, variant, tmp_path):
     """The rename table's targets are exactly the model's state_dict names (none missing, none left over)."""
     fmt = FORMATS[name]
-    WRITERS[name](tmp_path, num_shards=1, **(VARIANTS[name] if variant else {}))
+    ALL_WRITERS[name](tmp_path, num_shards=1, **(VARIANTS[name] if variant else {}))
     model = load_any(tmp_path)
     num_layers = len(model.layers)
-    targets = {t.replace("{i}", str(i)) for t in fmt.checkpoint_keys.values() for i in range(num_layers)}
+    experts = range(getattr(model.config, "num_experts", 1))  # "{e}": an expert index (mixture of experts)
+    targets = {t.replace("{i}", str(i)).replace("{e}", str(e)) for t in fmt.checkpoint_keys.values()
+               for i in range(num_layers) for e in experts}
     assert set(model.state_dict()) <= targets
     assert model.supports_kv_cache
 

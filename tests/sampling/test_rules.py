@@ -132,7 +132,7 @@ def llm(folder):
 
 
 def test_registered_rule_is_validated_and_declares_its_settings(toy_rule):
-    assert rule_settings()["threshold"] == ("decoding", ("threshold", "toy"))
+    assert rule_settings()["threshold"] == ("decoding", ("threshold", "low_confidence_dynamic", "toy"))
     assert "toy" in rule_settings()["remasking"][1]  # a denoising rule reads the remasking and top_k settings
     with pytest.raises(ValueError, match="^factor applies to decoding='factor' only; got decoding='toy'"):
         SamplingParams(decoding="toy", factor=2.0)

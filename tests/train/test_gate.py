@@ -64,8 +64,8 @@ def test_parse_rate_scores_the_cut_completion_with_its_prompt(corpus_dir, make_m
     monkeypatch.setattr(gate, "generate_autoregressive", fake)
     prompt = 'def f(a, b):\n    """Add."""'
     model.train()
-    assert gate.parse_rate(model, tok, [prompt] * 3, max_new_tokens=16) == pytest.approx(1 / 3)
-    assert model.training and seen["params"].temperature == 0.0 and seen["params"].max_new_tokens == 16
+    assert gate.parse_rate(model, tok, [prompt] * 3, max_tokens=16) == pytest.approx(1 / 3)
+    assert model.training and seen["params"].temperature == 0.0 and seen["params"].max_tokens == 16
     assert gate.parse_rate(model, tok, []) == 0.0
 
 

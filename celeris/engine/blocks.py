@@ -1,0 +1,188 @@
+"""The engine's block-diffusion path: one pass per step over every running request's current block, with an
+exact KV cache of the committed history.
+
+For a model with a block-causal or causal-history contract (``celeris.models.contract``) the history's
+keys/values never change once its tokens are final, so they are written once into a ``KVPool`` row per
+request and read in place afterwards, as in autoregressive decoding (SGLang's and LMDeploy's block diffusion
+on a paged cache, in its simplest form). Each step a row computes only the columns ``[cached_upto, block end)``:
+
+- a new request's first pass is its prefill: the prompt's full blocks (history) and its first block, together;
+- the other steps of a block compute just the block (its keys/values are rewritten each step, read only by
+  the block itself);
+- a finished block is not given a pass of its own to write its final keys/values (the published SDAR loop
+  spends one): its columns are recomputed as history in the next block's first pass, which then also writes
+  them into the pool. ``nfe`` counts every pass, so a request's ``nfe`` equals its denoising steps.
+
+A shifted model (Fast-dLLM v2) scores the block's first column from the hidden state of the history's last
+column, which is then recomputed too (its keys/values do not change). Requests at different blocks, with
+different prompt lengths and settings, share each pass: per-row column windows (``celeris.models.layers.Window``)
+and a per-row layout mask. The commit rules are ``celeris.sampling.step.denoise_step``'s, on the same
+sub-blocks and schedules as the reference sampler (``celeris.sampling.block.generate_block``), whose tokens
+the engine must reproduce.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from celeris.engine.request import NO_PROGRESS, Request
+from celeris.engine.runner import KVPool
+from celeris.models.contract import DecodingContract, layout_mask
+from celeris.models.layers import column_window, gather_positions
+from celeris.sampling.block import Unit, block_units, forced_first
+from celeris.sampling.schedule import num_transfer_tokens
+from celeris.sampling.step import RowSettings, banned_token_ids, confidence_rule, context_tokens, denoise_step
+
+
+@dataclass(eq=False)
+class BlockRow:
+    """A request's place in its answer: the sub-block being denoised and how much history the pool holds."""
+
+    request: Request
+    units: list[Unit]
+    unit_idx: int = 0
+    step_in_unit: int = 0
+    cached_upto: int = 0  # canvas columns [0, cached_upto) hold final keys/values in the pool
+    schedule: torch.Tensor = field(default_factory=lambda: torch.zeros(1, dtype=torch.long))
+    block_steps: int = 1
+
+    @property
+    def unit(self) -> Unit:
+        return self.units[self.unit_idx]
+
+    def start_unit(self, mask_id: int) -> None:
+        """The linear schedule of the current sub-block: ``steps`` steps, clamped to [1, masked positions]."""
+        _, _, s, t = self.unit
+        num_masked = (self.request.canvas[s:t] == mask_id).sum().reshape(1)
+        self.block_steps = max(1, min(self.request.params.steps, int(num_masked)))
+        self.schedule = num_transfer_tokens(num_masked, self.block_steps)[0]
+        self.step_in_unit = 0
+
+
+class BlockDecoder:
+    """Runs the block-diffusion steps of the engine's requests (module docstring)."""
+
+    def __init__(self, model: torch.nn.Module, contract: DecodingContract) -> None:
+        self.model, self.contract = model, contract
+        cfg = model.config
+        self.mask_id, self.eos_id, self.pad_id = cfg.mask_token_id, cfg.eos_token_id, cfg.pad_token_id
+        self.banned_ids = banned_token_ids(cfg)
+        self.confidence_from = confidence_rule(model)
+        self.device = next(model.parameters()).device
+        self.dtype = next(model.parameters()).dtype
+        self.pool = KVPool()
+        self.rows: dict[Request, BlockRow] = {}
+        self.num_passes = 0
+
+    def _add(self, request: Request) -> None:
+        """Give a new request its units and a pool row (zeros; its first pass writes the prompt and block)."""
+        p, n = request.answer_start, request.params.max_tokens
+        row = BlockRow(request, block_units(p, n, self.contract, request.params.block_length))
+        row.start_unit(self.mask_id)
+        attn = self.model.layers[0].attn  # TransformerLM's grouped K/V heads, or CelerisModel's full heads
+        heads = getattr(attn, "num_kv_heads", attn.num_heads)
+        zeros = [torch.zeros(heads, request.num_tokens, attn.head_dim, dtype=self.dtype, device=self.device)
+                 for _ in self.model.layers]
+        self.pool.store(request, "cond", zeros, zeros)
+        self.rows[request] = row
+
+    def _columns(self, row: BlockRow) -> tuple[list[int], list[int]]:
+        """The canvas columns a row's pass computes and, per scored column of the sub-block, the index of the
+        column whose hidden state scores it (``logits_shift``)."""
+        a, e, s, t = row.unit
+        cols = list(range(row.cached_upto, e))
+        shift = self.model.logits_shift
+        if shift and s - shift < row.cached_upto:  # the history column that scores the block's first one
+            cols = [s - shift, *cols]
+        where = {c: i for i, c in enumerate(cols)}
+        return cols, [where[c - shift] for c in range(s, t)]
+
+    @torch.no_grad()
+    def step(self, requests: list[Request]) -> list[Request]:
+        """One pass for every request in ``requests`` (the running block-model requests): commit each row's
+        chosen tokens, move it on or finish it. Returns ``requests`` (their state is updated in place)."""
+        for gone in [r for r in self.rows if r not in set(requests) or r.is_finished]:
+            del self.rows[gone]
+        self.pool.release({r for r in requests if not r.is_finished})
+        for request in requests:
+            if request not in self.rows and not request.is_finished:
+                self._add(request)
+        owners = [r for r, _ in self.pool.owners]
+        if not owners:
+            return requests
+        rows = [self.rows[r] for r in owners]
+        total = self.pool.capacity_length
+        canvas = torch.full((len(rows), total), self.pad_id, dtype=torch.long)
+        columns, sources = [], []
+        for i, row in enumerate(rows):
+            canvas[i, : row.request.num_tokens] = row.request.canvas
+            cols, src = self._columns(row)
+            columns.append(cols)
+            sources.append(src)
+        window = column_window(columns, self.device)  # (R, Lw)
+        starts = torch.tensor([row.unit[0] for row in rows], device=self.device)
+        ends = torch.tensor([row.unit[1] for row in rows], device=self.device)
+        origin = torch.tensor([0 if self.contract.alignment == "absolute" else row.request.answer_start
+                               for row in rows], device=self.device)
+        mask = layout_mask(window, total, starts, ends, origin, self.contract.block_size, self.contract.attention)
+        hidden = self.model.hidden_states(canvas.to(self.device), None, cache=self.pool.view(), window=window,
+                                          layout_mask=mask)  # (R, Lw, d)
+        self.num_passes += 1
+        widths = [len(src) for src in sources]
+        lb = max(widths)
+        index = torch.tensor([src + src[-1:] * (lb - len(src)) for src in sources], device=self.device)  # (R, Lb)
+        logits = self.model.logits(gather_positions(hidden, index))  # (R, Lb, V)
+        self._commit(rows, logits, widths, lb)
+        return requests
+
+    def _commit(self, rows: list[BlockRow], logits: torch.Tensor, widths: list[int], lb: int) -> None:
+        """Choose and commit each row's tokens (``denoise_step``, per-row settings), then advance the rows."""
+        params = [row.request.params for row in rows]
+        settings = RowSettings.from_params(params, self.device)
+        block = torch.full((len(rows), lb), self.pad_id, dtype=torch.long)  # pad columns are never committed
+        force = torch.zeros((len(rows), lb), dtype=torch.bool)
+        for i, row in enumerate(rows):
+            _, _, s, t = row.unit
+            block[i, : t - s] = row.request.canvas[s:t]
+            forced = forced_first(self.contract, row.unit, row.request.canvas[s:t], self.mask_id,
+                                  row.step_in_unit == 0)
+            if forced is not None:
+                force[i, : t - s] = forced[0]
+        num_tokens = torch.tensor([int(row.schedule[min(row.step_in_unit, row.block_steps - 1)]) for row in rows],
+                                  device=self.device)
+        seen = None
+        if any(p.repetition_penalty != 1 for p in params):
+            seen = context_tokens([row.request.canvas for row in rows], logits.shape[-1], self.mask_id, self.device)
+        new, committed = denoise_step(logits, block.to(self.device), self.mask_id, self.banned_ids, num_tokens,
+                                      settings, [row.request.generator for row in rows], seen, widths,
+                                      self.confidence_from, force=force.to(self.device) if force.any() else None)
+        new, committed = new.cpu(), committed.cpu()
+        for i, row in enumerate(rows):
+            self._advance(row, new[i, : widths[i]], committed[i, : widths[i]])
+
+    def _advance(self, row: BlockRow, new: torch.Tensor, committed: torch.Tensor) -> None:
+        """Write one row's step into its request; next sub-block, or finish (end of answer / early exit)."""
+        request = row.request
+        a, _, s, t = row.unit
+        request.canvas[s:t] = new
+        request.nfe += 1
+        request.steps += 1
+        row.cached_upto = a  # this pass wrote the history before the block with its final tokens
+        row.step_in_unit += 1
+        if not bool(committed.any()):
+            request.fail(NO_PROGRESS, f"denoising step {request.steps} committed no token (the model's scores for the "
+                                      f"masked positions are not finite numbers), so the request was ended")
+            return
+        if request.first_token_time is None and int(request.answer[0]) != self.mask_id:
+            request.first_token_time = time.perf_counter()
+        if bool((request.canvas[s:t] == self.mask_id).any()):
+            return
+        hit = not request.ends(self.eos_id).isdisjoint(request.canvas[request.answer_start : t].tolist())
+        if row.unit_idx + 1 == len(row.units) or (request.params.early_exit and hit):
+            request.finish("stop" if hit else "length")
+            return
+        row.unit_idx += 1
+        row.start_unit(self.mask_id)

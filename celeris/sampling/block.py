@@ -1,0 +1,218 @@
+"""Block diffusion: the reference sampler and the rules shared with the engine's block path.
+
+A block-diffusion model (``model.block_contract``, ``celeris.models.contract``) denoises the answer one
+attention block of ``block_size`` tokens at a time, left to right; the block's queries attend to the committed
+history and bidirectionally to their own block, never to what follows (SDAR arXiv:2510.06303, Fast-dLLM v2
+arXiv:2509.26328, BD3-LM arXiv:2503.09573). What the request settings mean here:
+
+- blocks are aligned as the contract says (``absolute``: multiples of ``block_size`` from position 0, so the
+  prompt's last partial block is denoised together with the first answer tokens);
+- ``block_length`` is the denoising sub-block: it must divide ``block_size`` (else ValueError naming both);
+  within an attention block the sub-blocks are denoised left to right (Fast-dLLM v2's ``small_block_size``),
+  the whole attention block staying visible;
+- ``steps`` counts denoising steps per sub-block (SDAR's and LMDeploy's ``denoising_steps``), clamped to
+  [1, masked positions]; ``fixed``/``low_confidence_static``/``low_confidence_dynamic``/``sequential`` read the
+  linear schedule of those steps, every other rule (``threshold``, ``factor``, ``entropy``) works per sub-block;
+- ``cache``, ``suffix_window``, a suffix (infilling), ``cfg_scale`` and ``verified`` do not apply and are
+  refused naming the parameter (the history's KV cache is exact and always on in the engine).
+
+``generate_block`` is the plain, slow, obviously correct reference: every step recomputes the whole canvas up
+to the current block's end with the layout mask, one row at a time. The engine's block path
+(``celeris.engine.blocks``) must give the same tokens.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import torch
+
+from celeris.models.contract import DecodingContract, layout_mask
+from celeris.params import SamplingParams
+from celeris.sampling.schedule import num_transfer_tokens
+from celeris.sampling.step import (
+    NoProgressError,
+    RowSettings,
+    banned_token_ids,
+    confidence_rule,
+    context_tokens,
+    denoise_step,
+    make_generator,
+)
+
+if TYPE_CHECKING:
+    from celeris.sampling.generate import GenerationOutput
+
+Unit = tuple[int, int, int, int]
+"""(attention block start, attention block end, sub-block start, sub-block end) canvas columns."""
+
+
+def contract_of(model: torch.nn.Module) -> DecodingContract | None:
+    """The model's block-diffusion contract, or None for a full-attention or causal model."""
+    contract = getattr(model, "block_contract", None)
+    return contract if isinstance(contract, DecodingContract) and contract.attention != "full" else None
+
+
+def block_mode(model: torch.nn.Module, params: SamplingParams) -> DecodingContract | None:
+    """The contract when ``params`` decode ``model`` by block diffusion, else None. A published block model
+    (SDAR, Fast-dLLM v2) always does; a Celeris hybrid model (causal, ``draft_block_size`` > 0) does when the
+    request asks for blocks (``block_length`` > 1) and not for ``verified`` decoding: with ``block_length`` 1 it
+    decodes token by token as its autoregressive twin does."""
+    contract = contract_of(model)
+    if contract is None or not getattr(model.config, "is_causal", False):
+        return contract
+    return contract if params.decoding != "verified" and params.block_length > 1 else None
+
+
+def check_block_support(contract: DecodingContract, params: SamplingParams, has_suffix: bool = False) -> None:
+    """Raise ValueError (first word: the parameter) for settings a block-diffusion model cannot use."""
+    if params.block_length < 1 or contract.block_size % params.block_length:
+        raise ValueError(f"block_length {params.block_length} must divide this model's trained block size "
+                         f"{contract.block_size} (it is the denoising sub-block; the trained block never changes)")
+    # a causal history's keys/values written once, a step after commit: what cache='delayed' means for a causal model
+    allowed_cache = ("none", "delayed") if contract.attention == "causal_history" else ("none",)
+    refused = [
+        ("decoding", params.decoding == "verified", "'verified' is for hybrid models"),
+        ("cache", params.cache not in allowed_cache, f"'{params.cache}' does not apply: the committed history has an "
+                                                    f"exact KV cache, always on; use cache='none'"),
+        ("suffix_window", params.suffix_window != 0, "does not apply: nothing after the current block is attended"),
+        ("suffix", has_suffix, "(infilling) needs a full-attention model: a block model never sees what follows"),
+        ("cfg_scale", params.cfg_scale > 0, "(classifier-free guidance) is not supported for block-diffusion models"),
+        ("grammar", params.grammar is not None, "(structured output) is not supported for block-diffusion models "
+                                                "yet"),
+    ]
+    for name, bad, why in refused:
+        if bad:
+            raise ValueError(f"{name} {why}")
+
+
+def block_units(prompt_len: int, max_tokens: int, contract: DecodingContract, block_length: int) -> list[Unit]:
+    """The sub-blocks an answer is denoised in, in order, each with its attention block.
+
+    Attention blocks start at ``origin + k * block_size`` (origin 0 for ``absolute`` alignment, the prompt
+    length for ``answer``) and end there + ``block_size`` or at the canvas end; sub-blocks split them into
+    ``block_length`` pieces aligned the same way, keeping only the answer's columns (empty ones are skipped).
+    """
+    origin = 0 if contract.alignment == "absolute" else prompt_len
+    bs, total = contract.block_size, prompt_len + max_tokens
+    units: list[Unit] = []
+    a = origin + (prompt_len - origin) // bs * bs
+    while a < total:
+        e = min(a + bs, total)
+        for s in range(a, e, block_length):
+            lo, hi = max(s, prompt_len), min(s + block_length, e)
+            if lo < hi:
+                units.append((a, e, lo, hi))
+        a = e
+    return units
+
+
+def forced_first(contract: DecodingContract, unit: Unit, block: torch.Tensor, mask_id: int,
+                 first_step: bool) -> torch.Tensor | None:
+    """(1, L) bool: ``commit_first`` (Fast-dLLM v2) commits the attention block's first position at the block's
+    first step when it is a masked answer position of this sub-block; else None."""
+    a, _, s, _ = unit
+    if not (contract.commit_first and first_step and s == a and bool(block[0] == mask_id)):
+        return None
+    force = torch.zeros((1, block.numel()), dtype=torch.bool, device=block.device)
+    force[0, 0] = True
+    return force
+
+
+def answer_ends(params: SamplingParams, end_ids: list[int]) -> frozenset[int]:
+    """The ids that end an answer: the model's end ids (unless ``ignore_eos``) and ``stop_token_ids``."""
+    return (frozenset() if params.ignore_eos else frozenset(end_ids)) | frozenset(params.stop_token_ids)
+
+
+@torch.no_grad()
+def generate_block(
+    model: torch.nn.Module,
+    prompt_ids: list[list[int]],
+    params: SamplingParams | list[SamplingParams],
+    end_ids: list[int] | None = None,
+    on_step: Callable[[int, torch.Tensor], None] | None = None,
+) -> GenerationOutput:
+    """Generate answers with a block-diffusion model, recomputing everything at every step (the reference).
+
+    Args:
+        model: a model with ``block_contract`` whose ``hidden_states(ids, layout_mask=...)`` and ``logits``
+            follow ``TransformerLM``.
+        prompt_ids: B non-empty prompts (each row is decoded on its own).
+        params: one SamplingParams for all rows, or one per row (rows may differ in anything).
+        end_ids: ids that end an answer (default: the config's end-of-text id).
+        on_step: called after every step with (row, (max_tokens,) answer canvas).
+
+    Returns:
+        ``celeris.sampling.generate.GenerationOutput``; ``nfe`` sums every row's forward passes, ``steps`` too.
+
+    Raises:
+        ValueError: empty prompt or a setting the model cannot use (``check_block_support``).
+        NoProgressError: a step committed nothing (non-finite scores).
+    """
+    from celeris.sampling.generate import GenerationOutput  # noqa: F811 (generate.py imports this module)
+
+    start = time.perf_counter()
+    rows = params if isinstance(params, list) else [params] * len(prompt_ids)
+    if len(rows) != len(prompt_ids) or not prompt_ids or any(not p for p in prompt_ids):
+        raise ValueError("need one SamplingParams per prompt and non-empty prompts")
+    contract = contract_of(model)
+    cfg = model.config
+    mask_id = cfg.mask_token_id
+    device = next(model.parameters()).device
+    banned = banned_token_ids(cfg)
+    answers, cut, first_token_s = [], [], []
+    nfe = 0
+    for row, (prompt, sp) in enumerate(zip(prompt_ids, rows, strict=True)):
+        check_block_support(contract, sp)
+        ends = answer_ends(sp, end_ids if end_ids is not None else [cfg.eos_token_id])
+        settings = RowSettings.from_params([sp], device)
+        generator = make_generator(sp.seed)
+        p, n = len(prompt), sp.max_tokens
+        canvas = torch.tensor(prompt + [mask_id] * n, dtype=torch.long, device=device)
+        origin = torch.tensor([0 if contract.alignment == "absolute" else p], device=device)
+        first: float | None = None
+        for unit in block_units(p, n, contract, sp.block_length):
+            a, e, s, t = unit
+            num_masked = (canvas[s:t] == mask_id).sum().reshape(1)
+            block_steps = max(1, min(sp.steps, int(num_masked)))
+            schedule = num_transfer_tokens(num_masked, block_steps)[0]  # (S,)
+            step = 0
+            while bool((canvas[s:t] == mask_id).any()):
+                cols = torch.arange(e, device=device)[None]  # the canvas up to the block's end, nothing after
+                mask = layout_mask(cols, e, torch.tensor([a], device=device), torch.tensor([e], device=device),
+                                   origin, contract.block_size, contract.attention)
+                hidden = model.hidden_states(canvas[None, :e], layout_mask=mask)  # (1, e, d)
+                shift = model.logits_shift
+                logits = model.logits(hidden[:, s - shift : t - shift])  # (1, L, V): row i scores column s + i
+                nfe += 1
+                seen = None
+                if sp.repetition_penalty != 1:
+                    seen = context_tokens([canvas], logits.shape[-1], mask_id, device)
+                block = canvas[s:t].clone()
+                k = schedule[min(step, block_steps - 1)].reshape(1)
+                force = forced_first(contract, unit, block, mask_id, step == 0)
+                new, committed = denoise_step(logits, block[None], mask_id, banned, k, settings, [generator], seen,
+                                              confidence_from=confidence_rule(model), force=force)
+                if not bool(committed.any()):
+                    raise NoProgressError(f"denoising step {step + 1} committed no token (the model's scores are "
+                                          f"not finite numbers)")
+                canvas[s:t] = new[0]
+                step += 1
+                if first is None and int(canvas[p]) != mask_id:
+                    first = time.perf_counter() - start
+                if on_step is not None:
+                    on_step(row, canvas[p:])
+            if sp.early_exit and not ends.isdisjoint(canvas[p:t].tolist()):
+                break
+        answer = canvas[p:].cpu()
+        ids = answer.tolist()
+        stop = next((i for i, tok in enumerate(ids) if tok in ends or tok == mask_id), len(ids))
+        answers.append(answer)
+        cut.append(ids[:stop])
+        first_token_s.append(first)
+    width = max(a.numel() for a in answers)  # rows may differ in max_tokens: padded with the mask id
+    padded = torch.stack([torch.cat([a, a.new_full((width - a.numel(),), mask_id)]) for a in answers])
+    return GenerationOutput(answer_ids=padded, token_ids=cut, nfe=nfe, steps=nfe, first_token_s=first_token_s,
+                            seconds=time.perf_counter() - start)

@@ -1,0 +1,138 @@
+"""`celeris generate --model PATH`, the serving layer of `celeris serve --model PATH` and `celeris bench` on tiny
+SDAR and Fast-dLLM v2 folders; their end-of-turn ids and chat-template keyword arguments."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+from celeris.cli import main
+from celeris.llm import LLM
+from celeris.serve.serving import OpenAIServing
+from tests.models.conftest_block_formats import write_fast_dllm, write_llada2, write_sdar
+
+QWEN_WRITERS = {"sdar": write_sdar, "fast_dllm_v2": write_fast_dllm}  # Qwen chat tokenizers (<|im_end|>)
+WRITERS = QWEN_WRITERS | {"llada2": write_llada2}
+
+
+@pytest.fixture(scope="module", params=sorted(WRITERS))
+def block_dir(request, tmp_path_factory):
+    folder = tmp_path_factory.mktemp(request.param)
+    WRITERS[request.param](folder)
+    return folder
+
+
+def test_cli_generate_with_the_contract_defaults(block_dir, capsys):
+    rc = main(["generate", "def add(a, b):", "--model", str(block_dir), "--json", "--max-new-tokens", "12",
+               "--device", "cpu"])
+    out = capsys.readouterr()
+    assert rc == 0, out.err
+    record = json.loads(out.out)
+    contract = LLM(block_dir, device="cpu").model.block_contract
+    assert record["block_length"] == min(contract.defaults["block_length"], 12)  # the CLI reports the capped block
+    assert record["decoding"] == contract.defaults["decoding"] and 1 <= record["nfe"] <= 12
+
+
+@pytest.mark.parametrize("flags, word", [(["--block-length", "3"], "block_length 3 must divide"),
+                                         (["--cache", "dual"], "cache 'dual' does not apply"),
+                                         (["--cfg-scale", "1"], "cfg_scale")])
+def test_cli_refuses_settings_that_do_not_apply(block_dir, capsys, flags, word):
+    rc = main(["generate", "x", "--model", str(block_dir), "--max-new-tokens", "8", "--device", "cpu", *flags])
+    err = capsys.readouterr().err
+    assert rc == 2 and word in err and "Traceback" not in err
+
+
+def test_serving_layer_on_block_format(block_dir):
+    serving = OpenAIServing.from_model(block_dir, device="cpu", max_num_seqs=2, max_waiting=4)
+    serving.start()
+    try:
+        body = {"prompt": "def add(a, b):", "max_tokens": 8, "seed": 0, "stop": ["zzz"]}
+        status, response = asyncio.run(serving.respond("/v1/completions", body))
+        assert status == 200, response
+        assert response["usage"]["completion_tokens"] <= 8 and response["choices"][0]["finish_reason"]
+        chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "stream": False,
+                "chat_template_kwargs": {"enable_thinking": False}}
+        status, response = asyncio.run(serving.respond("/v1/chat/completions", chat))
+        assert status == 200, response
+        status, response = asyncio.run(serving.respond("/v1/completions", body | {"block_length": 3}))
+        assert status == 400 and "block_length 3 must divide" in response["error"]["message"]
+    finally:
+        serving.stop()
+
+
+@pytest.fixture(scope="module", params=sorted(QWEN_WRITERS))
+def qwen_dir(request, tmp_path_factory):
+    folder = tmp_path_factory.mktemp(request.param)
+    QWEN_WRITERS[request.param](folder)
+    return folder
+
+
+def test_end_of_turn_ids_and_enable_thinking(qwen_dir):
+    llm = LLM(qwen_dir, device="cpu")
+    tok = llm.tokenizer
+    im_end, eot = tok._tok.token_to_id("<|im_end|>"), tok._tok.token_to_id("<|endoftext|>")
+    assert {im_end, eot} <= set(llm.end_token_ids)  # the chat end and the config's end-of-text both end an answer
+    assert llm.model.config.mask_token_id not in llm.end_token_ids
+    messages = [{"role": "user", "content": "hi"}]
+    off = tok.apply_chat_template(messages, enable_thinking=False)
+    assert off.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    assert tok.apply_chat_template(messages).endswith("<|im_start|>assistant\n")
+
+
+@pytest.mark.slow
+def test_cli_generate_and_serve_processes_on_block_folders(block_dir):
+    """The commands as a user runs them: `celeris generate` and `celeris serve` child processes."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    import openai
+
+    from tests.serve.conftest import wait_for_health
+    from tests.serve.test_cli_serve import REPO_ROOT, free_port
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH", "")) if p)}
+    done = subprocess.run([sys.executable, "-m", "celeris.cli", "generate", "def add(a, b):", "--model",
+                           str(block_dir), "--max-new-tokens", "8", "--json"], env=env, cwd=REPO_ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["nfe"] >= 1
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "celeris.cli", "serve", "--model", str(block_dir), "--port",
+                             str(port), "--max-num-seqs", "2", "--log-level", "warning"], env=env, cwd=REPO_ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_for_health(proc, url)
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+        model = client.models.list().data[0].id
+        out = client.completions.create(model=model, prompt="def f(x):", max_tokens=6)
+        assert out.usage.completion_tokens <= 6
+        pieces = list(client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}],
+                                                     max_tokens=6, stream=True))
+        assert pieces and pieces[-1].choices[0].finish_reason in ("stop", "length")
+        with pytest.raises(openai.BadRequestError, match="block_length 3 must divide"):
+            client.completions.create(model=model, prompt="x", max_tokens=4, extra_body={"block_length": 3})
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0
+
+
+def test_stop_strings_cut_a_block_models_answer(block_dir):
+    llm = LLM(block_dir, device="cpu")
+    params = llm.default_params(max_tokens=16, seed=0, ignore_eos=True)
+    first = llm.generate(["def add(a, b):"], params)[0]
+    stop = first.text[4:7]
+    assert stop.strip(), first.text
+    out = llm.generate(["def add(a, b):"], llm.default_params(max_tokens=16, seed=0, ignore_eos=True,
+                                                               stop=[stop]))[0]
+    assert out.finish_reason == "stop" and out.text == first.text[: first.text.index(stop)]
