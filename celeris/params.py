@@ -152,6 +152,10 @@ class SamplingParams:
     draft_source: str | None = setting(None, choices=DRAFT_SOURCES, unset="lookup_first", per_row=True,
                                        help="verified decoding's drafts: prompt lookup first, the model's mask "
                                        "slots, or prompt lookup only")
+    num_speculative_tokens: int | None = setting(None, low=1, high=16, per_row=True,
+                                                 help="verified decoding: drafts checked per pass, k (vLLM's name); "
+                                                 "unset: the model's draft block size (4 for prompt lookup on a "
+                                                 "plain causal model); mask-slot drafts are at most that size")
     grammar: str | None = setting(None, per_row=True, cli=False, http=False,
                                   help="an llguidance grammar (celeris.structured): every committed token is one it "
                                   "accepts")

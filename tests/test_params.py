@@ -163,7 +163,7 @@ def test_bounds_edges_are_accepted():
 # Settings only some rules read (issue 16 item 3): never silently ignored
 
 RULE_VALUES = {"threshold": 0.2, "factor": 2.0, "entropy_bound": 1.0, "draft_source": "lookup",
-               "remasking": "margin", "top_k": 5, "min_p": 0.1, "cache_refresh": 2}
+               "remasking": "margin", "top_k": 5, "min_p": 0.1, "cache_refresh": 2, "num_speculative_tokens": 2}
 
 
 def unread_choice(name: str) -> tuple[str, str]:
@@ -219,7 +219,8 @@ def test_unset_rule_settings_take_their_defaults_and_replace_keeps_the_record():
     p = SamplingParams()
     unset = {n: declared()[n].unset for n in rule_settings()}
     assert unset == {"threshold": 0.9, "factor": 1.0, "entropy_bound": 0.5, "draft_source": "lookup_first",
-                     "remasking": "low_confidence", "top_k": 0, "min_p": 0.0, "cache_refresh": 0}
+                     "remasking": "low_confidence", "top_k": 0, "min_p": 0.0, "cache_refresh": 0,
+                     "num_speculative_tokens": None}  # None: the model's draft block size
     assert {n: getattr(p, n) for n in unset} == unset and p.explicit_settings == frozenset()
     assert dataclasses.replace(p, decoding="verified").decoding == "verified"  # the filled-in remasking is no setting
     mine = SamplingParams(decoding="threshold", threshold=0.2)

@@ -154,7 +154,7 @@ COMMIT_RULES: dict[str, CommitRule] = {
                                          "when at least the step's count are, else that count", params=("threshold",)),
     "sequential": CommitRule(commit_sequential, "SDAR: the step's count, left to right"),
     "verified": CommitRule(None, "hybrid models: drafts checked by the next-token head (celeris.sampling.verified)",
-                           params=("draft_source",)),
+                           params=("draft_source", "num_speculative_tokens")),
 }
 
 # remasking name -> confidence; Dream's ``maskgit_plus`` is ``low_confidence``.

@@ -83,6 +83,7 @@ class VerifiedOutput:
 
 
 LOOKUP_DRAFTS = 4  # drafts per pass for a causal model without mask slots (prompt lookup only)
+MAX_DRAFTS = 16  # the most drafts one pass may check (``num_speculative_tokens``' upper bound)
 
 
 def draft_length(model: torch.nn.Module) -> int:
@@ -104,6 +105,10 @@ def check_verified_support(model: torch.nn.Module, params: SamplingParams, has_s
         raise ValueError(f"draft_source '{params.draft_source}' needs a hybrid model (a causal model with "
                          "draft_block_size > 0, trained by `celeris train --objective hybrid`); use draft_source "
                          "'lookup' for this one")
+    k = params.num_speculative_tokens
+    if k and params.draft_source == "slots" and k > draft_length(model):
+        raise ValueError(f"num_speculative_tokens {k} exceeds the {draft_length(model)} mask slots this model was "
+                         "trained to draft (draft_source 'slots'); use at most that, or draft_source 'lookup'")
     if params.cfg_scale:
         raise ValueError("cfg_scale is not supported with decoding 'verified'")
     if params.repetition_penalty != 1:
@@ -112,16 +117,16 @@ def check_verified_support(model: torch.nn.Module, params: SamplingParams, has_s
         raise ValueError("infilling (a suffix) is not supported with decoding 'verified'")
 
 
-def _pass_mask(columns: torch.Tensor, slot_start: torch.Tensor, k: int, length: int) -> torch.Tensor:
+def _pass_mask(columns: torch.Tensor, slot_start: torch.Tensor, slots: torch.Tensor, length: int) -> torch.Tensor:
     """Attention mask of one pass: (B, 1, Lw, length) bool, True where a query column may see a key column.
 
-    ``columns`` (B, Lw) are the computed columns; columns >= ``slot_start`` (B,) are the k mask slots, which
-    see every key before ``slot_start`` and the whole slot block; the other columns are causal.
+    ``columns`` (B, Lw) are the computed columns; columns >= ``slot_start`` (B,) are the row's ``slots`` (B,)
+    mask slots, which see every key before ``slot_start`` and the whole slot block; the other columns are causal.
     """
     keys = torch.arange(length, device=columns.device)[None, None, :]  # (1, 1, T)
     q = columns[:, :, None]  # (B, Lw, 1)
     s = slot_start[:, None, None]
-    return torch.where(q >= s, keys < s + k, keys <= q)[:, None]
+    return torch.where(q >= s, keys < s + slots[:, None, None], keys <= q)[:, None]
 
 
 def _forward(model: torch.nn.Module, ids: torch.Tensor, cache: KVCache, columns: torch.Tensor,
@@ -222,15 +227,19 @@ class VerifiedDecoder:
     newly added rows in one pass (on a fresh cache, copied into their pool rows) and advances the others
     in one pass. Finished rows are removed by moving the last row into the hole (one row copy).
 
+    Each row checks k drafts per pass, its ``num_speculative_tokens`` (default ``draft_length`` of the model,
+    or ``LOOKUP_DRAFTS`` without slots); its mask slots are min(k, ``draft_length``).
+
     Args:
-        model: a causal model; k = ``draft_length`` (mask slots), or ``LOOKUP_DRAFTS`` without slots.
+        model: a causal model with a KV cache.
         max_rows: most rows at once. max_tokens: longest prompt + answer, tokens (the pool adds the
-            2k + 2 columns the last pass's drafts and slots may need).
+            2 * ``MAX_DRAFTS`` + 2 columns the last pass's drafts and slots may need).
     """
 
     def __init__(self, model: torch.nn.Module, max_rows: int, max_tokens: int) -> None:
-        self.model, self.k = model, draft_length(model) or LOOKUP_DRAFTS
-        max_len = max_tokens + 2 * self.k + 2
+        self.model, self.k = model, draft_length(model) or LOOKUP_DRAFTS  # the default k
+        self.pad = 2 * MAX_DRAFTS + 2
+        max_len = max_tokens + self.pad
         config = model.config
         p = next(model.parameters())
         shape = (max_rows, config.num_heads, max_len, config.head_dim)
@@ -241,7 +250,7 @@ class VerifiedDecoder:
         self.banned = banned_token_ids(config)
         self.rows: list[DraftRow] = []
         self.num_prefilled = 0  # rows [0, num_prefilled) have been through their first pass
-        self.drafted, self.accepted = [0] * self.k, [0] * self.k
+        self.drafted, self.accepted = [0] * self.k, [0] * self.k  # grow when a row checks more drafts
         self.nfe = 0
 
 
@@ -254,17 +263,20 @@ class VerifiedDecoder:
         if len(self.rows) >= self.max_rows:
             raise ValueError(f"the verified decoder holds at most {self.max_rows} rows")
         check_prompts([prompt_ids])
-        if len(prompt_ids) + params.max_tokens + 2 * self.k + 2 > self.max_len:
+        if len(prompt_ids) + params.max_tokens + self.pad > self.max_len:
             raise ValueError(f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) + "
-                             f"{2 * self.k + 2} draft columns exceed the decoder's {self.max_len}")
+                             f"{self.pad} draft columns exceed the decoder's {self.max_len}")
         ends = frozenset({self.model.config.eos_token_id}) if end_ids is None else frozenset(end_ids)
         if params.draft_source != "lookup" and not draft_length(self.model):
             raise ValueError(f"draft_source '{params.draft_source}' needs a hybrid model; use 'lookup'")
-        slots = 0 if params.draft_source == "lookup" else self.k
-        row = DraftRow(list(prompt_ids), params, make_generator(params.seed), self.k, ends, slot_start=len(prompt_ids),
+        k = params.num_speculative_tokens or self.k
+        if k > MAX_DRAFTS:
+            raise ValueError(f"num_speculative_tokens must be <= {MAX_DRAFTS}, got {k}")
+        slots = 0 if params.draft_source == "lookup" else min(k, draft_length(self.model))
+        row = DraftRow(list(prompt_ids), params, make_generator(params.seed), k, ends, slot_start=len(prompt_ids),
                        num_slots=slots)
         self.tokens[len(self.rows), : len(prompt_ids)] = torch.tensor(prompt_ids, dtype=torch.long)
-        self.tokens[len(self.rows), len(prompt_ids) : len(prompt_ids) + self.k] = self.model.config.mask_token_id
+        self.tokens[len(self.rows), len(prompt_ids) : len(prompt_ids) + slots] = self.model.config.mask_token_id
         self.rows.append(row)
         return row
 
@@ -301,7 +313,8 @@ class VerifiedDecoder:
                             [torch.zeros(shape, dtype=self.keys[0].dtype, device=self.device) for _ in self.keys])
         else:
             cache = KVCache([t[lo:hi, :, :length] for t in self.keys], [t[lo:hi, :, :length] for t in self.values])
-        mask = _pass_mask(columns, torch.tensor([r.slot_start for r in rows], device=self.device), self.k, length)
+        mask = _pass_mask(columns, torch.tensor([r.slot_start for r in rows], device=self.device),
+                          torch.tensor([r.num_slots for r in rows], device=self.device), length)
         logits = _forward(self.model, self.tokens[lo:hi].gather(1, columns), cache, columns, mask).float()
         if fresh:
             for pool, new in zip((*self.keys, *self.values), (*cache.keys, *cache.values), strict=True):
@@ -330,17 +343,20 @@ class VerifiedDecoder:
         return out
 
     def draft(self, row: DraftRow, slot_logits: torch.Tensor) -> tuple[list[int], list]:
-        """The next drafts of ``row`` from its k mask slots' logits (k, V), and their distributions (sampling)."""
+        """The next drafts of ``row`` from its mask slots' logits (slots, V), and their distributions (sampling)."""
         return _draft(slot_logits, row.params, row.generator)
 
     def _advance(self, i: int, logits: torch.Tensor) -> list[int]:
         """Verify row i's drafts with its pass's logits (Lw, V), commit, and lay out its next pass."""
-        row, k = self.rows[i], self.k
+        row, k = self.rows[i], self.rows[i].k
         cols = row.columns
         row.passes += 1
         c0 = cols.index(row.pending) if row.pending >= 0 else len(row.prompt_ids) - 1
         m = len(row.drafts)
         a, token = _verify(logits[c0 : c0 + m + 1], row.drafts, row.draft_probs, row.params, row.generator)
+        if m > len(self.drafted):
+            self.drafted += [0] * (m - len(self.drafted))
+            self.accepted += [0] * (m - len(self.accepted))
         for j in range(m):
             self.drafted[j] += 1
             self.accepted[j] += j < a
@@ -367,7 +383,7 @@ class VerifiedDecoder:
                 torch.nn.functional.one_hot(torch.tensor(t), logits.shape[-1]).double() for t in lookup]
         elif slots_valid and row.num_slots:
             s = cols.index(row.slot_start)
-            row.drafts, row.draft_probs = self.draft(row, logits[s : s + k])
+            row.drafts, row.draft_probs = self.draft(row, logits[s : s + row.num_slots])
         else:
             row.drafts, row.draft_probs = [], []
         self.tokens[i, pending + 1 : pending + 1 + len(row.drafts)] = torch.tensor(row.drafts, dtype=torch.long,
@@ -375,8 +391,8 @@ class VerifiedDecoder:
         row.pending, row.slot_start = pending, pending + 1 + len(row.drafts)
         # slots are computed unless the drafts came from prompt lookup: the next drafts will then most likely
         # come from lookup too (if not, the pass after next drafts with slots again)
-        row.num_slots = 0 if policy == "lookup" or lookup else k
-        self.tokens[i, row.slot_start : row.slot_start + k] = self.model.config.mask_token_id
+        row.num_slots = 0 if policy == "lookup" or lookup else min(k, draft_length(self.model))
+        self.tokens[i, row.slot_start : row.slot_start + row.num_slots] = self.model.config.mask_token_id
         return new
 
 

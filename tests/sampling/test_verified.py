@@ -161,3 +161,34 @@ def test_removing_a_row_while_new_rows_wait_for_their_prefill(hybrid):
         dec.step()
     for prompt, row in zip(PROMPTS[1:], rows, strict=True):
         assert row.answer == greedy(hybrid, prompt, n)
+
+
+def test_num_speculative_tokens_sets_the_drafts_per_pass_and_keeps_the_greedy_answer(make_model, hybrid,
+                                                                                      monkeypatch):
+    """vLLM's ``num_speculative_tokens``: k drafts per pass per row (rows of one batch may differ); the answer is
+    still greedy's; mask-slot drafts are at most the trained draft block, prompt lookup may draft more."""
+    n = 18
+    rows = [SamplingParams(max_tokens=n, steps=n, early_exit=False, decoding="verified", num_speculative_tokens=k,
+                           draft_source="slots") for k in (1, 2, K)]
+    out = generate_verified(hybrid, PROMPTS[:3], rows)
+    assert out.token_ids == [greedy(hybrid, p, n) for p in PROMPTS[:3]]
+    for k in (1, 2):
+        alone = generate_verified(hybrid, [PROMPTS[0]], rows[k - 1])
+        assert sum(alone.drafted[:k]) > 0 and sum(alone.drafted[k:]) == 0  # no draft checked past position k
+    repetitive = [5, 9, 11, 40, 2, 7] * 4
+    model = make_model(seed=5, is_causal=True)
+    params = SamplingParams(max_tokens=n, steps=n, early_exit=False, decoding="verified", draft_source="lookup",
+                            num_speculative_tokens=8)
+    from celeris.sampling import verified
+
+    asked = []
+    monkeypatch.setattr(verified, "lookup_drafts", lambda tokens, k: asked.append(k) or lookup_drafts(tokens, k))
+    wide = generate_verified(model, [repetitive], params)
+    assert wide.token_ids == [greedy(model, repetitive, n)] and set(asked) == {8}
+    with pytest.raises(ValueError, match="num_speculative_tokens 4 exceeds the 3 mask slots"):
+        check_verified_support(hybrid, SamplingParams(decoding="verified", draft_source="slots",
+                                                      num_speculative_tokens=K + 1))
+    with pytest.raises(ValueError, match="num_speculative_tokens"):
+        SamplingParams(decoding="verified", num_speculative_tokens=17)
+    with pytest.raises(ValueError, match="num_speculative_tokens"):
+        SamplingParams(decoding="fixed", num_speculative_tokens=2)  # a setting of a rule not chosen

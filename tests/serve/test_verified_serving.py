@@ -40,6 +40,9 @@ def test_verified_completion_equals_next_token_decoding_and_is_counted(hybrid_se
     streamed = "".join(c.choices[0].text for c in client.completions.create(
         model="tiny-serve", prompt=prompt, max_tokens=12, stream=True) if c.choices)
     assert streamed == next_token
+    one = client.completions.create(model="tiny-serve", prompt=prompt, max_tokens=12,
+                                    extra_body={"num_speculative_tokens": 1, "draft_source": "slots"})
+    assert one.choices[0].text == next_token  # vLLM's name for k: fewer drafts per pass, the same greedy text
     metrics = httpx.get(f"{hybrid_server.url}/metrics").text
     drafted = [line for line in metrics.splitlines() if line.startswith("celeris_spec_decode_num_draft_tokens_total")]
     assert drafted and float(drafted[0].split()[-1]) > 0
@@ -50,6 +53,10 @@ def test_verified_refuses_settings_it_cannot_honour(hybrid_server):
     r = httpx.post(f"{hybrid_server.url}/v1/completions",
                    json={"prompt": "x = 1", "max_tokens": 4, "decoding": "verified", "repetition_penalty": 1.3})
     assert r.status_code == 400 and "repetition_penalty" in r.json()["error"]["message"]
+    r = httpx.post(f"{hybrid_server.url}/v1/completions",
+                   json={"prompt": "x = 1", "max_tokens": 4, "decoding": "verified", "draft_source": "slots",
+                         "num_speculative_tokens": 4})  # the model drafts 3 mask slots
+    assert r.status_code == 400 and r.json()["error"]["param"] == "num_speculative_tokens"
     with pytest.raises(ValueError, match="cfg_scale"):
         hybrid_server.llm.generate("x", SamplingParams(max_tokens=4, block_length=1, decoding="verified",
                                                         cfg_scale=1.0))
