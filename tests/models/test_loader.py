@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 
@@ -27,6 +28,14 @@ def test_round_trip_logits_exact(model, saved):
     assert not loaded.training
 
 
+def test_celeris_table_names_every_module_parameter(saved):
+    """The Celeris format is a table entry like the others: its identity table covers the state_dict exactly."""
+    model = load_model(saved)
+    table = loader.FORMATS["celeris"].checkpoint_keys
+    targets = {t.replace("{i}", str(i)) for t in table.values() for i in range(len(model.layers))}
+    assert set(model.state_dict()) == targets
+
+
 def test_folder_layout(saved):
     names = {p.name for p in saved.iterdir()}
     assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
@@ -50,7 +59,7 @@ def test_load_builds_on_meta_then_assigns(saved, monkeypatch):
             super().__init__(cfg)
             built_on.append(self.embed_tokens.weight.device)
 
-    monkeypatch.setattr(loader, "CelerisModel", Spy)
+    monkeypatch.setitem(loader.FORMATS, "celeris", dataclasses.replace(loader.FORMATS["celeris"], model_cls=Spy))
     m = load_model(saved)
     assert built_on == [torch.device("meta")]
     assert all(not p.is_meta for p in m.parameters())
