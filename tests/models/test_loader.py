@@ -1,4 +1,5 @@
-"""Checkpoint folders: exact round trip, meta-device build, and a CheckpointError for every bad folder."""
+"""The loader (``celeris.models.loader``): exact round trip, meta-device build, a CheckpointError for every bad
+folder, and every format's name table covering its model."""
 
 from __future__ import annotations
 
@@ -12,7 +13,9 @@ from safetensors.torch import load_file, save_file
 
 from celeris.models import loader
 from celeris.models.celeris import CelerisModel
-from celeris.models.loader import CheckpointError, load_model, save_checkpoint
+from celeris.models.loader import FORMATS, CheckpointError, load_any, load_model, save_checkpoint
+from tests.models.conftest_block_formats import write_fast_dllm, write_llada2, write_sdar
+from tests.models.conftest_formats import write_dream, write_llada
 
 
 @pytest.fixture
@@ -148,3 +151,29 @@ def test_config_with_different_size_names_tensor(saved, tmp_path):
     with pytest.raises(CheckpointError, match="gate_up_proj") as info:
         load_model(copy)
     assert "(128, 32)" in str(info.value) and "(160, 32)" in str(info.value)
+
+
+VARIANTS = {  # config overrides that change the module layout (tied head, biases, one K/V head)
+    "llada": {"weight_tying": True, "include_qkv_bias": True, "n_kv_heads": 1},
+    "dream": {"tie_word_embeddings": True, "num_key_value_heads": 1},
+    "sdar": {"tie_word_embeddings": True, "num_key_value_heads": 1, "head_dim": 4},
+    "fast_dllm_v2": {"tie_word_embeddings": True, "num_key_value_heads": 1},
+    "llada2": {"use_qkv_bias": True, "use_bias": True, "num_key_value_heads": 1, "num_shared_experts": None},
+}
+ALL_WRITERS = {"llada": write_llada, "dream": write_dream, "sdar": write_sdar, "fast_dllm_v2": write_fast_dllm,
+               "llada2": write_llada2}
+
+
+@pytest.mark.parametrize("name", sorted(ALL_WRITERS))
+@pytest.mark.parametrize("variant", [False, True])
+def test_checkpoint_keys_name_every_module_parameter(name, variant, tmp_path):
+    """The rename table's targets are exactly the model's state_dict names (none missing, none left over)."""
+    fmt = FORMATS[name]
+    ALL_WRITERS[name](tmp_path, num_shards=1, **(VARIANTS[name] if variant else {}))
+    model = load_any(tmp_path)
+    num_layers = len(model.layers)
+    experts = range(getattr(model.config, "num_experts", 1))  # "{e}": an expert index (mixture of experts)
+    targets = {t.replace("{i}", str(i)).replace("{e}", str(e)).split("[")[0] for t in fmt.checkpoint_keys.values()
+               for i in range(num_layers) for e in experts}
+    assert set(model.state_dict()) <= targets
+    assert model.supports_kv_cache
