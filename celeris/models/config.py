@@ -94,8 +94,22 @@ class BlockFormatConfig(FormatConfig):
         return contract_special_ids(raw, folder, cls.CONTRACT)
 
     @property
+    def block_size_stated(self) -> int | None:
+        """The block size the config states (its ``BLOCK_SIZE_KEY``), or None."""
+        return getattr(self, self.BLOCK_SIZE_KEY) if self.BLOCK_SIZE_KEY else None
+
+    @property
     def block_contract(self) -> DecodingContract:
-        return self.CONTRACT.with_block_size(getattr(self, self.BLOCK_SIZE_KEY) if self.BLOCK_SIZE_KEY else None)
+        return self.CONTRACT.with_block_size(self.block_size_stated)
+
+    def unsupported(self) -> list[tuple[bool, str]]:
+        """A stated block size below 1, then the format's own refusals (``format_unsupported``)."""
+        size = self.block_size_stated
+        return [(size is not None and size < 1, f"{self.BLOCK_SIZE_KEY} {size}"), *self.format_unsupported()]
+
+    def format_unsupported(self) -> list[tuple[bool, str]]:
+        """The format's own (setting is used, what it is) refusals."""
+        return []
 
 
 @dataclass

@@ -41,10 +41,9 @@ class FastDLLMConfig(BlockFormatConfig, QwenConfig):
     CONTRACT = CONTRACTS["fast_dllm_v2"]
     BLOCK_SIZE_KEY = "bd_size"
 
-    def unsupported(self) -> list[tuple[bool, str]]:
+    def format_unsupported(self) -> list[tuple[bool, str]]:
         windows = [t for t in self.layer_types or [] if t != "full_attention"]
-        return [(bool(windows), f"sliding-window attention (layer_types {sorted(set(windows))})"),
-                (self.bd_size is not None and self.bd_size < 1, f"bd_size {self.bd_size}")]
+        return [(bool(windows), f"sliding-window attention (layer_types {sorted(set(windows))})")]
 
     def layout(self) -> Layout:
         """Qwen2: biases on q/k/v; the next-token shift."""

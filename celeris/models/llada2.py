@@ -90,7 +90,7 @@ class LLaDA2Config(BlockFormatConfig, QwenConfig):
     FORMAT = "LLaDA2.0"
     CONTRACT = CONTRACTS["llada2"]
 
-    def unsupported(self) -> list[tuple[bool, str]]:
+    def format_unsupported(self) -> list[tuple[bool, str]]:
         return [
             (self.score_function != "sigmoid", f"score_function '{self.score_function}' (only 'sigmoid')"),
             (self.num_experts % self.n_group != 0 or self.topk_group > self.n_group,

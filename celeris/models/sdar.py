@@ -46,9 +46,8 @@ class SDARConfig(BlockFormatConfig, QwenConfig):
     CONTRACT = CONTRACTS["sdar"]
     BLOCK_SIZE_KEY = "block_size"
 
-    def unsupported(self) -> list[tuple[bool, str]]:
-        return [(self.attention_bias, "attention_bias"),
-                (self.block_size is not None and self.block_size < 1, f"block_size {self.block_size}")]
+    def format_unsupported(self) -> list[tuple[bool, str]]:
+        return [(self.attention_bias, "attention_bias")]
 
     def layout(self) -> Layout:
         """Qwen3: per-head q/k RMSNorm, no biases, no shift."""
