@@ -177,3 +177,17 @@ def test_checkpoint_keys_name_every_module_parameter(name, variant, tmp_path):
                for i in range(num_layers) for e in experts}
     assert set(model.state_dict()) <= targets
     assert model.supports_kv_cache
+
+
+def test_packed_parts_are_checked_one_by_one(tmp_path):
+    """Separate published q/k/v tensors are packed into qkv_proj: a missing part is named by its published name,
+    and the packed projection equals the published rows stacked q, k, v."""
+    write_dream(tmp_path, num_shards=1)
+    state = load_file(tmp_path / "model.safetensors")
+    model = load_any(tmp_path)
+    names = [f"model.layers.1.self_attn.{p}_proj.weight" for p in "qkv"]
+    assert torch.equal(model.layers[1].attn.qkv_proj.weight, torch.cat([state[n] for n in names]))
+    state.pop(names[1])
+    save_file(state, tmp_path / "model.safetensors")
+    with pytest.raises(CheckpointError, match=r"'model\.layers\.1\.self_attn\.k_proj\.weight' is missing"):
+        load_any(tmp_path)
