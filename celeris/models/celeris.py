@@ -27,7 +27,7 @@ from torch import nn
 
 from celeris.models.config import FormatConfig
 from celeris.models.contract import DecodingContract, hybrid_contract
-from celeris.models.layers import Layout, TransformerLM
+from celeris.models.layers import Architecture, TransformerLM
 
 # The checkpoint names are the module names ("{i}": the layer index).
 CHECKPOINT_KEYS = {name: name for name in (
@@ -78,13 +78,13 @@ class CelerisConfig(FormatConfig):
             return hybrid_contract(self.draft_block_size, self.mask_token_id)
         return None
 
-    def layout(self) -> Layout:
+    def architecture(self) -> Architecture:
         """Full heads (no grouped K/V), no biases, tied head; the causal twin shifts its logits."""
-        return Layout(vocab_size=self.vocab_size, hidden_size=self.hidden_size, num_layers=self.num_layers,
-                      num_heads=self.num_heads, num_kv_heads=self.num_heads, head_dim=self.head_dim,
-                      intermediate_size=self.intermediate_size, rms_norm_eps=self.rms_norm_eps,
-                      rope_theta=self.rope_theta, tie_head=True, is_causal=self.is_causal,
-                      logits_shift=int(self.is_causal))
+        return Architecture(vocab_size=self.vocab_size, hidden_size=self.hidden_size, num_layers=self.num_layers,
+                            num_heads=self.num_heads, num_kv_heads=self.num_heads, head_dim=self.head_dim,
+                            intermediate_size=self.intermediate_size, rms_norm_eps=self.rms_norm_eps,
+                            rope_theta=self.rope_theta, tie_head=True, is_causal=self.is_causal,
+                            logits_shift=int(self.is_causal))
 
     def to_json(self, path: str | Path) -> None:
         data = {"architectures": ["CelerisForMaskedDiffusion"], **asdict(self)}

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Self
 
 from celeris.models.contract import DecodingContract, contract_special_ids
-from celeris.models.layers import Layout
+from celeris.models.layers import Architecture
 from celeris.tokenizer import special_token_ids
 
 
@@ -23,7 +23,7 @@ class FormatConfig:
 
     Subclasses are dataclasses whose field names are the published keys; ``NULLABLE`` names keys whose
     explicit null is meaningful (kept), every other null means "use the default"; ``FORMAT`` names the
-    format in errors. ``layout()`` gives the ``TransformerLM`` shape the config describes.
+    format in errors. ``architecture()`` gives the ``TransformerLM`` shape the config describes.
     """
 
     NULLABLE: tuple[str, ...] = ()
@@ -75,7 +75,7 @@ class FormatConfig:
             if not 0 <= value < self.vocab_size:
                 raise ValueError(f"{name}={value} is outside the vocabulary [0, {self.vocab_size})")
 
-    def layout(self) -> Layout:
+    def architecture(self) -> Architecture:
         """The ``TransformerLM`` shape this config describes."""
         raise NotImplementedError
 
@@ -162,13 +162,14 @@ class QwenConfig(FormatConfig):
         """The format's own (setting is used, what it is) refusals."""
         return []
 
-    def layout(self, **options: object) -> Layout:
-        """The Qwen2 / Qwen3 layout; ``options``: the format's own ``Layout`` fields (biases, q/k norm, shift)."""
-        return Layout(vocab_size=self.vocab_size, hidden_size=self.hidden_size, num_layers=self.num_hidden_layers,
-                      num_heads=self.num_attention_heads, num_kv_heads=self.num_key_value_heads,
-                      head_dim=self.head_dim, intermediate_size=self.intermediate_size,
-                      rms_norm_eps=self.rms_norm_eps, rope_theta=self.rope_theta,
-                      tie_head=self.tie_word_embeddings, **options)
+    def architecture(self, **options: object) -> Architecture:
+        """The Qwen2 / Qwen3 architecture; ``options``: the format's own ``Architecture`` fields (biases, q/k norm,
+        shift)."""
+        return Architecture(vocab_size=self.vocab_size, hidden_size=self.hidden_size, num_layers=self.num_hidden_layers,
+                            num_heads=self.num_attention_heads, num_kv_heads=self.num_key_value_heads,
+                            head_dim=self.head_dim, intermediate_size=self.intermediate_size,
+                            rms_norm_eps=self.rms_norm_eps, rope_theta=self.rope_theta,
+                            tie_head=self.tie_word_embeddings, **options)
 
 
 # Qwen2's tensor names (Dream, Fast-dLLM v2) -> module names ("{i}": the layer index; "[part]": a row block

@@ -25,7 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from celeris.models.config import QWEN2_KEYS, QwenConfig
-from celeris.models.layers import Layout, TransformerLM
+from celeris.models.layers import Architecture, TransformerLM
 
 # Checkpoint tensor name -> module name in DreamModel: Qwen2's names.
 CHECKPOINT_KEYS = QWEN2_KEYS
@@ -41,9 +41,9 @@ class DreamConfig(QwenConfig):
 
     FORMAT = "Dream"
 
-    def layout(self) -> Layout:
+    def architecture(self) -> Architecture:
         """Qwen2: biases on q/k/v; the next-token shift (``logits[i] = head(h[i-1])``)."""
-        return super().layout(qkv_bias=True, logits_shift=1)
+        return super().architecture(qkv_bias=True, logits_shift=1)
 
 
 class DreamModel(TransformerLM):

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from celeris.models.config import QWEN2_KEYS, BlockFormatConfig, QwenConfig
 from celeris.models.contract import CONTRACTS
-from celeris.models.layers import Layout, TransformerLM
+from celeris.models.layers import Architecture, TransformerLM
 
 CHECKPOINT_KEYS = QWEN2_KEYS  # Qwen2's names, as Dream's
 
@@ -45,9 +45,9 @@ class FastDLLMConfig(BlockFormatConfig, QwenConfig):
         windows = [t for t in self.layer_types or [] if t != "full_attention"]
         return [(bool(windows), f"sliding-window attention (layer_types {sorted(set(windows))})")]
 
-    def layout(self) -> Layout:
+    def architecture(self) -> Architecture:
         """Qwen2: biases on q/k/v; the next-token shift."""
-        return super().layout(qkv_bias=True, logits_shift=1)
+        return super().architecture(qkv_bias=True, logits_shift=1)
 
 
 class FastDLLMModel(TransformerLM):

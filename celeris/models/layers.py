@@ -4,7 +4,7 @@ Celeris, LLaDA, Dream, SDAR, Fast-dLLM v2 and LLaDA2.0 are all Llama-style trans
 pre-norm blocks of RMSNorm -> attention with rotary position embeddings -> residual, RMSNorm -> SwiGLU MLP
 (or a mixture of experts) -> residual, used bidirectionally for masked diffusion (LLaDA arXiv:2502.09992,
 Dream arXiv:2508.15487), block-causally for block diffusion (SDAR arXiv:2510.06303) or causally (the
-autoregressive Celeris twin). What differs between formats is data: a ``Layout`` (head counts, biases,
+autoregressive Celeris twin). What differs between formats is data: an ``Architecture`` (head counts, biases,
 q/k norm, partial RoPE, tied head, causal, logit shift) read from the format's config, and a CHECKPOINT_KEYS
 table from the published tensor names to the module names here. This module holds:
 
@@ -172,8 +172,8 @@ def update_cache(
 
 
 @dataclass(frozen=True)
-class Layout:
-    """The shape of one ``TransformerLM``, read off a format's config (its ``layout()`` method).
+class Architecture:
+    """The shape of one ``TransformerLM``, read off a format's config (its ``architecture()`` method).
 
     Attributes:
         vocab_size: logits width; ``embedding_rows`` (default: vocab_size) may be larger (padded embeddings,
@@ -215,22 +215,22 @@ class Attention(nn.Module):
     reads K/V head ``h // (num_heads // num_kv_heads)``). ``qkv_proj`` holds the query, key and value rows
     stacked in that order ((H + 2 H_kv) x D rows), so one matmul computes all three; published checkpoints
     with separate q/k/v tensors are packed into it at load time (``parts``; ``celeris.models.loader``), as
-    nano-vllm's packed modules and gpt-fast's load hook do. Options (``Layout``): biases on q/k/v (Qwen2,
+    nano-vllm's packed modules and gpt-fast's load hook do. Options (``Architecture``): biases on q/k/v (Qwen2,
     Dream; LLaDA's ``include_qkv_bias``) and on the output (LLaDA2.0's ``use_bias``), Qwen3's per-head
     RMSNorm of queries and keys before RoPE (``q_norm`` / ``k_norm``), RoPE on the first ``rotary_dim``
     dimensions of each head only, and causal attention.
     Shapes: x (B, L, hidden) -> (B, L, hidden); q (B, H, L, D), k/v (B, H_kv, L, D).
     """
 
-    def __init__(self, layout: Layout) -> None:
+    def __init__(self, arch: Architecture) -> None:
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = layout.num_heads, layout.num_kv_heads, layout.head_dim
-        self.rotary_dim, self.is_causal = layout.rotary_dim or layout.head_dim, layout.is_causal
-        self.q_norm = RMSNorm(self.head_dim, layout.rms_norm_eps) if layout.qk_norm else None
-        self.k_norm = RMSNorm(self.head_dim, layout.rms_norm_eps) if layout.qk_norm else None
+        self.num_heads, self.num_kv_heads, self.head_dim = arch.num_heads, arch.num_kv_heads, arch.head_dim
+        self.rotary_dim, self.is_causal = arch.rotary_dim or arch.head_dim, arch.is_causal
+        self.q_norm = RMSNorm(self.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
         rows = (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
-        self.qkv_proj = nn.Linear(layout.hidden_size, rows, bias=layout.qkv_bias)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, layout.hidden_size, bias=layout.o_bias)
+        self.qkv_proj = nn.Linear(arch.hidden_size, rows, bias=arch.qkv_bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, arch.hidden_size, bias=arch.o_bias)
 
     def parts(self) -> dict[str, dict[str, int]]:
         """Packed projection -> {part: rows}, in the order the parts are stacked (the loader's packing step)."""
@@ -300,11 +300,11 @@ class MLP(nn.Module):
 class Block(nn.Module):
     """Pre-norm transformer block (Llama): ``x += attn(attn_norm(x)); x += mlp(mlp_norm(x))``, (B, L, hidden)."""
 
-    def __init__(self, layout: Layout, make_mlp: Callable[[], nn.Module]) -> None:
+    def __init__(self, arch: Architecture, make_mlp: Callable[[], nn.Module]) -> None:
         super().__init__()
-        self.attn_norm = RMSNorm(layout.hidden_size, layout.rms_norm_eps)
-        self.attn = Attention(layout)  # built before the MLP: random initialisation draws in this order
-        self.mlp_norm = RMSNorm(layout.hidden_size, layout.rms_norm_eps)
+        self.attn_norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.attn = Attention(arch)  # built before the MLP: random initialisation draws in this order
+        self.mlp_norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.mlp = make_mlp()
 
     def forward(
@@ -319,14 +319,14 @@ class TransformerLM(nn.Module):
     """Token ids -> float32 logits: embedding, pre-norm ``Block``s, final RMSNorm, output head.
 
     The one transformer of every native format (Celeris, LLaDA, Dream, SDAR, Fast-dLLM v2, LLaDA2.0); a
-    format's config gives its ``Layout`` and its CHECKPOINT_KEYS table maps the published tensor names onto
+    format's config gives its ``Architecture`` and its CHECKPOINT_KEYS table maps the published tensor names onto
     these modules. The head is ``lm_head`` or, when tied, the embedding matrix; rows past ``vocab_size``
     (padded embeddings) are dropped. ``logits_shift`` 1 is for models that keep the autoregressive habit of
     scoring token i from the hidden state at i-1 (Dream, causal models): ``logits[i] = head(h[i-1])``,
     position 0 keeping ``head(h[0])``; 0 scores token i from h[i] (LLaDA). Either way the output row for
     position i predicts token i, so callers stay format-agnostic.
 
-    ``config`` (the sampler reads the special token ids there) has ``layout() -> Layout`` and may have
+    ``config`` (the sampler reads the special token ids there) has ``architecture() -> Architecture`` and may have
     ``block_contract`` (``celeris.models.contract``: how to decode a block-diffusion model). Subclasses may
     override ``make_mlp`` (mixture-of-experts layers), ``embed`` and ``logits`` for format options.
     """
@@ -336,18 +336,18 @@ class TransformerLM(nn.Module):
     def __init__(self, config: object) -> None:
         super().__init__()
         self.config = config
-        layout = self.layout = config.layout()
-        self.vocab_size, self.logits_shift, self.is_causal = layout.vocab_size, layout.logits_shift, layout.is_causal
+        arch = self.arch = config.architecture()
+        self.vocab_size, self.logits_shift, self.is_causal = arch.vocab_size, arch.logits_shift, arch.is_causal
         self.block_contract = getattr(config, "block_contract", None)
-        self.embed_tokens = nn.Embedding(layout.embedding_rows or layout.vocab_size, layout.hidden_size)
-        self.layers = nn.ModuleList(Block(layout, partial(self.make_mlp, i)) for i in range(layout.num_layers))
-        self.norm = RMSNorm(layout.hidden_size, layout.rms_norm_eps)
-        rows = layout.embedding_rows or layout.vocab_size
-        self.lm_head = None if layout.tie_head else nn.Linear(layout.hidden_size, rows, bias=False)
+        self.embed_tokens = nn.Embedding(arch.embedding_rows or arch.vocab_size, arch.hidden_size)
+        self.layers = nn.ModuleList(Block(arch, partial(self.make_mlp, i)) for i in range(arch.num_layers))
+        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        rows = arch.embedding_rows or arch.vocab_size
+        self.lm_head = None if arch.tie_head else nn.Linear(arch.hidden_size, rows, bias=False)
 
     def make_mlp(self, index: int) -> nn.Module:
         """The feed-forward module of layer ``index``: a SwiGLU ``MLP`` (mixture-of-experts formats override)."""
-        return MLP(self.layout.hidden_size, self.layout.intermediate_size)
+        return MLP(self.arch.hidden_size, self.arch.intermediate_size)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """(B, L) ids -> (B, L, hidden) input embeddings."""
@@ -407,7 +407,7 @@ class TransformerLM(nn.Module):
         normed hidden states. ``cache``/``window`` as in ``hidden_states`` (``window`` (B, Lq) per-row columns
         or a span). The hybrid objective's two-stream layout and verified decoding's passes use it.
         """
-        cos, sin = rope_cos_sin(positions, self.layout.rotary_dim or self.layout.head_dim, self.layout.rope_theta)
+        cos, sin = rope_cos_sin(positions, self.arch.rotary_dim or self.arch.head_dim, self.arch.rope_theta)
         x = self.embed(ids)  # (B, Lq, d)
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, attn_mask, cache=cache, layer_idx=i, window=window)

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from celeris.models.config import FormatConfig
-from celeris.models.layers import Layout, TransformerLM
+from celeris.models.layers import Architecture, TransformerLM
 
 # Checkpoint tensor name -> module name in LLaDAModel ("{i}" is the block index; "[part]" a row block of a
 # fused projection, packed at load time).
@@ -124,13 +124,13 @@ class LLaDAConfig(FormatConfig):
     def max_position_embeddings(self) -> int:
         return self.max_sequence_length
 
-    def layout(self) -> Layout:
+    def architecture(self) -> Architecture:
         """The "llama" block: optional q/k/v biases, no shift."""
-        return Layout(vocab_size=self.vocab_size, embedding_rows=self.embedding_size, hidden_size=self.d_model,
-                      num_layers=self.n_layers, num_heads=self.n_heads, num_kv_heads=self.num_kv_heads,
-                      head_dim=self.head_dim, intermediate_size=self.intermediate_size,
-                      rms_norm_eps=self.rms_norm_eps, rope_theta=self.rope_theta,
-                      qkv_bias=bool(self.include_qkv_bias), tie_head=self.weight_tying)
+        return Architecture(vocab_size=self.vocab_size, embedding_rows=self.embedding_size, hidden_size=self.d_model,
+                            num_layers=self.n_layers, num_heads=self.n_heads, num_kv_heads=self.num_kv_heads,
+                            head_dim=self.head_dim, intermediate_size=self.intermediate_size,
+                            rms_norm_eps=self.rms_norm_eps, rope_theta=self.rope_theta,
+                            qkv_bias=bool(self.include_qkv_bias), tie_head=self.weight_tying)
 
 
 class LLaDAModel(TransformerLM):

@@ -33,7 +33,7 @@ from torch import nn
 
 from celeris.models.config import BlockFormatConfig, QwenConfig
 from celeris.models.contract import CONTRACTS
-from celeris.models.layers import MLP, Layout, TransformerLM
+from celeris.models.layers import MLP, Architecture, TransformerLM
 
 # Published tensor name -> module name ("{i}" layer, "{e}" expert index; "[part]" a row block of a fused
 # projection, packed at load time). query_key_value already stacks queries, keys and values.
@@ -99,9 +99,9 @@ class LLaDA2Config(BlockFormatConfig, QwenConfig):
              f"partial_rotary_factor {self.partial_rotary_factor} of head_dim {self.head_dim} (an odd rotary width)"),
         ]
 
-    def layout(self) -> Layout:
+    def architecture(self) -> Architecture:
         """Ling: q/k RMSNorm, RoPE on the first ``partial_rotary_factor`` of each head, optional biases."""
-        return super().layout(qk_norm=True, rotary_dim=int(self.head_dim * self.partial_rotary_factor),
+        return super().architecture(qk_norm=True, rotary_dim=int(self.head_dim * self.partial_rotary_factor),
                               qkv_bias=self.use_qkv_bias, o_bias=self.use_bias)
 
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from celeris.models.config import QWEN3_KEYS, BlockFormatConfig, QwenConfig
 from celeris.models.contract import CONTRACTS
-from celeris.models.layers import Layout, TransformerLM
+from celeris.models.layers import Architecture, TransformerLM
 
 # Checkpoint tensor name -> module name in SDARModel: Qwen3's names.
 CHECKPOINT_KEYS = QWEN3_KEYS
@@ -49,9 +49,9 @@ class SDARConfig(BlockFormatConfig, QwenConfig):
     def format_unsupported(self) -> list[tuple[bool, str]]:
         return [(self.attention_bias, "attention_bias")]
 
-    def layout(self) -> Layout:
+    def architecture(self) -> Architecture:
         """Qwen3: per-head q/k RMSNorm, no biases, no shift."""
-        return super().layout(qk_norm=True)
+        return super().architecture(qk_norm=True)
 
 
 class SDARModel(TransformerLM):

@@ -111,7 +111,7 @@ def train_hidden(model, ids, positions, mask):
     """The training pass: the shared layers on caller positions (both copies at 0..L-1) and a 4D mask."""
     from celeris.models.layers import rope_cos_sin
 
-    cos, sin = rope_cos_sin(positions, model.layout.head_dim, model.layout.rope_theta)
+    cos, sin = rope_cos_sin(positions, model.arch.head_dim, model.arch.rope_theta)
     x = model.embed(ids)
     for layer in model.layers:
         x = layer(x, cos, sin, mask)
