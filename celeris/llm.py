@@ -13,7 +13,7 @@ import torch
 
 from celeris.config import EngineConfig, resolve_device, resolve_dtype
 from celeris.engine import Engine, Request
-from celeris.models.registry import load_any, load_tokenizer
+from celeris.models.loader import load_any, load_tokenizer
 from celeris.params import SamplingParams, causal_defaults
 from celeris.sampling.block import contract_of
 from celeris.sampling.step import check_fits_context, check_prompts
@@ -75,7 +75,7 @@ class LLM:
         max_num_seqs: most requests denoised together in one forward pass (vLLM's name; ``max_batch_size`` is
             a deprecated alias).
         trust_remote_code: allow a checkpoint format Celeris does not implement to run its own
-            modeling code (``celeris.models.registry.load_any``).
+            modeling code (``celeris.models.loader.load_any``).
         dtype: "float32", "bfloat16" or "float16"; None: bfloat16 on CUDA, float32 on CPU.
         enforce_eager: False compiles the model with ``torch.compile`` (see EngineConfig).
         max_waiting: requests queued beyond the running ones before ``add_request`` raises QueueFullError (the

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from celeris.llm import LLM
-from celeris.models.registry import load_any, load_tokenizer
+from celeris.models.loader import load_any, load_tokenizer
 from celeris.params import SamplingParams
 from celeris.tokenizer import Tokenizer
 from tests.conftest import REPO_ROOT

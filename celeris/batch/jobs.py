@@ -314,17 +314,41 @@ async def drive(get_serving: Callable[[], Any], items: Iterator[BatchItem], sink
             await asyncio.gather(*pending, return_exceptions=True)
 
 
+@dataclass
+class OpenJob:
+    """A started job (``open_job``): its scan and plan, and ``record`` writing one output record to the locked
+    output while counting it on the progress bar."""
+
+    scan: InputScan
+    plan: JobPlan
+    writer: ResultWriter
+    progress: Progress
+    input_path: str | Path
+    output_path: str | Path
+    start: float
+
+    def record(self, record: dict) -> None:
+        """Append ``record`` to the output and count it."""
+        self.writer.write(record)
+        self.progress.record(record)
+
+    def summary(self) -> dict:
+        """The job's summary (``summary``), timed from ``open_job``."""
+        return summary(self.plan, self.progress, self.input_path, self.output_path, time.perf_counter() - self.start)
+
+
 @contextmanager
 def open_job(input_path: str | Path, output_path: str | Path, *, retry_failed: bool = False,
-             rerun_changed: bool = False, log: Callable[[str], None] | None = None
-             ) -> Iterator[tuple[InputScan, JobPlan, ResultWriter]]:
+             rerun_changed: bool = False, log: Callable[[str], None] | None = None, progress: bool = True,
+             desc: str = "batch") -> Iterator[OpenJob]:
     """Steps 1-4 of the module doc, shared by the local and the Ray runner: refuse the input as output,
-    scan the input, lock the output, plan; yields the scan, the plan and a writer that appends to the
-    locked output. The lock is held until the block ends.
+    scan the input, lock the output, plan; yields an ``OpenJob`` whose ``record`` appends to the locked
+    output and drives a progress bar (``desc``). The lock is held and the bar shown until the block ends.
 
     Raises:
         BatchError (and its subclasses): the job cannot start; nothing was run.
     """
+    start = time.perf_counter()
     check_not_same_file(input_path, output_path)
     scan = scan_input(input_path)  # duplicates refuse the job before anything is created
     with output_lock(output_path) as lock:
@@ -332,7 +356,11 @@ def open_job(input_path: str | Path, output_path: str | Path, *, retry_failed: b
         plan = plan_job(input_path, output_path, retry_failed, scan, rerun_changed, lock)
         report_plan(plan, output_path, log)
         with ResultWriter(output_path) as writer:
-            yield scan, plan, writer
+            bar = Progress(plan.num_todo, enabled=progress, desc=desc)
+            try:
+                yield OpenJob(scan, plan, writer, bar, input_path, output_path, start)
+            finally:
+                bar.close()
 
 
 def run_batch(
@@ -361,10 +389,8 @@ def run_batch(
     """
     if window < 1:
         raise BatchError(f"the in-flight window must be >= 1, got {window}")
-    start = time.perf_counter()
-    with open_job(input_path, output_path, retry_failed=retry_failed, rerun_changed=rerun_changed,
-                  log=log) as (scan, plan, writer):
-        bar = Progress(plan.num_todo, enabled=progress)
+    with open_job(input_path, output_path, retry_failed=retry_failed, rerun_changed=rerun_changed, log=log,
+                  progress=progress) as job:
         servings: list = []
 
         def get_serving():
@@ -373,18 +399,13 @@ def run_batch(
                 servings[0].start()
             return servings[0]
 
-        def sink(record: dict) -> None:
-            writer.write(record)
-            bar.record(record)
-
         try:
-            if plan.num_todo:
-                asyncio.run(drive(get_serving, iter_todo(input_path, plan.done, scan), sink, window))
+            if job.plan.num_todo:
+                asyncio.run(drive(get_serving, iter_todo(input_path, job.plan.done, job.scan), job.record, window))
         finally:
-            bar.close()
             for serving in servings:
                 serving.stop()
-    return summary(plan, bar, input_path, output_path, time.perf_counter() - start)
+    return job.summary()
 
 
 def report_plan(plan: JobPlan, output_path, log: Callable[[str], None] | None) -> None:

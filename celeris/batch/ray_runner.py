@@ -25,7 +25,6 @@ import json
 import logging
 import os
 import threading
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -34,12 +33,10 @@ from celeris.batch.jobs import (
     BatchError,
     BatchItem,
     EngineUnavailableError,
-    Progress,
     error_record,
     iter_todo,
     open_job,
     run_item,
-    summary,
 )
 
 PACKAGE_ROOT = str(Path(celeris.__file__).resolve().parent.parent)
@@ -136,12 +133,10 @@ def run_batch_ray(
         raise BatchError("--backend ray needs Ray: pip install 'celeris[ray]' (ray[data])") from None
     if num_workers < 1:
         raise BatchError(f"--num-workers must be >= 1, got {num_workers}")
-    start = time.perf_counter()
     real = Path(os.path.realpath(output_path))
     spool = real.with_name(f".{real.name}.ray-spool.jsonl")
-    with open_job(input_path, output_path, retry_failed=retry_failed, rerun_changed=rerun_changed,
-                  log=log) as (scan, plan, writer):
-        bar = Progress(plan.num_todo, enabled=progress, desc="batch[ray]")
+    with open_job(input_path, output_path, retry_failed=retry_failed, rerun_changed=rerun_changed, log=log,
+                  progress=progress, desc="batch[ray]") as job:
         written: set[str] = set()  # ids written by this run: a row Ray hands over twice is written once
         started_ray = False
         try:
@@ -151,13 +146,12 @@ def run_batch_ray(
                     if cid in written:
                         return
                     written.add(cid)
-                writer.write(record)
-                bar.record(record)
+                job.record(record)
 
             num_requests = 0
             try:
                 with open(spool, "w", encoding="utf-8") as fh:
-                    for item in iter_todo(input_path, plan.done, scan):
+                    for item in iter_todo(input_path, job.plan.done, job.scan):
                         if item.error_code is not None:
                             sink(error_record(item))
                         else:
@@ -190,8 +184,7 @@ def run_batch_ray(
                     first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
                     raise EngineUnavailableError(f"the Ray job failed: {first}") from exc
         finally:
-            bar.close()
             spool.unlink(missing_ok=True)
             if started_ray:
                 ray.shutdown()
-    return summary(plan, bar, input_path, output_path, time.perf_counter() - start)
+    return job.summary()

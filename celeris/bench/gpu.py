@@ -56,6 +56,16 @@ def llada_shape(smoke: bool) -> LLaDAConfig:
                        pad_token_id=dims["vocab_size"] - 383)
 
 
+def engine_equals(model: torch.nn.Module, prompts: list[list[int]], params: SamplingParams,
+                  reference_ids: torch.Tensor) -> bool:
+    """Whether the engine's answers to ``prompts`` equal the reference sampler's (B, L) ``reference_ids``."""
+    engine = Engine(model, EngineConfig(max_num_seqs=8))
+    requests = [engine.add_request(p, params) for p in prompts]
+    while engine.has_unfinished():
+        engine.step()
+    return all(torch.equal(r.answer, reference_ids[i].cpu()) for i, r in enumerate(requests))
+
+
 def check_correctness(device: torch.device) -> dict:
     """Engine == reference sampler on the device for every cache mode; device logits == CPU logits."""
     from celeris.models.celeris import CelerisConfig, CelerisModel
@@ -73,13 +83,7 @@ def check_correctness(device: torch.device) -> dict:
     out = {"check": "correctness", "device": str(device), "max_logit_diff_vs_cpu": diff, "cache_modes": {}}
     for cache in ("none", "prefix", "dual", "delayed", "dual_delayed"):
         params = SamplingParams(max_tokens=16, steps=16, block_length=4, cache=cache, early_exit=False)
-        reference = generate(model, prompts, params)
-        engine = Engine(model, EngineConfig(max_num_seqs=8))
-        requests = [engine.add_request(p, params) for p in prompts]
-        while engine.has_unfinished():
-            engine.step()
-        out["cache_modes"][cache] = all(torch.equal(r.answer, reference.answer_ids[i].cpu())
-                                        for i, r in enumerate(requests))
+        out["cache_modes"][cache] = engine_equals(model, prompts, params, generate(model, prompts, params).answer_ids)
     out["ok"] = diff < 1e-3 and all(out["cache_modes"].values())
     return out
 
@@ -127,22 +131,29 @@ def llada_shape_speed(device: torch.device, smoke: bool) -> list[dict]:
         full_s, window_s = time_call(full_pass, device), time_call(window_pass, device)
         params = SamplingParams(max_tokens=answer, steps=answer, block_length=32, cache="dual",
                                 decoding="threshold", threshold=0.9)
-        prompts = ids[:, :answer].tolist()
-        engine = Engine(model, EngineConfig(max_num_seqs=batch))
-        sync(device)
-        start = time.perf_counter()
-        requests = [engine.add_request(p, params) for p in prompts]
-        while engine.has_unfinished():
-            engine.step()
-        sync(device)
-        seconds = time.perf_counter() - start
-        tokens = sum(len(r.final_prefix(cfg.eos_token_id)) for r in requests)
+        run = timed_engine_run(model, ids[:, :answer].tolist(), params, batch, device, cfg.eos_token_id)
         results.append({"check": "llada-8b-shape", "dtype": str(dtype).removeprefix("torch."), "batch": batch,
                         "canvas_tokens": 2 * answer, "full_pass_ms": round(full_s * 1e3, 2),
-                        "dual_window_pass_ms": round(window_s * 1e3, 2), "answer_tokens": tokens,
-                        "seconds": round(seconds, 3), "tokens_per_s": round(tokens / seconds, 1),
-                        "nfe": max(r.nfe for r in requests), "peak_memory_gb": peak_memory_gb(device)})
+                        "dual_window_pass_ms": round(window_s * 1e3, 2), **run,
+                        "peak_memory_gb": peak_memory_gb(device)})
     return results
+
+
+def timed_engine_run(model: torch.nn.Module, prompts: list[list[int]], params: SamplingParams, batch: int,
+                     device: torch.device, eos_id: int) -> dict:
+    """Decode ``prompts`` through a fresh ``Engine`` (``batch`` rows at a time), timed between device syncs:
+    answer tokens (up to the first end id), seconds, tokens/s and the largest per-request NFE."""
+    engine = Engine(model, EngineConfig(max_num_seqs=batch))
+    sync(device)
+    start = time.perf_counter()
+    requests = [engine.add_request(p, params) for p in prompts]
+    while engine.has_unfinished():
+        engine.step()
+    sync(device)
+    seconds = time.perf_counter() - start
+    tokens = sum(len(r.final_prefix(eos_id)) for r in requests)
+    return {"answer_tokens": tokens, "seconds": round(seconds, 3), "tokens_per_s": round(tokens / seconds, 1),
+            "nfe": max(r.nfe for r in requests)}
 
 
 def sdar_shape(smoke: bool) -> SDARConfig:
@@ -176,13 +187,8 @@ def check_block_correctness(device: torch.device) -> dict:
     out = {"check": "block-correctness", "device": str(device), "decoding": {}}
     for decoding in ("fixed", "low_confidence_dynamic", "threshold"):
         params = SamplingParams(max_tokens=16, steps=4, block_length=4, decoding=decoding, early_exit=False)
-        reference = generate_block(model, prompts, params)
-        engine = Engine(model, EngineConfig(max_num_seqs=8))
-        requests = [engine.add_request(p, params) for p in prompts]
-        while engine.has_unfinished():
-            engine.step()
-        out["decoding"][decoding] = all(torch.equal(r.answer, reference.answer_ids[i].cpu())
-                                        for i, r in enumerate(requests))
+        reference = generate_block(model, prompts, params).answer_ids
+        out["decoding"][decoding] = engine_equals(model, prompts, params, reference)
     out["ok"] = all(out["decoding"].values())
     return out
 
@@ -207,25 +213,17 @@ def sdar_shape_speed(device: torch.device, smoke: bool) -> list[dict]:
         mask = layout_mask(cols, 2 * answer, end - 4, end, torch.zeros_like(end), 4, "block_causal")
         recompute_s = time_call(lambda canvas=canvas, mask=mask: model.hidden_states(canvas, layout_mask=mask), device)
         engine = Engine(model, EngineConfig(max_num_seqs=batch))
-        requests = [engine.add_request(p, params) for p in prompts]
+        for p in prompts:
+            engine.add_request(p, params)
         engine.step()  # the prefill pass (prompt + first block)
         step_s = time_call(engine.step, device, repeats=3)
         while engine.has_unfinished():
             engine.step()
-        engine = Engine(model, EngineConfig(max_num_seqs=batch))
-        sync(device)
-        start = time.perf_counter()
-        requests = [engine.add_request(p, params) for p in prompts]
-        while engine.has_unfinished():
-            engine.step()
-        sync(device)
-        seconds = time.perf_counter() - start
-        tokens = sum(len(r.final_prefix(cfg.eos_token_id)) for r in requests)
+        run = timed_engine_run(model, prompts, params, batch, device, cfg.eos_token_id)
         results.append({"check": "sdar-1.7b-shape", "dtype": str(dtype).removeprefix("torch."), "batch": batch,
                         "canvas_tokens": 2 * answer, "engine_step_ms": round(step_s * 1e3, 2),
-                        "reference_recompute_ms": round(recompute_s * 1e3, 2), "answer_tokens": tokens,
-                        "seconds": round(seconds, 3), "tokens_per_s": round(tokens / seconds, 1),
-                        "nfe": max(r.nfe for r in requests), "peak_memory_gb": peak_memory_gb(device)})
+                        "reference_recompute_ms": round(recompute_s * 1e3, 2), **run,
+                        "peak_memory_gb": peak_memory_gb(device)})
     return results
 
 

@@ -1,39 +1,34 @@
-"""Building blocks shared by the native model formats (Celeris, LLaDA, Dream).
+"""The one transformer of every native model format, and its building blocks.
 
-All three are Llama-style transformers (arXiv:2302.13971) used bidirectionally
-for masked diffusion (LLaDA arXiv:2502.09992, Dream arXiv:2508.15487): pre-norm
-blocks of RMSNorm -> attention with rotary position embeddings -> residual,
-RMSNorm -> SwiGLU MLP -> residual. This module holds the pieces that do not
-depend on a checkpoint's naming:
+Celeris, LLaDA, Dream, SDAR, Fast-dLLM v2 and LLaDA2.0 are all Llama-style transformers (arXiv:2302.13971):
+pre-norm blocks of RMSNorm -> attention with rotary position embeddings -> residual, RMSNorm -> SwiGLU MLP
+(or a mixture of experts) -> residual, used bidirectionally for masked diffusion (LLaDA arXiv:2502.09992,
+Dream arXiv:2508.15487), block-causally for block diffusion (SDAR arXiv:2510.06303) or causally (the
+autoregressive Celeris twin). What differs between formats is data: an ``Architecture`` (head counts, biases,
+q/k norm, partial RoPE, tied head, causal, logit shift) read from the format's config, and a CHECKPOINT_KEYS
+table from the published tensor names to the module names here. This module holds:
 
-- ``RMSNorm``, ``rope_cos_sin`` / ``apply_rope`` and ``KVCache`` (also used by
-  ``CelerisModel``, which keeps its own fused ``qkv_proj`` / ``gate_up_proj``
-  layout and re-exports these names from ``celeris.models.celeris``);
-- ``Attention`` (separate q/k/v/o projections, optional q/k/v biases, grouped
-  K/V heads), ``MLP`` (SwiGLU with gate/up/down projections) and ``Block``;
-- ``TransformerLM``: embedding -> blocks -> final norm -> output head, with the
-  KV-cache interface of ``CelerisModel`` (``cache=`` / ``window=``), for the
-  published LLaDA and Dream formats;
-- ``FormatConfig``: ``config.json`` reading shared by their config classes.
+- ``RMSNorm``, ``rope_cos_sin`` / ``apply_rope``, ``KVCache`` and the window helpers of the cache interface;
+- ``Attention`` (fused ``qkv_proj``), ``MLP`` (fused ``gate_up_proj``) and ``Block``; separate published
+  q/k/v and gate/up tensors are packed into the fused projections at load time (``parts``,
+  ``celeris.models.loader``);
+- ``TransformerLM``: embedding -> blocks -> final norm -> output head, with the KV-cache interface
+  (``cache=`` / ``window=``) and ``scored_logits`` (the logit shift).
 
-Module names (``embed_tokens``, ``layers.N.attn.q_proj``, ``layers.N.mlp.gate_proj``,
-``norm``, ``lm_head`` ...) are what each format's ``CHECKPOINT_KEYS`` table
-renames the published tensor names to; changing one here means changing those
-tables.
+Module names (``embed_tokens``, ``layers.N.attn.qkv_proj``, ``layers.N.mlp.gate_up_proj``, ``norm``,
+``lm_head`` ...) are what each format's ``CHECKPOINT_KEYS`` table renames the published tensor names to, and
+the Celeris checkpoint format on disk; changing one here means changing those tables.
 """
 
 from __future__ import annotations
 
-import json
-from dataclasses import dataclass, field, fields
-from pathlib import Path
-from typing import Self
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-
-from celeris.tokenizer import special_token_ids
 
 
 class RMSNorm(nn.Module):
@@ -176,30 +171,78 @@ def update_cache(
     return cache.keys[layer_idx], cache.values[layer_idx]
 
 
-class Attention(nn.Module):
-    """Bidirectional attention with RoPE, separate q/k/v/o projections and grouped K/V heads.
+@dataclass(frozen=True)
+class Architecture:
+    """The shape of one ``TransformerLM``, read off a format's config (its ``architecture()`` method).
 
-    Llama's attention (arXiv:2302.13971) with grouped-query K/V heads (GQA,
-    arXiv:2305.13245: query head h reads K/V head ``h // (num_heads //
-    num_kv_heads)``) and, optionally, biases on q/k/v (Qwen2, as in Dream;
-    LLaDA's ``include_qkv_bias``). The output projection has no bias. ``head_dim`` may be given (Qwen3
-    states it; default hidden_size // num_heads) and ``qk_norm_eps`` adds Qwen3's per-head RMSNorm of the
-    queries and keys before RoPE (``q_norm`` / ``k_norm``, as SDAR).
+    Attributes:
+        vocab_size: logits width; ``embedding_rows`` (default: vocab_size) may be larger (padded embeddings,
+            whose extra rows are dropped from the logits).
+        num_heads / num_kv_heads / head_dim: query heads, K/V heads (grouped-query attention) and the width of
+            one head; ``rotary_dim`` (default: head_dim) is how many of a head's dimensions RoPE rotates
+            (LLaDA2.0's ``partial_rotary_factor``).
+        qkv_bias / o_bias: biases on the q/k/v rows and on the output projection.
+        qk_norm: Qwen3's per-head RMSNorm of queries and keys before RoPE (SDAR, LLaDA2.0).
+        tie_head: the output head is the embedding matrix (no ``lm_head``).
+        is_causal: causal attention (the autoregressive Celeris twin); otherwise bidirectional unless a
+            caller passes a layout mask.
+        logits_shift: 1 when the hidden state at i - 1 scores token i (Dream, Fast-dLLM v2, causal models).
+    """
+
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    rms_norm_eps: float
+    rope_theta: float
+    embedding_rows: int | None = None
+    rotary_dim: int | None = None
+    qkv_bias: bool = False
+    o_bias: bool = False
+    qk_norm: bool = False
+    tie_head: bool = False
+    is_causal: bool = False
+    logits_shift: int = 0
+
+
+class Attention(nn.Module):
+    """Attention with RoPE, one fused q/k/v projection and grouped K/V heads.
+
+    Llama's attention (arXiv:2302.13971) with grouped-query K/V heads (GQA, arXiv:2305.13245: query head h
+    reads K/V head ``h // (num_heads // num_kv_heads)``). ``qkv_proj`` holds the query, key and value rows
+    stacked in that order ((H + 2 H_kv) x D rows), so one matmul computes all three; published checkpoints
+    with separate q/k/v tensors are packed into it at load time (``parts``; ``celeris.models.loader``), as
+    nano-vllm's packed modules and gpt-fast's load hook do. Options (``Architecture``): biases on q/k/v (Qwen2,
+    Dream; LLaDA's ``include_qkv_bias``) and on the output (LLaDA2.0's ``use_bias``), Qwen3's per-head
+    RMSNorm of queries and keys before RoPE (``q_norm`` / ``k_norm``), RoPE on the first ``rotary_dim``
+    dimensions of each head only, and causal attention.
     Shapes: x (B, L, hidden) -> (B, L, hidden); q (B, H, L, D), k/v (B, H_kv, L, D).
     """
 
-    def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int, qkv_bias: bool = False,
-                 head_dim: int | None = None, qk_norm_eps: float | None = None) -> None:
+    def __init__(self, arch: Architecture) -> None:
         super().__init__()
-        self.num_heads, self.num_kv_heads = num_heads, num_kv_heads
-        self.head_dim = head_dim or hidden_size // num_heads
-        # Qwen3 / SDAR: RMSNorm over each head's queries and keys before RoPE (``q_norm`` / ``k_norm``)
-        self.q_norm = RMSNorm(self.head_dim, qk_norm_eps) if qk_norm_eps is not None else None
-        self.k_norm = RMSNorm(self.head_dim, qk_norm_eps) if qk_norm_eps is not None else None
-        self.q_proj = nn.Linear(hidden_size, num_heads * self.head_dim, bias=qkv_bias)
-        self.k_proj = nn.Linear(hidden_size, num_kv_heads * self.head_dim, bias=qkv_bias)
-        self.v_proj = nn.Linear(hidden_size, num_kv_heads * self.head_dim, bias=qkv_bias)
-        self.o_proj = nn.Linear(num_heads * self.head_dim, hidden_size, bias=False)
+        self.num_heads, self.num_kv_heads, self.head_dim = arch.num_heads, arch.num_kv_heads, arch.head_dim
+        self.rotary_dim, self.is_causal = arch.rotary_dim or arch.head_dim, arch.is_causal
+        self.q_norm = RMSNorm(self.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
+        rows = (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
+        self.qkv_proj = nn.Linear(arch.hidden_size, rows, bias=arch.qkv_bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, arch.hidden_size, bias=arch.o_bias)
+
+    def parts(self) -> dict[str, dict[str, int]]:
+        """Packed projection -> {part: rows}, in the order the parts are stacked (the loader's packing step)."""
+        kv = self.num_kv_heads * self.head_dim
+        return {"qkv_proj": {"q": self.num_heads * self.head_dim, "k": kv, "v": kv}}
+
+    def rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """RoPE on the first ``rotary_dim`` dimensions of each head of x (B, H, L, D); the rest pass through."""
+        if self.rotary_dim == self.head_dim:
+            return apply_rope(x, cos, sin)
+        r = self.rotary_dim
+        return torch.cat([apply_rope(x[..., :r], cos, sin), x[..., r:]], dim=-1)
 
     def forward(
         self,
@@ -209,54 +252,60 @@ class Attention(nn.Module):
         attn_mask: torch.Tensor | None,
         cache: KVCache | None = None,
         layer_idx: int = 0,
-        window: tuple[int, int] | None = None,
+        window: Window | None = None,
     ) -> torch.Tensor:
-        """x (B, L, hidden), cos/sin (B, 1, L, D), attn_mask broadcastable to (B, H, L, T) bool or None.
+        """x (B, L, hidden), cos/sin (B, 1, L, rotary_dim), attn_mask broadcastable to (B, H, L, T) bool or None.
 
-        ``cache``, ``layer_idx``, ``window``: see ``update_cache``; with a window
-        (L = w1 - w0) the queries attend to all T cached positions.
+        ``cache``, ``layer_idx``, ``window``: see ``update_cache``; with a window the queries attend to all T
+        cached positions. Without a mask or window a causal layout uses SDPA's ``is_causal`` fast path.
         """
         b, length, _ = x.shape
-        q = self.q_proj(x).view(b, length, self.num_heads, self.head_dim)  # (B, L, H, D)
-        k = self.k_proj(x).view(b, length, self.num_kv_heads, self.head_dim)  # (B, L, Hkv, D)
+        qkv = self.qkv_proj(x).view(b, length, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
+        q, k, v = qkv.split([self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=2)  # (B, L, H or Hkv, D)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = q.transpose(1, 2), k.transpose(1, 2)  # (B, H, L, D), (B, Hkv, L, D)
-        v = self.v_proj(x).view(b, length, self.num_kv_heads, self.head_dim).transpose(1, 2)  # (B, Hkv, L, D)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H, L, D), (B, Hkv, L, D)
+        q, k = self.rope(q, cos, sin), self.rope(k, cos, sin)
         k, v = update_cache(k, v, cache, layer_idx, window)  # (B, Hkv, T, D) with a window
         if self.num_kv_heads != self.num_heads:  # each K/V head serves a group of consecutive query heads
             k = k.repeat_interleave(self.num_heads // self.num_kv_heads, dim=1)  # (B, H, T, D)
             v = v.repeat_interleave(self.num_heads // self.num_kv_heads, dim=1)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=False)  # (B, H, L, D)
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=attn_mask, is_causal=self.is_causal and attn_mask is None and window is None
+        )  # (B, H, L, D)
         return self.o_proj(out.transpose(1, 2).reshape(b, length, -1))
 
 
 class MLP(nn.Module):
-    """SwiGLU feed-forward (arXiv:2002.05202): ``down(silu(gate(x)) * up(x))``, (..., hidden) -> (..., hidden)."""
+    """SwiGLU feed-forward (arXiv:2002.05202): ``down(silu(gate(x)) * up(x))``, (..., hidden) -> (..., hidden).
+
+    ``gate_up_proj`` stacks the gate rows over the up rows (one matmul); separate published gate/up tensors
+    are packed into it at load time (``parts``).
+    """
 
     def __init__(self, hidden_size: int, intermediate_size: int) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=False)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
 
+    def parts(self) -> dict[str, dict[str, int]]:
+        """Packed projection -> {part: rows}, in stacking order."""
+        return {"gate_up_proj": {"gate": self.down_proj.in_features, "up": self.down_proj.in_features}}
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class Block(nn.Module):
     """Pre-norm transformer block (Llama): ``x += attn(attn_norm(x)); x += mlp(mlp_norm(x))``, (B, L, hidden)."""
 
-    def __init__(
-        self, hidden_size: int, num_heads: int, num_kv_heads: int, intermediate_size: int, eps: float, qkv_bias: bool,
-        head_dim: int | None = None, qk_norm: bool = False,
-    ) -> None:
+    def __init__(self, arch: Architecture, make_mlp: Callable[[], nn.Module]) -> None:
         super().__init__()
-        self.attn_norm = RMSNorm(hidden_size, eps)
-        self.attn = Attention(hidden_size, num_heads, num_kv_heads, qkv_bias, head_dim, eps if qk_norm else None)
-        self.mlp_norm = RMSNorm(hidden_size, eps)
-        self.mlp = MLP(hidden_size, intermediate_size)
+        self.attn_norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.attn = Attention(arch)  # built before the MLP: random initialisation draws in this order
+        self.mlp_norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.mlp = make_mlp()
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn_mask: torch.Tensor | None, **cache_args
@@ -269,46 +318,36 @@ class Block(nn.Module):
 class TransformerLM(nn.Module):
     """Token ids -> float32 logits: embedding, pre-norm ``Block``s, final RMSNorm, output head.
 
-    The head is ``lm_head`` or, when tied, the embedding matrix; rows past
-    ``vocab_size`` (padded embeddings) are dropped. ``logits_shift`` 1 is for
-    models that keep the autoregressive habit of scoring token i from the hidden
-    state at i-1 (Dream): ``logits[i] = head(h[i-1])``, position 0 keeping
-    ``head(h[0])``; 0 scores token i from h[i] (LLaDA). Either way the output
-    row for position i predicts token i, so callers stay format-agnostic.
+    The one transformer of every native format (Celeris, LLaDA, Dream, SDAR, Fast-dLLM v2, LLaDA2.0); a
+    format's config gives its ``Architecture`` and its CHECKPOINT_KEYS table maps the published tensor names onto
+    these modules. The head is ``lm_head`` or, when tied, the embedding matrix; rows past ``vocab_size``
+    (padded embeddings) are dropped. ``logits_shift`` 1 is for models that keep the autoregressive habit of
+    scoring token i from the hidden state at i-1 (Dream, causal models): ``logits[i] = head(h[i-1])``,
+    position 0 keeping ``head(h[0])``; 0 scores token i from h[i] (LLaDA). Either way the output row for
+    position i predicts token i, so callers stay format-agnostic.
 
-    Subclasses set ``self.config`` (the sampler reads the special token ids
-    there) and may override ``embed`` / ``logits`` for format options.
+    ``config`` (the sampler reads the special token ids there) has ``architecture() -> Architecture`` and may have
+    ``block_contract`` (``celeris.models.contract``: how to decode a block-diffusion model). Subclasses may
+    override ``make_mlp`` (mixture-of-experts layers), ``embed`` and ``logits`` for format options.
     """
 
     supports_kv_cache = True  # forward accepts cache= / window= (see KVCache)
-    logits_shift = 0
 
-    def __init__(
-        self,
-        *,
-        vocab_size: int,
-        embedding_rows: int,
-        hidden_size: int,
-        num_layers: int,
-        num_heads: int,
-        num_kv_heads: int,
-        intermediate_size: int,
-        rms_norm_eps: float,
-        rope_theta: float,
-        qkv_bias: bool,
-        tie_head: bool,
-        head_dim: int | None = None,
-        qk_norm: bool = False,
-    ) -> None:
+    def __init__(self, config: object) -> None:
         super().__init__()
-        self.vocab_size, self.head_dim, self.rope_theta = vocab_size, head_dim or hidden_size // num_heads, rope_theta
-        self.embed_tokens = nn.Embedding(embedding_rows, hidden_size)
-        self.layers = nn.ModuleList(
-            Block(hidden_size, num_heads, num_kv_heads, intermediate_size, rms_norm_eps, qkv_bias, head_dim, qk_norm)
-            for _ in range(num_layers)
-        )
-        self.norm = RMSNorm(hidden_size, rms_norm_eps)
-        self.lm_head = None if tie_head else nn.Linear(hidden_size, embedding_rows, bias=False)
+        self.config = config
+        arch = self.arch = config.architecture()
+        self.vocab_size, self.logits_shift, self.is_causal = arch.vocab_size, arch.logits_shift, arch.is_causal
+        self.block_contract = getattr(config, "block_contract", None)
+        self.embed_tokens = nn.Embedding(arch.embedding_rows or arch.vocab_size, arch.hidden_size)
+        self.layers = nn.ModuleList(Block(arch, partial(self.make_mlp, i)) for i in range(arch.num_layers))
+        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        rows = arch.embedding_rows or arch.vocab_size
+        self.lm_head = None if arch.tie_head else nn.Linear(arch.hidden_size, rows, bias=False)
+
+    def make_mlp(self, index: int) -> nn.Module:
+        """The feed-forward module of layer ``index``: a SwiGLU ``MLP`` (mixture-of-experts formats override)."""
+        return MLP(self.arch.hidden_size, self.arch.intermediate_size)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """(B, L) ids -> (B, L, hidden) input embeddings."""
@@ -328,27 +367,47 @@ class TransformerLM(nn.Module):
             input_ids: (B, T) int64 token ids (always the whole canvas).
             attention_mask: optional (B, T) bool, False on padding: padding keys
                 are never attended and positions count real tokens only (see
-                ``positions_and_mask``).
+                ``positions_and_mask``), so a left-padded row computes exactly what
+                the unpadded row computes.
             cache: with ``window`` None, a KVCache that this full pass (re)fills;
                 with ``window`` (w0, w1) or per-row columns (B, Lw) (see ``Window``),
                 a filled cache: only those positions are computed, their
                 keys/values are written back into the cache and the other
                 positions' keys/values are read from it.
             layout_mask: optional (B, 1, Lq, T) bool query/key mask of a block-diffusion layout
-                (``celeris.models.contract.layout_mask``), combined with the padding mask.
+                (``celeris.models.contract.layout_mask``), used instead of the causal rule and combined
+                with the padding mask.
 
         Returns:
             (B, T, hidden), or (B, Lw, hidden) for a window pass, in the
             parameter dtype.
         """
-        positions, attn_mask = positions_and_mask(input_ids, attention_mask)
+        positions, attn_mask = positions_and_mask(input_ids, attention_mask)  # None mask: SDPA's fast path
         if layout_mask is not None:
             attn_mask = layout_mask if attn_mask is None else layout_mask & attn_mask
+        elif self.is_causal and (attn_mask is not None or window is not None):
+            causal = causal_mask(input_ids.shape[1], window, input_ids.device)
+            attn_mask = causal if attn_mask is None else attn_mask & causal  # (B, 1, Lq, T)
         if cache is not None and window is None:
             cache.keys.clear()
             cache.values.clear()
         ids, positions = window_inputs(input_ids, positions, window)  # (B, Lq)
-        cos, sin = rope_cos_sin(positions, self.head_dim, self.rope_theta)
+        return self.layout_hidden_states(ids, positions, attn_mask, cache, window)
+
+    def layout_hidden_states(
+        self,
+        ids: torch.Tensor,
+        positions: torch.Tensor,
+        attn_mask: torch.Tensor | None,
+        cache: KVCache | None = None,
+        window: Window | None = None,
+    ) -> torch.Tensor:
+        """The transformer on a layout the caller builds: (B, Lq) ids at (B, Lq) RoPE positions with an SDPA
+        mask (B or 1, 1, Lq, T) bool (True: attend), or None for the layout's own rule -> (B, Lq, d) final
+        normed hidden states. ``cache``/``window`` as in ``hidden_states`` (``window`` (B, Lq) per-row columns
+        or a span). The hybrid objective's two-stream layout and verified decoding's passes use it.
+        """
+        cos, sin = rope_cos_sin(positions, self.arch.rotary_dim or self.arch.head_dim, self.arch.rope_theta)
         x = self.embed(ids)  # (B, Lq, d)
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, attn_mask, cache=cache, layer_idx=i, window=window)
@@ -381,7 +440,8 @@ class TransformerLM(nn.Module):
         position earlier (at ``max(w0 - 1, 0)``) so that the hidden state scoring
         position w0 is fresh; that position's keys/values are then written back as well.
         A slice that starts after w0 has its sources inside the window, which is then
-        computed as given. ``return_hidden`` returns ``hidden_states`` for the window as given.
+        computed as given. ``return_hidden`` returns ``hidden_states`` for the window as given
+        (training computes the head only at masked positions).
 
         Raises:
             ValueError: ``logits_slice`` has a step or leaves the window.
@@ -447,53 +507,3 @@ def scored_logits(
     return model.logits(rows)
 
 
-class FormatConfig:
-    """``config.json`` reading for the published formats' config dataclasses.
-
-    Subclasses are dataclasses whose field names are the published keys;
-    ``NULLABLE`` names keys whose explicit null is meaningful (kept), every
-    other null means "use the default"; ``FORMAT`` names the format in errors.
-    """
-
-    NULLABLE: tuple[str, ...] = ()
-    FORMAT = "model"
-
-    @classmethod
-    def from_json(cls, path: str | Path) -> Self:
-        """Read ``config.json``; unknown keys are ignored.
-
-        Special ids missing from the config (or null) come from the tokenizer
-        files beside it; a missing pad id falls back to the end-of-text id.
-
-        Raises:
-            ValueError: no mask id anywhere, or an unsupported setting.
-        """
-        path = Path(path)
-        raw = json.loads(path.read_text())
-        known = {f.name for f in fields(cls)}
-        values = {k: v for k, v in raw.items() if k in known and (v is not None or k in cls.NULLABLE)}
-        values.update(special_token_ids(raw, path.parent))
-        return cls(**values)
-
-    def validate(self, unsupported: list[tuple[bool, str]], heads: dict[str, int]) -> None:
-        """Refuse what Celeris does not compute, rather than computing it wrongly.
-
-        Args:
-            unsupported: (setting is used, what it is) pairs; the first used one is refused.
-            heads: the config's names -> values of the hidden size, the query heads and the K/V heads,
-                in that order; each must divide by the next.
-
-        Raises:
-            ValueError: an unsupported setting, sizes that do not divide, or a special token id
-                outside [0, vocab_size).
-        """
-        for bad, what in unsupported:
-            if bad:
-                raise ValueError(f"this {self.FORMAT} config uses {what}, which Celeris does not implement")
-        (hidden, d), (query, h), (kv, hkv) = heads.items()
-        if d % h or h % hkv:
-            raise ValueError(f"{hidden} ({d}) must divide by {query} ({h}) and that by {kv} ({hkv})")
-        for name in ("mask_token_id", "eos_token_id", "pad_token_id"):
-            value = getattr(self, name)
-            if not 0 <= value < self.vocab_size:
-                raise ValueError(f"{name}={value} is outside the vocabulary [0, {self.vocab_size})")

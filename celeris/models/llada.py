@@ -9,9 +9,10 @@ grouped K/V heads) -> residual, then RMSNorm -> SwiGLU MLP
 (``ln_f``) and an untied output head (``model.transformer.ff_out``).
 
 The model maps token ids to logits and nothing else. Logits at position i
-predict token i (no shift). The layers and the KV-cache interface (``cache=`` /
-``window=``, as ``CelerisModel``) are the shared ones of
-``celeris.models.layers``; this file holds the config and the name table.
+predict token i (no shift). The transformer and the KV-cache interface (``cache=`` /
+``window=``) are the shared ones of ``celeris.models.layers`` (q/k/v and
+ff_proj/up_proj packed into its fused projections at load time); this file
+holds the config and the name table.
 Config keys and tensor names: ``FORMATS.md``.
 """
 
@@ -22,22 +23,24 @@ from dataclasses import dataclass
 
 import torch
 
-from celeris.models.layers import FormatConfig, TransformerLM
+from celeris.models.config import FormatConfig
+from celeris.models.layers import Architecture, TransformerLM
 
-# Checkpoint tensor name -> module name in LLaDAModel ("{i}" is the block index).
+# Checkpoint tensor name -> module name in LLaDAModel ("{i}" is the block index; "[part]" a row block of a
+# fused projection, packed at load time).
 CHECKPOINT_KEYS = {
     "model.transformer.wte.weight": "embed_tokens.weight",
     "model.transformer.blocks.{i}.attn_norm.weight": "layers.{i}.attn_norm.weight",
-    "model.transformer.blocks.{i}.q_proj.weight": "layers.{i}.attn.q_proj.weight",
-    "model.transformer.blocks.{i}.q_proj.bias": "layers.{i}.attn.q_proj.bias",
-    "model.transformer.blocks.{i}.k_proj.weight": "layers.{i}.attn.k_proj.weight",
-    "model.transformer.blocks.{i}.k_proj.bias": "layers.{i}.attn.k_proj.bias",
-    "model.transformer.blocks.{i}.v_proj.weight": "layers.{i}.attn.v_proj.weight",
-    "model.transformer.blocks.{i}.v_proj.bias": "layers.{i}.attn.v_proj.bias",
+    "model.transformer.blocks.{i}.q_proj.weight": "layers.{i}.attn.qkv_proj.weight[q]",
+    "model.transformer.blocks.{i}.q_proj.bias": "layers.{i}.attn.qkv_proj.bias[q]",
+    "model.transformer.blocks.{i}.k_proj.weight": "layers.{i}.attn.qkv_proj.weight[k]",
+    "model.transformer.blocks.{i}.k_proj.bias": "layers.{i}.attn.qkv_proj.bias[k]",
+    "model.transformer.blocks.{i}.v_proj.weight": "layers.{i}.attn.qkv_proj.weight[v]",
+    "model.transformer.blocks.{i}.v_proj.bias": "layers.{i}.attn.qkv_proj.bias[v]",
     "model.transformer.blocks.{i}.attn_out.weight": "layers.{i}.attn.o_proj.weight",
     "model.transformer.blocks.{i}.ff_norm.weight": "layers.{i}.mlp_norm.weight",
-    "model.transformer.blocks.{i}.ff_proj.weight": "layers.{i}.mlp.gate_proj.weight",
-    "model.transformer.blocks.{i}.up_proj.weight": "layers.{i}.mlp.up_proj.weight",
+    "model.transformer.blocks.{i}.ff_proj.weight": "layers.{i}.mlp.gate_up_proj.weight[gate]",
+    "model.transformer.blocks.{i}.up_proj.weight": "layers.{i}.mlp.gate_up_proj.weight[up]",
     "model.transformer.blocks.{i}.ff_out.weight": "layers.{i}.mlp.down_proj.weight",
     "model.transformer.ln_f.weight": "norm.weight",
     "model.transformer.ff_out.weight": "lm_head.weight",
@@ -121,6 +124,14 @@ class LLaDAConfig(FormatConfig):
     def max_position_embeddings(self) -> int:
         return self.max_sequence_length
 
+    def architecture(self) -> Architecture:
+        """The "llama" block: optional q/k/v biases, no shift."""
+        return Architecture(vocab_size=self.vocab_size, embedding_rows=self.embedding_size, hidden_size=self.d_model,
+                            num_layers=self.n_layers, num_heads=self.n_heads, num_kv_heads=self.num_kv_heads,
+                            head_dim=self.head_dim, intermediate_size=self.intermediate_size,
+                            rms_norm_eps=self.rms_norm_eps, rope_theta=self.rope_theta,
+                            qkv_bias=bool(self.include_qkv_bias), tie_head=self.weight_tying)
+
 
 class LLaDAModel(TransformerLM):
     """Token ids -> logits for LLaDA checkpoints. See the module docstring for the architecture.
@@ -131,15 +142,6 @@ class LLaDAModel(TransformerLM):
     """
 
     confidence_from = "unfiltered"
-
-    def __init__(self, cfg: LLaDAConfig) -> None:
-        super().__init__(
-            vocab_size=cfg.vocab_size, embedding_rows=cfg.embedding_size, hidden_size=cfg.d_model,
-            num_layers=cfg.n_layers, num_heads=cfg.n_heads, num_kv_heads=cfg.num_kv_heads,
-            intermediate_size=cfg.intermediate_size, rms_norm_eps=cfg.rms_norm_eps, rope_theta=cfg.rope_theta,
-            qkv_bias=bool(cfg.include_qkv_bias), tie_head=cfg.weight_tying,
-        )
-        self.config = cfg
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """(B, L) ids -> (B, L, d_model); scaled by sqrt(d_model) with ``input_emb_norm``."""

@@ -1,80 +1,440 @@
-"""Checkpoint folders: save and load (HF-style layout).
+"""Checkpoint folders: one loader for every native format, and saving Celeris checkpoints.
 
-A checkpoint is a folder with ``config.json``, ``model.safetensors``,
-``tokenizer.json``, ``tokenizer_config.json`` (special tokens and a Jinja chat
-template) and ``generation_config.json`` (default sampling settings). Loading
-builds the model on the meta device, memory-maps the safetensors file and
-assigns the tensors (``load_state_dict(assign=True)``), after checking every
-name and shape.
+``load_any(path, device, dtype)`` reads the folder's ``config.json``, finds its format in ``FORMATS`` (the
+Celeris format is one entry beside LLaDA, Dream, the block-diffusion formats SDAR, Fast-dLLM v2 and LLaDA2.0)
+and builds the shared transformer (``celeris.models.layers.TransformerLM``) with the format's config class;
+anything else runs the folder's own modeling code through ``transformers`` (``remote.py``), and only when the
+caller passes ``trust_remote_code=True``.
+
+A folder holds ``config.json``, ``tokenizer.json`` (+ ``tokenizer_config.json``, ``generation_config.json``)
+and one ``model.safetensors`` or the shards listed in ``model.safetensors.index.json``. Loading builds the
+model on the meta device, reads the safetensors headers, renames each checkpoint tensor with the format's
+``CHECKPOINT_KEYS`` table (data, not code; a target ending in ``[part]`` is one row block of a fused
+projection, e.g. ``q`` of ``qkv_proj``), checks every name and shape against the config before reading any
+weight, checks the memory need against what the device has free, reads the tensors, packs the parts into the
+fused projections in the order the module declares (``parts()``: q, k, v; gate, up; as nano-vllm's packed
+modules and gpt-fast's load hook do), then ``load_state_dict(assign=True)``.
 """
 
 from __future__ import annotations
 
 import json
+import logging
+import re
 import shutil
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+from torch import nn
 
-from celeris.models.celeris import CelerisConfig, CelerisModel
+from celeris.models import celeris, dream, fast_dllm, llada, llada2, sdar
+from celeris.tokenizer import Tokenizer
 
-REQUIRED_FILES = ("config.json", "model.safetensors", "tokenizer.json")
+log = logging.getLogger(__name__)
+
+SAFETENSORS_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
 
 
 class CheckpointError(ValueError):
     """A checkpoint folder is missing, incomplete or does not match its config."""
 
 
-def check_state_dict(expected: dict[str, torch.Size], found: dict[str, torch.Tensor]) -> None:
-    """Raise CheckpointError naming the first missing, unexpected or mis-shaped tensor."""
-    for name, shape in expected.items():
-        if name not in found:
-            raise CheckpointError(f"tensor '{name}' is missing from the checkpoint (expected shape {tuple(shape)})")
-        if found[name].shape != shape:
-            raise CheckpointError(
-                f"tensor '{name}' has shape {tuple(found[name].shape)} in the checkpoint "
-                f"but the config needs {tuple(shape)}"
-            )
-    extra = sorted(set(found) - set(expected))
-    if extra:
-        raise CheckpointError(f"unexpected tensor '{extra[0]}' in the checkpoint ({len(extra)} in all)")
+@dataclass(frozen=True)
+class Format:
+    """A natively supported checkpoint format: how to recognise it and what to build."""
+
+    name: str
+    model_types: tuple[str, ...]  # config.json "model_type" values, compared lower-case
+    architectures: tuple[str, ...]  # config.json "architectures" entries
+    config_cls: type
+    model_cls: Callable[..., nn.Module]
+    checkpoint_keys: dict[str, str]  # checkpoint tensor name pattern -> module name pattern (+ "[part]")
 
 
-def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype | None = None) -> CelerisModel:
-    """Load a Celeris checkpoint folder into an eval-mode model.
+FORMATS = {
+    "celeris": Format("celeris", ("celeris",), ("CelerisForMaskedDiffusion",), celeris.CelerisConfig,
+                      celeris.CelerisModel, celeris.CHECKPOINT_KEYS),
+    "llada": Format("llada", ("llada",), ("LLaDAModelLM",), llada.LLaDAConfig, llada.LLaDAModel, llada.CHECKPOINT_KEYS),
+    "dream": Format("dream", ("dream",), ("DreamModel",), dream.DreamConfig, dream.DreamModel, dream.CHECKPOINT_KEYS),
+    # block diffusion (celeris.models.contract): SDAR (Qwen3 layout), Fast-dLLM v2 (Qwen2.5 layout)
+    "sdar": Format("sdar", ("sdar",), ("SDARForCausalLM",), sdar.SDARConfig, sdar.SDARModel, sdar.CHECKPOINT_KEYS),
+    "fast_dllm_v2": Format("fast_dllm_v2", ("fast_dllm_qwen",), ("Fast_dLLM_QwenForCausalLM",),
+                           fast_dllm.FastDLLMConfig, fast_dllm.FastDLLMModel, fast_dllm.CHECKPOINT_KEYS),
+    "llada2": Format("llada2", ("llada2_moe",), ("LLaDA2MoeModelLM",), llada2.LLaDA2Config, llada2.LLaDA2Model,
+                     llada2.CHECKPOINT_KEYS),
+}
 
-    Raises:
-        CheckpointError: folder or file missing, unreadable config or weights,
-            or any tensor missing / unexpected / of the wrong shape (the message
-            names the tensor and both shapes).
-    """
-    folder = Path(path)
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """Where a checkpoint tensor lives and what it is, read from the safetensors header only."""
+
+    file: Path
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Bytes the weights take once loaded (parameters x bytes per element of the load dtype) and bytes free."""
+
+    need_bytes: int
+    available_bytes: int | None
+    device: str
+
+    def __str__(self) -> str:
+        free = "unknown" if self.available_bytes is None else f"{self.available_bytes / 2**30:.2f} GiB"
+        return f"weights need about {self.need_bytes / 2**30:.2f} GiB on {self.device}; free: {free}"
+
+
+# ---------------------------------------------------------------- format detection
+
+
+def read_config(folder: Path) -> dict:
+    """The folder's config.json as a dict (CheckpointError when missing or not JSON)."""
     if not folder.is_dir():
         raise CheckpointError(f"checkpoint folder '{folder}' does not exist")
-    for name in REQUIRED_FILES:
-        if not (folder / name).is_file():
-            raise CheckpointError(f"checkpoint folder '{folder}' has no {name}")
+    path = folder / "config.json"
+    if not path.is_file():
+        raise CheckpointError(f"checkpoint folder '{folder}' has no config.json")
     try:
-        config = CelerisConfig.from_json(folder / "config.json")
-    except (json.JSONDecodeError, TypeError, ValueError) as exc:
-        raise CheckpointError(f"{folder / 'config.json'} is not a valid Celeris config: {exc}") from exc
+        raw = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise CheckpointError(f"{path} is not valid JSON: {exc}") from exc
+    if not isinstance(raw, dict):
+        raise CheckpointError(f"{path} must hold a JSON object")
+    return raw
+
+
+def detect_format(raw: dict) -> str | None:
+    """A key of FORMATS, or None for a format Celeris does not implement."""
+    model_type = str(raw.get("model_type", "")).lower()
+    architectures = raw.get("architectures") or []
+    for fmt in FORMATS.values():
+        if model_type in fmt.model_types or any(a in fmt.architectures for a in architectures):
+            return fmt.name
+    return None
+
+
+def supported_types() -> str:
+    """The model_type values Celeris implements, for error messages."""
+    return ", ".join(t for f in FORMATS.values() for t in f.model_types)
+
+
+# ---------------------------------------------------------------- safetensors files
+
+
+def checkpoint_files(folder: Path) -> list[Path]:
+    """The safetensors files of a folder: the shards named by model.safetensors.index.json, else model.safetensors."""
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as exc:
+            raise CheckpointError(f"{index} has no readable weight_map: {exc}") from exc
+        files = [folder / name for name in sorted(set(weight_map.values()))]
+        for file in files:
+            if not file.is_file():
+                raise CheckpointError(f"shard '{file.name}' listed in {index.name} is missing from '{folder}'")
+        return files
+    single = folder / "model.safetensors"
+    if not single.is_file():
+        raise CheckpointError(f"checkpoint folder '{folder}' has neither model.safetensors nor model.safetensors.index.json")
+    return [single]
+
+
+def read_headers(files: list[Path]) -> dict[str, TensorInfo]:
+    """Name -> TensorInfo for every tensor in ``files`` (headers only; no weight is read)."""
+    infos: dict[str, TensorInfo] = {}
+    for file in files:
+        try:
+            with safe_open(file, framework="pt") as f:
+                for name in f.keys():
+                    if name in infos:
+                        raise CheckpointError(f"tensor '{name}' is in both {infos[name].file.name} and {file.name}")
+                    piece = f.get_slice(name)
+                    dtype = SAFETENSORS_DTYPES.get(piece.get_dtype())
+                    if dtype is None:
+                        raise CheckpointError(f"tensor '{name}' in {file.name} has unsupported dtype {piece.get_dtype()}")
+                    infos[name] = TensorInfo(file, tuple(piece.get_shape()), dtype)
+        except (SafetensorError, OSError) as exc:
+            raise CheckpointError(f"{file} is unreadable or corrupt: {exc}") from exc
+    index = files[0].parent / "model.safetensors.index.json"
+    if index.is_file():
+        for name, shard in json.loads(index.read_text())["weight_map"].items():
+            if name not in infos or infos[name].file.name != shard:
+                raise CheckpointError(f"{index.name} puts tensor '{name}' in {shard}, but it is not there")
+    return infos
+
+
+# ---------------------------------------------------------------- memory
+
+
+def available_bytes(device: torch.device) -> int | None:
+    """Free memory on ``device``: CUDA's free bytes, else the host's available memory (psutil or /proc/meminfo)."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    if device.type != "cpu":
+        return None
     try:
-        state = load_file(folder / "model.safetensors", device=str(device))
-    except (SafetensorError, OSError) as exc:
-        raise CheckpointError(f"{folder / 'model.safetensors'} is unreadable or corrupt: {exc}") from exc
-    with torch.device("meta"):
-        model = CelerisModel(config)
-    check_state_dict({k: v.shape for k, v in model.state_dict().items()}, state)
+        import psutil
+
+        return int(psutil.virtual_memory().available)
+    except ImportError:
+        pass
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def load_dtype(infos: dict[str, TensorInfo], dtype: torch.dtype | None) -> torch.dtype:
+    """``dtype``, or else the floating dtype that holds most of the checkpoint's bytes."""
     if dtype is not None:
-        state = {k: v.to(dtype) for k, v in state.items()}
-    model.load_state_dict(state, assign=True)
+        return dtype
+    totals: dict[torch.dtype, int] = {}
+    for info in infos.values():
+        if info.dtype.is_floating_point:
+            totals[info.dtype] = totals.get(info.dtype, 0) + _numel(info.shape) * info.dtype.itemsize
+    return max(totals, key=totals.__getitem__) if totals else torch.float32
+
+
+def estimate_memory(infos: dict[str, TensorInfo], dtype: torch.dtype, device: torch.device) -> MemoryEstimate:
+    need = sum(_numel(i.shape) * (dtype if i.dtype.is_floating_point else i.dtype).itemsize for i in infos.values())
+    return MemoryEstimate(need, available_bytes(device), str(device))
+
+
+def check_memory(estimate: MemoryEstimate) -> None:
+    """Log the estimate; raise CheckpointError when it exceeds the free memory."""
+    log.info("%s", estimate)
+    if estimate.available_bytes is not None and estimate.need_bytes > estimate.available_bytes:
+        raise CheckpointError(
+            f"not enough memory to load this checkpoint: {estimate}. Free memory, pick another device "
+            f"or a smaller dtype (e.g. bfloat16)"
+        )
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+# ---------------------------------------------------------------- renaming and packing
+
+
+INDEXES = ("i", "e")  # "{i}": a layer index; "{e}": an expert index (mixture-of-experts formats)
+
+
+def _pattern(template: str) -> re.Pattern:
+    pattern = re.escape(template)
+    for key in INDEXES:
+        pattern = pattern.replace(re.escape("{" + key + "}"), rf"(?P<{key}>\d+)")
+    return re.compile(pattern + "$")
+
+
+def rename(name: str, table: dict[str, str]) -> str | None:
+    """Map ``name`` through a ``{pattern: target}`` table ("{i}" matches a layer index, "{e}" an expert index);
+    None if no pattern fits."""
+    for source, target in table.items():
+        match = _pattern(source).match(name)
+        if match:
+            for key, value in match.groupdict().items():
+                target = target.replace("{" + key + "}", value)
+            return target
+    return None
+
+
+def split_part(target: str) -> tuple[str, str | None]:
+    """``"layers.0.attn.qkv_proj.weight[q]"`` -> (``"layers.0.attn.qkv_proj.weight"``, ``"q"``); no part: None."""
+    if target.endswith("]") and "[" in target:
+        name, _, part = target[:-1].rpartition("[")
+        return name, part
+    return target, None
+
+
+def packed_parts(model: nn.Module) -> dict[str, dict[str, int]]:
+    """Parameter name of each fused projection (e.g. ``layers.0.attn.qkv_proj.weight`` and its ``.bias``) ->
+    {part: rows} in stacking order, from the modules' ``parts()``."""
+    found = {}
+    for prefix, module in model.named_modules():
+        if hasattr(module, "parts"):
+            for child, rows in module.parts().items():
+                for kind in ("weight", "bias"):
+                    found[f"{prefix}.{child}.{kind}"] = rows
+    return found
+
+
+def expected_shapes(model: nn.Module, targets: set[str]) -> dict[str, tuple[int, ...]]:
+    """The shape each table target must have: a parameter's, or a part's rows of a fused one when the table
+    loads it in parts (any target of the parameter names a part)."""
+    state = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    split = {split_part(t)[0] for t in targets if split_part(t)[1] is not None}
+    shapes = {}
+    for name, shape in state.items():
+        if name in split:
+            for part, rows in packed_parts(model)[name].items():
+                shapes[f"{name}[{part}]"] = (rows, *shape[1:])
+        else:
+            shapes[name] = shape
+    return shapes
+
+
+def pack(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``state`` with each fused projection's parts (``name[part]``) stacked along dim 0 in ``parts()`` order."""
+    parts = packed_parts(model)
+    pieces: dict[str, dict[str, torch.Tensor]] = {}
+    packed = {}
+    for target, tensor in state.items():
+        name, part = split_part(target)
+        if part is None:
+            packed[name] = tensor
+        else:
+            pieces.setdefault(name, {})[part] = tensor
+    for name, got in pieces.items():
+        packed[name] = torch.cat([got[part] for part in parts[name]], dim=0)
+    return packed
+
+
+# ---------------------------------------------------------------- loading
+
+
+def load_native(folder: Path, fmt: Format, device: torch.device, dtype: torch.dtype | None) -> nn.Module:
+    """Build ``fmt``'s model from the folder's config.json and safetensors files (see the module docstring)."""
+    try:
+        config = fmt.config_cls.from_json(folder / "config.json")
+    except (TypeError, ValueError) as exc:
+        raise CheckpointError(f"{folder / 'config.json'} is not a usable {fmt.name} config: {exc}") from exc
+    if not (folder / "tokenizer.json").is_file():
+        raise CheckpointError(f"checkpoint folder '{folder}' has no tokenizer.json")
+    infos = read_headers(checkpoint_files(folder))
+    with torch.device("meta"):
+        model = fmt.model_cls(config)
+    targets: dict[str, str] = {}  # checkpoint name -> module name (+ "[part]")
+    for name in infos:
+        target = rename(name, fmt.checkpoint_keys)
+        if target is None:
+            raise CheckpointError(
+                f"unexpected tensor '{name}' in the checkpoint: not part of the {fmt.name} format for this config"
+            )
+        targets[name] = target
+    expected = expected_shapes(model, set(targets.values()))
+    order = {target: i for i, target in enumerate(expected)}  # report the model's first mismatch first
+    for name, info in sorted(infos.items(), key=lambda item: order.get(targets[item[0]], -1)):
+        if targets[name] not in expected:
+            raise CheckpointError(
+                f"unexpected tensor '{name}' in the checkpoint: not part of the {fmt.name} format for this config"
+            )
+        if info.shape != expected[targets[name]]:
+            raise CheckpointError(
+                f"tensor '{name}' has shape {info.shape} in the checkpoint but the config needs {expected[targets[name]]}"
+            )
+    missing = sorted(set(expected) - set(targets.values()))
+    if missing:
+        back = {target: source for source, target in fmt.checkpoint_keys.items()}
+        raise CheckpointError(
+            f"tensor '{rename(missing[0], back) or missing[0]}' is missing from the checkpoint (expected shape "
+            f"{expected[missing[0]]}; {len(missing)} missing in all)"
+        )
+    dtype = load_dtype(infos, dtype)
+    check_memory(estimate_memory(infos, dtype, device))
+    state = {}
+    for file in sorted({i.file for i in infos.values()}):
+        with safe_open(file, framework="pt", device=_safetensors_device(device)) as f:
+            for name in (n for n, i in infos.items() if i.file == file):
+                tensor = f.get_tensor(name)
+                state[targets[name]] = tensor.to(dtype) if tensor.is_floating_point() else tensor
+    model.load_state_dict(pack(model, state), assign=True)
     return model.eval()
 
 
+def _safetensors_device(device: torch.device) -> str:
+    if device.type == "cuda" and device.index is None:
+        return f"cuda:{torch.cuda.current_device()}"
+    return str(device)
+
+
+def load_any(
+    path: str | Path,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype | None = None,
+    trust_remote_code: bool = False,
+) -> nn.Module:
+    """Load any supported checkpoint folder as an eval-mode model that maps ids to float32 logits.
+
+    Args:
+        path: checkpoint folder with config.json.
+        device: where the weights go.
+        dtype: weight dtype; None keeps the checkpoint's (its dominant floating dtype).
+        trust_remote_code: allow running the folder's own Python modeling code for
+            formats Celeris does not implement.
+
+    Raises:
+        CheckpointError: missing/corrupt files, a tensor missing, unexpected or of
+            the wrong shape (named with both shapes), not enough memory, or an
+            unsupported format without ``trust_remote_code``.
+    """
+    folder, device = Path(path), torch.device(device)
+    raw = read_config(folder)
+    kind = detect_format(raw)
+    if kind is not None:
+        return load_native(folder, FORMATS[kind], device, dtype)
+    if not trust_remote_code:
+        raise CheckpointError(
+            f"{folder / 'config.json'} has model_type '{raw.get('model_type')}' (architectures "
+            f"{raw.get('architectures')}); Celeris implements only {supported_types()}. Passing "
+            f"trust_remote_code=True (--trust-remote-code) would run the folder's own modeling code instead"
+        )
+    from celeris.models.remote import load_remote
+
+    if (folder / "model.safetensors").is_file() or (folder / "model.safetensors.index.json").is_file():
+        infos = read_headers(checkpoint_files(folder))
+        check_memory(estimate_memory(infos, load_dtype(infos, dtype), device))
+    return load_remote(folder, device, dtype)
+
+
+def load_tokenizer(path: str | Path, model: nn.Module | None = None) -> Tokenizer:
+    """The folder's tokenizer; special tokens its tokenizer_config.json leaves out take the model config's ids."""
+    folder = Path(path)
+    if not (folder / "tokenizer.json").is_file():
+        raise CheckpointError(f"checkpoint folder '{folder}' has no tokenizer.json")
+    ids = None
+    if model is not None:
+        cfg = model.config
+        ids = {"eos": cfg.eos_token_id, "mask": cfg.mask_token_id, "pad": cfg.pad_token_id}
+    try:
+        return Tokenizer(folder, special_ids=ids)
+    except Exception as exc:  # tokenizers raises plain Exception subclasses on corrupt files
+        raise CheckpointError(f"{folder / 'tokenizer.json'} could not be read: {exc}") from exc
+
+
+def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype | None = None) -> nn.Module:
+    """Load a Celeris checkpoint folder (``model_type`` "celeris") into an eval-mode ``CelerisModel``.
+
+    Raises:
+        CheckpointError: as ``load_any``, or the folder holds another format.
+    """
+    folder = Path(path)
+    kind = detect_format(read_config(folder))
+    if kind != "celeris":
+        raise CheckpointError(f"{folder / 'config.json'} is not a Celeris checkpoint (format: {kind})")
+    return load_native(folder, FORMATS["celeris"], torch.device(device), dtype)
+
+
 def save_checkpoint(
-    model: CelerisModel,
+    model: celeris.CelerisModel,
     out_dir: str | Path,
     tokenizer_dir: str | Path,
     generation_config: dict | None = None,

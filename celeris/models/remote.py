@@ -8,7 +8,7 @@ downloaded). ``RemoteModel`` wraps it in the interface the sampler expects:
 row i predicts token i, and a ``config`` with the mask / end-of-text / pad ids
 (from config.json, else the tokenizer files) and the context length.
 
-Running a folder's code runs whatever it contains: the registry calls this only
+Running a folder's code runs whatever it contains: the loader calls this only
 when the user passed ``trust_remote_code=True``.
 """
 

@@ -11,7 +11,7 @@ import torch
 from celeris.config import EngineConfig
 from celeris.engine import Engine
 from celeris.models.contract import layout_mask
-from celeris.models.registry import load_any
+from celeris.models.loader import load_any
 from celeris.params import SamplingParams
 from celeris.sampling.block import block_units, generate_block
 from tests.models.conftest_block_formats import write_fast_dllm, write_sdar

@@ -1,4 +1,5 @@
-"""Engine: continuous batching gives the reference sampler's tokens; scheduler budgets; abort; KV cache."""
+"""Engine (``celeris.engine.engine``): continuous batching gives the reference sampler's tokens, on the Celeris
+model, its causal twin and the LLaDA / Dream formats; abort; streaming; what a model cannot decode is refused."""
 
 from __future__ import annotations
 
@@ -6,10 +7,12 @@ import pytest
 import torch
 
 from celeris.config import EngineConfig
-from celeris.engine import Engine, QueueFullError, RequestStatus
+from celeris.engine import Engine, RequestStatus
+from celeris.models.loader import load_any
 from celeris.params import SamplingParams
 from celeris.sampling.generate import generate
 from tests.conftest import tiny_model
+from tests.models.conftest_formats import write_dream, write_llada
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [12, 13], [14, 15, 16, 17]]
 
@@ -83,59 +86,6 @@ def test_request_joining_mid_flight_gets_the_same_tokens_as_alone():
     run_to_end(engine)
     for r, expected in zip([first, *late], alone, strict=True):
         assert torch.equal(r.answer, expected)
-
-
-@pytest.mark.parametrize("cache", ["dual", "delayed", "dual_delayed", "prefix"])
-def test_kv_pool_rows_survive_others_finishing_and_joining(cache):
-    """Requests of different lengths and arrival steps share the runner's KV pool: rows are freed
-    (the last row moved into the hole) and reused, and every request still gets its tokens alone."""
-    model = tiny_model()
-    lengths = [8, 20, 12, 16]
-    params = [SamplingParams(max_tokens=n, steps=n, block_length=4, cache=cache, early_exit=False,
-                             cfg_scale=1.0 if i == 1 else 0.0) for i, n in enumerate(lengths)]
-    prompts = [*PROMPTS, [20, 21, 22, 23, 24]]
-    alone = [generate(model, [p], sp).answer_ids[0] for p, sp in zip(prompts, params, strict=True)]
-    engine = Engine(model, EngineConfig(max_num_seqs=8))
-    requests = [engine.add_request(prompts[i], params[i]) for i in range(3)]
-    for _ in range(6):
-        engine.step()
-    requests.append(engine.add_request(prompts[3], params[3]))  # joins after the first request has left
-    pool = engine.runner.pool
-    seen_rows = 0
-    while engine.has_unfinished():
-        engine.step()
-        seen_rows = max(seen_rows, pool.num_rows)
-        assert pool.num_rows == len(set(pool.owners)) and all(pool.row(r, k) == i for i, (r, k) in enumerate(pool.owners))
-    assert seen_rows >= 3 and pool.num_rows == 0  # the last step freed every row
-    for r, expected in zip(requests, alone, strict=True):
-        assert torch.equal(r.answer, expected)
-    if cache in ("dual_delayed", "prefix"):  # out of phase: some steps ran the wide rows in a pass of their own
-        assert engine.runner.num_split_passes > 0
-
-
-def test_scheduler_respects_sequence_and_token_budgets():
-    model = tiny_model()
-    params = SamplingParams(max_tokens=8, steps=8, block_length=8, early_exit=False)
-    engine = Engine(model, EngineConfig(max_num_seqs=2, max_num_batched_tokens=10_000))
-    requests = [engine.add_request(PROMPTS[0], params) for _ in range(5)]
-    outputs = engine.step()
-    assert len(outputs) == 2 and sum(r.status is RequestStatus.RUNNING for r in requests) == 2
-    # token budget: each canvas is 7 + 8 = 15 tokens; 2 rows = 30 > 20 lets only one run at a time
-    engine = Engine(model, EngineConfig(max_num_seqs=8, max_num_batched_tokens=20))
-    for _ in range(3):
-        engine.add_request(PROMPTS[0], params)
-    assert len(engine.step()) == 1
-
-
-def test_queue_limit_counts_free_slots_and_aborts_free_places():
-    engine = Engine(tiny_model(), EngineConfig(max_num_seqs=1, max_waiting=2))
-    params = SamplingParams(max_tokens=4, steps=4, block_length=4)
-    for i in range(3):  # one takes the free running slot at the next step, two wait
-        engine.add_request([5, 6], params, request_id=f"r{i}")
-    with pytest.raises(QueueFullError):
-        engine.add_request([5, 6], params)
-    assert engine.abort("r2")  # an aborted waiting request gives its place back before any step
-    engine.add_request([5, 6], params, request_id="r3")
 
 
 def test_aborted_request_takes_no_more_steps():
@@ -231,20 +181,6 @@ def test_causal_model_refuses_what_it_cannot_decode(params, suffix, match):
         generate(engine.model, [[5, 6]], params, [suffix] if suffix else None)
 
 
-@pytest.mark.slow
-def test_compiled_runner_gives_the_eager_tokens():
-    """enforce_eager=False wraps the model in torch.compile; tokens must not change."""
-    model = tiny_model()
-    params = SamplingParams(max_tokens=8, steps=8, block_length=8, early_exit=False)
-    answers = []
-    for eager in (True, False):
-        engine = Engine(model, EngineConfig(enforce_eager=eager))
-        request = engine.add_request(PROMPTS[0], params)
-        run_to_end(engine)
-        answers.append(request.answer)
-    assert torch.equal(answers[0], answers[1])
-
-
 @pytest.mark.parametrize("early_exit", [False, True])
 def test_dual_delayed_cache_with_infilling_matches_reference_sampler(early_exit):
     """dual_delayed's block-start window runs to the end of the canvas, over the suffix too (and, in the
@@ -265,3 +201,49 @@ def test_dual_delayed_cache_with_infilling_matches_reference_sampler(early_exit)
     dual = SamplingParams(max_tokens=18, steps=18, block_length=4, cache="dual", early_exit=early_exit)
     assert torch.equal(generate(model, PROMPTS, every_block, suffixes).answer_ids,
                        generate(model, PROMPTS, dual, suffixes).answer_ids)
+
+
+@pytest.fixture(scope="module", params=["llada", "dream"])
+def format_model(request, tmp_path_factory):
+    """A tiny LLaDA or Dream folder, loaded (the published formats; Dream scores each column from the one before)."""
+    folder = tmp_path_factory.mktemp(request.param)
+    (write_llada if request.param == "llada" else write_dream)(folder, num_shards=1)
+    return load_any(folder)
+
+
+@pytest.mark.parametrize("cache", ["prefix", "dual", "delayed", "dual_delayed"])
+def test_engine_with_cache_matches_reference_sampler(format_model, cache):
+    """The engine's block-aligned padded window passes give the reference sampler's tokens on both formats."""
+    prompts = [[5, 6, 7, 8, 9, 10, 11], [12, 13], [14, 15, 16, 17]]
+    params = SamplingParams(max_tokens=12, steps=12, block_length=4, early_exit=False, cache=cache)
+    reference = generate(format_model, prompts, params)
+    engine = Engine(format_model, EngineConfig(max_num_seqs=4))
+    requests = [engine.add_request(p, params) for p in prompts]
+    for _ in range(1000):
+        if not engine.has_unfinished():
+            break
+        engine.step()
+    for i, r in enumerate(requests):
+        assert torch.equal(r.answer, reference.answer_ids[i]), f"row {i}"
+
+
+@pytest.mark.parametrize("cache, suffix_window", [("prefix", 0), ("dual_delayed", 0), ("dual_delayed", 3)])
+def test_engine_out_of_phase_requests_match_reference_sampler(format_model, cache, suffix_window):
+    """Requests out of phase (two join one step late): the rows recomputing the masked suffix run their window
+    pass apart from the others (``ModelRunner.num_split_passes``), and each request still gets the reference
+    sampler's tokens for its prompt alone, on both formats (Dream scores each column from the one before it)."""
+    prompts = [[5, 6, 7, 8, 9, 10, 11], [12, 13], [14, 15, 16, 17]]
+    params = SamplingParams(max_tokens=12, steps=12, block_length=2, early_exit=False, cache=cache,
+                            suffix_window=suffix_window)
+    alone = [generate(format_model, [p], params).answer_ids[0] for p in prompts]
+    engine = Engine(format_model, EngineConfig(max_num_seqs=4))
+    requests = [engine.add_request(prompts[0], params)]
+    engine.step()
+    requests += [engine.add_request(p, params) for p in prompts[1:]]
+    for _ in range(1000):
+        if not engine.has_unfinished():
+            break
+        engine.step()
+    assert engine.runner.num_split_passes > 0
+    for r, expected in zip(requests, alone, strict=True):
+        assert torch.equal(r.answer, expected)

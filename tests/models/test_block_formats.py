@@ -8,8 +8,7 @@ import torch
 
 from celeris.models.contract import layout_mask, noisy_clean_mask
 from celeris.models.fast_dllm import FastDLLMModel
-from celeris.models.loader import CheckpointError
-from celeris.models.registry import load_any, load_tokenizer
+from celeris.models.loader import CheckpointError, load_any, load_tokenizer
 from celeris.models.sdar import SDARModel
 from tests.models.conftest_block_formats import write_fast_dllm, write_sdar
 
@@ -112,7 +111,7 @@ def train_hidden(model, ids, positions, mask):
     """The training pass: the shared layers on caller positions (both copies at 0..L-1) and a 4D mask."""
     from celeris.models.layers import rope_cos_sin
 
-    cos, sin = rope_cos_sin(positions, model.head_dim, model.rope_theta)
+    cos, sin = rope_cos_sin(positions, model.arch.head_dim, model.arch.rope_theta)
     x = model.embed(ids)
     for layer in model.layers:
         x = layer(x, cos, sin, mask)
@@ -145,11 +144,11 @@ def test_config_block_size_overrides_the_table(tmp_path):
 
 
 def test_memory_estimate_and_refusal(sdar_dir, monkeypatch):
-    from celeris.models import registry
+    from celeris.models import loader
 
     folder, _, state = sdar_dir
     numel = sum(t.numel() for t in state.values())
-    monkeypatch.setattr(registry, "available_bytes", lambda device: numel * 3)  # float32 needs 4x, bfloat16 2x
+    monkeypatch.setattr(loader, "available_bytes", lambda device: numel * 3)  # float32 needs 4x, bfloat16 2x
     with pytest.raises(CheckpointError, match="not enough memory"):
         load_any(folder)
     assert load_any(folder, dtype=torch.bfloat16) is not None

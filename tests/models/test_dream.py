@@ -16,8 +16,7 @@ import torch
 
 from celeris.llm import LLM
 from celeris.models.dream import DreamModel
-from celeris.models.loader import CheckpointError
-from celeris.models.registry import load_any, load_tokenizer
+from celeris.models.loader import CheckpointError, load_any, load_tokenizer
 from celeris.params import SamplingParams
 from tests.models.conftest_formats import padded_batch, ref_attention, ref_rms, ref_rope, write_dream
 

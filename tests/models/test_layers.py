@@ -1,9 +1,8 @@
-"""The shared layers of the LLaDA and Dream formats: name tables, the samplers, the KV-cache interface.
+"""The one transformer (``celeris.models.layers``) on every format: the KV-cache interface.
 
-A window pass after a full pass with unchanged tokens must give the full
-pass's logits (also for Dream, whose logits at position i come from the hidden
-state at i-1, so its window starts one position earlier inside the model), and
-the samplers' ``prefix`` / ``dual`` caches must run on both formats.
+A window pass after a full pass with unchanged tokens must give the full pass's logits (also for Dream, whose
+logits at position i come from the hidden state at i-1, so its window starts one position earlier inside the
+model); positions outside a window come from the cache; per-row column windows equal span windows.
 """
 
 from __future__ import annotations
@@ -11,27 +10,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from celeris.config import EngineConfig
-from celeris.engine import Engine
 from celeris.models import celeris as celeris_module
 from celeris.models import layers
-from celeris.models.registry import FORMATS, load_any
-from celeris.params import SamplingParams
+from celeris.models.loader import FORMATS, load_any
 from celeris.sampling.cache import cache_window
-from celeris.sampling.generate import generate
-from tests.models.conftest_block_formats import write_fast_dllm, write_llada2, write_sdar
 from tests.models.conftest_formats import padded_batch, write_dream, write_llada
 
 WRITERS = {"llada": write_llada, "dream": write_dream}
-VARIANTS = {  # config overrides that change the module layout (tied head, biases, one K/V head)
-    "llada": {"weight_tying": True, "include_qkv_bias": True, "n_kv_heads": 1},
-    "dream": {"tie_word_embeddings": True, "num_key_value_heads": 1},
-    "sdar": {"tie_word_embeddings": True, "num_key_value_heads": 1, "head_dim": 4},
-    "fast_dllm_v2": {"tie_word_embeddings": True, "num_key_value_heads": 1},
-    "llada2": {"use_qkv_bias": True, "use_bias": True, "num_key_value_heads": 1, "num_shared_experts": None},
-}
-# block-diffusion formats too
-ALL_WRITERS = WRITERS | {"sdar": write_sdar, "fast_dllm_v2": write_fast_dllm, "llada2": write_llada2}
 
 
 @pytest.fixture(scope="module", params=sorted(WRITERS))
@@ -41,44 +26,11 @@ def model(request, tmp_path_factory):
     return load_any(folder)
 
 
-def test_celeris_module_reexports_the_shared_layers():
-    for name in ("KVCache", "RMSNorm", "rope_cos_sin", "apply_rope"):
-        assert getattr(celeris_module, name) is getattr(layers, name)
+def test_every_format_is_the_one_transformer():
+    """One transformer: every native format's model class is the shared TransformerLM with fused projections."""
+    for fmt in FORMATS.values():
+        assert issubclass(fmt.model_cls, layers.TransformerLM)
     assert celeris_module.CelerisModel.supports_kv_cache
-
-
-@pytest.mark.parametrize("name", sorted(FORMATS))
-@pytest.mark.parametrize("variant", [False, True])
-def test_checkpoint_keys_name_every_module_parameter(name, variant, tmp_path):
-    """The rename table's targets are exactly the model's state_dict names (none missing, none left over)."""
-    fmt = FORMATS[name]
-    ALL_WRITERS[name](tmp_path, num_shards=1, **(VARIANTS[name] if variant else {}))
-    model = load_any(tmp_path)
-    num_layers = len(model.layers)
-    experts = range(getattr(model.config, "num_experts", 1))  # "{e}": an expert index (mixture of experts)
-    targets = {t.replace("{i}", str(i)).replace("{e}", str(e)) for t in fmt.checkpoint_keys.values()
-               for i in range(num_layers) for e in experts}
-    assert set(model.state_dict()) <= targets
-    assert model.supports_kv_cache
-
-
-@pytest.mark.parametrize("overrides", [{"decoding": "fixed"}, {"decoding": "threshold", "threshold": 0.5},
-                                       {"cfg_scale": 1.0}])
-def test_sampler_runs(model, overrides):
-    params = SamplingParams(max_tokens=8, steps=8, block_length=4, early_exit=False, seed=0, **overrides)
-    out = generate(model, [[5, 6, 7, 8], [9, 10]], params)
-    assert out.answer_ids.shape == (2, 8)
-    assert not (out.answer_ids == model.config.mask_token_id).any()
-    if overrides.get("decoding", "fixed") == "fixed":
-        assert out.nfe == 8 * (2 if overrides.get("cfg_scale") else 1)
-
-
-def test_batched_equals_unbatched(model):
-    params = SamplingParams(max_tokens=8, steps=8, block_length=4, early_exit=False)
-    prompts = [[5, 6, 7, 8, 9, 10], [11, 12]]
-    both = generate(model, prompts, params).answer_ids
-    for i, p in enumerate(prompts):
-        assert torch.equal(generate(model, [p], params).answer_ids[0], both[i])
 
 
 @pytest.mark.parametrize("masked", [False, True])
@@ -132,59 +84,6 @@ def test_logits_slice_must_lie_inside_the_window(model):
         model(ids, cache=cache)
         with pytest.raises(ValueError, match="inside positions"):
             model(ids, logits_slice=slice(4, 10), cache=cache, window=(6, 10))
-
-
-@pytest.mark.parametrize("cache", ["prefix", "dual"])
-def test_generate_with_cache_runs_and_one_step_per_block_equals_no_cache(model, cache):
-    prompts = [[5, 6, 7, 8, 9, 10], [11, 12]]
-    mask_id = model.config.mask_token_id
-    params = SamplingParams(max_tokens=12, steps=12, block_length=4, early_exit=False, cache=cache, seed=0)
-    out = generate(model, prompts, params)  # several steps per block: window passes read the cache
-    assert out.answer_ids.shape == (2, 12) and not (out.answer_ids == mask_id).any()
-    assert out.nfe == 12
-    guided = SamplingParams(max_tokens=8, steps=8, block_length=4, early_exit=False, cache=cache, cfg_scale=1.0)
-    assert not (generate(model, prompts, guided).answer_ids == mask_id).any()
-    one = SamplingParams(max_tokens=12, steps=3, block_length=4, early_exit=False, cache=cache)
-    none = SamplingParams(max_tokens=12, steps=3, block_length=4, early_exit=False)
-    assert torch.equal(generate(model, prompts, one).answer_ids, generate(model, prompts, none).answer_ids)
-
-
-@pytest.mark.parametrize("cache", ["prefix", "dual", "delayed", "dual_delayed"])
-def test_engine_with_cache_matches_reference_sampler(model, cache):
-    """The engine's block-aligned padded window passes give the reference sampler's tokens on both formats."""
-    prompts = [[5, 6, 7, 8, 9, 10, 11], [12, 13], [14, 15, 16, 17]]
-    params = SamplingParams(max_tokens=12, steps=12, block_length=4, early_exit=False, cache=cache)
-    reference = generate(model, prompts, params)
-    engine = Engine(model, EngineConfig(max_num_seqs=4))
-    requests = [engine.add_request(p, params) for p in prompts]
-    for _ in range(1000):
-        if not engine.has_unfinished():
-            break
-        engine.step()
-    for i, r in enumerate(requests):
-        assert torch.equal(r.answer, reference.answer_ids[i]), f"row {i}"
-
-
-@pytest.mark.parametrize("cache, suffix_window", [("prefix", 0), ("dual_delayed", 0), ("dual_delayed", 3)])
-def test_engine_out_of_phase_requests_match_reference_sampler(model, cache, suffix_window):
-    """Requests out of phase (two join one step late): the rows recomputing the masked suffix run their window
-    pass apart from the others (``ModelRunner.num_split_passes``), and each request still gets the reference
-    sampler's tokens for its prompt alone, on both formats (Dream scores each column from the one before it)."""
-    prompts = [[5, 6, 7, 8, 9, 10, 11], [12, 13], [14, 15, 16, 17]]
-    params = SamplingParams(max_tokens=12, steps=12, block_length=2, early_exit=False, cache=cache,
-                            suffix_window=suffix_window)
-    alone = [generate(model, [p], params).answer_ids[0] for p in prompts]
-    engine = Engine(model, EngineConfig(max_num_seqs=4))
-    requests = [engine.add_request(prompts[0], params)]
-    engine.step()
-    requests += [engine.add_request(p, params) for p in prompts[1:]]
-    for _ in range(1000):
-        if not engine.has_unfinished():
-            break
-        engine.step()
-    assert engine.runner.num_split_passes > 0
-    for r, expected in zip(requests, alone, strict=True):
-        assert torch.equal(r.answer, expected)
 
 
 @pytest.mark.parametrize("first", [0, 1])

@@ -18,8 +18,7 @@ import torch
 
 from celeris.llm import LLM
 from celeris.models.llada import LLaDAModel
-from celeris.models.loader import CheckpointError
-from celeris.models.registry import estimate_memory, load_any, load_tokenizer, read_headers
+from celeris.models.loader import CheckpointError, estimate_memory, load_any, load_tokenizer, read_headers
 from celeris.params import SamplingParams
 from celeris.sampling.generate import generate
 from tests.models.conftest_formats import (
@@ -180,14 +179,14 @@ def test_missing_shard_and_unsupported_config(tmp_path):
 
 
 def test_memory_estimate_and_refusal(llada_dir, monkeypatch):
-    from celeris.models import registry
+    from celeris.models import loader
 
     folder, cfg, state = llada_dir
     infos = read_headers(sorted(folder.glob("*.safetensors")))
     numel = sum(t.numel() for t in state.values())
     assert estimate_memory(infos, torch.float32, torch.device("cpu")).need_bytes == numel * 4
     assert estimate_memory(infos, torch.bfloat16, torch.device("cpu")).need_bytes == numel * 2
-    monkeypatch.setattr(registry, "available_bytes", lambda device: numel * 3)  # float32 needs 4x, bfloat16 2x
+    monkeypatch.setattr(loader, "available_bytes", lambda device: numel * 3)  # float32 needs 4x, bfloat16 2x
     with pytest.raises(CheckpointError, match="not enough memory"):
         load_any(folder)
     assert load_any(folder, dtype=torch.bfloat16) is not None

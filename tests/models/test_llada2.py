@@ -11,8 +11,7 @@ import torch
 from celeris.config import EngineConfig
 from celeris.engine import Engine
 from celeris.models.llada2 import LLaDA2Model
-from celeris.models.loader import CheckpointError
-from celeris.models.registry import load_any
+from celeris.models.loader import CheckpointError, load_any
 from celeris.params import SamplingParams
 from celeris.sampling.block import generate_block
 from tests.models.conftest_block_formats import write_llada2

@@ -1,7 +1,9 @@
-"""Checkpoint folders: exact round trip, meta-device build, and a CheckpointError for every bad folder."""
+"""The loader (``celeris.models.loader``): exact round trip, meta-device build, a CheckpointError for every bad
+folder, and every format's name table covering its model."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 
@@ -11,7 +13,9 @@ from safetensors.torch import load_file, save_file
 
 from celeris.models import loader
 from celeris.models.celeris import CelerisModel
-from celeris.models.loader import CheckpointError, load_model, save_checkpoint
+from celeris.models.loader import FORMATS, CheckpointError, load_any, load_model, save_checkpoint
+from tests.models.conftest_block_formats import write_fast_dllm, write_llada2, write_sdar
+from tests.models.conftest_formats import write_dream, write_llada
 
 
 @pytest.fixture
@@ -25,6 +29,14 @@ def test_round_trip_logits_exact(model, saved):
     assert torch.equal(loaded(ids), model(ids))
     assert loaded.config == model.config
     assert not loaded.training
+
+
+def test_celeris_table_names_every_module_parameter(saved):
+    """The Celeris format is a table entry like the others: its identity table covers the state_dict exactly."""
+    model = load_model(saved)
+    table = loader.FORMATS["celeris"].checkpoint_keys
+    targets = {t.replace("{i}", str(i)) for t in table.values() for i in range(len(model.layers))}
+    assert set(model.state_dict()) == targets
 
 
 def test_folder_layout(saved):
@@ -50,7 +62,7 @@ def test_load_builds_on_meta_then_assigns(saved, monkeypatch):
             super().__init__(cfg)
             built_on.append(self.embed_tokens.weight.device)
 
-    monkeypatch.setattr(loader, "CelerisModel", Spy)
+    monkeypatch.setitem(loader.FORMATS, "celeris", dataclasses.replace(loader.FORMATS["celeris"], model_cls=Spy))
     m = load_model(saved)
     assert built_on == [torch.device("meta")]
     assert all(not p.is_meta for p in m.parameters())
@@ -139,3 +151,43 @@ def test_config_with_different_size_names_tensor(saved, tmp_path):
     with pytest.raises(CheckpointError, match="gate_up_proj") as info:
         load_model(copy)
     assert "(128, 32)" in str(info.value) and "(160, 32)" in str(info.value)
+
+
+VARIANTS = {  # config overrides that change the module layout (tied head, biases, one K/V head)
+    "llada": {"weight_tying": True, "include_qkv_bias": True, "n_kv_heads": 1},
+    "dream": {"tie_word_embeddings": True, "num_key_value_heads": 1},
+    "sdar": {"tie_word_embeddings": True, "num_key_value_heads": 1, "head_dim": 4},
+    "fast_dllm_v2": {"tie_word_embeddings": True, "num_key_value_heads": 1},
+    "llada2": {"use_qkv_bias": True, "use_bias": True, "num_key_value_heads": 1, "num_shared_experts": None},
+}
+ALL_WRITERS = {"llada": write_llada, "dream": write_dream, "sdar": write_sdar, "fast_dllm_v2": write_fast_dllm,
+               "llada2": write_llada2}
+
+
+@pytest.mark.parametrize("name", sorted(ALL_WRITERS))
+@pytest.mark.parametrize("variant", [False, True])
+def test_checkpoint_keys_name_every_module_parameter(name, variant, tmp_path):
+    """The rename table's targets are exactly the model's state_dict names (none missing, none left over)."""
+    fmt = FORMATS[name]
+    ALL_WRITERS[name](tmp_path, num_shards=1, **(VARIANTS[name] if variant else {}))
+    model = load_any(tmp_path)
+    num_layers = len(model.layers)
+    experts = range(getattr(model.config, "num_experts", 1))  # "{e}": an expert index (mixture of experts)
+    targets = {t.replace("{i}", str(i)).replace("{e}", str(e)).split("[")[0] for t in fmt.checkpoint_keys.values()
+               for i in range(num_layers) for e in experts}
+    assert set(model.state_dict()) <= targets
+    assert model.supports_kv_cache
+
+
+def test_packed_parts_are_checked_one_by_one(tmp_path):
+    """Separate published q/k/v tensors are packed into qkv_proj: a missing part is named by its published name,
+    and the packed projection equals the published rows stacked q, k, v."""
+    write_dream(tmp_path, num_shards=1)
+    state = load_file(tmp_path / "model.safetensors")
+    model = load_any(tmp_path)
+    names = [f"model.layers.1.self_attn.{p}_proj.weight" for p in "qkv"]
+    assert torch.equal(model.layers[1].attn.qkv_proj.weight, torch.cat([state[n] for n in names]))
+    state.pop(names[1])
+    save_file(state, tmp_path / "model.safetensors")
+    with pytest.raises(CheckpointError, match=r"'model\.layers\.1\.self_attn\.k_proj\.weight' is missing"):
+        load_any(tmp_path)

@@ -17,8 +17,7 @@ import pytest
 import torch
 
 from celeris.models.celeris import CelerisModel
-from celeris.models.loader import CheckpointError
-from celeris.models.registry import detect_format, load_any
+from celeris.models.loader import CheckpointError, detect_format, load_any
 from celeris.params import SamplingParams
 from celeris.sampling.generate import generate
 from tests.models.conftest_formats import save_weights, write_tokenizer
@@ -123,10 +122,10 @@ def test_detect_format():
 
 
 def test_celeris_folder_goes_to_the_celeris_loader(tiny_checkpoint, monkeypatch):
-    from celeris.models import registry
+    from celeris.models import loader
 
     assert isinstance(load_any(tiny_checkpoint), CelerisModel)
-    monkeypatch.setattr(registry, "available_bytes", lambda device: 1)
+    monkeypatch.setattr(loader, "available_bytes", lambda device: 1)
     with pytest.raises(CheckpointError, match="not enough memory"):
         load_any(tiny_checkpoint)
 

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from celeris.config import EngineConfig
 from celeris.engine import Engine
-from celeris.models.registry import load_any
+from celeris.models.loader import load_any
 from celeris.params import SamplingParams
 from celeris.sampling.generate import generate
 from celeris.sampling.step import RowSettings, confidence_rule, denoise_step

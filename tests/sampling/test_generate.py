@@ -511,7 +511,7 @@ def test_suffix_window_never_reads_a_key_computed_outside_the_window(cache, monk
     """Columns past the window get no real RoPE position while masked (positions count attended columns);
     every cache mode must recompute them before they come into view, so giving them their true positions
     changes no token."""
-    from celeris.models import celeris as celeris_module
+    from celeris.models import layers
 
     model = tiny_model()
     prompts = [[5, 6, 7, 8, 9], [10, 11]]
@@ -526,6 +526,6 @@ def test_suffix_window_never_reads_a_key_computed_outside_the_window(cache, monk
             positions = (torch.arange(input_ids.shape[1])[None] - first).clamp(min=0)
         return positions, key_mask
 
-    layers_positions = celeris_module.positions_and_mask
-    monkeypatch.setattr(celeris_module, "positions_and_mask", true_positions)
+    layers_positions = layers.positions_and_mask
+    monkeypatch.setattr(layers, "positions_and_mask", true_positions)
     assert torch.equal(generate(model, prompts, params).answer_ids, windowed)
