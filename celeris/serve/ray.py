@@ -13,7 +13,8 @@ Deployments of one application (``APP_NAME``):
   ``StepEvent`` lists of one request group; ``max_ongoing_requests`` = ``max_num_seqs + max_waiting``,
   the engine's own admission limit, so Ray Serve's router (power of two choices on queue length)
   never sends a replica more than its engine would accept, and ``max_queued_requests`` bounds the
-  router's queue (beyond: ``BackPressureError``, answered 429). ``check_health`` fails when the
+  router's queue (requests not yet given to a replica; by default as many as all replicas hold; beyond:
+  ``BackPressureError``, answered 429). ``check_health`` fails when the
   engine thread died or stalled, so Ray Serve restarts the replica.
 * ``CelerisIngress`` (one replica, no CPU reserved): ``create_app`` over an ``OpenAIServing`` whose
   engine is a ``RemoteEngine`` calling the replicas through a deployment handle (see
@@ -115,7 +116,8 @@ class ServeArgs(BaseModel):
         options: dict[str, Any] = {
             "ray_actor_options": {"num_cpus": self.num_cpus_per_replica, "num_gpus": self.num_gpus_per_replica},
             "max_ongoing_requests": self.replica_capacity,
-            "max_queued_requests": self.max_queued_requests or self.max_waiting,
+            "max_queued_requests": self.max_queued_requests
+            or self.replica_capacity * (self.max_replicas or self.num_replicas),
             "health_check_period_s": 5.0,
             "health_check_timeout_s": 30.0,
             "graceful_shutdown_timeout_s": self.drain_timeout_s,
