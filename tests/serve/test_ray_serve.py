@@ -165,6 +165,9 @@ def test_killing_a_replica_under_load(cluster, client):
     assert not any(t.is_alive() for t in threads), "a request hung"
     assert len(outcomes) == 18
     assert all(ok for _, ok, _ in outcomes), [o for o in outcomes if not o[1]]
+    metrics = httpx.get(f"{URL}/metrics", timeout=10).text
+    failures = [line for line in metrics.splitlines() if line.startswith('celeris_failed_requests_total{code="replica_')]
+    assert sum(float(line.rsplit(" ", 1)[1]) for line in failures) >= 1, "the kill hit no request in flight"
     deadline = time.monotonic() + 120
     while engine_status() != ("HEALTHY", 2):
         assert time.monotonic() < deadline, f"the engine deployment did not recover: {engine_status()}"
