@@ -148,7 +148,8 @@ def collect_series(metrics: ServerMetrics) -> list[tuple]:
     return out
 
 
-@serve.deployment(name="CelerisMetricsBoard", ray_actor_options={"num_cpus": 0})
+@serve.deployment(name="CelerisMetricsBoard", ray_actor_options={"num_cpus": 0},
+                  logging_config={"enable_access_log": False})
 class CelerisMetricsBoard:
     """The latest engine series of every replica: ``put`` by replicas, ``snapshot`` by the ingress."""
 
