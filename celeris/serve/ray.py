@@ -373,7 +373,8 @@ def init_ray(address: str | None, args: ServeArgs) -> bool:
     env["PYTHONPATH"] = os.pathsep.join(p for p in (PACKAGE_ROOT, path) if p)
     most = args.max_replicas or args.num_replicas
     num_cpus = max(os.cpu_count() or 1, math.ceil(most * args.num_cpus_per_replica))
-    ray.init(num_cpus=num_cpus, include_dashboard=False, runtime_env={"env_vars": env}, log_to_driver=False,
+    # address "local": a new instance even where `ray start` left its address file behind
+    ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, runtime_env={"env_vars": env}, log_to_driver=False,
              object_store_memory=256 << 20)
     return True
 

@@ -21,7 +21,7 @@ ray = pytest.importorskip("ray")
 serve = pytest.importorskip("ray.serve")
 
 from celeris.serve.app import BackgroundServer, create_app  # noqa: E402
-from celeris.serve.ray import APP_NAME, ServeArgs, build_app, init_ray  # noqa: E402
+from celeris.serve.ray import APP_NAME, ServeArgs, build_app, drain, init_ray  # noqa: E402
 
 PORT = 18431  # Ray Serve's proxy binds this port (a fixed one: the proxy picks it, not the test)
 URL = f"http://127.0.0.1:{PORT}"
@@ -178,6 +178,22 @@ def test_killing_a_replica_under_load(cluster, client):
         out = client.completions.create(model=MODEL_NAME, prompt=PROMPTS[i % 3], max_tokens=8)
         assert out.choices[0].finish_reason in ("stop", "length")
     print("outcomes:", sorted(kind for kind, _, _ in outcomes), [d for k, _, d in outcomes if "error" in k])
+
+
+def test_drain_finishes_requests_in_flight_and_refuses_new_ones(cluster):
+    outcomes: list = []
+    stream = threading.Thread(target=one_request, args=(0, outcomes))  # even: streamed
+    stream.start()
+    time.sleep(0.3)
+    started = time.monotonic()
+    drain(serve.get_app_handle(APP_NAME), timeout_s=30)
+    stream.join(60)
+    assert outcomes and outcomes[0][:2] == ("stream", True), outcomes
+    assert time.monotonic() - started < 30
+    r = httpx.post(f"{URL}/v1/completions", json={"prompt": "x", "max_tokens": 4}, timeout=30)
+    assert r.status_code == 503 and r.headers["retry-after"] == "1"
+    assert r.json()["error"]["code"] == "server_shutting_down"
+    assert httpx.get(f"{URL}/health", timeout=30).status_code == 503
 
 
 def test_backpressure_is_429_with_retry_after(cluster, serve_checkpoint):
