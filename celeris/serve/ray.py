@@ -21,7 +21,7 @@ Deployments of one application (``APP_NAME``):
   ``celeris.serve.remote`` for the failure rules). It loads the checkpoint for its tokenizer and
   configuration only (the engine there never runs).
 * ``CelerisMetricsBoard`` (one replica, no CPU): every engine replica posts its engine series
-  (waiting, running, verified-decoding counters) every ``METRICS_PUSH_S``; the ingress's ``/metrics``
+  (waiting, running, generations admitted, verified-decoding counters) every ``METRICS_PUSH_S``; the ingress's ``/metrics``
   shows them with a ``replica`` label next to its own HTTP series.
 
 The HTTP proxy runs on the head node only (``proxy_location="HeadOnly"``). Drain: on SIGTERM/SIGINT
@@ -56,7 +56,8 @@ APP_NAME = "celeris"
 PACKAGE_ROOT = str(Path(celeris.__file__).resolve().parent.parent)
 METRICS_PUSH_S = 2.0  # how often an engine replica posts its series to the board
 METRICS_STALE_S = 3 * METRICS_PUSH_S  # a replica silent this long (dead, removed) leaves /metrics
-REPLICA_SERIES = ("celeris_num_requests_waiting", "celeris_num_requests_running", "celeris_spec_decode_")
+REPLICA_SERIES = ("celeris_num_requests_waiting", "celeris_num_requests_running", "celeris_spec_decode_",
+                  "celeris_replica_generations")
 STALL_TIMEOUT_S = 30.0  # an engine replica with requests and no step for this long fails its health check
 
 
@@ -209,6 +210,7 @@ class CelerisEngine:
 
     def __init__(self, args: dict, board: DeploymentHandle | None = None) -> None:
         import torch
+        from prometheus_client import Counter
 
         from celeris.serve.serving import OpenAIServing
 
@@ -220,6 +222,8 @@ class CelerisEngine:
                                                 served_model_name=a.served_model_name, dtype=a.dtype,
                                                 enforce_eager=a.enforce_eager, trust_remote_code=a.trust_remote_code)
         self.async_engine = self.serving.async_engine
+        self.admitted = Counter("celeris_replica_generations", "Generations (prompts x n) this engine replica admitted",
+                                registry=self.serving.metrics.registry)
         self.async_engine.start()
         self.replica_id = _replica_id()
         self._stop = threading.Event()
@@ -250,6 +254,7 @@ class CelerisEngine:
         except EngineDeadError as exc:
             yield (REFUSED, "engine_dead", str(exc))
             return
+        self.admitted.inc(len(inputs))
         yield (ACCEPTED, self.replica_id)
         remaining = len(inputs)
         try:

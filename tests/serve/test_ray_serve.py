@@ -104,6 +104,9 @@ def test_metrics_show_each_replica(client):
             break
         time.sleep(0.5)
     assert len(replicas) == 2, text
+    admitted = {line.split('replica="', 1)[1].split('"', 1)[0]: float(line.rsplit(" ", 1)[1])
+                for line in text.splitlines() if line.startswith("celeris_replica_generations_total{")}
+    assert set(admitted) == replicas and all(v > 0 for v in admitted.values()), admitted  # both replicas answered
     assert 'celeris_http_requests_total{path="/v1/completions",status="200"}' in text
 
 
