@@ -71,6 +71,10 @@ def test_two_replicas_answer_the_openai_client(client):
     whole = client.completions.create(model=MODEL_NAME, prompt=PROMPTS[1], max_tokens=16, seed=3, temperature=1.0)
     assert streamed == whole.choices[0].text
     assert chunks[-1].choices[0].finish_reason in ("stop", "length")
+    chat_chunks = list(client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": "hi"}],
+                                                      max_tokens=16, seed=2, stream=True))
+    assert chat_chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chat_chunks) == chat.choices[0].message.content
 
 
 def test_same_seed_same_text_as_the_single_process_server(client, serve_llm):
