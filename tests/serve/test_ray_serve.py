@@ -98,19 +98,25 @@ def test_same_seed_same_text_as_the_single_process_server(client, serve_llm):
 
 
 def test_metrics_show_each_replica(client):
-    client.completions.create(model=MODEL_NAME, prompt=PROMPTS[2], max_tokens=8)
+    # a burst beyond one replica's max_ongoing_requests (6): the router must use both replicas
+    threads = [threading.Thread(target=client.completions.create,
+                                kwargs=dict(model=MODEL_NAME, prompt=PROMPTS[i % 3], max_tokens=48)) for i in range(10)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
     deadline = time.monotonic() + 20
     while True:  # replicas post their series every couple of seconds
         text = httpx.get(f"{URL}/metrics", timeout=10).text
-        replicas = {line.split('replica="', 1)[1].split('"', 1)[0] for line in text.splitlines()
-                    if line.startswith("celeris_num_requests_running{")}
-        if len(replicas) == 2 or time.monotonic() > deadline:
+        admitted = {line.split('replica="', 1)[1].split('"', 1)[0]: float(line.rsplit(" ", 1)[1])
+                    for line in text.splitlines() if line.startswith("celeris_replica_generations_total{")}
+        if (len(admitted) == 2 and all(admitted.values())) or time.monotonic() > deadline:
             break
         time.sleep(0.5)
-    assert len(replicas) == 2, text
-    admitted = {line.split('replica="', 1)[1].split('"', 1)[0]: float(line.rsplit(" ", 1)[1])
-                for line in text.splitlines() if line.startswith("celeris_replica_generations_total{")}
-    assert set(admitted) == replicas and all(v > 0 for v in admitted.values()), admitted  # both replicas answered
+    assert len(admitted) == 2 and all(v > 0 for v in admitted.values()), admitted  # both replicas answered
+    running = {line.split('replica="', 1)[1].split('"', 1)[0] for line in text.splitlines()
+               if line.startswith("celeris_num_requests_running{")}
+    assert running == set(admitted)
     assert 'celeris_http_requests_total{path="/v1/completions",status="200"}' in text
 
 
@@ -133,7 +139,7 @@ def is_openai_error(status: int, body: str) -> bool:
 
 def one_request(i: int, outcomes: list) -> None:
     """A streamed or plain completion; appends (kind, ok, detail) and never raises."""
-    body = {"model": MODEL_NAME, "prompt": PROMPTS[i % 3], "max_tokens": 48, "seed": i, "temperature": 1.0,
+    body = {"model": MODEL_NAME, "prompt": PROMPTS[i % 3], "max_tokens": 96, "seed": i, "temperature": 1.0,
             "stream": i % 2 == 0}
     try:
         with httpx.stream("POST", f"{URL}/v1/completions", json=body, timeout=90) as r:
@@ -161,16 +167,18 @@ def test_killing_a_replica_under_load(cluster, client):
             break
     assert len(pids) == 2
     outcomes: list = []
-    threads = [threading.Thread(target=lambda k=k: [one_request(k * 10 + j, outcomes) for j in range(3)])
+    threads = [threading.Thread(target=lambda k=k: [one_request(k * 10 + j, outcomes) for j in range(5)])
                for k in range(6)]
     for t in threads:
         t.start()
-    time.sleep(1.0)
+    deadline = time.monotonic() + 60
+    while len(outcomes) < 4 and time.monotonic() < deadline:  # kill once the load is steady: both replicas busy
+        time.sleep(0.05)
     os.kill(min(pids), signal.SIGKILL)
     for t in threads:
         t.join(150)
     assert not any(t.is_alive() for t in threads), "a request hung"
-    assert len(outcomes) == 18
+    assert len(outcomes) == 30
     assert all(ok for _, ok, _ in outcomes), [o for o in outcomes if not o[1]]
     metrics = httpx.get(f"{URL}/metrics", timeout=10).text
     failures = [line for line in metrics.splitlines() if line.startswith('celeris_failed_requests_total{code="replica_')]
