@@ -486,6 +486,55 @@ def _serve_parser(sub) -> None:
                    help="serve this checkpoint too (repeatable; named by its folder; requests choose by 'model'; "
                    "the playground's race view compares them)")
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    _serve_ray_args(s)
+
+
+def _serve_ray_args(s: argparse.ArgumentParser) -> None:
+    """``celeris serve`` on Ray Serve: an ingress in front of engine replicas (``celeris.serve.ray``)."""
+    r = s.add_argument_group("Ray Serve (any of these serves through Ray; without them Ray is never imported)")
+    r.add_argument("--num-replicas", type=int, help="engine replicas, each with its own model copy and batching "
+                   "(with autoscaling: the initial count)")
+    r.add_argument("--ray-address", help="attach to this Ray cluster ('auto': the one `ray start` runs here); "
+                   "default: a local Ray instance")
+    r.add_argument("--min-replicas", type=int, help="autoscaling: fewest engine replicas")
+    r.add_argument("--max-replicas", type=int, help="autoscaling: most engine replicas")
+    r.add_argument("--target-ongoing-requests", type=float,
+                   help="autoscaling: requests per replica Ray Serve aims at (default max-num-seqs / 2)")
+    r.add_argument("--num-cpus-per-replica", type=float, default=1.0,
+                   help="CPUs Ray reserves per engine replica; also its torch threads (default 1)")
+    r.add_argument("--num-gpus-per-replica", type=float, default=0.0, help="GPUs per engine replica (default 0)")
+
+
+RAY_SERVE_FLAGS = ("num_replicas", "ray_address", "min_replicas", "max_replicas", "target_ongoing_requests")
+
+
+def _serve_on_ray(args: argparse.Namespace) -> int:
+    """``celeris serve`` with a Ray Serve flag: validate them (exit 2 on a bad one), then deploy and serve."""
+    if args.max_connections != 1024:
+        raise UsageError("--max-connections applies to the single-process server; Ray Serve's proxy owns the "
+                         "sockets with --num-replicas / --ray-address")
+    try:
+        from pydantic import ValidationError
+
+        from celeris.serve.ray import ServeArgs, run_cluster_server
+    except ImportError as exc:
+        raise UsageError(f"serving on Ray needs Ray Serve ({exc}): pip install -e '.[ray]'") from None
+    try:
+        options = ServeArgs(
+            model=args.model, served_model_name=args.served_model_name, device=args.device, dtype=args.dtype,
+            enforce_eager=not args.compile, trust_remote_code=args.trust_remote_code, max_num_seqs=args.max_num_seqs,
+            max_waiting=args.max_waiting, request_timeout=args.request_timeout, api_key=args.api_key,
+            num_replicas=args.num_replicas if args.num_replicas is not None else max(1, args.min_replicas or 1),
+            min_replicas=args.min_replicas,
+            max_replicas=args.max_replicas, target_ongoing_requests=args.target_ongoing_requests,
+            num_cpus_per_replica=args.num_cpus_per_replica, num_gpus_per_replica=args.num_gpus_per_replica,
+            drain_timeout_s=args.drain_timeout)
+    except ValidationError as exc:
+        error = exc.errors()[0]
+        where = "--" + "-".join(str(p) for p in error["loc"]).replace("_", "-") if error["loc"] else "replicas"
+        raise UsageError(f"{where}: {error['msg']}") from None
+    return run_cluster_server(options, host=args.host, port=args.port, ray_address=args.ray_address,
+                              log_level=args.log_level)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -512,6 +561,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         what = "empty" if not args.api_key.strip() else "has leading or trailing whitespace"
         raise UsageError(f"--api-key (or $CELERIS_API_KEY) {what}; give a non-empty key without surrounding spaces, "
                          "or none to turn authentication off")
+    if any(getattr(args, name) is not None for name in RAY_SERVE_FLAGS):
+        return _serve_on_ray(args)
     try:
         from celeris.serve.app import run_server
         from celeris.serve.server import ServerLimits

@@ -175,8 +175,11 @@ class AsyncEngine:
 
     # -- submission (any event loop) -----------------------------------------------------------
 
-    async def submit(self, inputs: list[EngineInput], want_canvas: bool = False) -> RequestGroup:
+    async def submit(self, inputs: list[EngineInput], want_canvas: bool = False, retryable: bool = False) -> RequestGroup:
         """Admit ``inputs`` all or none and return their group.
+
+        ``retryable`` (nothing is sent before the answer is complete) matters only to an engine in another
+        process (``celeris.serve.remote.RemoteEngine``); a local engine cannot lose a request to a failure.
 
         Raises:
             QueueFullError: admitting them would pass ``max_in_flight``, or the engine's waiting

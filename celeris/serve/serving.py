@@ -401,7 +401,8 @@ class OpenAIServing:
             raise APIError(400, f"this request needs {len(inputs)} generations (prompts x n), more than the server "
                                 f"can hold at once ({self.async_engine.max_in_flight})", param="n")
         try:
-            group = await self.async_engine.submit(inputs, want_canvas=request.stream_mode == "denoise")
+            group = await self.async_engine.submit(inputs, want_canvas=request.stream_mode == "denoise",
+                                                    retryable=not request.stream)
         except QueueFullError as exc:
             self.metrics.rejected.inc()
             raise APIError(429, f"{exc}", code="queue_full", headers={"Retry-After": str(RETRY_AFTER_S)}) from None

@@ -76,3 +76,26 @@ def test_an_empty_api_key_in_the_environment_is_refused(capsys, monkeypatch):
     monkeypatch.setenv("CELERIS_API_KEY", "")
     assert main(["serve"]) == 2
     assert "$CELERIS_API_KEY) empty" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--num-replicas", "0"], "--num-replicas: Input should be greater than or equal to 1"),
+    (["--min-replicas", "3", "--max-replicas", "2"], "min_replicas (3) must not exceed max_replicas (2)"),
+    (["--num-replicas", "2", "--num-cpus-per-replica", "0"], "--num-cpus-per-replica"),
+    (["--num-replicas", "2", "--max-connections", "5"], "--max-connections applies to the single-process server"),
+])
+def test_ray_serve_flags_are_checked_before_ray_starts(flags, message, capsys):
+    pytest.importorskip("ray.serve")
+    from celeris.cli import main
+
+    assert main(["serve", *flags]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("celeris: error:") and message in err and len(err.splitlines()) == 1
+
+
+def test_serve_without_ray_flags_never_imports_ray():
+    code = ("import sys; import celeris.serve.app as app; app.run_server = lambda *a, **k: 0; "
+            "from celeris.cli import main; rc = main(['serve']); print(rc, 'ray' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
+    assert out.stdout.split() == ["0", "False"], out.stderr[-2000:]

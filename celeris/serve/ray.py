@@ -1,0 +1,434 @@
+"""The OpenAI server on Ray Serve: one ingress (the FastAPI app) in front of N engine replicas.
+
+    celeris serve --num-replicas 2                       # local Ray, two engines on this machine
+    celeris serve --ray-address auto --num-replicas 4    # an existing cluster (``ray start --head``)
+    serve run celeris.serve.ray:app model=PATH num_replicas=2      # Ray Serve's own CLI (builder args)
+    serve deploy docs/ray-serve.yaml                                # a Serve config file
+
+Deployments of one application (``APP_NAME``):
+
+* ``CelerisEngine`` (N replicas, or autoscaled between ``min_replicas`` and ``max_replicas`` on
+  ``target_ongoing_requests``): each loads the checkpoint once and runs its own ``AsyncEngine``
+  (continuous batching), with ``num_cpus_per_replica`` torch threads. Its ``generate`` streams the
+  ``StepEvent`` lists of one request group; ``max_ongoing_requests`` = ``max_num_seqs + max_waiting``,
+  the engine's own admission limit, so Ray Serve's router (power of two choices on queue length)
+  never sends a replica more than its engine would accept, and ``max_queued_requests`` bounds the
+  router's queue (requests not yet given to a replica; by default as many as all replicas hold; beyond:
+  ``BackPressureError``, answered 429). ``check_health`` fails when the
+  engine thread died or stalled, so Ray Serve restarts the replica.
+* ``CelerisIngress`` (one replica, no CPU reserved): ``create_app`` over an ``OpenAIServing`` whose
+  engine is a ``RemoteEngine`` calling the replicas through a deployment handle (see
+  ``celeris.serve.remote`` for the failure rules). It loads the checkpoint for its tokenizer and
+  configuration only (the engine there never runs).
+* ``CelerisMetricsBoard`` (one replica, no CPU): every engine replica posts its engine series
+  (waiting, running, generations admitted, verified-decoding counters) every ``METRICS_PUSH_S``; the ingress's ``/metrics``
+  shows them with a ``replica`` label next to its own HTTP series.
+
+The HTTP proxy runs on the head node only (``proxy_location="HeadOnly"``). Drain: on SIGTERM/SIGINT
+``run_cluster_server`` applies the single server's rules to the ingress: new requests 503 with
+``Retry-After``, ``/health`` 503, requests in flight finish within ``drain_timeout_s``, then the rest
+are cut (a stream ends with an error event and ``data: [DONE]``), then the application is deleted.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from ray import serve
+from ray.serve.handle import DeploymentHandle
+
+import celeris
+from celeris.serve.async_engine import EngineDeadError, EngineInput
+from celeris.serve.metrics import ServerMetrics
+from celeris.serve.remote import ACCEPTED, REFUSED, RemoteEngine
+
+logger = logging.getLogger(__name__)
+
+APP_NAME = "celeris"
+PACKAGE_ROOT = str(Path(celeris.__file__).resolve().parent.parent)
+METRICS_PUSH_S = 2.0  # how often an engine replica posts its series to the board
+METRICS_STALE_S = 3 * METRICS_PUSH_S  # a replica silent this long (dead, removed) leaves /metrics
+REPLICA_SERIES = ("celeris_num_requests_waiting", "celeris_num_requests_running", "celeris_spec_decode_",
+                  "celeris_replica_generations")
+STALL_TIMEOUT_S = 30.0  # an engine replica with requests and no step for this long fails its health check
+
+
+class ServeArgs(BaseModel):
+    """Arguments of the Ray Serve application (``serve run celeris.serve.ray:app key=value ...``).
+
+    Engine settings mean what they mean for ``celeris serve``; the replica settings use Ray Serve's
+    names. Autoscaling is on when ``min_replicas`` or ``max_replicas`` is given (``num_replicas`` is
+    then the initial count). Raises pydantic's ``ValidationError`` naming the field at fault.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None
+    served_model_name: str | None = None
+    device: str | None = None
+    dtype: str | None = None
+    enforce_eager: bool = True
+    trust_remote_code: bool = False
+    max_num_seqs: int = Field(8, ge=1)
+    max_waiting: int = Field(64, ge=1)
+    request_timeout: float = Field(60.0, gt=0)
+    api_key: str | None = None
+    num_replicas: int = Field(1, ge=1)
+    min_replicas: int | None = Field(None, ge=0)
+    max_replicas: int | None = Field(None, ge=1)
+    target_ongoing_requests: float | None = Field(None, gt=0)
+    num_cpus_per_replica: float = Field(1.0, gt=0)
+    num_gpus_per_replica: float = Field(0.0, ge=0)
+    max_queued_requests: int | None = Field(None, ge=1)
+    drain_timeout_s: float = Field(30.0, gt=0)
+    body_timeout_s: float = Field(30.0, gt=0)
+    max_body_bytes: int = Field(8 << 20, ge=1)
+
+    @model_validator(mode="after")
+    def _replicas_in_range(self) -> ServeArgs:
+        low = self.min_replicas if self.min_replicas is not None else 1
+        high = self.max_replicas if self.max_replicas is not None else max(low, self.num_replicas)
+        if low > high:
+            raise ValueError(f"min_replicas ({low}) must not exceed max_replicas ({high})")
+        if self.autoscaling and not low <= self.num_replicas <= high:
+            raise ValueError(f"num_replicas ({self.num_replicas}) must lie in [min_replicas, max_replicas] = "
+                             f"[{low}, {high}] when autoscaling")
+        return self
+
+    @property
+    def autoscaling(self) -> bool:
+        return self.min_replicas is not None or self.max_replicas is not None or self.target_ongoing_requests is not None
+
+    @property
+    def replica_capacity(self) -> int:
+        """Generations one engine replica holds (running + waiting): its ``max_ongoing_requests``."""
+        return self.max_num_seqs + self.max_waiting
+
+    def deployment_options(self) -> dict[str, Any]:
+        """Ray Serve options of the engine deployment."""
+        options: dict[str, Any] = {
+            "ray_actor_options": {"num_cpus": self.num_cpus_per_replica, "num_gpus": self.num_gpus_per_replica},
+            "max_ongoing_requests": self.replica_capacity,
+            "max_queued_requests": self.max_queued_requests
+            or self.replica_capacity * (self.max_replicas or self.num_replicas),
+            "health_check_period_s": 5.0,
+            "health_check_timeout_s": 30.0,
+            "graceful_shutdown_timeout_s": self.drain_timeout_s,
+        }
+        if self.autoscaling:
+            low = self.min_replicas if self.min_replicas is not None else 1
+            options["autoscaling_config"] = {
+                "min_replicas": low,
+                "max_replicas": self.max_replicas if self.max_replicas is not None else max(low, self.num_replicas),
+                "initial_replicas": self.num_replicas,
+                "target_ongoing_requests": self.target_ongoing_requests or max(1.0, self.max_num_seqs / 2),
+            }
+        else:
+            options["num_replicas"] = self.num_replicas
+        return options
+
+
+# -- metrics ---------------------------------------------------------------------------------------
+
+
+def collect_series(metrics: ServerMetrics) -> list[tuple]:
+    """The engine-side families of ``metrics`` as plain tuples (name, type, help, [(sample, labels, value)])."""
+    out = []
+    for family in metrics.registry.collect():
+        if family.name.startswith(REPLICA_SERIES):
+            out.append((family.name, family.type, family.documentation,
+                        [(s.name, dict(s.labels), s.value) for s in family.samples]))
+    return out
+
+
+@serve.deployment(name="CelerisMetricsBoard", ray_actor_options={"num_cpus": 0},
+                  logging_config={"enable_access_log": False})
+class CelerisMetricsBoard:
+    """The latest engine series of every replica: ``put`` by replicas, ``snapshot`` by the ingress."""
+
+    def __init__(self) -> None:
+        self.series: dict[str, tuple[float, list[tuple]]] = {}
+
+    def put(self, replica: str, series: list[tuple]) -> None:
+        self.series[replica] = (time.monotonic(), series)
+
+    def snapshot(self) -> dict[str, list[tuple]]:
+        now = time.monotonic()
+        self.series = {r: v for r, v in self.series.items() if now - v[0] < METRICS_STALE_S}
+        return {r: v[1] for r, v in self.series.items()}
+
+
+class ClusterMetrics(ServerMetrics):
+    """The ingress's metrics: its own HTTP series plus every replica's engine series with a ``replica`` label."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        for gauge in (self.waiting, self.running):  # the replicas' gauges take their place
+            self.registry.unregister(gauge)
+        self.replicas: dict[str, list[tuple]] = {}
+        self.registry.register(self)
+
+    def watch_drafts(self, engine) -> None:  # noqa: ANN001 - the replicas report their drafters' counters
+        return
+
+    def describe(self) -> list:
+        return []
+
+    def collect(self):
+        from prometheus_client.core import Metric
+
+        families: dict[str, Metric] = {}
+        for replica, series in sorted(self.replicas.items()):
+            for name, kind, doc, samples in series:
+                family = families.setdefault(name, Metric(name, doc, kind))
+                for sample, labels, value in samples:
+                    family.add_sample(sample, {**labels, "replica": replica}, value)
+        yield from families.values()
+
+
+# -- deployments -----------------------------------------------------------------------------------
+
+
+def _replica_id() -> str:
+    try:
+        return serve.get_replica_context().replica_id.unique_id
+    except Exception:  # outside a replica (tests calling the class directly)
+        return f"pid{os.getpid()}"
+
+
+@serve.deployment(name="CelerisEngine")
+class CelerisEngine:
+    """One engine replica: loads the checkpoint once, batches its requests continuously (``AsyncEngine``)."""
+
+    def __init__(self, args: dict, board: DeploymentHandle | None = None) -> None:
+        import torch
+        from prometheus_client import Counter
+
+        from celeris.serve.serving import OpenAIServing
+
+        self.args = ServeArgs.model_validate(args)
+        torch.set_num_threads(max(1, int(self.args.num_cpus_per_replica)))  # a replica's threads = its CPUs
+        a = self.args
+        self.serving = OpenAIServing.from_model(a.model, device=a.device, max_num_seqs=a.max_num_seqs,
+                                                max_waiting=a.max_waiting, request_timeout=a.request_timeout,
+                                                served_model_name=a.served_model_name, dtype=a.dtype,
+                                                enforce_eager=a.enforce_eager, trust_remote_code=a.trust_remote_code)
+        self.async_engine = self.serving.async_engine
+        self.admitted = Counter("celeris_replica_generations", "Generations (prompts x n) this engine replica admitted",
+                                registry=self.serving.metrics.registry)
+        self.async_engine.start()
+        self.replica_id = _replica_id()
+        self._stop = threading.Event()
+        if board is not None:
+            threading.Thread(target=self._push_metrics, args=(board,), daemon=True, name="celeris-metrics").start()
+
+    def _push_metrics(self, board: DeploymentHandle) -> None:
+        while not self._stop.wait(METRICS_PUSH_S):
+            try:
+                board.put.remote(self.replica_id, collect_series(self.serving.metrics)).result(timeout_s=10)
+            except Exception as exc:  # the board restarts with the application; try again next period
+                logger.debug("metrics push failed: %s", exc)
+
+    async def generate(self, inputs: list[EngineInput], want_canvas: bool = False):
+        """Run one group: first ``("accepted", replica id)`` or ``("refused", reason, message)``, then one
+        list of ``StepEvent`` per engine step until every request finished. Cancelling the stream aborts
+        the group's requests at the next step boundary."""
+        from celeris.engine import QueueFullError
+
+        try:
+            group = await self.async_engine.submit(inputs, want_canvas)
+        except QueueFullError as exc:
+            yield (REFUSED, "queue_full", str(exc))
+            return
+        except ValueError as exc:
+            yield (REFUSED, "invalid", str(exc))
+            return
+        except EngineDeadError as exc:
+            yield (REFUSED, "engine_dead", str(exc))
+            return
+        self.admitted.inc(len(inputs))
+        yield (ACCEPTED, self.replica_id)
+        remaining = len(inputs)
+        try:
+            while remaining:
+                batch = [await group.events.get()]
+                while not group.events.empty():
+                    batch.append(group.events.get_nowait())
+                remaining -= sum(e.finished for e in batch)
+                yield batch
+        finally:
+            if remaining:
+                group.abort()
+
+    def check_health(self) -> None:
+        """Ray Serve's health check: raises when the engine thread is not running or has stalled."""
+        if not self.async_engine.is_running:
+            raise RuntimeError(f"the engine thread is not running ({self.async_engine.error})")
+        stalled = self.async_engine.seconds_without_progress()
+        if stalled > STALL_TIMEOUT_S:
+            raise RuntimeError(f"the engine completed no step for {stalled:.0f} s with requests in flight")
+
+    def pid(self) -> int:
+        """This replica's process id (tests kill it to check recovery)."""
+        return os.getpid()
+
+    def __del__(self) -> None:
+        stop = getattr(self, "_stop", None)
+        if stop is not None:
+            stop.set()
+            self.async_engine.stop()
+
+
+@serve.deployment(name="CelerisIngress", ray_actor_options={"num_cpus": 0})
+@serve.ingress()
+class CelerisIngress:
+    """The HTTP side: ``create_app`` over an ``OpenAIServing`` whose engine is the replicas (``RemoteEngine``)."""
+
+    def __init__(self, engine: DeploymentHandle, board: DeploymentHandle | None, args: dict) -> None:
+        from celeris.llm import LLM
+        from celeris.serve.serving import OpenAIServing
+
+        a = self.args = ServeArgs.model_validate(args)
+        llm = LLM(a.model, device="cpu", max_batch_size=1, dtype=a.dtype, trust_remote_code=a.trust_remote_code)
+        self.metrics = ClusterMetrics()
+        streaming = engine.options(stream=True)
+        self.remote = RemoteEngine(lambda inputs, canvas: streaming.generate.remote(inputs, canvas),
+                                   a.replica_capacity,
+                                   on_failure=lambda code: self.metrics.failed.labels(code=code).inc())
+        self.serving = OpenAIServing(llm, async_engine=self.remote, served_model_name=a.served_model_name,
+                                     request_timeout=a.request_timeout, metrics=self.metrics)
+        self.serving.start()
+        self._stop = threading.Event()
+        if board is not None:
+            threading.Thread(target=self._pull_metrics, args=(board,), daemon=True, name="celeris-metrics").start()
+
+    def __serve_build_asgi_app__(self):
+        from celeris.serve.app import create_app
+        from celeris.serve.server import ServerLimits
+
+        limits = ServerLimits(body_timeout_s=self.args.body_timeout_s, max_body_bytes=self.args.max_body_bytes,
+                              drain_timeout_s=self.args.drain_timeout_s)
+        return create_app(self.serving, api_key=self.args.api_key, manage_engine=False, limits=limits)
+
+    def _pull_metrics(self, board: DeploymentHandle) -> None:
+        while not self._stop.wait(METRICS_PUSH_S / 2):
+            try:
+                self.metrics.replicas = board.snapshot.remote().result(timeout_s=10)
+            except Exception as exc:
+                logger.debug("metrics pull failed: %s", exc)
+
+    def begin_drain(self) -> None:
+        """Take no new requests (503 + Retry-After, /health 503); those in flight go on."""
+        self.serving.begin_drain()
+
+    def cut_off(self) -> None:
+        """End every request in flight with 503 ``server_shutting_down`` (a stream: error event + [DONE])."""
+        self.serving.cut_off()
+
+    def num_in_flight(self) -> int:
+        return self.remote.num_in_flight
+
+    def __del__(self) -> None:
+        stop = getattr(self, "_stop", None)
+        if stop is not None:
+            stop.set()
+
+
+# -- building and running --------------------------------------------------------------------------
+
+
+def build_app(args: ServeArgs | dict) -> serve.Application:
+    """The Serve application for ``args`` (a ``ServeArgs`` or its dict)."""
+    args = args if isinstance(args, ServeArgs) else ServeArgs.model_validate(args)
+    config = args.model_dump()
+    board = CelerisMetricsBoard.bind()
+    engine = CelerisEngine.options(**args.deployment_options()).bind(config, board)
+    ingress_capacity = 4 * args.replica_capacity * (args.max_replicas or args.num_replicas)
+    return CelerisIngress.options(max_ongoing_requests=ingress_capacity,
+                                  graceful_shutdown_timeout_s=args.drain_timeout_s).bind(engine, board, config)
+
+
+def app(args: ServeArgs) -> serve.Application:
+    """The application builder for ``serve run celeris.serve.ray:app key=value ...`` and Serve config files."""
+    return build_app(args)
+
+
+def init_ray(address: str | None, args: ServeArgs) -> bool:
+    """Attach to the cluster at ``address``, or start a local instance big enough for the replicas.
+
+    Returns whether this call started a local instance (which the caller shuts down).
+    """
+    import ray
+
+    env = {"TOKENIZERS_PARALLELISM": "false"}
+    if ray.is_initialized():
+        return False
+    if address:  # every node needs celeris installed and the checkpoint at the same path
+        ray.init(address=address, runtime_env={"env_vars": env}, log_to_driver=False)
+        return False
+    path = os.environ.get("PYTHONPATH", "")
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (PACKAGE_ROOT, path) if p)
+    most = args.max_replicas or args.num_replicas
+    num_cpus = max(os.cpu_count() or 1, math.ceil(most * args.num_cpus_per_replica))
+    # address "local": a new instance even where `ray start` left its address file behind
+    ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, runtime_env={"env_vars": env}, log_to_driver=False,
+             object_store_memory=256 << 20)
+    return True
+
+
+def drain(handle: DeploymentHandle, timeout_s: float, interrupted: threading.Event | None = None,
+          grace_s: float = 2.0) -> None:
+    """The single server's drain on the ingress behind ``handle`` (see the module docstring)."""
+    handle.begin_drain.remote().result()
+    deadline = time.monotonic() + timeout_s
+    while handle.num_in_flight.remote().result() > 0:
+        if time.monotonic() >= deadline or (interrupted is not None and interrupted.is_set()):
+            logger.warning("drain period over: cutting the requests in flight")
+            handle.cut_off.remote().result()
+            end = time.monotonic() + grace_s
+            while handle.num_in_flight.remote().result() > 0 and time.monotonic() < end:
+                time.sleep(0.1)
+            return
+        time.sleep(0.2)
+
+
+def run_cluster_server(args: ServeArgs, host: str = "127.0.0.1", port: int = 8000, ray_address: str | None = None,
+                       log_level: str = "info") -> int:
+    """``celeris serve --num-replicas N [--ray-address ADDR]``: deploy, serve until SIGTERM/SIGINT, drain, delete."""
+    import ray
+
+    logging.getLogger("ray.serve").setLevel(getattr(logging, log_level.upper(), logging.INFO))
+    started = init_ray(ray_address, args)
+    signals = threading.Event()
+    second = threading.Event()
+
+    def on_signal(sig: int, frame) -> None:  # noqa: ANN001
+        (second if signals.is_set() else signals).set()
+
+    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        serve.start(proxy_location="HeadOnly", http_options={"host": host, "port": port})
+        handle = serve.run(build_app(args), name=APP_NAME, route_prefix="/")
+        replicas = f"{args.min_replicas}-{args.max_replicas} (autoscaled)" if args.autoscaling else args.num_replicas
+        print(f"celeris: serving on http://{host}:{port} with {replicas} engine replica(s) on Ray Serve; "
+              "Ctrl-C or SIGTERM drains and stops", flush=True)
+        while not signals.wait(0.5):
+            pass
+        logger.warning("draining: new requests 503; requests in flight have %g s", args.drain_timeout_s)
+        drain(handle, args.drain_timeout_s, second)
+        serve.delete(APP_NAME)
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+        if started:
+            serve.shutdown()
+            ray.shutdown()
+    return 0
