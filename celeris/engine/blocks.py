@@ -104,9 +104,9 @@ class BlockDecoder:
     def step(self, requests: list[Request]) -> list[Request]:
         """One pass for every request in ``requests`` (the running block-model requests): commit each row's
         chosen tokens, move it on or finish it. Returns ``requests`` (their state is updated in place)."""
-        for gone in [r for r in self.rows if r not in set(requests) or r.is_finished]:
+        for gone in [r for r in self.rows if r not in set(requests)]:
             del self.rows[gone]
-        self.pool.release({r for r in requests if not r.is_finished})
+        self.release_finished()
         for request in requests:
             if request not in self.rows and not request.is_finished:
                 self._add(request)
@@ -136,7 +136,15 @@ class BlockDecoder:
         index = torch.tensor([src + src[-1:] * (lb - len(src)) for src in sources], device=self.device)  # (R, Lb)
         logits = self.model.logits(gather_positions(hidden, index))  # (R, Lb, V)
         self._commit(rows, logits, widths, lb)
+        self.release_finished()  # a finished answer's keys/values go now, not at a later step that may never come
         return requests
+
+    def release_finished(self) -> None:
+        """Drop the rows and KV-pool rows of finished or aborted requests (the pool's storage goes with its last
+        row)."""
+        for gone in [r for r in self.rows if r.is_finished]:
+            del self.rows[gone]
+        self.pool.release(set(self.rows))
 
     def _commit(self, rows: list[BlockRow], logits: torch.Tensor, widths: list[int], lb: int) -> None:
         """Choose and commit each row's tokens (``denoise_step``, per-row settings), then advance the rows."""
