@@ -19,7 +19,7 @@ from celeris.engine.request import NO_PROGRESS, Request
 from celeris.engine.runner import ModelRunner
 from celeris.engine.scheduler import Scheduler
 from celeris.params import SamplingParams
-from celeris.sampling.block import block_mode, contract_of
+from celeris.sampling.block import block_mode, contract_of, with_block_defaults
 from celeris.sampling.step import (
     RowSettings,
     banned_token_ids,
@@ -96,6 +96,7 @@ class Engine:
                 a grammar without ``grammar_tokenizer``, or one that does not compile).
             QueueFullError: the waiting queue is full.
         """
+        params = with_block_defaults(self.model, params)  # a block model's sub-block when left at the default
         check_model_support(self.model, params, bool(suffix_ids))
         context = getattr(self.model.config, "max_position_embeddings", None)
         if params.decoding == "verified" and context:

@@ -28,8 +28,10 @@ to the current block's end with the layout mask, one row at a time. The engine's
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -69,6 +71,21 @@ def block_mode(model: torch.nn.Module, params: SamplingParams) -> DecodingContra
     if contract is None or not getattr(model.config, "is_causal", False):
         return contract
     return contract if params.decoding != "verified" and params.block_length > 1 else None
+
+
+DEFAULT_BLOCK_LENGTH: int = next(f.default for f in dataclasses.fields(SamplingParams) if f.name == "block_length")
+
+
+def with_block_defaults(model: torch.nn.Module, params: SamplingParams) -> SamplingParams:
+    """``params`` for a block-diffusion model: a ``block_length`` left at ``SamplingParams``' generic default
+    (32) that does not divide the model's block size takes the contract's default ``block_length`` (else the
+    block size), so ``LLM(block_folder).generate(prompts, SamplingParams(max_tokens=8))`` decodes with the
+    model's sub-block; a ``block_length`` the caller chose (any other value) is kept, and refused by
+    ``check_block_support`` if it does not fit. Other models: ``params`` unchanged."""
+    contract = block_mode(model, params)
+    if contract is None or params.block_length != DEFAULT_BLOCK_LENGTH or contract.block_size % DEFAULT_BLOCK_LENGTH == 0:
+        return params
+    return replace(params, block_length=contract.defaults.get("block_length", contract.block_size))
 
 
 def check_block_support(contract: DecodingContract, params: SamplingParams, has_suffix: bool = False) -> None:
@@ -197,6 +214,7 @@ def generate_block(
 
     start = time.perf_counter()
     rows = params if isinstance(params, list) else [params] * len(prompt_ids)
+    rows = [with_block_defaults(model, sp) for sp in rows]
     if len(rows) != len(prompt_ids) or not prompt_ids or any(not p for p in prompt_ids):
         raise ValueError("need one SamplingParams per prompt and non-empty prompts")
     contract = contract_of(model)
