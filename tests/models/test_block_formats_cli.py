@@ -59,6 +59,10 @@ def test_serving_layer_on_block_format(block_dir):
         assert status == 200, response
         status, response = asyncio.run(serving.respond("/v1/completions", body | {"block_length": 3}))
         assert status == 400 and "block_length 3 must divide" in response["error"]["message"]
+        json_chat = chat | {"response_format": {"type": "json_object"}}
+        status, response = asyncio.run(serving.respond("/v1/chat/completions", json_chat))
+        assert status == 400 and response["error"]["param"] == "response_format", response
+        assert "not supported for block-diffusion models" in response["error"]["message"]
     finally:
         serving.stop()
 
