@@ -19,9 +19,11 @@ from tokenizers import Tokenizer as HFTokenizer
 # out and give only the id (config.json, e.g. LLaDA's mask_token_id).
 SPECIAL_TOKENS = {"eos": "<|endoftext|>", "mask": "<|mask|>", "pad": "<|pad|>"}
 
-# End-of-turn tokens of published chat formats (LLaDA / Llama 3, Dream / Qwen, Phi, Gemma): where the tokenizer
-# has one of these as a special token, generation ends at it as at end-of-text.
-END_OF_TURN = ("<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|eom_id|>", "<|end_of_turn|>")
+# End-of-turn tokens of published chat formats (LLaDA / Llama 3, Dream / Qwen, Phi, Gemma, and LLaDA2.0 / Ling's
+# <|role_end|>, which closes every turn of its chat template): where the tokenizer has one of these as a special
+# token, generation ends at it as at end-of-text.
+END_OF_TURN = ("<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|eom_id|>", "<|end_of_turn|>",
+               "<|role_end|>")
 
 # A base code model has no trained chat format; this template renders a
 # conversation as Python comments and leaves the answer to be written as code.

@@ -217,3 +217,22 @@ def test_max_batch_size_is_a_deprecated_alias_of_max_num_seqs(tiny_checkpoint):
     assert LLM(tiny_checkpoint, device="cpu", max_num_seqs=3).engine_config.max_num_seqs == 3
     with pytest.warns(DeprecationWarning, match="max_num_seqs"):
         assert LLM(tiny_checkpoint, device="cpu", max_batch_size=2).engine_config.max_num_seqs == 2
+
+
+def test_block_model_takes_its_sub_block_when_block_length_is_left_at_the_default(tmp_path):
+    """SamplingParams' generic block_length (32) does not divide SDAR's block of 4: left unset, the contract's
+    sub-block is used (as the reference sampler does); a block_length the caller chose is still checked."""
+    from celeris.sampling.block import generate_block
+    from tests.models.conftest_block_formats import write_sdar
+
+    write_sdar(tmp_path)
+    llm = LLM(tmp_path, device="cpu")
+    params = SamplingParams(max_tokens=8, temperature=0)
+    out = llm.generate(["def f(x):"], params)[0]
+    prompt = llm.tokenizer.encode("def f(x):")
+    ref = generate_block(llm.model, [prompt], params, end_ids=llm.end_token_ids)
+    assert out.token_ids == ref.token_ids[0] and out.nfe == ref.nfe
+    assert out.token_ids == llm.generate(["def f(x):"], SamplingParams(max_tokens=8, temperature=0,
+                                                                       block_length=4))[0].token_ids
+    with pytest.raises(ValueError, match="block_length 8 must divide"):
+        llm.generate(["def f(x):"], SamplingParams(max_tokens=8, block_length=8))

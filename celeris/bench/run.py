@@ -231,11 +231,18 @@ def run_bench(cfg: BenchConfig) -> dict:
     """Run every system at every output length and batch size; returns the results (also written to ``out_dir``).
 
     Raises:
-        ValueError: the AR twin's tokenizer is not the diffusion model's.
+        ValueError: the AR twin's tokenizer is not the diffusion model's; ``fast_tokens_per_step`` or
+            ``fast_suffix_window`` for a block-diffusion (or hybrid) model, whose systems would ignore them.
     """
     load_start = time.perf_counter()
     llm = LLM(cfg.model, max_num_seqs=max(cfg.batch_sizes), dtype=cfg.dtype)
     load_s = time.perf_counter() - load_start  # cold request = load_s + first_request_s
+    ignored = [flag for flag, value in (("--fast-tokens-per-step", cfg.fast_tokens_per_step),
+                                        ("--fast-suffix-window", cfg.fast_suffix_window)) if value is not None]
+    if ignored and contract_of(llm.model) is not None:  # block and hybrid models run other systems than dllm-fast
+        raise ValueError(f"{' and '.join(ignored)} set the dllm-fast system of a full-attention model; this "
+                         f"block-diffusion model is benchmarked with its own defaults (block-reference / "
+                         f"block-engine, or hybrid-verified): leave {'them' if len(ignored) > 1 else 'it'} out")
     problems = load_humaneval(cfg.prompts)[: cfg.num_prompts]
     texts = [heal_prompt(p["prompt"]) for p in problems]
     ar = LLM(cfg.ar_model, max_num_seqs=max(cfg.batch_sizes), dtype=cfg.dtype) if cfg.ar_model else None

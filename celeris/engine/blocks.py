@@ -32,8 +32,7 @@ from celeris.engine.request import NO_PROGRESS, Request
 from celeris.engine.runner import KVPool
 from celeris.models.contract import DecodingContract, layout_mask
 from celeris.models.layers import column_window, gather_positions
-from celeris.sampling.block import Unit, block_units, forced_first
-from celeris.sampling.schedule import num_transfer_tokens
+from celeris.sampling.block import Unit, block_units, end_reached, forced_first, unit_schedule
 from celeris.sampling.step import RowSettings, banned_token_ids, confidence_rule, context_tokens, denoise_step
 
 
@@ -53,12 +52,9 @@ class BlockRow:
     def unit(self) -> Unit:
         return self.units[self.unit_idx]
 
-    def start_unit(self, mask_id: int) -> None:
-        """The linear schedule of the current sub-block: ``steps`` steps, clamped to [1, masked positions]."""
-        _, _, s, t = self.unit
-        num_masked = (self.request.canvas[s:t] == mask_id).sum().reshape(1)
-        self.block_steps = max(1, min(self.request.params.steps, int(num_masked)))
-        self.schedule = num_transfer_tokens(num_masked, self.block_steps)[0]
+    def start_unit(self) -> None:
+        """The linear schedule of the current sub-block (``celeris.sampling.block.unit_schedule``)."""
+        self.schedule, self.block_steps = unit_schedule(self.request.params.steps, self.request.params.block_length)
         self.step_in_unit = 0
 
 
@@ -80,8 +76,12 @@ class BlockDecoder:
     def _add(self, request: Request) -> None:
         """Give a new request its units and a pool row (zeros; its first pass writes the prompt and block)."""
         p, n = request.answer_start, request.params.max_tokens
-        row = BlockRow(request, block_units(p, n, self.contract, request.params.block_length))
-        row.start_unit(self.mask_id)
+        context = getattr(self.model.config, "max_position_embeddings", None)
+        row = BlockRow(request, block_units(p, n, self.contract, request.params.block_length, context))
+        pad = row.units[-1][1] - request.num_tokens  # the last block is denoised whole, as the published samplers do
+        if pad > 0:
+            request.canvas = torch.cat([request.canvas, request.canvas.new_full((pad,), self.mask_id)])
+        row.start_unit()
         attn = self.model.layers[0].attn  # TransformerLM's grouped K/V heads, or CelerisModel's full heads
         heads = getattr(attn, "num_kv_heads", attn.num_heads)
         zeros = [torch.zeros(heads, request.num_tokens, attn.head_dim, dtype=self.dtype, device=self.device)
@@ -104,9 +104,9 @@ class BlockDecoder:
     def step(self, requests: list[Request]) -> list[Request]:
         """One pass for every request in ``requests`` (the running block-model requests): commit each row's
         chosen tokens, move it on or finish it. Returns ``requests`` (their state is updated in place)."""
-        for gone in [r for r in self.rows if r not in set(requests) or r.is_finished]:
+        for gone in [r for r in self.rows if r not in set(requests)]:
             del self.rows[gone]
-        self.pool.release({r for r in requests if not r.is_finished})
+        self.release_finished()
         for request in requests:
             if request not in self.rows and not request.is_finished:
                 self._add(request)
@@ -136,7 +136,15 @@ class BlockDecoder:
         index = torch.tensor([src + src[-1:] * (lb - len(src)) for src in sources], device=self.device)  # (R, Lb)
         logits = self.model.logits(gather_positions(hidden, index))  # (R, Lb, V)
         self._commit(rows, logits, widths, lb)
+        self.release_finished()  # a finished answer's keys/values go now, not at a later step that may never come
         return requests
+
+    def release_finished(self) -> None:
+        """Drop the rows and KV-pool rows of finished or aborted requests (the pool's storage goes with its last
+        row)."""
+        for gone in [r for r in self.rows if r.is_finished]:
+            del self.rows[gone]
+        self.pool.release(set(self.rows))
 
     def _commit(self, rows: list[BlockRow], logits: torch.Tensor, widths: list[int], lb: int) -> None:
         """Choose and commit each row's tokens (``denoise_step``, per-row settings), then advance the rows."""
@@ -178,11 +186,15 @@ class BlockDecoder:
             return
         if request.first_token_time is None and int(request.answer[0]) != self.mask_id:
             request.first_token_time = time.perf_counter()
+        answer = request.answer.tolist()
+        ends = request.ends(self.eos_id)
+        if request.params.early_exit and end_reached(answer, ends, self.mask_id):
+            request.finish("stop")  # the answer is final up to its end: no pass for the rest of the block
+            return
         if bool((request.canvas[s:t] == self.mask_id).any()):
             return
-        hit = not request.ends(self.eos_id).isdisjoint(request.canvas[request.answer_start : t].tolist())
-        if row.unit_idx + 1 == len(row.units) or (request.params.early_exit and hit):
-            request.finish("stop" if hit else "length")
+        if row.unit_idx + 1 == len(row.units):
+            request.finish("stop" if not ends.isdisjoint(answer) else "length")
             return
         row.unit_idx += 1
-        row.start_unit(self.mask_id)
+        row.start_unit()

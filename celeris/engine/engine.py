@@ -19,7 +19,7 @@ from celeris.engine.request import NO_PROGRESS, Request
 from celeris.engine.runner import ModelRunner
 from celeris.engine.scheduler import Scheduler
 from celeris.params import SamplingParams
-from celeris.sampling.block import block_mode, contract_of
+from celeris.sampling.block import block_mode, contract_of, with_block_defaults
 from celeris.sampling.step import (
     RowSettings,
     banned_token_ids,
@@ -96,6 +96,7 @@ class Engine:
                 a grammar without ``grammar_tokenizer``, or one that does not compile).
             QueueFullError: the waiting queue is full.
         """
+        params = with_block_defaults(self.model, params)  # a block model's sub-block when left at the default
         check_model_support(self.model, params, bool(suffix_ids))
         context = getattr(self.model.config, "max_position_embeddings", None)
         if params.decoding == "verified" and context:
@@ -113,7 +114,19 @@ class Engine:
 
     def abort(self, request_id: str) -> bool:
         """Abort a waiting or running request; it takes no further steps. Returns whether one was found."""
-        return self.scheduler.abort(request_id) is not None
+        found = self.scheduler.abort(request_id) is not None
+        if found:
+            self._free_finished()
+        return found
+
+    def _free_finished(self) -> None:
+        """Free the KV rows (block path, runner, verified drafter) of finished or aborted requests at once, so no
+        memory outlives a request even when no further step runs."""
+        if self.block_decoder is not None:
+            self.block_decoder.release_finished()
+        self.runner.release({r for r, _ in self.runner.pool.owners if not r.is_finished})
+        for request in [r for r in self._draft_rows if r.is_finished]:
+            self.drafter.remove(self._draft_rows.pop(request))
 
     def has_unfinished(self) -> bool:
         return self.scheduler.num_unfinished > 0
@@ -129,6 +142,7 @@ class Engine:
         """Run one denoising step for every scheduled request; returns one StepOutput each."""
         batch = self.scheduler.schedule()
         if not batch:
+            self._free_finished()  # e.g. every request was aborted since the last step
             return []
         verified = [r for r in batch if r.params.decoding == "verified"]
         outputs = self._step_verified(verified) if verified or self._draft_rows else []

@@ -76,7 +76,7 @@ class KVPool:
                     tensors[layer] = grown
 
     def release(self, keep: set[Request]) -> None:
-        """Free the rows of requests not in ``keep`` (finished or aborted)."""
+        """Free the rows of requests not in ``keep`` (finished or aborted); with no row left, the storage too."""
         row = 0
         while row < self.num_rows:
             if self.owners[row][0] in keep:
@@ -90,6 +90,8 @@ class KVPool:
                 self.owners[row] = self.owners[last]
                 self._index[self.owners[row]] = row
             self.owners.pop()
+        if not self.owners:  # nothing live: give the memory back rather than keep the largest batch's capacity
+            self.keys, self.values = [], []
 
     def view(self) -> KVCache:
         """The live rows as a KVCache of (R, H_kv, capacity T, D) views (no copy)."""

@@ -67,14 +67,22 @@ class DecodingContract:
             raise ValueError(f"alignment must be one of {', '.join(ALIGNMENTS)}; got '{self.alignment}'")
 
     def with_block_size(self, block_size: int | None) -> DecodingContract:
-        """This contract with the block size a config states (None: unchanged); defaults that name the old
-        block size as ``block_length`` follow it."""
+        """This contract with the block size a config states (None: unchanged). The default ``block_length``
+        always fits it: one that named the old block size follows it, one that no longer divides it becomes the
+        largest divisor of the new size below it (Fast-dLLM v2's 8-token sub-block of a ``bd_size`` 4 folder:
+        4); default ``steps`` equal to the old ``block_length`` follow the new one, others are capped by it."""
         if block_size is None or block_size == self.block_size:
             return self
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
         defaults = dict(self.defaults)
-        if defaults.get("block_length") == self.block_size:
-            defaults["block_length"] = block_size
-            defaults["steps"] = block_size
+        old = defaults.get("block_length")
+        if old is not None:
+            new = block_size if old == self.block_size else max(d for d in range(1, min(old, block_size) + 1)
+                                                                 if block_size % d == 0)
+            defaults["block_length"] = new
+            if "steps" in defaults:
+                defaults["steps"] = new if defaults["steps"] == old else min(defaults["steps"], new)
         return replace(self, block_size=block_size, defaults=defaults)
 
 

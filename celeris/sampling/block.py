@@ -10,9 +10,14 @@ arXiv:2509.26328, BD3-LM arXiv:2503.09573). What the request settings mean here:
 - ``block_length`` is the denoising sub-block: it must divide ``block_size`` (else ValueError naming both);
   within an attention block the sub-blocks are denoised left to right (Fast-dLLM v2's ``small_block_size``),
   the whole attention block staying visible;
-- ``steps`` counts denoising steps per sub-block (SDAR's and LMDeploy's ``denoising_steps``), clamped to
-  [1, masked positions]; ``fixed``/``low_confidence_static``/``low_confidence_dynamic``/``sequential`` read the
-  linear schedule of those steps, every other rule (``threshold``, ``factor``, ``entropy``) works per sub-block;
+- the canvas is padded with mask tokens to a whole last block (``padded_length``), as the published samplers
+  do: those columns are attended and denoised like the answer, then cut from it;
+- ``steps`` counts denoising steps per sub-block (SDAR's and LMDeploy's ``denoising_steps``), at most
+  ``block_length``; ``fixed``/``low_confidence_static``/``low_confidence_dynamic``/``sequential`` read the linear
+  schedule of ``block_length`` tokens over those steps (``unit_schedule``: SDAR's and LLaDA2.0's
+  ``get_num_transfer_tokens``), every other rule (``threshold``, ``factor``, ``entropy``) works per sub-block;
+- with ``early_exit`` the answer stops as soon as an end id is committed with every position before it filled
+  (``end_reached``, Fast-dLLM v2), mid-block if need be: the same tokens as stopping after the block, fewer NFE;
 - ``cache``, ``suffix_window``, a suffix (infilling), ``cfg_scale`` and ``verified`` do not apply and are
   refused naming the parameter (the history's KV cache is exact and always on in the engine).
 
@@ -23,8 +28,10 @@ to the current block's end with the layout mask, one row at a time. The engine's
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -66,6 +73,21 @@ def block_mode(model: torch.nn.Module, params: SamplingParams) -> DecodingContra
     return contract if params.decoding != "verified" and params.block_length > 1 else None
 
 
+DEFAULT_BLOCK_LENGTH: int = next(f.default for f in dataclasses.fields(SamplingParams) if f.name == "block_length")
+
+
+def with_block_defaults(model: torch.nn.Module, params: SamplingParams) -> SamplingParams:
+    """``params`` for a block-diffusion model: a ``block_length`` left at ``SamplingParams``' generic default
+    (32) that does not divide the model's block size takes the contract's default ``block_length`` (else the
+    block size), so ``LLM(block_folder).generate(prompts, SamplingParams(max_tokens=8))`` decodes with the
+    model's sub-block; a ``block_length`` the caller chose (any other value) is kept, and refused by
+    ``check_block_support`` if it does not fit. Other models: ``params`` unchanged."""
+    contract = block_mode(model, params)
+    if contract is None or params.block_length != DEFAULT_BLOCK_LENGTH or contract.block_size % DEFAULT_BLOCK_LENGTH == 0:
+        return params
+    return replace(params, block_length=contract.defaults.get("block_length", contract.block_size))
+
+
 def check_block_support(contract: DecodingContract, params: SamplingParams, has_suffix: bool = False) -> None:
     """Raise ValueError (first word: the parameter) for settings a block-diffusion model cannot use."""
     if params.block_length < 1 or contract.block_size % params.block_length:
@@ -80,23 +102,38 @@ def check_block_support(contract: DecodingContract, params: SamplingParams, has_
         ("suffix_window", params.suffix_window != 0, "does not apply: nothing after the current block is attended"),
         ("suffix", has_suffix, "(infilling) needs a full-attention model: a block model never sees what follows"),
         ("cfg_scale", params.cfg_scale > 0, "(classifier-free guidance) is not supported for block-diffusion models"),
-        ("grammar", params.grammar is not None, "(structured output) is not supported for block-diffusion models "
-                                                "yet"),
+        # over HTTP a grammar comes from response_format (or tools that force a call): the error names that field
+        ("response_format", params.grammar is not None, "(structured output; also tools that force a call, or a "
+                                                        "grammar) is not supported for block-diffusion models yet"),
     ]
     for name, bad, why in refused:
         if bad:
             raise ValueError(f"{name} {why}")
 
 
-def block_units(prompt_len: int, max_tokens: int, contract: DecodingContract, block_length: int) -> list[Unit]:
+def padded_length(prompt_len: int, max_tokens: int, contract: DecodingContract,
+                  context_length: int | None = None) -> int:
+    """The canvas length a request is denoised on: prompt + answer padded with mask tokens to a whole attention
+    block, as the published samplers do (SDAR's ``generate.py`` and LLaDA2.0's ``generate``: ``total_length =
+    num_blocks * block_length``; Fast-dLLM v2 appends whole blocks). The pad columns are attended and denoised
+    like the answer and cut from it. Capped at ``context_length`` (the model's position window) when given."""
+    origin = 0 if contract.alignment == "absolute" else prompt_len
+    bs, end = contract.block_size, prompt_len + max_tokens
+    total = origin + -(-(end - origin) // bs) * bs
+    return max(end, min(total, context_length)) if context_length else total
+
+
+def block_units(prompt_len: int, max_tokens: int, contract: DecodingContract, block_length: int,
+                context_length: int | None = None) -> list[Unit]:
     """The sub-blocks an answer is denoised in, in order, each with its attention block.
 
     Attention blocks start at ``origin + k * block_size`` (origin 0 for ``absolute`` alignment, the prompt
-    length for ``answer``) and end there + ``block_size`` or at the canvas end; sub-blocks split them into
-    ``block_length`` pieces aligned the same way, keeping only the answer's columns (empty ones are skipped).
+    length for ``answer``) and end ``block_size`` later: the last one too, past ``max_tokens``, up to
+    ``padded_length`` (published samplers); sub-blocks split them into ``block_length`` pieces aligned the same
+    way, keeping only the answer's columns (empty ones are skipped).
     """
     origin = 0 if contract.alignment == "absolute" else prompt_len
-    bs, total = contract.block_size, prompt_len + max_tokens
+    bs, total = contract.block_size, padded_length(prompt_len, max_tokens, contract, context_length)
     units: list[Unit] = []
     a = origin + (prompt_len - origin) // bs * bs
     while a < total:
@@ -107,6 +144,29 @@ def block_units(prompt_len: int, max_tokens: int, contract: DecodingContract, bl
                 units.append((a, e, lo, hi))
         a = e
     return units
+
+
+def unit_schedule(steps: int, block_length: int) -> tuple[torch.Tensor, int]:
+    """The linear schedule of a sub-block: (S,) int64 tokens per step and S = min(``steps``, ``block_length``).
+
+    As SDAR's and LLaDA2.0's ``get_num_transfer_tokens(block_length, steps)``, the counts spread the whole
+    sub-block's width, not its masked positions: a sub-block that starts with prompt tokens is filled in fewer
+    steps (a count larger than the masked positions commits them all).
+    """
+    num_steps = max(1, min(steps, block_length))
+    return num_transfer_tokens(torch.tensor([block_length]), num_steps)[0], num_steps
+
+
+def end_reached(answer: list[int], ends: frozenset[int], mask_id: int) -> bool:
+    """Whether an id of ``ends`` is committed in ``answer`` with every position before it committed: the answer
+    is then final up to its end, so early exit stops here (Fast-dLLM v2's ``generate`` stops once the end
+    token's prefix is complete) instead of finishing the sub-block."""
+    for tok in answer:
+        if tok == mask_id:
+            return False
+        if tok in ends:
+            return True
+    return False
 
 
 def forced_first(contract: DecodingContract, unit: Unit, block: torch.Tensor, mask_id: int,
@@ -155,6 +215,7 @@ def generate_block(
 
     start = time.perf_counter()
     rows = params if isinstance(params, list) else [params] * len(prompt_ids)
+    rows = [with_block_defaults(model, sp) for sp in rows]
     if len(rows) != len(prompt_ids) or not prompt_ids or any(not p for p in prompt_ids):
         raise ValueError("need one SamplingParams per prompt and non-empty prompts")
     contract = contract_of(model)
@@ -170,14 +231,16 @@ def generate_block(
         settings = RowSettings.from_params([sp], device)
         generator = make_generator(sp.seed)
         p, n = len(prompt), sp.max_tokens
-        canvas = torch.tensor(prompt + [mask_id] * n, dtype=torch.long, device=device)
+        context = getattr(cfg, "max_position_embeddings", None)
+        units = block_units(p, n, contract, sp.block_length, context)
+        canvas = torch.full((units[-1][1],), mask_id, dtype=torch.long, device=device)  # padded to a whole block
+        canvas[:p] = torch.tensor(prompt, dtype=torch.long, device=device)
         origin = torch.tensor([0 if contract.alignment == "absolute" else p], device=device)
         first: float | None = None
-        for unit in block_units(p, n, contract, sp.block_length):
+        for unit in units:
             a, e, s, t = unit
-            num_masked = (canvas[s:t] == mask_id).sum().reshape(1)
-            block_steps = max(1, min(sp.steps, int(num_masked)))
-            schedule = num_transfer_tokens(num_masked, block_steps)[0]  # (S,)
+            schedule, block_steps = unit_schedule(sp.steps, sp.block_length)
+            schedule = schedule.to(device)
             step = 0
             while bool((canvas[s:t] == mask_id).any()):
                 cols = torch.arange(e, device=device)[None]  # the canvas up to the block's end, nothing after
@@ -203,10 +266,12 @@ def generate_block(
                 if first is None and int(canvas[p]) != mask_id:
                     first = time.perf_counter() - start
                 if on_step is not None:
-                    on_step(row, canvas[p:])
-            if sp.early_exit and not ends.isdisjoint(canvas[p:t].tolist()):
+                    on_step(row, canvas[p : p + n])
+                if sp.early_exit and end_reached(canvas[p : p + n].tolist(), ends, mask_id):
+                    break
+            if sp.early_exit and end_reached(canvas[p : p + n].tolist(), ends, mask_id):
                 break
-        answer = canvas[p:].cpu()
+        answer = canvas[p : p + n].cpu()
         ids = answer.tolist()
         stop = next((i for i, tok in enumerate(ids) if tok in ends or tok == mask_id), len(ids))
         answers.append(answer)

@@ -183,3 +183,15 @@ def test_bench_of_a_block_model_runs_its_reference_sampler_as_baseline(tmp_path)
     assert set(runs) == {"block-reference", "block-engine"}
     assert runs["block-engine"]["agreement_with_reference"] == 1.0  # the same tokens, with the KV cache
     assert runs["block-engine"]["nfe_mean"] == runs["block-reference"]["nfe_mean"] >= 3
+
+
+def test_bench_refuses_fast_flags_a_block_model_would_ignore(tmp_path, capsys):
+    from celeris.cli import main
+    from tests.models.conftest_block_formats import write_sdar
+
+    write_sdar(tmp_path / "sdar")
+    rc = main(["bench", "--model", str(tmp_path / "sdar"), "--fast-tokens-per-step", "2", "--fast-suffix-window", "4",
+               "--no-smollm2", "--out", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert rc == 2 and "--fast-tokens-per-step and --fast-suffix-window" in err and "Traceback" not in err
+    assert not (tmp_path / "out" / "bench.json").exists()

@@ -168,3 +168,22 @@ def test_hybrid_training_layout_equals_block_inference(hybrid):
                            torch.tensor([4 * b + 4]), torch.tensor([0]), 4, "causal_history")
         inference = hybrid.hidden_states(canvas, layout_mask=mask)[:, 4 * b :]
         torch.testing.assert_close(hidden[:, 4 * b : 4 * b + 4], inference, atol=1e-6, rtol=1e-6)
+
+
+def test_finished_and_aborted_requests_leave_no_kv_rows(model):
+    """The KV pool gives rows (and, once empty, its storage) back when requests finish or are aborted, without
+    waiting for a later step that an idle engine never runs."""
+    engine = Engine(model, EngineConfig())
+    for prompt in PROMPTS[:2]:
+        engine.add_request(prompt, params_for(model, max_tokens=6))
+    engine.step()
+    assert engine.block_decoder.pool.num_rows == 2
+    while engine.has_unfinished():
+        engine.step()
+    pool = engine.block_decoder.pool
+    assert pool.num_rows == 0 and not engine.block_decoder.rows and pool.keys == [] and pool.capacity_length == 0
+    kept = engine.add_request(PROMPTS[0], params_for(model, max_tokens=16))
+    gone = engine.add_request(PROMPTS[1], params_for(model, max_tokens=16))
+    engine.step()
+    assert engine.abort(gone.request_id) and pool.owners == [(kept, "cond")]  # freed at once, the other kept
+    assert engine.abort(kept.request_id) and pool.num_rows == 0 and not engine.has_unfinished()

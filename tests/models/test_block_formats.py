@@ -152,3 +152,19 @@ def test_memory_estimate_and_refusal(sdar_dir, monkeypatch):
     with pytest.raises(CheckpointError, match="not enough memory"):
         load_any(folder)
     assert load_any(folder, dtype=torch.bfloat16) is not None
+
+
+def test_default_block_length_always_fits_the_folders_block_size(tmp_path):
+    """Fast-dLLM v2's default 8-token sub-block cannot decode a bd_size 4 folder: its defaults follow the folder."""
+    from celeris.llm import LLM
+    from celeris.models.contract import CONTRACTS
+
+    fast = CONTRACTS["fast_dllm_v2"]
+    assert {n: fast.with_block_size(n).defaults["block_length"] for n in (4, 12, 16, 64)} == {4: 4, 12: 6, 16: 8,
+                                                                                            64: 8}
+    assert fast.with_block_size(4).defaults["steps"] == 4 and CONTRACTS["sdar"].with_block_size(8).defaults[
+        "block_length"] == 8
+    write_fast_dllm(tmp_path, bd_size=4)
+    llm = LLM(tmp_path, device="cpu")
+    out = llm.generate(["def f(x):"], llm.default_params(max_tokens=6))[0]
+    assert llm.model.block_contract.block_size == 4 and out.finish_reason in ("stop", "length") and out.nfe >= 1

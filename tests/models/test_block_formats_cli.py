@@ -32,7 +32,8 @@ def test_cli_generate_with_the_contract_defaults(block_dir, capsys):
     record = json.loads(out.out)
     contract = LLM(block_dir, device="cpu").model.block_contract
     assert record["block_length"] == min(contract.defaults["block_length"], 12)  # the CLI reports the capped block
-    assert record["decoding"] == contract.defaults["decoding"] and 1 <= record["nfe"] <= 12
+    # at most one pass per answer position, the last block's padding included (denoised whole, as published)
+    assert record["decoding"] == contract.defaults["decoding"] and 1 <= record["nfe"] <= 12 + contract.block_size
 
 
 @pytest.mark.parametrize("flags, word", [(["--block-length", "3"], "block_length 3 must divide"),
@@ -48,18 +49,71 @@ def test_serving_layer_on_block_format(block_dir):
     serving = OpenAIServing.from_model(block_dir, device="cpu", max_num_seqs=2, max_waiting=4)
     serving.start()
     try:
-        body = {"prompt": "def add(a, b):", "max_tokens": 8, "seed": 0, "stop": ["zzz"]}
-        status, response = asyncio.run(serving.respond("/v1/completions", body))
-        assert status == 200, response
-        assert response["usage"]["completion_tokens"] <= 8 and response["choices"][0]["finish_reason"]
-        chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "stream": False,
-                "chat_template_kwargs": {"enable_thinking": False}}
-        status, response = asyncio.run(serving.respond("/v1/chat/completions", chat))
-        assert status == 200, response
+        body = {"prompt": "def add(a, b):", "max_tokens": 12, "seed": 0, "ignore_eos": True}
+        status, first = asyncio.run(serving.respond("/v1/completions", body))
+        assert status == 200, first
+        text = first["choices"][0]["text"]
+        assert first["usage"]["completion_tokens"] == 12 and first["choices"][0]["finish_reason"] == "length"
+        stop = text[3:6]
+        assert stop.strip(), text
+        status, cut = asyncio.run(serving.respond("/v1/completions", body | {"stop": [stop]}))
+        assert status == 200, cut  # a stop string cuts a block model's answer where it first appears
+        assert cut["choices"][0]["text"] == text[: text.index(stop)] and cut["choices"][0]["finish_reason"] == "stop"
+        chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "stream": False}
+        usage = {}
+        for kwargs in (None, {"enable_thinking": False}):
+            status, response = asyncio.run(serving.respond("/v1/chat/completions",
+                                                            chat | {"chat_template_kwargs": kwargs}))
+            assert status == 200, response
+            usage[bool(kwargs)] = response["usage"]["prompt_tokens"]
+        if block_dir.name.startswith("llada2"):  # Ling's template has no enable_thinking: the same prompt
+            assert usage[True] == usage[False]
+        else:  # Qwen3's template read enable_thinking=False: an empty think block joins the prompt
+            assert usage[True] > usage[False]
         status, response = asyncio.run(serving.respond("/v1/completions", body | {"block_length": 3}))
         assert status == 400 and "block_length 3 must divide" in response["error"]["message"]
+        json_chat = chat | {"response_format": {"type": "json_object"}}
+        status, response = asyncio.run(serving.respond("/v1/chat/completions", json_chat))
+        assert status == 400 and response["error"]["param"] == "response_format", response
+        assert "not supported for block-diffusion models" in response["error"]["message"]
     finally:
         serving.stop()
+
+
+def test_generation_stops_at_the_end_of_turn_token(block_dir):
+    """The chat format's end of turn (<|im_end|>; LLaDA2.0's <|role_end|>) ends an answer: a model scripted to
+    commit it at the third answer position stops there (finish "stop", fewer passes than ignoring it)."""
+    llm = LLM(block_dir, device="cpu")
+    name = "<|role_end|>" if block_dir.name.startswith("llada2") else "<|im_end|>"
+    end = llm.tokenizer._tok.token_to_id(name)
+    assert end in llm.end_token_ids and llm.model.config.mask_token_id not in llm.end_token_ids
+    prompt = llm.tokenizer.encode("def add(a, b):")
+    at = len(prompt) + 2  # canvas column scripted to score the end of turn highest
+    engine, original = llm.engine, llm.model.logits
+
+    def scripted(hidden):
+        out = original(hidden).clone()
+        (row,) = engine.block_decoder.rows.values()  # one request: logits column j scores canvas column s + j
+        _, _, s, t = row.unit
+        if s <= at < t:
+            out[0, at - s, end] = 1e4
+        return out
+
+    llm.model.logits = scripted
+    try:
+        done = {}
+        for ignore in (False, True):
+            request = engine.add_request(prompt, llm.default_params(max_tokens=16, seed=0, ignore_eos=ignore))
+            while engine.has_unfinished():
+                engine.step()
+            done[ignore] = request
+    finally:
+        del llm.model.logits
+    stopped, ignored = done[False], done[True]
+    assert ignored.answer.tolist()[2] == end and ignored.finish_reason == "length"
+    assert stopped.finish_reason == "stop" and stopped.answer.tolist()[2] == end
+    assert stopped.final_prefix() == stopped.answer.tolist()[:2] and stopped.nfe < ignored.nfe
+    assert llm.to_output("", stopped).finish_reason == "stop"
 
 
 @pytest.fixture(scope="module", params=sorted(QWEN_WRITERS))

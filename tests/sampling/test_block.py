@@ -7,7 +7,7 @@ import torch
 
 from celeris.models.contract import CONTRACTS
 from celeris.params import SamplingParams
-from celeris.sampling.block import block_units, check_block_support
+from celeris.sampling.block import block_units, check_block_support, padded_length
 from celeris.sampling.rules import COMMIT_RULES
 from celeris.sampling.select import NEG_INF
 
@@ -36,10 +36,12 @@ def test_low_confidence_static_is_the_fixed_count():
 
 def test_block_units_align_to_multiples_of_the_block_size():
     sdar = CONTRACTS["sdar"]
-    # prompt of 6, answer of 7: the prompt's partial block [4, 8) is denoised with answer columns 6, 7
-    assert block_units(6, 7, sdar, 4) == [(4, 8, 6, 8), (8, 12, 8, 12), (12, 13, 12, 13)]
+    # prompt of 6, answer of 7: the prompt's partial block [4, 8) is denoised with answer columns 6, 7; the last
+    # block is whole (columns 13..15 are padding, attended and denoised, as SDAR's generate.py does)
+    assert block_units(6, 7, sdar, 4) == [(4, 8, 6, 8), (8, 12, 8, 12), (12, 16, 12, 16)]
+    assert padded_length(6, 7, sdar) == 16 and padded_length(6, 7, sdar, context_length=14) == 14
     fast = CONTRACTS["fast_dllm_v2"].with_block_size(8)
-    assert block_units(3, 10, fast, 4) == [(0, 8, 3, 4), (0, 8, 4, 8), (8, 13, 8, 12), (8, 13, 12, 13)]
+    assert block_units(3, 10, fast, 4) == [(0, 8, 3, 4), (0, 8, 4, 8), (8, 16, 8, 12), (8, 16, 12, 16)]
 
 
 @pytest.mark.parametrize("setting, word", [
