@@ -171,7 +171,7 @@ class ClusterMetrics(ServerMetrics):
 
     def __init__(self) -> None:
         super().__init__()
-        for gauge in (self.waiting, self.running):  # the replicas' gauges take their place
+        for gauge in (self._waiting, self._running):  # the replicas' gauges take their place
             self.registry.unregister(gauge)
         self.replicas: dict[str, list[tuple]] = {}
         self.registry.register(self)
@@ -297,12 +297,12 @@ class CelerisIngress:
         from celeris.serve.serving import OpenAIServing
 
         a = self.args = ServeArgs.model_validate(args)
-        llm = LLM(a.model, device="cpu", max_batch_size=1, dtype=a.dtype, trust_remote_code=a.trust_remote_code)
+        llm = LLM(a.model, device="cpu", max_num_seqs=1, dtype=a.dtype, trust_remote_code=a.trust_remote_code)
         self.metrics = ClusterMetrics()
         streaming = engine.options(stream=True)
         self.remote = RemoteEngine(lambda inputs, canvas: streaming.generate.remote(inputs, canvas),
                                    a.replica_capacity,
-                                   on_failure=lambda code: self.metrics.failed.labels(code=code).inc())
+                                   on_failure=lambda code: self.serving.metrics.failed.labels(code=code).inc())
         self.serving = OpenAIServing(llm, async_engine=self.remote, served_model_name=a.served_model_name,
                                      request_timeout=a.request_timeout, metrics=self.metrics)
         self.serving.start()
