@@ -11,7 +11,7 @@ import torch
 
 from celeris.config import EngineConfig
 from celeris.engine import Engine
-from celeris.models.registry import load_any
+from celeris.models.loader import load_any
 from celeris.params import SamplingParams
 from celeris.sampling.block import generate_block
 from tests.models.conftest_block_formats import write_sdar
