@@ -198,7 +198,7 @@ class Engine:
         for request in batch:
             if request not in self._draft_rows:
                 self._draft_rows[request] = self.drafter.add(request.prompt_ids, request.params,
-                                                             request.ends(self.eos_id))
+                                                             request.ends(self.eos_id), request.constraint)
         committed = {id(row): new for row, new in self.drafter.step()}
         outputs = []
         for request in batch:
@@ -211,7 +211,9 @@ class Engine:
             if request.first_token_time is None and new:
                 request.first_token_time = time.perf_counter()
             if row.finished:
-                request.finish("stop" if not request.ends(self.eos_id).isdisjoint(row.answer) else "length")
+                # "stop": an end id, or a grammar that allows nothing more (row.hit_eos)
+                done = row.hit_eos or not request.ends(self.eos_id).isdisjoint(row.answer)
+                request.finish("stop" if done else "length")
                 self.drafter.remove(self._draft_rows.pop(request))
             outputs.append(self._emit(request))
         return outputs

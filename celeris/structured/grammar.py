@@ -196,12 +196,16 @@ class Constraint:
         if self.matcher.is_error():
             out[self.eos_id] = True
             return out
-        if self._path and remaining is not None and remaining <= len(self._path):
+        if self.is_forced(remaining):
             out[self._path[0]] = True
             return out
         n = min(vocab_size, self.vocab_size)
         out[:n] = torch.from_numpy(_bits(self.matcher)[:n])
         return out
+
+    def is_forced(self, remaining: int | None) -> bool:
+        """With ``remaining`` positions left, the closing path's next token is the only one allowed (``allowed``)."""
+        return bool(self._path) and remaining is not None and remaining <= len(self._path)
 
     def settle(self, token_id: int, remaining: int) -> int:
         """The token to commit for the sampled ``token_id`` with ``remaining`` positions left (this one
@@ -249,7 +253,7 @@ class Constraint:
         (``settle``); the first is always kept, possibly swapped by ``settle``. Returns the kept tokens."""
         kept: list[int] = []
         for k, token in enumerate(proposals):
-            if k > 0 and (self.matcher.is_stopped() or not self._accepts(token)):
+            if k > 0 and (self.matcher.is_stopped() or not self.accepts(token)):
                 break
             settled = self.settle(token, remaining - k)
             if k > 0 and settled != token:
@@ -258,7 +262,11 @@ class Constraint:
             kept.append(settled)
         return kept
 
-    def _accepts(self, token_id: int) -> bool:
+    def accepts(self, token_id: int) -> bool:
+        """The grammar accepts ``token_id`` next (end-of-text: where the text may end); never an id past the
+        tokenizer's vocabulary."""
+        if token_id >= self.vocab_size or self.matcher.is_error():
+            return False
         if token_id == self.eos_id:
             return self.matcher.is_accepting()
         return self.matcher.validate_tokens([int(token_id)]) == 1
