@@ -99,9 +99,18 @@ def call_schema(name: str, parameters: dict) -> dict:
             "required": ["name", "arguments"], "additionalProperties": False}
 
 
-def tool_call_grammar(functions: dict[str, dict], parallel: bool = True) -> str:
+# ``tool_choice: "auto"``'s other branch: free text (at least one character) in which the call tag never occurs,
+# so an answer is either nothing but valid calls or text that cannot be mistaken for a broken call (llguidance's
+# lexeme intersection ``&`` and negation ``~`` in a token definition, docs/syntax.md of llguidance).
+FREE_TEXT = "/(.|\\n)+/ & ~/(.|\\n)*" + TOOL_CALL_OPEN + "(.|\\n)*/"
+
+
+def tool_call_grammar(functions: dict[str, dict], parallel: bool = True, alternative: str | dict | None = None) -> str:
     """The grammar of one (``parallel``: one or more) Hermes-style call(s) of the ``functions`` (name ->
     parameters schema): ``<tool_call>{"name": ..., "arguments": ...}</tool_call>``, one per line.
+
+    ``alternative`` (``tool_choice: "auto"``): the calls or, instead, ``"text"`` (``FREE_TEXT``: any text without
+    the call tag) or the compact JSON of a schema (a dict: ``response_format`` beside the tools).
 
     Raises:
         GrammarError: a parameters schema that cannot be enforced (param ``tools``).
@@ -111,14 +120,34 @@ def tool_call_grammar(functions: dict[str, dict], parallel: bool = True) -> str:
     for name, params in functions.items():
         check_schema(params, f"tools[{name}].function.parameters")
     alternatives = " | ".join(f"call_{i}" for i in range(len(functions)))
-    lines = [f'start: {"calls" if parallel else "call"}',
-             'calls: call ("\\n" call)*',
-             f'call: "{TOOL_CALL_OPEN}" body "{TOOL_CALL_CLOSE}"',
-             f"body: {alternatives}"]
+    answer = "calls" if parallel else "call"
+    if alternative is None:
+        lines = [f"start: {answer}"]
+    elif alternative == "text":
+        lines = [f"start: {answer} | TEXT", f"TEXT: {FREE_TEXT}"]
+    else:
+        lines = [f"start: {answer} | other", f"other: %json {json.dumps({**alternative, 'x-guidance': JSON_OPTIONS})}"]
+    lines += ['calls: call ("\\n" call)*', f'call: "{TOOL_CALL_OPEN}" body "{TOOL_CALL_CLOSE}"', f"body: {alternatives}"]
     for i, (name, params) in enumerate(functions.items()):
         schema = {**call_schema(name, params), "x-guidance": JSON_OPTIONS}  # llguidance's compile options, inline
         lines.append(f"call_{i}: %json {json.dumps(schema)}")
     return _validated("\n".join(lines) + "\n", "tools")
+
+
+def stops_apply(grammar: str | None, text: str) -> bool | None:
+    """Whether stop strings may end an answer ``text`` decoded under ``grammar``: stop strings only end free text,
+    never the text a grammar constrains (a stop string inside JSON or a call would leave it invalid).
+
+    True without a grammar; False under a grammar that constrains the whole answer (JSON, forced calls); under
+    ``tool_choice: "auto"``'s grammar (calls or ``FREE_TEXT``): False once ``text`` starts with the call tag, True
+    once it cannot, None while it is a proper prefix of the tag (undecided: a finished answer is then text)."""
+    if grammar is None:
+        return True
+    if FREE_TEXT not in grammar:
+        return False
+    if text.startswith(TOOL_CALL_OPEN):
+        return False
+    return None if TOOL_CALL_OPEN.startswith(text) else True
 
 
 @lru_cache(maxsize=8)
