@@ -131,10 +131,20 @@ def _pass_mask(columns: torch.Tensor, slot_start: torch.Tensor, k: int, length: 
 
 
 def _forward(model: torch.nn.Module, ids: torch.Tensor, cache: KVCache, columns: torch.Tensor,
-             mask: torch.Tensor) -> torch.Tensor:
+             mask: torch.Tensor, first: list[int] | None = None) -> torch.Tensor:
     """Logits (B, Lw, V) float32 of token ``ids`` (B, Lw) at ``columns`` (B, Lw, also their RoPE positions),
-    reading and writing ``cache`` (per layer (B, H, T, D)) at those columns."""
-    return model.logits(model.layout_hidden_states(ids, columns, mask, cache, columns))
+    reading and writing ``cache`` (per layer (B, H, T, D)) at those columns. ``first``: per row, the first of
+    its (left-aligned) columns whose logits are wanted; the earlier ones are left unset (uninitialised)."""
+    hidden = model.layout_hidden_states(ids, columns, mask, cache, columns)  # (B, Lw, d)
+    if first is None:
+        return model.logits(hidden)
+    b, width, d = hidden.shape
+    start = torch.tensor(first, device=hidden.device)  # (B,)
+    span = width - min(first)
+    index = (start[:, None] + torch.arange(span, device=hidden.device)[None]).clamp(max=width - 1)  # (B, span)
+    part = model.logits(hidden.gather(1, index[..., None].expand(b, span, d)))  # (B, span, V)
+    out = torch.empty((b, width, part.shape[-1]), dtype=part.dtype, device=part.device)  # (B, Lw, V)
+    return out.scatter_(1, index[..., None].expand_as(part), part)
 
 
 def _probs(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
@@ -311,7 +321,10 @@ class VerifiedDecoder:
         else:
             cache = KVCache([t[lo:hi, :, :length] for t in self.keys], [t[lo:hi, :, :length] for t in self.values])
         mask = _pass_mask(columns, torch.tensor([r.slot_start for r in rows], device=self.device), self.k, length)
-        logits = _forward(self.model, self.tokens[lo:hi].gather(1, columns), cache, columns, mask).float()
+        # a prefill reads only each row's last prompt column and its slots (``_advance``): the output head runs on
+        # those (a prompt's other columns would cost a vocabulary-wide product each), the rest stays unset
+        first = [len(r.prompt_ids) - 1 for r in rows] if fresh else None
+        logits = _forward(self.model, self.tokens[lo:hi].gather(1, columns), cache, columns, mask, first).float()
         if fresh:
             for pool, new in zip((*self.keys, *self.values), (*cache.keys, *cache.values), strict=True):
                 pool[lo:hi, :, :length] = new

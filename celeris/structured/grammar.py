@@ -370,6 +370,11 @@ def constrain_commits(constraints: list[Constraint | None], step: GrammarStep, o
     ``Constraint.settle``); every other position of the row's block goes back to ``old``. A row whose grammar
     had already ended fills its open positions with end-of-text. The constraints advance by the kept tokens.
 
+    Only a run without a gap is kept: a proposal after a still-open position cannot be checked by a left-to-right
+    matcher without a search over the gap's fillings (Mündler et al., arXiv:2508.10111, decide whether a filling
+    exists; DINGO, arXiv:2505.23061, finds the most likely one for a regular grammar); it is proposed again at the
+    next step instead.
+
     Args:
         old / new: (B, L) the block before and after ``denoise_step``; committed: (B, L) bool, what it committed.
 
