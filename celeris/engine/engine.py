@@ -106,7 +106,10 @@ class Engine:
                              f"{params.stop_token_ids}")
         request = Request(request_id or f"req-{next(self._ids)}", list(prompt_ids), params, self.mask_id,
                           list(suffix_ids or []))
-        request.stop_ids = (frozenset() if params.ignore_eos else self.end_ids) | frozenset(params.stop_token_ids)
+        # under a grammar the answer ends where the grammar lets it end: a stop token id inside the constrained text
+        # (a JSON character) would cut it invalid, so stop_token_ids apply only without a grammar
+        stops = frozenset(params.stop_token_ids) if params.grammar is None else frozenset()
+        request.stop_ids = (frozenset() if params.ignore_eos else self.end_ids) | stops
         request.constraint = row_constraints([params], self.grammar_tokenizer)[0]
         self.scheduler.add(request)
         return request

@@ -182,3 +182,19 @@ def test_speculative_sampling_under_a_grammar_keeps_the_masked_distribution(hybr
         base.matcher.rollback(len(new))  # back to the state after the prefix
     assert bool((counts[~allowed] == 0).all())
     assert 0.5 * float((counts / counts.sum() - target).abs().sum()) < 0.05
+
+
+@pytest.mark.parametrize("decoding", ["verified", "fixed"])
+def test_stop_token_ids_never_cut_constrained_json(hybrid_llm, decoding):
+    """A stop token id the grammar allows (here '"' and ':') does not end a constrained answer early."""
+    tok = hybrid_llm.tokenizer
+    engine = Engine(hybrid_llm.model, end_ids=[tok.eos_token_id], grammar_tokenizer=hybrid_llm.grammar_tokenizer)
+    grammar = schema_grammar(SCHEMAS["flat"])
+    stops = [i for t in ('"', ":") for i in tok.encode(t)]
+    prompt = prompts(hybrid_llm)[0]
+    plain = engine.add_request(prompt, verified(grammar, decoding=decoding))
+    stopped = engine.add_request(prompt, verified(grammar, decoding=decoding, stop_token_ids=stops))
+    while engine.has_unfinished():
+        engine.step()
+    assert stopped.finish_reason == "stop" and stopped.final_prefix() == plain.final_prefix()
+    jsonschema.validate(json.loads(tok.decode(stopped.final_prefix())), SCHEMAS["flat"])
