@@ -252,8 +252,9 @@ class OpenAIServing:
         self._check_common(request)
         max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
         grammar, optional = chat_grammar(request)
+        field = "tool_choice" if tool_mode(request) in ("required", "named") else "response_format"
         try:
-            params = self._params(request, max_tokens, grammar)
+            params = self._params(request, max_tokens, grammar, field)
         except APIError:
             if not optional:
                 raise
@@ -322,11 +323,13 @@ class OpenAIServing:
         if request.stream_mode == "denoise" and not request.stream:
             raise APIError(400, "stream_mode 'denoise' is only allowed when stream is true", param="stream_mode")
 
-    def _params(self, request: SamplingRequest, max_tokens: int | None, grammar: str | None = None) -> SamplingParams:
-        """The request's SamplingParams, with ``grammar`` (structured output, forced tool calls) if given."""
+    def _params(self, request: SamplingRequest, max_tokens: int | None, grammar: str | None = None,
+                grammar_field: str = "response_format") -> SamplingParams:
+        """The request's SamplingParams, with ``grammar`` (structured output, tool calls) if given; a refusal of the
+        grammar names ``grammar_field``, the request field it comes from."""
         if grammar is not None and getattr(self.llm, "grammar_tokenizer", None) is None:
             raise APIError(400, "structured output (response_format, tools) is not available for this model's "
-                                "tokenizer", param="response_format")
+                                "tokenizer", param=grammar_field)
         try:
             params = self.llm.default_params(max_tokens=max_tokens, grammar=grammar, temperature=request.temperature,
                                              top_p=request.top_p, seed=request.seed, stop=request.stop_list() or None,
@@ -340,6 +343,7 @@ class OpenAIServing:
             return params
         except (ValueError, TypeError) as exc:  # SamplingParams names the field first: "steps must be >= 1"
             param = str(exc).split(" ", 1)[0].split("=", 1)[0]
+            param = grammar_field if param == "grammar" else param  # not a request field: the one it comes from
             raise APIError(400, str(exc), param=param if param.isidentifier() else None) from None
 
     def _encode(self, text: str | list[int], params: SamplingParams, suffix: str | None,

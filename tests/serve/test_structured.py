@@ -285,3 +285,25 @@ def test_stop_strings_apply_to_free_text_only():
     assert stream(call, auto) == ("".join(call), False)
     assert stream(['{"a":', "{}}"], json_object_grammar()) == ('{"a":{}}', False)
     assert stream(["<to", "o}"], auto) == ("<too", True)
+
+
+def test_auto_decodes_unconstrained_where_a_grammar_cannot_run(tmp_path):
+    """A hybrid model in block mode (block_length > 1) cannot decode under a grammar: tool_choice "auto" then
+    decodes without one (text), while a forced call, which needs the grammar, is a 400."""
+    import asyncio
+
+    from tests.serve.conftest import make_serving
+
+    llm = LLM(build_tiny_checkpoint(tmp_path, TEXTS, MODEL_NAME, 2048, GENERATION_CONFIG, is_causal=True,
+                                    draft_block_size=4), device="cpu")
+    serving = make_serving(llm)
+    serving.start()
+    try:
+        body = {"model": MODEL_NAME, "messages": USER, "tools": [TIME], "max_tokens": 8, "block_length": 4,
+                "decoding": "fixed", "steps": 8}
+        status, out = asyncio.run(serving.respond("/v1/chat/completions", body))
+        assert status == 200 and isinstance(out["choices"][0]["message"]["content"], str)
+        status, out = asyncio.run(serving.respond("/v1/chat/completions", {**body, "tool_choice": "required"}))
+        assert status == 400 and out["error"]["param"] == "tool_choice"
+    finally:
+        serving.stop()
