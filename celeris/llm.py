@@ -18,7 +18,7 @@ from celeris.params import SamplingParams, causal_defaults
 from celeris.sampling.block import contract_of
 from celeris.sampling.step import check_fits_context, check_prompts
 from celeris.serve.detokenize import cut_at_stop
-from celeris.structured.grammar import grammar_tokenizer
+from celeris.structured.grammar import grammar_tokenizer, stops_apply
 
 EMBEDDED = Path(__file__).parent / "checkpoints"
 DEFAULT_MODEL = EMBEDDED / "celeris-code-6m-hybrid"  # the hybrid (verified decoding); see its model card
@@ -143,9 +143,15 @@ class LLM:
 
     def finish(self, token_ids: list[int], params: SamplingParams, hit_eos: bool) -> tuple[str, list[int], str]:
         """Apply stop strings: returns (text, token_ids, finish_reason). The text keeps special tokens when
-        ``params.skip_special_tokens`` is False and the matched stop string when ``include_stop_str_in_output``."""
-        text, token_ids, stopped = cut_at_stop(lambda ids: self.tokenizer.decode(ids, params.skip_special_tokens),
-                                               token_ids, params.stop, params.include_stop_str_in_output)
+        ``params.skip_special_tokens`` is False and the matched stop string when ``include_stop_str_in_output``.
+        Under a grammar, stop strings end only free text (``celeris.structured.grammar.stops_apply``)."""
+        def decode(ids: list[int]) -> str:
+            return self.tokenizer.decode(ids, params.skip_special_tokens)
+
+        stops = params.stop
+        if stops and params.grammar is not None and stops_apply(params.grammar, decode(token_ids)) is False:
+            stops = []
+        text, token_ids, stopped = cut_at_stop(decode, token_ids, stops, params.include_stop_str_in_output)
         return text, token_ids, "stop" if stopped or hit_eos else "length"
 
     def generate(

@@ -201,10 +201,6 @@ class SamplingParams:
     def from_defaults(cls, defaults: dict | None = None, **overrides: object) -> SamplingParams:
         """Build from a model's ``generation_config.json`` dict, then apply non-None overrides.
 
-        A model's default ``decoding="verified"`` becomes ``"fixed"`` (next-token decoding for a causal
-        model, the same greedy text) when a ``grammar`` is given: constrained decoding does not run under
-        verified decoding; a caller who asks for both gets the error.
-
         A default ``steps`` goes with the default ``max_tokens``: when only the length is overridden, steps are
         scaled to keep the default's tokens per step, ``ceil(max_tokens * steps / default max_tokens)``, so a
         longer answer is not decoded with more tokens per step (the quality knob) than the model's defaults were
@@ -224,9 +220,6 @@ class SamplingParams:
         length = given.get("max_tokens")
         if "steps" not in given and isinstance(length, int) and length >= 1 and d_len and d_steps:
             merged["steps"] = -(-length * d_steps // d_len)
-        if merged.get("grammar") is not None and merged.get("decoding") == "verified" and "decoding" not in given:
-            # a hybrid model's default under a grammar: its next-token decoding (the same greedy text)
-            merged["decoding"] = "fixed"
         return cls(**merged)
 
     def structure_key(self) -> tuple:

@@ -219,10 +219,10 @@ def subprocess_env() -> dict[str, str]:
 
 
 def build_tiny_checkpoint(folder: Path, texts: list[str], name: str, context: int, generation_config: dict,
-                          is_causal: bool = False) -> Path:
+                          is_causal: bool = False, draft_block_size: int = 0) -> Path:
     """Tokenizer (~300 tokens) trained on ``texts`` + a random 2-layer model whose answers vary with
     prompt and seed, saved as checkpoint folder ``folder / name`` (shared by the serve and batch tests);
-    ``is_causal`` makes it an autoregressive twin."""
+    ``is_causal`` makes it an autoregressive twin, with ``draft_block_size`` > 0 a hybrid (verified decoding)."""
     from celeris.tokenizer import Tokenizer
 
     tok_dir = folder / "tokenizer"
@@ -232,7 +232,8 @@ def build_tiny_checkpoint(folder: Path, texts: list[str], name: str, context: in
     tok = Tokenizer(tok_dir)
     cfg = CelerisConfig(vocab_size=tok.vocab_size, hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64,
                         max_position_embeddings=context, eos_token_id=tok.eos_token_id,
-                        mask_token_id=tok.mask_token_id, pad_token_id=tok.pad_token_id, is_causal=is_causal)
+                        mask_token_id=tok.mask_token_id, pad_token_id=tok.pad_token_id, is_causal=is_causal,
+                        draft_block_size=draft_block_size)
     torch.manual_seed(0)
     model = CelerisModel(cfg).eval()
     with torch.no_grad():  # larger projections: predictions depend on context, so answers vary

@@ -234,16 +234,15 @@ def test_top_k_is_a_whole_number_at_least_zero(top_k):
         SamplingParams(top_k=top_k)
 
 
-def test_a_default_verified_decoding_gives_way_to_a_grammar():
-    defaults = {"decoding": "verified", "draft_source": "lookup_first", "block_length": 1}
-    assert SamplingParams.from_defaults(defaults, grammar="start: x").decoding == "fixed"
-    assert SamplingParams.from_defaults(defaults).decoding == "verified"
-    with pytest.raises(ValueError, match="verified"):
-        from celeris.sampling.step import check_model_support
-        from tests.conftest import tiny_model
+def test_a_default_verified_decoding_stays_under_a_grammar():
+    """Verified decoding checks its drafts against the grammar (celeris.structured.speculative): no switch."""
+    from celeris.sampling.step import check_model_support
+    from tests.conftest import tiny_model
 
-        params = SamplingParams.from_defaults(defaults, grammar="start: x", decoding="verified")
-        check_model_support(tiny_model(is_causal=True, draft_block_size=2), params)
+    defaults = {"decoding": "verified", "draft_source": "lookup_first", "block_length": 1}
+    params = SamplingParams.from_defaults(defaults, grammar="start: x")
+    assert params.decoding == "verified"
+    check_model_support(tiny_model(is_causal=True, draft_block_size=2), params)
 
 
 # ---------------------------------------------------------------------------------------------

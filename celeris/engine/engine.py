@@ -107,7 +107,10 @@ class Engine:
                              f"{params.stop_token_ids}")
         request = Request(request_id or f"req-{next(self._ids)}", list(prompt_ids), params, self.mask_id,
                           list(suffix_ids or []))
-        request.stop_ids = (frozenset() if params.ignore_eos else self.end_ids) | frozenset(params.stop_token_ids)
+        # under a grammar the answer ends where the grammar lets it end: a stop token id inside the constrained text
+        # (a JSON character) would cut it invalid, so stop_token_ids apply only without a grammar
+        stops = frozenset(params.stop_token_ids) if params.grammar is None else frozenset()
+        request.stop_ids = (frozenset() if params.ignore_eos else self.end_ids) | stops
         request.constraint = row_constraints([params], self.grammar_tokenizer)[0]
         self.scheduler.add(request)
         return request
@@ -212,7 +215,7 @@ class Engine:
         for request in batch:
             if request not in self._draft_rows:
                 self._draft_rows[request] = self.drafter.add(request.prompt_ids, request.params,
-                                                             request.ends(self.eos_id))
+                                                             request.ends(self.eos_id), request.constraint)
         committed = {id(row): new for row, new in self.drafter.step()}
         outputs = []
         for request in batch:
@@ -225,7 +228,9 @@ class Engine:
             if request.first_token_time is None and new:
                 request.first_token_time = time.perf_counter()
             if row.finished:
-                request.finish("stop" if not request.ends(self.eos_id).isdisjoint(row.answer) else "length")
+                # "stop": an end id, or a grammar that allows nothing more (row.hit_eos)
+                done = row.hit_eos or not request.ends(self.eos_id).isdisjoint(row.answer)
+                request.finish("stop" if done else "length")
                 self.drafter.remove(self._draft_rows.pop(request))
             outputs.append(self._emit(request))
         return outputs

@@ -102,9 +102,9 @@ def check_block_support(contract: DecodingContract, params: SamplingParams, has_
         ("suffix_window", params.suffix_window != 0, "does not apply: nothing after the current block is attended"),
         ("suffix", has_suffix, "(infilling) needs a full-attention model: a block model never sees what follows"),
         ("cfg_scale", params.cfg_scale > 0, "(classifier-free guidance) is not supported for block-diffusion models"),
-        # over HTTP a grammar comes from response_format (or tools that force a call): the error names that field
-        ("response_format", params.grammar is not None, "(structured output; also tools that force a call, or a "
-                                                        "grammar) is not supported for block-diffusion models yet"),
+        # over HTTP the serving layer names the field the grammar came from (response_format or tool_choice)
+        ("grammar", params.grammar is not None, "(structured output: response_format, tools that force a call, "
+                                                "--json-schema) is not supported for block-diffusion models yet"),
     ]
     for name, bad, why in refused:
         if bad:

@@ -61,8 +61,6 @@ def check_model_support(model: torch.nn.Module, params: SamplingParams, has_suff
     if contract is not None:  # a block-diffusion model: its own contract (celeris.sampling.block)
         check_block_support(contract, params, has_suffix)
         return
-    if params.grammar is not None and params.decoding == "verified":
-        raise ValueError("decoding 'verified' cannot be used with a grammar (response_format, tools); use 'fixed'")
     if params.decoding == "verified":  # its own contract: a hybrid model, no CFG / penalty / infilling
         from celeris.sampling.verified import check_verified_support
 

@@ -33,6 +33,10 @@ earlier occurrence of the context's last 3 or 2 tokens; Saxena 2023, vLLM's ``ng
 no mask slots and so also runs on a plain causal model; ``lookup_first`` (the default) uses lookup where the
 context repeats and the slots elsewhere, and a pass whose drafts came from lookup computes no slots. The drafts'
 source changes the speed, never the tokens.
+
+Under a grammar (``SamplingParams.grammar``: structured output, tool calls) the drafts are checked against the
+grammar-masked next-token head, and drafted under the grammar (``celeris.structured.speculative``): at temperature
+0 the answer is exactly constrained next-token decoding's.
 """
 
 from __future__ import annotations
@@ -46,6 +50,8 @@ from celeris.models.layers import KVCache
 from celeris.params import SamplingParams
 from celeris.sampling.select import NEG_INF, top_p_filter
 from celeris.sampling.step import banned_token_ids, check_prompts, make_generator
+from celeris.structured.grammar import Constraint, row_constraints
+from celeris.structured.speculative import grammar_lookup_drafts, grammar_slot_drafts, verify_under_grammar
 
 
 @dataclass(slots=True)
@@ -130,10 +136,20 @@ def _pass_mask(columns: torch.Tensor, slot_start: torch.Tensor, slots: torch.Ten
 
 
 def _forward(model: torch.nn.Module, ids: torch.Tensor, cache: KVCache, columns: torch.Tensor,
-             mask: torch.Tensor) -> torch.Tensor:
+             mask: torch.Tensor, first: list[int] | None = None) -> torch.Tensor:
     """Logits (B, Lw, V) float32 of token ``ids`` (B, Lw) at ``columns`` (B, Lw, also their RoPE positions),
-    reading and writing ``cache`` (per layer (B, H, T, D)) at those columns."""
-    return model.logits(model.layout_hidden_states(ids, columns, mask, cache, columns))
+    reading and writing ``cache`` (per layer (B, H, T, D)) at those columns. ``first``: per row, the first of
+    its (left-aligned) columns whose logits are wanted; the earlier ones are left unset (uninitialised)."""
+    hidden = model.layout_hidden_states(ids, columns, mask, cache, columns)  # (B, Lw, d)
+    if first is None:
+        return model.logits(hidden)
+    b, width, d = hidden.shape
+    start = torch.tensor(first, device=hidden.device)  # (B,)
+    span = width - min(first)
+    index = (start[:, None] + torch.arange(span, device=hidden.device)[None]).clamp(max=width - 1)  # (B, span)
+    part = model.logits(hidden.gather(1, index[..., None].expand(b, span, d)))  # (B, span, V)
+    out = torch.empty((b, width, part.shape[-1]), dtype=part.dtype, device=part.device)  # (B, Lw, V)
+    return out.scatter_(1, index[..., None].expand_as(part), part)
 
 
 def _probs(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
@@ -202,6 +218,7 @@ class DraftRow:
     generator: torch.Generator
     k: int
     end_ids: frozenset[int] = frozenset()  # ids that end the answer (with ``early_exit``)
+    constraint: Constraint | None = None  # the grammar state (``celeris.structured``), advanced by committed tokens
     answer: list[int] = field(default_factory=list)
     drafts: list[int] = field(default_factory=list)
     draft_probs: list = field(default_factory=list)
@@ -254,8 +271,10 @@ class VerifiedDecoder:
         self.nfe = 0
 
 
-    def add(self, prompt_ids: list[int], params: SamplingParams, end_ids: frozenset[int] | None = None) -> DraftRow:
-        """Queue a row for the next step; ``end_ids`` end its answer (default: the end-of-text id).
+    def add(self, prompt_ids: list[int], params: SamplingParams, end_ids: frozenset[int] | None = None,
+            constraint: Constraint | None = None) -> DraftRow:
+        """Queue a row for the next step; ``end_ids`` end its answer (default: the end-of-text id); ``constraint``:
+        its grammar state when ``params.grammar`` is set (``celeris.structured.grammar.row_constraints``).
 
         Raises:
             ValueError: the pool is full, the prompt is empty or the row does not fit ``max_len``.
@@ -273,8 +292,8 @@ class VerifiedDecoder:
         if k > MAX_DRAFTS:
             raise ValueError(f"num_speculative_tokens must be <= {MAX_DRAFTS}, got {k}")
         slots = 0 if params.draft_source == "lookup" else min(k, draft_length(self.model))
-        row = DraftRow(list(prompt_ids), params, make_generator(params.seed), k, ends, slot_start=len(prompt_ids),
-                       num_slots=slots)
+        row = DraftRow(list(prompt_ids), params, make_generator(params.seed), k, ends, constraint=constraint,
+                       slot_start=len(prompt_ids), num_slots=slots)
         self.tokens[len(self.rows), : len(prompt_ids)] = torch.tensor(prompt_ids, dtype=torch.long)
         self.tokens[len(self.rows), len(prompt_ids) : len(prompt_ids) + slots] = self.model.config.mask_token_id
         self.rows.append(row)
@@ -315,7 +334,10 @@ class VerifiedDecoder:
             cache = KVCache([t[lo:hi, :, :length] for t in self.keys], [t[lo:hi, :, :length] for t in self.values])
         mask = _pass_mask(columns, torch.tensor([r.slot_start for r in rows], device=self.device),
                           torch.tensor([r.num_slots for r in rows], device=self.device), length)
-        logits = _forward(self.model, self.tokens[lo:hi].gather(1, columns), cache, columns, mask).float()
+        # a prefill reads only each row's last prompt column and its slots (``_advance``): the output head runs on
+        # those (a prompt's other columns would cost a vocabulary-wide product each), the rest stays unset
+        first = [len(r.prompt_ids) - 1 for r in rows] if fresh else None
+        logits = _forward(self.model, self.tokens[lo:hi].gather(1, columns), cache, columns, mask, first).float()
         if fresh:
             for pool, new in zip((*self.keys, *self.values), (*cache.keys, *cache.values), strict=True):
                 pool[lo:hi, :, :length] = new
@@ -344,6 +366,8 @@ class VerifiedDecoder:
 
     def draft(self, row: DraftRow, slot_logits: torch.Tensor) -> tuple[list[int], list]:
         """The next drafts of ``row`` from its mask slots' logits (slots, V), and their distributions (sampling)."""
+        if row.constraint is not None:
+            return grammar_slot_drafts(row.constraint, slot_logits, row.params, row.generator)
         return _draft(slot_logits, row.params, row.generator)
 
     def _advance(self, i: int, logits: torch.Tensor) -> list[int]:
@@ -353,16 +377,19 @@ class VerifiedDecoder:
         row.passes += 1
         c0 = cols.index(row.pending) if row.pending >= 0 else len(row.prompt_ids) - 1
         m = len(row.drafts)
-        a, token = _verify(logits[c0 : c0 + m + 1], row.drafts, row.draft_probs, row.params, row.generator)
+        n = row.params.max_tokens
+        if row.constraint is not None:  # celeris.structured.speculative: the grammar-masked head checks the drafts
+            a, new = verify_under_grammar(row.constraint, logits[c0 : c0 + m + 1], row.drafts, row.draft_probs,
+                                          row.params, row.generator, n - len(row.answer))
+        else:
+            a, token = _verify(logits[c0 : c0 + m + 1], row.drafts, row.draft_probs, row.params, row.generator)
+            new = (row.drafts[:a] + [token])[: n - len(row.answer)]
         if m > len(self.drafted):
             self.drafted += [0] * (m - len(self.drafted))
             self.accepted += [0] * (m - len(self.accepted))
         for j in range(m):
             self.drafted[j] += 1
             self.accepted[j] += j < a
-        new = row.drafts[:a] + [token]
-        n = row.params.max_tokens
-        new = new[: n - len(row.answer)]
         hit = next((j for j, t in enumerate(new) if t in row.end_ids), None)
         if row.params.early_exit and hit is not None:
             new = new[: hit + 1]
@@ -370,6 +397,8 @@ class VerifiedDecoder:
         base = len(row.prompt_ids) + len(row.answer)  # column of the first new token
         self.tokens[i, base : base + len(new)] = torch.tensor(new, device=self.device)
         row.answer.extend(new)
+        if row.constraint is not None and row.constraint.stopped:  # the grammar allows nothing more
+            row.hit_eos = True
         if len(row.answer) >= n or row.hit_eos:
             row.finished = True
             return new
@@ -377,6 +406,8 @@ class VerifiedDecoder:
         policy = row.params.draft_source
         slots_valid = a == m  # every draft held: the slots saw the right prefix and drafted pending + 1 ..
         lookup = lookup_drafts(row.prompt_ids + row.answer, k) if policy != "slots" else []
+        if row.constraint is not None:
+            lookup = grammar_lookup_drafts(row.constraint, lookup)
         if lookup:
             row.drafts = lookup
             row.draft_probs = [] if row.params.temperature == 0 else [
@@ -401,6 +432,7 @@ def generate_verified(
     model: torch.nn.Module,
     prompt_ids: list[list[int]],
     params: SamplingParams | list[SamplingParams],
+    grammar_tokenizer: object | None = None,
 ) -> VerifiedOutput:
     """Verified decoding of up to ``max_tokens`` tokens per prompt, all rows in one batch.
 
@@ -408,14 +440,17 @@ def generate_verified(
         model: a hybrid Celeris model (causal, ``draft_block_size`` = k > 0).
         prompt_ids: B non-empty prompts.
         params: one SamplingParams for all rows or one per row (temperature, top_p, seed, max_tokens and
-            early_exit are used; rows may differ in each).
+            early_exit and grammar are used; rows may differ in each).
+        grammar_tokenizer: llguidance's tokenizer (``celeris.structured.grammar_tokenizer``), needed when a row
+            has a ``grammar``: its drafts are then checked against the grammar-masked head
+            (``celeris.structured.speculative``), and it ends where the grammar ends.
 
     Returns:
         VerifiedOutput; a row stops at its first end-of-text token (``early_exit``) or ``max_tokens``.
 
     Raises:
-        ValueError: the model cannot draft, a prompt is empty, or a setting is unsupported
-            (``check_verified_support``).
+        ValueError: the model cannot draft, a prompt is empty, a setting is unsupported
+            (``check_verified_support``), or a grammar comes without ``grammar_tokenizer``.
     """
     start = time.perf_counter()
     rows = params if isinstance(params, list) else [params] * len(prompt_ids)
@@ -423,7 +458,8 @@ def generate_verified(
         check_verified_support(model, r)
     dec = VerifiedDecoder(model, len(prompt_ids), max(len(p) + r.max_tokens for p, r in zip(
         prompt_ids, rows, strict=True)))
-    handles = [dec.add(p, r) for p, r in zip(prompt_ids, rows, strict=True)]
+    constraints = row_constraints(rows, grammar_tokenizer)
+    handles = [dec.add(p, r, constraint=c) for p, r, c in zip(prompt_ids, rows, constraints, strict=True)]
     first_token_s = None  # every row commits its first token in the first step (its prefill)
     while dec.rows:
         for row, _ in dec.step():

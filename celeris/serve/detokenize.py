@@ -4,11 +4,22 @@ Byte-level BPE decoding of a prefix of tokens is a prefix of the decoded text, e
 unfinished multi-byte UTF-8 character at the end, which decodes to U+FFFD; ``IncrementalText``
 holds such a tail back, and also any tail that could still become the start of a stop string, so the
 concatenated deltas equal the non-streamed answer (``cut_at_stop``) for the same tokens.
+
+Also the ``celeris`` extension object of a choice (``decoding_details``) and its canvas view for
+``stream_mode: "denoise"`` (``render_canvas``, ``denoise_details``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from celeris.serve.protocol import DecodingDetails, DenoiseDetails
+from celeris.structured.grammar import stops_apply
+
+if TYPE_CHECKING:
+    from celeris.params import SamplingParams
+    from celeris.serve.async_engine import StepEvent
 
 REPLACEMENT_CHAR = "\ufffd"  # what a decoder yields for an unfinished UTF-8 sequence
 MASK_PLACEHOLDER = "\u2591"  # a still-masked position in stream_mode "denoise"
@@ -71,12 +82,16 @@ class IncrementalText:
     Args:
         decode: token ids -> text.
         stop: stop strings (not returned, unless ``include_stop``: then the text ends with the one matched).
+        grammar: the grammar the answer is decoded under (``SamplingParams.grammar``), if any: stop strings then
+            end only free text (``celeris.structured.grammar.stops_apply``; while undecided, text is held).
     """
 
-    def __init__(self, decode: Callable[[list[int]], str], stop: list[str], include_stop: bool = False) -> None:
+    def __init__(self, decode: Callable[[list[int]], str], stop: list[str], include_stop: bool = False,
+                 grammar: str | None = None) -> None:
         self.decode = decode
         self.stop = [s for s in stop if s]
         self.include_stop = include_stop
+        self.grammar = grammar
         self.token_ids: list[int] = []
         self.text = ""  # what has been handed out
         self.stopped = False  # a stop string ended the answer
@@ -91,8 +106,15 @@ class IncrementalText:
         full = self.decode(self.token_ids)
         if not final:  # an unfinished multi-byte character decodes to U+FFFD: hold it back
             full = full.rstrip(REPLACEMENT_CHAR)
-        match = find_stop(full, self.stop)
-        hold = len(full) - partial_stop_len(full, self.stop)  # a stop string could still start here
+        stops = self.stop
+        if stops and self.grammar is not None:  # under a grammar, stop strings end free text only
+            applies = stops_apply(self.grammar, full)
+            if applies is None and not final:
+                return ""  # a call or text? decided by the next characters
+            if applies is False:
+                self.stop = stops = []
+        match = find_stop(full, stops)
+        hold = len(full) - partial_stop_len(full, stops)  # a stop string could still start here
         if match is not None and (final or match[0] <= hold):
             end, self.stopped = match[1] if self.include_stop else match[0], True
         else:
@@ -126,3 +148,26 @@ def render_canvas(decode: Callable[[list[int]], str], ids: list[int], mask_id: i
     return "".join(pieces)
 
 
+def denoise_details(details: DecodingDetails, steps: list[int | None], event: StepEvent, mask_id: int,
+                    piece: Callable[[int], str]) -> DenoiseDetails:
+    """``details`` plus the canvas after ``event`` (``DenoiseDetails``): each committed position's text piece and
+    the step that committed it (``steps``, one per canvas position, updated here: positions newly unmasked since
+    the previous event get ``event.steps``), and under verified decoding the pending drafts. ``piece`` decodes
+    one token id alone."""
+    ids = event.canvas_ids or []
+    for i, tid in enumerate(ids):
+        if tid != mask_id and steps[i] is None:
+            steps[i] = event.steps
+    tokens = [None if tid == mask_id else piece(tid) for tid in ids]
+    return DenoiseDetails(**details.model_dump(), tokens=tokens, token_steps=list(steps),
+                          drafts=[piece(t) for t in event.draft_ids or []])
+
+
+def decoding_details(params: SamplingParams, event: StepEvent) -> DecodingDetails:
+    """The ``celeris`` extension object of a choice after ``event``."""
+    return DecodingDetails(
+        nfe=event.nfe, steps=event.steps,
+        tokens_per_forward=round(event.num_committed / event.nfe, 4) if event.nfe else 0.0,
+        block_length=min(params.block_length, params.max_tokens), cache=params.cache, decoding=params.decoding,
+        remasking=params.remasking,
+    )

@@ -32,25 +32,20 @@ from celeris.engine import Engine, QueueFullError
 from celeris.params import SamplingParams
 from celeris.sampling.step import ContextLengthError, check_model_support
 from celeris.serve.async_engine import AsyncEngine, EngineDeadError, EngineInput, RequestGroup, StepEvent
-from celeris.serve.detokenize import IncrementalText, render_canvas
+from celeris.serve.chat import chat_choice, chat_chunks
+from celeris.serve.detokenize import IncrementalText, decoding_details, denoise_details, render_canvas
 from celeris.serve.metrics import ServerMetrics
 from celeris.serve.protocol import (
     APIError,
-    ChatChoice,
     ChatCompletionChunk,
     ChatCompletionRequest,
     ChatCompletionResponse,
-    ChatMessageOut,
     ChatStreamChoice,
     CompletionChoice,
     CompletionRequest,
     CompletionResponse,
     CompletionStreamResponse,
     DecodingDetails,
-    DeltaFunctionCall,
-    DeltaMessage,
-    DeltaToolCall,
-    DenoiseDetails,
     ModelCard,
     ModelList,
     SamplingRequest,
@@ -60,10 +55,8 @@ from celeris.serve.protocol import (
     random_id,
 )
 from celeris.serve.tools import (
-    CallStreamer,
     chat_grammar,
     declared_functions,
-    parse_tool_calls,
     response_format_grammar,
     template_messages,
     tool_mode,
@@ -103,33 +96,6 @@ class _Choice:
     done: bool = False
     details: DecodingDetails | None = None
     token_steps: list[int | None] | None = None  # stream_mode "denoise": the step that committed each position
-
-
-def denoise_details(details: DecodingDetails, choice: _Choice, event: StepEvent, mask_id: int,
-                    piece: Callable[[int], str]) -> DenoiseDetails:
-    """``details`` plus the canvas after ``event`` (``DenoiseDetails``): each committed position's text piece and
-    the step that committed it (positions newly unmasked since the previous event get ``event.steps``), and under
-    verified decoding the pending drafts. ``piece`` decodes one token id alone."""
-    ids = event.canvas_ids or []
-    if choice.token_steps is None:
-        choice.token_steps = [None] * len(ids)
-    steps = choice.token_steps
-    for i, tid in enumerate(ids):
-        if tid != mask_id and steps[i] is None:
-            steps[i] = event.steps
-    tokens = [None if tid == mask_id else piece(tid) for tid in ids]
-    return DenoiseDetails(**details.model_dump(), tokens=tokens, token_steps=list(steps),
-                          drafts=[piece(t) for t in event.draft_ids or []])
-
-
-def decoding_details(params: SamplingParams, event: StepEvent) -> DecodingDetails:
-    """The ``celeris`` extension object of a choice after ``event``."""
-    return DecodingDetails(
-        nfe=event.nfe, steps=event.steps,
-        tokens_per_forward=round(event.num_committed / event.nfe, 4) if event.nfe else 0.0,
-        block_length=min(params.block_length, params.max_tokens), cache=params.cache, decoding=params.decoding,
-        remasking=params.remasking,
-    )
 
 
 @dataclass
@@ -285,7 +251,14 @@ class OpenAIServing:
         arrival = time.perf_counter()
         self._check_common(request)
         max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
-        params = self._params(request, max_tokens, chat_grammar(request))
+        grammar, optional = chat_grammar(request)
+        field = "tool_choice" if tool_mode(request) in ("required", "named") else "response_format"
+        try:
+            params = self._params(request, max_tokens, grammar, field)
+        except APIError:
+            if not optional:
+                raise
+            params = self._params(request, max_tokens)  # tool_choice "auto" on a model without grammar support
         messages, tools = template_messages(request, self.tokenizer.chat_template)
         try:  # message contents are always text: a special-token string in them never becomes its id
             prompt_ids = self.tokenizer.encode_chat(messages, add_generation_prompt=True, tools=tools,
@@ -299,12 +272,8 @@ class OpenAIServing:
             return self._chat_stream(run, request, rid, created)
         texts = await self._collect(run)
         functions = declared_functions(request) if tool_mode(request) != "none" else {}
-        choices = []
-        for i, (t, c) in enumerate(zip(texts, run.choices, strict=True)):
-            calls = parse_tool_calls(t, functions) if functions and c.finish_reason == "stop" else None
-            message = ChatMessageOut(content=None, tool_calls=calls) if calls else ChatMessageOut(content=t)
-            choices.append(ChatChoice(index=i, message=message, finish_reason="tool_calls" if calls else c.finish_reason,
-                                      celeris=c.details))
+        choices = [chat_choice(i, t, c.finish_reason, c.details, functions)
+                   for i, (t, c) in enumerate(zip(texts, run.choices, strict=True))]
         return ChatCompletionResponse(id=rid, created=created, model=self.model_name, choices=choices,
                                       usage=run.usage())
 
@@ -354,11 +323,13 @@ class OpenAIServing:
         if request.stream_mode == "denoise" and not request.stream:
             raise APIError(400, "stream_mode 'denoise' is only allowed when stream is true", param="stream_mode")
 
-    def _params(self, request: SamplingRequest, max_tokens: int | None, grammar: str | None = None) -> SamplingParams:
-        """The request's SamplingParams, with ``grammar`` (structured output, forced tool calls) if given."""
+    def _params(self, request: SamplingRequest, max_tokens: int | None, grammar: str | None = None,
+                grammar_field: str = "response_format") -> SamplingParams:
+        """The request's SamplingParams, with ``grammar`` (structured output, tool calls) if given; a refusal of the
+        grammar names ``grammar_field``, the request field it comes from."""
         if grammar is not None and getattr(self.llm, "grammar_tokenizer", None) is None:
             raise APIError(400, "structured output (response_format, tools) is not available for this model's "
-                                "tokenizer", param="response_format")
+                                "tokenizer", param=grammar_field)
         try:
             params = self.llm.default_params(max_tokens=max_tokens, grammar=grammar, temperature=request.temperature,
                                              top_p=request.top_p, seed=request.seed, stop=request.stop_list() or None,
@@ -372,6 +343,7 @@ class OpenAIServing:
             return params
         except (ValueError, TypeError) as exc:  # SamplingParams names the field first: "steps must be >= 1"
             param = str(exc).split(" ", 1)[0].split("=", 1)[0]
+            param = grammar_field if param == "grammar" else param  # not a request field: the one it comes from
             raise APIError(400, str(exc), param=param if param.isidentifier() else None) from None
 
     def _encode(self, text: str | list[int], params: SamplingParams, suffix: str | None,
@@ -411,7 +383,7 @@ class OpenAIServing:
         except EngineDeadError as exc:
             raise APIError(503, str(exc), code="engine_unavailable") from None
         choices = [_Choice(IncrementalText(partial(self.tokenizer.decode, skip_special_tokens=p.skip_special_tokens),
-                                           p.stop, p.include_stop_str_in_output))
+                                           p.stop, p.include_stop_str_in_output, p.grammar))
                    for p in (inp.params for inp in inputs)]
         prompt_tokens = sum(len(ids) + len(sfx) for ids, sfx in encoded)
         return _Run(group, choices, prompt_tokens, arrival, arrival + self.request_timeout, request.stream_mode,
@@ -484,7 +456,10 @@ class OpenAIServing:
                     if not choice.done:
                         canvas = render_canvas(self.tokenizer.decode, event.canvas_ids, self.mask_id, self.eos_id)
                     if choice.details is not None:
-                        details = denoise_details(choice.details, choice, event, self.mask_id, self._piece)
+                        if choice.token_steps is None:
+                            choice.token_steps = [None] * len(event.canvas_ids)
+                        details = denoise_details(choice.details, choice.token_steps, event, self.mask_id,
+                                                  self._piece)
                 yield Update(event.index, delta, choice.finish_reason if choice.done else None, canvas, event.steps,
                              details)
             usage = run.usage()
@@ -540,41 +515,11 @@ class OpenAIServing:
         def chunk(choices: list[ChatStreamChoice], usage: UsageInfo | None = None) -> ChatCompletionChunk:
             return ChatCompletionChunk(id=rid, created=created, model=self.model_name, choices=choices, usage=usage)
 
-        for i in range(len(run.choices)):
-            yield chunk([ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""))])
         mode = tool_mode(request)
         functions = declared_functions(request) if mode != "none" else {}
-        held = [""] * len(run.choices)  # auto: text is held until the choice ends: calls or content?
-        forced = [CallStreamer() for _ in run.choices] if mode in ("required", "named") else None
-        async for u, text, step in self._stream_pieces(run):
-            if not functions or run.stream_mode == "denoise":
-                yield chunk([ChatStreamChoice(index=u.index, delta=DeltaMessage(content=text),
-                                              finish_reason=u.finish_reason, step=step, celeris=u.details)])
-                continue
-            if forced is not None:  # the grammar makes the answer calls: stream them as they are written
-                streamer = forced[u.index]
-                for delta in streamer.push(text):
-                    yield chunk([ChatStreamChoice(index=u.index, delta=DeltaMessage(tool_calls=[delta]))])
-                if u.finish_reason is not None:
-                    reason = "tool_calls" if u.finish_reason == "stop" and streamer.calls else u.finish_reason
-                    yield chunk([ChatStreamChoice(index=u.index, delta=DeltaMessage(), finish_reason=reason,
-                                                  celeris=u.details)])
-                continue
-            held[u.index] += text
-            if u.finish_reason is None:
-                continue
-            calls = parse_tool_calls(held[u.index], functions) if u.finish_reason == "stop" else None
-            if not calls:
-                yield chunk([ChatStreamChoice(index=u.index, delta=DeltaMessage(content=held[u.index]),
-                                              finish_reason=u.finish_reason, celeris=u.details)])
-                continue
-            for k, call in enumerate(calls):  # as OpenAI: id, type and name first, then the arguments
-                first = DeltaToolCall(index=k, id=call.id, type="function",
-                                      function=DeltaFunctionCall(name=call.function.name, arguments=""))
-                yield chunk([ChatStreamChoice(index=u.index, delta=DeltaMessage(tool_calls=[first]))])
-                rest = DeltaToolCall(index=k, function=DeltaFunctionCall(arguments=call.function.arguments))
-                yield chunk([ChatStreamChoice(index=u.index, delta=DeltaMessage(tool_calls=[rest]))])
-            yield chunk([ChatStreamChoice(index=u.index, delta=DeltaMessage(), finish_reason="tool_calls",
-                                          celeris=u.details)])
+        constrained = run.group.inputs[0].params.grammar is not None
+        async for c in chat_chunks(self._stream_pieces(run), len(run.choices), mode, functions, constrained,
+                                   run.stream_mode == "denoise", chunk):
+            yield c
         if request.stream_options is not None and request.stream_options.include_usage:
             yield chunk([], usage=run.usage())

@@ -7,8 +7,11 @@ grammar (``celeris.structured.grammar.tool_call_grammar``) derives. ``tool_choic
 
 - ``required``: the answer is one or more calls (``parallel_tool_calls: false``: exactly one), under the grammar;
 - a named function: exactly one call of it, under the grammar;
-- ``auto`` (the default when tools are given): the answer is not constrained; if it is a sequence of calls that
-  name declared functions with arguments that validate, it is returned as ``tool_calls``, else as text;
+- ``auto`` (the default when tools are given): the answer is one or more calls or, instead, free text in which
+  the call tag never occurs (``response_format`` JSON: that JSON instead), under the grammar
+  (``FREE_TEXT``), so calls always validate and text is never a broken call; models without grammar support
+  (block-diffusion models, a tokenizer llguidance cannot read) decode it unconstrained and a valid sequence of
+  calls is still recognised;
 - ``none``: plain text, never parsed as calls (the tools are still shown in the prompt, as OpenAI does).
 """
 
@@ -92,8 +95,9 @@ def tool_mode(request: ChatCompletionRequest) -> str:
     return "named" if not isinstance(choice, str) else choice
 
 
-def chat_grammar(request: ChatCompletionRequest) -> str | None:
-    """The grammar a chat request is decoded under, or None.
+def chat_grammar(request: ChatCompletionRequest) -> tuple[str | None, bool]:
+    """The grammar a chat request is decoded under, or None, and whether it is optional (``tool_choice: "auto"``
+    without ``response_format``: a model that cannot decode under a grammar may decode it without one).
 
     Raises:
         APIError: 400 for ``tool_choice`` without tools or naming an absent function, ``response_format``
@@ -120,10 +124,20 @@ def chat_grammar(request: ChatCompletionRequest) -> str | None:
                                     f"{', '.join(functions)})", param="tool_choice")
             functions = {name: functions[name]}
         try:
-            return tool_call_grammar(functions, parallel=mode == "required" and request.parallel_tool_calls is not False)
+            parallel = mode == "required" and request.parallel_tool_calls is not False
+            return tool_call_grammar(functions, parallel=parallel), False
         except GrammarError as exc:
             raise _grammar_error(exc) from None
-    return response_format_grammar(request.response_format)
+    answer = response_format_grammar(request.response_format)
+    if mode != "auto" or not functions:
+        return answer, False
+    fmt = request.response_format
+    alternative = "text" if answer is None else {"type": "object"} if fmt.type == "json_object" else \
+        fmt.json_schema.json_schema
+    try:
+        return tool_call_grammar(functions, request.parallel_tool_calls is not False, alternative), answer is None
+    except GrammarError as exc:
+        raise _grammar_error(exc) from None
 
 
 def call_text(name: str, arguments: str) -> str:

@@ -99,9 +99,18 @@ def call_schema(name: str, parameters: dict) -> dict:
             "required": ["name", "arguments"], "additionalProperties": False}
 
 
-def tool_call_grammar(functions: dict[str, dict], parallel: bool = True) -> str:
+# ``tool_choice: "auto"``'s other branch: free text (at least one character) in which the call tag never occurs,
+# so an answer is either nothing but valid calls or text that cannot be mistaken for a broken call (llguidance's
+# lexeme intersection ``&`` and negation ``~`` in a token definition, docs/syntax.md of llguidance).
+FREE_TEXT = "/(.|\\n)+/ & ~/(.|\\n)*" + TOOL_CALL_OPEN + "(.|\\n)*/"
+
+
+def tool_call_grammar(functions: dict[str, dict], parallel: bool = True, alternative: str | dict | None = None) -> str:
     """The grammar of one (``parallel``: one or more) Hermes-style call(s) of the ``functions`` (name ->
     parameters schema): ``<tool_call>{"name": ..., "arguments": ...}</tool_call>``, one per line.
+
+    ``alternative`` (``tool_choice: "auto"``): the calls or, instead, ``"text"`` (``FREE_TEXT``: any text without
+    the call tag) or the compact JSON of a schema (a dict: ``response_format`` beside the tools).
 
     Raises:
         GrammarError: a parameters schema that cannot be enforced (param ``tools``).
@@ -111,14 +120,34 @@ def tool_call_grammar(functions: dict[str, dict], parallel: bool = True) -> str:
     for name, params in functions.items():
         check_schema(params, f"tools[{name}].function.parameters")
     alternatives = " | ".join(f"call_{i}" for i in range(len(functions)))
-    lines = [f'start: {"calls" if parallel else "call"}',
-             'calls: call ("\\n" call)*',
-             f'call: "{TOOL_CALL_OPEN}" body "{TOOL_CALL_CLOSE}"',
-             f"body: {alternatives}"]
+    answer = "calls" if parallel else "call"
+    if alternative is None:
+        lines = [f"start: {answer}"]
+    elif alternative == "text":
+        lines = [f"start: {answer} | TEXT", f"TEXT: {FREE_TEXT}"]
+    else:
+        lines = [f"start: {answer} | other", f"other: %json {json.dumps({**alternative, 'x-guidance': JSON_OPTIONS})}"]
+    lines += ['calls: call ("\\n" call)*', f'call: "{TOOL_CALL_OPEN}" body "{TOOL_CALL_CLOSE}"', f"body: {alternatives}"]
     for i, (name, params) in enumerate(functions.items()):
         schema = {**call_schema(name, params), "x-guidance": JSON_OPTIONS}  # llguidance's compile options, inline
         lines.append(f"call_{i}: %json {json.dumps(schema)}")
     return _validated("\n".join(lines) + "\n", "tools")
+
+
+def stops_apply(grammar: str | None, text: str) -> bool | None:
+    """Whether stop strings may end an answer ``text`` decoded under ``grammar``: stop strings only end free text,
+    never the text a grammar constrains (a stop string inside JSON or a call would leave it invalid).
+
+    True without a grammar; False under a grammar that constrains the whole answer (JSON, forced calls); under
+    ``tool_choice: "auto"``'s grammar (calls or ``FREE_TEXT``): False once ``text`` starts with the call tag, True
+    once it cannot, None while it is a proper prefix of the tag (undecided: a finished answer is then text)."""
+    if grammar is None:
+        return True
+    if FREE_TEXT not in grammar:
+        return False
+    if text.startswith(TOOL_CALL_OPEN):
+        return False
+    return None if TOOL_CALL_OPEN.startswith(text) else True
 
 
 @lru_cache(maxsize=8)
@@ -196,12 +225,16 @@ class Constraint:
         if self.matcher.is_error():
             out[self.eos_id] = True
             return out
-        if self._path and remaining is not None and remaining <= len(self._path):
+        if self.is_forced(remaining):
             out[self._path[0]] = True
             return out
         n = min(vocab_size, self.vocab_size)
         out[:n] = torch.from_numpy(_bits(self.matcher)[:n])
         return out
+
+    def is_forced(self, remaining: int | None) -> bool:
+        """With ``remaining`` positions left, the closing path's next token is the only one allowed (``allowed``)."""
+        return bool(self._path) and remaining is not None and remaining <= len(self._path)
 
     def settle(self, token_id: int, remaining: int) -> int:
         """The token to commit for the sampled ``token_id`` with ``remaining`` positions left (this one
@@ -249,7 +282,7 @@ class Constraint:
         (``settle``); the first is always kept, possibly swapped by ``settle``. Returns the kept tokens."""
         kept: list[int] = []
         for k, token in enumerate(proposals):
-            if k > 0 and (self.matcher.is_stopped() or not self._accepts(token)):
+            if k > 0 and (self.matcher.is_stopped() or not self.accepts(token)):
                 break
             settled = self.settle(token, remaining - k)
             if k > 0 and settled != token:
@@ -258,7 +291,11 @@ class Constraint:
             kept.append(settled)
         return kept
 
-    def _accepts(self, token_id: int) -> bool:
+    def accepts(self, token_id: int) -> bool:
+        """The grammar accepts ``token_id`` next (end-of-text: where the text may end); never an id past the
+        tokenizer's vocabulary."""
+        if token_id >= self.vocab_size or self.matcher.is_error():
+            return False
         if token_id == self.eos_id:
             return self.matcher.is_accepting()
         return self.matcher.validate_tokens([int(token_id)]) == 1
@@ -332,6 +369,11 @@ def constrain_commits(constraints: list[Constraint | None], step: GrammarStep, o
     that the grammar accepts (at least that column's grammar-masked token; the budget rule may swap it,
     ``Constraint.settle``); every other position of the row's block goes back to ``old``. A row whose grammar
     had already ended fills its open positions with end-of-text. The constraints advance by the kept tokens.
+
+    Only a run without a gap is kept: a proposal after a still-open position cannot be checked by a left-to-right
+    matcher without a search over the gap's fillings (Mündler et al., arXiv:2508.10111, decide whether a filling
+    exists; DINGO, arXiv:2505.23061, finds the most likely one for a regular grammar); it is proposed again at the
+    next step instead.
 
     Args:
         old / new: (B, L) the block before and after ``denoise_step``; committed: (B, L) bool, what it committed.

@@ -178,3 +178,132 @@ def test_fields_that_do_not_change_the_output_are_accepted(sclient):
     out = sclient.chat.completions.create(model=MODEL_NAME, messages=USER, max_tokens=4, store=False,
                                           metadata={"k": "v"}, service_tier="auto")
     assert out.choices[0].message.content is not None
+
+
+def test_auto_tool_choice_answers_text_or_valid_calls(sclient):
+    """tool_choice "auto" is decoded under "calls | text without the call tag": every answer is either calls that
+    validate (finish_reason "tool_calls") or content in which the tag never occurs; streamed == non-streamed.
+    (The tiny random model answers text here; the call branch: the grammar and streaming tests below.)"""
+    specs = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, TIME)}
+    for seed in range(2):
+        kwargs = {"model": MODEL_NAME, "messages": USER, "tools": [WEATHER, TIME], "max_tokens": 32,
+                  "temperature": 1.0, "seed": seed}
+        choice = sclient.chat.completions.create(**kwargs).choices[0]
+        if choice.message.tool_calls:
+            assert choice.finish_reason == "tool_calls" and choice.message.content is None
+            for call in choice.message.tool_calls:
+                jsonschema.validate(json.loads(call.function.arguments), specs[call.function.name])
+        else:
+            assert "<tool_call>" not in choice.message.content
+        content, args = "", ""
+        for chunk in sclient.chat.completions.create(stream=True, **kwargs):
+            for c in chunk.choices:
+                content += c.delta.content or ""
+                args += "".join(d.function.arguments or "" for d in c.delta.tool_calls or [])
+        if choice.message.tool_calls:
+            assert args == "".join(c.function.arguments for c in choice.message.tool_calls) and not content
+        else:
+            assert content == choice.message.content and not args
+
+
+def test_auto_grammar_takes_calls_or_tagless_text(long_llm):
+    from celeris.structured.grammar import Constraint, tool_call_grammar
+
+    functions = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, TIME)}
+    grammar = tool_call_grammar(functions, alternative="text")
+    tok, eos = long_llm.tokenizer, long_llm.tokenizer.eos_token_id
+
+    def accepted(text: str) -> bool:
+        ids = tok.encode(text) + [eos]
+        return Constraint(grammar, long_llm.grammar_tokenizer).matcher.validate_tokens(ids) == len(ids)
+
+    assert accepted("It is sunny.")
+    assert accepted('<tool_call>{"name":"get_time","arguments":{"zone":3}}</tool_call>')
+    assert not accepted('<tool_call>{"name":"get_time","arguments":{"zone":30}}</tool_call>')  # maximum 12
+    assert not accepted('<tool_call>{"name":"nope","arguments":{}}</tool_call>')
+    assert not accepted('Let me check. <tool_call>{"name":"get_time","arguments":{"zone":3}}</tool_call>')
+    assert not accepted("")
+
+
+def test_auto_streams_text_before_the_answer_ends():
+    """Under the auto grammar a text answer streams from its first character that cannot begin the call tag;
+    an answer that starts with the tag streams as calls."""
+    import asyncio
+
+    from celeris.serve.chat import chat_chunks
+    from celeris.serve.protocol import ChatCompletionChunk
+    from celeris.serve.serving import Update
+
+    def chunk(choices):
+        return ChatCompletionChunk(id="x", created=0, model="m", choices=choices)
+
+    async def run(pieces: list[str]) -> list:
+        async def updates():
+            for i, p in enumerate(pieces):
+                yield Update(0, p, "stop" if i == len(pieces) - 1 else None), p, None
+        functions = {"get_time": TIME["function"]["parameters"]}
+        return [c async for c in chat_chunks(updates(), 1, "auto", functions, True, False, chunk)]
+
+    text = asyncio.run(run(["<to", "y", "u ", "there"]))[1:]
+    assert [c.choices[0].delta.content for c in text] == ["<toy", "u ", "there"]
+    call = asyncio.run(run(["<tool_", 'call>{"name":"get_time","arguments":{"zone"', ":1}}</tool_call>"]))[1:]
+    assert call[0].choices[0].delta.tool_calls[0].function.name == "get_time"
+    assert "".join(d.function.arguments or "" for c in call for d in c.choices[0].delta.tool_calls or []) == \
+        '{"zone":1}'
+    assert call[-1].choices[0].finish_reason == "tool_calls"
+
+
+def test_stop_strings_never_cut_constrained_json(sclient):
+    """A stop string that occurs in the JSON does not end a constrained answer (stop strings end free text only)."""
+    fmt = {"type": "json_schema", "json_schema": {"name": "flat", "schema": SCHEMAS["flat"], "strict": True}}
+    kwargs = {"model": MODEL_NAME, "messages": USER, "response_format": fmt, "max_tokens": 96, "seed": 4}
+    plain = sclient.chat.completions.create(**kwargs).choices[0]
+    stopped = sclient.chat.completions.create(stop=['"', ":"], **kwargs).choices[0]
+    assert stopped.message.content == plain.message.content and stopped.finish_reason == "stop"
+    jsonschema.validate(json.loads(stopped.message.content), SCHEMAS["flat"])
+    streamed = "".join(c.choices[0].delta.content or "" for c in sclient.chat.completions.create(
+        stream=True, stop=['"'], **kwargs) if c.choices)
+    assert streamed == plain.message.content
+
+
+def test_stop_strings_apply_to_free_text_only():
+    from celeris.serve.detokenize import IncrementalText
+    from celeris.structured.grammar import json_object_grammar, stops_apply, tool_call_grammar
+
+    auto = tool_call_grammar({"f": {"type": "object"}}, alternative="text")
+    assert stops_apply(None, "x") is True and stops_apply(json_object_grammar(), "x") is False
+    assert stops_apply(auto, "<tool_call>{") is False and stops_apply(auto, "<tool") is None
+    assert stops_apply(auto, "<toy") is True
+
+    def stream(pieces: list[str], grammar: str | None) -> tuple[str, bool]:
+        text = IncrementalText(lambda ids: "".join(pieces[: len(ids)]), ["}"], grammar=grammar)
+        out = "".join(text.push([i], final=i == len(pieces) - 1) for i in range(len(pieces)))
+        return out, text.stopped
+
+    assert stream(["a {b}", " c"], auto) == ("a {b", True)
+    call = ['<tool_call>{"name":"f",', '"arguments":{}}', "</tool_call>"]
+    assert stream(call, auto) == ("".join(call), False)
+    assert stream(['{"a":', "{}}"], json_object_grammar()) == ('{"a":{}}', False)
+    assert stream(["<to", "o}"], auto) == ("<too", True)
+
+
+def test_auto_decodes_unconstrained_where_a_grammar_cannot_run(tmp_path):
+    """A hybrid model in block mode (block_length > 1) cannot decode under a grammar: tool_choice "auto" then
+    decodes without one (text), while a forced call, which needs the grammar, is a 400."""
+    import asyncio
+
+    from tests.serve.conftest import make_serving
+
+    llm = LLM(build_tiny_checkpoint(tmp_path, TEXTS, MODEL_NAME, 2048, GENERATION_CONFIG, is_causal=True,
+                                    draft_block_size=4), device="cpu")
+    serving = make_serving(llm)
+    serving.start()
+    try:
+        body = {"model": MODEL_NAME, "messages": USER, "tools": [TIME], "max_tokens": 8, "block_length": 4,
+                "decoding": "fixed", "steps": 8}
+        status, out = asyncio.run(serving.respond("/v1/chat/completions", body))
+        assert status == 200 and isinstance(out["choices"][0]["message"]["content"], str)
+        status, out = asyncio.run(serving.respond("/v1/chat/completions", {**body, "tool_choice": "required"}))
+        assert status == 400 and out["error"]["param"] == "tool_choice"
+    finally:
+        serving.stop()

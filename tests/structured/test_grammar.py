@@ -111,7 +111,8 @@ def test_json_object_and_tool_call_grammars(json_llm):
     jsonschema.validate(call["arguments"], tools["get_weather"])
 
 
-def test_grammar_refuses_verified_decoding():
+def test_grammar_with_verified_decoding_still_needs_a_causal_model():
+    """Verified decoding runs under a grammar (tests/structured/test_speculative.py), on the models it runs on."""
     from celeris.models.celeris import CelerisConfig, CelerisModel
     from celeris.sampling.step import check_model_support
 
