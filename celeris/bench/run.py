@@ -223,7 +223,7 @@ def block_reference(llm: LLM, params: SamplingParams):
     canvas every step, no KV cache) as a bench system; one row at a time, as it decodes them."""
     def decode(batch):
         outs = [generate_block(llm.model, [p], params, llm.end_token_ids) for p in batch]
-        return [o.token_ids[0] for o in outs], [o.nfe for o in outs], [o.first_token_s[0] for o in outs]
+        return [o.token_ids[0] for o in outs], [o.nfe for o in outs], [o.ttft_s[0] for o in outs]
     return decode
 
 
@@ -277,7 +277,7 @@ def run_bench(cfg: BenchConfig) -> dict:
         def next_token(model: torch.nn.Module, length: int = length):  # greedy, KV cache, one token per pass
             def decode(batch):
                 out = generate_autoregressive(model, batch, SamplingParams(max_tokens=length))
-                return out.token_ids, [out.nfe] * len(batch), out.first_token_s
+                return out.token_ids, [out.nfe] * len(batch), out.ttft_s
             return decode
 
         def diffusion(params: SamplingParams, owner: LLM = llm):

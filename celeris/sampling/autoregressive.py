@@ -44,7 +44,7 @@ def generate_autoregressive(
 
     Returns:
         GenerationOutput; ``nfe`` = forward passes (prefill counts as one),
-        ``first_token_s`` = prefill latency per row. Stops early once every row
+        ``ttft_s`` = prefill latency per row. Stops early once every row
         has produced an end-of-text token.
 
     Raises:
@@ -64,7 +64,7 @@ def generate_autoregressive(
     generators = [make_generator(r.seed) for r in rows]
     cache = KVCache() if use_cache else None
     banned = banned_token_ids(config)
-    first_token_s: list[float | None] = [None] * len(prompt_ids)
+    ttft_s: list[float | None] = [None] * len(prompt_ids)
     nfe = 0
     for t in range(answer_start, answer_start + n):
         window = (t - 1, t) if cache is not None and t > answer_start else None  # the newest token only
@@ -78,10 +78,10 @@ def generate_autoregressive(
         logits, _ = prepare_logits(logits, settings, banned, seen)
         canvas[:, t] = sample_tokens(logits, settings.temperature, generators)[:, 0]
         if t == answer_start:
-            first_token_s = [time.perf_counter() - start] * len(prompt_ids)
+            ttft_s = [time.perf_counter() - start] * len(prompt_ids)
         if rows[0].early_exit and bool((canvas[:, answer_start : t + 1] == config.eos_token_id).any(-1).all()):
             canvas[:, t + 1 :] = config.eos_token_id  # never decoded: every row already ended
             break
     answer = canvas[:, answer_start : answer_start + n].cpu()
     return GenerationOutput(answer_ids=answer, token_ids=cut_at_eos(answer, config.eos_token_id, config.mask_token_id),
-                            nfe=nfe, steps=nfe, first_token_s=first_token_s, seconds=time.perf_counter() - start)
+                            nfe=nfe, steps=nfe, ttft_s=ttft_s, seconds=time.perf_counter() - start)

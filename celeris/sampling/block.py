@@ -223,7 +223,7 @@ def generate_block(
     mask_id = cfg.mask_token_id
     device = next(model.parameters()).device
     banned = banned_token_ids(cfg)
-    answers, cut, first_token_s = [], [], []
+    answers, cut, ttft_s = [], [], []
     nfe = 0
     for row, (prompt, sp) in enumerate(zip(prompt_ids, rows, strict=True)):
         check_block_support(contract, sp)
@@ -276,8 +276,8 @@ def generate_block(
         stop = next((i for i, tok in enumerate(ids) if tok in ends or tok == mask_id), len(ids))
         answers.append(answer)
         cut.append(ids[:stop])
-        first_token_s.append(first)
+        ttft_s.append(first)
     width = max(a.numel() for a in answers)  # rows may differ in max_tokens: padded with the mask id
     padded = torch.stack([torch.cat([a, a.new_full((width - a.numel(),), mask_id)]) for a in answers])
-    return GenerationOutput(answer_ids=padded, token_ids=cut, nfe=nfe, steps=nfe, first_token_s=first_token_s,
+    return GenerationOutput(answer_ids=padded, token_ids=cut, nfe=nfe, steps=nfe, ttft_s=ttft_s,
                             seconds=time.perf_counter() - start)

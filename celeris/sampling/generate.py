@@ -45,7 +45,7 @@ class GenerationOutput:
         token_ids: per row, the answer cut before the first end-of-text token.
         nfe: forward passes of the model (a CFG step counts as 2).
         steps: denoising steps run.
-        first_token_s: per row, seconds from the call's start until answer
+        ttft_s: per row, seconds from the call's start until answer
             position 0 was final (time to first token), or None.
         seconds: wall time of the call.
     """
@@ -54,7 +54,7 @@ class GenerationOutput:
     token_ids: list[list[int]]
     nfe: int
     steps: int
-    first_token_s: list[float | None] = field(default_factory=list)
+    ttft_s: list[float | None] = field(default_factory=list)
     seconds: float = 0.0
 
 
@@ -162,11 +162,11 @@ def _forward(
     return guided(logits, uncond, settings.cfg_scale), 2
 
 
-def _first_tokens(answer: torch.Tensor, mask_id: int, first_token_s: list[float | None], now: float) -> None:
+def _first_tokens(answer: torch.Tensor, mask_id: int, ttft_s: list[float | None], now: float) -> None:
     """Record ``now`` for the rows whose answer position 0 became final at this step."""
     for i in (answer[:, 0] != mask_id).nonzero().flatten().tolist():
-        if first_token_s[i] is None:
-            first_token_s[i] = now
+        if ttft_s[i] is None:
+            ttft_s[i] = now
 
 
 @torch.no_grad()
@@ -229,7 +229,7 @@ def generate(
     policy = CACHE_MODES[first.cache]
     caches = (KVCache(), KVCache()) if policy.uses_cache else (None, None)
     nfe = steps = 0
-    first_token_s: list[float | None] = [None] * batch
+    ttft_s: list[float | None] = [None] * batch
     last_commit: list[list[int]] = [[] for _ in range(batch)]  # per row: columns its latest committing step filled
     for block_idx, (s, e) in enumerate(blocks):
         span = slice(answer_start + s, answer_start + e)
@@ -259,7 +259,7 @@ def generate(
             steps += 1
             step_in_block += 1
             answer = canvas[:, answer_start : answer_start + first.max_tokens]
-            _first_tokens(answer, mask_id, first_token_s, time.perf_counter() - start)
+            _first_tokens(answer, mask_id, ttft_s, time.perf_counter() - start)
             if on_step is not None:
                 on_step(answer)
         if first.early_exit and bool(answer_done(canvas[:, answer_start : answer_start + e], eos_id, mask_id).all()):
@@ -270,6 +270,6 @@ def generate(
         token_ids=cut_at_eos(answer.cpu(), eos_id, mask_id),
         nfe=nfe,
         steps=steps,
-        first_token_s=first_token_s,
+        ttft_s=ttft_s,
         seconds=time.perf_counter() - start,
     )

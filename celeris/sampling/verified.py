@@ -65,7 +65,7 @@ class VerifiedOutput:
         row_passes: per row, the passes it took part in until it finished (its own NFE).
         drafted: per draft position j = 1..k, how many drafts were checked there (all rows).
         accepted: per draft position, how many of them were accepted.
-        first_token_s: per row, seconds from the call's start until its first answer token.
+        ttft_s: per row, seconds from the call's start until its first answer token.
         seconds: wall time of the call.
     """
 
@@ -74,7 +74,7 @@ class VerifiedOutput:
     row_passes: list[int]
     drafted: list[int]
     accepted: list[int]
-    first_token_s: list[float | None] = field(default_factory=list)
+    ttft_s: list[float | None] = field(default_factory=list)
     seconds: float = 0.0
 
     @property
@@ -460,14 +460,14 @@ def generate_verified(
         prompt_ids, rows, strict=True)))
     constraints = row_constraints(rows, grammar_tokenizer)
     handles = [dec.add(p, r, constraint=c) for p, r, c in zip(prompt_ids, rows, constraints, strict=True)]
-    first_token_s = None  # every row commits its first token in the first step (its prefill)
+    ttft_s = None  # every row commits its first token in the first step (its prefill)
     while dec.rows:
         for row, _ in dec.step():
             if row.finished:
                 dec.remove(row)
-        first_token_s = first_token_s or time.perf_counter() - start
+        ttft_s = ttft_s or time.perf_counter() - start
     eos = model.config.eos_token_id
     token_ids = [h.answer[: h.answer.index(eos)] if eos in h.answer else h.answer for h in handles]
     return VerifiedOutput(token_ids=token_ids, nfe=dec.nfe, row_passes=[h.passes for h in handles],
-                          drafted=dec.drafted, accepted=dec.accepted, first_token_s=[first_token_s] * len(handles),
+                          drafted=dec.drafted, accepted=dec.accepted, ttft_s=[ttft_s] * len(handles),
                           seconds=time.perf_counter() - start)
