@@ -93,6 +93,7 @@ def test_ray_serve_flags_are_checked_before_ray_starts(flags, message, capsys):
     assert err.startswith("celeris: error:") and message in err and len(err.splitlines()) == 1
 
 
+@pytest.mark.slow  # a child Python
 def test_serve_without_ray_flags_never_imports_ray():
     code = ("import sys; import celeris.serve.app as app; app.run_server = lambda *a, **k: 0; "
             "from celeris.cli import main; rc = main(['serve']); print(rc, 'ray' in sys.modules)")

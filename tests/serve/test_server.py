@@ -190,7 +190,8 @@ def test_health_fails_on_a_stuck_engine_but_not_on_a_full_queue(serve_llm):
 def test_health_stays_ok_while_a_busy_engine_makes_progress(serve_llm):
     serving = make_serving(serve_llm, max_num_seqs=1, max_waiting=1, step_delay=0.05)
     with BackgroundServer(create_app(serving, stall_timeout_s=0.3)) as srv:
-        threads = [threading.Thread(target=lambda: httpx.post(f"{srv.url}/v1/completions", json=LONG, timeout=30))
+        busy = {**LONG, "max_tokens": 24, "steps": 24, "block_length": 24}  # 24 steps of 0.05 s: busy > 1 s each
+        threads = [threading.Thread(target=lambda: httpx.post(f"{srv.url}/v1/completions", json=busy, timeout=30))
                    for _ in range(2)]
         for t in threads:
             t.start()
