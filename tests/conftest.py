@@ -208,6 +208,20 @@ def corpus_dir(tmp_path_factory) -> Path:
 TINY_TRAIN_MODEL = {"hidden_size": 32, "num_layers": 2, "num_heads": 2, "intermediate_size": 64}
 
 
+def stop_server(proc) -> int:
+    """SIGINT a `celeris serve` child (graceful shutdown), kill it after 30 s; its exit code."""
+    import signal
+    import subprocess
+
+    proc.send_signal(signal.SIGINT)
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+    return proc.returncode
+
+
 @pytest.fixture
 def subprocess_env() -> dict[str, str]:
     """Environment for child Pythons: the checkout on the path, one thread each."""

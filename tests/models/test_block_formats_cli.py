@@ -11,6 +11,7 @@ import pytest
 from celeris.cli import main
 from celeris.llm import LLM
 from celeris.serve.serving import OpenAIServing
+from tests.conftest import stop_server
 from tests.models.conftest_block_formats import write_fast_dllm, write_llada2, write_sdar
 
 QWEN_WRITERS = {"sdar": write_sdar, "fast_dllm_v2": write_fast_dllm}  # Qwen chat tokenizers (<|im_end|>)
@@ -139,7 +140,6 @@ def test_end_of_turn_ids_and_enable_thinking(qwen_dir):
 def test_cli_generate_and_serve_processes_on_block_folders(block_dir):
     """The commands as a user runs them: `celeris generate` and `celeris serve` child processes."""
     import os
-    import signal
     import subprocess
     import sys
 
@@ -172,13 +172,8 @@ def test_cli_generate_and_serve_processes_on_block_folders(block_dir):
         with pytest.raises(openai.BadRequestError, match="block_length 3 must divide"):
             client.completions.create(model=model, prompt="x", max_tokens=4, extra_body={"block_length": 3})
     finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-    assert proc.returncode == 0
+        returncode = stop_server(proc)
+    assert returncode == 0
 
 
 def test_stop_strings_cut_a_block_models_answer(block_dir):

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -13,6 +12,7 @@ import httpx
 import openai
 import pytest
 
+from tests.conftest import stop_server
 from tests.serve.conftest import wait_for_health
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -42,13 +42,8 @@ def test_celeris_serve_subcommand(serve_checkpoint):
         assert out.usage.completion_tokens <= 4
         assert httpx.post(f"{url}/v1/completions", json={"prompt": "x"}).status_code == 401
     finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-    assert proc.returncode == 0
+        returncode = stop_server(proc)
+    assert returncode == 0
 
 
 def test_celeris_serve_rejects_bad_options(capsys):
