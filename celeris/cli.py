@@ -486,6 +486,8 @@ def _serve_parser(sub) -> None:
                    help="serve this checkpoint too (repeatable; named by its folder; requests choose by 'model'; "
                    "the playground's race view compares them)")
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    s.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false",
+                   help="verified decoding recomputes every prompt (no reuse of shared prompt prefixes' keys/values)")
     _serve_ray_args(s)
 
 
@@ -523,7 +525,8 @@ def _serve_on_ray(args: argparse.Namespace) -> int:
         options = ServeArgs(
             model=args.model, served_model_name=args.served_model_name, device=args.device, dtype=args.dtype,
             enforce_eager=not args.compile, trust_remote_code=args.trust_remote_code, max_num_seqs=args.max_num_seqs,
-            max_waiting=args.max_waiting, request_timeout=args.request_timeout, api_key=args.api_key,
+            enable_prefix_caching=args.enable_prefix_caching, max_waiting=args.max_waiting,
+            request_timeout=args.request_timeout, api_key=args.api_key,
             num_replicas=args.num_replicas if args.num_replicas is not None else max(1, args.min_replicas or 1),
             min_replicas=args.min_replicas,
             max_replicas=args.max_replicas, target_ongoing_requests=args.target_ongoing_requests,
@@ -573,7 +576,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                       max_waiting=args.max_waiting, request_timeout=args.request_timeout, api_key=args.api_key,
                       served_model_name=args.served_model_name, device=args.device, log_level=args.log_level,
                       limits=limits, also_serve=args.also_serve, dtype=args.dtype, enforce_eager=not args.compile,
-                      trust_remote_code=args.trust_remote_code)
+                      trust_remote_code=args.trust_remote_code, enable_prefix_caching=args.enable_prefix_caching)
 
 
 COMMANDS = {"generate": cmd_generate, "chat": cmd_chat, "train": cmd_train, "data": cmd_data, "eval": cmd_eval,

@@ -25,6 +25,8 @@ class EngineConfig:
             ``torch.compile`` (the runner pads canvases to buckets of
             ``length_bucket`` tokens so few shapes are compiled).
         length_bucket: canvas lengths are padded up to a multiple of this.
+        enable_prefix_caching: verified decoding reuses the keys/values of prompt prefixes other requests
+            prefilled (automatic prefix caching, vLLM's name; ``celeris.sampling.prefix_cache``).
     """
 
     max_num_seqs: int = 8
@@ -34,6 +36,7 @@ class EngineConfig:
     dtype: str | None = None
     enforce_eager: bool = True
     length_bucket: int = 32
+    enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
         if self.dtype is not None and self.dtype not in DTYPES:

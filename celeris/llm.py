@@ -78,6 +78,7 @@ class LLM:
             modeling code (``celeris.models.loader.load_any``).
         dtype: "float32", "bfloat16" or "float16"; None: bfloat16 on CUDA, float32 on CPU.
         enforce_eager: False compiles the model with ``torch.compile`` (see EngineConfig).
+        enable_prefix_caching: False turns off verified decoding's prefix cache (see EngineConfig).
         max_waiting: requests queued beyond the running ones before ``add_request`` raises QueueFullError (the
             server's 429; ``OpenAIServing.from_model`` sets it); offline use needs no limit.
 
@@ -88,14 +89,15 @@ class LLM:
     def __init__(
         self, model: str | Path | None = None, device: str | None = None, max_num_seqs: int = 8,
         trust_remote_code: bool = False, dtype: str | None = None, enforce_eager: bool = True,
-        max_waiting: int = 1 << 30, max_batch_size: int | None = None,
+        max_waiting: int = 1 << 30, max_batch_size: int | None = None, enable_prefix_caching: bool = True,
     ) -> None:
         if max_batch_size is not None:
             warnings.warn("LLM(max_batch_size=...) is deprecated; use max_num_seqs", DeprecationWarning, stacklevel=2)
             max_num_seqs = max_batch_size
         self.path = resolve_model(model)
         self.engine_config = EngineConfig(max_num_seqs=max_num_seqs, max_waiting=max_waiting, device=device,
-                                          dtype=dtype, enforce_eager=enforce_eager)
+                                          dtype=dtype, enforce_eager=enforce_eager,
+                                          enable_prefix_caching=enable_prefix_caching)
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
         self.model = load_any(self.path, device=self.device, dtype=self.dtype, trust_remote_code=trust_remote_code)

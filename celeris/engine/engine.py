@@ -29,7 +29,7 @@ from celeris.sampling.step import (
     context_tokens,
     denoise_step,
 )
-from celeris.sampling.verified import DraftRow, VerifiedDecoder
+from celeris.sampling.verified import PREFIX_CACHE_TOKENS, DraftRow, VerifiedDecoder
 from celeris.structured.grammar import constrain_commits, grammar_step, row_constraints
 
 
@@ -208,7 +208,8 @@ class Engine:
         their accepted drafts plus one token. Each request's committed tokens are final at once (streamed)."""
         if self.drafter is None:
             self.drafter = VerifiedDecoder(self.model, self.config.max_num_seqs,
-                                           self.model.config.max_position_embeddings)
+                                           self.model.config.max_position_embeddings,
+                                           PREFIX_CACHE_TOKENS if self.config.enable_prefix_caching else 0)
         running = set(batch)
         for request in [r for r in self._draft_rows if r not in running or r.is_finished]:
             self.drafter.remove(self._draft_rows.pop(request))

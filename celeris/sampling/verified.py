@@ -48,6 +48,7 @@ import torch
 
 from celeris.models.layers import KVCache
 from celeris.params import SamplingParams
+from celeris.sampling.prefix_cache import BLOCK_SIZE, PrefixCache
 from celeris.sampling.select import NEG_INF, top_p_filter
 from celeris.sampling.step import banned_token_ids, check_prompts, make_generator
 from celeris.structured.grammar import Constraint, row_constraints
@@ -90,6 +91,7 @@ class VerifiedOutput:
 
 LOOKUP_DRAFTS = 4  # drafts per pass for a causal model without mask slots (prompt lookup only)
 MAX_DRAFTS = 16  # the most drafts one pass may check (``num_speculative_tokens``' upper bound)
+PREFIX_CACHE_TOKENS = 16384  # default bound of the prefix cache, prompt tokens
 
 
 def draft_length(model: torch.nn.Module) -> int:
@@ -225,14 +227,16 @@ class DraftRow:
     pending: int = -1  # column whose next-token logits give the first token of the next pass
     slot_start: int = 0  # first mask-slot column of the next pass
     num_slots: int = 0  # mask slots in the next pass (k, or 0 when its drafts came from prompt lookup)
+    num_cached: int = 0  # prompt tokens whose keys/values came from the prefix cache (the prefill starts there)
     passes: int = 0
     finished: bool = False
     hit_eos: bool = False
 
     @property
     def columns(self) -> list[int]:
-        """Columns of the next pass: the whole prompt and k slots (prefill), else pending, drafts, slots."""
-        first = 0 if self.pending < len(self.prompt_ids) - 1 else self.pending
+        """Columns of the next pass: the prompt past its cached prefix and k slots (prefill), else pending, drafts,
+        slots."""
+        first = self.num_cached if self.pending < len(self.prompt_ids) - 1 else self.pending
         return list(range(first, self.slot_start + self.num_slots))
 
 
@@ -247,13 +251,20 @@ class VerifiedDecoder:
     Each row checks k drafts per pass, its ``num_speculative_tokens`` (default ``draft_length`` of the model,
     or ``LOOKUP_DRAFTS`` without slots); its mask slots are min(k, ``draft_length``).
 
+    Automatic prefix caching (``celeris.sampling.prefix_cache``): a new row copies the keys/values of the longest
+    cached block-aligned prefix of its prompt into its pool row and prefills only the rest; after its prefill its
+    prompt's full blocks are cached. The answer is the same (keys/values of a causal prefix are exact; computed in
+    a pass of another shape they may differ by float rounding only).
+
     Args:
         model: a causal model with a KV cache.
         max_rows: most rows at once. max_tokens: longest prompt + answer, tokens (the pool adds the
             2 * ``MAX_DRAFTS`` + 2 columns the last pass's drafts and slots may need).
+        prefix_cache_tokens: most prompt tokens whose keys/values the prefix cache keeps (LRU); 0 turns it off.
     """
 
-    def __init__(self, model: torch.nn.Module, max_rows: int, max_tokens: int) -> None:
+    def __init__(self, model: torch.nn.Module, max_rows: int, max_tokens: int,
+                 prefix_cache_tokens: int = PREFIX_CACHE_TOKENS) -> None:
         self.model, self.k = model, draft_length(model) or LOOKUP_DRAFTS  # the default k
         self.pad = 2 * MAX_DRAFTS + 2
         max_len = max_tokens + self.pad
@@ -269,7 +280,7 @@ class VerifiedDecoder:
         self.num_prefilled = 0  # rows [0, num_prefilled) have been through their first pass
         self.drafted, self.accepted = [0] * self.k, [0] * self.k  # grow when a row checks more drafts
         self.nfe = 0
-
+        self.prefix_cache = PrefixCache(prefix_cache_tokens) if prefix_cache_tokens else None
 
     def add(self, prompt_ids: list[int], params: SamplingParams, end_ids: frozenset[int] | None = None,
             constraint: Constraint | None = None) -> DraftRow:
@@ -294,6 +305,11 @@ class VerifiedDecoder:
         slots = 0 if params.draft_source == "lookup" else min(k, draft_length(self.model))
         row = DraftRow(list(prompt_ids), params, make_generator(params.seed), k, ends, constraint=constraint,
                        slot_start=len(prompt_ids), num_slots=slots)
+        if self.prefix_cache is not None:  # copy the cached prefix's keys/values into the row's pool row
+            row.num_cached, kv = self.prefix_cache.lookup(row.prompt_ids)
+            if kv is not None:
+                for t, block in zip((*self.keys, *self.values), kv, strict=True):
+                    t[len(self.rows), :, : row.num_cached] = block
         self.tokens[len(self.rows), : len(prompt_ids)] = torch.tensor(prompt_ids, dtype=torch.long)
         self.tokens[len(self.rows), len(prompt_ids) : len(prompt_ids) + slots] = self.model.config.mask_token_id
         self.rows.append(row)
@@ -330,17 +346,26 @@ class VerifiedDecoder:
             shape = (hi - lo, *self.keys[0].shape[1:2], length, self.keys[0].shape[3])
             cache = KVCache([torch.zeros(shape, dtype=self.keys[0].dtype, device=self.device) for _ in self.keys],
                             [torch.zeros(shape, dtype=self.keys[0].dtype, device=self.device) for _ in self.keys])
+            for j, r in enumerate(rows):  # a cached prefix (copied into the pool row by ``add``)
+                for new, pool in zip((*cache.keys, *cache.values), (*self.keys, *self.values), strict=True):
+                    new[j, :, : r.num_cached] = pool[lo + j, :, : r.num_cached]
         else:
             cache = KVCache([t[lo:hi, :, :length] for t in self.keys], [t[lo:hi, :, :length] for t in self.values])
         mask = _pass_mask(columns, torch.tensor([r.slot_start for r in rows], device=self.device),
                           torch.tensor([r.num_slots for r in rows], device=self.device), length)
         # a prefill reads only each row's last prompt column and its slots (``_advance``): the output head runs on
         # those (a prompt's other columns would cost a vocabulary-wide product each), the rest stays unset
-        first = [len(r.prompt_ids) - 1 for r in rows] if fresh else None
+        first = [len(r.prompt_ids) - 1 - r.num_cached for r in rows] if fresh else None
         logits = _forward(self.model, self.tokens[lo:hi].gather(1, columns), cache, columns, mask, first).float()
         if fresh:
             for pool, new in zip((*self.keys, *self.values), (*cache.keys, *cache.values), strict=True):
                 pool[lo:hi, :, :length] = new
+            if self.prefix_cache is not None:
+                for j, r in enumerate(rows):
+                    a, b = r.num_cached, len(r.prompt_ids) // BLOCK_SIZE * BLOCK_SIZE  # the new full blocks
+                    if b > a:
+                        kv = torch.stack([t[j, :, a:b] for t in (*cache.keys, *cache.values)])  # (2 * layers, H, b - a, D)
+                        self.prefix_cache.insert(r.prompt_ids, kv, a)
         logits[..., self.banned] = NEG_INF
         self.nfe += 1
         return logits
@@ -375,7 +400,7 @@ class VerifiedDecoder:
         row, k = self.rows[i], self.rows[i].k
         cols = row.columns
         row.passes += 1
-        c0 = cols.index(row.pending) if row.pending >= 0 else len(row.prompt_ids) - 1
+        c0 = cols.index(row.pending if row.pending >= 0 else len(row.prompt_ids) - 1)
         m = len(row.drafts)
         n = row.params.max_tokens
         if row.constraint is not None:  # celeris.structured.speculative: the grammar-masked head checks the drafts

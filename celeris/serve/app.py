@@ -323,8 +323,8 @@ def run_server(
 ) -> int:
     """Load a checkpoint and serve it until SIGTERM/SIGINT, then drain (``celeris serve``).
 
-    ``load_options`` (dtype, enforce_eager, trust_remote_code) go to ``celeris.llm.LLM``. ``also_serve``: more
-    checkpoints served beside it (each named by its folder; requests choose by ``model``).
+    ``load_options`` (dtype, enforce_eager, trust_remote_code, enable_prefix_caching) go to ``celeris.llm.LLM``.
+    ``also_serve``: more checkpoints served beside it (each named by its folder; requests choose by ``model``).
 
     Raises:
         ValueError: two models with the same name, or a bad API key.

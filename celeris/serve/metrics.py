@@ -111,15 +111,22 @@ class _DraftCollector:
                                       "Draft tokens accepted (verified decoding)", labels=["model"])
         per_pos = CounterMetricFamily("celeris_spec_decode_num_accepted_tokens_per_pos",
                                       "Accepted draft tokens by draft position", labels=["position", "model"])
+        queries = CounterMetricFamily("celeris_prefix_cache_queries", "Prompt tokens looked up in the prefix cache "
+                                      "(verified decoding; vLLM's prefix_cache_queries)", labels=["model"])
+        hits = CounterMetricFamily("celeris_prefix_cache_hits", "Prompt tokens whose keys/values came from the prefix "
+                                   "cache (vLLM's prefix_cache_hits)", labels=["model"])
         for model, engine in list(self.engines.items()):
             drafter = engine.drafter
+            cache = drafter.prefix_cache if drafter else None
+            queries.add_metric([model], cache.query_tokens if cache else 0)
+            hits.add_metric([model], cache.hit_tokens if cache else 0)
             drafted = list(drafter.drafted) if drafter else []
             accepted = list(drafter.accepted) if drafter else []
             total_d.add_metric([model], sum(drafted))
             total_a.add_metric([model], sum(accepted))
             for j, a in enumerate(accepted):
                 per_pos.add_metric([str(j + 1), model], a)
-        yield from (total_d, total_a, per_pos)
+        yield from (total_d, total_a, per_pos, queries, hits)
 
 
 class MetricsMiddleware:

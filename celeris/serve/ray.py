@@ -76,6 +76,7 @@ class ServeArgs(BaseModel):
     device: str | None = None
     dtype: str | None = None
     enforce_eager: bool = True
+    enable_prefix_caching: bool = True
     trust_remote_code: bool = False
     max_num_seqs: int = Field(8, ge=1)
     max_waiting: int = Field(64, ge=1)
@@ -220,7 +221,8 @@ class CelerisEngine:
         self.serving = OpenAIServing.from_model(a.model, device=a.device, max_num_seqs=a.max_num_seqs,
                                                 max_waiting=a.max_waiting, request_timeout=a.request_timeout,
                                                 served_model_name=a.served_model_name, dtype=a.dtype,
-                                                enforce_eager=a.enforce_eager, trust_remote_code=a.trust_remote_code)
+                                                enforce_eager=a.enforce_eager, trust_remote_code=a.trust_remote_code,
+                                                enable_prefix_caching=a.enable_prefix_caching)
         self.async_engine = self.serving.async_engine
         self.admitted = Counter("celeris_replica_generations", "Generations (prompts x n) this engine replica admitted",
                                 registry=self.serving.metrics.registry)

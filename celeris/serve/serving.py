@@ -190,8 +190,8 @@ class OpenAIServing:
     ) -> OpenAIServing:
         """Load a checkpoint (None: the embedded default model) and build its serving layer (not started).
 
-        ``load_options`` (dtype, enforce_eager, trust_remote_code) go to ``celeris.llm.LLM``; ``metrics``: a
-        registry shared with other models' serving layers (``celeris serve --also-serve``).
+        ``load_options`` (dtype, enforce_eager, trust_remote_code, enable_prefix_caching) go to ``celeris.llm.LLM``;
+        ``metrics``: a registry shared with other models' serving layers (``celeris serve --also-serve``).
         """
         from celeris.llm import LLM
 

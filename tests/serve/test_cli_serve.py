@@ -95,3 +95,14 @@ def test_serve_without_ray_flags_never_imports_ray():
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120,
                          env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
     assert out.stdout.split() == ["0", "False"], out.stderr[-2000:]
+
+
+def test_no_enable_prefix_caching_reaches_the_engine_config(monkeypatch):
+    """vLLM's flag: prefix caching is on unless ``--no-enable-prefix-caching`` turns it off."""
+    import celeris.serve.app as app
+    from celeris.cli import main
+
+    seen = []
+    monkeypatch.setattr(app, "run_server", lambda *a, **k: seen.append(k["enable_prefix_caching"]) or 0)
+    assert main(["serve"]) == 0 and main(["serve", "--no-enable-prefix-caching"]) == 0
+    assert seen == [True, False]

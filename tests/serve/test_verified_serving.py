@@ -22,8 +22,9 @@ def hybrid_server(tmp_path_factory):
     config = json.loads((folder / "config.json").read_text())
     (folder / "config.json").write_text(json.dumps({**config, "draft_block_size": 3}))
     llm = LLM(folder, device="cpu")
-    with BackgroundServer(create_app(make_serving(llm))) as srv:
-        srv.llm = llm
+    serving = make_serving(llm)
+    with BackgroundServer(create_app(serving)) as srv:
+        srv.llm, srv.engine = llm, serving.async_engine.engine
         yield srv
 
 
@@ -47,6 +48,10 @@ def test_verified_completion_equals_next_token_decoding_and_is_counted(hybrid_se
     drafted = [line for line in metrics.splitlines() if line.startswith("celeris_spec_decode_num_draft_tokens_total")]
     assert drafted and float(drafted[0].split()[-1]) > 0
     assert 'celeris_spec_decode_num_accepted_tokens_per_pos_total{model="tiny-serve",position="1"}' in metrics
+    queries = hybrid_server.engine.drafter.prefix_cache.query_tokens
+    assert queries >= 3 * len(llm.tokenizer.encode(prompt))  # each verified request's prompt was looked up
+    assert f'celeris_prefix_cache_queries_total{{model="tiny-serve"}} {float(queries)}' in metrics
+    assert 'celeris_prefix_cache_hits_total{model="tiny-serve"}' in metrics
 
 
 def test_verified_refuses_settings_it_cannot_honour(hybrid_server):

@@ -136,6 +136,25 @@ def test_engine_under_a_grammar_equals_reference_with_staggered_requests(hybrid_
         jsonschema.validate(json.loads(tok.decode(r.final_prefix())), SCHEMAS[name])
 
 
+def test_prefix_cache_under_a_grammar_keeps_the_reference_answers(hybrid_llm):
+    """Requests with one long prompt and different schemas arrive while others decode (structured_eval's
+    pattern): the later ones reuse the prompt's cached blocks, and each answer is still the reference's."""
+    tok = hybrid_llm.tokenizer
+    prompt = tok.encode("Reply in JSON matching the schema. " * 3)
+    assert len(prompt) > 32
+    engine = Engine(hybrid_llm.model, end_ids=[tok.eos_token_id], grammar_tokenizer=hybrid_llm.grammar_tokenizer)
+    jobs = [verified(schema_grammar(SCHEMAS[n]), max_tokens=64) for n in ("flat", "enum", "flat", "anyof")]
+    requests = []
+    while jobs or engine.has_unfinished():
+        if jobs:
+            requests.append(engine.add_request(prompt, jobs.pop(0)))
+        engine.step()
+    for r in requests:
+        assert r.final_prefix() == reference(hybrid_llm, prompt, r.params)
+    cache = engine.drafter.prefix_cache
+    assert cache.hit_tokens == 3 * ((len(prompt) - 1) // 16 * 16)  # every request after the first
+
+
 def test_sampled_answers_validate_and_close_within_the_budget(hybrid_llm):
     for name in NAMES:
         rows = [verified(schema_grammar(SCHEMAS[name]), max_tokens=40, temperature=0.7, seed=s) for s in range(3)]
