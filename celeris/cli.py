@@ -173,11 +173,14 @@ def _grammar(args: argparse.Namespace) -> str | None:
         raise UsageError(str(exc)) from None
 
 
-def _params(llm_defaults: dict, args: argparse.Namespace):
-    """The flags' SamplingParams over the model's defaults (a flag not given is None: the default)."""
+def _params(llm_defaults: dict, args: argparse.Namespace, llm=None):  # noqa: ANN001 - celeris.llm.LLM, loaded lazily
+    """The flags' SamplingParams over the model's defaults (a flag not given is None: the default); with the
+    loaded ``llm``, as its ``default_params`` reads them (a block model's steps are per block)."""
     from celeris.params import SamplingParams, declared
 
     given = {name: getattr(args, name) for name, spec in declared().items() if spec.cli is not False}
+    if llm is not None:
+        return llm.default_params(grammar=_grammar(args), **given)
     return SamplingParams.from_defaults(llm_defaults, grammar=_grammar(args), **given)
 
 
@@ -195,7 +198,7 @@ def _load(args: argparse.Namespace):
     _params(defaults, args)  # validate before the (slower) model load
     llm = LLM(folder, device=args.device, dtype=args.dtype, enforce_eager=not args.compile,
               trust_remote_code=args.trust_remote_code)
-    return llm, _params(llm.generation_config, args)  # the defaults as the loaded model reads them
+    return llm, _params(llm.generation_config, args, llm)  # the defaults as the loaded model reads them
 
 
 def cmd_generate(args: argparse.Namespace) -> int:

@@ -117,8 +117,10 @@ class LLM:
         self.context_length = self.model.config.max_position_embeddings
 
     def default_params(self, **overrides: object) -> SamplingParams:
-        """SamplingParams from the model's ``generation_config.json`` with ``overrides`` applied."""
-        return SamplingParams.from_defaults(self.generation_config, **overrides)
+        """SamplingParams from the model's ``generation_config.json`` with ``overrides`` applied (a block model's
+        ``steps`` count per block, so a shorter answer keeps them; ``SamplingParams.from_defaults``)."""
+        return SamplingParams.from_defaults(self.generation_config, per_answer_steps=contract_of(self.model) is None,
+                                            **overrides)
 
     def with_special_stops(self, params: SamplingParams) -> SamplingParams:
         """``params`` with each stop string that is exactly a special token (``"<|im_end|>"``) moved to

@@ -102,7 +102,8 @@ class SamplingParams:
                                  help="0 = greedy; > 0 samples by Gumbel-max in float64 (arXiv:2409.02908)")
     top_p: float = setting(1.0, low=1e-6, high=1.0, per_row=True, http=False, help="nucleus mass (arXiv:1904.09751)")
     top_k: int | None = setting(None, low=0, unset=0, per_row=True,
-                                help="keep the k most likely tokens, ties with the k-th kept (0 = all); applied "
+                                help="keep the k most likely tokens, ties with the k-th kept (0, or vLLM's -1: all); "
+                                "applied "
                                 "after top_p, as Dream's sample_tokens, also to the confidences")
     min_p: float | None = setting(None, low=0.0, high=1.0, unset=0.0, per_row=True,
                                   help="drop tokens below min_p times the top token's probability (vLLM; "
@@ -167,9 +168,13 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        if self.top_k == -1:  # vLLM's "disabled"
+            self.top_k = 0
         rules = rule_settings()
         if self.explicit_settings is None:
             self.explicit_settings = frozenset(n for n in rules if getattr(self, n) is not None)
+        # the value a rule setting has when unset ("off": top_k 0, min_p 0, the default remasking) is no setting
+        self.explicit_settings = frozenset(n for n in self.explicit_settings if not _is_unset_value(n, getattr(self, n)))
         for name, spec in declared().items():
             if spec.unset is not None and getattr(self, name) is None:
                 setattr(self, name, spec.unset)
@@ -198,27 +203,29 @@ class SamplingParams:
         return self.max_tokens
 
     @classmethod
-    def from_defaults(cls, defaults: dict | None = None, **overrides: object) -> SamplingParams:
+    def from_defaults(cls, defaults: dict | None = None, per_answer_steps: bool = True,
+                      **overrides: object) -> SamplingParams:
         """Build from a model's ``generation_config.json`` dict, then apply non-None overrides.
 
         A default ``steps`` goes with the default ``max_tokens``: when only the length is overridden, steps are
         scaled to keep the default's tokens per step, ``ceil(max_tokens * steps / default max_tokens)``, so a
         longer answer is not decoded with more tokens per step (the quality knob) than the model's defaults were
-        chosen at. An explicit ``steps`` is used as given. ``max_new_tokens`` (in ``defaults`` or as an
-        override) is read as ``max_tokens``.
+        chosen at. An explicit ``steps`` is used as given. ``per_answer_steps=False`` (a block-diffusion model,
+        whose ``steps`` count per block, ``celeris.sampling.block``) never scales them. ``max_new_tokens`` (in
+        ``defaults`` or as an override) is read as ``max_tokens``.
 
         Raises:
             ValueError: an invalid setting (see ``__post_init__``).
         """
-        defaults = _renamed(dict(defaults or {}))
+        defaults = rename_deprecated(dict(defaults or {}))
         known = set(declared())
         merged = {k: v for k, v in defaults.items() if k in known}
-        given = {k: v for k, v in _renamed(overrides, warn=True).items() if v is not None}
+        given = {k: v for k, v in rename_deprecated(overrides, warn=True).items() if v is not None}
         merged.update(given)
         merged["explicit_settings"] = frozenset(given).intersection(rule_settings())
         d_len, d_steps = defaults.get("max_tokens"), defaults.get("steps")
         length = given.get("max_tokens")
-        if "steps" not in given and isinstance(length, int) and length >= 1 and d_len and d_steps:
+        if "steps" not in given and isinstance(length, int) and length >= 1 and d_len and d_steps and per_answer_steps:
             merged["steps"] = -(-length * d_steps // d_len)
         return cls(**merged)
 
@@ -246,7 +253,7 @@ _init.__signature__ = inspect.signature(_dataclass_init)
 SamplingParams.__init__ = _init
 
 
-def _renamed(values: dict, warn: bool = False) -> dict:
+def rename_deprecated(values: dict, warn: bool = False) -> dict:
     """``values`` with the deprecated key ``max_new_tokens`` read as ``max_tokens`` (a given ``max_tokens``
     wins)."""
     if "max_new_tokens" not in values:
@@ -258,6 +265,12 @@ def _renamed(values: dict, warn: bool = False) -> dict:
     if values.get("max_tokens") is None:
         values["max_tokens"] = old
     return values
+
+
+def _is_unset_value(name: str, value: object) -> bool:
+    """Whether ``value`` is what the declared setting ``name`` takes when the caller leaves it unset."""
+    unset = declared()[name].unset
+    return unset is not None and value == unset and type(value) is not bool
 
 
 def declared() -> dict[str, Setting]:

@@ -228,8 +228,8 @@ def test_unset_rule_settings_take_their_defaults_and_replace_keeps_the_record():
         dataclasses.replace(mine, decoding="fixed")
 
 
-@pytest.mark.parametrize("top_k", [-1, 1.5, True])
-def test_top_k_is_a_whole_number_at_least_zero(top_k):
+@pytest.mark.parametrize("top_k", [-2, 1.5, True])
+def test_top_k_is_a_whole_number_at_least_zero_or_vllms_minus_one(top_k):
     with pytest.raises(ValueError, match="top_k"):
         SamplingParams(top_k=top_k)
 
@@ -271,3 +271,17 @@ def test_structure_key_is_every_setting_rows_cannot_differ_in():
             .structure_key() == dataclasses.replace(base, cfg_scale=1.0).structure_key()
     for change in ({"steps": 3}, {"block_length": 4}, {"cache": "dual"}, {"cfg_scale": 1.0}):
         assert dataclasses.replace(base, **change).structure_key() != base.structure_key()
+
+
+def test_off_values_are_no_setting_of_an_unchosen_rule():
+    """top_k 0, min_p 0 and the default remasking are what those settings are when unset: sending them with
+    decoding 'verified' (a client's explicit "off") is accepted; vLLM's top_k -1 means off too. A value that
+    would change the answer is still an error naming both."""
+    p = SamplingParams(decoding="verified", top_k=0, min_p=0.0, remasking="low_confidence")
+    assert p.explicit_settings == frozenset() and p.top_k == 0
+    assert SamplingParams(decoding="verified", top_k=-1).top_k == 0
+    assert SamplingParams.from_defaults({"decoding": "verified"}, top_k=0, min_p=0.0).top_k == 0
+    with pytest.raises(ValueError, match="top_k applies"):
+        SamplingParams(decoding="verified", top_k=5)
+    with pytest.raises(ValueError, match="top_k"):
+        SamplingParams(top_k=-2)

@@ -96,7 +96,8 @@ def check_block_support(contract: DecodingContract, params: SamplingParams, has_
     # a causal history's keys/values written once, a step after commit: what cache='delayed' means for a causal model
     allowed_cache = ("none", "delayed") if contract.attention == "causal_history" else ("none",)
     refused = [
-        ("decoding", params.decoding == "verified", "'verified' is for hybrid models"),
+        ("decoding", params.decoding == "verified", "'verified' needs a causal model's next-token head (a hybrid or "
+                                                    "autoregressive model); a block-diffusion model denoises blocks"),
         ("cache", params.cache not in allowed_cache, f"'{params.cache}' does not apply: the committed history has an "
                                                     f"exact KV cache, always on; use cache='none'"),
         ("suffix_window", params.suffix_window != 0, "does not apply: nothing after the current block is attended"),

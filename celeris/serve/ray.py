@@ -57,7 +57,7 @@ PACKAGE_ROOT = str(Path(celeris.__file__).resolve().parent.parent)
 METRICS_PUSH_S = 2.0  # how often an engine replica posts its series to the board
 METRICS_STALE_S = 3 * METRICS_PUSH_S  # a replica silent this long (dead, removed) leaves /metrics
 REPLICA_SERIES = ("celeris_num_requests_waiting", "celeris_num_requests_running", "celeris_spec_decode_",
-                  "celeris_replica_generations")
+                  "celeris_prefix_cache_", "celeris_replica_generations")
 STALL_TIMEOUT_S = 30.0  # an engine replica with requests and no step for this long fails its health check
 
 

@@ -29,7 +29,7 @@ from pathlib import Path
 
 from celeris.config import EngineConfig
 from celeris.engine import Engine, QueueFullError
-from celeris.params import SamplingParams
+from celeris.params import SamplingParams, rename_deprecated
 from celeris.sampling.step import ContextLengthError, check_model_support
 from celeris.serve.async_engine import AsyncEngine, EngineDeadError, EngineInput, RequestGroup, StepEvent
 from celeris.serve.chat import chat_choice, chat_chunks
@@ -215,7 +215,8 @@ class OpenAIServing:
         kind = ("hybrid" if draft_length(model) else "autoregressive") if getattr(model.config, "is_causal", False) \
             else "diffusion"
         return ModelCard(id=self.model_name, max_model_len=self.context_length,
-                         generation_config=dict(getattr(self.llm, "generation_config", {}) or {}), decoding_kind=kind)
+                         generation_config=rename_deprecated(dict(getattr(self.llm, "generation_config", {}) or {})),
+                         decoding_kind=kind)
 
     def show_models(self) -> ModelList:
         return ModelList(data=[self.model_card()])

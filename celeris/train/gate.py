@@ -4,12 +4,14 @@ The issue's rule for self-distillation (dParallel arXiv:2509.26488 and d3LLM arX
 quality for parallelism): every checkpoint is scored on prompts the model never trained on, and the export
 takes the best-scoring one, not the last. The prompts are function headers with their docstrings cut from the
 corpus's held-out split (``val.bin``), HumanEval-style; HumanEval itself is never used, so the benchmark stays
-a test set. The score is the HumanEval harness's (``celeris.bench.quality``): the greedy completion, cut at
-the first line at column 0, must hold code and parse together with its prompt.
+a test set. The score is the HumanEval harness's (``celeris.bench.quality``: the greedy completion, cut at the
+first line at column 0, must hold code and parse together with its prompt), and the function must gain a statement
+that is not a string literal: a model that repeats triple quotes parses (adjacent strings join) and would score 1.0.
 """
 
 from __future__ import annotations
 
+import ast
 import re
 import textwrap
 
@@ -47,7 +49,8 @@ def function_prompts(tokens: np.ndarray, tokenizer: Tokenizer, count: int, max_c
 
 @torch.no_grad()
 def parse_rate(model: torch.nn.Module, tokenizer: Tokenizer, prompts: list[str], max_tokens: int = 128) -> float:
-    """Share of ``prompts`` whose greedy next-token completion holds code and parses with its prompt.
+    """Share of ``prompts`` whose greedy next-token completion holds code, parses with its prompt and gives the
+    function a statement that is not a string literal (``has_statement``).
 
     Greedy next-token decoding is what verified decoding outputs at temperature 0 (tested in
     tests/sampling/test_verified.py), so the gate scores the text the shipped model would print.
@@ -77,5 +80,19 @@ def parse_rate(model: torch.nn.Module, tokenizer: Tokenizer, prompts: list[str],
     for prompt, answer in zip(prompts, out.token_ids, strict=True):
         answer = answer[: answer.index(eos)] if eos in answer else answer
         body = cut_function_body(tokenizer.decode(answer))
-        ok += has_code(body) and parses(prompt + body)
+        ok += has_code(body) and parses(prompt + body) and has_statement(prompt + body)
     return ok / len(prompts)
+
+
+def has_statement(source: str) -> bool:
+    """Whether the last function in ``source`` has a statement besides string literals (its docstring, or a run of
+    triple-quoted empty strings, which parses because Python joins adjacent strings: what a degenerate model repeats)."""
+    try:
+        functions = [n for n in ast.walk(ast.parse(source)) if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef)]
+    except (SyntaxError, ValueError):
+        return False
+    if not functions:
+        return False
+    last = max(functions, key=lambda n: n.lineno)
+    return any(not (isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant) and isinstance(s.value.value, str))
+               for s in last.body)

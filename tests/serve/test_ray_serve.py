@@ -117,6 +117,9 @@ def test_metrics_show_each_replica(client):
     running = {line.split('replica="', 1)[1].split('"', 1)[0] for line in text.splitlines()
                if line.startswith("celeris_num_requests_running{")}
     assert running == set(admitted)
+    cached = {line.split('replica="', 1)[1].split('"', 1)[0] for line in text.splitlines()
+              if line.startswith("celeris_prefix_cache_queries_total{")}
+    assert cached == set(admitted)  # every replica's prefix-cache counters, as a single server's
     assert 'celeris_http_requests_total{path="/v1/completions",status="200"}' in text
 
 

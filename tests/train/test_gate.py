@@ -49,10 +49,11 @@ def test_function_prompts_are_headers_with_docstrings_at_column_0(corpus_dir):
 
 def test_parse_rate_scores_the_cut_completion_with_its_prompt(corpus_dir, make_model, monkeypatch):
     """The HumanEval harness's rule: code up to the first column-0 line, parsed with the prompt; the answer is
-    cut at end-of-text; a comment-only body does not count."""
+    cut at end-of-text; a comment-only body does not count, nor a run of string literals (it parses: adjacent
+    strings join; a degenerate model's repetition)."""
     tok = Tokenizer.from_file(str(corpus_dir / "tokenizer.json"))
     model = make_model(is_causal=True)
-    completions = ["\n    return a + b\nprint(1)", "\n    return (", "\n    # nothing"]
+    completions = ["\n    return a + b\nprint(1)", "\n    return (", "\n    # nothing", ' """ """ """ """ """ """']
     eos = model.config.eos_token_id
     answers = [tok.encode(c).ids + [eos] + tok.encode(" (((").ids for c in completions]
     seen = {}
@@ -64,7 +65,7 @@ def test_parse_rate_scores_the_cut_completion_with_its_prompt(corpus_dir, make_m
     monkeypatch.setattr(gate, "generate_autoregressive", fake)
     prompt = 'def f(a, b):\n    """Add."""'
     model.train()
-    assert gate.parse_rate(model, tok, [prompt] * 3, max_tokens=16) == pytest.approx(1 / 3)
+    assert gate.parse_rate(model, tok, [prompt] * 4, max_tokens=16) == pytest.approx(1 / 4)
     assert model.training and seen["params"].temperature == 0.0 and seen["params"].max_tokens == 16
     assert gate.parse_rate(model, tok, []) == 0.0
 
