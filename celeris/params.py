@@ -17,11 +17,13 @@ alias of ``max_tokens`` (keyword, attribute, ``generation_config.json`` key, ``-
 from __future__ import annotations
 
 import argparse
+import functools
 import inspect
 import math
 import warnings
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import MISSING, dataclass, field, fields
+from types import MappingProxyType
 
 from celeris.sampling.cache import CACHE_MODES
 from celeris.sampling.rules import COMMIT_RULES, REMASKING
@@ -273,9 +275,11 @@ def _is_unset_value(name: str, value: object) -> bool:
     return unset is not None and value == unset and type(value) is not bool
 
 
-def declared() -> dict[str, Setting]:
-    """Every ``SamplingParams`` field with its ``Setting``, in declaration order."""
-    return {f.name: f.metadata["setting"] for f in fields(SamplingParams) if "setting" in f.metadata}
+@functools.cache
+def declared() -> Mapping[str, Setting]:
+    """Every ``SamplingParams`` field with its ``Setting``, in declaration order (read-only; built once: the
+    fields are fixed, and ``structure_key`` and validation read it for every request)."""
+    return MappingProxyType({f.name: f.metadata["setting"] for f in fields(SamplingParams) if "setting" in f.metadata})
 
 
 def field_type(name: str) -> type:

@@ -157,7 +157,8 @@ class Engine:
             blocks = [r for r in batch if block_mode(self.model, r.params) is not None]
             if blocks or self.block_decoder.rows:
                 outputs += [self._emit(r) for r in self.block_decoder.step(blocks)]
-            batch = [r for r in batch if r not in set(blocks)]
+            in_blocks = set(blocks)
+            batch = [r for r in batch if r not in in_blocks]
             if not batch:
                 self.num_steps += 1
                 return outputs

@@ -265,7 +265,8 @@ class VerifiedDecoder:
 
     def __init__(self, model: torch.nn.Module, max_rows: int, max_tokens: int,
                  prefix_cache_tokens: int = PREFIX_CACHE_TOKENS) -> None:
-        self.model, self.k = model, draft_length(model) or LOOKUP_DRAFTS  # the default k
+        self.slots = draft_length(model)  # mask slots the model was trained to draft (0: prompt lookup only)
+        self.model, self.k = model, self.slots or LOOKUP_DRAFTS  # the default k
         self.pad = 2 * MAX_DRAFTS + 2
         max_len = max_tokens + self.pad
         config = model.config
@@ -297,12 +298,12 @@ class VerifiedDecoder:
             raise ValueError(f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) + "
                              f"{self.pad} draft columns exceed the decoder's {self.max_len}")
         ends = frozenset({self.model.config.eos_token_id}) if end_ids is None else frozenset(end_ids)
-        if params.draft_source != "lookup" and not draft_length(self.model):
+        if params.draft_source != "lookup" and not self.slots:
             raise ValueError(f"draft_source '{params.draft_source}' needs a hybrid model; use 'lookup'")
         k = params.num_speculative_tokens or self.k
         if k > MAX_DRAFTS:
             raise ValueError(f"num_speculative_tokens must be <= {MAX_DRAFTS}, got {k}")
-        slots = 0 if params.draft_source == "lookup" else min(k, draft_length(self.model))
+        slots = 0 if params.draft_source == "lookup" else min(k, self.slots)
         row = DraftRow(list(prompt_ids), params, make_generator(params.seed), k, ends, constraint=constraint,
                        slot_start=len(prompt_ids), num_slots=slots)
         if self.prefix_cache is not None:  # copy the cached prefix's keys/values into the row's pool row
@@ -447,7 +448,7 @@ class VerifiedDecoder:
         row.pending, row.slot_start = pending, pending + 1 + len(row.drafts)
         # slots are computed unless the drafts came from prompt lookup: the next drafts will then most likely
         # come from lookup too (if not, the pass after next drafts with slots again)
-        row.num_slots = 0 if policy == "lookup" or lookup else min(k, draft_length(self.model))
+        row.num_slots = 0 if policy == "lookup" or lookup else min(k, self.slots)
         self.tokens[i, row.slot_start : row.slot_start + row.num_slots] = self.model.config.mask_token_id
         return new
 
