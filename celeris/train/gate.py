@@ -19,7 +19,7 @@ import numpy as np
 import torch
 from tokenizers import Tokenizer
 
-from celeris.bench.quality import cut_function_body, has_code, heal_prompt, parses
+from celeris.bench.quality import cut_function_body, has_code, heal_prompt
 from celeris.params import SamplingParams
 from celeris.sampling.autoregressive import generate_autoregressive
 
@@ -80,12 +80,12 @@ def parse_rate(model: torch.nn.Module, tokenizer: Tokenizer, prompts: list[str],
     for prompt, answer in zip(prompts, out.token_ids, strict=True):
         answer = answer[: answer.index(eos)] if eos in answer else answer
         body = cut_function_body(tokenizer.decode(answer))
-        ok += has_code(body) and parses(prompt + body) and has_statement(prompt + body)
+        ok += has_code(body) and has_statement(prompt + body)  # has_statement parses it (False if it does not)
     return ok / len(prompts)
 
 
 def has_statement(source: str) -> bool:
-    """Whether the last function in ``source`` has a statement besides string literals (its docstring, or a run of
+    """Whether ``source`` parses and its last function has a statement besides string literals (its docstring, or a run of
     triple-quoted empty strings, which parses because Python joins adjacent strings: what a degenerate model repeats)."""
     try:
         functions = [n for n in ast.walk(ast.parse(source)) if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef)]
