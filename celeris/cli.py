@@ -590,13 +590,18 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(argv)
         _apply_threads(args)
-        return COMMANDS[args.command](args)
+        code = COMMANDS[args.command](args)
+        sys.stdout.flush()  # a closed pipe shows here, not in the interpreter's last flush
+        return code
     except (UsageError, ValueError, CheckpointError, FileNotFoundError) as exc:
         message = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         print(f"celeris: error: {message}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:  # the reader went away (`celeris generate ... | head`): stop quietly, as POSIX tools do
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error when Python flushes stdout
+        return 141  # 128 + SIGPIPE
 
 
 if __name__ == "__main__":

@@ -346,3 +346,20 @@ def test_bad_json_schema_file_exits_2(capsys, tiny_checkpoint, tmp_path, content
     code, out, err = run_cli(capsys, "generate", "x", "--model", str(tiny_checkpoint), "--json-schema", str(path))
     assert code == 2 and out == ""
     assert err.startswith("celeris: error:") and needle in err and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.slow  # a child process
+def test_a_closed_pipe_ends_quietly_without_a_traceback(tmp_path):
+    """`celeris generate ... | head`: a reader that has gone before the answer is printed (`true` reads nothing)
+    gives no traceback on stderr."""
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO_ROOT
+
+    cmd = (f"{sys.executable} -m celeris.cli generate 'def f(x):' --max-tokens 8 --threads 1 | true; "
+           "exit ${PIPESTATUS[0]}")
+    out = subprocess.run(["bash", "-c", cmd], capture_output=True, text=True, timeout=300, cwd=REPO_ROOT,
+                         env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1"})
+    assert "Traceback" not in out.stderr, out.stderr
+    assert out.returncode in (0, 141), out.stderr
