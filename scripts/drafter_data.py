@@ -99,6 +99,17 @@ def answer_batch(model, tokenizer, texts: list[str], max_new_tokens: int) -> lis
     return rows
 
 
+def heldout_prompts(shared: Path, count: int) -> list[dict]:
+    """Evaluation prompts (never trained on): the first GSM8K test questions and MT-Bench first turns, alternating."""
+    gsm = [json.loads(x)["question"] for x in (shared / "data/gsm8k/test.jsonl").read_text().splitlines()[:count]]
+    mt = [json.loads(x)["turns"][0] for x in (shared / "data/mt_bench/question.jsonl").read_text().splitlines()[:count]]
+    out = []
+    for i, (g, m) in enumerate(zip(gsm, mt, strict=False)):
+        out += [{"id": f"heldout-gsm8k-{i}", "source": "gsm8k", "messages": [{"role": "user", "content": g}]},
+                {"id": f"heldout-mtbench-{i}", "source": "mt_bench", "messages": [{"role": "user", "content": m}]}]
+    return out[:count]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shared", type=Path, default=Path("../shared"))
@@ -109,12 +120,14 @@ def main() -> None:
     ap.add_argument("--holdout-stories", type=int, default=300)
     ap.add_argument("--limit", type=int, default=0, help="stop after this many prompts (0: all)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--heldout", type=int, default=0, help="instead: this many held-out evaluation prompts")
     args = ap.parse_args()
     from safetensors.torch import save_file
 
     from celeris.bench.smollm2 import load_smollm2
 
-    todo = prompts(args.shared, args.holdout_gsm8k, args.holdout_stories, args.seed)
+    todo = (heldout_prompts(args.shared, args.heldout) if args.heldout
+            else prompts(args.shared, args.holdout_gsm8k, args.holdout_stories, args.seed))
     todo = todo[: args.limit] if args.limit else todo
     args.out.mkdir(parents=True, exist_ok=True)
     index = args.out / "answers.jsonl"
