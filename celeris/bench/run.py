@@ -298,6 +298,12 @@ def run_bench(cfg: BenchConfig) -> dict:
         if hybrid:  # verified decoding against the model's own next-token decoding
             fast = llm.default_params(max_tokens=length, temperature=0.0, decoding="verified")
             systems = [("hybrid-next-token", next_token(llm.model)), ("hybrid-verified", diffusion(fast))]
+        elif getattr(llm.model.config, "is_causal", False) and contract_of(llm.model) is None:
+            # a next-token model (Llama, Qwen2, Qwen3, the twin): the reference sampler, the engine, prompt lookup
+            engine = llm.default_params(max_tokens=length, temperature=0.0)
+            lookup = llm.default_params(max_tokens=length, temperature=0.0, decoding="verified", draft_source="lookup")
+            systems = [("ar-reference", next_token(llm.model)), ("ar-engine", diffusion(engine)),
+                       ("ar-lookup", diffusion(lookup))]
         elif contract_of(llm.model) is not None:  # a block model: its reference sampler, then the engine
             fast = llm.default_params(max_tokens=length, temperature=0.0)
             systems = [("block-reference", block_reference(llm, fast)), ("block-engine", diffusion(fast))]

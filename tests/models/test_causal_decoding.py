@@ -88,3 +88,18 @@ def test_cli_generate_on_the_folder(llama, capsys):
     record = json.loads(capsys.readouterr().out)
     prompt = llm.tokenizer.encode("def add(a, b):")
     assert record["token_ids"] == hf_greedy(hf, prompt, 6, False) and record["block_length"] == 1
+
+
+def test_bench_runs_the_next_token_systems(llama, tmp_path):
+    from celeris.bench.run import BenchConfig, run_bench
+    from tests.bench.test_run import write_prompts
+
+    folder, hf, llm = llama
+    prompts = tmp_path / "he.jsonl"
+    write_prompts(prompts)
+    results = run_bench(BenchConfig(model=str(folder), lengths=[8], batch_sizes=[1, 2], num_prompts=3, warmup=0,
+                                    prompts=str(prompts), out_dir=str(tmp_path / "out"), smollm2=False))
+    runs = [r for r in results["runs"] if "system" in r]
+    assert {r["system"] for r in runs} == {"ar-reference", "ar-engine", "ar-lookup"}
+    assert any(r["output_tokens"] for r in runs)
+    assert all(r["agreement_with_reference"] == 1.0 for r in runs if r["output_tokens"])  # all greedy, one model
