@@ -115,6 +115,9 @@ class LLM:
         contract = contract_of(self.model)
         if contract is not None:  # a block-diffusion model: its contract's decoding defaults, under the folder's own
             self.generation_config = {**contract.defaults, **self.generation_config}
+        if getattr(self.model.config, "GREEDY_UNLESS_DO_SAMPLE", False) and not self.generation_config.get("do_sample"):
+            # transformers' rule for its folders: temperature / top_p / top_k apply only with do_sample true
+            self.generation_config = {**self.generation_config, "temperature": 0.0}
         if getattr(self.model.config, "is_causal", False):  # what an autoregressive model can decode by default
             self.generation_config = causal_defaults(self.generation_config)
         # every id that ends an answer: end-of-text, the generation config's eos_token_id list, end-of-turn

@@ -103,3 +103,14 @@ def test_bench_runs_the_next_token_systems(llama, tmp_path):
     assert {r["system"] for r in runs} == {"ar-reference", "ar-engine", "ar-lookup"}
     assert any(r["output_tokens"] for r in runs)
     assert all(r["agreement_with_reference"] == 1.0 for r in runs if r["output_tokens"])  # all greedy, one model
+
+
+@pytest.mark.parametrize(("generation", "temperature"), [({"temperature": 0.7, "top_p": 0.8}, 0.0),
+                                                         ({"do_sample": True, "temperature": 0.7}, 0.7)])
+def test_generation_config_samples_only_with_do_sample(tmp_path, generation, temperature):
+    hf = tiny_causal("qwen2", tmp_path)
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": hf.config.eos_token_id,
+                                                                 **generation}))
+    llm = LLM(tmp_path)
+    params = llm.default_params(max_tokens=4)
+    assert params.temperature == temperature and params.block_length == 1 and params.cache == "delayed"
