@@ -90,6 +90,7 @@ def test_cli_generate_on_the_folder(llama, capsys):
     assert record["token_ids"] == hf_greedy(hf, prompt, 6, False) and record["block_length"] == 1
 
 
+@pytest.mark.slow  # the bench draws its plots (matplotlib)
 def test_bench_runs_the_next_token_systems(llama, tmp_path):
     from celeris.bench.run import BenchConfig, run_bench
     from tests.bench.test_run import write_prompts
