@@ -128,6 +128,7 @@ def test_cli_refuses_an_unknown_rope_type_with_one_line(tmp_path, capsys):
     config = json.loads((tmp_path / "config.json").read_text())
     config["rope_parameters"] = {"rope_type": "longrope", "rope_theta": 1e4, "short_factor": [1.0]}
     (tmp_path / "config.json").write_text(json.dumps(config))
+    capsys.readouterr()  # transformers' progress bar while saving
     assert main(["generate", "hi", "--model", str(tmp_path)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("celeris: error: ")
