@@ -115,3 +115,18 @@ def test_generation_config_samples_only_with_do_sample(tmp_path, generation, tem
     llm = LLM(tmp_path)
     params = llm.default_params(max_tokens=4)
     assert params.temperature == temperature and params.block_length == 1 and params.cache == "delayed"
+
+
+def test_repetition_penalty_equals_transformers(llama):
+    folder, hf, llm = llama
+    prompt = [5, 6, 7, 8, 9, 5, 6, 7]
+    out = llm.generate([prompt], llm.default_params(max_tokens=N, temperature=0.0, ignore_eos=True,
+                                                    repetition_penalty=1.5))[0]
+    eos = hf.generation_config.eos_token_id
+    hf.generation_config.eos_token_id = None
+    try:
+        ref = hf.generate(torch.tensor([prompt]), max_new_tokens=N, do_sample=False, repetition_penalty=1.5,
+                          pad_token_id=eos)[0, len(prompt):].tolist()
+    finally:
+        hf.generation_config.eos_token_id = eos
+    assert out.token_ids == ref != hf_greedy(hf, prompt, N, False)  # and the penalty changed the answer
