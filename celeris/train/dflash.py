@@ -239,6 +239,7 @@ def main(argv: list[str] | None = None) -> None:
     embed = tstate["model.embed_tokens.weight"].float()  # (V, d), frozen
     layer_ids = [int(x) for x in args.target_layer_ids.split(",")]
     stored = [int(x) for x in args.stored_layer_ids.split(",")]
+    data_size = (args.data / "answers.jsonl").stat().st_size
     rows = load_rows(args.data, layer_ids, stored)
     held = load_rows(args.heldout, layer_ids, stored, args.eval_rows)
     rope = (tcfg.get("rope_parameters") or {}).get("rope_theta", tcfg.get("rope_theta", 10000.0))
@@ -308,6 +309,10 @@ def main(argv: list[str] | None = None) -> None:
             log.flush()
             print(record, flush=True)
             save_dflash(model, args.out / "export")
+            if (args.data / "answers.jsonl").stat().st_size != data_size:  # the data job is still writing: take new rows
+                data_size = (args.data / "answers.jsonl").stat().st_size
+                data_size = (args.data / "answers.jsonl").stat().st_size
+    rows = load_rows(args.data, layer_ids, stored)
 
 
 if __name__ == "__main__":
