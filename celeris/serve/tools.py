@@ -34,6 +34,7 @@ from celeris.structured.grammar import (
     TOOL_CALL_CLOSE,
     TOOL_CALL_OPEN,
     GrammarError,
+    check_parameters,
     json_object_grammar,
     schema_grammar,
     tool_call_grammar,
@@ -101,7 +102,8 @@ def chat_grammar(request: ChatCompletionRequest) -> tuple[str | None, bool]:
 
     Raises:
         APIError: 400 for ``tool_choice`` without tools or naming an absent function, ``response_format``
-            together with a forced call, or a schema that cannot be enforced.
+            together with a forced call, parameters that are not an object schema (as OpenAI), or a schema that
+            cannot be enforced.
     """
     functions = declared_functions(request)
     mode = tool_mode(request)
@@ -109,10 +111,12 @@ def chat_grammar(request: ChatCompletionRequest) -> tuple[str | None, bool]:
         raise APIError(400, f"tool_choice '{mode}' needs tools; none were given", param="tool_choice")
     for i, tool in enumerate(request.tools or []):
         if tool.function.parameters is not None:
+            param = f"tools[{i}].function.parameters"
             try:
-                schema_grammar(tool.function.parameters, f"tools[{i}].function.parameters")
+                check_parameters(tool.function.parameters, param)
+                schema_grammar(tool.function.parameters, param)
             except GrammarError as exc:
-                raise _grammar_error(exc) from None
+                raise APIError(400, str(exc), param=exc.param, code="invalid_function_parameters") from None
     if mode in ("required", "named"):
         if request.response_format is not None and request.response_format.type != "text":
             raise APIError(400, "response_format cannot be combined with a forced tool call (tool_choice "
