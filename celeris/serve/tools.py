@@ -145,19 +145,16 @@ def chat_grammar(request: ChatCompletionRequest) -> tuple[str | None, bool]:
 
 
 def call_text(name: str, arguments: str) -> str:
-    """One call as the model writes it (compact JSON, as the grammar derives it)."""
-    try:
-        args = json.loads(arguments)
-    except json.JSONDecodeError:
-        args = arguments
-    return TOOL_CALL_OPEN + json.dumps({"name": name, "arguments": args}, separators=(",", ":")) + TOOL_CALL_CLOSE
+    """One call as the model writes it (compact JSON, as the grammar derives it); ``arguments``: JSON text."""
+    call = {"name": name, "arguments": json.loads(arguments)}
+    return TOOL_CALL_OPEN + json.dumps(call, separators=(",", ":")) + TOOL_CALL_CLOSE
 
 
 def template_messages(request: ChatCompletionRequest, template: str | None) -> tuple[list[dict], list[dict] | None]:
     """The conversation as the chat template is given it, and the tools to pass the template.
 
-    A template that reads ``tools`` gets the OpenAI tool list and the messages with their ``tool_calls``
-    (arguments as objects, as Hugging Face templates expect) and ``role: "tool"`` results. Any other template
+    A template that reads ``tools`` gets the OpenAI tool list and the messages with their ``name``, their
+    ``tool_calls`` (arguments as objects, as Hugging Face templates expect) and ``role: "tool"`` results. Any other template
     (Hermes fallback) gets plain text: the tool list in a system message (``HERMES_TOOLS_PROMPT``), each call as
     ``<tool_call>...</tool_call>`` in the assistant's content, and each result as a user message
     ``<tool_response>...</tool_response>`` (consecutive results merged), so templates that know only
@@ -174,10 +171,10 @@ def template_messages(request: ChatCompletionRequest, template: str | None) -> t
     if native:
         out = []
         for m in request.messages:
-            d: dict = {"role": m.role, "content": m.text()}
+            d: dict = {"role": m.role, "content": m.text()} | ({"name": m.name} if m.name else {})
             if m.tool_calls:
                 d["tool_calls"] = [{"id": c.id, "type": "function",
-                                    "function": {"name": c.function.name, "arguments": _loads(c.function.arguments)}}
+                                    "function": {"name": c.function.name, "arguments": json.loads(c.function.arguments)}}
                                    for c in m.tool_calls]
             if m.tool_call_id:
                 d["tool_call_id"] = m.tool_call_id
@@ -192,7 +189,8 @@ def template_messages(request: ChatCompletionRequest, template: str | None) -> t
             else:
                 out.append({"role": "user", "content": piece, "_tool_results": True})
             continue
-        out.append({"role": m.role, "content": _assistant_text(m) if m.role == "assistant" else m.text()})
+        out.append({"role": m.role, "content": _assistant_text(m) if m.role == "assistant" else m.text()}
+                   | ({"name": m.name} if m.name else {}))
     for d in out:
         d.pop("_tool_results", None)
     if tools:
@@ -203,13 +201,6 @@ def template_messages(request: ChatCompletionRequest, template: str | None) -> t
         else:
             out.insert(0, {"role": "system", "content": system})
     return out, None
-
-
-def _loads(arguments: str) -> object:
-    try:
-        return json.loads(arguments)
-    except json.JSONDecodeError:
-        return arguments
 
 
 def _assistant_text(m: ChatMessage) -> str:
