@@ -207,18 +207,21 @@ class Tokenizer:
         special = {a.content: i for i, a in self._tok.get_added_tokens_decoder().items() if a.special}
         return [s for s in stop if s not in special], [special[s] for s in stop if s in special]
 
-    def encode(self, text: str, as_text: Iterable[str] | None = None) -> list[int]:
+    def encode(self, text: str, as_text: Iterable[str] | None = None, add_special_tokens: bool = True) -> list[int]:
         """Text -> token ids. Special tokens written in ``text`` keep their ids (a hand-written chat prompt
         works, as in vLLM), except the strings in ``as_text`` (default: ``reserved_tokens``, the mask and pad
-        tokens), which are encoded as the plain text they are: user text never becomes a reserved id."""
+        tokens), which are encoded as the plain text they are: user text never becomes a reserved id.
+        ``add_special_tokens``: let tokenizer.json's post-processor add its tokens (e.g. a BOS id); a rendered
+        chat template is encoded without them, as transformers' ``apply_chat_template`` does (the template writes
+        its own)."""
         literal = [t for t in (self.reserved_tokens if as_text is None else as_text) if t]
         if not literal or not any(t in text for t in literal):
-            return self._tok.encode(text).ids
+            return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
         pattern = "(" + "|".join(re.escape(t) for t in sorted(literal, key=len, reverse=True)) + ")"
         ids: list[int] = []
         for i, piece in enumerate(re.split(pattern, text)):  # odd pieces are the literal strings
             if piece:
-                ids += (self._text_tok if i % 2 else self._tok).encode(piece).ids
+                ids += (self._text_tok if i % 2 else self._tok).encode(piece, add_special_tokens=add_special_tokens).ids
         return ids
 
     def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None,
@@ -242,9 +245,9 @@ class Tokenizer:
         ids: list[int] = []
         for piece in re.split("([" + "".join(back) + "])", rendered) if back else [rendered]:
             if piece in back:
-                ids += self._text_tok.encode(back[piece]).ids
+                ids += self._text_tok.encode(back[piece], add_special_tokens=False).ids
             elif piece:
-                ids += self.encode(piece)
+                ids += self.encode(piece, add_special_tokens=False)
         return ids
 
     def _sentinels(self, values: object) -> tuple[Callable[[object], object], dict[str, str]]:
