@@ -197,20 +197,19 @@ INVALID_ARGUMENTS = {"defs": {"points": [{"x": 1}]}, "definitions": {"at": {"x":
 
 @pytest.mark.parametrize("kind", sorted(REFERRING_PARAMETERS))
 def test_tool_parameters_with_references_are_enforced(kind):
-    """A call's arguments follow their own ``$ref``s: the grammar compiles for forced and ``auto`` calls, takes
-    a valid nested call and refuses one that breaks the referenced schema."""
+    """A call's arguments follow their own ``$ref``s: the grammar compiles, takes a valid nested call and refuses
+    one that breaks the referenced schema (every tool_choice: tests/serve/test_tools.py)."""
     params = REFERRING_PARAMETERS[kind]
     jsonschema.validate(VALID_ARGUMENTS[kind], params)  # the test's own data, checked by the reference validator
     with pytest.raises(jsonschema.ValidationError):
         jsonschema.validate(INVALID_ARGUMENTS[kind], params)
     tok = Tokenizer(REPO_ROOT / "celeris" / "checkpoints" / "celeris-code-6m")
-    for grammar in (tool_call_grammar({"f": params}, parallel=False), tool_call_grammar({"f": params}, True, "text")):
-        matcher = Constraint(grammar, grammar_tokenizer(tok)).matcher
-        for arguments, ok in ((VALID_ARGUMENTS[kind], True), (INVALID_ARGUMENTS[kind], False)):
-            body = json.dumps({"name": "f", "arguments": arguments}, separators=(",", ":"))
-            m = matcher.deep_copy()
-            accepted = all(m.consume_token(t) for t in tok.encode(TOOL_CALL_OPEN + body + TOOL_CALL_CLOSE))
-            assert (accepted and m.is_accepting()) is ok, (kind, arguments)
+    matcher = Constraint(tool_call_grammar({"f": params}, parallel=False), grammar_tokenizer(tok)).matcher
+    for arguments, ok in ((VALID_ARGUMENTS[kind], True), (INVALID_ARGUMENTS[kind], False)):
+        body = json.dumps({"name": "f", "arguments": arguments}, separators=(",", ":"))
+        m = matcher.deep_copy()
+        accepted = all(m.consume_token(t) for t in tok.encode(TOOL_CALL_OPEN + body + TOOL_CALL_CLOSE))
+        assert (accepted and m.is_accepting()) is ok, (kind, arguments)
 
 
 def test_tool_parameters_must_be_an_object_schema():
