@@ -232,9 +232,11 @@ class Tokenizer:
         arguments), tool definitions (names, descriptions, parameter schemas, keys included) and the extra
         template variables ``template_kwargs`` (a user cannot forge a role marker or a mask).
 
-        Each such string is swapped for a character absent from all of those strings and from the template before
-        rendering (``as_text``), and encoded as text where that character lands. ``tools`` (OpenAI tool
-        definitions) go to a template that reads them (``apply_chat_template``), as do ``template_kwargs``.
+        Each such string is swapped for a character of its own, absent from all of those strings and from the
+        template, before rendering (``_sentinels``), and encoded as text where that character lands; everything
+        else is encoded without tokenizer.json's post-processor tokens, as ``apply_chat_template`` does. ``tools``
+        (OpenAI tool definitions) go to a template that reads them (``apply_chat_template``), as do
+        ``template_kwargs``.
 
         Raises:
             ValueError: a ``template_kwargs`` name that is one of the renderer's own (``apply_chat_template``).
@@ -254,10 +256,10 @@ class Tokenizer:
         """(swap, back): ``swap(value)`` copies ``value`` (strings, lists, tuples and dicts, keys included) with
         every special-token string replaced by its own character; ``back`` maps each character to its token.
 
-        The characters are CJK ideographs of Extension B (U+20000 on), which no tokenizer's special tokens use:
-        printable, without case and kept as they are by ``tojson`` and ``repr``, so a template that prints a
-        value through a filter still shows the character. The first run of them that none of ``values`` nor the
-        template contains is taken."""
+        The characters are CJK ideographs of Extension B (U+20000 on): printable, without case and kept as they
+        are by ``tojson`` and ``repr``, so a template that prints a value through a filter still shows the
+        character (a private-use character would come out of ``repr`` as an escape). The first run of them that
+        neither ``values`` nor the template contains is taken."""
         tokens = self.all_special_tokens
         if not tokens:
             return (lambda value: value), {}
