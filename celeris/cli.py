@@ -245,6 +245,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
+    from jinja2 import TemplateError
+
     llm, params = _load(args)
     messages: list[dict[str, str]] = []
     print("celeris chat: empty line or Ctrl-D to quit", file=sys.stderr)
@@ -256,10 +258,10 @@ def cmd_chat(args: argparse.Namespace) -> int:
         if not line:
             break
         messages.append({"role": "user", "content": line})
-        prompt_ids = llm.tokenizer.encode_chat(messages, add_generation_prompt=True)  # contents stay text
         try:
+            prompt_ids = llm.tokenizer.encode_chat(messages, add_generation_prompt=True)  # contents stay text
             answer = llm.generate([prompt_ids], params)[0].text
-        except ValueError as exc:  # e.g. the conversation outgrew the context window
+        except (ValueError, TemplateError) as exc:  # the conversation outgrew the context, the template refused it
             print(f"celeris: error: {exc}", file=sys.stderr)
             messages.pop()
             continue

@@ -93,10 +93,28 @@ def json_object_grammar() -> str:
     return schema_grammar({"type": "object"}, "response_format")
 
 
-def call_schema(name: str, parameters: dict) -> dict:
-    """The JSON Schema of one call ``{"name": name, "arguments": <parameters>}``."""
-    return {"type": "object", "properties": {"name": {"const": name}, "arguments": parameters},
-            "required": ["name", "arguments"], "additionalProperties": False}
+def check_parameters(schema: object, param: str) -> dict:
+    """A function's ``parameters`` as a dict after checking it is a valid JSON Schema whose ``type`` is
+    ``"object"`` (a call's arguments are a JSON object; OpenAI refuses any other parameters schema likewise).
+
+    Raises:
+        GrammarError: not a valid schema, or not of type "object" (message names ``param``).
+    """
+    schema = check_schema(schema, param)
+    if schema.get("type") != "object":
+        raise GrammarError(f"'{param}' must be a JSON Schema of type \"object\" (a call's arguments are a JSON "
+                           f"object), got type {json.dumps(schema.get('type'))}", param)
+    return schema
+
+
+def call_rules(index: int, name: str, parameters: dict) -> list[str]:
+    """The grammar rules of one call ``{"name":<name>,"arguments":<parameters>}`` (compact JSON): the name as a
+    literal and the arguments as a JSON Schema of their own (``args_<index>: %json``), so that the schema's
+    ``$ref``s (``#/$defs/...``, ``#``) resolve against the parameters themselves, as they were written, not
+    against a call object they were embedded in."""
+    head = json.dumps(f'{{"name":{json.dumps(name)},"arguments":')  # a Lark string literal
+    args = json.dumps({**parameters, "x-guidance": JSON_OPTIONS})  # llguidance's compile options, inline
+    return [f'call_{index}: {head} args_{index} "}}"', f"args_{index}: %json {args}"]
 
 
 # ``tool_choice: "auto"``'s other branch: free text (at least one character) in which the call tag never occurs,
@@ -113,12 +131,12 @@ def tool_call_grammar(functions: dict[str, dict], parallel: bool = True, alterna
     the call tag) or the compact JSON of a schema (a dict: ``response_format`` beside the tools).
 
     Raises:
-        GrammarError: a parameters schema that cannot be enforced (param ``tools``).
+        GrammarError: a parameters schema that is not an object schema or cannot be enforced (param ``tools``).
     """
     if not functions:
         raise GrammarError("no function to call", "tools")
     for name, params in functions.items():
-        check_schema(params, f"tools[{name}].function.parameters")
+        check_parameters(params, f"tools[{name}].function.parameters")
     alternatives = " | ".join(f"call_{i}" for i in range(len(functions)))
     answer = "calls" if parallel else "call"
     if alternative is None:
@@ -129,8 +147,7 @@ def tool_call_grammar(functions: dict[str, dict], parallel: bool = True, alterna
         lines = [f"start: {answer} | other", f"other: %json {json.dumps({**alternative, 'x-guidance': JSON_OPTIONS})}"]
     lines += ['calls: call ("\\n" call)*', f'call: "{TOOL_CALL_OPEN}" body "{TOOL_CALL_CLOSE}"', f"body: {alternatives}"]
     for i, (name, params) in enumerate(functions.items()):
-        schema = {**call_schema(name, params), "x-guidance": JSON_OPTIONS}  # llguidance's compile options, inline
-        lines.append(f"call_{i}: %json {json.dumps(schema)}")
+        lines += call_rules(i, name, params)
     return _validated("\n".join(lines) + "\n", "tools")
 
 

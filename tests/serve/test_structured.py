@@ -307,3 +307,17 @@ def test_auto_decodes_unconstrained_where_a_grammar_cannot_run(tmp_path):
         assert status == 400 and out["error"]["param"] == "tool_choice"
     finally:
         serving.stop()
+
+
+@pytest.mark.slow
+def test_forced_call_of_a_nested_pydantic_tool_validates(sclient):
+    """Issue 28 item 1 end to end: a tool whose parameters are a pydantic model with a nested model ($defs/$ref)
+    is served for required and named tool_choice, and the call's arguments validate against the nested schema."""
+    tool = {"type": "function", "function": {"name": "register", "parameters": Person.model_json_schema()}}
+    assert "$defs" in tool["function"]["parameters"]
+    for choice in ("required", {"type": "function", "function": {"name": "register"}}):
+        out = sclient.chat.completions.create(model=MODEL_NAME, messages=USER, tools=[tool], tool_choice=choice,
+                                              parallel_tool_calls=False, max_tokens=128, temperature=0.7, seed=5)
+        (call,) = out.choices[0].message.tool_calls
+        assert call.function.name == "register" and out.choices[0].finish_reason == "tool_calls"
+        jsonschema.validate(json.loads(call.function.arguments), tool["function"]["parameters"])
