@@ -86,7 +86,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--json", action="store_true", help="print one JSON object")
     g.add_argument("--show-denoising", action="store_true", help="redraw the answer after every step")
 
-    c = sub.add_parser("chat", help="interactive chat loop (uses the chat template)")
+    c = sub.add_parser("chat", help="interactive chat loop (uses the chat template; the embedded code models "
+                                    "answer in '#' comment lines: use generate for code)")
     _sampling_args(c)
 
     t = sub.add_parser("train", help="train a model (masked diffusion or autoregressive)")
@@ -379,7 +380,8 @@ def _batch_parser(sub) -> None:
     rep.add_argument("results")
     rep.add_argument("--input", help="the job's input: also count ids without a record (missing) and extra records")
     rep.add_argument("--json", help="write the report as JSON here")
-    rep.add_argument("--plot", help="write a PNG histogram of output lengths here (needs matplotlib)")
+    rep.add_argument("--plot", help="write a PNG histogram of output lengths here (needs the 'report' extra: "
+                                    "pip install 'celeris[report]')")
 
 
 BATCH_OK, BATCH_ENGINE_FAILED, BATCH_USAGE, BATCH_SOME_FAILED = 0, 1, 2, 3  # `celeris batch run` exit codes
