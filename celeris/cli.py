@@ -18,6 +18,7 @@ import sys
 import time
 from pathlib import Path
 
+from celeris.data import existing
 from celeris.models.loader import CheckpointError
 
 EMBEDDED_AR = "celeris-code-6m-ar"  # the shipped autoregressive twin, `celeris bench`'s default baseline
@@ -92,7 +93,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--json", action="store_true", help="print one JSON object")
     g.add_argument("--show-denoising", action="store_true", help="redraw the answer after every step")
 
-    c = sub.add_parser("chat", help="interactive chat loop (uses the chat template)")
+    c = sub.add_parser("chat", help="interactive chat loop (uses the chat template; the embedded code models "
+                                    "answer in '#' comment lines: use generate for code)")
     _sampling_args(c)
 
     t = sub.add_parser("train", help="train a model (masked diffusion or autoregressive)")
@@ -126,7 +128,7 @@ def build_parser() -> argparse.ArgumentParser:
     ev = sub.add_parser("eval", help="quality check: HumanEval prompts, ast.parse rate, repetition")
     ev.add_argument("suite", choices=["humaneval"])
     _sampling_args(ev)
-    ev.add_argument("--data", default="../shared/data/humaneval/HumanEval.jsonl.gz", help="HumanEval JSONL(.gz)")
+    ev.add_argument("--data", help="HumanEval JSONL(.gz) file (default: the HumanEval set shipped in celeris/data)")
     ev.add_argument("--limit", type=int, help="first N problems only")
     ev.add_argument("--out", help="write the full results as JSON here")
 
@@ -138,7 +140,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--batch-sizes", default="1", help="comma-separated batch sizes (prompts decoded together)")
     b.add_argument("--num-prompts", type=int, default=8, help="first N HumanEval prompts")
     b.add_argument("--warmup", type=int, default=1, help="untimed batches per system and length")
-    b.add_argument("--prompts", default="../shared/data/humaneval/HumanEval.jsonl.gz")
+    b.add_argument("--prompts", help="HumanEval JSONL(.gz) file (default: the HumanEval set shipped in celeris/data)")
     b.add_argument("--out", default="bench-results", help="folder for bench.json and tokens_per_s.png")
     b.add_argument("--no-smollm2", action="store_true", help="leave SmolLM2-135M out even when installed")
     b.add_argument("--fast-tokens-per-step", type=int,
@@ -293,7 +295,8 @@ def cmd_train(args: argparse.Namespace) -> int:
 def cmd_eval(args: argparse.Namespace) -> int:
     from celeris.bench.quality import evaluate_humaneval, load_humaneval
 
-    problems = load_humaneval(args.data)[: args.limit]
+    data = existing(args.data, "a HumanEval JSONL(.gz) file", "--data") if args.data else None
+    problems = load_humaneval(data)[: args.limit]
     llm, params = _load(args)
     report = evaluate_humaneval(llm, params, problems)
     if args.out:
@@ -324,6 +327,8 @@ def bench_ar_model(model: str | None, ar_model: str | None) -> str | None:
 def cmd_bench(args: argparse.Namespace) -> int:
     from celeris.bench.run import BenchConfig, format_table, run_bench
 
+    if args.prompts is not None:
+        existing(args.prompts, "a HumanEval JSONL(.gz) file", "--prompts")
     ar_model = bench_ar_model(args.model, args.ar_model)
 
     def integers(flag: str, text: str) -> list[int]:
@@ -386,7 +391,8 @@ def _batch_parser(sub) -> None:
     rep.add_argument("results")
     rep.add_argument("--input", help="the job's input: also count ids without a record (missing) and extra records")
     rep.add_argument("--json", help="write the report as JSON here")
-    rep.add_argument("--plot", help="write a PNG histogram of output lengths here (needs matplotlib)")
+    rep.add_argument("--plot", help="write a PNG histogram of output lengths here (needs the 'report' extra: "
+                                    "pip install 'celeris[report]')")
 
 
 BATCH_OK, BATCH_ENGINE_FAILED, BATCH_USAGE, BATCH_SOME_FAILED = 0, 1, 2, 3  # `celeris batch run` exit codes

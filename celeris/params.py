@@ -123,14 +123,17 @@ class SamplingParams:
     entropy_bound: float | None = setting(None, low=0.0, high=1e12, unset=0.5,
                                           help="summed entropy bound in nats of decoding 'entropy' (EB-sampler)")
     cfg_scale: float = setting(0.0, low=0.0, high=100.0, per_row=True,
-                               help="classifier-free guidance scale (LLaDA Eq. 16; 0 = off)")
+                               help="classifier-free guidance scale (LLaDA Eq. 16; 0 = off; not with decoding "
+                               "'verified')")
     repetition_penalty: float = setting(1.0, low=0.01, high=100.0, per_row=True,
-                                        help="CTRL repetition penalty (arXiv:1909.05858; 1 = off)")
+                                        help="CTRL repetition penalty (arXiv:1909.05858; 1 = off; not with decoding "
+                                        "'verified')")
     seed: int | None = setting(None, low=0, high=MAX_SEED, per_row=True, http=False,
                                help="per-request RNG seed (None: a fresh one)")
     stop: list[str] = setting(default_factory=list, per_row=True, http=False, cli={"action": "append"},
-                              help="stop string (repeatable); one that is exactly a special token ends the answer "
-                              "at that token")
+                              help="stop string (repeatable), taken literally: no escapes are read, so for a newline "
+                              "write one (bash: --stop $'\\ndef ', not \"\\ndef \", which is a backslash and an n); "
+                              "one that is exactly a special token ends the answer at that token")
     stop_token_ids: list[int] = setting(default_factory=list, per_row=True,
                                         cli={"flags": ("--stop-token-id",), "action": "append", "type": int},
                                         help="token id that ends the answer, besides the model's end ids (vLLM)")

@@ -363,3 +363,24 @@ def test_a_closed_pipe_ends_quietly_without_a_traceback(tmp_path):
                          env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1"})
     assert "Traceback" not in out.stderr, out.stderr
     assert out.returncode in (0, 141), out.stderr
+
+
+def help_text(capsys, *argv: str) -> str:
+    with pytest.raises(SystemExit):
+        main([*argv, "--help"])
+    return " ".join(capsys.readouterr().out.split())  # argparse's line wrapping undone
+
+
+def test_help_texts_say_what_the_code_does(capsys):
+    """--stop is taken literally (bash passes "\\ndef " as a backslash and an n: $'\\ndef ' is a newline); the
+    settings verified decoding refuses say so; --plot needs the report extra; chat warns that the embedded code
+    models answer in comment lines."""
+    from celeris.cli import build_parser
+
+    assert build_parser().parse_args(["generate", "x", "--stop", "\\ndef "]).stop == ["\\ndef "]  # no unescaping
+    generate = help_text(capsys, "generate")
+    assert "--stop $'\\ndef '" in generate and "a backslash and an n" in generate
+    for flag in ("--repetition-penalty", "--cfg-scale"):
+        assert "not with decoding 'verified'" in generate.split(flag + " ")[-1].split(" --")[0], flag
+    assert "pip install 'celeris[report]'" in help_text(capsys, "batch", "report")
+    assert "answer in '#' comment lines" in help_text(capsys)

@@ -74,7 +74,7 @@ class BenchConfig:
     batch_sizes: list[int] = field(default_factory=lambda: [1])
     num_prompts: int = 8
     warmup: int = 1
-    prompts: str = "../shared/data/humaneval/HumanEval.jsonl.gz"
+    prompts: str | None = None  # a HumanEval JSONL(.gz) file; None: the set shipped in celeris/data
     out_dir: str = "bench-results"
     smollm2: bool = True  # add SmolLM2-135M (system and judge) when its weights are installed
     # dllm-fast with steps = ceil(length / K) instead of the model's steps (None: the model's)

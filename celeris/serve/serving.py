@@ -56,11 +56,13 @@ from celeris.serve.protocol import (
 )
 from celeris.serve.tools import (
     chat_grammar,
+    check_answer_grammar,
     declared_functions,
     response_format_grammar,
     template_messages,
     tool_mode,
 )
+from celeris.structured.grammar import answer_matches
 
 DISCONNECT_POLL_S = 0.01  # most seconds between two client-disconnect checks while events flow
 IDLE_WAKE_S = 0.25  # wake this often when no event comes, to check time-out and disconnect
@@ -234,7 +236,9 @@ class OpenAIServing:
         """POST /v1/completions: one choice per prompt and ``n``; ``suffix`` fills the gap before it."""
         arrival = time.perf_counter()
         self._check_common(request)
-        params = self._params(request, request.max_tokens, response_format_grammar(request.response_format))
+        grammar = response_format_grammar(request.response_format)
+        check_answer_grammar(grammar, getattr(self.llm, "grammar_tokenizer", None), "response_format")
+        params = self._params(request, request.max_tokens, grammar)
         encoded = [self._encode(p, params, request.suffix, "prompt") for p in request.prompts()]
         run = await self._start(request, params, encoded, arrival, is_disconnected)
         rid, created = random_id("cmpl"), now()
@@ -254,6 +258,8 @@ class OpenAIServing:
         max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
         grammar, optional = chat_grammar(request)
         field = "tool_choice" if tool_mode(request) in ("required", "named") else "response_format"
+        check_answer_grammar(grammar, getattr(self.llm, "grammar_tokenizer", None),
+                             "tools" if request.tools and tool_mode(request) != "none" else "response_format")
         try:
             params = self._params(request, max_tokens, grammar, field)
         except APIError:
@@ -447,6 +453,7 @@ class OpenAIServing:
                 if event.finished or choice.text.stopped:
                     choice.done = True
                     choice.finish_reason = "stop" if choice.text.stopped else (event.finish_reason or "length")
+                    self._check_constrained(run, event.index)
                     self.metrics.nfe.observe(event.nfe)
                 if delta and run.first_text_time is None:
                     run.first_text_time = time.perf_counter()
@@ -473,6 +480,21 @@ class OpenAIServing:
                 # the client disconnected) or failed: free the slots at the next step boundary.
                 run.group.abort()
                 self.metrics.aborted.labels(reason=run.abort_reason or "disconnect").inc()
+
+    def _check_constrained(self, run: _Run, index: int) -> None:
+        """A finished constrained answer is returned as ``stop`` only if it is a complete sentence of its grammar
+        (``answer_matches``): one cut by the budget stays ``length``; any other is a 500 ``invalid_output``
+        (an error event when streamed), counted in ``celeris_failed_requests``. A stop string ends free text
+        only (``stops_apply``), so an answer it ended is not checked."""
+        choice, grammar = run.choices[index], run.group.inputs[index].params.grammar
+        if grammar is None or choice.finish_reason != "stop" or choice.text.stopped:
+            return
+        if answer_matches(grammar, self.llm.grammar_tokenizer, choice.text.token_ids):
+            return
+        run.abort_reason = "error"
+        self.metrics.failed.labels(code="invalid_output").inc()
+        raise APIError(500, "the answer ended before it was complete under its response_format or tool grammar "
+                            "(it does not validate), so it is not returned", code="invalid_output")
 
     async def _collect(self, run: _Run) -> list[str]:
         async for _ in self._updates(run):

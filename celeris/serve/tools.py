@@ -34,6 +34,7 @@ from celeris.structured.grammar import (
     TOOL_CALL_CLOSE,
     TOOL_CALL_OPEN,
     GrammarError,
+    check_grammar,
     check_parameters,
     json_object_grammar,
     schema_grammar,
@@ -69,6 +70,21 @@ def response_format_grammar(fmt: ResponseFormat | None) -> str | None:
             raise APIError(400, "response_format of type 'json_schema' needs json_schema.schema",
                            param="response_format.json_schema", code="missing_required_parameter")
         return schema_grammar(fmt.json_schema.json_schema)
+    except GrammarError as exc:
+        raise _grammar_error(exc) from None
+
+
+def check_answer_grammar(grammar: str | None, tokenizer, param: str) -> None:
+    """Refuse a grammar that admits no answer, or only the empty one, for this model's tokenizer
+    (``celeris.structured.grammar.check_grammar``); nothing to check without a grammar or a ``tokenizer``.
+
+    Raises:
+        APIError: 400 naming ``param``.
+    """
+    if grammar is None or tokenizer is None:
+        return
+    try:
+        check_grammar(grammar, tokenizer, param)
     except GrammarError as exc:
         raise _grammar_error(exc) from None
 

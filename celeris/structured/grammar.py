@@ -19,6 +19,8 @@ from functools import lru_cache
 import numpy as np
 import torch
 
+from celeris.structured.finite import has_finite_value
+
 try:  # an optional import at module load: the error names the package when a grammar is first asked for
     import llguidance as llg
 except ImportError:  # pragma: no cover - llguidance is a dependency in pyproject.toml
@@ -51,10 +53,11 @@ def _lib():
 
 
 def check_schema(schema: object, param: str) -> dict:
-    """``schema`` as a dict after checking it is a valid JSON Schema (Draft 2020-12 meta-schema, ``jsonschema``).
+    """``schema`` as a dict after checking it is a valid JSON Schema (Draft 2020-12 meta-schema, ``jsonschema``)
+    that some finite value may validate against (``celeris.structured.finite.has_finite_value``).
 
     Raises:
-        GrammarError: not an object, or not a valid schema (message names ``param``).
+        GrammarError: not an object, not a valid schema, or one no finite value validates (message names ``param``).
     """
     import jsonschema
 
@@ -64,6 +67,9 @@ def check_schema(schema: object, param: str) -> dict:
         jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator).check_schema(schema)
     except jsonschema.SchemaError as exc:
         raise GrammarError(f"'{param}' is not a valid JSON Schema: {exc.message}", param) from None
+    if not has_finite_value(schema):
+        raise GrammarError(f"'{param}' admits no finite JSON value: every value would have to contain itself "
+                           "(a '$ref' that recurses without a way out) or a required part is 'false'", param)
     return schema
 
 
@@ -188,6 +194,43 @@ def grammar_tokenizer(tokenizer, vocab_size: int | None = None):
 def _bits(matcher) -> np.ndarray:
     """(tokenizer vocab rounded up to 32,) bool: the tokens ``matcher`` accepts next."""
     return np.unpackbits(np.frombuffer(matcher.compute_bitmask(), dtype=np.uint8), bitorder="little").astype(bool)
+
+
+@lru_cache(maxsize=64)
+def _start_problem(grammar: str, tokenizer) -> str | None:
+    matcher = _lib().LLMatcher(tokenizer, grammar, log_level=0)
+    if not matcher.is_error():
+        bits = _bits(matcher)  # the first mask: llguidance finds some errors only when it computes one
+        if not matcher.is_error():
+            others = np.flatnonzero(bits)
+            if not any(t != tokenizer.eos_token for t in others.tolist()):
+                return "it admits only the empty answer"
+            if matcher.is_accepting():
+                return "it admits the empty answer (no JSON text or call is empty)"
+            return None
+    reason = matcher.get_error() or str(matcher.stop_reason())
+    return f"it admits no answer for this model's tokenizer ({reason.splitlines()[0]})"
+
+
+def check_grammar(grammar: str, tokenizer, param: str) -> None:
+    """Refuse a grammar that cannot start an answer for ``tokenizer`` (``grammar_tokenizer``): llguidance fails on
+    its first mask, or it admits only the empty answer (no JSON text is empty). Cached per (grammar, tokenizer).
+
+    Raises:
+        GrammarError: naming ``param``, the request field the grammar comes from.
+    """
+    problem = _start_problem(grammar, tokenizer)
+    if problem is not None:
+        raise GrammarError(f"'{param}' cannot be enforced: {problem}", param)
+
+
+def answer_matches(grammar: str, tokenizer, token_ids: list[int]) -> bool:
+    """Whether the answer ``token_ids`` (without its end-of-text id) is a complete sentence of ``grammar``: the
+    check a finished constrained answer must pass before it is returned as ``finish_reason: "stop"``."""
+    matcher = _lib().LLMatcher(tokenizer, grammar, log_level=0)
+    if matcher.is_error() or not matcher.consume_tokens([int(t) for t in token_ids]):
+        return False
+    return not matcher.is_error() and (matcher.is_accepting() or matcher.is_stopped())
 
 
 def _closer_ids(tokenizer) -> list[int]:

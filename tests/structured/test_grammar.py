@@ -217,3 +217,27 @@ def test_tool_parameters_must_be_an_object_schema():
         with pytest.raises(GrammarError, match='type "object"') as exc:
             tool_call_grammar({"f": params})
         assert exc.value.param == "tools[f].function.parameters"
+
+
+def test_a_grammar_that_admits_no_answer_is_refused_for_the_tokenizer(json_llm):
+    """llguidance compiles ``{"$ref": "#"}`` but fails at its first mask; ``check_grammar`` finds that before any
+    request is queued, and ``answer_matches`` is the check a finished answer must pass."""
+    import llguidance
+
+    from celeris.structured.grammar import JSON_OPTIONS, answer_matches, check_grammar
+
+    loop = llguidance.LLMatcher.grammar_from_json_schema({"$ref": "#"}, defaults=JSON_OPTIONS)
+    with pytest.raises(GrammarError, match="cannot be enforced") as exc:
+        check_grammar(loop, json_llm.grammar_tokenizer, "response_format")
+    assert exc.value.param == "response_format"
+    with pytest.raises(GrammarError, match="empty answer"):
+        check_grammar(llguidance.LLMatcher.grammar_from_lark('start: "" | "{}"'), json_llm.grammar_tokenizer, "x")
+    grammar = json_object_grammar()
+    check_grammar(grammar, json_llm.grammar_tokenizer, "response_format")
+    encode = json_llm.tokenizer.encode
+    assert answer_matches(grammar, json_llm.grammar_tokenizer, encode('{"a":[1]}'))
+    assert not answer_matches(grammar, json_llm.grammar_tokenizer, encode('{"a":[1]'))
+    assert not answer_matches(grammar, json_llm.grammar_tokenizer, [])
+    assert not answer_matches(loop, json_llm.grammar_tokenizer, [])
+    with pytest.raises(GrammarError, match="admits no finite JSON value"):
+        schema_grammar({"type": "array", "items": {"$ref": "#"}, "minItems": 1})

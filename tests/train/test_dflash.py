@@ -39,14 +39,13 @@ def test_the_loss_is_the_decayed_cross_entropy_of_every_block_position():
 def test_acceptance_along_the_greedy_path_equals_dflashs_decoding_loop():
     """The walk over drafts at every start == a loop that drafts with the lagging cache and verifies greedily."""
     model = tiny(block_size=4)
-    embed, head = torch.randn(50, 32), torch.randn(50, 32)
-    model.draft_logits = lambda hidden, _w: (hidden @ embed.T).float()  # the tied head of the training code
+    embed = torch.randn(50, 32)  # also the head, as SmolLM2's tied one
     torch.manual_seed(1)
     ids = torch.randint(0, 50, (30,))
     feats = torch.randn(29, 64)
     # make some drafts right: the "target's" tokens are the drafter's own argmax at some starts
     for s in (8, 9, 15, 16, 17):
-        ids[s + 1] = model.draft_logits(full_pass(model, embed, feats, int(ids[s]), s)[None, 1:2], None).argmax()
+        ids[s + 1] = model.draft_logits(full_pass(model, embed, feats, int(ids[s]), s)[None, 1:2], embed).argmax()
     row = Row(ids, 8, feats)
     got = acceptance(model, embed, [row], 3)
     cache, s, seen, lengths = DraftKVCache(), 8, 0, []
