@@ -7,7 +7,10 @@ come: the validation in ``__post_init__``, the CLI flags (``celeris.cli``), the 
 Choices come from the registries (``celeris.sampling.rules.COMMIT_RULES`` and ``REMASKING``,
 ``celeris.sampling.cache.CACHE_MODES``), read at call time, so a rule registered after import is a valid choice
 everywhere. A setting that only some rules read (``rule_settings``) is refused, naming both, when the request
-chose another rule (HTTP 400, CLI exit 2); a model's ``generation_config.json`` default never causes that error.
+chose another rule (HTTP 400, CLI exit 2). What decides is where the value came from, not what it equals: a value
+the caller gave counts even when it equals the default (``threshold`` 0.9), except a value that turns its setting
+off (``Setting.unset_means_off``); a default from the model's ``generation_config.json`` or block contract never
+causes that error.
 
 Names follow vLLM where vLLM has the concept (``max_tokens``, ``top_k``, ``top_p``, ``repetition_penalty``,
 ``stop_token_ids``, ...) and LLaDA / Fast-dLLM for the diffusion settings. ``max_new_tokens`` is a deprecated
@@ -45,6 +48,9 @@ class Setting:
         choices: the valid strings, or a function returning them (a registry's keys, read at call time).
         per_row: rows of one batch may differ in it; the others form ``structure_key``.
         unset: what None becomes for a rule setting (one some rule declares in its ``params``).
+        unset_means_off: the ``unset`` value turns the setting off (``top_k`` 0, ``min_p`` 0, ``cache_refresh`` 0,
+            the default ``remasking``): a caller who sends it asks for nothing, so it is no setting of an unchosen
+            rule. Every other value the caller gives counts, whatever it equals (``threshold`` 0.9 included).
         cli: True: a flag ``--name-with-dashes`` of the field's type; a dict: argparse keyword overrides
             (``flags``, ``action``, ...); False: no flag.
         http: a Celeris extension field of the HTTP requests (OpenAI's own fields are declared there by hand).
@@ -57,6 +63,7 @@ class Setting:
     choices: tuple[str, ...] | Callable[[], Mapping[str, object]] | None = None
     per_row: bool = False
     unset: object = None
+    unset_means_off: bool = False
     cli: dict | bool = True
     http: bool = True
 
@@ -103,14 +110,14 @@ class SamplingParams:
     temperature: float = setting(0.0, low=0.0, high=2.0, per_row=True, http=False,
                                  help="0 = greedy; > 0 samples by Gumbel-max in float64 (arXiv:2409.02908)")
     top_p: float = setting(1.0, low=1e-6, high=1.0, per_row=True, http=False, help="nucleus mass (arXiv:1904.09751)")
-    top_k: int | None = setting(None, low=0, unset=0, per_row=True,
+    top_k: int | None = setting(None, low=0, unset=0, unset_means_off=True, per_row=True,
                                 help="keep the k most likely tokens, ties with the k-th kept (0, or vLLM's -1: all); "
                                 "applied "
                                 "after top_p, as Dream's sample_tokens, also to the confidences")
-    min_p: float | None = setting(None, low=0.0, high=1.0, unset=0.0, per_row=True,
+    min_p: float | None = setting(None, low=0.0, high=1.0, unset=0.0, unset_means_off=True, per_row=True,
                                   help="drop tokens below min_p times the top token's probability (vLLM; "
                                   "arXiv:2407.01082; 0 = off); after top_k")
-    remasking: str | None = setting(None, choices=_registry("remasking"), unset="low_confidence",
+    remasking: str | None = setting(None, choices=_registry("remasking"), unset="low_confidence", unset_means_off=True,
                                     help="the confidence that ranks masked positions (celeris.sampling.rules."
                                     "REMASKING; margin and entropy are Dream's rules, not decoding 'entropy')")
     decoding: str = setting("fixed", choices=_registry("decoding"),
@@ -148,7 +155,7 @@ class SamplingParams:
     cache: str = setting("none", choices=_registry("cache"),
                          help="KV cache policy (celeris.sampling.cache.CACHE_MODES, with a table of what each "
                          "recomputes)")
-    cache_refresh: int | None = setting(None, low=0, unset=0,
+    cache_refresh: int | None = setting(None, low=0, unset=0, unset_means_off=True,
                                         help="with a delayed cache: also a full refresh every N blocks (0 = never)")
     suffix_window: int = setting(0, low=0, help="passes see only this many masked columns past the block (DPad, "
                                  "arXiv:2508.14148; 0 = the whole canvas)")
@@ -175,8 +182,8 @@ class SamplingParams:
         rules = rule_settings()
         if self.explicit_settings is None:
             self.explicit_settings = frozenset(n for n in rules if getattr(self, n) is not None)
-        # the value a rule setting has when unset ("off": top_k 0, min_p 0, the default remasking) is no setting
-        self.explicit_settings = frozenset(n for n in self.explicit_settings if not _is_unset_value(n, getattr(self, n)))
+        # a value the caller gave counts whatever it equals, except a setting's "off" (Setting.unset_means_off)
+        self.explicit_settings = frozenset(n for n in self.explicit_settings if not _is_off_value(n, getattr(self, n)))
         for name, spec in declared().items():
             if spec.unset is not None and getattr(self, name) is None:
                 setattr(self, name, spec.unset)
@@ -269,10 +276,11 @@ def rename_deprecated(values: dict, warn: bool = False) -> dict:
     return values
 
 
-def _is_unset_value(name: str, value: object) -> bool:
-    """Whether ``value`` is what the declared setting ``name`` takes when the caller leaves it unset."""
-    unset = declared()[name].unset
-    return unset is not None and value == unset and type(value) is not bool
+def _is_off_value(name: str, value: object) -> bool:
+    """Whether ``value`` turns the declared setting ``name`` off (``Setting.unset_means_off``: top_k 0, min_p 0,
+    cache_refresh 0, the default remasking); a value that merely equals another setting's default is not."""
+    spec = declared()[name]
+    return spec.unset_means_off and value == spec.unset and type(value) is not bool
 
 
 @functools.cache

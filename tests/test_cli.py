@@ -292,6 +292,10 @@ def test_threads_sets_the_intra_op_thread_count(capsys, tiny_checkpoint):
     (["--entropy-bound", "1"], "entropy_bound applies to decoding='entropy' only"),
     (["--draft-source", "lookup"], "draft_source applies to decoding='verified' only"),
     (["--cache", "dual", "--cache-refresh", "2"], "cache_refresh applies to cache='delayed' or"),
+    # issue 28 item 4: a flag at the setting's default value counts too
+    (["--threshold", "0.9"], "threshold applies to"),
+    (["--decoding", "threshold", "--factor", "1.0"], "factor applies to decoding='factor' only"),
+    (["--entropy-bound", "0.5"], "entropy_bound applies to decoding='entropy' only"),
 ])
 def test_setting_for_a_rule_not_chosen_exits_2_naming_both(capsys, tiny_checkpoint, flags, needle):
     """Issue 16 item 3: `--threshold 0.2` without `--decoding threshold` used to be accepted and ignored."""
