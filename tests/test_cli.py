@@ -367,3 +367,17 @@ def test_a_closed_pipe_ends_quietly_without_a_traceback(tmp_path):
                          env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1"})
     assert "Traceback" not in out.stderr, out.stderr
     assert out.returncode in (0, 141), out.stderr
+
+
+def test_a_long_prompt_without_max_tokens_gets_what_fits(capsys, tiny_checkpoint):
+    """Issue 28 item 8: the tiny folder's default max_tokens (16) does not fit beside a 60-token prompt in its
+    64-token context; the answer gets the room left, as vLLM does."""
+    from celeris.tokenizer import Tokenizer
+
+    ids = Tokenizer(tiny_checkpoint).encode("def fibonacci(n):\n    return n\n" * 40)[:60]
+    prompt = Tokenizer(tiny_checkpoint).decode(ids)
+    room = 64 - len(Tokenizer(tiny_checkpoint).encode(prompt))
+    assert 1 <= room < 16
+    code, out, err = run_cli(capsys, "generate", prompt, "--model", str(tiny_checkpoint), "--device", "cpu", "--json")
+    assert code == 0, err
+    assert len(json.loads(out.strip().splitlines()[-1])["token_ids"]) <= room

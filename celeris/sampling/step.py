@@ -211,6 +211,21 @@ def check_fits_context(num_prompt: int, num_suffix: int, max_tokens: int, contex
                                  f"max_tokens ({max_tokens}) need {need} tokens; shorten the prompt or lower max_tokens")
 
 
+def answer_room(num_prompt: int, num_suffix: int, context_length: int, what: str = "the prompt") -> int:
+    """Answer tokens that fit in ``context_length`` beside ``num_prompt`` prompt and ``num_suffix`` suffix tokens.
+
+    Raises:
+        ContextLengthError: not one token fits; the message names the window and the prompt's counts, never a
+            ``max_tokens`` (the caller may not have sent one).
+    """
+    room = context_length - num_prompt - num_suffix
+    if room < 1:
+        parts = f"{what} ({num_prompt} tokens)" + (f" and suffix ({num_suffix} tokens)" if num_suffix else "")
+        raise ContextLengthError(f"this model's context window is {context_length} tokens, and {parts} leave no "
+                                 f"room for an answer; shorten the prompt")
+    return room
+
+
 def check_prompts(prompt_ids: list[list[int]]) -> None:
     """Raise ValueError("prompt must not be empty") when a prompt has no token: every sampler and the engine
     need at least one token of context."""
