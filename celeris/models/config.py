@@ -23,10 +23,15 @@ class FormatConfig:
 
     Subclasses are dataclasses whose field names are the published keys; ``NULLABLE`` names keys whose
     explicit null is meaningful (kept), every other null means "use the default"; ``FORMAT`` names the
-    format in errors. ``architecture()`` gives the ``TransformerLM`` shape the config describes.
+    format in errors. ``FIXED`` maps the published keys the class does not read (they are no fields) but that
+    change what the published model computes to the one value Celeris computes: another value in config.json is
+    refused, naming the key (every other published key the class does not read has no effect at inference:
+    dropouts, initialisation, ``use_cache``, dtype and bookkeeping keys). ``architecture()`` gives the
+    ``TransformerLM`` shape the config describes.
     """
 
     NULLABLE: tuple[str, ...] = ()
+    FIXED: dict[str, object] = {}
     FORMAT = "model"
 
     @classmethod
@@ -42,10 +47,16 @@ class FormatConfig:
         files beside it; a missing pad id falls back to the end-of-text id.
 
         Raises:
-            ValueError: no mask id anywhere, or an unsupported setting.
+            ValueError: no mask id anywhere, or an unsupported setting (one a field refuses in ``validate``, or a
+                ``FIXED`` key at another value), named.
         """
         path = Path(path)
         raw = cls.complete(json.loads(path.read_text()), path.parent)
+        for key, honoured in cls.FIXED.items():
+            value = raw.get(key, honoured)
+            if value != honoured or type(value) is not type(honoured):
+                raise ValueError(f"this {cls.FORMAT} config uses {key} {json.dumps(value)} (only "
+                                 f"{json.dumps(honoured)}), which Celeris does not implement")
         known = {f.name for f in fields(cls)}
         values = {k: v for k, v in raw.items() if k in known and (v is not None or k in cls.NULLABLE)}
         values.update(special_token_ids(raw, path.parent))
@@ -117,9 +128,10 @@ class QwenConfig(FormatConfig):
     """The keys shared by the Qwen2 / Qwen3 configs (field names of transformers' ``Qwen2Config``).
 
     ``num_key_value_heads`` None means ``num_attention_heads``; ``head_dim`` None means hidden_size //
-    num_attention_heads. Only plain RoPE (``rope_scaling`` null), SiLU and no sliding window are supported;
-    anything else is refused in ``__post_init__`` (with a subclass's ``unsupported()``) rather than computed
-    wrongly. Subclasses redeclare the defaults of their published model.
+    num_attention_heads. Only plain RoPE (``rope_scaling`` null), SiLU and no sliding window (``use_sliding_window``
+    false, every ``layer_types`` entry ``full_attention``) are supported; anything else is refused in
+    ``__post_init__`` (with a subclass's ``unsupported()``) rather than computed wrongly. Subclasses redeclare the
+    defaults of their published model.
     """
 
     vocab_size: int = 151936
@@ -136,6 +148,7 @@ class QwenConfig(FormatConfig):
     rope_theta: float = 10000.0
     rope_scaling: dict | None = None
     use_sliding_window: bool = False
+    layer_types: list | None = None
     mask_token_id: int = -1
     eos_token_id: int = -1
     pad_token_id: int = -1
@@ -152,11 +165,17 @@ class QwenConfig(FormatConfig):
             (self.hidden_act != "silu", f"hidden_act '{self.hidden_act}' (only 'silu')"),
             (self.rope_scaling is not None, f"rope_scaling {self.rope_scaling} (only plain RoPE)"),
             (self.use_sliding_window, "use_sliding_window"),
+            (bool(self.windows), f"sliding-window attention (layer_types {self.windows})"),
             *self.unsupported(),
         ]
         self.validate(unsupported, {width: self.num_attention_heads * self.head_dim,
                                     "num_attention_heads": self.num_attention_heads,
                                     "num_key_value_heads": self.num_key_value_heads})
+
+    @property
+    def windows(self) -> list[str]:
+        """The ``layer_types`` other than ``full_attention`` (sorted, once each)."""
+        return sorted({t for t in self.layer_types or [] if t != "full_attention"})
 
     def unsupported(self) -> list[tuple[bool, str]]:
         """The format's own (setting is used, what it is) refusals."""

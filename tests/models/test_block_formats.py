@@ -168,3 +168,10 @@ def test_default_block_length_always_fits_the_folders_block_size(tmp_path):
     llm = LLM(tmp_path, device="cpu")
     out = llm.generate(["def f(x):"], llm.default_params(max_tokens=6))[0]
     assert llm.model.block_contract.block_size == 4 and out.finish_reason in ("stop", "length") and out.nfe >= 1
+
+
+def test_sliding_window_layer_types_are_refused_for_every_qwen_format(tmp_path):
+    """Qwen3's config (SDAR) has layer_types too: a sliding-window layer is refused naming it, as Fast-dLLM v2's."""
+    write_sdar(tmp_path / "a", layer_types=["full_attention", "sliding_attention"])
+    with pytest.raises(CheckpointError, match=r"layer_types \['sliding_attention'\]"):
+        load_any(tmp_path / "a")
