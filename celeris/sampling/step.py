@@ -265,9 +265,11 @@ def denoise_step(
         lengths: each row's own block width (<= L), so its random draws depend on its own block
             alone, not on the widest block sharing the step; None: every row is L wide.
         confidence_from: the distribution whose probabilities rank positions (``low_confidence``) and give
-            entropies: "filtered" (after the banned ids, ``top_p`` and ``top_k`` are removed: Dream's and SDAR's
-            published samplers) or "unfiltered" (``softmax(logits)`` over the whole vocabulary, the mask token
-            included, as LLaDA's published ``generate()``; the predicted token still never is a banned id).
+            entropies: "filtered" (after ``top_p`` and ``top_k`` are removed, as Dream's and SDAR's published
+            samplers take them; Celeris also removes the banned ids, which neither published sampler filters: they
+            softmax over the whole vocabulary, the mask token included) or "unfiltered" (``softmax(logits)`` over
+            the whole vocabulary, the mask token included, as LLaDA's published ``generate()``; the predicted token
+            still never is a banned id).
         allowed: (B, L, V) bool, the tokens a grammar accepts at each position (``celeris.structured``), or
             None; the others are removed with the banned ids, so they are never predicted.
         force: (B, L) bool positions committed (where masked) whatever the commit rule says, or None (a
