@@ -147,6 +147,7 @@ class QwenConfig(FormatConfig):
     tie_word_embeddings: bool = False
     rope_theta: float = 10000.0
     rope_scaling: dict | None = None
+    rope_parameters: dict | None = None  # transformers 5's form of rope_theta / rope_scaling
     use_sliding_window: bool = False
     layer_types: list | None = None
     mask_token_id: int = -1
@@ -164,6 +165,8 @@ class QwenConfig(FormatConfig):
         unsupported = [
             (self.hidden_act != "silu", f"hidden_act '{self.hidden_act}' (only 'silu')"),
             (self.rope_scaling is not None, f"rope_scaling {self.rope_scaling} (only plain RoPE)"),
+            (not self.plain_rope_parameters, f"rope_parameters {self.rope_parameters} (only plain RoPE with "
+                                             f"rope_theta {self.rope_theta:g})"),
             (self.use_sliding_window, "use_sliding_window"),
             (bool(self.windows), f"sliding-window attention (layer_types {self.windows})"),
             *self.unsupported(),
@@ -171,6 +174,13 @@ class QwenConfig(FormatConfig):
         self.validate(unsupported, {width: self.num_attention_heads * self.head_dim,
                                     "num_attention_heads": self.num_attention_heads,
                                     "num_key_value_heads": self.num_key_value_heads})
+
+    @property
+    def plain_rope_parameters(self) -> bool:
+        """Whether ``rope_parameters`` (if stated) say plain RoPE at the ``rope_theta`` the model uses."""
+        rope = self.rope_parameters or {}
+        return rope.get("rope_type", "default") == "default" and rope.get("rope_theta", self.rope_theta) == \
+            self.rope_theta and set(rope) <= {"rope_type", "rope_theta"}
 
     @property
     def windows(self) -> list[str]:

@@ -175,3 +175,16 @@ def test_sliding_window_layer_types_are_refused_for_every_qwen_format(tmp_path):
     write_sdar(tmp_path / "a", layer_types=["full_attention", "sliding_attention"])
     with pytest.raises(CheckpointError, match=r"layer_types \['sliding_attention'\]"):
         load_any(tmp_path / "a")
+
+
+def test_rope_parameters_other_than_the_rope_theta_used_are_refused(tmp_path):
+    """transformers 5 writes RoPE as rope_parameters: a rope_theta there that the model would not use (or a
+    scaled RoPE) is refused naming it; the same theta loads."""
+    write_sdar(tmp_path / "a", rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    with pytest.raises(CheckpointError, match="rope_parameters"):
+        load_any(tmp_path / "a")
+    write_sdar(tmp_path / "b", rope_parameters={"rope_type": "yarn", "rope_theta": 1000000, "factor": 4.0})
+    with pytest.raises(CheckpointError, match="rope_parameters"):
+        load_any(tmp_path / "b")
+    write_sdar(tmp_path / "c", rope_parameters={"rope_type": "default", "rope_theta": 1000000})
+    assert load_any(tmp_path / "c").block_contract.block_size == 4
