@@ -33,8 +33,9 @@ from celeris.sampling.rules import COMMIT_RULES, REMASKING
 
 DRAFT_SOURCES = ("lookup_first", "slots", "lookup")
 # Settings whose provenance ``explicit_settings`` records besides the rule settings: a default answer length (not
-# the caller's) is lowered to what fits the context, with its steps (``celeris.llm.LLM.fit_max_tokens``).
-CALLER_LENGTH_SETTINGS = ("max_tokens", "steps")
+# the caller's) is lowered to what fits the context, with its steps (``celeris.llm.LLM.fit_max_tokens``); a default
+# ``block_length`` a block model cannot use becomes its contract's (``celeris.sampling.block.with_block_defaults``).
+TRACKED_SETTINGS = ("max_tokens", "steps", "block_length")
 MAX_SEED = 2**63 - 1
 
 
@@ -95,9 +96,9 @@ class SamplingParams:
     The decoding rules, remasking confidences and cache modes, with their sources, are documented where they
     are registered (``celeris.sampling.rules``, ``celeris.sampling.cache``). Rule settings (``rule_settings``)
     default to None, "not set": construction fills in their ``unset`` value and records the ones the caller set
-    in ``explicit_settings``, with ``max_tokens`` and ``steps`` when the caller gave them (a default answer length
-    is fitted to the context, ``celeris.llm.LLM.fit_max_tokens``); ``from_defaults`` counts only its overrides as
-    set.
+    in ``explicit_settings``, with ``TRACKED_SETTINGS`` (``max_tokens``, ``steps``, ``block_length``) when the
+    caller gave them (defaults the model cannot use are adapted, values the caller gave are kept or refused);
+    ``from_defaults`` counts only its overrides as set.
 
     Raises (construction):
         ValueError: a value out of its range or choices, or a rule setting for a rule the request did not choose
@@ -174,7 +175,7 @@ class SamplingParams:
     grammar: str | None = setting(None, per_row=True, cli=False, http=False,
                                   help="an llguidance grammar (celeris.structured): every committed token is one it "
                                   "accepts")
-    # Which rule settings (and CALLER_LENGTH_SETTINGS) the caller set; filled at construction from the arguments
+    # Which rule settings (and TRACKED_SETTINGS) the caller set; filled at construction from the arguments
     # given a value other than None. Kept by ``dataclasses.replace`` (it passes the field on), so replacing
     # ``seed`` does not turn the filled-in defaults into settings of the caller.
     explicit_settings: frozenset[str] | None = field(default=None, repr=False, compare=False)
@@ -236,7 +237,7 @@ class SamplingParams:
         merged = {k: v for k, v in defaults.items() if k in known}
         given = {k: v for k, v in rename_deprecated(overrides, warn=True).items() if v is not None}
         merged.update(given)
-        merged["explicit_settings"] = frozenset(given).intersection({*rule_settings(), *CALLER_LENGTH_SETTINGS})
+        merged["explicit_settings"] = frozenset(given).intersection({*rule_settings(), *TRACKED_SETTINGS})
         d_len, d_steps = defaults.get("max_tokens"), defaults.get("steps")
         length = given.get("max_tokens")
         if "steps" not in given and isinstance(length, int) and length >= 1 and d_len and d_steps and per_answer_steps:
@@ -254,7 +255,7 @@ _dataclass_init = SamplingParams.__init__
 
 def _init(self: SamplingParams, *args: object, max_new_tokens: int | None = None, **kwargs: object) -> None:
     """The dataclass ``__init__``, also taking the deprecated ``max_new_tokens`` keyword and recording which rule
-    settings and ``CALLER_LENGTH_SETTINGS`` the caller gave (``explicit_settings``), unless it is passed on (as
+    settings and ``TRACKED_SETTINGS`` the caller gave (``explicit_settings``), unless it is passed on (as
     ``dataclasses.replace`` and ``from_defaults`` do)."""
     if max_new_tokens is not None:
         if "max_tokens" in kwargs:
@@ -265,7 +266,7 @@ def _init(self: SamplingParams, *args: object, max_new_tokens: int | None = None
     names = _field_names()
     if kwargs.get("explicit_settings") is None and len(args) <= names.index("explicit_settings"):
         given = {*names[:len(args)], *(k for k, v in kwargs.items() if v is not None)}
-        kwargs["explicit_settings"] = frozenset(given).intersection({*rule_settings(), *CALLER_LENGTH_SETTINGS})
+        kwargs["explicit_settings"] = frozenset(given).intersection({*rule_settings(), *TRACKED_SETTINGS})
     _dataclass_init(self, *args, **kwargs)
 
 

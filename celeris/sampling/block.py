@@ -81,13 +81,14 @@ DEFAULT_BLOCK_LENGTH: int = next(f.default for f in dataclasses.fields(SamplingP
 
 
 def with_block_defaults(model: torch.nn.Module, params: SamplingParams) -> SamplingParams:
-    """``params`` for a block-diffusion model: a ``block_length`` left at ``SamplingParams``' generic default
-    (32) that does not divide the model's block size takes the contract's default ``block_length`` (else the
-    block size), so ``LLM(block_folder).generate(prompts, SamplingParams(max_tokens=8))`` decodes with the
-    model's sub-block; a ``block_length`` the caller chose (any other value) is kept, and refused by
-    ``check_block_support`` if it does not fit. Other models: ``params`` unchanged."""
+    """``params`` for a block-diffusion model: a ``block_length`` left at ``SamplingParams``' generic default (32,
+    not given by the caller) that does not divide the model's block size takes the contract's default
+    ``block_length`` (else the block size), so ``LLM(block_folder).generate(prompts, SamplingParams(max_tokens=8))``
+    decodes with the model's sub-block; a ``block_length`` the caller gave, whatever it equals (32 included), is
+    kept, and refused by ``check_block_support`` if it does not fit. Other models: ``params`` unchanged."""
     contract = block_mode(model, params)
-    if contract is None or params.block_length != DEFAULT_BLOCK_LENGTH or contract.block_size % DEFAULT_BLOCK_LENGTH == 0:
+    if contract is None or "block_length" in params.explicit_settings or params.block_length != DEFAULT_BLOCK_LENGTH \
+            or contract.block_size % DEFAULT_BLOCK_LENGTH == 0:
         return params
     return replace(params, block_length=contract.defaults.get("block_length", contract.block_size))
 
