@@ -175,7 +175,8 @@ def published_fast_dllm(model, prompt: list[int], n: int, small: int, threshold:
 FAST_CASES = [(3, 10), (8, 9), (11, 13), (16, 6), (5, 3)]  # (prompt length, max_tokens); bd_size 8
 
 
-@pytest.mark.parametrize("small, threshold", [(8, 0.9), (4, 0.5), (2, 0.99)])
+@pytest.mark.parametrize("small, threshold", [(4, 0.5), pytest.param(8, 0.9, marks=pytest.mark.slow),
+                                              pytest.param(2, 0.99, marks=pytest.mark.slow)])
 def test_reference_and_engine_equal_the_published_fast_dllm_loop(fast_dllm, small, threshold):
     """Issue 28 item 11: Celeris committed a block's first token in the block's first denoising step, together
     with what the rule chose there (computed with that token still masked); the published loop commits it first."""
