@@ -221,7 +221,8 @@ def answer_room(num_prompt: int, num_suffix: int, context_length: int, what: str
     room = context_length - num_prompt - num_suffix
     if room < 1:
         parts = f"{what} ({num_prompt} tokens)" + (f" and suffix ({num_suffix} tokens)" if num_suffix else "")
-        raise ContextLengthError(f"this model's context window is {context_length} tokens, and {parts} leave no "
+        verb = "leave" if num_suffix else "leaves"
+        raise ContextLengthError(f"this model's context window is {context_length} tokens, and {parts} {verb} no "
                                  f"room for an answer; shorten the prompt")
     return room
 
