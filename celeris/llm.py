@@ -16,7 +16,7 @@ from celeris.engine import Engine, Request
 from celeris.models.loader import load_any, load_tokenizer
 from celeris.params import SamplingParams, causal_defaults
 from celeris.sampling.block import contract_of
-from celeris.sampling.step import check_fits_context, check_prompts
+from celeris.sampling.step import answer_room, check_fits_context, check_prompts
 from celeris.serve.detokenize import cut_at_stop
 from celeris.structured.grammar import grammar_tokenizer, stops_apply
 
@@ -141,19 +141,46 @@ class LLM:
             return params
         return replace(params, stop=strings, stop_token_ids=sorted(set(params.stop_token_ids) | set(ids)))
 
+    def fit_max_tokens(self, params: SamplingParams, num_prompt: int, num_suffix: int = 0,
+                       what: str = "the prompt") -> SamplingParams:
+        """``params`` for a prompt of ``num_prompt`` (+ ``num_suffix``) tokens: a ``max_tokens`` the caller did not
+        give (generation_config.json's, the block contract's or ``SamplingParams``' default) is lowered to what
+        fits the context, ``min(context - prompt - suffix, default)`` as vLLM does, with a default ``steps``
+        scaled to keep its tokens per step (not for a block model, whose steps count per block). A
+        ``max_tokens`` the caller gave is kept (``encode_prompt`` refuses it when it does not fit). Every API
+        (completions, chat, and the budget fields of APIs to come) goes through here; ``context_length`` is the
+        one place the window is looked up.
+
+        Raises:
+            ContextLengthError: not one answer token fits (the message names no max_tokens; ``what`` names the
+                prompt).
+        """
+        if "max_tokens" in params.explicit_settings:
+            return params
+        room = answer_room(num_prompt, num_suffix, self.context_length, what)
+        if room >= params.max_tokens:
+            return params
+        steps = params.steps
+        if "steps" not in params.explicit_settings and contract_of(self.model) is None:
+            steps = -(-room * steps // params.max_tokens)
+        return replace(params, max_tokens=room, steps=steps)
+
     def encode_prompt(self, prompt: str | list[int], params: SamplingParams, suffix: str | None = None,
                       what: str = "the prompt") -> tuple[list[int], list[int]]:
-        """Tokenize (a list of ids is taken as already encoded) and check against the context window. The mask
-        and pad strings in the text are encoded as text, never as their reserved ids (``Tokenizer.encode``).
+        """Tokenize (a list of ids is taken as already encoded) and check against the context window, with a
+        default ``max_tokens`` fitted to it (``fit_max_tokens``, whose params the caller then decodes with). The
+        mask and pad strings in the text are encoded as text, never as their reserved ids (``Tokenizer.encode``).
 
         Raises:
             ValueError: an empty prompt; ContextLengthError (a ValueError) naming every count when prompt, suffix
-                and ``max_tokens`` do not fit (``what`` names the prompt in that message).
+                and a ``max_tokens`` the caller gave do not fit, or when not one answer token fits (``what`` names
+                the prompt in that message).
         """
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         check_prompts([ids])
         suffix_ids = self.tokenizer.encode(suffix) if suffix else []
-        check_fits_context(len(ids), len(suffix_ids), params.max_tokens, self.context_length, what)
+        fitted = self.fit_max_tokens(params, len(ids), len(suffix_ids), what)
+        check_fits_context(len(ids), len(suffix_ids), fitted.max_tokens, self.context_length, what)
         return ids, suffix_ids
 
     def finish(self, token_ids: list[int], params: SamplingParams, hit_eos: bool) -> tuple[str, list[int], str]:
@@ -186,7 +213,8 @@ class LLM:
         params = self.with_special_stops(params or self.default_params())
         suffixes = suffixes or [None] * len(prompts)
         encoded = [self.encode_prompt(p, params, s) for p, s in zip(prompts, suffixes, strict=True)]
-        requests = [self.engine.add_request(ids, params, suffix_ids) for ids, suffix_ids in encoded]
+        requests = [self.engine.add_request(ids, self.fit_max_tokens(params, len(ids), len(suffix_ids)), suffix_ids)
+                    for ids, suffix_ids in encoded]
         while any(not r.is_finished for r in requests):
             self.engine.step()
             if on_step is not None:

@@ -24,10 +24,15 @@ class FormatConfig:
 
     Subclasses are dataclasses whose field names are the published keys; ``NULLABLE`` names keys whose
     explicit null is meaningful (kept), every other null means "use the default"; ``FORMAT`` names the
-    format in errors. ``architecture()`` gives the ``TransformerLM`` shape the config describes.
+    format in errors. ``FIXED`` maps the published keys the class does not read (they are no fields) but that
+    change what the published model computes to the one value Celeris computes: another value in config.json is
+    refused, naming the key (every other published key the class does not read has no effect at inference:
+    dropouts, initialisation, ``use_cache``, dtype and bookkeeping keys). ``architecture()`` gives the
+    ``TransformerLM`` shape the config describes.
     """
 
     NULLABLE: tuple[str, ...] = ()
+    FIXED: dict[str, object] = {}
     FORMAT = "model"
     SPECIAL_IDS = ("mask_token_id", "eos_token_id", "pad_token_id")  # ids that must lie inside the vocabulary
 
@@ -44,10 +49,16 @@ class FormatConfig:
         files beside it; a missing pad id falls back to the end-of-text id.
 
         Raises:
-            ValueError: no mask id anywhere, or an unsupported setting.
+            ValueError: no mask id anywhere, or an unsupported setting (one a field refuses in ``validate``, or a
+                ``FIXED`` key at another value), named.
         """
         path = Path(path)
         raw = cls.complete(json.loads(path.read_text()), path.parent)
+        for key, honoured in cls.FIXED.items():
+            value = raw.get(key, honoured)
+            if value != honoured or type(value) is not type(honoured):
+                raise ValueError(f"this {cls.FORMAT} config uses {key} {json.dumps(value)} (only "
+                                 f"{json.dumps(honoured)}), which Celeris does not implement")
         known = {f.name for f in fields(cls)}
         values = {k: v for k, v in raw.items() if k in known and (v is not None or k in cls.NULLABLE)}
         values.update(special_token_ids(raw, path.parent))
@@ -122,7 +133,8 @@ class QwenConfig(FormatConfig):
     num_attention_heads. RoPE is read from ``rope_scaling`` or transformers 5's ``rope_parameters`` (which also
     holds ``rope_theta``) into ``rope_theta`` and ``rope`` (``celeris.models.rope.read_rope``); a scaled RoPE is
     used where the class sets ``SCALED_ROPE`` (the causal formats), else only plain RoPE. SiLU and no sliding
-    window only; anything else is refused in ``__post_init__`` (with a subclass's ``unsupported()``) rather than
+    window (``use_sliding_window`` false, every ``layer_types`` entry ``full_attention``) only; anything else is
+    refused in ``__post_init__`` (with a subclass's ``unsupported()``) rather than
     computed wrongly. Subclasses redeclare the defaults of their published model.
     """
 
@@ -141,6 +153,7 @@ class QwenConfig(FormatConfig):
     rope_scaling: dict | None = None
     rope_parameters: dict | None = None
     use_sliding_window: bool = False
+    layer_types: list | None = None
     mask_token_id: int = -1
     eos_token_id: int = -1
     pad_token_id: int = -1
@@ -162,11 +175,17 @@ class QwenConfig(FormatConfig):
             (self.rope is not None and not self.SCALED_ROPE,
              f"rope_scaling {self.rope_scaling or self.rope_parameters} (only plain RoPE)"),
             (self.use_sliding_window, "use_sliding_window"),
+            (bool(self.windows), f"sliding-window attention (layer_types {self.windows})"),
             *self.unsupported(),
         ]
         self.validate(unsupported, {width: self.num_attention_heads * self.head_dim,
                                     "num_attention_heads": self.num_attention_heads,
                                     "num_key_value_heads": self.num_key_value_heads})
+
+    @property
+    def windows(self) -> list[str]:
+        """The ``layer_types`` other than ``full_attention`` (sorted, once each)."""
+        return sorted({t for t in self.layer_types or [] if t != "full_attention"})
 
     def unsupported(self) -> list[tuple[bool, str]]:
         """The format's own (setting is used, what it is) refusals."""

@@ -214,6 +214,22 @@ def check_fits_context(num_prompt: int, num_suffix: int, max_tokens: int, contex
                                  f"max_tokens ({max_tokens}) need {need} tokens; shorten the prompt or lower max_tokens")
 
 
+def answer_room(num_prompt: int, num_suffix: int, context_length: int, what: str = "the prompt") -> int:
+    """Answer tokens that fit in ``context_length`` beside ``num_prompt`` prompt and ``num_suffix`` suffix tokens.
+
+    Raises:
+        ContextLengthError: not one token fits; the message names the window and the prompt's counts, never a
+            ``max_tokens`` (the caller may not have sent one).
+    """
+    room = context_length - num_prompt - num_suffix
+    if room < 1:
+        parts = f"{what} ({num_prompt} tokens)" + (f" and suffix ({num_suffix} tokens)" if num_suffix else "")
+        verb = "leave" if num_suffix else "leaves"
+        raise ContextLengthError(f"this model's context window is {context_length} tokens, and {parts} {verb} no "
+                                 f"room for an answer; shorten the prompt")
+    return room
+
+
 def check_prompts(prompt_ids: list[list[int]]) -> None:
     """Raise ValueError("prompt must not be empty") when a prompt has no token: every sampler and the engine
     need at least one token of context."""
@@ -253,9 +269,11 @@ def denoise_step(
         lengths: each row's own block width (<= L), so its random draws depend on its own block
             alone, not on the widest block sharing the step; None: every row is L wide.
         confidence_from: the distribution whose probabilities rank positions (``low_confidence``) and give
-            entropies: "filtered" (after the banned ids, ``top_p`` and ``top_k`` are removed: Dream's and SDAR's
-            published samplers) or "unfiltered" (``softmax(logits)`` over the whole vocabulary, the mask token
-            included, as LLaDA's published ``generate()``; the predicted token still never is a banned id).
+            entropies: "filtered" (after ``top_p`` and ``top_k`` are removed, as Dream's and SDAR's published
+            samplers take them; Celeris also removes the banned ids, which neither published sampler filters: they
+            softmax over the whole vocabulary, the mask token included) or "unfiltered" (``softmax(logits)`` over
+            the whole vocabulary, the mask token included, as LLaDA's published ``generate()``; the predicted token
+            still never is a banned id).
         allowed: (B, L, V) bool, the tokens a grammar accepts at each position (``celeris.structured``), or
             None; the others are removed with the banned ids, so they are never predicted.
         force: (B, L) bool positions committed (where masked) whatever the commit rule says, or None (a

@@ -240,7 +240,7 @@ class OpenAIServing:
         check_answer_grammar(grammar, getattr(self.llm, "grammar_tokenizer", None), "response_format")
         params = self._params(request, request.max_tokens, grammar)
         encoded = [self._encode(p, params, request.suffix, "prompt") for p in request.prompts()]
-        run = await self._start(request, params, encoded, arrival, is_disconnected)
+        run = await self._start(request, encoded, arrival, is_disconnected)
         rid, created = random_id("cmpl"), now()
         if request.stream:
             return self._completion_stream(run, request, rid, created)
@@ -273,7 +273,7 @@ class OpenAIServing:
         except Exception as exc:  # jinja2 raises TemplateError (or anything a template raises)
             raise APIError(400, f"the chat template could not render these messages: {exc}", param="messages") from None
         encoded = [self._encode(prompt_ids, params, None, "messages")]
-        run = await self._start(request, params, encoded, arrival, is_disconnected)
+        run = await self._start(request, encoded, arrival, is_disconnected)
         rid, created = random_id("chatcmpl"), now()
         if request.stream:
             return self._chat_stream(run, request, rid, created)
@@ -354,22 +354,25 @@ class OpenAIServing:
             raise APIError(400, str(exc), param=param if param.isidentifier() else None) from None
 
     def _encode(self, text: str | list[int], params: SamplingParams, suffix: str | None,
-                param: str) -> tuple[list[int], list[int]]:
+                param: str) -> tuple[list[int], list[int], SamplingParams]:
         """Prompt (text, or ids already encoded) and suffix ids, checked against the context window
-        (``LLM.encode_prompt``), its errors as 400s naming ``param``."""
+        (``LLM.encode_prompt``), with the params to decode them with: a max_tokens the client did not send fitted
+        to the room left (``LLM.fit_max_tokens``, for every API); its errors as 400s naming ``param``."""
         what = "the prompt" if param == "prompt" else "the messages (rendered with the chat template)"
         try:
-            return self.llm.encode_prompt(text, params, suffix, what)
+            ids, suffix_ids = self.llm.encode_prompt(text, params, suffix, what)
+            return ids, suffix_ids, self.llm.fit_max_tokens(params, len(ids), len(suffix_ids), what)
         except ContextLengthError as exc:
             raise APIError(400, str(exc), param=param, code="context_length_exceeded") from None
         except ValueError:  # the only other refusal: nothing to condition on
             raise APIError(400, f"'{param}' must not be empty", param=param) from None
 
-    async def _start(self, request: SamplingRequest, params: SamplingParams, encoded: list[tuple[list[int], list[int]]],
+    async def _start(self, request: SamplingRequest, encoded: list[tuple[list[int], list[int], SamplingParams]],
                      arrival: float, is_disconnected: IsDisconnected | None) -> _Run:
-        """Admit one engine request per (prompt, choice); seeds are seed, seed + 1, ... per prompt."""
+        """Admit one engine request per (prompt, choice) with that prompt's params (``_encode``); seeds are seed,
+        seed + 1, ... per prompt."""
         inputs = []
-        for ids, suffix_ids in encoded:
+        for ids, suffix_ids, params in encoded:
             for j in range(request.n):
                 seed = None if params.seed is None else params.seed + j
                 inputs.append(EngineInput(ids, replace(params, seed=seed, stop=list(params.stop)), suffix_ids))
@@ -392,7 +395,7 @@ class OpenAIServing:
         choices = [_Choice(IncrementalText(partial(self.tokenizer.decode, skip_special_tokens=p.skip_special_tokens),
                                            p.stop, p.include_stop_str_in_output, p.grammar))
                    for p in (inp.params for inp in inputs)]
-        prompt_tokens = sum(len(ids) + len(sfx) for ids, sfx in encoded)
+        prompt_tokens = sum(len(ids) + len(sfx) for ids, sfx, _ in encoded)
         return _Run(group, choices, prompt_tokens, arrival, arrival + self.request_timeout, request.stream_mode,
                     is_disconnected)
 
