@@ -61,9 +61,9 @@ def prompts(shared: Path, holdout_gsm8k: int, holdout_stories: int, seed: int) -
                        if len(out) % 2 else "Write a Python function that behaves like this description:")
                 out.append({"id": f"doc-{name}.{attr}", "source": "pydoc", "messages": [
                     {"role": "user", "content": f"{ask}\n\n{name}.{attr}: {doc}"}]})
-    for t in WRITING:
+    for i, t in enumerate(WRITING):
         for topic in TOPICS:
-            out.append({"id": f"write-{t[:12]}-{topic}", "source": "writing", "messages": [
+            out.append({"id": f"write-{i}-{topic}", "source": "writing", "messages": [
                 {"role": "user", "content": t.format(topic)}]})
     random.Random(seed).shuffle(out)
     return out

@@ -219,7 +219,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--target-layer-ids", default="1,15,27")
     ap.add_argument("--stored-layer-ids", default="1,15,27")
     ap.add_argument("--mask-token-id", type=int, default=16)
-    ap.add_argument("--draft-vocab", type=int, default=8192, help="0: the full target vocabulary")
+    ap.add_argument("--draft-vocab", type=int, default=0,
+                    help="a pruned draft vocabulary of this many most frequent answer ids; 0: the full target vocabulary")
     ap.add_argument("--gamma", type=float, default=4.0)
     ap.add_argument("--lr", type=float, default=3e-4)
     ap.add_argument("--batch-size", type=int, default=4)
