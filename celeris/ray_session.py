@@ -44,6 +44,10 @@ TERM_GRACE_S = 2.0  # after SIGTERM, seconds before SIGKILL
 SHUTDOWN_GRACE_S = 5.0  # after ray.shutdown(), seconds the instance's processes have to exit by themselves
 
 
+class RayStartError(RuntimeError):
+    """A local Ray instance could not start; the message is one line."""
+
+
 def sessions_dir() -> Path:
     """The folder of the records (``$CELERIS_RAY_SESSIONS``, else ``<tmp>/celeris-ray-<uid>``)."""
     folder = os.environ.get("CELERIS_RAY_SESSIONS")
@@ -169,15 +173,24 @@ class LocalRaySession:
         """Reap orphaned sessions, then ``ray.init(address="local", **init_kwargs)`` and record the instance.
 
         ``address="local"`` starts a new instance even where ``ray start`` left its address file behind.
-        The caller's SIGTERM handler is kept (``ray.init`` replaces it with ``sys.exit``). Raises what
-        ``ray.init`` raises.
+        The caller's SIGTERM handler is kept (``ray.init`` replaces it with ``sys.exit``).
+
+        Raises:
+            RayStartError: ``ray.init`` failed (what it had started is shut down).
         """
         reap_orphaned_sessions()
         in_main = threading.current_thread() is threading.main_thread()
         previous = signal.getsignal(signal.SIGTERM) if in_main else None
-        ray.init(address="local", **init_kwargs)
-        if in_main and previous is not None:
-            signal.signal(signal.SIGTERM, previous)
+        try:
+            ray.init(address="local", **init_kwargs)
+        except Exception as exc:  # a raylet or GCS that did not come up (an overloaded machine, no /dev/shm ...)
+            with contextlib.suppress(Exception):
+                ray.shutdown()
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise RayStartError(f"a local Ray instance could not start: {first}") from exc
+        finally:
+            if in_main and previous is not None:
+                signal.signal(signal.SIGTERM, previous)
         node = ray._private.worker._global_node  # the public API does not expose the session folder
         me = psutil.Process()
         record = SessionRecord(session_dir=node.get_session_dir_path(), node_id=ray.get_runtime_context().get_node_id(),

@@ -87,11 +87,12 @@ def init_ray(address: str | None, num_cpus: int) -> LocalRaySession | None:
     """Attach to the cluster at ``address``, or start a small local instance (no dashboard).
 
     Returns the local instance this call started (``celeris.ray_session``: the caller stops it), or None.
+    Raises ``EngineUnavailableError`` when the local instance could not start.
     """
     import ray
     import ray.data
 
-    from celeris.ray_session import LocalRaySession
+    from celeris.ray_session import LocalRaySession, RayStartError
 
     env = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     session = None
@@ -102,8 +103,11 @@ def init_ray(address: str | None, num_cpus: int) -> LocalRaySession | None:
     else:  # a local instance: its workers import celeris from where this process does
         path = os.environ.get("PYTHONPATH", "")
         env["PYTHONPATH"] = os.pathsep.join(p for p in (PACKAGE_ROOT, path) if p)
-        session = LocalRaySession.start(num_cpus=num_cpus, include_dashboard=False, runtime_env={"env_vars": env},
-                                        log_to_driver=False, object_store_memory=256 << 20)
+        try:
+            session = LocalRaySession.start(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False,
+                                            runtime_env={"env_vars": env}, object_store_memory=256 << 20)
+        except RayStartError as exc:
+            raise EngineUnavailableError(str(exc)) from exc
     ctx = ray.data.DataContext.get_current()
     ctx.enable_progress_bars = False  # the job has its own bar; Ray's would only repeat it
     ctx.print_on_execution_start = False

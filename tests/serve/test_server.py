@@ -157,6 +157,39 @@ def test_drain_lets_requests_in_flight_finish(serve_llm):
         srv.stop()
 
 
+def test_a_request_whose_headers_arrived_before_the_drain_runs(serve_llm):
+    """In flight means "headers received": a body that completes after SIGTERM is still served (not 503)."""
+    limits = ServerLimits(drain_timeout_s=20)
+    serving = make_serving(serve_llm)
+    srv = BackgroundServer(create_app(serving, limits=limits), limits=limits).start()
+    headers_sent, release = threading.Event(), threading.Event()
+    payload = json.dumps({"prompt": "def f(x):", "max_tokens": 8}).encode()
+
+    def body():
+        headers_sent.set()
+        yield payload[:5]
+        release.wait(10)
+        yield payload[5:]
+
+    try:
+        result = []
+        t = threading.Thread(target=lambda: result.append(httpx.post(
+            f"{srv.url}/v1/completions", content=body(), headers={"content-type": "application/json"}, timeout=30)))
+        t.start()
+        assert headers_sent.wait(10)
+        # the app has seen the request once its first body bytes are read: the connection is busy
+        assert wait_until(lambda: any(not c.is_idle() for c in srv.server.server_state.connections))
+        srv.drain()
+        release.set()
+        t.join(30)
+        assert result[0].status_code == 200, result[0].text
+        assert result[0].json()["choices"][0]["finish_reason"] in ("stop", "length")
+        srv.thread.join(10)
+        assert not srv.thread.is_alive()
+    finally:
+        srv.stop()
+
+
 def test_health_fails_on_a_stuck_engine_but_not_on_a_full_queue(serve_llm):
     release = threading.Event()
     serving = make_serving(serve_llm, max_num_seqs=1, max_waiting=1)
