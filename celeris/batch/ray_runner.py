@@ -16,6 +16,10 @@ pool. Only the requests travel through Ray:
 
 A crash anywhere (driver, actor, node) loses at most the records not yet written; the next start
 runs exactly those. Every actor asks for ``num_cpus=1`` and runs torch on one thread.
+
+The local Ray instance a job starts is recorded (``celeris.ray_session``) and stopped when the job ends,
+on SIGTERM too (exit 143, records so far kept); what a SIGKILLed job left running (the raylet's agents
+outlive it) is reaped by the next job's start.
 """
 
 from __future__ import annotations
