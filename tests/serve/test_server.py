@@ -158,15 +158,24 @@ def test_drain_lets_requests_in_flight_finish(serve_llm):
 
 
 def test_a_request_whose_headers_arrived_before_the_drain_runs(serve_llm):
-    """In flight means "headers received": a body that completes after SIGTERM is still served (not 503)."""
+    """In flight means "admitted by the HTTP layer": a body that completes after SIGTERM is still served (not 503)."""
     limits = ServerLimits(drain_timeout_s=20)
     serving = make_serving(serve_llm)
-    srv = BackgroundServer(create_app(serving, limits=limits), limits=limits).start()
-    headers_sent, release = threading.Event(), threading.Event()
+    app = create_app(serving, limits=limits)
+    reading, release = threading.Event(), threading.Event()
+
+    async def watched(scope, receive, send):  # tells when the app reads the body: its admission checks are passed
+        async def first_receive():
+            reading.set()
+            return await receive()
+
+        await app(scope, first_receive if scope["type"] == "http" else receive, send)
+
+    watched.state = app.state
+    srv = BackgroundServer(watched, limits=limits).start()
     payload = json.dumps({"prompt": "def f(x):", "max_tokens": 8}).encode()
 
     def body():
-        headers_sent.set()
         yield payload[:5]
         release.wait(10)
         yield payload[5:]
@@ -176,9 +185,7 @@ def test_a_request_whose_headers_arrived_before_the_drain_runs(serve_llm):
         t = threading.Thread(target=lambda: result.append(httpx.post(
             f"{srv.url}/v1/completions", content=body(), headers={"content-type": "application/json"}, timeout=30)))
         t.start()
-        assert headers_sent.wait(10)
-        # the app has seen the request once its first body bytes are read: the connection is busy
-        assert wait_until(lambda: any(not c.is_idle() for c in srv.server.server_state.connections))
+        assert reading.wait(10)
         srv.drain()
         release.set()
         t.join(30)
@@ -187,6 +194,7 @@ def test_a_request_whose_headers_arrived_before_the_drain_runs(serve_llm):
         srv.thread.join(10)
         assert not srv.thread.is_alive()
     finally:
+        release.set()
         srv.stop()
 
 
