@@ -18,6 +18,7 @@ import sys
 import time
 from pathlib import Path
 
+from celeris.data import existing
 from celeris.models.loader import CheckpointError
 
 EMBEDDED_AR = "celeris-code-6m-ar"  # the shipped autoregressive twin, `celeris bench`'s default baseline
@@ -61,6 +62,13 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--compile", action="store_true", help="torch.compile the model (slow first request)")
     p.add_argument("--trust-remote-code", action="store_true",
                    help="allow a checkpoint of an unknown format to run its own modeling code")
+    _max_model_len_arg(p)
+
+
+def _max_model_len_arg(p: argparse.ArgumentParser) -> None:
+    """--max-model-len: on every command that loads a model (vLLM's flag)."""
+    p.add_argument("--max-model-len", type=int, help="most tokens (prompt + answer) one request may hold; sizes "
+                   "the KV store (default: the model's context window, at most 4096 on a CPU)")
 
 
 def _sampling_args(p: argparse.ArgumentParser) -> None:
@@ -85,7 +93,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--json", action="store_true", help="print one JSON object")
     g.add_argument("--show-denoising", action="store_true", help="redraw the answer after every step")
 
-    c = sub.add_parser("chat", help="interactive chat loop (uses the chat template)")
+    c = sub.add_parser("chat", help="interactive chat loop (uses the chat template; the embedded code models "
+                                    "answer in '#' comment lines: use generate for code)")
     _sampling_args(c)
 
     t = sub.add_parser("train", help="train a model (masked diffusion or autoregressive)")
@@ -119,7 +128,7 @@ def build_parser() -> argparse.ArgumentParser:
     ev = sub.add_parser("eval", help="quality check: HumanEval prompts, ast.parse rate, repetition")
     ev.add_argument("suite", choices=["humaneval"])
     _sampling_args(ev)
-    ev.add_argument("--data", default="../shared/data/humaneval/HumanEval.jsonl.gz", help="HumanEval JSONL(.gz)")
+    ev.add_argument("--data", help="HumanEval JSONL(.gz) file (default: the HumanEval set shipped in celeris/data)")
     ev.add_argument("--limit", type=int, help="first N problems only")
     ev.add_argument("--out", help="write the full results as JSON here")
 
@@ -131,7 +140,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--batch-sizes", default="1", help="comma-separated batch sizes (prompts decoded together)")
     b.add_argument("--num-prompts", type=int, default=8, help="first N HumanEval prompts")
     b.add_argument("--warmup", type=int, default=1, help="untimed batches per system and length")
-    b.add_argument("--prompts", default="../shared/data/humaneval/HumanEval.jsonl.gz")
+    b.add_argument("--prompts", help="HumanEval JSONL(.gz) file (default: the HumanEval set shipped in celeris/data)")
     b.add_argument("--out", default="bench-results", help="folder for bench.json and tokens_per_s.png")
     b.add_argument("--no-smollm2", action="store_true", help="leave SmolLM2-135M out even when installed")
     b.add_argument("--fast-tokens-per-step", type=int,
@@ -140,6 +149,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="dllm-fast: passes see only W masked columns past the block (default: the model's)")
     b.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
                    help="weights of the diffusion model and the twin (default: bfloat16 on CUDA, float32 on CPU)")
+    _max_model_len_arg(b)
     _threads_arg(b)
 
     d = sub.add_parser("data", help="build a training corpus")
@@ -197,7 +207,7 @@ def _load(args: argparse.Namespace):
         raise CheckpointError(f"{gen_path} is not valid JSON: {exc}") from None
     _params(defaults, args)  # validate before the (slower) model load
     llm = LLM(folder, device=args.device, dtype=args.dtype, enforce_eager=not args.compile,
-              trust_remote_code=args.trust_remote_code)
+              trust_remote_code=args.trust_remote_code, max_model_len=args.max_model_len)
     return llm, _params(llm.generation_config, args, llm)  # the defaults as the loaded model reads them
 
 
@@ -237,6 +247,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
+    from jinja2 import TemplateError
+
     llm, params = _load(args)
     messages: list[dict[str, str]] = []
     print("celeris chat: empty line or Ctrl-D to quit", file=sys.stderr)
@@ -248,10 +260,10 @@ def cmd_chat(args: argparse.Namespace) -> int:
         if not line:
             break
         messages.append({"role": "user", "content": line})
-        prompt_ids = llm.tokenizer.encode_chat(messages, add_generation_prompt=True)  # contents stay text
         try:
+            prompt_ids = llm.tokenizer.encode_chat(messages, add_generation_prompt=True)  # contents stay text
             answer = llm.generate([prompt_ids], params)[0].text
-        except ValueError as exc:  # e.g. the conversation outgrew the context window
+        except (ValueError, TemplateError) as exc:  # the conversation outgrew the context, the template refused it
             print(f"celeris: error: {exc}", file=sys.stderr)
             messages.pop()
             continue
@@ -283,7 +295,8 @@ def cmd_train(args: argparse.Namespace) -> int:
 def cmd_eval(args: argparse.Namespace) -> int:
     from celeris.bench.quality import evaluate_humaneval, load_humaneval
 
-    problems = load_humaneval(args.data)[: args.limit]
+    data = existing(args.data, "a HumanEval JSONL(.gz) file", "--data") if args.data else None
+    problems = load_humaneval(data)[: args.limit]
     llm, params = _load(args)
     report = evaluate_humaneval(llm, params, problems)
     if args.out:
@@ -314,6 +327,8 @@ def bench_ar_model(model: str | None, ar_model: str | None) -> str | None:
 def cmd_bench(args: argparse.Namespace) -> int:
     from celeris.bench.run import BenchConfig, format_table, run_bench
 
+    if args.prompts is not None:
+        existing(args.prompts, "a HumanEval JSONL(.gz) file", "--prompts")
     ar_model = bench_ar_model(args.model, args.ar_model)
 
     def integers(flag: str, text: str) -> list[int]:
@@ -327,7 +342,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
                           batch_sizes=integers("batch-sizes", args.batch_sizes), num_prompts=args.num_prompts,
                           warmup=args.warmup, prompts=args.prompts, out_dir=args.out, smollm2=not args.no_smollm2,
                           fast_tokens_per_step=args.fast_tokens_per_step, fast_suffix_window=args.fast_suffix_window,
-                          dtype=args.dtype)
+                          dtype=args.dtype, max_model_len=args.max_model_len)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
     try:
@@ -359,6 +374,7 @@ def _batch_parser(sub) -> None:
     r.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
                    help="weight dtype (default: bfloat16 on CUDA, float32 on CPU)")
     r.add_argument("--max-num-seqs", type=int, default=8, help="requests denoised together per engine")
+    _max_model_len_arg(r)
     r.add_argument("--concurrency", type=int, help="requests in flight (local backend; default 2 x --max-num-seqs)")
     r.add_argument("--retry-failed", action="store_true", help="run the failed records again (and only those)")
     r.add_argument("--rerun-changed", action="store_true",
@@ -375,7 +391,8 @@ def _batch_parser(sub) -> None:
     rep.add_argument("results")
     rep.add_argument("--input", help="the job's input: also count ids without a record (missing) and extra records")
     rep.add_argument("--json", help="write the report as JSON here")
-    rep.add_argument("--plot", help="write a PNG histogram of output lengths here (needs matplotlib)")
+    rep.add_argument("--plot", help="write a PNG histogram of output lengths here (needs the 'report' extra: "
+                                    "pip install 'celeris[report]')")
 
 
 BATCH_OK, BATCH_ENGINE_FAILED, BATCH_USAGE, BATCH_SOME_FAILED = 0, 1, 2, 3  # `celeris batch run` exit codes
@@ -425,6 +442,7 @@ def _batch_run(args: argparse.Namespace) -> int:
             max_num_seqs=args.max_num_seqs, device=args.device, request_timeout=args.request_timeout,
             served_model_name=args.served_model_name, ray_address=args.ray_address,
             ray_num_cpus=max(2, args.num_workers), progress=not args.no_progress, log=log, dtype=args.dtype,
+            max_model_len=args.max_model_len,
         )
     else:
         from celeris.serve.serving import OpenAIServing
@@ -434,7 +452,8 @@ def _batch_run(args: argparse.Namespace) -> int:
         def make_serving() -> OpenAIServing:
             return OpenAIServing.from_model(args.model, device=args.device, max_num_seqs=args.max_num_seqs,
                                             max_waiting=max(64, window), request_timeout=args.request_timeout,
-                                            served_model_name=args.served_model_name, dtype=args.dtype)
+                                            served_model_name=args.served_model_name, dtype=args.dtype,
+                                            max_model_len=args.max_model_len)
 
         result = run_batch(args.input, args.output, make_serving, retry_failed=args.retry_failed,
                            rerun_changed=args.rerun_changed, window=window, progress=not args.no_progress, log=log)
@@ -528,7 +547,8 @@ def _serve_on_ray(args: argparse.Namespace) -> int:
         options = ServeArgs(
             model=args.model, served_model_name=args.served_model_name, device=args.device, dtype=args.dtype,
             enforce_eager=not args.compile, trust_remote_code=args.trust_remote_code, max_num_seqs=args.max_num_seqs,
-            enable_prefix_caching=args.enable_prefix_caching, max_waiting=args.max_waiting,
+            enable_prefix_caching=args.enable_prefix_caching, max_model_len=args.max_model_len,
+            max_waiting=args.max_waiting,
             request_timeout=args.request_timeout, api_key=args.api_key,
             num_replicas=args.num_replicas if args.num_replicas is not None else max(1, args.min_replicas or 1),
             min_replicas=args.min_replicas,
@@ -585,7 +605,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                       max_waiting=args.max_waiting, request_timeout=args.request_timeout, api_key=args.api_key,
                       served_model_name=args.served_model_name, device=args.device, log_level=args.log_level,
                       limits=limits, also_serve=args.also_serve, dtype=args.dtype, enforce_eager=not args.compile,
-                      trust_remote_code=args.trust_remote_code, enable_prefix_caching=args.enable_prefix_caching)
+                      trust_remote_code=args.trust_remote_code, enable_prefix_caching=args.enable_prefix_caching,
+                      max_model_len=args.max_model_len)
 
 
 COMMANDS = {"generate": cmd_generate, "chat": cmd_chat, "train": cmd_train, "data": cmd_data, "eval": cmd_eval,

@@ -11,12 +11,12 @@ from pathlib import Path
 
 import torch
 
-from celeris.config import EngineConfig, resolve_device, resolve_dtype
+from celeris.config import EngineConfig, resolve_device, resolve_dtype, resolve_max_model_len
 from celeris.engine import Engine, Request
 from celeris.models.loader import load_any, load_tokenizer
 from celeris.params import SamplingParams, causal_defaults
 from celeris.sampling.block import contract_of
-from celeris.sampling.step import check_fits_context, check_prompts
+from celeris.sampling.step import answer_room, check_fits_context, check_prompts
 from celeris.serve.detokenize import cut_at_stop
 from celeris.structured.grammar import grammar_tokenizer, stops_apply
 
@@ -81,15 +81,20 @@ class LLM:
         enable_prefix_caching: False turns off verified decoding's prefix cache (see EngineConfig).
         max_waiting: requests queued beyond the running ones before ``add_request`` raises QueueFullError (the
             server's 429; ``OpenAIServing.from_model`` sets it); offline use needs no limit.
+        max_model_len: most tokens (prompt + answer) a request may hold (vLLM's name): requests beyond get the
+            context-length error, and the KV store is sized from it. None: the model's context window, capped at
+            ``celeris.config.CPU_MAX_MODEL_LEN`` (4,096) on a CPU. ``context_length`` is the value in force.
 
     Raises:
         CheckpointError: the folder is missing, incomplete or inconsistent.
+        ValueError: ``max_model_len`` exceeds the model's context window, or another setting is out of range.
     """
 
     def __init__(
         self, model: str | Path | None = None, device: str | None = None, max_num_seqs: int = 8,
         trust_remote_code: bool = False, dtype: str | None = None, enforce_eager: bool = True,
         max_waiting: int = 1 << 30, max_batch_size: int | None = None, enable_prefix_caching: bool = True,
+        max_model_len: int | None = None,
     ) -> None:
         if max_batch_size is not None:
             warnings.warn("LLM(max_batch_size=...) is deprecated; use max_num_seqs", DeprecationWarning, stacklevel=2)
@@ -97,16 +102,22 @@ class LLM:
         self.path = resolve_model(model)
         self.engine_config = EngineConfig(max_num_seqs=max_num_seqs, max_waiting=max_waiting, device=device,
                                           dtype=dtype, enforce_eager=enforce_eager,
-                                          enable_prefix_caching=enable_prefix_caching)
+                                          enable_prefix_caching=enable_prefix_caching, max_model_len=max_model_len)
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
-        self.model = load_any(self.path, device=self.device, dtype=self.dtype, trust_remote_code=trust_remote_code)
+        self.model = load_any(self.path, device=self.device, dtype=self.dtype, trust_remote_code=trust_remote_code,
+                              max_model_len=max_model_len, max_num_seqs=max_num_seqs)
+        self.engine_config.max_model_len = resolve_max_model_len(
+            max_model_len, self.model.config.max_position_embeddings, self.device)
         self.tokenizer = load_tokenizer(self.path, self.model)
         gen_path = self.path / "generation_config.json"
         self.generation_config: dict = json.loads(gen_path.read_text()) if gen_path.is_file() else {}
         contract = contract_of(self.model)
         if contract is not None:  # a block-diffusion model: its contract's decoding defaults, under the folder's own
             self.generation_config = {**contract.defaults, **self.generation_config}
+        if getattr(self.model.config, "GREEDY_UNLESS_DO_SAMPLE", False) and not self.generation_config.get("do_sample"):
+            # transformers' rule for its folders: temperature / top_p / top_k apply only with do_sample true
+            self.generation_config = {**self.generation_config, "temperature": 0.0}
         if getattr(self.model.config, "is_causal", False):  # what an autoregressive model can decode by default
             self.generation_config = causal_defaults(self.generation_config)
         # every id that ends an answer: end-of-text, the generation config's eos_token_id list, end-of-turn
@@ -114,7 +125,7 @@ class LLM:
         # llguidance's view of the tokenizer, for requests with a grammar (structured output, tool calls)
         self.grammar_tokenizer = grammar_tokenizer(self.tokenizer, self.model.config.vocab_size)
         self.engine = Engine(self.model, self.engine_config, self.end_token_ids, self.grammar_tokenizer)
-        self.context_length = self.model.config.max_position_embeddings
+        self.context_length = self.engine_config.max_model_len  # what a request may hold (max_model_len)
 
     def default_params(self, **overrides: object) -> SamplingParams:
         """SamplingParams from the model's ``generation_config.json`` with ``overrides`` applied (a block model's
@@ -130,19 +141,46 @@ class LLM:
             return params
         return replace(params, stop=strings, stop_token_ids=sorted(set(params.stop_token_ids) | set(ids)))
 
+    def fit_max_tokens(self, params: SamplingParams, num_prompt: int, num_suffix: int = 0,
+                       what: str = "the prompt") -> SamplingParams:
+        """``params`` for a prompt of ``num_prompt`` (+ ``num_suffix``) tokens: a ``max_tokens`` the caller did not
+        give (generation_config.json's, the block contract's or ``SamplingParams``' default) is lowered to what
+        fits the context, ``min(context - prompt - suffix, default)`` as vLLM does, with a default ``steps``
+        scaled to keep its tokens per step (not for a block model, whose steps count per block). A
+        ``max_tokens`` the caller gave is kept (``encode_prompt`` refuses it when it does not fit). Every API
+        (completions, chat, and the budget fields of APIs to come) goes through here; ``context_length`` is the
+        one place the window is looked up.
+
+        Raises:
+            ContextLengthError: not one answer token fits (the message names no max_tokens; ``what`` names the
+                prompt).
+        """
+        if "max_tokens" in params.explicit_settings:
+            return params
+        room = answer_room(num_prompt, num_suffix, self.context_length, what)
+        if room >= params.max_tokens:
+            return params
+        steps = params.steps
+        if "steps" not in params.explicit_settings and contract_of(self.model) is None:
+            steps = -(-room * steps // params.max_tokens)
+        return replace(params, max_tokens=room, steps=steps)
+
     def encode_prompt(self, prompt: str | list[int], params: SamplingParams, suffix: str | None = None,
                       what: str = "the prompt") -> tuple[list[int], list[int]]:
-        """Tokenize (a list of ids is taken as already encoded) and check against the context window. The mask
-        and pad strings in the text are encoded as text, never as their reserved ids (``Tokenizer.encode``).
+        """Tokenize (a list of ids is taken as already encoded) and check against the context window, with a
+        default ``max_tokens`` fitted to it (``fit_max_tokens``, whose params the caller then decodes with). The
+        mask and pad strings in the text are encoded as text, never as their reserved ids (``Tokenizer.encode``).
 
         Raises:
             ValueError: an empty prompt; ContextLengthError (a ValueError) naming every count when prompt, suffix
-                and ``max_tokens`` do not fit (``what`` names the prompt in that message).
+                and a ``max_tokens`` the caller gave do not fit, or when not one answer token fits (``what`` names
+                the prompt in that message).
         """
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         check_prompts([ids])
         suffix_ids = self.tokenizer.encode(suffix) if suffix else []
-        check_fits_context(len(ids), len(suffix_ids), params.max_tokens, self.context_length, what)
+        fitted = self.fit_max_tokens(params, len(ids), len(suffix_ids), what)
+        check_fits_context(len(ids), len(suffix_ids), fitted.max_tokens, self.context_length, what)
         return ids, suffix_ids
 
     def finish(self, token_ids: list[int], params: SamplingParams, hit_eos: bool) -> tuple[str, list[int], str]:
@@ -175,7 +213,8 @@ class LLM:
         params = self.with_special_stops(params or self.default_params())
         suffixes = suffixes or [None] * len(prompts)
         encoded = [self.encode_prompt(p, params, s) for p, s in zip(prompts, suffixes, strict=True)]
-        requests = [self.engine.add_request(ids, params, suffix_ids) for ids, suffix_ids in encoded]
+        requests = [self.engine.add_request(ids, self.fit_max_tokens(params, len(ids), len(suffix_ids)), suffix_ids)
+                    for ids, suffix_ids in encoded]
         while any(not r.is_finished for r in requests):
             self.engine.step()
             if on_step is not None:

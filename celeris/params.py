@@ -7,7 +7,10 @@ come: the validation in ``__post_init__``, the CLI flags (``celeris.cli``), the 
 Choices come from the registries (``celeris.sampling.rules.COMMIT_RULES`` and ``REMASKING``,
 ``celeris.sampling.cache.CACHE_MODES``), read at call time, so a rule registered after import is a valid choice
 everywhere. A setting that only some rules read (``rule_settings``) is refused, naming both, when the request
-chose another rule (HTTP 400, CLI exit 2); a model's ``generation_config.json`` default never causes that error.
+chose another rule (HTTP 400, CLI exit 2). What decides is where the value came from, not what it equals: a value
+the caller gave counts even when it equals the default (``threshold`` 0.9), except a value that turns its setting
+off (``Setting.unset_means_off``); a default from the model's ``generation_config.json`` or block contract never
+causes that error.
 
 Names follow vLLM where vLLM has the concept (``max_tokens``, ``top_k``, ``top_p``, ``repetition_penalty``,
 ``stop_token_ids``, ...) and LLaDA / Fast-dLLM for the diffusion settings. ``max_new_tokens`` is a deprecated
@@ -29,6 +32,10 @@ from celeris.sampling.cache import CACHE_MODES
 from celeris.sampling.rules import COMMIT_RULES, REMASKING
 
 DRAFT_SOURCES = ("lookup_first", "slots", "lookup")
+# Settings whose provenance ``explicit_settings`` records besides the rule settings: a default answer length (not
+# the caller's) is lowered to what fits the context, with its steps (``celeris.llm.LLM.fit_max_tokens``); a default
+# ``block_length`` a block model cannot use becomes its contract's (``celeris.sampling.block.with_block_defaults``).
+TRACKED_SETTINGS = ("max_tokens", "steps", "block_length")
 MAX_SEED = 2**63 - 1
 
 
@@ -45,6 +52,9 @@ class Setting:
         choices: the valid strings, or a function returning them (a registry's keys, read at call time).
         per_row: rows of one batch may differ in it; the others form ``structure_key``.
         unset: what None becomes for a rule setting (one some rule declares in its ``params``).
+        unset_means_off: the ``unset`` value turns the setting off (``top_k`` 0, ``min_p`` 0, ``cache_refresh`` 0,
+            the default ``remasking``): a caller who sends it asks for nothing, so it is no setting of an unchosen
+            rule. Every other value the caller gives counts, whatever it equals (``threshold`` 0.9 included).
         cli: True: a flag ``--name-with-dashes`` of the field's type; a dict: argparse keyword overrides
             (``flags``, ``action``, ...); False: no flag.
         http: a Celeris extension field of the HTTP requests (OpenAI's own fields are declared there by hand).
@@ -57,6 +67,7 @@ class Setting:
     choices: tuple[str, ...] | Callable[[], Mapping[str, object]] | None = None
     per_row: bool = False
     unset: object = None
+    unset_means_off: bool = False
     cli: dict | bool = True
     http: bool = True
 
@@ -85,7 +96,9 @@ class SamplingParams:
     The decoding rules, remasking confidences and cache modes, with their sources, are documented where they
     are registered (``celeris.sampling.rules``, ``celeris.sampling.cache``). Rule settings (``rule_settings``)
     default to None, "not set": construction fills in their ``unset`` value and records the ones the caller set
-    in ``explicit_settings``; ``from_defaults`` counts only its overrides as set.
+    in ``explicit_settings``, with ``TRACKED_SETTINGS`` (``max_tokens``, ``steps``, ``block_length``) when the
+    caller gave them (defaults the model cannot use are adapted, values the caller gave are kept or refused);
+    ``from_defaults`` counts only its overrides as set.
 
     Raises (construction):
         ValueError: a value out of its range or choices, or a rule setting for a rule the request did not choose
@@ -103,14 +116,14 @@ class SamplingParams:
     temperature: float = setting(0.0, low=0.0, high=2.0, per_row=True, http=False,
                                  help="0 = greedy; > 0 samples by Gumbel-max in float64 (arXiv:2409.02908)")
     top_p: float = setting(1.0, low=1e-6, high=1.0, per_row=True, http=False, help="nucleus mass (arXiv:1904.09751)")
-    top_k: int | None = setting(None, low=0, unset=0, per_row=True,
+    top_k: int | None = setting(None, low=0, unset=0, unset_means_off=True, per_row=True,
                                 help="keep the k most likely tokens, ties with the k-th kept (0, or vLLM's -1: all); "
                                 "applied "
                                 "after top_p, as Dream's sample_tokens, also to the confidences")
-    min_p: float | None = setting(None, low=0.0, high=1.0, unset=0.0, per_row=True,
+    min_p: float | None = setting(None, low=0.0, high=1.0, unset=0.0, unset_means_off=True, per_row=True,
                                   help="drop tokens below min_p times the top token's probability (vLLM; "
                                   "arXiv:2407.01082; 0 = off); after top_k")
-    remasking: str | None = setting(None, choices=_registry("remasking"), unset="low_confidence",
+    remasking: str | None = setting(None, choices=_registry("remasking"), unset="low_confidence", unset_means_off=True,
                                     help="the confidence that ranks masked positions (celeris.sampling.rules."
                                     "REMASKING; margin and entropy are Dream's rules, not decoding 'entropy')")
     decoding: str = setting("fixed", choices=_registry("decoding"),
@@ -123,14 +136,17 @@ class SamplingParams:
     entropy_bound: float | None = setting(None, low=0.0, high=1e12, unset=0.5,
                                           help="summed entropy bound in nats of decoding 'entropy' (EB-sampler)")
     cfg_scale: float = setting(0.0, low=0.0, high=100.0, per_row=True,
-                               help="classifier-free guidance scale (LLaDA Eq. 16; 0 = off)")
+                               help="classifier-free guidance scale (LLaDA Eq. 16; 0 = off; not with decoding "
+                               "'verified')")
     repetition_penalty: float = setting(1.0, low=0.01, high=100.0, per_row=True,
-                                        help="CTRL repetition penalty (arXiv:1909.05858; 1 = off)")
+                                        help="CTRL repetition penalty (arXiv:1909.05858; 1 = off; not with decoding "
+                                        "'verified')")
     seed: int | None = setting(None, low=0, high=MAX_SEED, per_row=True, http=False,
                                help="per-request RNG seed (None: a fresh one)")
     stop: list[str] = setting(default_factory=list, per_row=True, http=False, cli={"action": "append"},
-                              help="stop string (repeatable); one that is exactly a special token ends the answer "
-                              "at that token")
+                              help="stop string (repeatable), taken literally: no escapes are read, so for a newline "
+                              "write one (bash: --stop $'\\ndef ', not \"\\ndef \", which is a backslash and an n); "
+                              "one that is exactly a special token ends the answer at that token")
     stop_token_ids: list[int] = setting(default_factory=list, per_row=True,
                                         cli={"flags": ("--stop-token-id",), "action": "append", "type": int},
                                         help="token id that ends the answer, besides the model's end ids (vLLM)")
@@ -148,7 +164,7 @@ class SamplingParams:
     cache: str = setting("none", choices=_registry("cache"),
                          help="KV cache policy (celeris.sampling.cache.CACHE_MODES, with a table of what each "
                          "recomputes)")
-    cache_refresh: int | None = setting(None, low=0, unset=0,
+    cache_refresh: int | None = setting(None, low=0, unset=0, unset_means_off=True,
                                         help="with a delayed cache: also a full refresh every N blocks (0 = never)")
     suffix_window: int = setting(0, low=0, help="passes see only this many masked columns past the block (DPad, "
                                  "arXiv:2508.14148; 0 = the whole canvas)")
@@ -162,9 +178,9 @@ class SamplingParams:
     grammar: str | None = setting(None, per_row=True, cli=False, http=False,
                                   help="an llguidance grammar (celeris.structured): every committed token is one it "
                                   "accepts")
-    # Which rule settings the caller set; None at construction: those given a value other than None.
-    # Kept by ``dataclasses.replace`` (it passes the field on), so replacing ``seed`` does not turn the
-    # filled-in defaults into settings of the caller.
+    # Which rule settings (and TRACKED_SETTINGS) the caller set; filled at construction from the arguments
+    # given a value other than None. Kept by ``dataclasses.replace`` (it passes the field on), so replacing
+    # ``seed`` does not turn the filled-in defaults into settings of the caller.
     explicit_settings: frozenset[str] | None = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -173,10 +189,10 @@ class SamplingParams:
         if self.top_k == -1:  # vLLM's "disabled"
             self.top_k = 0
         rules = rule_settings()
-        if self.explicit_settings is None:
+        if self.explicit_settings is None:  # the dataclass __init__ called without _init: the rule settings set
             self.explicit_settings = frozenset(n for n in rules if getattr(self, n) is not None)
-        # the value a rule setting has when unset ("off": top_k 0, min_p 0, the default remasking) is no setting
-        self.explicit_settings = frozenset(n for n in self.explicit_settings if not _is_unset_value(n, getattr(self, n)))
+        # a value the caller gave counts whatever it equals, except a setting's "off" (Setting.unset_means_off)
+        self.explicit_settings = frozenset(n for n in self.explicit_settings if not _is_off_value(n, getattr(self, n)))
         for name, spec in declared().items():
             if spec.unset is not None and getattr(self, name) is None:
                 setattr(self, name, spec.unset)
@@ -224,7 +240,7 @@ class SamplingParams:
         merged = {k: v for k, v in defaults.items() if k in known}
         given = {k: v for k, v in rename_deprecated(overrides, warn=True).items() if v is not None}
         merged.update(given)
-        merged["explicit_settings"] = frozenset(given).intersection(rule_settings())
+        merged["explicit_settings"] = frozenset(given).intersection({*rule_settings(), *TRACKED_SETTINGS})
         d_len, d_steps = defaults.get("max_tokens"), defaults.get("steps")
         length = given.get("max_tokens")
         if "steps" not in given and isinstance(length, int) and length >= 1 and d_len and d_steps and per_answer_steps:
@@ -241,14 +257,26 @@ _dataclass_init = SamplingParams.__init__
 
 
 def _init(self: SamplingParams, *args: object, max_new_tokens: int | None = None, **kwargs: object) -> None:
-    """The dataclass ``__init__``, also taking the deprecated ``max_new_tokens`` keyword."""
+    """The dataclass ``__init__``, also taking the deprecated ``max_new_tokens`` keyword and recording which rule
+    settings and ``TRACKED_SETTINGS`` the caller gave (``explicit_settings``), unless it is passed on (as
+    ``dataclasses.replace`` and ``from_defaults`` do)."""
     if max_new_tokens is not None:
         if "max_tokens" in kwargs:
             raise TypeError("give max_tokens or its deprecated alias max_new_tokens, not both")
         warnings.warn("SamplingParams(max_new_tokens=...) is deprecated; use max_tokens", DeprecationWarning,
                       stacklevel=2)
         kwargs["max_tokens"] = max_new_tokens
+    names = _field_names()
+    if kwargs.get("explicit_settings") is None and len(args) <= names.index("explicit_settings"):
+        given = {*names[:len(args)], *(k for k, v in kwargs.items() if v is not None)}
+        kwargs["explicit_settings"] = frozenset(given).intersection({*rule_settings(), *TRACKED_SETTINGS})
     _dataclass_init(self, *args, **kwargs)
+
+
+@functools.cache
+def _field_names() -> tuple[str, ...]:
+    """The dataclass fields of ``SamplingParams`` in order (its positional arguments)."""
+    return tuple(f.name for f in fields(SamplingParams))
 
 
 _init.__signature__ = inspect.signature(_dataclass_init)
@@ -269,10 +297,11 @@ def rename_deprecated(values: dict, warn: bool = False) -> dict:
     return values
 
 
-def _is_unset_value(name: str, value: object) -> bool:
-    """Whether ``value`` is what the declared setting ``name`` takes when the caller leaves it unset."""
-    unset = declared()[name].unset
-    return unset is not None and value == unset and type(value) is not bool
+def _is_off_value(name: str, value: object) -> bool:
+    """Whether ``value`` turns the declared setting ``name`` off (``Setting.unset_means_off``: top_k 0, min_p 0,
+    cache_refresh 0, the default remasking); a value that merely equals another setting's default is not."""
+    spec = declared()[name]
+    return spec.unset_means_off and value == spec.unset and type(value) is not bool
 
 
 @functools.cache

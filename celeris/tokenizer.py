@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from functools import partial
 from pathlib import Path
 
 from tokenizers import Tokenizer as HFTokenizer
+
+from celeris.chat_template import check_template_kwargs, render_chat_template
 
 # The special tokens the engine needs, with the names Celeris checkpoints give them. A
 # published folder may name them differently (tokenizer_config.json) or leave a name
@@ -204,70 +207,112 @@ class Tokenizer:
         special = {a.content: i for i, a in self._tok.get_added_tokens_decoder().items() if a.special}
         return [s for s in stop if s not in special], [special[s] for s in stop if s in special]
 
-    def encode(self, text: str, as_text: Iterable[str] | None = None) -> list[int]:
+    def encode(self, text: str, as_text: Iterable[str] | None = None, add_special_tokens: bool = True) -> list[int]:
         """Text -> token ids. Special tokens written in ``text`` keep their ids (a hand-written chat prompt
         works, as in vLLM), except the strings in ``as_text`` (default: ``reserved_tokens``, the mask and pad
-        tokens), which are encoded as the plain text they are: user text never becomes a reserved id."""
+        tokens), which are encoded as the plain text they are: user text never becomes a reserved id.
+        ``add_special_tokens``: let tokenizer.json's post-processor add its tokens (e.g. a BOS id); a rendered
+        chat template is encoded without them, as transformers' ``apply_chat_template`` does (the template writes
+        its own)."""
         literal = [t for t in (self.reserved_tokens if as_text is None else as_text) if t]
         if not literal or not any(t in text for t in literal):
-            return self._tok.encode(text).ids
+            return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
         pattern = "(" + "|".join(re.escape(t) for t in sorted(literal, key=len, reverse=True)) + ")"
         ids: list[int] = []
         for i, piece in enumerate(re.split(pattern, text)):  # odd pieces are the literal strings
             if piece:
-                ids += (self._text_tok if i % 2 else self._tok).encode(piece).ids
+                ids += (self._text_tok if i % 2 else self._tok).encode(piece, add_special_tokens=add_special_tokens).ids
         return ids
 
-    def encode_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True,
-                    tools: list[dict] | None = None, **template_kwargs: object) -> list[int]:
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None,
+                    **template_kwargs: object) -> list[int]:
         """Render ``messages`` with the chat template and encode the result; the special tokens the template
-        writes (role markers, end-of-turn) keep their ids, while every special-token string inside a message's
-        content is encoded as plain text (a user cannot forge a role marker or a mask).
+        writes (role markers, end-of-turn) keep their ids, while every special-token string that comes from the
+        caller is encoded as plain text, whatever field carries it: message contents, names and tool calls (names,
+        arguments), tool definitions (names, descriptions, parameter schemas, keys included) and the extra
+        template variables ``template_kwargs`` (a user cannot forge a role marker or a mask).
 
-        Each such string is swapped for a private-use character absent from the messages and the template
-        before rendering, and encoded as text where that character lands. ``tools`` (OpenAI tool definitions)
-        go to a template that reads them (``apply_chat_template``), as do ``template_kwargs``.
+        Each such string is swapped for a character of its own, absent from all of those strings and from the
+        template, before rendering (``_sentinels``), and encoded as text where that character lands; everything
+        else is encoded without tokenizer.json's post-processor tokens, as ``apply_chat_template`` does. ``tools``
+        (OpenAI tool definitions) go to a template that reads them (``apply_chat_template``), as do
+        ``template_kwargs``.
+
+        Raises:
+            ValueError: a ``template_kwargs`` name that is one of the renderer's own (``apply_chat_template``).
+            jinja2.TemplateError: the template refuses the conversation.
         """
-        used = "".join(m["content"] for m in messages) + (self.chat_template or "")
-        base = next(c for c in range(0xE000, 0xF8FF - len(self.all_special_tokens))
-                    if not any(chr(c + k) in used for k in range(len(self.all_special_tokens))))
-        sentinel = {tok: chr(base + k) for k, tok in enumerate(self.all_special_tokens)}
-        pattern = re.compile("|".join(re.escape(t) for t in self.all_special_tokens)) if sentinel else None
-        safe = [{**m, "content": pattern.sub(lambda x: sentinel[x.group(0)], m["content"]) if pattern else m["content"]}
-                for m in messages]
-        rendered = self.apply_chat_template(safe, add_generation_prompt, tools, **template_kwargs)
-        back = {c: tok for tok, c in sentinel.items()}
+        swap, back = self._sentinels([messages, tools, template_kwargs])
+        rendered = self.apply_chat_template(swap(messages), add_generation_prompt, swap(tools), **swap(template_kwargs))
         ids: list[int] = []
         for piece in re.split("([" + "".join(back) + "])", rendered) if back else [rendered]:
             if piece in back:
-                ids += self._text_tok.encode(back[piece]).ids
+                ids += self._text_tok.encode(back[piece], add_special_tokens=False).ids
             elif piece:
-                ids += self.encode(piece)
+                ids += self.encode(piece, add_special_tokens=False)
         return ids
+
+    def _sentinels(self, values: object) -> tuple[Callable[[object], object], dict[str, str]]:
+        """(swap, back): ``swap(value)`` copies ``value`` (strings, lists, tuples and dicts, keys included) with
+        every special-token string replaced by its own character; ``back`` maps each character to its token.
+
+        The characters are CJK ideographs of Extension B (U+20000 on): printable, without case and kept as they
+        are by ``tojson`` and ``repr``, so a template that prints a value through a filter still shows the
+        character (a private-use character would come out of ``repr`` as an escape). The first run of them that
+        neither ``values`` nor the template contains is taken."""
+        tokens = self.all_special_tokens
+        if not tokens:
+            return (lambda value: value), {}
+        used = set("".join(_strings(values)) + (self.chat_template or ""))
+        base = next(c for c in range(0x20000, 0x2A6DF - len(tokens))
+                    if not any(chr(c + k) in used for k in range(len(tokens))))
+        sentinel = {tok: chr(base + k) for k, tok in enumerate(tokens)}
+        pattern = re.compile("|".join(re.escape(t) for t in tokens))  # longest first (all_special_tokens' order)
+        return partial(_replace_strings, lambda s: pattern.sub(lambda m: sentinel[m.group(0)], s)), \
+            {c: tok for tok, c in sentinel.items()}
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         """Token ids -> text; special tokens are dropped unless ``skip_special_tokens`` is False."""
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True,
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
                             tools: list[dict] | None = None, **template_kwargs: object) -> str:
-        """Render ``messages`` ([{"role", "content"}, ...]) with the checkpoint's Jinja chat template; ``tools``
-        (OpenAI tool definitions, or None) and ``template_kwargs`` (e.g. Qwen3's ``enable_thinking``, which SDAR's
-        template reads) are passed to it as Hugging Face's ``apply_chat_template`` does.
+        """Render ``messages`` ([{"role", "content", ...}, ...]) with the checkpoint's Jinja chat template as Hugging
+        Face's ``apply_chat_template`` does (``celeris.chat_template``); ``tools`` (OpenAI tool definitions, or
+        None), the special tokens of tokenizer_config.json and ``template_kwargs`` (e.g. Qwen3's
+        ``enable_thinking``, which SDAR's template reads) are passed to it. Special-token strings are left as they
+        are: ``encode_chat`` is what keeps the caller's strings text.
 
         Raises:
-            TypeError: a ``template_kwargs`` key that is one of the template's own variables."""
+            ValueError: a ``template_kwargs`` name that is one of the renderer's own (``messages``, ``tools``,
+                ``add_generation_prompt``, ``bos_token``, ...).
+            jinja2.TemplateError: the template is invalid or refuses the conversation."""
         if not self.chat_template:
+            check_template_kwargs(template_kwargs)
             return "\n".join(m["content"] for m in messages) + "\n"
-        import jinja2
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
+        return render_chat_template(self.chat_template, messages, add_generation_prompt, tools, self.special_tokens,
+                                    template_kwargs)
 
-        # The settings Hugging Face renders chat templates with, which published templates are written for.
-        env = ImmutableSandboxedEnvironment(
-            undefined=jinja2.StrictUndefined, keep_trailing_newline=True, trim_blocks=True, lstrip_blocks=True,
-            extensions=["jinja2.ext.loopcontrols"],
-        )
-        return env.from_string(self.chat_template).render(
-            messages=messages, add_generation_prompt=add_generation_prompt, tools=tools, documents=None,
-            **self.special_tokens, **template_kwargs,
-        )
+
+def _strings(value: object) -> Iterable[str]:
+    """Every string inside ``value`` (lists, tuples and dicts, keys included)."""
+    if isinstance(value, str):
+        yield value
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            yield from _strings(k)
+            yield from _strings(v)
+    elif isinstance(value, list | tuple):
+        for v in value:
+            yield from _strings(v)
+
+
+def _replace_strings(replace: Callable[[str], str], value: object) -> object:
+    """``value`` with ``replace`` applied to every string inside it (lists and tuples become lists)."""
+    if isinstance(value, str):
+        return replace(value)
+    if isinstance(value, dict):
+        return {_replace_strings(replace, k): _replace_strings(replace, v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_replace_strings(replace, v) for v in value]
+    return value

@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # Batch acceptance: build the job, refuse the duplicate variant, two SIGKILLs, re-run, retry, report, Ray.
 # Usage: scripts/batch_acceptance.sh MODEL_DIR OUT_DIR [NUM_LINES] [KILL_AFTER_S] [MAX_NUM_SEQS]
+# The job's prompts: the sets shipped in celeris/data, or DATA=folder (tinystories/, mt_bench/, gsm8k/).
 set -u
 M=$1; D=$2; N=${3:-1000}; K=${4:-60}; S=${5:-8}
 PY="${PYTHON:-python}"; CLI="$PY -m celeris.cli"
 cd "$(dirname "$0")/.."
 mkdir -p "$D"
-$PY -m celeris.batch.examples --data ../shared/data --out "$D/job.jsonl" --num "$N"
+$PY -m celeris.batch.examples ${DATA:+--data "$DATA"} --out "$D/job.jsonl" --num "$N"
 $CLI batch run "$D/job-dup.jsonl" "$D/dup-out.jsonl" --model "$M"; echo "duplicate variant: exit $? (want 2)"
 for i in 1 2; do
   $CLI batch run "$D/job.jsonl" "$D/out.jsonl" --model "$M" --max-num-seqs "$S" --no-progress > /dev/null 2>&1 &

@@ -1,6 +1,6 @@
 """The embedded hybrid model's decodings side by side: next-token, verified, and plain block diffusion.
 
-    python scripts/hybrid_block_mode.py [--prompts ../shared/data/humaneval/HumanEval.jsonl.gz] [--num 40]
+    python scripts/hybrid_block_mode.py [--prompts HumanEval.jsonl.gz] [--num 40]
 
 Prints, per system, output tokens/s, tokens per forward pass (every pass counted), HumanEval parse rate
 (``celeris.bench.quality``) and position-wise token agreement with next-token decoding, at temperature 0,
@@ -27,7 +27,7 @@ SYSTEMS = {
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--prompts", default="../shared/data/humaneval/HumanEval.jsonl.gz")
+    p.add_argument("--prompts", help="HumanEval JSONL(.gz) (default: the set shipped in celeris/data)")
     p.add_argument("--num", type=int, default=40)
     p.add_argument("--model", default="celeris-code-6m-hybrid")
     args = p.parse_args()

@@ -2,7 +2,7 @@
 
     python scripts/threshold_parallelism.py [CHECKPOINT] [--num-prompts 16] [--lengths 128,256]
 
-For the first N HumanEval prompts (``../shared/data/humaneval``), each alone through the reference sampler
+For the first N HumanEval prompts (the set shipped in ``celeris/data``), each alone through the reference sampler
 function with the model's default settings (``fixed`` decoding), then with ``decoding="threshold"`` at
 0.9, 0.7 and 0.5 (Fast-dLLM arXiv:2505.22618: commit every masked position of the block above the
 threshold, at least the most confident one); greedy, no early exit. Prints tokens per forward

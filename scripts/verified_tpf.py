@@ -27,7 +27,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="celeris-code-6m-ar", help="checkpoint (or --run's config and tokenizer)")
     ap.add_argument("--run", help="a hybrid training run folder: its last.pt (celeris.train.loop.load_run)")
-    ap.add_argument("--prompts", default="../shared/data/humaneval/HumanEval.jsonl.gz")
+    ap.add_argument("--prompts", help="HumanEval JSONL(.gz) (default: the set shipped in celeris/data)")
     ap.add_argument("--num-prompts", type=int, default=16)
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--draft-source", default="lookup_first", choices=["lookup_first", "slots", "lookup"])

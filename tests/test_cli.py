@@ -292,6 +292,10 @@ def test_threads_sets_the_intra_op_thread_count(capsys, tiny_checkpoint):
     (["--entropy-bound", "1"], "entropy_bound applies to decoding='entropy' only"),
     (["--draft-source", "lookup"], "draft_source applies to decoding='verified' only"),
     (["--cache", "dual", "--cache-refresh", "2"], "cache_refresh applies to cache='delayed' or"),
+    # issue 28 item 4: a flag at the setting's default value counts too
+    (["--threshold", "0.9"], "threshold applies to"),
+    (["--decoding", "threshold", "--factor", "1.0"], "factor applies to decoding='factor' only"),
+    (["--entropy-bound", "0.5"], "entropy_bound applies to decoding='entropy' only"),
 ])
 def test_setting_for_a_rule_not_chosen_exits_2_naming_both(capsys, tiny_checkpoint, flags, needle):
     """Issue 16 item 3: `--threshold 0.2` without `--decoding threshold` used to be accepted and ignored."""
@@ -363,3 +367,38 @@ def test_a_closed_pipe_ends_quietly_without_a_traceback(tmp_path):
                          env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1"})
     assert "Traceback" not in out.stderr, out.stderr
     assert out.returncode in (0, 141), out.stderr
+
+
+def help_text(capsys, *argv: str) -> str:
+    with pytest.raises(SystemExit):
+        main([*argv, "--help"])
+    return " ".join(capsys.readouterr().out.split())  # argparse's line wrapping undone
+
+
+def test_help_texts_say_what_the_code_does(capsys):
+    """--stop is taken literally (bash passes "\\ndef " as a backslash and an n: $'\\ndef ' is a newline); the
+    settings verified decoding refuses say so; --plot needs the report extra; chat warns that the embedded code
+    models answer in comment lines."""
+    from celeris.cli import build_parser
+
+    assert build_parser().parse_args(["generate", "x", "--stop", "\\ndef "]).stop == ["\\ndef "]  # no unescaping
+    generate = help_text(capsys, "generate")
+    assert "--stop $'\\ndef '" in generate and "a backslash and an n" in generate
+    for flag in ("--repetition-penalty", "--cfg-scale"):
+        assert "not with decoding 'verified'" in generate.split(flag + " ")[-1].split(" --")[0], flag
+    assert "pip install 'celeris[report]'" in help_text(capsys, "batch", "report")
+    assert "answer in '#' comment lines" in help_text(capsys)
+
+
+def test_a_long_prompt_without_max_tokens_gets_what_fits(capsys, tiny_checkpoint):
+    """Issue 28 item 8: the tiny folder's default max_tokens (16) does not fit beside a 60-token prompt in its
+    64-token context; the answer gets the room left, as vLLM does."""
+    from celeris.tokenizer import Tokenizer
+
+    ids = Tokenizer(tiny_checkpoint).encode("def fibonacci(n):\n    return n\n" * 40)[:60]
+    prompt = Tokenizer(tiny_checkpoint).decode(ids)
+    room = 64 - len(Tokenizer(tiny_checkpoint).encode(prompt))
+    assert 1 <= room < 16
+    code, out, err = run_cli(capsys, "generate", prompt, "--model", str(tiny_checkpoint), "--device", "cpu", "--json")
+    assert code == 0, err
+    assert len(json.loads(out.strip().splitlines()[-1])["token_ids"]) <= room

@@ -236,3 +236,59 @@ def test_block_model_takes_its_sub_block_when_block_length_is_left_at_the_defaul
                                                                        block_length=4))[0].token_ids
     with pytest.raises(ValueError, match="block_length 8 must divide"):
         llm.generate(["def f(x):"], SamplingParams(max_tokens=8, block_length=8))
+
+
+# ---------------------------------------------------------------------------------------------
+# A default max_tokens fits the context (issue 28 item 8): vLLM's min(context - prompt, the default)
+
+
+def prompt_of(llm: LLM, num_tokens: int) -> list[int]:
+    """``num_tokens`` ids of ordinary text (no special id)."""
+    ids = llm.tokenizer.encode("def fibonacci(n):\n    return n\n" * 40)
+    assert len(ids) >= num_tokens
+    return ids[:num_tokens]
+
+
+def test_a_default_max_tokens_is_lowered_to_what_fits(llm):
+    """The tiny folder: a 64-token context, generation_config.json's max_tokens 16 and steps 16."""
+    from celeris.sampling.step import ContextLengthError
+
+    ids = prompt_of(llm, 60)
+    fitted = llm.fit_max_tokens(llm.default_params(), len(ids))
+    assert (fitted.max_tokens, fitted.steps) == (4, 4)  # the default's tokens per step kept
+    assert llm.fit_max_tokens(llm.default_params(), 10).max_tokens == 16  # room enough: the default
+    assert llm.fit_max_tokens(llm.default_params(steps=2), len(ids)).steps == 2  # steps the caller gave are kept
+    out = llm.generate([ids])[0]  # no params: the model's defaults
+    assert out.finish_reason in ("stop", "length") and len(out.token_ids) <= 4
+    assert len(llm.generate([ids], SamplingParams(block_length=4))[0].token_ids) <= 4  # SamplingParams' own default
+    with pytest.raises(ContextLengthError, match=r"plus max_tokens \(16\) need 76 tokens"):  # the caller's value
+        llm.generate([ids], llm.default_params(max_tokens=16))
+    with pytest.raises(ContextLengthError) as info:  # not one token fits: no max_tokens the caller never sent
+        llm.generate([prompt_of(llm, 64)])
+    assert "64" in str(info.value) and "max_tokens" not in str(info.value) and "16" not in str(info.value)
+
+
+def test_a_folder_without_generation_config_fits_the_default_too(tiny_checkpoint, tmp_path):
+    folder = tmp_path / "no-generation-config"
+    shutil.copytree(tiny_checkpoint, folder)
+    (folder / "generation_config.json").unlink()
+    llm = LLM(folder, device="cpu")
+    assert llm.default_params().max_tokens == SamplingParams().max_tokens == 128  # more than the 64-token context
+    assert llm.fit_max_tokens(llm.default_params(), 8).max_tokens == 56
+    assert len(llm.generate([prompt_of(llm, 58)])[0].token_ids) <= 6
+
+
+def test_a_block_folder_without_max_tokens_fits_its_contract_default(tmp_path):
+    """The tiny SDAR folder: a 256-token context and the contract's max_tokens 256, so every request without
+    max_tokens used to fail, even a 3-token prompt; a block model's steps count per block and are kept."""
+    from tests.models.conftest_block_formats import write_sdar
+
+    write_sdar(tmp_path)
+    llm = LLM(tmp_path, device="cpu")
+    defaults = llm.default_params()
+    assert (defaults.max_tokens, llm.context_length) == (256, 256)
+    fitted = llm.fit_max_tokens(defaults, 3)
+    assert (fitted.max_tokens, fitted.steps) == (253, defaults.steps)
+    ids = llm.tokenizer.encode("def fibonacci(n):\n    return n\n" * 60)[:250]
+    assert len(ids) == 250
+    assert len(llm.generate([ids])[0].token_ids) <= 6

@@ -228,6 +228,35 @@ def test_unset_rule_settings_take_their_defaults_and_replace_keeps_the_record():
         dataclasses.replace(mine, decoding="fixed")
 
 
+# The unset value of each rule setting: only these turn their setting off (issue 28 item 4).
+OFF_VALUES = {"remasking": "low_confidence", "top_k": 0, "min_p": 0.0, "cache_refresh": 0}
+
+
+def test_only_the_off_values_are_exempt():
+    """Every rule setting's unset value is either an "off" (exempt when sent) or a default that counts when sent."""
+    from celeris.params import declared, rule_settings
+
+    off = {n: declared()[n].unset for n in rule_settings() if declared()[n].unset_means_off}
+    assert off == OFF_VALUES
+
+
+@pytest.mark.parametrize("name", [n for n in RULE_VALUES if n not in OFF_VALUES and n != "num_speculative_tokens"])
+def test_a_rule_setting_given_at_its_default_value_counts(name):
+    """Issue 28 item 4: threshold 0.9, factor 1.0, entropy_bound 0.5 (and draft_source 'lookup_first') without
+    their rule were accepted and ignored because they equal the unset value; a value the caller gave counts."""
+    from celeris.params import declared
+
+    picker, unread = unread_choice(name)
+    value = declared()[name].unset
+    with pytest.raises(ValueError, match=rf"^{name} applies to .*got {picker}='{unread}'"):
+        SamplingParams(**{name: value, picker: unread})
+    with pytest.raises(ValueError, match=rf"^{name} applies to"):
+        SamplingParams.from_defaults({}, **{name: value, picker: unread})
+    # the same value as a model default (generation_config.json or the contract) is no setting of the caller
+    p = SamplingParams.from_defaults({name: value}, **{picker: unread})
+    assert getattr(p, name) == value and p.explicit_settings == frozenset()
+
+
 @pytest.mark.parametrize("top_k", [-2, 1.5, True])
 def test_top_k_is_a_whole_number_at_least_zero_or_vllms_minus_one(top_k):
     with pytest.raises(ValueError, match="top_k"):

@@ -58,7 +58,7 @@ class ServingActor:
     """
 
     def __init__(self, model: str | None, max_num_seqs: int, device: str | None, request_timeout: float,
-                 served_model_name: str | None, dtype: str | None = None) -> None:
+                 served_model_name: str | None, dtype: str | None = None, max_model_len: int | None = None) -> None:
         import torch
 
         from celeris.serve.serving import OpenAIServing
@@ -67,7 +67,7 @@ class ServingActor:
         self.serving = OpenAIServing.from_model(model, device=device, max_num_seqs=max_num_seqs,
                                                 max_waiting=max(64, 4 * max_num_seqs),
                                                 request_timeout=request_timeout, served_model_name=served_model_name,
-                                                dtype=dtype)
+                                                dtype=dtype, max_model_len=max_model_len)
         self.serving.start()
         self.loop = asyncio.new_event_loop()
         threading.Thread(target=self.loop.run_forever, name="batch-actor-loop", daemon=True).start()
@@ -136,6 +136,7 @@ def run_batch_ray(
     progress: bool = True,
     log: Callable[[str], None] | None = None,
     dtype: str | None = None,
+    max_model_len: int | None = None,
 ) -> dict:
     """Run (or resume) a batch job on Ray; same files, records and summary as ``jobs.run_batch``.
 
@@ -191,7 +192,8 @@ def run_batch_ray(
                 session = init_ray(ray_address, ray_num_cpus)
                 actor_kwargs = {"model": str(Path(model).resolve()) if model else None, "max_num_seqs": max_num_seqs,
                                 "device": device, "request_timeout": request_timeout,
-                                "served_model_name": served_model_name, "dtype": dtype}
+                                "served_model_name": served_model_name, "dtype": dtype,
+                                "max_model_len": max_model_len}
                 try:
                     for row in map_on_ray(spool, actor_kwargs, num_workers, on_cluster=bool(ray_address)):
                         sink(json.loads(row["record"]))

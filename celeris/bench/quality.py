@@ -11,23 +11,21 @@ syntactic validity, not correctness.
 from __future__ import annotations
 
 import ast
-import gzip
-import json
 import time
 from pathlib import Path
 
+from celeris.data import humaneval_problems
 from celeris.llm import LLM
 from celeris.params import SamplingParams
 
-DEFAULT_HUMANEVAL = Path("../shared/data/humaneval/HumanEval.jsonl.gz")
 
+def load_humaneval(path: str | Path | None = None) -> list[dict]:
+    """Problems of a HumanEval JSONL(.gz) file, in file order (None: the set shipped in ``celeris/data``).
 
-def load_humaneval(path: str | Path = DEFAULT_HUMANEVAL) -> list[dict]:
-    """Problems of a HumanEval JSONL(.gz) file, in file order; raises FileNotFoundError if absent."""
-    path = Path(path)
-    opener = gzip.open if path.suffix == ".gz" else open
-    with opener(path, "rt", encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]
+    Raises:
+        celeris.data.MissingDataError: ``path`` does not exist (a FileNotFoundError).
+    """
+    return humaneval_problems(path)
 
 
 def cut_function_body(completion: str) -> str:

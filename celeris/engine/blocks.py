@@ -11,14 +11,17 @@ on a paged cache, in its simplest form). Each step a row computes only the colum
   the block itself);
 - a finished block is not given a pass of its own to write its final keys/values (the published SDAR loop
   spends one): its columns are recomputed as history in the next block's first pass, which then also writes
-  them into the pool. ``nfe`` counts every pass, so a request's ``nfe`` equals its denoising steps.
+  them into the pool (under ``commit_first``, that is the pass that commits the block's first token).
+  ``nfe`` counts every pass, so a request's ``nfe`` equals its steps.
 
 A shifted model (Fast-dLLM v2) scores the block's first column from the hidden state of the history's last
-column, which is then recomputed too (its keys/values do not change). Requests at different blocks, with
-different prompt lengths and settings, share each pass: per-row column windows (``celeris.models.layers.Window``)
-and a per-row layout mask. The commit rules are ``celeris.sampling.step.denoise_step``'s, on the same
-sub-blocks and schedules as the reference sampler (``celeris.sampling.block.generate_block``), whose tokens
-the engine must reproduce.
+column, which is then recomputed too (its keys/values do not change). Under ``commit_first`` (Fast-dLLM v2, the
+Celeris hybrids) a block's first token is committed alone before the block is denoised, as Fast-dLLM v2's
+``generate`` does: that pass computes the finished history (writing it) and scores just that column. Requests
+at different blocks, with different prompt lengths and settings, share each pass: per-row column windows
+(``celeris.models.layers.Window``) and a per-row layout mask. The commit rules are
+``celeris.sampling.step.denoise_step``'s, on the same sub-blocks and schedules as the reference sampler
+(``celeris.sampling.block.generate_block``), whose tokens the engine must reproduce.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ from celeris.engine.request import NO_PROGRESS, Request
 from celeris.engine.runner import KVPool
 from celeris.models.contract import DecodingContract, layout_mask
 from celeris.models.layers import column_window, gather_positions
-from celeris.sampling.block import Unit, block_units, end_reached, forced_first, unit_schedule
+from celeris.sampling.block import Unit, block_steps, block_units, end_reached, first_token_pending, unit_schedule
 from celeris.sampling.step import RowSettings, banned_token_ids, confidence_rule, context_tokens, denoise_step
 
 
@@ -42,6 +45,7 @@ class BlockRow:
 
     request: Request
     units: list[Unit]
+    steps: int = 1  # denoising steps per sub-block (``celeris.sampling.block.block_steps``)
     unit_idx: int = 0
     step_in_unit: int = 0
     cached_upto: int = 0  # canvas columns [0, cached_upto) hold final keys/values in the pool
@@ -54,7 +58,7 @@ class BlockRow:
 
     def start_unit(self) -> None:
         """The linear schedule of the current sub-block (``celeris.sampling.block.unit_schedule``)."""
-        self.schedule, self.block_steps = unit_schedule(self.request.params.steps, self.request.params.block_length)
+        self.schedule, self.block_steps = unit_schedule(self.steps, self.request.params.block_length)
         self.step_in_unit = 0
 
 
@@ -77,7 +81,8 @@ class BlockDecoder:
         """Give a new request its units and a pool row (zeros; its first pass writes the prompt and block)."""
         p, n = request.answer_start, request.params.max_tokens
         context = getattr(self.model.config, "max_position_embeddings", None)
-        row = BlockRow(request, block_units(p, n, self.contract, request.params.block_length, context))
+        row = BlockRow(request, block_units(p, n, self.contract, request.params.block_length, context),
+                       block_steps(self.contract, request.params))
         pad = row.units[-1][1] - request.num_tokens  # the last block is denoised whole, as the published samplers do
         if pad > 0:
             request.canvas = torch.cat([request.canvas, request.canvas.new_full((pad,), self.mask_id)])
@@ -89,16 +94,22 @@ class BlockDecoder:
         self.pool.store(request, "cond", zeros, zeros)
         self.rows[request] = row
 
+    def _pending(self, row: BlockRow) -> bool:
+        """Whether the row's next pass commits its block's first token alone (``first_token_pending``)."""
+        return first_token_pending(self.contract, row.unit, row.request.canvas, self.mask_id)
+
     def _columns(self, row: BlockRow) -> tuple[list[int], list[int]]:
         """The canvas columns a row's pass computes and, per scored column of the sub-block, the index of the
-        column whose hidden state scores it (``logits_shift``)."""
+        column whose hidden state scores it (``logits_shift``). A pending first token (``_pending``) is scored
+        alone from the history, which that pass computes (and writes) up to the block."""
         a, e, s, t = row.unit
-        cols = list(range(row.cached_upto, e))
+        end, scored = (a, range(s, s + 1)) if self._pending(row) else (e, range(s, t))
+        cols = list(range(row.cached_upto, end))
         shift = self.model.logits_shift
         if shift and s - shift < row.cached_upto:  # the history column that scores the block's first one
             cols = [s - shift, *cols]
         where = {c: i for i, c in enumerate(cols)}
-        return cols, [where[c - shift] for c in range(s, t)]
+        return cols, [where[c - shift] for c in scored]
 
     @torch.no_grad()
     def step(self, requests: list[Request]) -> list[Request]:
@@ -152,15 +163,13 @@ class BlockDecoder:
         settings = RowSettings.from_params(params, self.device)
         block = torch.full((len(rows), lb), self.pad_id, dtype=torch.long)  # pad columns are never committed
         force = torch.zeros((len(rows), lb), dtype=torch.bool)
+        pending = [self._pending(row) for row in rows]  # a first token committed alone (width 1)
         for i, row in enumerate(rows):
-            _, _, s, t = row.unit
-            block[i, : t - s] = row.request.canvas[s:t]
-            forced = forced_first(self.contract, row.unit, row.request.canvas[s:t], self.mask_id,
-                                  row.step_in_unit == 0)
-            if forced is not None:
-                force[i, : t - s] = forced[0]
-        num_tokens = torch.tensor([int(row.schedule[min(row.step_in_unit, row.block_steps - 1)]) for row in rows],
-                                  device=self.device)
+            s = row.unit[2]
+            block[i, : widths[i]] = row.request.canvas[s : s + widths[i]]
+            force[i, 0] = pending[i]
+        num_tokens = torch.tensor([1 if pending[i] else int(row.schedule[min(row.step_in_unit, row.block_steps - 1)])
+                                   for i, row in enumerate(rows)], device=self.device)
         seen = None
         if any(p.repetition_penalty != 1 for p in params):
             seen = context_tokens([row.request.canvas for row in rows], logits.shape[-1], self.mask_id, self.device)
@@ -169,17 +178,18 @@ class BlockDecoder:
                                       self.confidence_from, force=force.to(self.device) if force.any() else None)
         new, committed = new.cpu(), committed.cpu()
         for i, row in enumerate(rows):
-            self._advance(row, new[i, : widths[i]], committed[i, : widths[i]])
+            self._advance(row, new[i, : widths[i]], committed[i, : widths[i]], pending[i])
 
-    def _advance(self, row: BlockRow, new: torch.Tensor, committed: torch.Tensor) -> None:
-        """Write one row's step into its request; next sub-block, or finish (end of answer / early exit)."""
+    def _advance(self, row: BlockRow, new: torch.Tensor, committed: torch.Tensor, first_token: bool) -> None:
+        """Write one row's step into its request; next sub-block, or finish (end of answer / early exit). After a
+        ``first_token`` pass the sub-block's denoising steps start (its schedule is not advanced)."""
         request = row.request
         a, _, s, t = row.unit
-        request.canvas[s:t] = new
+        request.canvas[s : s + new.numel()] = new
         request.nfe += 1
         request.steps += 1
         row.cached_upto = a  # this pass wrote the history before the block with its final tokens
-        row.step_in_unit += 1
+        row.step_in_unit += 0 if first_token else 1
         if not bool(committed.any()):
             request.fail(NO_PROGRESS, f"denoising step {request.steps} committed no token (the model's scores for the "
                                       f"masked positions are not finite numbers), so the request was ended")

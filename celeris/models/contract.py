@@ -21,9 +21,13 @@ SGLang's ``dllm/config.py``, LMDeploy's ``dllm_*`` engine settings, JetEngine's 
   prompt's last partial block is denoised together with the first answer tokens (SDAR's ``generate.py``,
   Fast-dLLM v2's ``generate``, LLaDA2.0's sampler); ``answer`` = from the answer's first position (the
   prompt is history).
-- ``commit_first``: the first position of each block is committed at the block's first step from the
+- ``commit_first``: the first position of each block is committed alone, before the block is denoised, from the
   history's next-token prediction (Fast-dLLM v2's ``generate`` appends ``argmax`` of the finished block's
-  last logits before denoising the next block; with shifted logits that is the block's first position).
+  last logits before denoising the next block; with shifted logits that is the block's first position), in a
+  pass of its own that also writes the finished block's keys/values (``celeris.sampling.block.first_token_pending``).
+  Needs ``logits_shift`` 1.
+- ``steps_within_answer``: ``steps`` are capped at the answer length, as LLaDA2.0's ``generate`` does
+  (``steps = min(steps, gen_length // minimal_topk)``; ``celeris.sampling.block.block_steps``).
 - ``defaults``: default decoding settings (``SamplingParams`` fields), under the folder's own
   ``generation_config.json``.
 
@@ -55,6 +59,7 @@ class DecodingContract:
     attention: str
     alignment: str = "absolute"
     commit_first: bool = False
+    steps_within_answer: bool = False
     defaults: dict = field(default_factory=dict)
     source: str = ""
 
@@ -65,6 +70,9 @@ class DecodingContract:
             raise ValueError(f"attention must be one of {', '.join(ATTENTION_LAYOUTS)}; got '{self.attention}'")
         if self.alignment not in ALIGNMENTS:
             raise ValueError(f"alignment must be one of {', '.join(ALIGNMENTS)}; got '{self.alignment}'")
+        if self.commit_first and self.logits_shift != 1:
+            raise ValueError("commit_first needs logits_shift 1: the history's last hidden state scores a block's "
+                             "first position")
 
     def with_block_size(self, block_size: int | None) -> DecodingContract:
         """This contract with the block size a config states (None: unchanged). The default ``block_length``
@@ -104,6 +112,7 @@ CONTRACTS: dict[str, DecodingContract] = {
     ),
     "llada2": DecodingContract(
         block_size=32, mask_token="<|mask|>", mask_token_id=156895, logits_shift=0, attention="block_causal",
+        steps_within_answer=True,
         defaults={"block_length": 32, "steps": 32, "decoding": "low_confidence_dynamic", "threshold": 0.95,
                   "max_tokens": 256},
         source="modeling_llada2_moe.py generate (block_length 32, steps 32, threshold 0.95 else the static count, "
@@ -117,7 +126,7 @@ def hybrid_contract(block_size: int, mask_token_id: int) -> DecodingContract:
     hybrid``), read from its training layout (``celeris.train.objective.hybrid_attention_mask``): blocks of
     ``draft_block_size`` at multiples of it from position 0, a token-causal clean history (``causal_history``),
     shifted logits (the hidden state at p scores token p + 1), so a block's first token is the exact next-token
-    prediction of the history, which ``commit_first`` commits at the block's first step."""
+    prediction of the history, which ``commit_first`` commits before the block is denoised."""
     return DecodingContract(block_size=block_size, mask_token="<|mask|>", mask_token_id=mask_token_id,
                             logits_shift=1, attention="causal_history", alignment="absolute", commit_first=True,
                             source="celeris.train.objective.hybrid_attention_mask / hybrid_loss")

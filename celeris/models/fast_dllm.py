@@ -23,8 +23,8 @@ CHECKPOINT_KEYS = QWEN2_KEYS  # Qwen2's names, as Dream's
 
 @dataclass
 class FastDLLMConfig(BlockFormatConfig, QwenConfig):
-    """The keys of Fast-dLLM v2's ``config.json`` (Qwen2's plus ``bd_size``). Refused besides ``QwenConfig``'s:
-    a ``layer_types`` entry other than ``full_attention`` (a sliding window), ``bd_size`` < 1."""
+    """The keys of Fast-dLLM v2's ``config.json`` (Qwen2's plus ``bd_size``). Refused besides ``QwenConfig``'s
+    (among them a ``layer_types`` entry other than ``full_attention``): ``bd_size`` < 1."""
 
     vocab_size: int = 152064
     hidden_size: int = 3584
@@ -33,17 +33,12 @@ class FastDLLMConfig(BlockFormatConfig, QwenConfig):
     num_attention_heads: int = 28
     num_key_value_heads: int | None = 4
     rope_theta: float = 1000000.0
-    layer_types: list | None = None
     bd_size: int | None = None
     model_type: str = "Fast_dLLM_Qwen"
 
     FORMAT = "Fast-dLLM v2"
     CONTRACT = CONTRACTS["fast_dllm_v2"]
     BLOCK_SIZE_KEY = "bd_size"
-
-    def format_unsupported(self) -> list[tuple[bool, str]]:
-        windows = [t for t in self.layer_types or [] if t != "full_attention"]
-        return [(bool(windows), f"sliding-window attention (layer_types {sorted(set(windows))})")]
 
     def architecture(self) -> Architecture:
         """Qwen2: biases on q/k/v; the next-token shift."""

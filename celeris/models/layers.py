@@ -8,7 +8,7 @@ autoregressive Celeris twin). What differs between formats is data: an ``Archite
 q/k norm, partial RoPE, tied head, causal, logit shift) read from the format's config, and a CHECKPOINT_KEYS
 table from the published tensor names to the module names here. This module holds:
 
-- ``RMSNorm``, ``rope_cos_sin`` / ``apply_rope``, ``KVCache`` and the window helpers of the cache interface;
+- ``RMSNorm``, ``KVCache`` and the window helpers of the cache interface (RoPE: ``celeris.models.rope``);
 - ``Attention`` (fused ``qkv_proj``), ``MLP`` (fused ``gate_up_proj``) and ``Block``; separate published
   q/k/v and gate/up tensors are packed into the fused projections at load time (``parts``,
   ``celeris.models.loader``);
@@ -30,6 +30,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from celeris.models.rope import RopeScaling, apply_rope, rope_cos_sin
+
 
 class RMSNorm(nn.Module):
     """Root-mean-square layer norm (arXiv:1910.07467); computed in float32.
@@ -46,23 +48,6 @@ class RMSNorm(nn.Module):
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return (xf * self.weight.float()).to(x.dtype)
-
-
-def rope_cos_sin(
-    positions: torch.Tensor, head_dim: int, theta: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rotary tables (RoPE, arXiv:2104.09864): integer ``positions`` (B, L) -> cos, sin each (B, 1, L, head_dim), float32."""
-    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=positions.device).float() / head_dim)
-    angles = positions.float()[..., None] * inv_freq  # (B, L, head_dim/2)
-    angles = torch.cat([angles, angles], dim=-1)  # (B, L, head_dim)
-    return angles.cos()[:, None], angles.sin()[:, None]
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x`` (B, H, L, D) by the half-split RoPE convention used by Llama."""
-    x1, x2 = x.chunk(2, dim=-1)
-    rotated = torch.cat([-x2, x1], dim=-1)
-    return (x.float() * cos + rotated.float() * sin).to(x.dtype)
 
 
 @dataclass
@@ -181,7 +166,8 @@ class Architecture:
         num_heads / num_kv_heads / head_dim: query heads, K/V heads (grouped-query attention) and the width of
             one head; ``rotary_dim`` (default: head_dim) is how many of a head's dimensions RoPE rotates
             (LLaDA2.0's ``partial_rotary_factor``).
-        qkv_bias / o_bias: biases on the q/k/v rows and on the output projection.
+        rope_scaling: a context-extension scaling of RoPE (``celeris.models.rope``: linear, llama3, yarn), or None.
+        qkv_bias / o_bias / mlp_bias: biases on the q/k/v rows, on the output projection, on the MLP's projections.
         qk_norm: Qwen3's per-head RMSNorm of queries and keys before RoPE (SDAR, LLaDA2.0).
         tie_head: the output head is the embedding matrix (no ``lm_head``).
         is_causal: causal attention (the autoregressive Celeris twin); otherwise bidirectional unless a
@@ -200,8 +186,10 @@ class Architecture:
     rope_theta: float
     embedding_rows: int | None = None
     rotary_dim: int | None = None
+    rope_scaling: RopeScaling | None = None
     qkv_bias: bool = False
     o_bias: bool = False
+    mlp_bias: bool = False
     qk_norm: bool = False
     tie_head: bool = False
     is_causal: bool = False
@@ -283,10 +271,10 @@ class MLP(nn.Module):
     are packed into it at load time (``parts``).
     """
 
-    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False) -> None:
         super().__init__()
-        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=False)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=bias)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
 
     def parts(self) -> dict[str, dict[str, int]]:
         """Packed projection -> {part: rows}, in stacking order."""
@@ -347,7 +335,7 @@ class TransformerLM(nn.Module):
 
     def make_mlp(self, index: int) -> nn.Module:
         """The feed-forward module of layer ``index``: a SwiGLU ``MLP`` (mixture-of-experts formats override)."""
-        return MLP(self.arch.hidden_size, self.arch.intermediate_size)
+        return MLP(self.arch.hidden_size, self.arch.intermediate_size, self.arch.mlp_bias)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """(B, L) ids -> (B, L, hidden) input embeddings."""
@@ -407,7 +395,8 @@ class TransformerLM(nn.Module):
         normed hidden states. ``cache``/``window`` as in ``hidden_states`` (``window`` (B, Lq) per-row columns
         or a span). The hybrid objective's two-stream layout and verified decoding's passes use it.
         """
-        cos, sin = rope_cos_sin(positions, self.arch.rotary_dim or self.arch.head_dim, self.arch.rope_theta)
+        cos, sin = rope_cos_sin(positions, self.arch.rotary_dim or self.arch.head_dim, self.arch.rope_theta,
+                                self.arch.rope_scaling)
         x = self.embed(ids)  # (B, Lq, d)
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, attn_mask, cache=cache, layer_idx=i, window=window)

@@ -91,6 +91,7 @@ class LLaDAConfig(FormatConfig):
     model_type: str = "llada"
 
     FORMAT = "LLaDA"
+    FIXED = {"clip_qkv": None}  # the published ModelConfig clamps queries, keys and values when it is set
 
     def __post_init__(self) -> None:
         self.embedding_size = self.embedding_size or self.vocab_size

@@ -87,6 +87,9 @@ class LLaDA2Config(BlockFormatConfig, QwenConfig):
     model_type: str = "llada2_moe"
 
     NULLABLE = ("rope_scaling", "num_shared_experts")
+    # published LLaDA2MoeConfig keys with the one value the model computes: per-head q/k RMSNorm
+    # (``query_layernorm`` / ``key_layernorm``), and a head used as stored (``norm_head`` L2-normalises it)
+    FIXED = {"use_qk_norm": True, "norm_head": False}
     FORMAT = "LLaDA2.0"
     CONTRACT = CONTRACTS["llada2"]
 

@@ -16,6 +16,10 @@ arXiv:2509.26328, BD3-LM arXiv:2503.09573). What the request settings mean here:
   ``block_length``; ``fixed``/``low_confidence_static``/``low_confidence_dynamic``/``sequential`` read the linear
   schedule of ``block_length`` tokens over those steps (``unit_schedule``: SDAR's and LLaDA2.0's
   ``get_num_transfer_tokens``), every other rule (``threshold``, ``factor``, ``entropy``) works per sub-block;
+- under ``commit_first`` (Fast-dLLM v2, the Celeris hybrids) a block's first token is committed alone, from the
+  history's next-token prediction, in a pass before the block is denoised (``first_token_pending``: Fast-dLLM
+  v2's ``generate``); under ``steps_within_answer`` (LLaDA2.0) ``steps`` are capped at ``max_tokens``
+  (``block_steps``);
 - with ``early_exit`` the answer stops as soon as an end id is committed with every position before it filled
   (``end_reached``, Fast-dLLM v2), mid-block if need be: the same tokens as stopping after the block, fewer NFE;
 - ``cache``, ``suffix_window``, a suffix (infilling), ``cfg_scale`` and ``verified`` do not apply and are
@@ -77,13 +81,14 @@ DEFAULT_BLOCK_LENGTH: int = next(f.default for f in dataclasses.fields(SamplingP
 
 
 def with_block_defaults(model: torch.nn.Module, params: SamplingParams) -> SamplingParams:
-    """``params`` for a block-diffusion model: a ``block_length`` left at ``SamplingParams``' generic default
-    (32) that does not divide the model's block size takes the contract's default ``block_length`` (else the
-    block size), so ``LLM(block_folder).generate(prompts, SamplingParams(max_tokens=8))`` decodes with the
-    model's sub-block; a ``block_length`` the caller chose (any other value) is kept, and refused by
-    ``check_block_support`` if it does not fit. Other models: ``params`` unchanged."""
+    """``params`` for a block-diffusion model: a ``block_length`` left at ``SamplingParams``' generic default (32,
+    not given by the caller) that does not divide the model's block size takes the contract's default
+    ``block_length`` (else the block size), so ``LLM(block_folder).generate(prompts, SamplingParams(max_tokens=8))``
+    decodes with the model's sub-block; a ``block_length`` the caller gave, whatever it equals (32 included), is
+    kept, and refused by ``check_block_support`` if it does not fit. Other models: ``params`` unchanged."""
     contract = block_mode(model, params)
-    if contract is None or params.block_length != DEFAULT_BLOCK_LENGTH or contract.block_size % DEFAULT_BLOCK_LENGTH == 0:
+    if contract is None or "block_length" in params.explicit_settings or params.block_length != DEFAULT_BLOCK_LENGTH \
+            or contract.block_size % DEFAULT_BLOCK_LENGTH == 0:
         return params
     return replace(params, block_length=contract.defaults.get("block_length", contract.block_size))
 
@@ -170,21 +175,41 @@ def end_reached(answer: list[int], ends: frozenset[int], mask_id: int) -> bool:
     return False
 
 
-def forced_first(contract: DecodingContract, unit: Unit, block: torch.Tensor, mask_id: int,
-                 first_step: bool) -> torch.Tensor | None:
-    """(1, L) bool: ``commit_first`` (Fast-dLLM v2) commits the attention block's first position at the block's
-    first step when it is a masked answer position of this sub-block; else None."""
+def first_token_pending(contract: DecodingContract, unit: Unit, canvas: torch.Tensor, mask_id: int) -> bool:
+    """Whether ``unit`` must first commit its attention block's first position alone (``commit_first``: Fast-dLLM
+    v2's ``generate`` appends the argmax of the finished history's last logits before it denoises the next
+    block): the sub-block starts the attention block and that position (a masked answer column) is open.
+    ``canvas`` (T,) int64. Such a pass scores that one position, from the history's last hidden state
+    (``logits_shift`` 1), and the sub-block's denoising steps follow with it committed."""
     a, _, s, _ = unit
-    if not (contract.commit_first and first_step and s == a and bool(block[0] == mask_id)):
-        return None
-    force = torch.zeros((1, block.numel()), dtype=torch.bool, device=block.device)
-    force[0, 0] = True
-    return force
+    return contract.commit_first and s == a and bool(canvas[s] == mask_id)
+
+
+def block_steps(contract: DecodingContract, params: SamplingParams) -> int:
+    """Denoising steps per sub-block: ``params.steps``, capped at the answer length where the published loop
+    caps them (``steps_within_answer``: LLaDA2.0's ``steps = min(steps, gen_length // minimal_topk)``, with
+    ``minimal_topk`` 1), which matters for answers shorter than a block; ``unit_schedule`` caps them at the
+    sub-block too."""
+    return min(params.steps, params.max_tokens) if contract.steps_within_answer else params.steps
 
 
 def answer_ends(params: SamplingParams, end_ids: list[int]) -> frozenset[int]:
     """The ids that end an answer: the model's end ids (unless ``ignore_eos``) and ``stop_token_ids``."""
     return (frozenset() if params.ignore_eos else frozenset(end_ids)) | frozenset(params.stop_token_ids)
+
+
+def _unit_logits(model: torch.nn.Module, contract: DecodingContract, canvas: torch.Tensor, unit: Unit,
+                 origin: torch.Tensor, width: int) -> torch.Tensor:
+    """(1, width, V) logits of canvas columns [s, s + width) of ``unit`` = (a, e, s, t): the whole canvas up to the
+    block's end ``e`` recomputed under the contract's layout mask (nothing after ``e``); row i scores column
+    s + i (from the hidden state ``logits_shift`` columns to its left). ``canvas`` (T,) int64; ``origin`` (1,)."""
+    a, e, s, _ = unit
+    cols = torch.arange(e, device=canvas.device)[None]
+    mask = layout_mask(cols, e, torch.tensor([a], device=canvas.device), torch.tensor([e], device=canvas.device),
+                       origin, contract.block_size, contract.attention)
+    hidden = model.hidden_states(canvas[None, :e], layout_mask=mask)  # (1, e, d)
+    shift = model.logits_shift
+    return model.logits(hidden[:, s - shift : s - shift + width])
 
 
 @torch.no_grad()
@@ -237,33 +262,31 @@ def generate_block(
         canvas = torch.full((units[-1][1],), mask_id, dtype=torch.long, device=device)  # padded to a whole block
         canvas[:p] = torch.tensor(prompt, dtype=torch.long, device=device)
         origin = torch.tensor([0 if contract.alignment == "absolute" else p], device=device)
-        first: float | None = None
+        first: float | None = None  # seconds to the answer's first committed token
         for unit in units:
             a, e, s, t = unit
-            schedule, block_steps = unit_schedule(sp.steps, sp.block_length)
+            schedule, num_steps = unit_schedule(block_steps(contract, sp), sp.block_length)
             schedule = schedule.to(device)
             step = 0
             while bool((canvas[s:t] == mask_id).any()):
-                cols = torch.arange(e, device=device)[None]  # the canvas up to the block's end, nothing after
-                mask = layout_mask(cols, e, torch.tensor([a], device=device), torch.tensor([e], device=device),
-                                   origin, contract.block_size, contract.attention)
-                hidden = model.hidden_states(canvas[None, :e], layout_mask=mask)  # (1, e, d)
-                shift = model.logits_shift
-                logits = model.logits(hidden[:, s - shift : t - shift])  # (1, L, V): row i scores column s + i
+                pending = first_token_pending(contract, unit, canvas, mask_id)
+                hi = s + 1 if pending else t  # a pending first token is committed alone, before the sub-block
+                logits = _unit_logits(model, contract, canvas, unit, origin, hi - s)  # (1, L, V)
                 nfe += 1
                 seen = None
                 if sp.repetition_penalty != 1:
                     seen = context_tokens([canvas], logits.shape[-1], mask_id, device)
-                block = canvas[s:t].clone()
-                k = schedule[min(step, block_steps - 1)].reshape(1)
-                force = forced_first(contract, unit, block, mask_id, step == 0)
+                block = canvas[s:hi].clone()
+                k = torch.ones(1, dtype=torch.long, device=device) if pending else \
+                    schedule[min(step, num_steps - 1)].reshape(1)
+                force = torch.ones((1, 1), dtype=torch.bool, device=device) if pending else None
                 new, committed = denoise_step(logits, block[None], mask_id, banned, k, settings, [generator], seen,
                                               confidence_from=confidence_rule(model), force=force)
                 if not bool(committed.any()):
                     raise NoProgressError(f"denoising step {step + 1} committed no token (the model's scores are "
                                           f"not finite numbers)")
-                canvas[s:t] = new[0]
-                step += 1
+                canvas[s:hi] = new[0]
+                step += 0 if pending else 1
                 if first is None and int(canvas[p]) != mask_id:
                     first = time.perf_counter() - start
                 if on_step is not None:

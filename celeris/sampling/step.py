@@ -35,11 +35,13 @@ def confidence_rule(model: torch.nn.Module) -> str:
 
 def banned_token_ids(config: object) -> list[int]:
     """Ids a denoising step must never produce: the mask token, and padding unless it doubles as
-    end-of-text (LLaDA and Dream pad with their end-of-text token, which must stay producible)."""
+    end-of-text (LLaDA and Dream pad with their end-of-text token, which must stay producible). Ids outside
+    the vocabulary are left out: a causal checkpoint's mask placeholder (``celeris.models.causal``) is no logit."""
     ids = [config.mask_token_id]
     if config.pad_token_id != config.eos_token_id:
         ids.append(config.pad_token_id)
-    return ids
+    vocab = getattr(config, "vocab_size", None)
+    return [i for i in ids if vocab is None or 0 <= i < vocab]
 
 
 def check_model_support(model: torch.nn.Module, params: SamplingParams, has_suffix: bool = False) -> None:
@@ -142,12 +144,13 @@ class RowSettings:
 
 
 def context_tokens(canvases: list[torch.Tensor], vocab_size: int, mask_id: int, device: torch.device) -> torch.Tensor:
-    """(B, V) bool: which tokens occur in each row's canvas (1-D int64 each), the mask token excluded."""
+    """(B, V) bool: which tokens occur in each row's canvas (1-D int64 each), the mask token excluded (a mask
+    placeholder past the vocabulary, ``celeris.models.causal``, included)."""
     padded = torch.nn.utils.rnn.pad_sequence(list(canvases), batch_first=True, padding_value=mask_id).to(device)
-    seen = torch.zeros((padded.shape[0], vocab_size), dtype=torch.bool, device=device)
+    seen = torch.zeros((padded.shape[0], max(vocab_size, mask_id + 1)), dtype=torch.bool, device=device)
     seen.scatter_(1, padded, True)
     seen[:, mask_id] = False
-    return seen
+    return seen[:, :vocab_size]
 
 
 def penalize_repetition(logits: torch.Tensor, seen: torch.Tensor, penalty: torch.Tensor) -> torch.Tensor:
@@ -211,6 +214,22 @@ def check_fits_context(num_prompt: int, num_suffix: int, max_tokens: int, contex
                                  f"max_tokens ({max_tokens}) need {need} tokens; shorten the prompt or lower max_tokens")
 
 
+def answer_room(num_prompt: int, num_suffix: int, context_length: int, what: str = "the prompt") -> int:
+    """Answer tokens that fit in ``context_length`` beside ``num_prompt`` prompt and ``num_suffix`` suffix tokens.
+
+    Raises:
+        ContextLengthError: not one token fits; the message names the window and the prompt's counts, never a
+            ``max_tokens`` (the caller may not have sent one).
+    """
+    room = context_length - num_prompt - num_suffix
+    if room < 1:
+        parts = f"{what} ({num_prompt} tokens)" + (f" and suffix ({num_suffix} tokens)" if num_suffix else "")
+        verb = "leave" if num_suffix else "leaves"
+        raise ContextLengthError(f"this model's context window is {context_length} tokens, and {parts} {verb} no "
+                                 f"room for an answer; shorten the prompt")
+    return room
+
+
 def check_prompts(prompt_ids: list[list[int]]) -> None:
     """Raise ValueError("prompt must not be empty") when a prompt has no token: every sampler and the engine
     need at least one token of context."""
@@ -250,9 +269,11 @@ def denoise_step(
         lengths: each row's own block width (<= L), so its random draws depend on its own block
             alone, not on the widest block sharing the step; None: every row is L wide.
         confidence_from: the distribution whose probabilities rank positions (``low_confidence``) and give
-            entropies: "filtered" (after the banned ids, ``top_p`` and ``top_k`` are removed: Dream's and SDAR's
-            published samplers) or "unfiltered" (``softmax(logits)`` over the whole vocabulary, the mask token
-            included, as LLaDA's published ``generate()``; the predicted token still never is a banned id).
+            entropies: "filtered" (after ``top_p`` and ``top_k`` are removed, as Dream's and SDAR's published
+            samplers take them; Celeris also removes the banned ids, which neither published sampler filters: they
+            softmax over the whole vocabulary, the mask token included) or "unfiltered" (``softmax(logits)`` over
+            the whole vocabulary, the mask token included, as LLaDA's published ``generate()``; the predicted token
+            still never is a banned id).
         allowed: (B, L, V) bool, the tokens a grammar accepts at each position (``celeris.structured``), or
             None; the others are removed with the banned ids, so they are never predicted.
         force: (B, L) bool positions committed (where masked) whatever the commit rule says, or None (a

@@ -115,19 +115,31 @@ def check_api_key_value(api_key: str | None) -> None:
 
 
 PLAYGROUND = Path(__file__).parent / "static"
+# The playground's Content-Security-Policy (W3C CSP Level 3): scripts, styles and requests only from this server,
+# so no inline script or event handler runs even if markup got into the page; the page is never framed.
+PLAYGROUND_CSP = ("default-src 'self'; script-src 'self'; style-src 'self'; img-src 'self' data:; "
+                  "connect-src 'self'; object-src 'none'; base-uri 'none'; form-action 'self'; "
+                  "frame-ancestors 'none'")
+NOSNIFF = {"X-Content-Type-Options": "nosniff"}  # a file is run only as the type it is served as
 
 
 def mount_playground(app: FastAPI) -> None:
-    """The playground page at ``/`` and its files under ``/static`` (package data; open even with an API key:
-    the page asks for the key and sends it on its /v1 calls)."""
+    """The playground page at ``/`` (with ``PLAYGROUND_CSP``) and its files under ``/static`` (package data; open
+    even with an API key: the page asks for the key and sends it on its /v1 calls); all with ``nosniff``."""
     from fastapi.staticfiles import StaticFiles
+
+    class PlaygroundFiles(StaticFiles):
+        async def get_response(self, path: str, scope) -> Response:
+            response = await super().get_response(path, scope)
+            response.headers.update(NOSNIFF)
+            return response
 
     @app.get("/", include_in_schema=False)
     async def playground() -> Response:
         return Response((PLAYGROUND / "index.html").read_bytes(), media_type="text/html; charset=utf-8",
-                        headers={"Cache-Control": "no-cache"})
+                        headers={"Cache-Control": "no-cache", "Content-Security-Policy": PLAYGROUND_CSP, **NOSNIFF})
 
-    app.mount("/static", StaticFiles(directory=PLAYGROUND), name="static")
+    app.mount("/static", PlaygroundFiles(directory=PLAYGROUND), name="static")
 
 
 def create_app(serving: OpenAIServing | ModelRouter, api_key: str | None = None, manage_engine: bool = True,

@@ -6,8 +6,8 @@
 Without ``--url`` it starts ``celeris serve`` as a separate process on a free loopback port (as in
 deployment, the clients never share the server's process or interpreter lock) and stops it at the end. Every level runs
 ``concurrency`` closed-loop clients, each sending ``--requests-per-client`` streamed completions
-(``stream_options.include_usage``) of fixed prompts (the first HumanEval prompts when the shared
-data set is there, else short built-in code prompts), greedy, so runs are comparable. What is timed:
+(``stream_options.include_usage``) of fixed prompts (by default the first HumanEval prompts, from the set shipped
+in ``celeris/data``; or short built-in code prompts), greedy, so runs are comparable. What is timed:
 submit to ``[DONE]`` (latency) and to the first streamed answer text (TTFT), client side; tokens/s
 counts output tokens only (``usage.completion_tokens``) over the level's wall time. 429s and other
 failures are counted, never hidden.
@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import gzip
 import json
 import math
 import socket
@@ -29,7 +28,8 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-HUMANEVAL = Path(__file__).resolve().parents[3] / "shared" / "data" / "humaneval" / "HumanEval.jsonl.gz"
+from celeris.data import HUMANEVAL, existing, read_jsonl
+
 CODE_PROMPTS = [
     "def fibonacci(n):\n",
     "def is_prime(n: int) -> bool:\n",
@@ -72,20 +72,16 @@ class LevelResult:
 
 
 def load_prompts(source: str, count: int) -> list[str]:
-    """``auto`` (HumanEval if present, else built-in), ``humaneval``, ``code`` or a .jsonl[.gz] with "prompt"."""
-    if source == "auto":
-        source = "humaneval" if HUMANEVAL.is_file() else "code"
+    """The first ``count`` prompts of ``source``: ``auto`` or ``humaneval`` (the HumanEval set shipped in
+    ``celeris/data``), ``code`` (built-in) or a .jsonl[.gz] file with "prompt".
+
+    Raises:
+        celeris.data.MissingDataError: the file does not exist. ValueError: it holds no prompt.
+    """
     if source == "code":
         return [CODE_PROMPTS[i % len(CODE_PROMPTS)] for i in range(count)]
-    path = HUMANEVAL if source == "humaneval" else Path(source)
-    opener = gzip.open if path.suffix == ".gz" else open
-    prompts = []
-    with opener(path, "rt", encoding="utf-8") as handle:
-        for line in handle:
-            if line.strip():
-                prompts.append(json.loads(line)["prompt"])
-            if len(prompts) == count:
-                break
+    path = HUMANEVAL if source in ("auto", "humaneval") else existing(source, "a .jsonl[.gz] file", "--prompts")
+    prompts = [r["prompt"] for r in read_jsonl(path)][:count]
     if not prompts:
         raise ValueError(f"no prompts in {path}")
     return prompts
@@ -223,8 +219,7 @@ def concurrency_levels(args: argparse.Namespace) -> list[int]:
     return levels
 
 
-async def run(args: argparse.Namespace, url: str, levels: list[int]) -> dict:
-    prompts = load_prompts(args.prompts, args.num_prompts)
+async def run(args: argparse.Namespace, url: str, levels: list[int], prompts: list[str]) -> dict:
     settings = {"max_tokens": args.max_tokens, "temperature": 0.0, "seed": 0}
     for name in LOAD_SETTINGS:
         if getattr(args, name) is not None:
@@ -279,10 +274,11 @@ def main(argv: list[str] | None = None) -> int:
     url = args.url
     try:
         levels = concurrency_levels(args)
+        prompts = load_prompts(args.prompts, args.num_prompts)  # before any server starts
         if url is None:
             server, url = start_server(args)
-        report = asyncio.run(run(args, url.rstrip("/"), levels))
-    except (RuntimeError, ValueError) as exc:  # a one-line message, no traceback
+        report = asyncio.run(run(args, url.rstrip("/"), levels, prompts))
+    except (RuntimeError, ValueError, FileNotFoundError) as exc:  # a one-line message, no traceback
         print(f"loadtest: error: {exc}", file=sys.stderr)
         return 2
     finally:

@@ -56,7 +56,8 @@ class ServerMetrics:
         self._running = Gauge("celeris_num_requests_running", "Requests being denoised", m, registry=r)
         self._rejected = Counter("celeris_rejected_requests", "Requests refused with 429 (queue full)", m, registry=r)
         self._failed = Counter("celeris_failed_requests", "Engine requests ended with an error, by code "
-                               "(no_progress: a denoising step committed nothing; engine_error)", ["code", *m],
+                               "(no_progress: a denoising step committed nothing; invalid_output: a constrained "
+                               "answer ended without validating; engine_error)", ["code", *m],
                                registry=r)
         self._aborted = Counter("celeris_aborted_requests", "Engine requests aborted, by reason", ["reason", *m],
                                 registry=r)

@@ -24,8 +24,9 @@ import time
 import uuid
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, create_model, model_serializer
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, create_model, model_serializer
 
+from celeris.chat_template import check_template_kwargs
 from celeris.params import declared, field_type
 from celeris.serve.errors import APIError as APIError
 from celeris.serve.errors import ErrorInfo as ErrorInfo
@@ -37,6 +38,25 @@ from celeris.serve.errors import parse_request as parse_request
 from celeris.serve.errors import validation_error as validation_error
 
 NonEmptyStr = Annotated[str, Field(min_length=1)]
+# A function's name, declared in tools or called in the conversation's history (OpenAI's rule).
+FunctionNameStr = Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")]
+
+
+def _json_text(text: str) -> str:
+    """A history call's ``arguments``: JSON text (as the API returned it), never free text a template prints raw."""
+    import json
+
+    try:
+        json.loads(text)
+    except ValueError as exc:
+        raise ValueError(f"must be JSON text (the arguments object as a string): {exc}") from None
+    return text
+
+
+def _template_kwargs(kwargs: dict[str, Any] | None) -> dict[str, Any] | None:
+    if kwargs is not None:
+        check_template_kwargs(kwargs)
+    return kwargs
 
 MAX_N = 64  # most choices per prompt one request may ask for
 MAX_SEED = 2**63 - 1 - MAX_N  # seed + choice index must stay a valid torch seed
@@ -81,7 +101,7 @@ class ResponseFormat(StrictModel):
 
 
 class FunctionDefinition(StrictModel):
-    name: Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")]
+    name: FunctionNameStr
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
@@ -102,8 +122,10 @@ class NamedToolChoice(StrictModel):
 
 
 class FunctionCallIn(StrictModel):
-    name: NonEmptyStr
-    arguments: str
+    """A history call's function: its name follows the declared names' rule and its arguments are JSON text."""
+
+    name: FunctionNameStr
+    arguments: Annotated[str, AfterValidator(_json_text)]
 
 
 class ToolCallIn(StrictModel):
@@ -245,7 +267,8 @@ class ChatCompletionRequest(SamplingRequest):
     parallel_tool_calls: bool | None = None
     response_format: ResponseFormat | None = None
     # extra variables for the chat template, as vLLM's field (e.g. Qwen3 / SDAR's {"enable_thinking": false})
-    chat_template_kwargs: dict[str, Any] | None = None
+    # (a name the renderer sets itself, ``messages``, ``tools``, ``bos_token``, ..., is refused: 400)
+    chat_template_kwargs: Annotated[dict[str, Any] | None, AfterValidator(_template_kwargs)] = None
     # the deprecated function-calling fields, accepted only at their neutral values
     functions: Any = None
     function_call: Any = None

@@ -84,6 +84,7 @@ class ServeArgs(BaseModel):
     dtype: str | None = None
     enforce_eager: bool = True
     enable_prefix_caching: bool = True
+    max_model_len: int | None = Field(None, ge=1)
     trust_remote_code: bool = False
     max_num_seqs: int = Field(8, ge=1)
     max_waiting: int = Field(64, ge=1)
@@ -229,7 +230,8 @@ class CelerisEngine:
                                                 max_waiting=a.max_waiting, request_timeout=a.request_timeout,
                                                 served_model_name=a.served_model_name, dtype=a.dtype,
                                                 enforce_eager=a.enforce_eager, trust_remote_code=a.trust_remote_code,
-                                                enable_prefix_caching=a.enable_prefix_caching)
+                                                enable_prefix_caching=a.enable_prefix_caching,
+                                                max_model_len=a.max_model_len)
         self.async_engine = self.serving.async_engine
         self.admitted = Counter("celeris_replica_generations", "Generations (prompts x n) this engine replica admitted",
                                 registry=self.serving.metrics.registry)
@@ -310,7 +312,8 @@ class ClusterIngress:
         from celeris.serve.serving import OpenAIServing
 
         self.args = args
-        llm = LLM(args.model, device="cpu", max_num_seqs=1, dtype=args.dtype, trust_remote_code=args.trust_remote_code)
+        llm = LLM(args.model, device="cpu", max_num_seqs=1, dtype=args.dtype, trust_remote_code=args.trust_remote_code,
+                  max_model_len=args.max_model_len)  # the replicas' context window, for validation
         self.metrics = ClusterMetrics()
         streaming = engine.options(stream=True)
         self.remote = RemoteEngine(lambda inputs, canvas: streaming.generate.remote(inputs, canvas),

@@ -56,11 +56,13 @@ from celeris.serve.protocol import (
 )
 from celeris.serve.tools import (
     chat_grammar,
+    check_answer_grammar,
     declared_functions,
     response_format_grammar,
     template_messages,
     tool_mode,
 )
+from celeris.structured.grammar import answer_matches
 
 DISCONNECT_POLL_S = 0.01  # most seconds between two client-disconnect checks while events flow
 IDLE_WAKE_S = 0.25  # wake this often when no event comes, to check time-out and disconnect
@@ -234,9 +236,11 @@ class OpenAIServing:
         """POST /v1/completions: one choice per prompt and ``n``; ``suffix`` fills the gap before it."""
         arrival = time.perf_counter()
         self._check_common(request)
-        params = self._params(request, request.max_tokens, response_format_grammar(request.response_format))
+        grammar = response_format_grammar(request.response_format)
+        check_answer_grammar(grammar, getattr(self.llm, "grammar_tokenizer", None), "response_format")
+        params = self._params(request, request.max_tokens, grammar)
         encoded = [self._encode(p, params, request.suffix, "prompt") for p in request.prompts()]
-        run = await self._start(request, params, encoded, arrival, is_disconnected)
+        run = await self._start(request, encoded, arrival, is_disconnected)
         rid, created = random_id("cmpl"), now()
         if request.stream:
             return self._completion_stream(run, request, rid, created)
@@ -254,6 +258,8 @@ class OpenAIServing:
         max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
         grammar, optional = chat_grammar(request)
         field = "tool_choice" if tool_mode(request) in ("required", "named") else "response_format"
+        check_answer_grammar(grammar, getattr(self.llm, "grammar_tokenizer", None),
+                             "tools" if request.tools and tool_mode(request) != "none" else "response_format")
         try:
             params = self._params(request, max_tokens, grammar, field)
         except APIError:
@@ -267,7 +273,7 @@ class OpenAIServing:
         except Exception as exc:  # jinja2 raises TemplateError (or anything a template raises)
             raise APIError(400, f"the chat template could not render these messages: {exc}", param="messages") from None
         encoded = [self._encode(prompt_ids, params, None, "messages")]
-        run = await self._start(request, params, encoded, arrival, is_disconnected)
+        run = await self._start(request, encoded, arrival, is_disconnected)
         rid, created = random_id("chatcmpl"), now()
         if request.stream:
             return self._chat_stream(run, request, rid, created)
@@ -348,22 +354,25 @@ class OpenAIServing:
             raise APIError(400, str(exc), param=param if param.isidentifier() else None) from None
 
     def _encode(self, text: str | list[int], params: SamplingParams, suffix: str | None,
-                param: str) -> tuple[list[int], list[int]]:
+                param: str) -> tuple[list[int], list[int], SamplingParams]:
         """Prompt (text, or ids already encoded) and suffix ids, checked against the context window
-        (``LLM.encode_prompt``), its errors as 400s naming ``param``."""
+        (``LLM.encode_prompt``), with the params to decode them with: a max_tokens the client did not send fitted
+        to the room left (``LLM.fit_max_tokens``, for every API); its errors as 400s naming ``param``."""
         what = "the prompt" if param == "prompt" else "the messages (rendered with the chat template)"
         try:
-            return self.llm.encode_prompt(text, params, suffix, what)
+            ids, suffix_ids = self.llm.encode_prompt(text, params, suffix, what)
+            return ids, suffix_ids, self.llm.fit_max_tokens(params, len(ids), len(suffix_ids), what)
         except ContextLengthError as exc:
             raise APIError(400, str(exc), param=param, code="context_length_exceeded") from None
         except ValueError:  # the only other refusal: nothing to condition on
             raise APIError(400, f"'{param}' must not be empty", param=param) from None
 
-    async def _start(self, request: SamplingRequest, params: SamplingParams, encoded: list[tuple[list[int], list[int]]],
+    async def _start(self, request: SamplingRequest, encoded: list[tuple[list[int], list[int], SamplingParams]],
                      arrival: float, is_disconnected: IsDisconnected | None) -> _Run:
-        """Admit one engine request per (prompt, choice); seeds are seed, seed + 1, ... per prompt."""
+        """Admit one engine request per (prompt, choice) with that prompt's params (``_encode``); seeds are seed,
+        seed + 1, ... per prompt."""
         inputs = []
-        for ids, suffix_ids in encoded:
+        for ids, suffix_ids, params in encoded:
             for j in range(request.n):
                 seed = None if params.seed is None else params.seed + j
                 inputs.append(EngineInput(ids, replace(params, seed=seed, stop=list(params.stop)), suffix_ids))
@@ -386,7 +395,7 @@ class OpenAIServing:
         choices = [_Choice(IncrementalText(partial(self.tokenizer.decode, skip_special_tokens=p.skip_special_tokens),
                                            p.stop, p.include_stop_str_in_output, p.grammar))
                    for p in (inp.params for inp in inputs)]
-        prompt_tokens = sum(len(ids) + len(sfx) for ids, sfx in encoded)
+        prompt_tokens = sum(len(ids) + len(sfx) for ids, sfx, _ in encoded)
         return _Run(group, choices, prompt_tokens, arrival, arrival + self.request_timeout, request.stream_mode,
                     is_disconnected)
 
@@ -447,6 +456,7 @@ class OpenAIServing:
                 if event.finished or choice.text.stopped:
                     choice.done = True
                     choice.finish_reason = "stop" if choice.text.stopped else (event.finish_reason or "length")
+                    self._check_constrained(run, event.index)
                     self.metrics.nfe.observe(event.nfe)
                 if delta and run.first_text_time is None:
                     run.first_text_time = time.perf_counter()
@@ -473,6 +483,21 @@ class OpenAIServing:
                 # the client disconnected) or failed: free the slots at the next step boundary.
                 run.group.abort()
                 self.metrics.aborted.labels(reason=run.abort_reason or "disconnect").inc()
+
+    def _check_constrained(self, run: _Run, index: int) -> None:
+        """A finished constrained answer is returned as ``stop`` only if it is a complete sentence of its grammar
+        (``answer_matches``): one cut by the budget stays ``length``; any other is a 500 ``invalid_output``
+        (an error event when streamed), counted in ``celeris_failed_requests``. A stop string ends free text
+        only (``stops_apply``), so an answer it ended is not checked."""
+        choice, grammar = run.choices[index], run.group.inputs[index].params.grammar
+        if grammar is None or choice.finish_reason != "stop" or choice.text.stopped:
+            return
+        if answer_matches(grammar, self.llm.grammar_tokenizer, choice.text.token_ids):
+            return
+        run.abort_reason = "error"
+        self.metrics.failed.labels(code="invalid_output").inc()
+        raise APIError(500, "the answer ended before it was complete under its response_format or tool grammar "
+                            "(it does not validate), so it is not returned", code="invalid_output")
 
     async def _collect(self, run: _Run) -> list[str]:
         async for _ in self._updates(run):

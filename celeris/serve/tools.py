@@ -34,6 +34,8 @@ from celeris.structured.grammar import (
     TOOL_CALL_CLOSE,
     TOOL_CALL_OPEN,
     GrammarError,
+    check_grammar,
+    check_parameters,
     json_object_grammar,
     schema_grammar,
     tool_call_grammar,
@@ -72,6 +74,21 @@ def response_format_grammar(fmt: ResponseFormat | None) -> str | None:
         raise _grammar_error(exc) from None
 
 
+def check_answer_grammar(grammar: str | None, tokenizer, param: str) -> None:
+    """Refuse a grammar that admits no answer, or only the empty one, for this model's tokenizer
+    (``celeris.structured.grammar.check_grammar``); nothing to check without a grammar or a ``tokenizer``.
+
+    Raises:
+        APIError: 400 naming ``param``.
+    """
+    if grammar is None or tokenizer is None:
+        return
+    try:
+        check_grammar(grammar, tokenizer, param)
+    except GrammarError as exc:
+        raise _grammar_error(exc) from None
+
+
 def declared_functions(request: ChatCompletionRequest) -> dict[str, dict]:
     """name -> parameters schema of ``request.tools`` (an absent schema: any object).
 
@@ -101,7 +118,8 @@ def chat_grammar(request: ChatCompletionRequest) -> tuple[str | None, bool]:
 
     Raises:
         APIError: 400 for ``tool_choice`` without tools or naming an absent function, ``response_format``
-            together with a forced call, or a schema that cannot be enforced.
+            together with a forced call, parameters that are not an object schema (as OpenAI), or a schema that
+            cannot be enforced.
     """
     functions = declared_functions(request)
     mode = tool_mode(request)
@@ -109,10 +127,12 @@ def chat_grammar(request: ChatCompletionRequest) -> tuple[str | None, bool]:
         raise APIError(400, f"tool_choice '{mode}' needs tools; none were given", param="tool_choice")
     for i, tool in enumerate(request.tools or []):
         if tool.function.parameters is not None:
+            param = f"tools[{i}].function.parameters"
             try:
-                schema_grammar(tool.function.parameters, f"tools[{i}].function.parameters")
+                check_parameters(tool.function.parameters, param)
+                schema_grammar(tool.function.parameters, param)
             except GrammarError as exc:
-                raise _grammar_error(exc) from None
+                raise APIError(400, str(exc), param=exc.param, code="invalid_function_parameters") from None
     if mode in ("required", "named"):
         if request.response_format is not None and request.response_format.type != "text":
             raise APIError(400, "response_format cannot be combined with a forced tool call (tool_choice "
@@ -141,19 +161,16 @@ def chat_grammar(request: ChatCompletionRequest) -> tuple[str | None, bool]:
 
 
 def call_text(name: str, arguments: str) -> str:
-    """One call as the model writes it (compact JSON, as the grammar derives it)."""
-    try:
-        args = json.loads(arguments)
-    except json.JSONDecodeError:
-        args = arguments
-    return TOOL_CALL_OPEN + json.dumps({"name": name, "arguments": args}, separators=(",", ":")) + TOOL_CALL_CLOSE
+    """One call as the model writes it (compact JSON, as the grammar derives it); ``arguments``: JSON text."""
+    call = {"name": name, "arguments": json.loads(arguments)}
+    return TOOL_CALL_OPEN + json.dumps(call, separators=(",", ":")) + TOOL_CALL_CLOSE
 
 
 def template_messages(request: ChatCompletionRequest, template: str | None) -> tuple[list[dict], list[dict] | None]:
     """The conversation as the chat template is given it, and the tools to pass the template.
 
-    A template that reads ``tools`` gets the OpenAI tool list and the messages with their ``tool_calls``
-    (arguments as objects, as Hugging Face templates expect) and ``role: "tool"`` results. Any other template
+    A template that reads ``tools`` gets the OpenAI tool list and the messages with their ``name``, their
+    ``tool_calls`` (arguments as objects, as Hugging Face templates expect) and ``role: "tool"`` results. Any other template
     (Hermes fallback) gets plain text: the tool list in a system message (``HERMES_TOOLS_PROMPT``), each call as
     ``<tool_call>...</tool_call>`` in the assistant's content, and each result as a user message
     ``<tool_response>...</tool_response>`` (consecutive results merged), so templates that know only
@@ -170,10 +187,10 @@ def template_messages(request: ChatCompletionRequest, template: str | None) -> t
     if native:
         out = []
         for m in request.messages:
-            d: dict = {"role": m.role, "content": m.text()}
+            d: dict = {"role": m.role, "content": m.text()} | ({"name": m.name} if m.name else {})
             if m.tool_calls:
                 d["tool_calls"] = [{"id": c.id, "type": "function",
-                                    "function": {"name": c.function.name, "arguments": _loads(c.function.arguments)}}
+                                    "function": {"name": c.function.name, "arguments": json.loads(c.function.arguments)}}
                                    for c in m.tool_calls]
             if m.tool_call_id:
                 d["tool_call_id"] = m.tool_call_id
@@ -188,7 +205,8 @@ def template_messages(request: ChatCompletionRequest, template: str | None) -> t
             else:
                 out.append({"role": "user", "content": piece, "_tool_results": True})
             continue
-        out.append({"role": m.role, "content": _assistant_text(m) if m.role == "assistant" else m.text()})
+        out.append({"role": m.role, "content": _assistant_text(m) if m.role == "assistant" else m.text()}
+                   | ({"name": m.name} if m.name else {}))
     for d in out:
         d.pop("_tool_results", None)
     if tools:
@@ -199,13 +217,6 @@ def template_messages(request: ChatCompletionRequest, template: str | None) -> t
         else:
             out.insert(0, {"role": "system", "content": system})
     return out, None
-
-
-def _loads(arguments: str) -> object:
-    try:
-        return json.loads(arguments)
-    except json.JSONDecodeError:
-        return arguments
 
 
 def _assistant_text(m: ChatMessage) -> str:

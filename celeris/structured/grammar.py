@@ -19,6 +19,8 @@ from functools import lru_cache
 import numpy as np
 import torch
 
+from celeris.structured.finite import has_finite_value
+
 try:  # an optional import at module load: the error names the package when a grammar is first asked for
     import llguidance as llg
 except ImportError:  # pragma: no cover - llguidance is a dependency in pyproject.toml
@@ -51,10 +53,11 @@ def _lib():
 
 
 def check_schema(schema: object, param: str) -> dict:
-    """``schema`` as a dict after checking it is a valid JSON Schema (Draft 2020-12 meta-schema, ``jsonschema``).
+    """``schema`` as a dict after checking it is a valid JSON Schema (Draft 2020-12 meta-schema, ``jsonschema``)
+    that some finite value may validate against (``celeris.structured.finite.has_finite_value``).
 
     Raises:
-        GrammarError: not an object, or not a valid schema (message names ``param``).
+        GrammarError: not an object, not a valid schema, or one no finite value validates (message names ``param``).
     """
     import jsonschema
 
@@ -64,6 +67,9 @@ def check_schema(schema: object, param: str) -> dict:
         jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator).check_schema(schema)
     except jsonschema.SchemaError as exc:
         raise GrammarError(f"'{param}' is not a valid JSON Schema: {exc.message}", param) from None
+    if not has_finite_value(schema):
+        raise GrammarError(f"'{param}' admits no finite JSON value: every value would have to contain itself "
+                           "(a '$ref' that recurses without a way out) or a required part is 'false'", param)
     return schema
 
 
@@ -93,10 +99,28 @@ def json_object_grammar() -> str:
     return schema_grammar({"type": "object"}, "response_format")
 
 
-def call_schema(name: str, parameters: dict) -> dict:
-    """The JSON Schema of one call ``{"name": name, "arguments": <parameters>}``."""
-    return {"type": "object", "properties": {"name": {"const": name}, "arguments": parameters},
-            "required": ["name", "arguments"], "additionalProperties": False}
+def check_parameters(schema: object, param: str) -> dict:
+    """A function's ``parameters`` as a dict after checking it is a valid JSON Schema whose ``type`` is
+    ``"object"`` (a call's arguments are a JSON object; OpenAI refuses any other parameters schema likewise).
+
+    Raises:
+        GrammarError: not a valid schema, or not of type "object" (message names ``param``).
+    """
+    schema = check_schema(schema, param)
+    if schema.get("type") != "object":
+        raise GrammarError(f"'{param}' must be a JSON Schema of type \"object\" (a call's arguments are a JSON "
+                           f"object), got type {json.dumps(schema.get('type'))}", param)
+    return schema
+
+
+def call_rules(index: int, name: str, parameters: dict) -> list[str]:
+    """The grammar rules of one call ``{"name":<name>,"arguments":<parameters>}`` (compact JSON): the name as a
+    literal and the arguments as a JSON Schema of their own (``args_<index>: %json``), so that the schema's
+    ``$ref``s (``#/$defs/...``, ``#``) resolve against the parameters themselves, as they were written, not
+    against a call object they were embedded in."""
+    head = json.dumps(f'{{"name":{json.dumps(name)},"arguments":')  # a Lark string literal
+    args = json.dumps({**parameters, "x-guidance": JSON_OPTIONS})  # llguidance's compile options, inline
+    return [f'call_{index}: {head} args_{index} "}}"', f"args_{index}: %json {args}"]
 
 
 # ``tool_choice: "auto"``'s other branch: free text (at least one character) in which the call tag never occurs,
@@ -113,12 +137,12 @@ def tool_call_grammar(functions: dict[str, dict], parallel: bool = True, alterna
     the call tag) or the compact JSON of a schema (a dict: ``response_format`` beside the tools).
 
     Raises:
-        GrammarError: a parameters schema that cannot be enforced (param ``tools``).
+        GrammarError: a parameters schema that is not an object schema or cannot be enforced (param ``tools``).
     """
     if not functions:
         raise GrammarError("no function to call", "tools")
     for name, params in functions.items():
-        check_schema(params, f"tools[{name}].function.parameters")
+        check_parameters(params, f"tools[{name}].function.parameters")
     alternatives = " | ".join(f"call_{i}" for i in range(len(functions)))
     answer = "calls" if parallel else "call"
     if alternative is None:
@@ -129,8 +153,7 @@ def tool_call_grammar(functions: dict[str, dict], parallel: bool = True, alterna
         lines = [f"start: {answer} | other", f"other: %json {json.dumps({**alternative, 'x-guidance': JSON_OPTIONS})}"]
     lines += ['calls: call ("\\n" call)*', f'call: "{TOOL_CALL_OPEN}" body "{TOOL_CALL_CLOSE}"', f"body: {alternatives}"]
     for i, (name, params) in enumerate(functions.items()):
-        schema = {**call_schema(name, params), "x-guidance": JSON_OPTIONS}  # llguidance's compile options, inline
-        lines.append(f"call_{i}: %json {json.dumps(schema)}")
+        lines += call_rules(i, name, params)
     return _validated("\n".join(lines) + "\n", "tools")
 
 
@@ -171,6 +194,43 @@ def grammar_tokenizer(tokenizer, vocab_size: int | None = None):
 def _bits(matcher) -> np.ndarray:
     """(tokenizer vocab rounded up to 32,) bool: the tokens ``matcher`` accepts next."""
     return np.unpackbits(np.frombuffer(matcher.compute_bitmask(), dtype=np.uint8), bitorder="little").astype(bool)
+
+
+@lru_cache(maxsize=64)
+def _start_problem(grammar: str, tokenizer) -> str | None:
+    matcher = _lib().LLMatcher(tokenizer, grammar, log_level=0)
+    if not matcher.is_error():
+        bits = _bits(matcher)  # the first mask: llguidance finds some errors only when it computes one
+        if not matcher.is_error():
+            others = np.flatnonzero(bits)
+            if not any(t != tokenizer.eos_token for t in others.tolist()):
+                return "it admits only the empty answer"
+            if matcher.is_accepting():
+                return "it admits the empty answer (no JSON text or call is empty)"
+            return None
+    reason = matcher.get_error() or str(matcher.stop_reason())
+    return f"it admits no answer for this model's tokenizer ({reason.splitlines()[0]})"
+
+
+def check_grammar(grammar: str, tokenizer, param: str) -> None:
+    """Refuse a grammar that cannot start an answer for ``tokenizer`` (``grammar_tokenizer``): llguidance fails on
+    its first mask, or it admits only the empty answer (no JSON text is empty). Cached per (grammar, tokenizer).
+
+    Raises:
+        GrammarError: naming ``param``, the request field the grammar comes from.
+    """
+    problem = _start_problem(grammar, tokenizer)
+    if problem is not None:
+        raise GrammarError(f"'{param}' cannot be enforced: {problem}", param)
+
+
+def answer_matches(grammar: str, tokenizer, token_ids: list[int]) -> bool:
+    """Whether the answer ``token_ids`` (without its end-of-text id) is a complete sentence of ``grammar``: the
+    check a finished constrained answer must pass before it is returned as ``finish_reason: "stop"``."""
+    matcher = _lib().LLMatcher(tokenizer, grammar, log_level=0)
+    if matcher.is_error() or not matcher.consume_tokens([int(t) for t in token_ids]):
+        return False
+    return not matcher.is_error() and (matcher.is_accepting() or matcher.is_stopped())
 
 
 def _closer_ids(tokenizer) -> list[int]:

@@ -43,3 +43,17 @@ def test_builds_job_with_planted_bad_lines_and_duplicate_variant(data_dir, tmp_p
     assert by_id["gsm8k-0001"].url == "/v1/chat/completions"
     with pytest.raises(DuplicateIdError, match="'story-0001' on lines 1, 41"):
         scan_input(info["duplicate_variant"])
+
+
+def test_builds_job_from_the_shipped_sets_by_default(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # no data folder anywhere near
+    assert main(["--out", str(tmp_path / "job.jsonl"), "--num", "40", "--max-tokens", "8"]) == 0
+    items = list(iter_items(json.loads(capsys.readouterr().out)["job"]))
+    good = [i for i in items if i.error_code is None and not i.custom_id.startswith("bad-")]
+    assert {i.custom_id.split("-")[0] for i in good} == {"code", "gsm8k", "mt_bench"}
+    assert by_kind(good, "code")[0].body["prompt"].startswith("from typing import List")  # HumanEval/0
+    assert by_kind(good, "gsm8k")[0].body["messages"][0]["content"].startswith("Janet")
+
+
+def by_kind(items: list, kind: str) -> list:
+    return [i for i in items if i.custom_id.startswith(kind + "-")]

@@ -410,14 +410,16 @@ def test_retry_failed_is_suggested_only_for_failures_a_retry_can_fix(tmp_path, c
 
 def test_setting_for_a_rule_not_chosen_is_a_failed_record(tmp_path, make_serving):
     """Issue 16 item 3 in batch jobs: the line's 400 names both settings; the other lines run."""
-    rows = [*good_rows(1), {"id": "rule", "prompt": "hi", "max_tokens": 8, "threshold": 0.2}]
+    rows = [*good_rows(1), {"id": "rule", "prompt": "hi", "max_tokens": 8, "threshold": 0.2},
+            {"id": "default", "prompt": "hi", "max_tokens": 8, "threshold": 0.9}]  # issue 28 item 4: the default too
     out = tmp_path / "out.jsonl"
     summary = run_batch(write_jsonl(tmp_path / "in.jsonl", rows), out, make_serving, window=8, progress=False)
     records = by_id(read_records(out))
-    assert (summary["succeeded"], summary["failed"]) == (1, 1)
-    error = records["rule"]["response"]["body"]["error"]
-    assert records["rule"]["response"]["status_code"] == 400 and error["param"] == "threshold"
-    assert "decoding='fixed'" in error["message"]
+    assert (summary["succeeded"], summary["failed"]) == (1, 2)
+    for line in ("rule", "default"):
+        error = records[line]["response"]["body"]["error"]
+        assert records[line]["response"]["status_code"] == 400 and error["param"] == "threshold"
+        assert "decoding='fixed'" in error["message"]
 
 
 def test_structured_output_in_batch_records_validates(tmp_path, make_serving):

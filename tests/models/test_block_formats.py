@@ -168,3 +168,22 @@ def test_default_block_length_always_fits_the_folders_block_size(tmp_path):
     llm = LLM(tmp_path, device="cpu")
     out = llm.generate(["def f(x):"], llm.default_params(max_tokens=6))[0]
     assert llm.model.block_contract.block_size == 4 and out.finish_reason in ("stop", "length") and out.nfe >= 1
+
+
+def test_sliding_window_layer_types_are_refused_for_every_qwen_format(tmp_path):
+    """Qwen3's config (SDAR) has layer_types too: a sliding-window layer is refused naming it, as Fast-dLLM v2's."""
+    write_sdar(tmp_path / "a", layer_types=["full_attention", "sliding_attention"])
+    with pytest.raises(CheckpointError, match=r"layer_types \['sliding_attention'\]"):
+        load_any(tmp_path / "a")
+
+
+def test_rope_parameters_are_read_and_a_scaled_rope_is_refused(tmp_path):
+    """transformers 5 writes RoPE as rope_parameters: its rope_theta is the one the model uses (not silently
+    ignored); a scaled RoPE, which the block formats do not compute, is refused naming it."""
+    write_sdar(tmp_path / "a", rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    assert load_any(tmp_path / "a").config.rope_theta == 10000.0
+    write_sdar(tmp_path / "b", rope_parameters={"rope_type": "yarn", "rope_theta": 1000000, "factor": 4.0})
+    with pytest.raises(CheckpointError, match="only plain RoPE"):
+        load_any(tmp_path / "b")
+    write_sdar(tmp_path / "c", rope_parameters={"rope_type": "default", "rope_theta": 1000000})
+    assert load_any(tmp_path / "c").block_contract.block_size == 4

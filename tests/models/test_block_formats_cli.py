@@ -4,6 +4,7 @@ SDAR and Fast-dLLM v2 folders; their end-of-turn ids and chat-template keyword a
 from __future__ import annotations
 
 import asyncio
+import io
 import json
 
 import pytest
@@ -12,6 +13,7 @@ from celeris.cli import main
 from celeris.llm import LLM
 from celeris.serve.serving import OpenAIServing
 from tests.conftest import stop_server
+from tests.fixtures.chat_templates import QWEN3
 from tests.models.conftest_block_formats import write_fast_dllm, write_llada2, write_sdar
 
 QWEN_WRITERS = {"sdar": write_sdar, "fast_dllm_v2": write_fast_dllm}  # Qwen chat tokenizers (<|im_end|>)
@@ -108,7 +110,7 @@ def test_generation_stops_at_the_end_of_turn_token(block_dir):
         out = original(hidden).clone()
         (row,) = engine.block_decoder.rows.values()  # one request: logits column j scores canvas column s + j
         _, _, s, t = row.unit
-        if s <= at < t:
+        if s <= at < s + out.shape[1]:  # one column when a block's first token is scored alone (commit_first)
             out[0, at - s, end] = 1e4
         return out
 
@@ -199,3 +201,16 @@ def test_stop_strings_cut_a_block_models_answer(block_dir):
     out = llm.generate(["def add(a, b):"], llm.default_params(max_tokens=16, seed=0, ignore_eos=True,
                                                                stop=[stop]))[0]
     assert out.finish_reason == "stop" and out.text == first.text[: first.text.index(stop)]
+
+
+def test_cli_chat_second_turn_on_the_published_qwen3_template(tmp_path, monkeypatch, capsys):
+    """Issue 28 item 3: SDAR ships Qwen3's template, which reads ``message.tool_calls``; the second turn of
+    ``celeris chat`` (an assistant message in the history) renders instead of ending in a traceback."""
+    write_sdar(tmp_path)
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config | {"chat_template": QWEN3}))
+    monkeypatch.setattr("sys.stdin", io.StringIO("hi\nand again\n\n"))
+    rc = main(["chat", "--model", str(tmp_path), "--max-new-tokens", "4", "--device", "cpu"])
+    out = capsys.readouterr()
+    assert rc == 0, out.err
+    assert out.out.count("model> ") == 2 and "Traceback" not in out.err

@@ -52,7 +52,8 @@ def test_window_pass_after_full_pass_gives_full_logits(model, masked):
             cache = layers.KVCache()
             filled = model(ids, mask, logits_slice=span, cache=cache)  # full pass fills the cache
             assert len(cache.keys) == len(model.layers)
-            assert (filled - full[:, span]).abs().max() < 1e-6
+            # the head over a slice is a GEMM of another shape: float32 noise of 1e-6 with one thread
+            assert (filled - full[:, span]).abs().max() < 1e-5
             before = [k.clone() for k in cache.keys]
             got = model(ids, mask, logits_slice=span, cache=cache, window=window)
             assert got.shape == full[:, span].shape

@@ -226,3 +226,14 @@ def test_shapes_helper_matches_published_index_names(llada_dir):
     index = json.loads((folder / "model.safetensors.index.json").read_text())["weight_map"]
     assert set(index) == set(llada_shapes(cfg))
     assert "model.transformer.blocks.1.ff_out.weight" in index and "model.transformer.ff_out.weight" in index
+
+
+def test_clip_qkv_is_refused_naming_it(tmp_path):
+    """Issue 28 item 11: the published ModelConfig clamps queries, keys and values at ``clip_qkv``; Celeris does not."""
+    from tests.models.conftest_formats import write_llada
+
+    write_llada(tmp_path / "a", num_shards=1, clip_qkv=8.0)
+    with pytest.raises(CheckpointError, match=r"clip_qkv 8.0 \(only null\)"):
+        load_any(tmp_path / "a")
+    write_llada(tmp_path / "b", num_shards=1, clip_qkv=None)
+    assert isinstance(load_any(tmp_path / "b"), LLaDAModel)

@@ -3,6 +3,7 @@ equations (``modeling_llada2_moe.py``) written here in float64 loops, and decode
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -101,3 +102,14 @@ def test_unsupported_router_is_refused(tmp_path):
     write_llada2(tmp_path / "a", score_function="softmax")
     with pytest.raises(CheckpointError, match="score_function"):
         load_any(tmp_path / "a")
+
+
+@pytest.mark.parametrize("key, value", [("use_qk_norm", False), ("norm_head", True), ("use_qk_norm", 1)])
+def test_config_values_the_model_does_not_compute_are_refused_naming_them(tmp_path, key, value):
+    """Issue 28 item 11: ``use_qk_norm: false`` (no q/k RMSNorm) and ``norm_head: true`` (an L2-normalised head)
+    were loaded and computed as the defaults; the published values load."""
+    write_llada2(tmp_path / "a", **{key: value})
+    with pytest.raises(CheckpointError, match=f"{key} {json.dumps(value)} \\(only "):
+        load_any(tmp_path / "a")
+    write_llada2(tmp_path / "b", use_qk_norm=True, norm_head=False)
+    assert isinstance(load_any(tmp_path / "b"), LLaDA2Model)

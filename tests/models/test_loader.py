@@ -191,3 +191,16 @@ def test_packed_parts_are_checked_one_by_one(tmp_path):
     save_file(state, tmp_path / "model.safetensors")
     with pytest.raises(CheckpointError, match=r"'model\.layers\.1\.self_attn\.k_proj\.weight' is missing"):
         load_any(tmp_path)
+
+
+def test_every_format_names_the_published_keys_it_does_not_read_but_must_check():
+    """Issue 28 item 11: a published config key the model does not read, but which changes what the published
+    model computes, is declared with the one value Celeris computes (``FormatConfig.FIXED``), never a field."""
+    from dataclasses import fields
+
+    from celeris.models.loader import FORMATS
+
+    fixed = {name: fmt.config_cls.FIXED for name, fmt in FORMATS.items() if fmt.config_cls.FIXED}
+    assert fixed == {"llada": {"clip_qkv": None}, "llada2": {"use_qk_norm": True, "norm_head": False}}
+    for name, keys in fixed.items():
+        assert not set(keys) & {f.name for f in fields(FORMATS[name].config_cls)}

@@ -60,3 +60,19 @@ def test_threshold_applies_to_low_confidence_dynamic():
     assert SamplingParams(decoding="low_confidence_dynamic", threshold=0.5).threshold == 0.5
     with pytest.raises(ValueError, match="threshold applies to"):
         SamplingParams(decoding="sequential", threshold=0.5)
+
+
+def test_a_block_length_the_caller_gives_counts_even_at_the_generic_default(tmp_path):
+    """Issue 28 item 4's fault in the block path: a block_length of 32 the caller gave was replaced by the
+    contract's sub-block as if it were SamplingParams' unset default; only the default is adapted now."""
+    from celeris.llm import LLM
+    from celeris.sampling.block import with_block_defaults
+    from tests.models.conftest_block_formats import write_sdar
+
+    write_sdar(tmp_path)
+    llm = LLM(tmp_path, device="cpu")
+    assert with_block_defaults(llm.model, SamplingParams(max_tokens=8)).block_length == 4  # not given: the model's
+    assert len(llm.generate("x", SamplingParams(max_tokens=3))[0].token_ids) <= 3
+    for given in (SamplingParams(max_tokens=8, block_length=32), llm.default_params(max_tokens=8, block_length=32)):
+        with pytest.raises(ValueError, match="block_length 32 must divide this model's trained block size 4"):
+            llm.generate("x", given)

@@ -198,6 +198,11 @@ def test_non_finite_numbers_are_refused(server, literal, field):
     ("/v1/completions", {"prompt": "x", "draft_source": "lookup"}, "draft_source", "decoding='fixed'"),
     ("/v1/completions", {"prompt": "x", "cache": "dual", "cache_refresh": 2}, "cache_refresh", "cache='dual'"),
     ("/v1/completions", {"prompt": "x", "top_k": -2}, "top_k", "top_k must be"),
+    # issue 28 item 4: a value equal to the setting's default counts too
+    ("/v1/completions", {"prompt": "x", "threshold": 0.9}, "threshold", "decoding='fixed'"),
+    ("/v1/completions", {"prompt": "x", "decoding": "threshold", "factor": 1.0}, "factor", "decoding='threshold'"),
+    ("/v1/chat/completions", {"messages": CHAT, "entropy_bound": 0.5}, "entropy_bound", "decoding='fixed'"),
+    ("/v1/completions", {"prompt": "x", "draft_source": "lookup_first"}, "draft_source", "decoding='fixed'"),
 ])
 def test_setting_for_a_rule_not_chosen_is_400_naming_both(server, path, body, param, picked):
     """Issue 16 item 3: `threshold` without `decoding: "threshold"` used to be accepted and ignored."""

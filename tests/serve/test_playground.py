@@ -5,6 +5,7 @@ generation defaults, and the page itself served at ``/`` without the API key."""
 from __future__ import annotations
 
 import json
+import re
 
 import httpx
 import pytest
@@ -55,7 +56,8 @@ def test_model_cards_carry_the_generation_defaults(server):
     card = httpx.get(f"{server.url}/v1/models/{MODEL_NAME}", timeout=10).json()
     assert card["decoding_kind"] == "diffusion"
     assert card["generation_config"]["steps"] == GENERATION_CONFIG["steps"]
-    assert httpx.get(f"{server.url}/v1/models", timeout=10).json()["data"] == [card]
+    listed = httpx.get(f"{server.url}/v1/models", timeout=10).json()["data"]
+    assert [{**c, "created": 0} for c in listed] == [{**card, "created": 0}]  # "created" is each answer's clock
 
 
 def test_the_page_is_served_without_the_key_while_the_api_needs_it(serve_llm):
@@ -125,3 +127,38 @@ def test_also_serve_options_are_checked(capsys):
         assert main(["serve", *args]) == 2, args
         err = capsys.readouterr().err
         assert message in err and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_the_page_forbids_inline_scripts_and_framing_and_has_none(server):
+    """A Content-Security-Policy on ``/`` (scripts only from this server, no inline script or handler, never
+    framed) and ``nosniff`` on the page and its files; the page itself needs nothing the policy forbids."""
+    from html.parser import HTMLParser
+
+    page = httpx.get(f"{server.url}/", timeout=10)
+    policy = {d.split()[0]: d.split()[1:] for d in page.headers["content-security-policy"].split(";") if d.strip()}
+    assert policy["script-src"] == ["'self'"] and policy["frame-ancestors"] == ["'none'"]
+    assert policy["default-src"] == ["'self'"] and policy["object-src"] == ["'none'"]
+    assert page.headers["x-content-type-options"] == "nosniff"
+    for name in ("playground.js", "playground.css"):
+        assert httpx.get(f"{server.url}/static/{name}", timeout=10).headers["x-content-type-options"] == "nosniff"
+
+    class Inline(HTMLParser):
+        found: list[str] = []
+        in_script = False
+
+        def handle_starttag(self, tag, attrs):
+            self.in_script = tag == "script"
+            if tag == "script" and not dict(attrs).get("src"):
+                self.found.append("script without src")
+            self.found += [f"{tag} {name}" for name, value in attrs
+                           if name.startswith("on") or name == "style" or "javascript:" in (value or "")]
+
+        def handle_data(self, data):
+            if self.in_script and data.strip():
+                self.found.append("inline script text")
+
+    parser = Inline()
+    parser.feed(page.text)
+    assert parser.found == []
+    script = httpx.get(f"{server.url}/static/playground.js", timeout=10).text
+    assert not re.search(r"innerHTML|outerHTML|insertAdjacentHTML|document\.write|\beval\(|new Function", script)

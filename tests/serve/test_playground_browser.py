@@ -237,3 +237,59 @@ def test_chat_mode_with_a_system_prompt(server, browser):
     resp = httpx.post(f"{server.url}/v1/chat/completions", headers={"Authorization": f"Bearer {KEY}"}, timeout=60,
                       json={"model": HYBRID, "messages": messages, "max_tokens": 24, "seed": 0})
     assert text_of(browser, "gen-text") == resp.json()["choices"][0]["message"]["content"]
+
+
+MARKUP = "m<img src=x onerror=\"document.title='XSS'\">"
+SCRIPT_MARKUP = "<script>document.title='XSS2'</script>b"
+
+
+@pytest.fixture(scope="module")
+def markup_server(tmp_path_factory):
+    """Two models behind one in-process server (``ModelRouter``, as ``--also-serve``) whose ids and card fields
+    carry markup: what a checkpoint folder named ``m<img ...>`` would put into the page."""
+    from celeris.config import EngineConfig
+    from celeris.llm import LLM
+    from celeris.serve.app import BackgroundServer, create_app
+    from celeris.serve.metrics import ServerMetrics
+    from celeris.serve.router import ModelRouter
+    from celeris.serve.serving import OpenAIServing
+    from tests.serve.conftest import build_checkpoint
+
+    class MarkupCards(OpenAIServing):
+        def model_card(self):
+            card = super().model_card()
+            fields = {**card.generation_config, "decoding": MARKUP, "cache": SCRIPT_MARKUP, "steps": MARKUP}
+            return card.model_copy(update={"decoding_kind": SCRIPT_MARKUP, "generation_config": fields})
+
+    llm = LLM(build_checkpoint(tmp_path_factory.mktemp("markup")), device="cpu")
+    shared = ServerMetrics()
+    servings = [MarkupCards(llm, served_model_name=name, metrics=shared,
+                            engine_config=EngineConfig(max_num_seqs=2, max_waiting=4))
+                for name in (MARKUP, SCRIPT_MARKUP)]
+    with BackgroundServer(create_app(ModelRouter(servings))) as srv:
+        yield srv
+
+
+def test_markup_in_model_ids_and_cards_is_shown_as_text(markup_server, browser):
+    """The Race view used to build its lane titles with innerHTML: a model id ``m<img src=x onerror=...>`` ran its
+    script when a race started. Every server string is text now, and the page's CSP would block inline handlers."""
+    browser.get(markup_server.url + "/")
+    WebDriverWait(browser, 30).until(lambda d: len(d.find_elements(By.CSS_SELECTOR, "#model option")) == 2)
+    options = [o.get_attribute("value") for o in browser.find_elements(By.CSS_SELECTOR, "#model option")]
+    assert options == [MARKUP, SCRIPT_MARKUP]
+    assert browser.find_element(By.CSS_SELECTOR, "#model option").text == f"{MARKUP} ({SCRIPT_MARKUP})"
+    assert MARKUP in browser.find_element(By.ID, "steps").get_attribute("placeholder")
+    set_field(browser, "max_tokens", "8")
+    browser.find_element(By.ID, "tab-race").click()
+    Select(browser.find_element(By.ID, "race-b")).select_by_value(SCRIPT_MARKUP)
+    browser.find_element(By.ID, "race").click()
+    WebDriverWait(browser, 60).until(lambda d: text_of(d, "race-status") in ("done", "error", "stopped"))
+    assert text_of(browser, "race-status") == "done", text_of(browser, "error")  # the page works under its CSP
+    assert text_of(browser, "race-a-title") == MARKUP and text_of(browser, "race-b-title") == SCRIPT_MARKUP
+    found = browser.execute_script("""return {title: document.title,
+        images: document.querySelectorAll('img').length,
+        scripts: [...document.scripts].map((s) => s.getAttribute('src')),
+        handlers: [...document.querySelectorAll('*')].filter((e) =>
+            [...e.attributes].some((a) => a.name.startsWith('on'))).length};""")
+    assert found == {"title": "Celeris playground", "images": 0, "scripts": ["/static/playground.js"],
+                     "handlers": 0}

@@ -136,9 +136,8 @@ def test_load_prompts_and_percentiles(tmp_path):
     path = tmp_path / "p.jsonl"
     path.write_text(json.dumps({"prompt": "a"}) + "\n" + json.dumps({"prompt": "b"}) + "\n")
     assert loadtest.load_prompts(str(path), 5) == ["a", "b"]
-    if loadtest.HUMANEVAL.is_file():
-        prompts = loadtest.load_prompts("humaneval", 3)
-        assert len(prompts) == 3 and all("def " in p for p in prompts)
+    prompts = loadtest.load_prompts("humaneval", 3)  # the set shipped in celeris/data
+    assert len(prompts) == 3 and all("def " in p for p in prompts)
     assert loadtest.percentile([], 50) is None
     assert loadtest.percentile([3.0, 1.0, 2.0], 50) == 2.0
     assert loadtest.percentile([float(i) for i in range(1, 101)], 95) == 95.0
@@ -202,3 +201,32 @@ def test_dream_confidences_and_top_k_are_request_fields(serving, serve_llm, rema
     want = serve_llm.generate("import os", serve_llm.default_params(max_tokens=8, temperature=1.0, seed=5,
                                                                      remasking=remasking, top_k=2))
     assert body["choices"][0]["text"] == want[0].text
+
+
+def test_a_default_max_tokens_fits_the_context_in_every_api(serving, serve_llm):
+    """Issue 28 item 8: with max_tokens omitted, a prompt that leaves less room than generation_config.json's
+    max_tokens (16) gets what fits (128-token context), in completions (each prompt its own) and chat; a prompt
+    that fills the context is refused without naming a max_tokens the client never sent."""
+    text = "def fibonacci(n):\n    return n\n" * 40
+    ids = serve_llm.tokenizer.encode(text)
+    long_prompt = serve_llm.tokenizer.decode(ids[:124])
+    room = 128 - len(serve_llm.tokenizer.encode(long_prompt))
+    assert 1 <= room < 8
+    body = serving.run_sync("/v1/completions", {"prompt": [long_prompt, "import os"], "ignore_eos": True})
+    # each prompt its own budget: the block is capped at the answer length (8: the folder's block_length)
+    assert [c["celeris"]["block_length"] for c in body["choices"]] == [room, 8]
+    assert body["usage"]["completion_tokens"] <= room + 16
+    lone = serving.run_sync("/v1/completions", {"prompt": long_prompt, "ignore_eos": True})
+    assert lone["usage"]["completion_tokens"] <= room
+    def chat(k: int) -> tuple[list[dict], int]:
+        messages = [{"role": "user", "content": serve_llm.tokenizer.decode(ids[:k])}]
+        return messages, len(serve_llm.tokenizer.encode_chat(messages, add_generation_prompt=True))
+
+    messages, rendered = next(chat(k) for k in range(120, 0, -1) if 112 < chat(k)[1] < 128)
+    chat = serving.run_sync("/v1/chat/completions", {"messages": messages, "ignore_eos": True})
+    assert chat["usage"]["completion_tokens"] <= 128 - rendered
+    status, err = asyncio.run(serving.respond("/v1/completions", {"prompt": text}))
+    assert status == 400 and err["error"]["code"] == "context_length_exceeded" and err["error"]["param"] == "prompt"
+    assert "max_tokens" not in err["error"]["message"] and "128" in err["error"]["message"]
+    status, err = asyncio.run(serving.respond("/v1/completions", {"prompt": long_prompt, "max_tokens": 16}))
+    assert status == 400 and "max_tokens (16)" in err["error"]["message"]  # a value the client sent still counts

@@ -307,3 +307,83 @@ def test_auto_decodes_unconstrained_where_a_grammar_cannot_run(tmp_path):
         assert status == 400 and out["error"]["param"] == "tool_choice"
     finally:
         serving.stop()
+
+
+@pytest.mark.slow
+def test_forced_call_of_a_nested_pydantic_tool_validates(sclient):
+    """Issue 28 item 1 end to end: a tool whose parameters are a pydantic model with a nested model ($defs/$ref)
+    is served for required and named tool_choice, and the call's arguments validate against the nested schema."""
+    tool = {"type": "function", "function": {"name": "register", "parameters": Person.model_json_schema()}}
+    assert "$defs" in tool["function"]["parameters"]
+    for choice in ("required", {"type": "function", "function": {"name": "register"}}):
+        out = sclient.chat.completions.create(model=MODEL_NAME, messages=USER, tools=[tool], tool_choice=choice,
+                                              parallel_tool_calls=False, max_tokens=128, temperature=0.7, seed=5)
+        (call,) = out.choices[0].message.tool_calls
+        assert call.function.name == "register" and out.choices[0].finish_reason == "tool_calls"
+        jsonschema.validate(json.loads(call.function.arguments), tool["function"]["parameters"])
+
+
+SELF_REF = {"type": "json_schema", "json_schema": {"name": "loop", "schema": {"$ref": "#"}}}
+
+
+def _raw(sclient) -> str:
+    return str(sclient.base_url).rstrip("/").removesuffix("/v1")
+
+
+def test_a_schema_without_a_finite_value_is_400_naming_the_field(sclient):
+    """``{"$ref": "#"}`` used to be answered 200 with an empty content and finish_reason "stop"."""
+    import httpx
+
+    base, param = _raw(sclient), "response_format.json_schema.schema"
+    bodies = {"/v1/chat/completions": {"messages": USER}, "/v1/completions": {"prompt": "def f(x):"}}
+    for path, body in bodies.items():
+        for stream in (False, True):
+            r = httpx.post(base + path, json={**body, "max_tokens": 8, "response_format": SELF_REF, "stream": stream},
+                           timeout=30)
+            assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    loop = {"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]}}}
+    with pytest.raises(openai.BadRequestError) as info:
+        sclient.chat.completions.create(model=MODEL_NAME, messages=USER, tools=[loop], tool_choice="required",
+                                        max_tokens=8)
+    assert info.value.body["param"] == "tools[0].function.parameters"
+
+
+def test_a_constrained_answer_that_does_not_validate_is_never_stop(sclient, monkeypatch):
+    """With the compile-time checks switched off, ``{"$ref": "#"}`` reaches the engine, which ends the answer at
+    once: the serving layer's check turns that "stop" into a 500 ``invalid_output`` (an error event when streamed),
+    counted in /metrics."""
+    import httpx
+
+    # raising=False: the same test runs on code without these checks (where it gets 200 and "stop")
+    monkeypatch.setattr("celeris.structured.grammar.has_finite_value", lambda schema: True, raising=False)
+    monkeypatch.setattr("celeris.serve.tools.check_grammar", lambda grammar, tokenizer, param: None, raising=False)
+    base = _raw(sclient)
+    key = 'celeris_failed_requests_total{code="invalid_output",model="tiny-serve"}'
+
+    def failures() -> float:
+        lines = [line for line in httpx.get(base + "/metrics").text.splitlines() if line.startswith(key)]
+        return float(lines[0].split()[-1]) if lines else 0.0
+
+    before = failures()
+    with pytest.raises(openai.InternalServerError) as info:
+        sclient.chat.completions.create(model=MODEL_NAME, messages=USER, response_format=SELF_REF, max_tokens=8)
+    assert info.value.body["code"] == "invalid_output"
+    r = httpx.post(base + "/v1/completions", json={"prompt": "def", "max_tokens": 8, "response_format": SELF_REF})
+    assert r.status_code == 500 and r.json()["error"]["code"] == "invalid_output"
+    events = [line.removeprefix("data: ") for line in httpx.post(
+        base + "/v1/chat/completions", json={"messages": USER, "max_tokens": 8, "response_format": SELF_REF,
+                                             "stream": True}, timeout=30).text.splitlines() if line]
+    assert events[-1] == "[DONE]" and json.loads(events[-2])["error"]["code"] == "invalid_output"
+    assert all(json.loads(e).get("choices", [{}])[0].get("finish_reason") != "stop" for e in events[:-2])
+    assert failures() == before + 3
+
+
+def test_a_constrained_answer_cut_by_the_budget_is_length(sclient):
+    long = {"type": "json_schema", "json_schema": {"name": "long", "schema": {
+        "type": "object", "properties": {"a": {"type": "string", "minLength": 40}}, "required": ["a"]}}}
+    chat = sclient.chat.completions.create(model=MODEL_NAME, messages=USER, response_format=long, max_tokens=4)
+    assert chat.choices[0].finish_reason == "length"
+    text = sclient.completions.create(model=MODEL_NAME, prompt="def", max_tokens=4,
+                                      extra_body={"response_format": long})
+    assert text.choices[0].finish_reason == "length"

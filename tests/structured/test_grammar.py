@@ -15,11 +15,13 @@ from celeris.structured.grammar import (
     TOOL_CALL_OPEN,
     Constraint,
     GrammarError,
+    grammar_tokenizer,
     json_object_grammar,
     schema_grammar,
     tool_call_grammar,
 )
-from tests.conftest import build_tiny_checkpoint
+from celeris.tokenizer import Tokenizer
+from tests.conftest import REPO_ROOT, build_tiny_checkpoint
 from tests.serve.conftest import TEXTS
 from tests.structured.schemas import SCHEMAS
 
@@ -175,3 +177,67 @@ def test_an_impossible_budget_ends_with_length_never_claimed_complete(json_llm):
     assert out.finish_reason == "length"
     with pytest.raises(json.JSONDecodeError):
         json.loads(out.text)
+
+
+# Parameters whose references point inside themselves (issue 28 item 1): pydantic's $defs for a nested model, the
+# older "definitions", and "#" (the parameters' own root, a recursive schema).
+POINT = SCHEMAS["refs"]["$defs"]["Point"]
+REFERRING_PARAMETERS = {
+    "defs": SCHEMAS["refs"],
+    "definitions": {"definitions": {"Point": POINT}, "type": "object", "required": ["at"],
+                    "properties": {"at": {"$ref": "#/definitions/Point"}}, "additionalProperties": False},
+    "root": {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9},
+                                              "next": {"$ref": "#"}}, "required": ["n"], "additionalProperties": False},
+}
+VALID_ARGUMENTS = {"defs": {"points": [{"x": 1, "y": 2}]}, "definitions": {"at": {"x": 3, "y": 4}},
+                   "root": {"n": 1, "next": {"n": 2}}}
+INVALID_ARGUMENTS = {"defs": {"points": [{"x": 1}]}, "definitions": {"at": {"x": 3, "y": 400}},
+                     "root": {"n": 1, "next": {"m": 2}}}
+
+
+@pytest.mark.parametrize("kind", sorted(REFERRING_PARAMETERS))
+def test_tool_parameters_with_references_are_enforced(kind):
+    """A call's arguments follow their own ``$ref``s: the grammar compiles, takes a valid nested call and refuses
+    one that breaks the referenced schema (every tool_choice: tests/serve/test_tools.py)."""
+    params = REFERRING_PARAMETERS[kind]
+    jsonschema.validate(VALID_ARGUMENTS[kind], params)  # the test's own data, checked by the reference validator
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(INVALID_ARGUMENTS[kind], params)
+    tok = Tokenizer(REPO_ROOT / "celeris" / "checkpoints" / "celeris-code-6m")
+    matcher = Constraint(tool_call_grammar({"f": params}, parallel=False), grammar_tokenizer(tok)).matcher
+    for arguments, ok in ((VALID_ARGUMENTS[kind], True), (INVALID_ARGUMENTS[kind], False)):
+        body = json.dumps({"name": "f", "arguments": arguments}, separators=(",", ":"))
+        m = matcher.deep_copy()
+        accepted = all(m.consume_token(t) for t in tok.encode(TOOL_CALL_OPEN + body + TOOL_CALL_CLOSE))
+        assert (accepted and m.is_accepting()) is ok, (kind, arguments)
+
+
+def test_tool_parameters_must_be_an_object_schema():
+    for params in ({"type": "string"}, {"type": "array", "items": {}}, {"properties": {"a": {}}}):
+        with pytest.raises(GrammarError, match='type "object"') as exc:
+            tool_call_grammar({"f": params})
+        assert exc.value.param == "tools[f].function.parameters"
+
+
+def test_a_grammar_that_admits_no_answer_is_refused_for_the_tokenizer(json_llm):
+    """llguidance compiles ``{"$ref": "#"}`` but fails at its first mask; ``check_grammar`` finds that before any
+    request is queued, and ``answer_matches`` is the check a finished answer must pass."""
+    import llguidance
+
+    from celeris.structured.grammar import JSON_OPTIONS, answer_matches, check_grammar
+
+    loop = llguidance.LLMatcher.grammar_from_json_schema({"$ref": "#"}, defaults=JSON_OPTIONS)
+    with pytest.raises(GrammarError, match="cannot be enforced") as exc:
+        check_grammar(loop, json_llm.grammar_tokenizer, "response_format")
+    assert exc.value.param == "response_format"
+    with pytest.raises(GrammarError, match="empty answer"):
+        check_grammar(llguidance.LLMatcher.grammar_from_lark('start: "" | "{}"'), json_llm.grammar_tokenizer, "x")
+    grammar = json_object_grammar()
+    check_grammar(grammar, json_llm.grammar_tokenizer, "response_format")
+    encode = json_llm.tokenizer.encode
+    assert answer_matches(grammar, json_llm.grammar_tokenizer, encode('{"a":[1]}'))
+    assert not answer_matches(grammar, json_llm.grammar_tokenizer, encode('{"a":[1]'))
+    assert not answer_matches(grammar, json_llm.grammar_tokenizer, [])
+    assert not answer_matches(loop, json_llm.grammar_tokenizer, [])
+    with pytest.raises(GrammarError, match="admits no finite JSON value"):
+        schema_grammar({"type": "array", "items": {"$ref": "#"}, "minItems": 1})

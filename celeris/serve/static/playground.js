@@ -176,17 +176,32 @@ function showPiece(piece) {
   return piece.replace(/\n/g, "\u21b5").replace(/\t/g, "\u21e5").replace(/^ /, "\u00b7") || "\u2205";
 }
 
+// A new element; every string goes in as text (textContent), never as markup: model ids, card fields, answers
+// and error messages come from the server and may carry HTML.
+function element(tag, props = {}, ...children) {
+  const node = document.createElement(tag);
+  for (const [name, value] of Object.entries(props)) {
+    if (name === "text") node.textContent = value;
+    else if (name === "className") node.className = value;
+    else node.setAttribute(name, value);
+  }
+  node.append(...children);
+  return node;
+}
+
 class LiveView {
   constructor(root, prefix, title) {
     this.prefix = prefix;
     const stats = STAT_NAMES.map(([k, label]) =>
-      `<div><b id="${prefix}-${k}">-</b><small>${label}</small></div>`).join("");
-    root.innerHTML = (title ? `<h4 id="${prefix}-title">${title}</h4>` : "") +
-      `<div class="stats">${stats}</div>` +
-      `<div id="${prefix}-canvas" class="canvas" aria-label="answer canvas"></div>` +
-      `<div id="${prefix}-drafts" class="hint"></div>` +
-      `<h3>Answer</h3><pre id="${prefix}-text" class="final"></pre>` +
-      `<div id="${prefix}-finish" class="finish"></div>`;
+      element("div", {}, element("b", { id: `${prefix}-${k}`, text: "-" }), element("small", { text: label })));
+    root.replaceChildren(
+      ...(title ? [element("h4", { id: `${prefix}-title`, text: title })] : []),
+      element("div", { className: "stats" }, ...stats),
+      element("div", { id: `${prefix}-canvas`, className: "canvas", "aria-label": "answer canvas" }),
+      element("div", { id: `${prefix}-drafts`, className: "hint" }),
+      element("h3", { text: "Answer" }),
+      element("pre", { id: `${prefix}-text`, className: "final" }),
+      element("div", { id: `${prefix}-finish`, className: "finish" }));
     this.canvas = $(`${prefix}-canvas`);
   }
 
@@ -314,7 +329,7 @@ class LiveView {
     }
     const u = this.usage || {};
     if (u.completion_tokens !== undefined) this.set("tps", (u.completion_tokens / s).toFixed(1));
-    finish.innerHTML = "";
+    finish.replaceChildren();
     const parts = [["finish_reason", this.finishReason], ["prompt_tokens", u.prompt_tokens],
                    ["completion_tokens", u.completion_tokens], ["total_tokens", u.total_tokens], ["nfe", u.nfe]];
     for (const [k, v] of parts) {

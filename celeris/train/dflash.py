@@ -1,0 +1,320 @@
+"""Training a DFlash drafter for a frozen target on the target's own answers (``python -m celeris.train.dflash``).
+
+The objective is DFlash's (arXiv:2602.06036; NVIDIA Model-Optimizer's DFlash recipe: several anchors per answer,
+loss weights decaying along the block, gamma 4 for blocks of 8): for an answer position a (an anchor), the block is
+the token at a followed by ``block_size - 1`` mask tokens, the context is the target's hidden states at every
+position before a, and position a + k of the block is trained to predict the target's token there (the data are
+the target's own greedy answers, so these are its argmax tokens) with cross-entropy weighted ``exp(-(k - 1) / gamma)``.
+All anchors of a row go through one forward pass: block i's queries see the context keys j < a_i and the keys of
+their own block only (``anchor_layout``).
+
+The data are the shards of ``scripts/drafter_data.py`` (token ids and the target's hidden states at the drafter's
+``target_layer_ids``), so training never runs the target. Checkpoints (``last.pt``: drafter, optimiser, step) let a
+run resume after any interruption; every ``--eval-every`` steps the acceptance curve on held-out rows is measured
+(``acceptance``) and logged to ``history.jsonl``, and the drafter is exported (``save_dflash``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from celeris.models.dflash import DFlashConfig, DFlashDraftModel, save_dflash
+
+
+@dataclass
+class Row:
+    """One training sequence: ``ids`` (L,) int64 prompt + answer, ``prompt_len`` P, ``feats`` (L - 1, n * d) float16."""
+
+    ids: torch.Tensor
+    prompt_len: int
+    feats: torch.Tensor
+
+
+def load_rows(folder: Path, layer_ids: list[int], stored: list[int], max_rows: int = 0) -> list[Row]:
+    """Rows of every complete shard in ``folder`` (``answers.jsonl`` names them), features cut to ``layer_ids``.
+
+    ``stored`` are the target layers the shards hold (``LAYER_IDS`` of the data script); ``layer_ids`` must be among them.
+    """
+    from safetensors.torch import load_file
+
+    missing = [i for i in layer_ids if i not in stored]
+    if missing:
+        raise ValueError(f"target layers {missing} are not in the data (it holds {stored})")
+    lines = [json.loads(x) for x in (folder / "answers.jsonl").read_text().splitlines() if x.strip()]
+    rows, shards = [], {}
+    for line in lines[: max_rows or None]:
+        shard = shards.get(line["shard"]) or shards.setdefault(line["shard"], load_file(folder / line["shard"]))
+        feats = shard[f"feat_{line['row']}"]
+        d = feats.shape[1] // len(stored)
+        parts = [feats[:, stored.index(i) * d:(stored.index(i) + 1) * d] for i in layer_ids]
+        rows.append(Row(shard[f"ids_{line['row']}"].long(), line["prompt_len"], torch.cat(parts, -1)))
+    return rows
+
+
+def anchor_layout(length: int, anchors: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """RoPE positions and the attention mask of one training pass with A blocks per row.
+
+    Args:
+        length: context positions L (keys 0..L-1 are the target's features at those positions).
+        anchors: (B, A) int64 block starts a_i.
+        block_size: tokens per block bs.
+    Returns:
+        positions (B, L + A * bs) int64: 0..L-1 for the context, a_i..a_i + bs - 1 for block i;
+        mask (B, 1, A * bs, L + A * bs) bool: block i's queries see context keys j < a_i and their own block.
+    """
+    b, a = anchors.shape
+    dev = anchors.device
+    offs = torch.arange(block_size, device=dev)
+    block_pos = (anchors[:, :, None] + offs).reshape(b, a * block_size)  # (B, A*bs)
+    positions = torch.cat([torch.arange(length, device=dev).expand(b, length), block_pos], dim=1)
+    ctx = torch.arange(length, device=dev)[None, None, :] < anchors[:, :, None]  # (B, A, L)
+    ctx = ctx[:, :, None, :].expand(b, a, block_size, length).reshape(b, a * block_size, length)
+    own = torch.block_diag(*[torch.ones(block_size, block_size, dtype=torch.bool, device=dev)] * a)  # (A*bs, A*bs)
+    mask = torch.cat([ctx, own.expand(b, -1, -1)], dim=2)
+    return positions, mask[:, None]
+
+
+def batch_tensors(rows: list[Row], anchors_per_row: int, block_size: int, mask_id: int, generator: torch.Generator):
+    """Pad a batch and draw its anchors: (ids (B, L), feats (B, L, n*d), anchors (B, A), valid (B, A) bool).
+
+    Anchors are answer positions a in [P, L - 2] (the block's first token is known, at least one later token is a
+    label), drawn without replacement; rows with fewer candidates repeat some (``valid`` False for the repeats).
+    """
+    length = max(len(r.ids) for r in rows)
+    b, d = len(rows), rows[0].feats.shape[1]
+    ids = torch.full((b, length), mask_id, dtype=torch.long)
+    feats = torch.zeros(b, length, d, dtype=torch.float16)
+    anchors = torch.zeros(b, anchors_per_row, dtype=torch.long)
+    valid = torch.zeros(b, anchors_per_row, dtype=torch.bool)
+    for i, r in enumerate(rows):
+        ids[i, : len(r.ids)] = r.ids
+        feats[i, : len(r.feats)] = r.feats
+        cand = torch.arange(r.prompt_len, len(r.ids) - 1)
+        pick = cand[torch.randperm(len(cand), generator=generator)[:anchors_per_row]]
+        anchors[i, : len(pick)], valid[i, : len(pick)] = pick, True
+        if 0 < len(pick) < anchors_per_row:
+            anchors[i, len(pick):] = pick[0]
+    return ids, feats, anchors, valid
+
+
+def dflash_loss(model: DFlashDraftModel, embed: torch.Tensor, ids: torch.Tensor, feats: torch.Tensor,
+                anchors: torch.Tensor, valid: torch.Tensor, lengths: torch.Tensor, gamma: float,
+                t2d: torch.Tensor | None) -> tuple[torch.Tensor, dict]:
+    """DFlash's weighted cross-entropy over every drafted position of every anchor.
+
+    Args:
+        embed: the target's (V, d) embedding matrix (also its head: SmolLM2 ties them).
+        ids (B, L), feats (B, L, n*d), anchors/valid (B, A), lengths (B,): real tokens per row.
+        t2d: (V,) int64 target id -> draft-vocabulary row, -1 outside it (None: the full vocabulary).
+    Returns:
+        (loss, stats): stats holds ``acc@k`` (top-1 accuracy at block position k) and the label coverage.
+    """
+    cfg = model.config
+    bs, (b, a) = cfg.block_size, anchors.shape
+    block = torch.full((b, a, bs), cfg.mask_token_id, dtype=torch.long)
+    block[:, :, 0] = ids.gather(1, anchors)
+    label_pos = anchors[:, :, None] + torch.arange(1, bs)  # (B, A, bs-1)
+    in_row = label_pos < lengths[:, None, None]
+    labels = ids.gather(1, label_pos.clamp(max=ids.shape[1] - 1).reshape(b, -1)).reshape(b, a, bs - 1)
+    positions, mask = anchor_layout(ids.shape[1], anchors, bs)
+    hidden = model(F.embedding(block.reshape(b, a * bs), embed), feats, positions, attn_mask=mask)
+    hidden = hidden.reshape(b, a, bs, -1)[:, :, 1:]  # (B, A, bs-1, d)
+    logits = model.draft_logits(hidden, embed)  # (B, A, bs-1, V_draft)
+    target = labels if t2d is None else t2d[labels]
+    ok = in_row & valid[:, :, None] & (target >= 0)
+    weights = torch.exp(-torch.arange(bs - 1, dtype=torch.float32) / gamma).expand_as(ok) * ok
+    ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.clamp(min=0).reshape(-1), reduction="none")
+    loss = (ce * weights.reshape(-1)).sum() / weights.sum().clamp(min=1e-9)
+    with torch.no_grad():
+        right = (logits.argmax(-1) == target) & ok
+        stats = {f"acc@{k + 1}": round(float(right[..., k].sum() / ok[..., k].sum().clamp(min=1)), 4)
+                 for k in sorted({0, 1, 3, bs - 2}) if k < bs - 1}
+        stats["coverage"] = round(float(ok.sum() / (in_row & valid[:, :, None]).sum().clamp(min=1)), 4)
+    return loss, stats
+
+
+@torch.no_grad()
+def acceptance(model: DFlashDraftModel, embed: torch.Tensor, rows: list[Row], num_drafts: int) -> dict:
+    """Acceptance along the target's greedy path, as DFlash's decoding loop would see it at temperature 0.
+
+    For a held-out row (the target's own greedy answer), a verified pass starting at s drafts positions s+1..s+k
+    from the context [0, s); the target accepts the longest prefix equal to its tokens plus one of its own, so the
+    next pass starts at s + accepted + 1. The drafts at every s come from one masked pass (``anchor_layout``), and
+    walking the path gives each pass's acceptance length; the real loop computes the same (its drafter cache holds
+    exactly the context before s) up to the float noise of incremental hidden states.
+
+    Returns:
+        {"tau": mean tokens per target pass, "passes": n, "tokens": n, "per_position": acceptance rate at draft k}.
+    """
+    passes = tokens = 0
+    reach = torch.zeros(num_drafts)
+    for r in rows:
+        length = len(r.ids)
+        starts = torch.arange(r.prompt_len, length - 1)
+        drafts = []
+        for chunk in starts.split(64):  # bounded memory: 64 blocks per pass
+            anchors = chunk[None]
+            positions, mask = anchor_layout(length - 1, anchors, model.config.block_size)
+            block = torch.full((1, len(chunk), model.config.block_size), model.config.mask_token_id)
+            block[:, :, 0] = r.ids[chunk]
+            hidden = model(F.embedding(block.reshape(1, -1), embed), r.feats[None], positions, attn_mask=mask)
+            hidden = hidden.reshape(1, len(chunk), model.config.block_size, -1)[0, :, 1:1 + num_drafts]
+            drafts.append(model.d2t[model.draft_logits(hidden, embed).argmax(-1)])
+        drafts = torch.cat(drafts)  # (len(starts), k)
+        s = r.prompt_len
+        while s < length - 1:
+            row = drafts[s - r.prompt_len]
+            truth = r.ids[s + 1: s + 1 + num_drafts]
+            eq = (row[: len(truth)] == truth).long().cumprod(0)
+            accepted = int(eq.sum())
+            reach[:accepted] += 1
+            passes += 1
+            step = min(accepted + 1, length - s)
+            tokens += step
+            s += step
+    return {"tau": round(tokens / max(passes, 1), 3), "passes": passes, "tokens": tokens,
+            "per_position": [round(float(x) / max(passes, 1), 3) for x in reach]}
+
+
+def draft_vocabulary(rows: list[Row], size: int, vocab_size: int, keep: list[int]) -> torch.Tensor:
+    """The ``size`` most frequent target ids in the rows' answers (plus ``keep``), ascending: the ``d2t`` map."""
+    counts = torch.zeros(vocab_size, dtype=torch.long)
+    for r in rows:
+        counts += torch.bincount(r.ids[r.prompt_len:], minlength=vocab_size)
+    counts[keep] = counts.max() + 1
+    return counts.topk(size).indices.sort().values
+
+
+def init_from_target(model: DFlashDraftModel, target_state: dict[str, torch.Tensor], layers: list[int]) -> None:
+    """Start drafter layer i from target layer ``layers[i]`` (Llama names; q/k norms stay ones): a warm start."""
+    for i, t in enumerate(layers):
+        pre = f"model.layers.{t}."
+        own = model.layers[i]
+        for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            getattr(own.self_attn, name).weight.data.copy_(target_state[pre + f"self_attn.{name}.weight"])
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            getattr(own.mlp, name).weight.data.copy_(target_state[pre + f"mlp.{name}.weight"])
+        own.input_layernorm.weight.data.copy_(target_state[pre + "input_layernorm.weight"])
+        own.post_attention_layernorm.weight.data.copy_(target_state[pre + "post_attention_layernorm.weight"])
+    model.norm.weight.data.copy_(target_state["model.norm.weight"])
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Train (or resume) a drafter; see the module docstring."""
+    ap = argparse.ArgumentParser(description="Train a DFlash drafter on a frozen target's own answers.")
+    ap.add_argument("--data", type=Path, required=True, help="scripts/drafter_data.py output (training rows)")
+    ap.add_argument("--heldout", type=Path, required=True, help="the same, for held-out prompts (acceptance)")
+    ap.add_argument("--target", type=Path, required=True, help="the target's HF folder (config.json + safetensors)")
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--draft-layers", type=int, default=2)
+    ap.add_argument("--block-size", type=int, default=8)
+    ap.add_argument("--target-layer-ids", default="1,15,27")
+    ap.add_argument("--stored-layer-ids", default="1,15,27")
+    ap.add_argument("--mask-token-id", type=int, default=16)
+    ap.add_argument("--draft-vocab", type=int, default=0,
+                    help="a pruned draft vocabulary of this many most frequent answer ids; 0: the full target vocabulary")
+    ap.add_argument("--gamma", type=float, default=4.0)
+    ap.add_argument("--lr", type=float, default=3e-4)
+    ap.add_argument("--batch-size", type=int, default=4)
+    ap.add_argument("--anchors", type=int, default=32)
+    ap.add_argument("--max-steps", type=int, default=20000)
+    ap.add_argument("--warmup", type=int, default=100)
+    ap.add_argument("--eval-every", type=int, default=200)
+    ap.add_argument("--eval-rows", type=int, default=24)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--threads", type=int, default=1)
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    from safetensors.torch import load_file
+
+    tcfg = json.loads((args.target / "config.json").read_text())
+    tstate = load_file(args.target / "model.safetensors")
+    embed = tstate["model.embed_tokens.weight"].float()  # (V, d), frozen
+    layer_ids = [int(x) for x in args.target_layer_ids.split(",")]
+    stored = [int(x) for x in args.stored_layer_ids.split(",")]
+    data_size = (args.data / "answers.jsonl").stat().st_size
+    rows = load_rows(args.data, layer_ids, stored)
+    held = load_rows(args.heldout, layer_ids, stored, args.eval_rows)
+    rope = (tcfg.get("rope_parameters") or {}).get("rope_theta", tcfg.get("rope_theta", 10000.0))
+    cfg = DFlashConfig(hidden_size=tcfg["hidden_size"], intermediate_size=tcfg["intermediate_size"],
+                       num_hidden_layers=args.draft_layers, num_attention_heads=tcfg["num_attention_heads"],
+                       num_key_value_heads=tcfg["num_key_value_heads"], head_dim=tcfg.get("head_dim") or 64,
+                       vocab_size=tcfg["vocab_size"], num_target_layers=tcfg["num_hidden_layers"],
+                       block_size=args.block_size, rms_norm_eps=tcfg["rms_norm_eps"], rope_theta=float(rope),
+                       max_position_embeddings=tcfg["max_position_embeddings"], mask_token_id=args.mask_token_id,
+                       target_layer_ids=layer_ids, draft_vocab=args.draft_vocab)
+    torch.manual_seed(args.seed)
+    model = DFlashDraftModel(cfg)
+    t2d = None
+    if args.draft_vocab:
+        model.d2t = draft_vocabulary(rows, args.draft_vocab, cfg.vocab_size, [tcfg.get("eos_token_id", 0)])
+        t2d = torch.full((cfg.vocab_size,), -1, dtype=torch.long)
+        t2d[model.d2t] = torch.arange(args.draft_vocab)
+    n = tcfg["num_hidden_layers"]
+    init_from_target(model, tstate, list(range(n - args.draft_layers, n)))
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.lr, weight_decay=0.0)
+    args.out.mkdir(parents=True, exist_ok=True)
+    step = 0
+    if (args.out / "last.pt").is_file():
+        ckpt = torch.load(args.out / "last.pt", weights_only=False)
+        model.load_state_dict(ckpt["model"])
+        model.d2t = ckpt["d2t"]
+        opt.load_state_dict(ckpt["optimizer"])
+        step = ckpt["step"]
+        t2d = ckpt["t2d"]
+        print(f"resumed at step {step}", flush=True)
+    log = (args.out / "history.jsonl").open("a")
+    if step == 0:
+        start = {"step": 0, **acceptance(model.eval(), embed, held, args.block_size - 1)}
+        log.write(json.dumps(start) + "\n")
+        log.flush()
+        print(start, flush=True)
+    t0 = time.time()
+    while step < args.max_steps:
+        model.train()
+        gen = torch.Generator().manual_seed(args.seed * 1_000_003 + step)  # batches: a function of (seed, step)
+        pick = torch.randint(len(rows), (args.batch_size,), generator=gen).tolist()
+        batch = [rows[i] for i in pick]
+        ids, feats, anchors, valid = batch_tensors(batch, args.anchors, args.block_size, args.mask_token_id, gen)
+        lengths = torch.tensor([len(r.ids) for r in batch])
+        lr = args.lr * min(1.0, (step + 1) / args.warmup) * 0.5 * (1 + math.cos(math.pi * step / args.max_steps))
+        for g in opt.param_groups:
+            g["lr"] = lr
+        loss, stats = dflash_loss(model, embed, ids, feats.float(), anchors, valid, lengths, args.gamma, t2d)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        step += 1
+        if step % 20 == 0:
+            print(f"step {step} loss {loss.item():.4f} {stats} lr {lr:.2e} {(time.time() - t0) / 20:.2f} s/step",
+                  flush=True)
+            t0 = time.time()
+        if step % args.eval_every == 0 or step == args.max_steps:
+            tmp = args.out / "last.pt.tmp"
+            torch.save({"model": model.state_dict(), "d2t": model.d2t, "t2d": t2d, "optimizer": opt.state_dict(),
+                        "step": step, "args": vars(args) | {k: str(v) for k, v in vars(args).items()
+                                                             if isinstance(v, Path)}}, tmp)
+            tmp.replace(args.out / "last.pt")
+            record = {"step": step, "loss": round(loss.item(), 4), **stats,
+                      **acceptance(model.eval(), embed, held, args.block_size - 1)}
+            log.write(json.dumps(record) + "\n")
+            log.flush()
+            print(record, flush=True)
+            save_dflash(model, args.out / "export")
+            if (args.data / "answers.jsonl").stat().st_size != data_size:  # the data job is still writing: take new rows
+                data_size = (args.data / "answers.jsonl").stat().st_size
+                data_size = (args.data / "answers.jsonl").stat().st_size
+    rows = load_rows(args.data, layer_ids, stored)
+
+
+if __name__ == "__main__":
+    main()

