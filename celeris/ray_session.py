@@ -12,11 +12,13 @@ until killed by hand. A process killed with SIGKILL cannot clean up after itself
 * ``LocalRaySession.stop`` (called by the owner on SIGTERM, at exit or when done) shuts Ray down, kills
   whatever of the instance is still alive, and removes the record;
 * ``reap_orphaned_sessions`` kills what a record names, plus any process of this user whose environment
-  carries the session's ``RAY_NODE_ID`` (Ray sets it in the raylet's agents and workers, including
-  those started after the record was written), and removes the record.
+  carries the session's ``RAY_NODE_ID`` (Ray sets it in the raylet's agents) or its raylet's pid as
+  ``RAY_RAYLET_PID`` (in every worker), including those started after the record was written, and
+  removes the record.
 
 A process is only ever killed when its pid *and* its start time match the record (a reused pid is
-left alone), or when it carries the dead session's node id. ``CELERIS_RAY_SESSIONS`` moves the records
+left alone), or when it carries the dead session's node id or raylet pid (not when that pid now belongs
+to another process). ``CELERIS_RAY_SESSIONS`` moves the records
 (default: ``celeris-ray-<uid>`` in the temp folder, which a reboot empties along with the pids).
 """
 
@@ -102,15 +104,31 @@ def _alive(pid: int, start_time: float) -> psutil.Process | None:
         return None
 
 
+def _raylet_pid(record: SessionRecord) -> str | None:
+    """The recorded raylet's pid (as ``RAY_RAYLET_PID`` spells it), unless that pid is now another process's."""
+    for pid, start, *name in record.processes:
+        if name and name[0] == "raylet":
+            try:
+                reused = abs(psutil.Process(pid).create_time() - start) > 0.05
+            except psutil.Error:  # gone: only the session's own processes can still name it
+                reused = False
+            return None if reused else str(pid)
+    return None
+
+
 def session_processes(record: SessionRecord) -> list[psutil.Process]:
-    """The live processes of ``record``'s instance: those it names, and this user's carrying its node id."""
+    """The live processes of ``record``'s instance: those it names, and this user's whose environment carries
+    its node id (``RAY_NODE_ID``: the raylet's agents) or its raylet's pid (``RAY_RAYLET_PID``: workers)."""
     found = {p.pid: p for p in (_alive(pid, start) for pid, start, *_ in record.processes) if p is not None}
+    raylet_pid = _raylet_pid(record)
     uid = os.getuid()
     for proc in psutil.process_iter(["uids"]):
         if proc.pid in found or proc.pid == os.getpid() or proc.info["uids"] is None or proc.info["uids"].real != uid:
             continue
         try:
-            if proc.environ().get("RAY_NODE_ID") == record.node_id and proc.status() != psutil.STATUS_ZOMBIE:
+            env = proc.environ()
+            if (env.get("RAY_NODE_ID") == record.node_id or (raylet_pid and env.get("RAY_RAYLET_PID") == raylet_pid)) \
+                    and proc.status() != psutil.STATUS_ZOMBIE:
                 found[proc.pid] = proc
         except psutil.Error:
             continue

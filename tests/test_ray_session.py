@@ -41,18 +41,22 @@ def dead_owner() -> list:
 
 
 def test_an_orphaned_session_is_reaped_and_its_record_removed(tmp_path, dead_owner):
-    named, unnamed, stranger = sleeper(), sleeper({"RAY_NODE_ID": NODE_ID}), sleeper({"RAY_NODE_ID": "cd" * 28})
+    dead_raylet = [dead_owner[0], dead_owner[1], "raylet"]  # exited with its owner
+    named, agent = sleeper(), sleeper({"RAY_NODE_ID": NODE_ID})
+    worker = sleeper({"RAY_RAYLET_PID": str(dead_raylet[0])})  # a worker started after the record
+    stranger = sleeper({"RAY_NODE_ID": "cd" * 28, "RAY_RAYLET_PID": "1"})
     try:
         path = tmp_path / "session_x.json"
-        SessionRecord("/tmp/ray/session_x", NODE_ID, dead_owner, [[*identity(named.pid), "raylet"]]).write(path)
+        SessionRecord("/tmp/ray/session_x", NODE_ID, dead_owner, [[*identity(named.pid), "gcs_server"], dead_raylet]
+                      ).write(path)
         killed = reap_orphaned_sessions(tmp_path, grace_s=0.2)
-        assert sorted(killed) == sorted([named.pid, unnamed.pid])  # named in the record, or carrying its node id
-        for proc in (named, unnamed):  # gone, though they ignore SIGTERM (the reaper collected their status)
+        assert sorted(killed) == sorted([named.pid, agent.pid, worker.pid])  # named, or carrying its ids
+        for proc in (named, agent, worker):  # gone, though they ignore SIGTERM (the reaper collected their status)
             proc.wait(10)
         assert stranger.poll() is None  # another session's process
         assert not path.exists()
     finally:
-        for proc in (named, unnamed, stranger):
+        for proc in (named, agent, worker, stranger):
             proc.kill()
             proc.wait()
 
@@ -64,16 +68,19 @@ def test_a_live_owners_session_and_a_reused_pid_are_left_alone(tmp_path, dead_ow
         SessionRecord("/tmp/ray/session_live", NODE_ID, identity(os.getpid()), [[*identity(proc.pid), "raylet"]]).write(live)
         assert reap_orphaned_sessions(tmp_path) == [] and live.exists() and proc.poll() is None
         live.unlink()
-        # the recorded pid now belongs to a process that started later: not the session's
+        # the recorded pid now belongs to a process that started later: not the session's, and neither are
+        # the processes that name it as their raylet
         reused = [proc.pid, psutil.Process(proc.pid).create_time() - 100.0, "raylet"]
+        child = sleeper({"RAY_RAYLET_PID": str(proc.pid)})
         record = SessionRecord("/tmp/ray/session_old", "ef" * 28, dead_owner, [reused])
         assert session_processes(record) == []
         record.write(tmp_path / "old.json")
-        assert reap_orphaned_sessions(tmp_path) == [] and proc.poll() is None
+        assert reap_orphaned_sessions(tmp_path) == [] and proc.poll() is None and child.poll() is None
         assert not (tmp_path / "old.json").exists()
     finally:
-        proc.kill()
-        proc.wait()
+        for p in (proc, *([child] if "child" in locals() else [])):
+            p.kill()
+            p.wait()
 
 
 def test_unreadable_records_are_skipped(tmp_path):
