@@ -534,9 +534,9 @@ RAY_SERVE_FLAGS = ("num_replicas", "ray_address", "min_replicas", "max_replicas"
 
 def _serve_on_ray(args: argparse.Namespace) -> int:
     """``celeris serve`` with a Ray Serve flag: validate them (exit 2 on a bad one), then deploy and serve."""
-    if args.max_connections != 1024:
-        raise UsageError("--max-connections applies to the single-process server; Ray Serve's proxy owns the "
-                         "sockets with --num-replicas / --ray-address")
+    from celeris.serve.server import ServerLimits
+
+    ServerLimits(max_connections=args.max_connections)  # ValueError (exit 2) before Ray starts
     try:
         from pydantic import ValidationError
 
@@ -559,8 +559,14 @@ def _serve_on_ray(args: argparse.Namespace) -> int:
         error = exc.errors()[0]
         where = "--" + "-".join(str(p) for p in error["loc"]).replace("_", "-") if error["loc"] else "replicas"
         raise UsageError(f"{where}: {error['msg']}") from None
-    return run_cluster_server(options, host=args.host, port=args.port, ray_address=args.ray_address,
-                              log_level=args.log_level)
+    from celeris.ray_session import RayStartError
+
+    try:
+        return run_cluster_server(options, host=args.host, port=args.port, ray_address=args.ray_address,
+                                  log_level=args.log_level, max_connections=args.max_connections)
+    except RayStartError as exc:
+        print(f"celeris: error: {exc}", file=sys.stderr)
+        return 1
 
 
 def cmd_serve(args: argparse.Namespace) -> int:

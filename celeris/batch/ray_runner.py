@@ -16,6 +16,10 @@ pool. Only the requests travel through Ray:
 
 A crash anywhere (driver, actor, node) loses at most the records not yet written; the next start
 runs exactly those. Every actor asks for ``num_cpus=1`` and runs torch on one thread.
+
+The local Ray instance a job starts is recorded (``celeris.ray_session``) and stopped when the job ends,
+on SIGTERM too (exit 143, records so far kept); what a SIGKILLed job left running (the raylet's agents
+outlive it) is reaped by the next job's start.
 """
 
 from __future__ import annotations
@@ -25,8 +29,9 @@ import json
 import logging
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import celeris
 from celeris.batch.jobs import (
@@ -38,6 +43,9 @@ from celeris.batch.jobs import (
     open_job,
     run_item,
 )
+
+if TYPE_CHECKING:
+    from celeris.ray_session import LocalRaySession
 
 PACKAGE_ROOT = str(Path(celeris.__file__).resolve().parent.parent)
 
@@ -79,16 +87,19 @@ class ServingActor:
             serving.stop()
 
 
-def init_ray(address: str | None, num_cpus: int) -> bool:
+def init_ray(address: str | None, num_cpus: int) -> LocalRaySession | None:
     """Attach to the cluster at ``address``, or start a small local instance (no dashboard).
 
-    Returns whether this call started a local instance (which the caller then shuts down).
+    Returns the local instance this call started (``celeris.ray_session``: the caller stops it), or None.
+    Raises ``EngineUnavailableError`` when the local instance could not start.
     """
     import ray
     import ray.data
 
+    from celeris.ray_session import LocalRaySession, RayStartError
+
     env = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-    started = False
+    session = None
     if ray.is_initialized():  # the caller set Ray up already
         pass
     elif address:  # the cluster's nodes must have celeris installed and the checkpoint at the same path
@@ -96,14 +107,16 @@ def init_ray(address: str | None, num_cpus: int) -> bool:
     else:  # a local instance: its workers import celeris from where this process does
         path = os.environ.get("PYTHONPATH", "")
         env["PYTHONPATH"] = os.pathsep.join(p for p in (PACKAGE_ROOT, path) if p)
-        ray.init(num_cpus=num_cpus, include_dashboard=False, runtime_env={"env_vars": env}, log_to_driver=False,
-                 object_store_memory=256 << 20)
-        started = True
+        try:
+            session = LocalRaySession.start(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False,
+                                            runtime_env={"env_vars": env}, object_store_memory=256 << 20)
+        except RayStartError as exc:
+            raise EngineUnavailableError(str(exc)) from exc
     ctx = ray.data.DataContext.get_current()
     ctx.enable_progress_bars = False  # the job has its own bar; Ray's would only repeat it
     ctx.print_on_execution_start = False
     logging.getLogger("ray.data").setLevel(logging.WARNING)
-    return started
+    return session
 
 
 def run_batch_ray(
@@ -125,21 +138,36 @@ def run_batch_ray(
     dtype: str | None = None,
     max_model_len: int | None = None,
 ) -> dict:
-    """Run (or resume) a batch job on Ray; same files, records and summary as ``jobs.run_batch``."""
+    """Run (or resume) a batch job on Ray; same files, records and summary as ``jobs.run_batch``.
+
+    First reaps the local Ray instances of earlier jobs that were killed (``celeris.ray_session``); the
+    instance this job starts is stopped when it ends, also on SIGTERM (then ``Terminated``, exit 143).
+
+    Raises:
+        BatchError: Ray is not installed, a bad setting, or a file error (exit 2).
+        EngineUnavailableError: an actor died or could not start (exit 1: rerun to finish).
+        Terminated: SIGTERM arrived (the records written so far stay; a rerun runs the rest).
+    """
     try:
-        import ray
-        import ray.data
         import ray.exceptions
+
+        from celeris.ray_session import reap_orphaned_sessions, sigterm_raises
     except ImportError:
         raise BatchError("--backend ray needs Ray: pip install 'celeris[ray]' (ray[data])") from None
     if num_workers < 1:
         raise BatchError(f"--num-workers must be >= 1, got {num_workers}")
+    reap_orphaned_sessions()  # what a killed job (SIGKILL) left running
     real = Path(os.path.realpath(output_path))
     spool = real.with_name(f".{real.name}.ray-spool.jsonl")
-    with open_job(input_path, output_path, retry_failed=retry_failed, rerun_changed=rerun_changed, log=log,
-                  progress=progress, desc="batch[ray]") as job:
+
+    def on_sigterm() -> None:
+        if log is not None:
+            log("SIGTERM: stopping the job and its Ray instance; rerun the same command to finish it")
+
+    with sigterm_raises(on_sigterm), open_job(input_path, output_path, retry_failed=retry_failed, log=log,
+                                              rerun_changed=rerun_changed, progress=progress, desc="batch[ray]") as job:
         written: set[str] = set()  # ids written by this run: a row Ray hands over twice is written once
-        started_ray = False
+        session = None
         try:
             def sink(record: dict) -> None:
                 cid = record.get("custom_id")
@@ -161,32 +189,38 @@ def run_batch_ray(
             except OSError as exc:
                 raise BatchError(f"cannot write the spool file '{spool}': {exc.strerror}") from None
             if num_requests:
-                started_ray = init_ray(ray_address, ray_num_cpus)
-                model_path = str(Path(model).resolve()) if model else None
-                # On a cluster, "local://" reads the spool on this (the driver's) node.
-                spool_uri = f"local://{spool.resolve()}" if ray_address else str(spool.resolve())
-                ds = ray.data.read_text(spool_uri, num_cpus=0)
-                ds = ds.map_batches(
-                    ServingActor,
-                    fn_constructor_kwargs={"model": model_path, "max_num_seqs": max_num_seqs, "device": device,
-                                           "request_timeout": request_timeout,
-                                           "served_model_name": served_model_name, "dtype": dtype,
-                                           "max_model_len": max_model_len},
-                    batch_size=max_num_seqs,
-                    batch_format="numpy",
-                    num_cpus=1,
-                    compute=ray.data.ActorPoolStrategy(size=num_workers, max_tasks_in_flight_per_actor=2,
-                                                       max_concurrent_calls_per_actor=2,
-                                                       enable_true_multi_threading=True),
-                )
+                session = init_ray(ray_address, ray_num_cpus)
+                actor_kwargs = {"model": str(Path(model).resolve()) if model else None, "max_num_seqs": max_num_seqs,
+                                "device": device, "request_timeout": request_timeout,
+                                "served_model_name": served_model_name, "dtype": dtype,
+                                "max_model_len": max_model_len}
                 try:
-                    for row in ds.iter_rows():
+                    for row in map_on_ray(spool, actor_kwargs, num_workers, on_cluster=bool(ray_address)):
                         sink(json.loads(row["record"]))
                 except ray.exceptions.RayError as exc:  # an actor died or failed to start
                     first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
                     raise EngineUnavailableError(f"the Ray job failed: {first}") from exc
         finally:
             spool.unlink(missing_ok=True)
-            if started_ray:
-                ray.shutdown()
+            if session is not None:
+                session.stop()
     return job.summary()
+
+
+def map_on_ray(spool: Path, actor_kwargs: dict, num_workers: int, on_cluster: bool) -> Iterator[dict]:
+    """The rows ``{"record": JSON}`` of the spool's items, run by ``num_workers`` ServingActors (Ray Data)."""
+    import ray.data
+
+    # On a cluster, "local://" reads the spool on this (the driver's) node.
+    spool_uri = f"local://{spool.resolve()}" if on_cluster else str(spool.resolve())
+    ds = ray.data.read_text(spool_uri, num_cpus=0)
+    ds = ds.map_batches(
+        ServingActor,
+        fn_constructor_kwargs=actor_kwargs,
+        batch_size=actor_kwargs["max_num_seqs"],
+        batch_format="numpy",
+        num_cpus=1,
+        compute=ray.data.ActorPoolStrategy(size=num_workers, max_tasks_in_flight_per_actor=2,
+                                           max_concurrent_calls_per_actor=2, enable_true_multi_threading=True),
+    )
+    return ds.iter_rows()

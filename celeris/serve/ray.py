@@ -16,26 +16,31 @@ Deployments of one application (``APP_NAME``):
   router's queue (requests not yet given to a replica; by default as many as all replicas hold; beyond:
   ``BackPressureError``, answered 429). ``check_health`` fails when the
   engine thread died or stalled, so Ray Serve restarts the replica.
-* ``CelerisIngress`` (one replica, no CPU reserved): ``create_app`` over an ``OpenAIServing`` whose
-  engine is a ``RemoteEngine`` calling the replicas through a deployment handle (see
-  ``celeris.serve.remote`` for the failure rules). It loads the checkpoint for its tokenizer and
-  configuration only (the engine there never runs).
+* the HTTP side, ``ClusterIngress``: ``create_app`` over an ``OpenAIServing`` whose engine is a
+  ``RemoteEngine`` calling the replicas through a deployment handle (see ``celeris.serve.remote`` for
+  the failure rules). It loads the checkpoint for its tokenizer and configuration only (the engine
+  there never runs). ``celeris serve --num-replicas`` runs it in its own process behind Celeris's own
+  server (``run_cluster_server``; Ray Serve's HTTP proxy is not started); ``serve run`` / ``serve
+  deploy`` run it as the ``CelerisIngress`` deployment (one replica, no CPU) behind Ray Serve's proxy.
 * ``CelerisMetricsBoard`` (one replica, no CPU): every engine replica posts its engine series
   (waiting, running, generations admitted, verified-decoding counters) every ``METRICS_PUSH_S``; the ingress's ``/metrics``
   shows them with a ``replica`` label next to its own HTTP series.
 
-The HTTP proxy runs on the head node only (``proxy_location="HeadOnly"``). Drain: on SIGTERM/SIGINT
-``run_cluster_server`` applies the single server's rules to the ingress: new requests 503 with
-``Retry-After``, ``/health`` 503, requests in flight finish within ``drain_timeout_s``, then the rest
-are cut (a stream ends with an error event and ``data: [DONE]``), then the application is deleted.
+Drain of ``celeris serve --num-replicas``: the port is Celeris's server's, so SIGTERM/SIGINT drains
+exactly as the single server does (``celeris.serve.server``): new requests 503 with ``Retry-After``,
+``/health`` 503, requests in flight finish within ``drain_timeout_s``, then the rest are cut (a stream
+ends with an error event and ``data: [DONE]``); the port closes, and only then is the application
+deleted and a local Ray instance stopped, so no request ever meets Ray Serve's 404 for a deleted
+application. Under ``serve run`` Ray Serve's CLI owns the signals; ``drain`` applies the same rules to a
+``CelerisIngress`` from a script.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
-import signal
 import threading
 import time
 from pathlib import Path
@@ -46,9 +51,11 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 import celeris
+from celeris.ray_session import LocalRaySession, sigterm_raises
 from celeris.serve.async_engine import EngineDeadError, EngineInput
 from celeris.serve.metrics import ServerMetrics
 from celeris.serve.remote import ACCEPTED, REFUSED, RemoteEngine
+from celeris.serve.server import ServerLimits
 
 logger = logging.getLogger(__name__)
 
@@ -291,36 +298,37 @@ class CelerisEngine:
             self.async_engine.stop()
 
 
-@serve.deployment(name="CelerisIngress", ray_actor_options={"num_cpus": 0})
-@serve.ingress()
-class CelerisIngress:
-    """The HTTP side: ``create_app`` over an ``OpenAIServing`` whose engine is the replicas (``RemoteEngine``)."""
+class ClusterIngress:
+    """The HTTP side's serving layer: an ``OpenAIServing`` whose engine is the replicas (``RemoteEngine``).
 
-    def __init__(self, engine: DeploymentHandle, board: DeploymentHandle | None, args: dict) -> None:
+    It loads the checkpoint for its tokenizer and configuration only (its own engine never runs), and
+    pulls the replicas' engine series from ``board`` into its ``ClusterMetrics``. Used by
+    ``CelerisIngress`` (Ray Serve's proxy in front) and by ``run_cluster_server`` (this process's own
+    server in front). ``close()`` stops the metrics thread.
+    """
+
+    def __init__(self, args: ServeArgs, engine: DeploymentHandle, board: DeploymentHandle | None) -> None:
         from celeris.llm import LLM
         from celeris.serve.serving import OpenAIServing
 
-        a = self.args = ServeArgs.model_validate(args)
-        llm = LLM(a.model, device="cpu", max_num_seqs=1, dtype=a.dtype, trust_remote_code=a.trust_remote_code)
+        self.args = args
+        llm = LLM(args.model, device="cpu", max_num_seqs=1, dtype=args.dtype, trust_remote_code=args.trust_remote_code,
+                  max_model_len=args.max_model_len)  # the replicas' context window, for validation
         self.metrics = ClusterMetrics()
         streaming = engine.options(stream=True)
         self.remote = RemoteEngine(lambda inputs, canvas: streaming.generate.remote(inputs, canvas),
-                                   a.replica_capacity,
+                                   args.replica_capacity,
                                    on_failure=lambda code: self.serving.metrics.failed.labels(code=code).inc())
-        self.serving = OpenAIServing(llm, async_engine=self.remote, served_model_name=a.served_model_name,
-                                     request_timeout=a.request_timeout, metrics=self.metrics)
-        self.serving.start()
+        self.serving = OpenAIServing(llm, async_engine=self.remote, served_model_name=args.served_model_name,
+                                     request_timeout=args.request_timeout, metrics=self.metrics)
         self._stop = threading.Event()
         if board is not None:
             threading.Thread(target=self._pull_metrics, args=(board,), daemon=True, name="celeris-metrics").start()
 
-    def __serve_build_asgi_app__(self):
-        from celeris.serve.app import create_app
-        from celeris.serve.server import ServerLimits
-
-        limits = ServerLimits(body_timeout_s=self.args.body_timeout_s, max_body_bytes=self.args.max_body_bytes,
-                              drain_timeout_s=self.args.drain_timeout_s)
-        return create_app(self.serving, api_key=self.args.api_key, manage_engine=False, limits=limits)
+    def limits(self, max_connections: int = 1024) -> ServerLimits:
+        """The server limits of ``args`` (body size and deadline, drain time-out)."""
+        return ServerLimits(body_timeout_s=self.args.body_timeout_s, max_body_bytes=self.args.max_body_bytes,
+                            drain_timeout_s=self.args.drain_timeout_s, max_connections=max_connections)
 
     def _pull_metrics(self, board: DeploymentHandle) -> None:
         while not self._stop.wait(METRICS_PUSH_S / 2):
@@ -328,6 +336,30 @@ class CelerisIngress:
                 self.metrics.replicas = board.snapshot.remote().result(timeout_s=10)
             except Exception as exc:
                 logger.debug("metrics pull failed: %s", exc)
+
+    def close(self) -> None:
+        self._stop.set()
+
+
+@serve.deployment(name="CelerisIngress", ray_actor_options={"num_cpus": 0})
+@serve.ingress()
+class CelerisIngress:
+    """``ClusterIngress`` as a Serve deployment behind Ray Serve's proxy (``serve run``, ``serve deploy``).
+
+    Ray Serve's CLI owns the signals there; ``drain`` applies the single server's rules from a script.
+    """
+
+    def __init__(self, engine: DeploymentHandle, board: DeploymentHandle | None, args: dict) -> None:
+        self.ingress = ClusterIngress(ServeArgs.model_validate(args), engine, board)
+        self.serving = self.ingress.serving
+        self.remote = self.ingress.remote
+        self.serving.start()
+
+    def __serve_build_asgi_app__(self):
+        from celeris.serve.app import create_app
+
+        return create_app(self.serving, api_key=self.ingress.args.api_key, manage_engine=False,
+                          limits=self.ingress.limits())
 
     def begin_drain(self) -> None:
         """Take no new requests (503 + Retry-After, /health 503); those in flight go on."""
@@ -341,16 +373,22 @@ class CelerisIngress:
         return self.remote.num_in_flight
 
     def __del__(self) -> None:
-        stop = getattr(self, "_stop", None)
-        if stop is not None:
-            stop.set()
+        ingress = getattr(self, "ingress", None)
+        if ingress is not None:
+            ingress.close()
 
 
 # -- building and running --------------------------------------------------------------------------
 
 
+def build_engine_app(args: ServeArgs | dict) -> serve.Application:
+    """The engine replicas and the metrics board, without an HTTP ingress (``run_cluster_server``'s)."""
+    args = args if isinstance(args, ServeArgs) else ServeArgs.model_validate(args)
+    return CelerisEngine.options(**args.deployment_options()).bind(args.model_dump(), CelerisMetricsBoard.bind())
+
+
 def build_app(args: ServeArgs | dict) -> serve.Application:
-    """The Serve application for ``args`` (a ``ServeArgs`` or its dict)."""
+    """The Serve application for ``args`` (a ``ServeArgs`` or its dict), Ray Serve's proxy in front."""
     args = args if isinstance(args, ServeArgs) else ServeArgs.model_validate(args)
     config = args.model_dump()
     board = CelerisMetricsBoard.bind()
@@ -365,36 +403,35 @@ def app(args: ServeArgs) -> serve.Application:
     return build_app(args)
 
 
-def init_ray(address: str | None, args: ServeArgs) -> bool:
+def init_ray(address: str | None, args: ServeArgs) -> LocalRaySession | None:
     """Attach to the cluster at ``address``, or start a local instance big enough for the replicas.
 
-    Returns whether this call started a local instance (which the caller shuts down).
+    Returns the local instance this call started (``celeris.ray_session``: the caller stops it), or None.
     """
     import ray
 
     env = {"TOKENIZERS_PARALLELISM": "false"}
     if ray.is_initialized():
-        return False
+        return None
     if address:  # every node needs celeris installed and the checkpoint at the same path
         ray.init(address=address, runtime_env={"env_vars": env}, log_to_driver=False)
-        return False
+        return None
     path = os.environ.get("PYTHONPATH", "")
     env["PYTHONPATH"] = os.pathsep.join(p for p in (PACKAGE_ROOT, path) if p)
     most = args.max_replicas or args.num_replicas
     num_cpus = max(os.cpu_count() or 1, math.ceil(most * args.num_cpus_per_replica))
-    # address "local": a new instance even where `ray start` left its address file behind
-    ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, runtime_env={"env_vars": env}, log_to_driver=False,
-             object_store_memory=256 << 20)
-    return True
+    return LocalRaySession.start(num_cpus=num_cpus, include_dashboard=False, runtime_env={"env_vars": env},
+                                 log_to_driver=False, object_store_memory=256 << 20)
 
 
-def drain(handle: DeploymentHandle, timeout_s: float, interrupted: threading.Event | None = None,
-          grace_s: float = 2.0) -> None:
-    """The single server's drain on the ingress behind ``handle`` (see the module docstring)."""
+def drain(handle: DeploymentHandle, timeout_s: float, grace_s: float = 2.0) -> None:
+    """The single server's drain on a ``CelerisIngress`` behind ``handle`` (an application deployed with
+    ``serve run`` / ``serve deploy``; call it before ``serve delete``): no new requests, those in flight
+    finish within ``timeout_s``, then the rest are cut."""
     handle.begin_drain.remote().result()
     deadline = time.monotonic() + timeout_s
     while handle.num_in_flight.remote().result() > 0:
-        if time.monotonic() >= deadline or (interrupted is not None and interrupted.is_set()):
+        if time.monotonic() >= deadline:
             logger.warning("drain period over: cutting the requests in flight")
             handle.cut_off.remote().result()
             end = time.monotonic() + grace_s
@@ -405,34 +442,42 @@ def drain(handle: DeploymentHandle, timeout_s: float, interrupted: threading.Eve
 
 
 def run_cluster_server(args: ServeArgs, host: str = "127.0.0.1", port: int = 8000, ray_address: str | None = None,
-                       log_level: str = "info") -> int:
-    """``celeris serve --num-replicas N [--ray-address ADDR]``: deploy, serve until SIGTERM/SIGINT, drain, delete."""
-    import ray
+                       log_level: str = "info", max_connections: int = 1024) -> int:
+    """``celeris serve --num-replicas N [--ray-address ADDR]``: the engine replicas on Ray Serve, behind this
+    process's own server (``celeris.serve.server.CelerisServer``), until SIGTERM/SIGINT.
+
+    The port is this process's, so the drain is the single server's, request for request: on the first
+    SIGTERM/SIGINT new requests get 503 ``server_shutting_down`` with ``Retry-After`` (``/health`` 503),
+    requests in flight (headers received) finish within ``drain_timeout_s``, the rest are then cut (a
+    stream: error event + ``data: [DONE]``), and the server closes its port. Only then is the application
+    deleted, and a local Ray instance stopped (a SIGTERM during start-up or tear-down stops it too). Ray
+    Serve's HTTP proxy is not started. Returns 0; ``Terminated`` (exit 143) on a SIGTERM outside the drain.
+    """
+    from celeris.serve.app import create_app
+    from celeris.serve.server import make_server
 
     logging.getLogger("ray.serve").setLevel(getattr(logging, log_level.upper(), logging.INFO))
-    started = init_ray(ray_address, args)
-    signals = threading.Event()
-    second = threading.Event()
-
-    def on_signal(sig: int, frame) -> None:  # noqa: ANN001
-        (second if signals.is_set() else signals).set()
-
-    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
-    try:
-        serve.start(proxy_location="HeadOnly", http_options={"host": host, "port": port})
-        handle = serve.run(build_app(args), name=APP_NAME, route_prefix="/")
-        replicas = f"{args.min_replicas}-{args.max_replicas} (autoscaled)" if args.autoscaling else args.num_replicas
-        print(f"celeris: serving on http://{host}:{port} with {replicas} engine replica(s) on Ray Serve; "
-              "Ctrl-C or SIGTERM drains and stops", flush=True)
-        while not signals.wait(0.5):
-            pass
-        logger.warning("draining: new requests 503; requests in flight have %g s", args.drain_timeout_s)
-        drain(handle, args.drain_timeout_s, second)
-        serve.delete(APP_NAME)
-    finally:
-        for s, handler in previous.items():
-            signal.signal(s, handler)
-        if started:
-            serve.shutdown()
-            ray.shutdown()
+    with sigterm_raises():
+        session = init_ray(ray_address, args)
+        ingress = None
+        try:
+            serve.start(proxy_location="Disabled")
+            engine = serve.run(build_engine_app(args), name=APP_NAME, route_prefix=None)
+            ingress = ClusterIngress(args, engine, serve.get_deployment_handle("CelerisMetricsBoard", APP_NAME))
+            limits = ingress.limits(max_connections)
+            server = make_server(create_app(ingress.serving, api_key=args.api_key, limits=limits), ingress.serving,
+                                 limits, log_level=log_level, host=host, port=port)
+            replicas = f"{args.min_replicas}-{args.max_replicas} (autoscaled)" if args.autoscaling else args.num_replicas
+            print(f"celeris: serving on http://{host}:{port} with {replicas} engine replica(s) on Ray Serve; "
+                  "Ctrl-C or SIGTERM drains and stops", flush=True)
+            server.run()  # until the drain is over and the port closed
+            if session is None:  # on a cluster of others; a local instance goes as a whole below
+                serve.delete(APP_NAME)
+        finally:
+            if ingress is not None:
+                ingress.close()
+            if session is not None:
+                with contextlib.suppress(Exception):
+                    serve.shutdown()
+                session.stop()
     return 0

@@ -376,7 +376,7 @@ class OpenAIServing:
             for j in range(request.n):
                 seed = None if params.seed is None else params.seed + j
                 inputs.append(EngineInput(ids, replace(params, seed=seed, stop=list(params.stop)), suffix_ids))
-        if self.draining:
+        if self.cutting_off:  # a request that arrived before the drain began runs, unless its period is over
             raise APIError(503, "the server is shutting down and takes no new requests; retry on another replica",
                            code="server_shutting_down", headers={"Retry-After": str(RETRY_AFTER_S)})
         if len(inputs) > self.async_engine.max_in_flight:

@@ -77,7 +77,7 @@ def test_an_empty_api_key_in_the_environment_is_refused(capsys, monkeypatch):
     (["--num-replicas", "0"], "--num-replicas: Input should be greater than or equal to 1"),
     (["--min-replicas", "3", "--max-replicas", "2"], "min_replicas (3) must not exceed max_replicas (2)"),
     (["--num-replicas", "2", "--num-cpus-per-replica", "0"], "--num-cpus-per-replica"),
-    (["--num-replicas", "2", "--max-connections", "5"], "--max-connections applies to the single-process server"),
+    (["--num-replicas", "2", "--max-connections", "0"], "max_connections must be >= 1"),
 ])
 def test_ray_serve_flags_are_checked_before_ray_starts(flags, message, capsys):
     pytest.importorskip("ray.serve")

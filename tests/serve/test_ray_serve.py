@@ -1,5 +1,7 @@
-"""The OpenAI server on Ray Serve (``celeris.serve.ray``): an ingress in front of engine replicas on a local
-Ray instance, driven by the official ``openai`` client and raw HTTP. One replica CPU each (this machine
+"""The OpenAI server on Ray Serve (``celeris.serve.ray``) as ``serve run`` deploys it: the ``CelerisIngress``
+deployment behind Ray Serve's proxy, in front of engine replicas on a local Ray instance, driven by the
+official ``openai`` client and raw HTTP (``celeris serve --num-replicas``, with Celeris's own server in
+front, is tests/serve/test_ray_drain.py). One replica CPU each (this machine
 has few cores), the tiny checkpoint of the serve tests."""
 
 from __future__ import annotations
@@ -36,12 +38,15 @@ def deploy(checkpoint, **overrides) -> None:
 
 @pytest.fixture(scope="module")
 def cluster(serve_checkpoint):
-    init_ray(None, ServeArgs(num_replicas=2))
+    session = init_ray(None, ServeArgs(num_replicas=2))  # a local instance, recorded (celeris.ray_session)
     serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": PORT})
     deploy(serve_checkpoint, num_replicas=2, max_num_seqs=2, max_waiting=4, request_timeout=60)
     yield
     serve.shutdown()
-    ray.shutdown()
+    if session is not None:
+        session.stop()
+    else:
+        ray.shutdown()
 
 
 @pytest.fixture

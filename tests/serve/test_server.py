@@ -157,6 +157,47 @@ def test_drain_lets_requests_in_flight_finish(serve_llm):
         srv.stop()
 
 
+def test_a_request_whose_headers_arrived_before_the_drain_runs(serve_llm):
+    """In flight means "admitted by the HTTP layer": a body that completes after SIGTERM is still served (not 503)."""
+    limits = ServerLimits(drain_timeout_s=20)
+    serving = make_serving(serve_llm)
+    app = create_app(serving, limits=limits)
+    reading, release = threading.Event(), threading.Event()
+
+    async def watched(scope, receive, send):  # tells when the app reads the body: its admission checks are passed
+        async def first_receive():
+            reading.set()
+            return await receive()
+
+        await app(scope, first_receive if scope["type"] == "http" else receive, send)
+
+    watched.state = app.state
+    srv = BackgroundServer(watched, limits=limits).start()
+    payload = json.dumps({"prompt": "def f(x):", "max_tokens": 8}).encode()
+
+    def body():
+        yield payload[:5]
+        release.wait(10)
+        yield payload[5:]
+
+    try:
+        result = []
+        t = threading.Thread(target=lambda: result.append(httpx.post(
+            f"{srv.url}/v1/completions", content=body(), headers={"content-type": "application/json"}, timeout=30)))
+        t.start()
+        assert reading.wait(10)
+        srv.drain()
+        release.set()
+        t.join(30)
+        assert result[0].status_code == 200, result[0].text
+        assert result[0].json()["choices"][0]["finish_reason"] in ("stop", "length")
+        srv.thread.join(10)
+        assert not srv.thread.is_alive()
+    finally:
+        release.set()
+        srv.stop()
+
+
 def test_health_fails_on_a_stuck_engine_but_not_on_a_full_queue(serve_llm):
     release = threading.Event()
     serving = make_serving(serve_llm, max_num_seqs=1, max_waiting=1)
