@@ -13,6 +13,9 @@ import torch
 
 from celeris.config import EngineConfig, resolve_device, resolve_dtype
 from celeris.engine import Engine, Request
+from celeris.models.catalog import ALIASES, alias_path
+from celeris.models.catalog import EMBEDDED as CATALOG_EMBEDDED
+from celeris.models.gguf import find_gguf, prepare, read_card
 from celeris.models.loader import load_any, load_tokenizer
 from celeris.params import SamplingParams, causal_defaults
 from celeris.sampling.block import contract_of
@@ -20,21 +23,44 @@ from celeris.sampling.step import check_fits_context, check_prompts
 from celeris.serve.detokenize import cut_at_stop
 from celeris.structured.grammar import grammar_tokenizer, stops_apply
 
-EMBEDDED = Path(__file__).parent / "checkpoints"
+EMBEDDED = CATALOG_EMBEDDED
 DEFAULT_MODEL = EMBEDDED / "celeris-code-6m-hybrid"  # the hybrid (verified decoding); see its model card
 
 
 def resolve_model(model: str | Path | None) -> Path:
-    """Checkpoint folder of ``model``: None is the embedded default; an existing path is itself; a bare
-    name of a folder in ``celeris/checkpoints`` (``celeris-code-6m-hybrid``, ``celeris-code-6m``,
-    ``celeris-code-6m-ar``) is that folder.
-    Anything else is returned as a path (the loader then says it does not exist)."""
+    """Checkpoint of ``model``: None is the embedded default; an existing path is itself (a folder, a ``.gguf``
+    file or a folder holding one); a bare name of a folder in ``celeris/checkpoints`` (``celeris-code-6m-hybrid``,
+    ``celeris-code-6m``, ``celeris-code-6m-ar``) is that folder; an alias (``smollm2-135m-instruct``,
+    ``celeris.models.catalog.ALIASES``) is the file its package ships.
+    Anything else is returned as a path (the loader then says it does not exist).
+
+    Raises:
+        CheckpointError: an alias whose package is not installed (the line names the install command).
+    """
     if model is None:
         return DEFAULT_MODEL
     path = Path(model)
-    if not path.exists() and len(path.parts) == 1 and (EMBEDDED / path).is_dir():
-        return EMBEDDED / path
+    if not path.exists() and len(path.parts) == 1:
+        if (EMBEDDED / path).is_dir():
+            return EMBEDDED / path
+        if str(model) in ALIASES:
+            return alias_path(str(model))
     return path
+
+
+def model_name(model: str | Path | None) -> str:
+    """The name a checkpoint is served under by default: an alias or embedded name as given, a ``.gguf`` file's
+    stem, else the folder's name."""
+    if model is not None and str(model) in ALIASES and not Path(model).exists():
+        return str(model)
+    path = resolve_model(model)
+    return path.stem if path.suffix == ".gguf" else path.name
+
+
+def checkpoint_exists(model: str | Path | None) -> bool:
+    """Whether ``model`` names something loadable: a folder or a ``.gguf`` file (``resolve_model``'s errors pass)."""
+    path = resolve_model(model)
+    return path.is_dir() or (path.suffix == ".gguf" and path.is_file())
 
 
 @dataclass(slots=True)
@@ -70,7 +96,8 @@ class LLM:
     """A loaded checkpoint (model, tokenizer, default sampling settings) ready to generate.
 
     Args:
-        model: checkpoint folder or embedded model name (``resolve_model``); None uses the embedded default.
+        model: checkpoint folder, ``.gguf`` file, embedded model name or alias (``resolve_model``); None uses the
+            embedded default.
         device: "cpu", "cuda", ...; None picks CUDA when available.
         max_num_seqs: most requests denoised together in one forward pass (vLLM's name; ``max_batch_size`` is
             a deprecated alias).
@@ -95,12 +122,23 @@ class LLM:
             warnings.warn("LLM(max_batch_size=...) is deprecated; use max_num_seqs", DeprecationWarning, stacklevel=2)
             max_num_seqs = max_batch_size
         self.path = resolve_model(model)
+        self.name = model_name(model)  # the served name by default
+        tensors, self._gguf = None, None
+        gguf_file = find_gguf(self.path)
+        if gguf_file is not None:  # converted once into the cache (celeris.models.gguf); a GGUF decodes greedily
+            self._gguf = prepare(gguf_file)
+            self.path, tensors = self._gguf.folder, self._gguf.tensors
+        # what the model card shows of the checkpoint's source (a GGUF's architecture, context, license, ...)
+        self.card: dict = self._gguf.card if self._gguf is not None else read_card(self.path)
         self.engine_config = EngineConfig(max_num_seqs=max_num_seqs, max_waiting=max_waiting, device=device,
                                           dtype=dtype, enforce_eager=enforce_eager,
                                           enable_prefix_caching=enable_prefix_caching)
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
-        self.model = load_any(self.path, device=self.device, dtype=self.dtype, trust_remote_code=trust_remote_code)
+        self.model = load_any(self.path, device=self.device, dtype=self.dtype, trust_remote_code=trust_remote_code,
+                              tensors=tensors)
+        if self._gguf is not None:
+            self._gguf.tensors = tensors = None  # the model holds the weights now (in memory: its temporary folder stays)
         self.tokenizer = load_tokenizer(self.path, self.model)
         gen_path = self.path / "generation_config.json"
         self.generation_config: dict = json.loads(gen_path.read_text()) if gen_path.is_file() else {}

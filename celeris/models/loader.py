@@ -77,7 +77,7 @@ FORMATS = {
 class TensorInfo:
     """Where a checkpoint tensor lives and what it is, read from the safetensors header only."""
 
-    file: Path
+    file: Path | None  # None: a tensor given in memory
     shape: tuple[int, ...]
     dtype: torch.dtype
 
@@ -311,15 +311,20 @@ def pack(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Te
 # ---------------------------------------------------------------- loading
 
 
-def load_native(folder: Path, fmt: Format, device: torch.device, dtype: torch.dtype | None) -> nn.Module:
-    """Build ``fmt``'s model from the folder's config.json and safetensors files (see the module docstring)."""
+def load_native(folder: Path, fmt: Format, device: torch.device, dtype: torch.dtype | None,
+                tensors: dict[str, torch.Tensor] | None = None) -> nn.Module:
+    """Build ``fmt``'s model from the folder's config.json and safetensors files (see the module docstring), or
+    from ``tensors`` (checkpoint name -> tensor, e.g. a GGUF converted in memory) instead of the files."""
     try:
         config = fmt.config_cls.from_json(folder / "config.json")
     except (TypeError, ValueError) as exc:
         raise CheckpointError(f"{folder / 'config.json'} is not a usable {fmt.name} config: {exc}") from exc
     if not (folder / "tokenizer.json").is_file():
         raise CheckpointError(f"checkpoint folder '{folder}' has no tokenizer.json")
-    infos = read_headers(checkpoint_files(folder))
+    if tensors is None:
+        infos = read_headers(checkpoint_files(folder))
+    else:
+        infos = {name: TensorInfo(None, tuple(t.shape), t.dtype) for name, t in tensors.items()}
     with torch.device("meta"):
         model = fmt.model_cls(config)
     targets: dict[str, str] = {}  # checkpoint name -> module name (+ "[part]")
@@ -351,7 +356,9 @@ def load_native(folder: Path, fmt: Format, device: torch.device, dtype: torch.dt
     dtype = load_dtype(infos, dtype)
     check_memory(estimate_memory(infos, dtype, device))
     state = {}
-    for file in sorted({i.file for i in infos.values()}):
+    for name, tensor in (tensors or {}).items():
+        state[targets[name]] = (tensor.to(dtype) if tensor.is_floating_point() else tensor).to(device)
+    for file in sorted({i.file for i in infos.values() if i.file is not None}):
         with safe_open(file, framework="pt", device=_safetensors_device(device)) as f:
             for name in (n for n, i in infos.items() if i.file == file):
                 tensor = f.get_tensor(name)
@@ -371,6 +378,7 @@ def load_any(
     device: str | torch.device = "cpu",
     dtype: torch.dtype | None = None,
     trust_remote_code: bool = False,
+    tensors: dict[str, torch.Tensor] | None = None,
 ) -> nn.Module:
     """Load any supported checkpoint folder as an eval-mode model that maps ids to float32 logits.
 
@@ -380,6 +388,8 @@ def load_any(
         dtype: weight dtype; None keeps the checkpoint's (its dominant floating dtype).
         trust_remote_code: allow running the folder's own Python modeling code for
             formats Celeris does not implement.
+        tensors: the checkpoint's tensors in memory (a native format only), read instead of its safetensors files
+            (``celeris.models.gguf.prepare`` without a writable cache).
 
     Raises:
         CheckpointError: missing/corrupt files, a tensor missing, unexpected or of
@@ -390,7 +400,7 @@ def load_any(
     raw = read_config(folder)
     kind = detect_format(raw)
     if kind is not None:
-        return load_native(folder, FORMATS[kind], device, dtype)
+        return load_native(folder, FORMATS[kind], device, dtype, tensors)
     if not trust_remote_code:
         raise CheckpointError(
             f"{folder / 'config.json'} has model_type '{raw.get('model_type')}' (architectures "
