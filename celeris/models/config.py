@@ -15,6 +15,7 @@ from typing import Self
 
 from celeris.models.contract import DecodingContract, contract_special_ids
 from celeris.models.layers import Architecture
+from celeris.models.rope import read_rope
 from celeris.tokenizer import special_token_ids
 
 
@@ -28,6 +29,7 @@ class FormatConfig:
 
     NULLABLE: tuple[str, ...] = ()
     FORMAT = "model"
+    SPECIAL_IDS = ("mask_token_id", "eos_token_id", "pad_token_id")  # ids that must lie inside the vocabulary
 
     @classmethod
     def complete(cls, raw: dict, folder: Path) -> dict:
@@ -70,7 +72,7 @@ class FormatConfig:
         for (_, a), (_, b) in zip(named, named[1:], strict=False):
             if b < 1 or a % b:
                 raise ValueError(" must divide by ".join(f"{n} ({v})" for n, v in named))
-        for name in ("mask_token_id", "eos_token_id", "pad_token_id"):
+        for name in self.SPECIAL_IDS:
             value = getattr(self, name)
             if not 0 <= value < self.vocab_size:
                 raise ValueError(f"{name}={value} is outside the vocabulary [0, {self.vocab_size})")
@@ -117,9 +119,11 @@ class QwenConfig(FormatConfig):
     """The keys shared by the Qwen2 / Qwen3 configs (field names of transformers' ``Qwen2Config``).
 
     ``num_key_value_heads`` None means ``num_attention_heads``; ``head_dim`` None means hidden_size //
-    num_attention_heads. Only plain RoPE (``rope_scaling`` null), SiLU and no sliding window are supported;
-    anything else is refused in ``__post_init__`` (with a subclass's ``unsupported()``) rather than computed
-    wrongly. Subclasses redeclare the defaults of their published model.
+    num_attention_heads. RoPE is read from ``rope_scaling`` or transformers 5's ``rope_parameters`` (which also
+    holds ``rope_theta``) into ``rope_theta`` and ``rope`` (``celeris.models.rope.read_rope``); a scaled RoPE is
+    used where the class sets ``SCALED_ROPE`` (the causal formats), else only plain RoPE. SiLU and no sliding
+    window only; anything else is refused in ``__post_init__`` (with a subclass's ``unsupported()``) rather than
+    computed wrongly. Subclasses redeclare the defaults of their published model.
     """
 
     vocab_size: int = 151936
@@ -135,14 +139,19 @@ class QwenConfig(FormatConfig):
     tie_word_embeddings: bool = False
     rope_theta: float = 10000.0
     rope_scaling: dict | None = None
+    rope_parameters: dict | None = None
     use_sliding_window: bool = False
     mask_token_id: int = -1
     eos_token_id: int = -1
     pad_token_id: int = -1
 
-    NULLABLE = ("rope_scaling",)  # an explicit null means plain RoPE
+    NULLABLE = ("rope_scaling", "rope_parameters")  # an explicit null means plain RoPE
+    SCALED_ROPE = False  # whether this format computes rope types other than "default"
 
     def __post_init__(self) -> None:
+        raw = {"rope_scaling": self.rope_scaling, "rope_parameters": self.rope_parameters}
+        self.rope_theta, self.rope = read_rope(raw | {"rope_theta": self.rope_theta}, self.max_position_embeddings,
+                                               self.rope_theta)
         if self.num_key_value_heads is None:
             self.num_key_value_heads = self.num_attention_heads
         width = "hidden_size" if self.head_dim is None else "num_attention_heads * head_dim"
@@ -150,7 +159,8 @@ class QwenConfig(FormatConfig):
             self.head_dim = self.hidden_size // self.num_attention_heads
         unsupported = [
             (self.hidden_act != "silu", f"hidden_act '{self.hidden_act}' (only 'silu')"),
-            (self.rope_scaling is not None, f"rope_scaling {self.rope_scaling} (only plain RoPE)"),
+            (self.rope is not None and not self.SCALED_ROPE,
+             f"rope_scaling {self.rope_scaling or self.rope_parameters} (only plain RoPE)"),
             (self.use_sliding_window, "use_sliding_window"),
             *self.unsupported(),
         ]
@@ -168,7 +178,7 @@ class QwenConfig(FormatConfig):
         return Architecture(vocab_size=self.vocab_size, hidden_size=self.hidden_size, num_layers=self.num_hidden_layers,
                             num_heads=self.num_attention_heads, num_kv_heads=self.num_key_value_heads,
                             head_dim=self.head_dim, intermediate_size=self.intermediate_size,
-                            rms_norm_eps=self.rms_norm_eps, rope_theta=self.rope_theta,
+                            rms_norm_eps=self.rms_norm_eps, rope_theta=self.rope_theta, rope_scaling=self.rope,
                             tie_head=self.tie_word_embeddings, **options)
 
 

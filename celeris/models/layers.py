@@ -30,6 +30,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from celeris.models.rope import RopeScaling, rope_frequencies
+
 
 class RMSNorm(nn.Module):
     """Root-mean-square layer norm (arXiv:1910.07467); computed in float32.
@@ -49,13 +51,17 @@ class RMSNorm(nn.Module):
 
 
 def rope_cos_sin(
-    positions: torch.Tensor, head_dim: int, theta: float
+    positions: torch.Tensor, head_dim: int, theta: float, scaling: RopeScaling | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rotary tables (RoPE, arXiv:2104.09864): integer ``positions`` (B, L) -> cos, sin each (B, 1, L, head_dim), float32."""
-    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=positions.device).float() / head_dim)
+    """Rotary tables (RoPE, arXiv:2104.09864): integer ``positions`` (B, L) -> cos, sin each (B, 1, L, head_dim),
+    float32; ``scaling``: a context-extension scaling (``celeris.models.rope``: its frequencies, and its attention
+    factor multiplying cos and sin)."""
+    inv_freq, attention_factor = rope_frequencies(head_dim, theta, scaling, positions.device)  # (head_dim/2,)
     angles = positions.float()[..., None] * inv_freq  # (B, L, head_dim/2)
     angles = torch.cat([angles, angles], dim=-1)  # (B, L, head_dim)
-    return angles.cos()[:, None], angles.sin()[:, None]
+    if attention_factor == 1.0:
+        return angles.cos()[:, None], angles.sin()[:, None]
+    return (angles.cos() * attention_factor)[:, None], (angles.sin() * attention_factor)[:, None]
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -181,7 +187,8 @@ class Architecture:
         num_heads / num_kv_heads / head_dim: query heads, K/V heads (grouped-query attention) and the width of
             one head; ``rotary_dim`` (default: head_dim) is how many of a head's dimensions RoPE rotates
             (LLaDA2.0's ``partial_rotary_factor``).
-        qkv_bias / o_bias: biases on the q/k/v rows and on the output projection.
+        rope_scaling: a context-extension scaling of RoPE (``celeris.models.rope``: linear, llama3, yarn), or None.
+        qkv_bias / o_bias / mlp_bias: biases on the q/k/v rows, on the output projection, on the MLP's projections.
         qk_norm: Qwen3's per-head RMSNorm of queries and keys before RoPE (SDAR, LLaDA2.0).
         tie_head: the output head is the embedding matrix (no ``lm_head``).
         is_causal: causal attention (the autoregressive Celeris twin); otherwise bidirectional unless a
@@ -200,8 +207,10 @@ class Architecture:
     rope_theta: float
     embedding_rows: int | None = None
     rotary_dim: int | None = None
+    rope_scaling: RopeScaling | None = None
     qkv_bias: bool = False
     o_bias: bool = False
+    mlp_bias: bool = False
     qk_norm: bool = False
     tie_head: bool = False
     is_causal: bool = False
@@ -283,10 +292,10 @@ class MLP(nn.Module):
     are packed into it at load time (``parts``).
     """
 
-    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False) -> None:
         super().__init__()
-        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=False)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=bias)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
 
     def parts(self) -> dict[str, dict[str, int]]:
         """Packed projection -> {part: rows}, in stacking order."""
@@ -347,7 +356,7 @@ class TransformerLM(nn.Module):
 
     def make_mlp(self, index: int) -> nn.Module:
         """The feed-forward module of layer ``index``: a SwiGLU ``MLP`` (mixture-of-experts formats override)."""
-        return MLP(self.arch.hidden_size, self.arch.intermediate_size)
+        return MLP(self.arch.hidden_size, self.arch.intermediate_size, self.arch.mlp_bias)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """(B, L) ids -> (B, L, hidden) input embeddings."""
@@ -407,7 +416,8 @@ class TransformerLM(nn.Module):
         normed hidden states. ``cache``/``window`` as in ``hidden_states`` (``window`` (B, Lq) per-row columns
         or a span). The hybrid objective's two-stream layout and verified decoding's passes use it.
         """
-        cos, sin = rope_cos_sin(positions, self.arch.rotary_dim or self.arch.head_dim, self.arch.rope_theta)
+        cos, sin = rope_cos_sin(positions, self.arch.rotary_dim or self.arch.head_dim, self.arch.rope_theta,
+                                self.arch.rope_scaling)
         x = self.embed(ids)  # (B, Lq, d)
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, attn_mask, cache=cache, layer_idx=i, window=window)

@@ -1,7 +1,8 @@
 """Checkpoint folders: one loader for every native format, and saving Celeris checkpoints.
 
 ``load_any(path, device, dtype)`` reads the folder's ``config.json``, finds its format in ``FORMATS`` (the
-Celeris format is one entry beside LLaDA, Dream, the block-diffusion formats SDAR, Fast-dLLM v2 and LLaDA2.0)
+Celeris format is one entry beside LLaDA, Dream, the block-diffusion formats SDAR, Fast-dLLM v2 and LLaDA2.0, and
+the next-token formats Llama, Qwen2 and Qwen3)
 and builds the shared transformer (``celeris.models.layers.TransformerLM``) with the format's config class;
 anything else runs the folder's own modeling code through ``transformers`` (``remote.py``), and only when the
 caller passes ``trust_remote_code=True``.
@@ -31,7 +32,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import nn
 
-from celeris.models import celeris, dream, fast_dllm, llada, llada2, sdar
+from celeris.models import celeris, dream, fast_dllm, llada, llada2, llama, qwen, sdar
 from celeris.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -70,6 +71,13 @@ FORMATS = {
                            fast_dllm.FastDLLMConfig, fast_dllm.FastDLLMModel, fast_dllm.CHECKPOINT_KEYS),
     "llada2": Format("llada2", ("llada2_moe",), ("LLaDA2MoeModelLM",), llada2.LLaDA2Config, llada2.LLaDA2Model,
                      llada2.CHECKPOINT_KEYS),
+    # next-token checkpoints (celeris.models.causal), decoded as the autoregressive twin is
+    "llama": Format("llama", ("llama",), ("LlamaForCausalLM",), llama.LlamaConfig, llama.LlamaModel,
+                    llama.CHECKPOINT_KEYS),
+    "qwen2": Format("qwen2", ("qwen2",), ("Qwen2ForCausalLM",), qwen.Qwen2Config, qwen.Qwen2Model,
+                    qwen.QWEN2_CHECKPOINT_KEYS),
+    "qwen3": Format("qwen3", ("qwen3",), ("Qwen3ForCausalLM",), qwen.Qwen3Config, qwen.Qwen3Model,
+                    qwen.QWEN3_CHECKPOINT_KEYS),
 }
 
 

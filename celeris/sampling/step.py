@@ -35,11 +35,13 @@ def confidence_rule(model: torch.nn.Module) -> str:
 
 def banned_token_ids(config: object) -> list[int]:
     """Ids a denoising step must never produce: the mask token, and padding unless it doubles as
-    end-of-text (LLaDA and Dream pad with their end-of-text token, which must stay producible)."""
+    end-of-text (LLaDA and Dream pad with their end-of-text token, which must stay producible). Ids outside
+    the vocabulary are left out: a causal checkpoint's mask placeholder (``celeris.models.causal``) is no logit."""
     ids = [config.mask_token_id]
     if config.pad_token_id != config.eos_token_id:
         ids.append(config.pad_token_id)
-    return ids
+    vocab = getattr(config, "vocab_size", None)
+    return [i for i in ids if vocab is None or 0 <= i < vocab]
 
 
 def check_model_support(model: torch.nn.Module, params: SamplingParams, has_suffix: bool = False) -> None:
@@ -142,12 +144,13 @@ class RowSettings:
 
 
 def context_tokens(canvases: list[torch.Tensor], vocab_size: int, mask_id: int, device: torch.device) -> torch.Tensor:
-    """(B, V) bool: which tokens occur in each row's canvas (1-D int64 each), the mask token excluded."""
+    """(B, V) bool: which tokens occur in each row's canvas (1-D int64 each), the mask token excluded (a mask
+    placeholder past the vocabulary, ``celeris.models.causal``, included)."""
     padded = torch.nn.utils.rnn.pad_sequence(list(canvases), batch_first=True, padding_value=mask_id).to(device)
-    seen = torch.zeros((padded.shape[0], vocab_size), dtype=torch.bool, device=device)
+    seen = torch.zeros((padded.shape[0], max(vocab_size, mask_id + 1)), dtype=torch.bool, device=device)
     seen.scatter_(1, padded, True)
     seen[:, mask_id] = False
-    return seen
+    return seen[:, :vocab_size]
 
 
 def penalize_repetition(logits: torch.Tensor, seen: torch.Tensor, penalty: torch.Tensor) -> torch.Tensor:

@@ -140,7 +140,7 @@ def _pass_mask(columns: torch.Tensor, slot_start: torch.Tensor, slots: torch.Ten
 def _forward(model: torch.nn.Module, ids: torch.Tensor, cache: KVCache, columns: torch.Tensor,
              mask: torch.Tensor, first: list[int] | None = None) -> torch.Tensor:
     """Logits (B, Lw, V) float32 of token ``ids`` (B, Lw) at ``columns`` (B, Lw, also their RoPE positions),
-    reading and writing ``cache`` (per layer (B, H, T, D)) at those columns. ``first``: per row, the first of
+    reading and writing ``cache`` (per layer (B, H_kv, T, D)) at those columns. ``first``: per row, the first of
     its (left-aligned) columns whose logits are wanted; the earlier ones are left unset (uninitialised)."""
     hidden = model.layout_hidden_states(ids, columns, mask, cache, columns)  # (B, Lw, d)
     if first is None:
@@ -243,7 +243,8 @@ class DraftRow:
 class VerifiedDecoder:
     """Continuous batching for verified decoding: rows join and leave between passes.
 
-    Every row's keys/values live in one row of a preallocated pool per layer, (max_rows, H, max_len, D);
+    Every row's keys/values live in one row of a preallocated pool per layer, (max_rows, H_kv, max_len, D) with
+    H_kv the model's key/value heads (``pool_bytes``);
     rows that are running occupy pool rows [0, n), so a pass works on views of the pool. A step prefills
     newly added rows in one pass (on a fresh cache, copied into their pool rows) and advances the others
     in one pass. Finished rows are removed by moving the last row into the hole (one row copy).
@@ -269,9 +270,9 @@ class VerifiedDecoder:
         self.model, self.k = model, self.slots or LOOKUP_DRAFTS  # the default k
         self.pad = 2 * MAX_DRAFTS + 2
         max_len = max_tokens + self.pad
-        config = model.config
+        config, arch = model.config, model.arch
         p = next(model.parameters())
-        shape = (max_rows, config.num_heads, max_len, config.head_dim)
+        shape = (max_rows, arch.num_kv_heads, max_len, arch.head_dim)  # K/V heads: before grouped-query sharing
         self.keys = [torch.zeros(shape, dtype=p.dtype, device=p.device) for _ in model.layers]
         self.values = [torch.zeros(shape, dtype=p.dtype, device=p.device) for _ in model.layers]
         self.tokens = torch.full((max_rows, max_len), config.mask_token_id, dtype=torch.long, device=p.device)
@@ -282,6 +283,12 @@ class VerifiedDecoder:
         self.drafted, self.accepted = [0] * self.k, [0] * self.k  # grow when a row checks more drafts
         self.nfe = 0
         self.prefix_cache = PrefixCache(prefix_cache_tokens) if prefix_cache_tokens else None
+
+    @property
+    def pool_bytes(self) -> int:
+        """Bytes of the preallocated key/value pool: 2 x layers x max_rows x H_kv x max_len x head_dim x element
+        size (``celeris.models.loader.kv_cache_bytes`` estimates it before loading)."""
+        return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values))
 
     def add(self, prompt_ids: list[int], params: SamplingParams, end_ids: frozenset[int] | None = None,
             constraint: Constraint | None = None) -> DraftRow:
