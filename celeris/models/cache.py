@@ -35,6 +35,9 @@ KINDS = ("gguf", "transformers")
 class CacheUnavailableError(OSError):
     """The cache folder cannot be written (read-only, full, not a folder): the caller loads without it."""
 
+    def __str__(self) -> str:  # the message alone, without OSError's "[Errno N]"
+        return str(self.strerror)
+
 
 def cache_root() -> Path:
     """``$CELERIS_CACHE``, else ``~/.cache/celeris``."""
