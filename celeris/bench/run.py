@@ -36,7 +36,8 @@ Quality beside speed: share of completions that parse (``celeris.bench.quality``
 share with a run of more than 8 identical tokens, token agreement of each system with
 the reference at temperature 0 (position-wise, over the reference's length), and,
 generative perplexity of each system's output text under a judge: SmolLM2-135M when
-installed, else the AR twin (same tokenizer only).
+installed (``n/a`` for SmolLM2's own systems: the baseline, or a SmolLM2 ``--model``: it would judge its own
+text), else the AR twin (same tokenizer only).
 """
 
 from __future__ import annotations
@@ -328,7 +329,9 @@ def run_bench(cfg: BenchConfig) -> dict:
                                     / len(texts), 4)
             r["repetition_share"] = round(sum(max_repeat_run(o) > 8 for o in r["outputs"]) / len(texts), 4)
             r["agreement_with_reference"] = agreement(r["outputs"], runs[0]["outputs"]) if own_tokens else None
-            if smol is not None:
+            if smol is not None and (not own_tokens or smollm2.is_smollm2(llm)):
+                r["judge_perplexity"] = "n/a"  # SmolLM2 would judge its own text
+            elif smol is not None:
                 r["judge_perplexity"] = smollm2.judge_perplexity(*smol, prompt_texts, decoded)
             else:
                 r["judge_perplexity"] = perplexity(ar, prompt_ids, r["outputs"]) if ar and own_tokens else None
