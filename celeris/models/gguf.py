@@ -23,7 +23,9 @@ What the conversion does, following llama.cpp's ``convert_hf_to_gguf.py`` backwa
   ``qwen2`` / ``qwen3`` are converted without it (their converter classes do not permute);
 - ``config.json``: ``{arch}.embedding_length`` -> ``hidden_size``, ``block_count``, ``feed_forward_length``,
   ``attention.head_count`` / ``head_count_kv``, ``context_length`` -> ``max_position_embeddings``,
-  ``rope.freq_base`` -> ``rope_theta``, ``rope.scaling.*`` -> ``rope_scaling`` (linear, yarn),
+  ``rope.freq_base`` -> ``rope_theta``, ``rope.scaling.*`` -> ``rope_scaling`` (linear, yarn), a
+  ``rope_freqs.weight`` tensor (Llama 3.1+: the converter writes the llama3 divisors, not the parameters) ->
+  the llama3 ``rope_scaling`` that reproduces it (``llama3_scaling``),
   ``attention.layer_norm_rms_epsilon``, the vocabulary from ``token_embd``, ``head_dim`` from ``attn_q``'s rows,
   ``tie_word_embeddings`` when there is no ``output.weight``; special ids from ``tokenizer.ggml.*_token_id``.
   A GGUF has no ``generation_config.json``: it decodes greedily by default.
@@ -220,12 +222,62 @@ def rope_scaling(fields: dict, arch: str) -> dict | None:
     raise GGUFError(f"GGUF rope scaling type '{kind}' is not supported (only linear and yarn)")
 
 
-def hf_config(fields: dict, shapes: dict[str, tuple[int, ...]]) -> dict:
+def llama3_factors(theta: float, head_dim: int, factor: float, low: float, high: float, original: float) -> torch.Tensor:
+    """The per-frequency divisors llama.cpp's converter writes as ``rope_freqs.weight`` for Llama 3.1 RoPE
+    (``LlamaModel.generate_extra_tensors``; Meta's ``apply_scaling``): 1 for wavelengths under
+    ``original / high``, ``factor`` over ``original / low``, a smooth blend between. Shape (head_dim / 2,), float64."""
+    inv_freq = theta ** (-torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    ratio = original / (2 * torch.pi / inv_freq)  # original context over each wavelength
+    smooth = ((ratio - low) / (high - low)).clamp(0.0, 1.0)
+    return 1.0 / ((1.0 - smooth) / factor + smooth)
+
+
+def llama3_scaling(factors: torch.Tensor, theta: float, head_dim: int) -> dict | None:
+    """``rope_scaling`` of type llama3 that gives exactly the divisors ``factors`` (a GGUF's ``rope_freqs.weight``).
+
+    The divisors fix ``factor`` (the largest) and, through the blended band, the line ``smooth = a / wavelength
+    + b``; with ``low_freq_factor`` 1 (every published Llama 3.x) that gives ``high_freq_factor = 1 - 1 / b`` and
+    ``original_max_position_embeddings = -a / b``. The result is checked by recomputing the divisors.
+
+    Raises:
+        GGUFError: divisors no llama3 scaling produces (or too few blended ones to tell its band).
+    """
+    factors = factors.double().flatten()
+    factor = float(factors.max())
+    if factor <= 1.0 + 1e-6:
+        return None
+    inv_freq = theta ** (-torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    x = inv_freq / (2 * torch.pi)  # 1 / wavelength
+    blended = (factors > 1.0 + 1e-6) & (factors < factor - 1e-6)
+    smooth = (1.0 / factors - 1.0 / factor) / (1.0 - 1.0 / factor)
+    if int(blended.sum()) >= 2:
+        design = torch.stack([x[blended], torch.ones_like(x[blended])], dim=1)
+        a, b = (float(v) for v in torch.linalg.lstsq(design, smooth[blended, None]).solution.flatten())
+    else:  # no band to fit: put it anywhere between the last divided and the first kept frequency
+        kept, divided = x[factors <= 1.0 + 1e-6], x[factors >= factor - 1e-6]
+        if int(blended.sum()) == 1 or not len(kept) or not len(divided):
+            raise GGUFError("tensor 'rope_freqs.weight' does not determine a llama3 RoPE scaling")
+        lo, hi = float(divided.max()), float(kept.min())
+        a = 3.0 / (hi - lo)
+        b = -(lo + (hi - lo) / 3.0) * a
+    if b >= 0 or a <= 0:
+        raise GGUFError("tensor 'rope_freqs.weight' holds RoPE divisors no llama3 scaling produces")
+    scaling = {"rope_type": "llama3", "factor": factor, "low_freq_factor": 1.0, "high_freq_factor": 1.0 - 1.0 / b,
+               "original_max_position_embeddings": max(1, round(-a / b))}
+    again = llama3_factors(theta, head_dim, factor, 1.0, scaling["high_freq_factor"],
+                           scaling["original_max_position_embeddings"])
+    if not torch.allclose(again, factors, rtol=1e-4, atol=1e-5):
+        raise GGUFError("tensor 'rope_freqs.weight' holds RoPE divisors no llama3 scaling produces")
+    return scaling
+
+
+def hf_config(fields: dict, shapes: dict[str, tuple[int, ...]], rope_factors: torch.Tensor | None = None) -> dict:
     """The Hugging Face ``config.json`` the metadata describes.
 
     Args:
         fields: ``read_fields``' metadata.
         shapes: llama.cpp tensor name -> shape as Hugging Face stores it (``token_embd.weight``: (vocab, hidden)).
+        rope_factors: the ``rope_freqs.weight`` tensor (Llama 3.1 RoPE divisors), when the file has one.
 
     Raises:
         GGUFError: an unsupported architecture or rope scaling, a missing key, or no ``token_embd``/``attn_q``.
@@ -233,9 +285,8 @@ def hf_config(fields: dict, shapes: dict[str, tuple[int, ...]]) -> dict:
     arch = architecture_of(fields)
     if "token_embd.weight" not in shapes or "blk.0.attn_q.weight" not in shapes:
         raise GGUFError("the GGUF file has no 'token_embd.weight' or 'blk.0.attn_q.weight' tensor")
-    if "rope_freqs.weight" in shapes:
-        raise GGUFError("tensor 'rope_freqs.weight' (Llama 3 RoPE frequency factors) is not supported: Celeris reads "
-                        "Llama 3.1+ RoPE scaling from Hugging Face folders only")
+    if "rope_freqs.weight" in shapes and rope_factors is None:
+        raise GGUFError("tensor 'rope_freqs.weight' (Llama 3 RoPE divisors) was not read")
     heads = int(_field(fields, f"{arch}.attention.head_count"))
     config = {
         "architectures": [ARCHITECTURES[arch]], "model_type": arch, "torch_dtype": "float32",
@@ -253,6 +304,10 @@ def hf_config(fields: dict, shapes: dict[str, tuple[int, ...]]) -> dict:
         "hidden_act": "silu",
         "tie_word_embeddings": "output.weight" not in shapes,
     }
+    if rope_factors is not None:
+        if config["rope_scaling"] is not None:
+            raise GGUFError("the GGUF file has both rope.scaling metadata and a 'rope_freqs.weight' tensor")
+        config["rope_scaling"] = llama3_scaling(rope_factors, config["rope_theta"], config["head_dim"])
     if arch == "llama":
         config["attention_bias"] = "blk.0.attn_q.bias" in shapes
         config["mlp_bias"] = False
@@ -272,6 +327,8 @@ def hf_state(reader, config: dict) -> dict[str, torch.Tensor]:  # noqa: ANN001 -
     permuted = config["model_type"] in PERMUTED
     state = {}
     for tensor in reader.tensors:
+        if tensor.name == "rope_freqs.weight":  # not a weight: read into config.json's rope_scaling (llama3)
+            continue
         name = rename(tensor.name, TENSOR_NAMES)
         if name is None:
             raise GGUFError(f"tensor '{tensor.name}' of this {config['model_type']} GGUF has no Hugging Face "
@@ -337,7 +394,8 @@ def convert(path: Path) -> Converted:
             raise GGUFError(f"tensor '{tensor.name}' has type {tensor.tensor_type.name}, which Celeris does not "
                             f"dequantize (supported: {', '.join(SUPPORTED_TYPES)})")
     shapes = {t.name: tuple(int(d) for d in reversed(t.shape.tolist())) for t in reader.tensors}
-    config = hf_config(fields, shapes)
+    rope = next((dequantize(t) for t in reader.tensors if t.name == "rope_freqs.weight"), None)
+    config = hf_config(fields, shapes, rope)
     try:
         tokenizer = tokenizer_from_gguf(fields)
         tokenizer_config = tokenizer_config_from_gguf(fields)

@@ -117,7 +117,7 @@ def gguf_name(hf_name: str) -> str:
 
 
 def write_gguf(path: Path, tiny: Tiny, quant: dict[str, str] | None = None,
-               fields: dict | None = None, drop: tuple[str, ...] = ()) -> Path:
+               fields: dict | None = None, drop: tuple[str, ...] = (), extra: dict | None = None) -> Path:
     """Write ``tiny`` as llama.cpp's converter would (its architecture, names, permutation, metadata keys).
 
     Args:
@@ -125,6 +125,7 @@ def write_gguf(path: Path, tiny: Tiny, quant: dict[str, str] | None = None,
             that ``gguf.quants.quantize`` makes; others stay F32.
         fields: metadata overrides (key -> value; None deletes it).
         drop: metadata keys to leave out (e.g. the tokenizer).
+        extra: more F32 tensors by llama.cpp name (e.g. ``rope_freqs.weight``).
     """
     import gguf
 
@@ -185,6 +186,8 @@ def write_gguf(path: Path, tiny: Tiny, quant: dict[str, str] | None = None,
             writer.add_tensor(name, raw.astype(np.uint8), raw_dtype=qtype)
         else:
             writer.add_tensor(name, gguf.quants.quantize(data, qtype), raw_dtype=qtype)
+    for name, data in (extra or {}).items():
+        writer.add_tensor(name, np.ascontiguousarray(data, dtype=np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -9,6 +9,8 @@ here from the C reference (``ggml-quants.c``), and against ``gguf.quants.dequant
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 import torch
@@ -178,3 +180,56 @@ def test_unlisted_type_is_refused_naming_tensor_and_type(tmp_path):
     path = write_gguf(tmp_path / "iq.gguf", tiny_checkpoint("llama"), quant={"blk.1.attn_output": "IQ4_NL"})
     with pytest.raises(G.GGUFError, match=r"tensor 'blk.1.attn_output.weight' has type IQ4_NL"):
         G.convert(path)
+
+
+# ---------------------------------------------------------------- Llama 3.1 RoPE: rope_freqs.weight
+
+
+def converter_rope_freqs(theta: float, head_dim: int, factor: float, low: float, high: float,
+                         original: int) -> np.ndarray:
+    """What llama.cpp's ``LlamaModel.generate_extra_tensors`` writes for a llama3 rope_scaling, as its loop does."""
+    out = []
+    for i in range(0, head_dim, 2):
+        freq = 1.0 / theta ** (i / head_dim)
+        wavelen = 2 * math.pi / freq
+        if wavelen < original / high:
+            out.append(1.0)
+        elif wavelen > original / low:
+            out.append(factor)
+        else:
+            smooth = (original / wavelen - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(out, dtype=np.float32)
+
+
+@pytest.mark.parametrize("theta,head_dim,factor,high,original", [
+    (500000.0, 128, 8.0, 4.0, 8192),  # Llama 3.1 8B
+    (500000.0, 64, 32.0, 4.0, 8192),  # Llama 3.2 1B
+    (10000.0, 16, 8.0, 4.0, 64),  # tiny
+])
+def test_llama3_scaling_read_back_from_rope_freqs(theta, head_dim, factor, high, original):
+    """The divisors llama.cpp writes give back a llama3 rope_scaling whose frequencies (celeris.models.rope, tested
+    against transformers by the causal formats' tests) equal the original's."""
+    from celeris.models.rope import RopeScaling, rope_frequencies
+
+    divisors = torch.from_numpy(converter_rope_freqs(theta, head_dim, factor, 1.0, high, original))
+    scaling = G.llama3_scaling(divisors, theta, head_dim)
+    assert scaling["rope_type"] == "llama3" and scaling["factor"] == factor
+    assert scaling["original_max_position_embeddings"] == original
+    assert scaling["high_freq_factor"] == pytest.approx(high, rel=1e-4)
+    original_scaling = RopeScaling("llama3", factor, original, 1.0, high)
+    rebuilt = RopeScaling(**scaling)
+    torch.testing.assert_close(rope_frequencies(head_dim, theta, rebuilt)[0],
+                               rope_frequencies(head_dim, theta, original_scaling)[0], rtol=1e-5, atol=0)
+
+
+def test_a_gguf_with_rope_freqs_converts_to_a_llama3_config(tmp_path):
+    tiny = tiny_checkpoint("llama")
+    divisors = converter_rope_freqs(10000.0, 16, 8.0, 1.0, 4.0, 64)
+    path = write_gguf(tmp_path / "l3.gguf", tiny, extra={"rope_freqs.weight": divisors})
+    config = G.convert(path).config
+    assert config["rope_scaling"]["rope_type"] == "llama3"
+    assert config["rope_scaling"]["original_max_position_embeddings"] == 64
+    assert "rope_freqs.weight" not in G.convert(path).state
+    with pytest.raises(G.GGUFError, match="rope_freqs.weight"):
+        G.llama3_scaling(torch.tensor([1.0, 3.0, 1.5, 8.0]), 10000.0, 8)  # not monotone: no llama3 scaling
