@@ -110,7 +110,7 @@ def remove_stale(folder: Path) -> list[Path]:
         if not (name.startswith(".") and ".tmp-" in name):
             continue
         pid_text = name.rsplit(".tmp-", 1)[1].split("-", 1)[0]
-        if pid_text.isdigit() and _pid_alive(int(pid_text)) and int(pid_text) != os.getpid():
+        if pid_text.isdigit() and _pid_alive(int(pid_text)):  # still writing (this process included)
             continue
         shutil.rmtree(item, ignore_errors=True)
         removed.append(item)
@@ -138,10 +138,12 @@ def writing_entry(kind: str, source: Path, key: SourceKey, info: dict | None = N
         record = {"source": source.name, "size": key.size, "mtime_ns": key.mtime_ns,
                   "header_sha256": key.header_sha256, "kind": kind, **(info or {})}
         (tmp / SOURCE_FILE).write_text(json.dumps(record, indent=1) + "\n")
-        if final.exists():  # another process finished the same entry first: keep it
-            shutil.rmtree(tmp, ignore_errors=True)
-            return
-        os.rename(tmp, final)
+        try:
+            os.rename(tmp, final)
+        except OSError:
+            if not (final / SOURCE_FILE).is_file():
+                raise
+            shutil.rmtree(tmp, ignore_errors=True)  # another process finished the same entry first: keep it
     except OSError as exc:
         shutil.rmtree(tmp, ignore_errors=True)
         raise CacheUnavailableError(exc.errno, f"cannot write the cache folder {final.parent}: "

@@ -112,3 +112,13 @@ def test_list_and_clear(root, source):
     assert entries[0]["bytes"] > len(b"weights")
     assert cache.clear() == 1
     assert cache.list_entries() == [] and not folder.exists()
+
+
+def test_two_writers_of_one_entry_keep_the_first(root, source):
+    """Two processes converting the same file at once (e.g. Ray workers): the second rename finds the entry."""
+    key = cache.source_key(source)
+    with cache.writing_entry("gguf", source, key) as slow:
+        (slow / "model.safetensors").write_bytes(b"second")
+        first = cache.cached_or_convert("gguf", source, writer([]))  # finishes while the other is still writing
+    assert (first / "model.safetensors").read_bytes() == b"weights"
+    assert [p.name for p in (root / "gguf").iterdir()] == [first.name]
