@@ -14,6 +14,7 @@ from __future__ import annotations
 import importlib.util
 import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -52,24 +53,36 @@ def _convert_with_transformers(gguf, folder) -> dict:  # noqa: ANN001 - Paths
     return {"converter": "transformers"}
 
 
+def hf_folder() -> Path:
+    """The Hugging Face folder transformers made from the packaged GGUF (float32 ``model.safetensors``, its
+    tokenizer), converted into the cache on first use: where the bench's SmolLM2 lives
+    (``$CELERIS_CACHE/transformers/SmolLM2-135M-Instruct.Q4_1-<key>``; it was ``$CELERIS_CACHE/smollm2-135m-instruct``).
+
+    Raises:
+        ImportError: the package or its GGUF readers are missing (see ``unavailable_reason``).
+        celeris.models.cache.CacheUnavailableError: the cache cannot be written.
+    """
+    reason = unavailable_reason()
+    if reason:
+        raise ImportError(reason)
+    gguf = alias_path(ALIAS)
+    return cache.cached_or_convert("transformers", gguf, lambda tmp: _convert_with_transformers(gguf, tmp))
+
+
 def load_smollm2(device: str | torch.device = "cpu"):
-    """(model, tokenizer) in float32 on ``device``, converted by transformers from the packaged GGUF on first use.
-    A cache that cannot be written: one warning line, and transformers reads the GGUF itself for this run.
+    """(model, tokenizer) in float32 on ``device``, from ``hf_folder()``. A cache that cannot be written: one warning
+    line, and transformers reads the GGUF itself for this run.
 
     Raises:
         ImportError: the package or its GGUF readers are missing (see ``unavailable_reason``).
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    reason = unavailable_reason()
-    if reason:
-        raise ImportError(reason)
-    gguf = alias_path(ALIAS)
     try:
-        folder = cache.cached_or_convert("transformers", gguf, lambda tmp: _convert_with_transformers(gguf, tmp))
-        source, options = str(folder), {}
+        source, options = str(hf_folder()), {}
     except cache.CacheUnavailableError as exc:
         print(f"celeris: warning: {exc}; transformers converts SmolLM2 in memory for this run", file=sys.stderr)
+        gguf = alias_path(ALIAS)
         source, options = str(gguf.parent), {"gguf_file": gguf.name}
     tokenizer = AutoTokenizer.from_pretrained(source, **options)
     model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32, **options).to(device).eval()
