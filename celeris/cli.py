@@ -62,6 +62,13 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--compile", action="store_true", help="torch.compile the model (slow first request)")
     p.add_argument("--trust-remote-code", action="store_true",
                    help="allow a checkpoint of an unknown format to run its own modeling code")
+    _max_model_len_arg(p)
+
+
+def _max_model_len_arg(p: argparse.ArgumentParser) -> None:
+    """--max-model-len: on every command that loads a model (vLLM's flag)."""
+    p.add_argument("--max-model-len", type=int, help="most tokens (prompt + answer) one request may hold; sizes "
+                   "the KV store (default: the model's context window, at most 4096 on a CPU)")
 
 
 def _sampling_args(p: argparse.ArgumentParser) -> None:
@@ -141,6 +148,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="dllm-fast: passes see only W masked columns past the block (default: the model's)")
     b.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
                    help="weights of the diffusion model and the twin (default: bfloat16 on CUDA, float32 on CPU)")
+    _max_model_len_arg(b)
     _threads_arg(b)
 
     d = sub.add_parser("data", help="build a training corpus")
@@ -202,7 +210,7 @@ def _load(args: argparse.Namespace):
         raise CheckpointError(f"{gen_path} is not valid JSON: {exc}") from None
     _params(defaults, args)  # validate before the (slower) model load
     llm = LLM(args.model, device=args.device, dtype=args.dtype, enforce_eager=not args.compile,
-              trust_remote_code=args.trust_remote_code)
+              trust_remote_code=args.trust_remote_code, max_model_len=args.max_model_len)
     return llm, _params(llm.generation_config, args, llm)  # the defaults as the loaded model reads them
 
 
@@ -332,7 +340,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
                           batch_sizes=integers("batch-sizes", args.batch_sizes), num_prompts=args.num_prompts,
                           warmup=args.warmup, prompts=args.prompts, out_dir=args.out, smollm2=not args.no_smollm2,
                           fast_tokens_per_step=args.fast_tokens_per_step, fast_suffix_window=args.fast_suffix_window,
-                          dtype=args.dtype)
+                          dtype=args.dtype, max_model_len=args.max_model_len)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
     try:
@@ -400,6 +408,7 @@ def _batch_parser(sub) -> None:
     r.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
                    help="weight dtype (default: bfloat16 on CUDA, float32 on CPU)")
     r.add_argument("--max-num-seqs", type=int, default=8, help="requests denoised together per engine")
+    _max_model_len_arg(r)
     r.add_argument("--concurrency", type=int, help="requests in flight (local backend; default 2 x --max-num-seqs)")
     r.add_argument("--retry-failed", action="store_true", help="run the failed records again (and only those)")
     r.add_argument("--rerun-changed", action="store_true",
@@ -466,6 +475,7 @@ def _batch_run(args: argparse.Namespace) -> int:
             max_num_seqs=args.max_num_seqs, device=args.device, request_timeout=args.request_timeout,
             served_model_name=args.served_model_name, ray_address=args.ray_address,
             ray_num_cpus=max(2, args.num_workers), progress=not args.no_progress, log=log, dtype=args.dtype,
+            max_model_len=args.max_model_len,
         )
     else:
         from celeris.serve.serving import OpenAIServing
@@ -475,7 +485,8 @@ def _batch_run(args: argparse.Namespace) -> int:
         def make_serving() -> OpenAIServing:
             return OpenAIServing.from_model(args.model, device=args.device, max_num_seqs=args.max_num_seqs,
                                             max_waiting=max(64, window), request_timeout=args.request_timeout,
-                                            served_model_name=args.served_model_name, dtype=args.dtype)
+                                            served_model_name=args.served_model_name, dtype=args.dtype,
+                                            max_model_len=args.max_model_len)
 
         result = run_batch(args.input, args.output, make_serving, retry_failed=args.retry_failed,
                            rerun_changed=args.rerun_changed, window=window, progress=not args.no_progress, log=log)
@@ -569,7 +580,8 @@ def _serve_on_ray(args: argparse.Namespace) -> int:
         options = ServeArgs(
             model=args.model, served_model_name=args.served_model_name, device=args.device, dtype=args.dtype,
             enforce_eager=not args.compile, trust_remote_code=args.trust_remote_code, max_num_seqs=args.max_num_seqs,
-            enable_prefix_caching=args.enable_prefix_caching, max_waiting=args.max_waiting,
+            enable_prefix_caching=args.enable_prefix_caching, max_model_len=args.max_model_len,
+            max_waiting=args.max_waiting,
             request_timeout=args.request_timeout, api_key=args.api_key,
             num_replicas=args.num_replicas if args.num_replicas is not None else max(1, args.min_replicas or 1),
             min_replicas=args.min_replicas,
@@ -619,7 +631,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                       max_waiting=args.max_waiting, request_timeout=args.request_timeout, api_key=args.api_key,
                       served_model_name=args.served_model_name, device=args.device, log_level=args.log_level,
                       limits=limits, also_serve=args.also_serve, dtype=args.dtype, enforce_eager=not args.compile,
-                      trust_remote_code=args.trust_remote_code, enable_prefix_caching=args.enable_prefix_caching)
+                      trust_remote_code=args.trust_remote_code, enable_prefix_caching=args.enable_prefix_caching,
+                      max_model_len=args.max_model_len)
 
 
 COMMANDS = {"generate": cmd_generate, "chat": cmd_chat, "train": cmd_train, "data": cmd_data, "eval": cmd_eval,

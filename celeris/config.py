@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+CPU_MAX_MODEL_LEN = 4096  # default cap of max_model_len on a CPU: the KV store of 8 rows stays a few hundred MiB
 
 
 @dataclass(slots=True)
@@ -27,6 +28,9 @@ class EngineConfig:
         length_bucket: canvas lengths are padded up to a multiple of this.
         enable_prefix_caching: verified decoding reuses the keys/values of prompt prefixes other requests
             prefilled (automatic prefix caching, vLLM's name; ``celeris.sampling.prefix_cache``).
+        max_model_len: most tokens (prompt + answer) one request may hold (vLLM's name); the KV store is sized
+            from it (``max_num_seqs`` rows of it, K/V heads). None: the model's context window, capped at
+            ``CPU_MAX_MODEL_LEN`` on a CPU (``resolve_max_model_len``).
     """
 
     max_num_seqs: int = 8
@@ -37,6 +41,7 @@ class EngineConfig:
     enforce_eager: bool = True
     length_bucket: int = 32
     enable_prefix_caching: bool = True
+    max_model_len: int | None = None
 
     def __post_init__(self) -> None:
         if self.dtype is not None and self.dtype not in DTYPES:
@@ -46,6 +51,25 @@ class EngineConfig:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_waiting"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+
+
+def resolve_max_model_len(requested: int | None, context: int, device: torch.device | str) -> int:
+    """The tokens one request may hold: ``requested``, or the model's ``context`` window (capped at
+    ``CPU_MAX_MODEL_LEN`` on a CPU, where a long context's KV store would not fit a laptop's memory).
+
+    Raises:
+        ValueError: ``requested`` exceeds ``context`` (named both), or is below 1.
+    """
+    if requested is None:
+        return min(context, CPU_MAX_MODEL_LEN) if torch.device(device).type == "cpu" else context
+    if requested < 1:
+        raise ValueError(f"max_model_len must be >= 1, got {requested}")
+    if requested > context:
+        raise ValueError(f"max_model_len {requested} exceeds this model's context window of {context} tokens "
+                         f"(max_position_embeddings); use at most {context}")
+    return requested
 
 
 def resolve_device(device: str | None) -> torch.device:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from celeris.config import EngineConfig, resolve_device, resolve_dtype
+from celeris.config import EngineConfig, resolve_device, resolve_dtype, resolve_max_model_len
 from celeris.engine import Engine, Request
 from celeris.models.catalog import ALIASES, alias_path
 from celeris.models.catalog import EMBEDDED as CATALOG_EMBEDDED
@@ -118,15 +118,20 @@ class LLM:
         enable_prefix_caching: False turns off verified decoding's prefix cache (see EngineConfig).
         max_waiting: requests queued beyond the running ones before ``add_request`` raises QueueFullError (the
             server's 429; ``OpenAIServing.from_model`` sets it); offline use needs no limit.
+        max_model_len: most tokens (prompt + answer) a request may hold (vLLM's name): requests beyond get the
+            context-length error, and the KV store is sized from it. None: the model's context window, capped at
+            ``celeris.config.CPU_MAX_MODEL_LEN`` (4,096) on a CPU. ``context_length`` is the value in force.
 
     Raises:
         CheckpointError: the folder is missing, incomplete or inconsistent.
+        ValueError: ``max_model_len`` exceeds the model's context window, or another setting is out of range.
     """
 
     def __init__(
         self, model: str | Path | None = None, device: str | None = None, max_num_seqs: int = 8,
         trust_remote_code: bool = False, dtype: str | None = None, enforce_eager: bool = True,
         max_waiting: int = 1 << 30, max_batch_size: int | None = None, enable_prefix_caching: bool = True,
+        max_model_len: int | None = None,
     ) -> None:
         if max_batch_size is not None:
             warnings.warn("LLM(max_batch_size=...) is deprecated; use max_num_seqs", DeprecationWarning, stacklevel=2)
@@ -142,19 +147,24 @@ class LLM:
         self.card: dict = self._gguf.card if self._gguf is not None else read_card(self.path)
         self.engine_config = EngineConfig(max_num_seqs=max_num_seqs, max_waiting=max_waiting, device=device,
                                           dtype=dtype, enforce_eager=enforce_eager,
-                                          enable_prefix_caching=enable_prefix_caching)
+                                          enable_prefix_caching=enable_prefix_caching, max_model_len=max_model_len)
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
         self.model = load_any(self.path, device=self.device, dtype=self.dtype, trust_remote_code=trust_remote_code,
-                              tensors=tensors)
+                              max_model_len=max_model_len, max_num_seqs=max_num_seqs, tensors=tensors)
         if self._gguf is not None:
             self._gguf.tensors = tensors = None  # the model holds the weights now (in memory: its temporary folder stays)
+        self.engine_config.max_model_len = resolve_max_model_len(
+            max_model_len, self.model.config.max_position_embeddings, self.device)
         self.tokenizer = load_tokenizer(self.path, self.model)
         gen_path = self.path / "generation_config.json"
         self.generation_config: dict = json.loads(gen_path.read_text()) if gen_path.is_file() else {}
         contract = contract_of(self.model)
         if contract is not None:  # a block-diffusion model: its contract's decoding defaults, under the folder's own
             self.generation_config = {**contract.defaults, **self.generation_config}
+        if getattr(self.model.config, "GREEDY_UNLESS_DO_SAMPLE", False) and not self.generation_config.get("do_sample"):
+            # transformers' rule for its folders: temperature / top_p / top_k apply only with do_sample true
+            self.generation_config = {**self.generation_config, "temperature": 0.0}
         if getattr(self.model.config, "is_causal", False):  # what an autoregressive model can decode by default
             self.generation_config = causal_defaults(self.generation_config)
         # every id that ends an answer: end-of-text, the generation config's eos_token_id list, end-of-turn
@@ -162,7 +172,7 @@ class LLM:
         # llguidance's view of the tokenizer, for requests with a grammar (structured output, tool calls)
         self.grammar_tokenizer = grammar_tokenizer(self.tokenizer, self.model.config.vocab_size)
         self.engine = Engine(self.model, self.engine_config, self.end_token_ids, self.grammar_tokenizer)
-        self.context_length = self.model.config.max_position_embeddings
+        self.context_length = self.engine_config.max_model_len  # what a request may hold (max_model_len)
 
     def default_params(self, **overrides: object) -> SamplingParams:
         """SamplingParams from the model's ``generation_config.json`` with ``overrides`` applied (a block model's

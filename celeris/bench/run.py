@@ -82,6 +82,7 @@ class BenchConfig:
     fast_tokens_per_step: int | None = None
     fast_suffix_window: int | None = None  # dllm-fast with this SamplingParams.suffix_window (None: the model's)
     dtype: str | None = None  # weights of the diffusion model and the twin (None: LLM's default for the device)
+    max_model_len: int | None = None  # of the model and the twin (LLM's max_model_len; None: the model's, capped)
 
     def __post_init__(self) -> None:
         if not self.batch_sizes or min(self.batch_sizes) < 1 or self.num_prompts < 1 or self.warmup < 0:
@@ -236,7 +237,7 @@ def run_bench(cfg: BenchConfig) -> dict:
             ``fast_suffix_window`` for a block-diffusion (or hybrid) model, whose systems would ignore them.
     """
     load_start = time.perf_counter()
-    llm = LLM(cfg.model, max_num_seqs=max(cfg.batch_sizes), dtype=cfg.dtype)
+    llm = LLM(cfg.model, max_num_seqs=max(cfg.batch_sizes), dtype=cfg.dtype, max_model_len=cfg.max_model_len)
     load_s = time.perf_counter() - load_start  # cold request = load_s + first_request_s
     ignored = [flag for flag, value in (("--fast-tokens-per-step", cfg.fast_tokens_per_step),
                                         ("--fast-suffix-window", cfg.fast_suffix_window)) if value is not None]
@@ -246,7 +247,8 @@ def run_bench(cfg: BenchConfig) -> dict:
                          f"block-engine, or hybrid-verified): leave {'them' if len(ignored) > 1 else 'it'} out")
     problems = load_humaneval(cfg.prompts)[: cfg.num_prompts]
     texts = [heal_prompt(p["prompt"]) for p in problems]
-    ar = LLM(cfg.ar_model, max_num_seqs=max(cfg.batch_sizes), dtype=cfg.dtype) if cfg.ar_model else None
+    ar = LLM(cfg.ar_model, max_num_seqs=max(cfg.batch_sizes), dtype=cfg.dtype,
+             max_model_len=cfg.max_model_len) if cfg.ar_model else None
     probe = "def f(x):\n    return x  # probe"
     if ar is not None and (ar.model.config.vocab_size != llm.model.config.vocab_size
                            or ar.tokenizer.encode(probe) != llm.tokenizer.encode(probe)):
@@ -297,6 +299,12 @@ def run_bench(cfg: BenchConfig) -> dict:
         if hybrid:  # verified decoding against the model's own next-token decoding
             fast = llm.default_params(max_tokens=length, temperature=0.0, decoding="verified")
             systems = [("hybrid-next-token", next_token(llm.model)), ("hybrid-verified", diffusion(fast))]
+        elif getattr(llm.model.config, "is_causal", False) and contract_of(llm.model) is None:
+            # a next-token model (Llama, Qwen2, Qwen3, the twin): the reference sampler, the engine, prompt lookup
+            engine = llm.default_params(max_tokens=length, temperature=0.0)
+            lookup = llm.default_params(max_tokens=length, temperature=0.0, decoding="verified", draft_source="lookup")
+            systems = [("ar-reference", next_token(llm.model)), ("ar-engine", diffusion(engine)),
+                       ("ar-lookup", diffusion(lookup))]
         elif contract_of(llm.model) is not None:  # a block model: its reference sampler, then the engine
             fast = llm.default_params(max_tokens=length, temperature=0.0)
             systems = [("block-reference", block_reference(llm, fast)), ("block-engine", diffusion(fast))]

@@ -76,6 +76,8 @@ class Engine:
         self.grammar_tokenizer = grammar_tokenizer
         self._ids = itertools.count()
         self.num_steps = 0
+        # the most tokens a request holds (EngineConfig.max_model_len, else the model's window): sizes the KV pool
+        self.max_model_len = self.config.max_model_len or getattr(config, "max_position_embeddings", None)
         self.drafter: VerifiedDecoder | None = None  # verified decoding (hybrid models), made at first use
         self._draft_rows: dict[Request, DraftRow] = {}
         contract = contract_of(model)  # a block-diffusion model (or a hybrid's block mode): the block path
@@ -98,9 +100,8 @@ class Engine:
         """
         params = with_block_defaults(self.model, params)  # a block model's sub-block when left at the default
         check_model_support(self.model, params, bool(suffix_ids))
-        context = getattr(self.model.config, "max_position_embeddings", None)
-        if params.decoding == "verified" and context:
-            check_fits_context(len(prompt_ids), 0, params.max_tokens, context)
+        if params.decoding == "verified" and self.max_model_len:
+            check_fits_context(len(prompt_ids), 0, params.max_tokens, self.max_model_len)
         vocab = getattr(self.model.config, "vocab_size", None)
         if vocab is not None and any(t >= vocab for t in params.stop_token_ids):
             raise ValueError(f"stop_token_ids must be ids below the vocabulary size {vocab}; got "
@@ -208,8 +209,7 @@ class Engine:
         requests that finished or were aborted are freed, new requests are prefilled, the others advance by
         their accepted drafts plus one token. Each request's committed tokens are final at once (streamed)."""
         if self.drafter is None:
-            self.drafter = VerifiedDecoder(self.model, self.config.max_num_seqs,
-                                           self.model.config.max_position_embeddings,
+            self.drafter = VerifiedDecoder(self.model, self.config.max_num_seqs, self.max_model_len,
                                            PREFIX_CACHE_TOKENS if self.config.enable_prefix_caching else 0)
         running = set(batch)
         for request in [r for r in self._draft_rows if r not in running or r.is_finished]:

@@ -27,11 +27,13 @@ class CausalConfig:
     """Mixin for the causal formats' config dataclasses (before ``QwenConfig`` in the bases).
 
     Sets ``is_causal``, the mask placeholder (``mask_token_id`` = ``vocab_size``, whatever the folder says),
-    padding with the end-of-text id, and scaled RoPE (``celeris.models.rope``).
+    padding with the end-of-text id, scaled RoPE (``celeris.models.rope``), and transformers' reading of
+    ``generation_config.json`` (``GREEDY_UNLESS_DO_SAMPLE``: greedy unless ``do_sample`` is true; ``celeris.llm``).
     """
 
     is_causal = True
     SCALED_ROPE = True
+    GREEDY_UNLESS_DO_SAMPLE = True  # generation_config.json's sampling settings count only with do_sample true
     SPECIAL_IDS = ("eos_token_id", "pad_token_id")  # ids validated inside the vocabulary (no mask token)
 
     @classmethod

@@ -8,7 +8,7 @@ autoregressive Celeris twin). What differs between formats is data: an ``Archite
 q/k norm, partial RoPE, tied head, causal, logit shift) read from the format's config, and a CHECKPOINT_KEYS
 table from the published tensor names to the module names here. This module holds:
 
-- ``RMSNorm``, ``rope_cos_sin`` / ``apply_rope``, ``KVCache`` and the window helpers of the cache interface;
+- ``RMSNorm``, ``KVCache`` and the window helpers of the cache interface (RoPE: ``celeris.models.rope``);
 - ``Attention`` (fused ``qkv_proj``), ``MLP`` (fused ``gate_up_proj``) and ``Block``; separate published
   q/k/v and gate/up tensors are packed into the fused projections at load time (``parts``,
   ``celeris.models.loader``);
@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from celeris.models.rope import RopeScaling, rope_frequencies
+from celeris.models.rope import RopeScaling, apply_rope, rope_cos_sin
 
 
 class RMSNorm(nn.Module):
@@ -48,27 +48,6 @@ class RMSNorm(nn.Module):
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return (xf * self.weight.float()).to(x.dtype)
-
-
-def rope_cos_sin(
-    positions: torch.Tensor, head_dim: int, theta: float, scaling: RopeScaling | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rotary tables (RoPE, arXiv:2104.09864): integer ``positions`` (B, L) -> cos, sin each (B, 1, L, head_dim),
-    float32; ``scaling``: a context-extension scaling (``celeris.models.rope``: its frequencies, and its attention
-    factor multiplying cos and sin)."""
-    inv_freq, attention_factor = rope_frequencies(head_dim, theta, scaling, positions.device)  # (head_dim/2,)
-    angles = positions.float()[..., None] * inv_freq  # (B, L, head_dim/2)
-    angles = torch.cat([angles, angles], dim=-1)  # (B, L, head_dim)
-    if attention_factor == 1.0:
-        return angles.cos()[:, None], angles.sin()[:, None]
-    return (angles.cos() * attention_factor)[:, None], (angles.sin() * attention_factor)[:, None]
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x`` (B, H, L, D) by the half-split RoPE convention used by Llama."""
-    x1, x2 = x.chunk(2, dim=-1)
-    rotated = torch.cat([-x2, x1], dim=-1)
-    return (x.float() * cos + rotated.float() * sin).to(x.dtype)
 
 
 @dataclass

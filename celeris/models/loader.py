@@ -32,7 +32,9 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import nn
 
+from celeris.config import resolve_max_model_len
 from celeris.models import celeris, dream, fast_dllm, llada, llada2, llama, qwen, sdar
+from celeris.models.layers import Architecture
 from celeris.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -92,15 +94,20 @@ class TensorInfo:
 
 @dataclass(frozen=True)
 class MemoryEstimate:
-    """Bytes the weights take once loaded (parameters x bytes per element of the load dtype) and bytes free."""
+    """Bytes a model needs once loaded and bytes free: ``need_bytes`` = the weights (parameters x bytes per element
+    of the load dtype) + ``kv_cache_bytes``, the KV store of ``max_num_seqs`` rows of ``max_model_len`` tokens
+    (``kv_cache_bytes()``)."""
 
     need_bytes: int
     available_bytes: int | None
     device: str
+    kv_cache_bytes: int = 0
 
     def __str__(self) -> str:
         free = "unknown" if self.available_bytes is None else f"{self.available_bytes / 2**30:.2f} GiB"
-        return f"weights need about {self.need_bytes / 2**30:.2f} GiB on {self.device}; free: {free}"
+        what = "weights" if not self.kv_cache_bytes else \
+            f"weights and KV store ({self.kv_cache_bytes / 2**30:.2f} GiB; lower --max-model-len to shrink it)"
+        return f"{what} need about {self.need_bytes / 2**30:.2f} GiB on {self.device}; free: {free}"
 
 
 # ---------------------------------------------------------------- format detection
@@ -218,9 +225,17 @@ def load_dtype(infos: dict[str, TensorInfo], dtype: torch.dtype | None) -> torch
     return max(totals, key=totals.__getitem__) if totals else torch.float32
 
 
-def estimate_memory(infos: dict[str, TensorInfo], dtype: torch.dtype, device: torch.device) -> MemoryEstimate:
+def kv_cache_bytes(arch: Architecture, num_rows: int, num_tokens: int, dtype: torch.dtype) -> int:
+    """Bytes of a KV store of ``num_rows`` rows of ``num_tokens`` tokens: keys and values of every layer, each
+    (rows, K/V heads, tokens, head_dim) in ``dtype`` (grouped-query attention stores the K/V heads only)."""
+    return 2 * arch.num_layers * num_rows * arch.num_kv_heads * num_tokens * arch.head_dim * dtype.itemsize
+
+
+def estimate_memory(infos: dict[str, TensorInfo], dtype: torch.dtype, device: torch.device,
+                    kv_bytes: int = 0) -> MemoryEstimate:
+    """The weights' bytes in ``dtype`` (integer tensors keep theirs) plus ``kv_bytes``, and what ``device`` has free."""
     need = sum(_numel(i.shape) * (dtype if i.dtype.is_floating_point else i.dtype).itemsize for i in infos.values())
-    return MemoryEstimate(need, available_bytes(device), str(device))
+    return MemoryEstimate(need + kv_bytes, available_bytes(device), str(device), kv_bytes)
 
 
 def check_memory(estimate: MemoryEstimate) -> None:
@@ -320,9 +335,12 @@ def pack(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Te
 
 
 def load_native(folder: Path, fmt: Format, device: torch.device, dtype: torch.dtype | None,
+                kv_rows: int = 0, max_model_len: int | None = None,
                 tensors: dict[str, torch.Tensor] | None = None) -> nn.Module:
     """Build ``fmt``'s model from the folder's config.json and safetensors files (see the module docstring), or
-    from ``tensors`` (checkpoint name -> tensor, e.g. a GGUF converted in memory) instead of the files."""
+    from ``tensors`` (checkpoint name -> tensor, e.g. a GGUF converted in memory) instead of the files;
+    the memory check counts a KV store of ``kv_rows`` rows of ``max_model_len`` tokens
+    (``celeris.config.resolve_max_model_len``: None is the model's context, capped on a CPU)."""
     try:
         config = fmt.config_cls.from_json(folder / "config.json")
     except (TypeError, ValueError) as exc:
@@ -362,7 +380,11 @@ def load_native(folder: Path, fmt: Format, device: torch.device, dtype: torch.dt
             f"{expected[missing[0]]}; {len(missing)} missing in all)"
         )
     dtype = load_dtype(infos, dtype)
-    check_memory(estimate_memory(infos, dtype, device))
+    kv = 0
+    if kv_rows and getattr(model, "supports_kv_cache", False):
+        tokens = resolve_max_model_len(max_model_len, config.max_position_embeddings, device)
+        kv = kv_cache_bytes(model.arch, kv_rows, tokens, dtype)
+    check_memory(estimate_memory(infos, dtype, device, kv))
     state = {}
     for name, tensor in (tensors or {}).items():
         state[targets[name]] = (tensor.to(dtype) if tensor.is_floating_point() else tensor).to(device)
@@ -386,6 +408,8 @@ def load_any(
     device: str | torch.device = "cpu",
     dtype: torch.dtype | None = None,
     trust_remote_code: bool = False,
+    max_model_len: int | None = None,
+    max_num_seqs: int = 0,
     tensors: dict[str, torch.Tensor] | None = None,
 ) -> nn.Module:
     """Load any supported checkpoint folder as an eval-mode model that maps ids to float32 logits.
@@ -396,6 +420,8 @@ def load_any(
         dtype: weight dtype; None keeps the checkpoint's (its dominant floating dtype).
         trust_remote_code: allow running the folder's own Python modeling code for
             formats Celeris does not implement.
+        max_model_len / max_num_seqs: the engine's KV store (``max_num_seqs`` rows of ``max_model_len`` tokens),
+            counted in the memory check before any weight is read; 0 rows: weights only.
         tensors: the checkpoint's tensors in memory (a native format only), read instead of its safetensors files
             (``celeris.models.gguf.prepare`` without a writable cache).
 
@@ -403,12 +429,13 @@ def load_any(
         CheckpointError: missing/corrupt files, a tensor missing, unexpected or of
             the wrong shape (named with both shapes), not enough memory, or an
             unsupported format without ``trust_remote_code``.
+        ValueError: ``max_model_len`` exceeds the model's context window.
     """
     folder, device = Path(path), torch.device(device)
     raw = read_config(folder)
     kind = detect_format(raw)
     if kind is not None:
-        return load_native(folder, FORMATS[kind], device, dtype, tensors)
+        return load_native(folder, FORMATS[kind], device, dtype, max_num_seqs, max_model_len, tensors)
     if not trust_remote_code:
         raise CheckpointError(
             f"{folder / 'config.json'} has model_type '{raw.get('model_type')}' (architectures "

@@ -127,3 +127,24 @@ def _yarn(dim: int, theta: float, s: RopeScaling, device: torch.device) -> tuple
     extrapolated, interpolated = 1.0 / pos_freqs, 1.0 / (factor * pos_freqs)
     keep = 1 - ramp  # 1: extrapolate (high frequencies), 0: interpolate
     return interpolated * (1 - keep) + extrapolated * keep, float(attention)
+
+
+def rope_cos_sin(
+    positions: torch.Tensor, head_dim: int, theta: float, scaling: RopeScaling | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotary tables (RoPE, arXiv:2104.09864): integer ``positions`` (B, L) -> cos, sin each (B, 1, L, head_dim),
+    float32; ``scaling``: a context-extension scaling (its frequencies, and its attention factor multiplying cos
+    and sin)."""
+    inv_freq, attention_factor = rope_frequencies(head_dim, theta, scaling, positions.device)  # (head_dim/2,)
+    angles = positions.float()[..., None] * inv_freq  # (B, L, head_dim/2)
+    angles = torch.cat([angles, angles], dim=-1)  # (B, L, head_dim)
+    if attention_factor == 1.0:
+        return angles.cos()[:, None], angles.sin()[:, None]
+    return (angles.cos() * attention_factor)[:, None], (angles.sin() * attention_factor)[:, None]
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x`` (B, H, L, D) by the half-split RoPE convention used by Llama."""
+    x1, x2 = x.chunk(2, dim=-1)
+    rotated = torch.cat([-x2, x1], dim=-1)
+    return (x.float() * cos + rotated.float() * sin).to(x.dtype)

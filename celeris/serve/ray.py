@@ -77,6 +77,7 @@ class ServeArgs(BaseModel):
     dtype: str | None = None
     enforce_eager: bool = True
     enable_prefix_caching: bool = True
+    max_model_len: int | None = Field(None, ge=1)
     trust_remote_code: bool = False
     max_num_seqs: int = Field(8, ge=1)
     max_waiting: int = Field(64, ge=1)
@@ -222,7 +223,8 @@ class CelerisEngine:
                                                 max_waiting=a.max_waiting, request_timeout=a.request_timeout,
                                                 served_model_name=a.served_model_name, dtype=a.dtype,
                                                 enforce_eager=a.enforce_eager, trust_remote_code=a.trust_remote_code,
-                                                enable_prefix_caching=a.enable_prefix_caching)
+                                                enable_prefix_caching=a.enable_prefix_caching,
+                                                max_model_len=a.max_model_len)
         self.async_engine = self.serving.async_engine
         self.admitted = Counter("celeris_replica_generations", "Generations (prompts x n) this engine replica admitted",
                                 registry=self.serving.metrics.registry)

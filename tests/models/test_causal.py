@@ -119,3 +119,18 @@ def test_sliding_window_is_refused(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(CheckpointError, match="use_sliding_window"):
         load_any(tmp_path)
+
+
+def test_cli_refuses_an_unknown_rope_type_with_one_line(tmp_path, capsys):
+    from celeris.cli import main
+
+    tiny_causal("qwen3", tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["rope_parameters"] = {"rope_type": "longrope", "rope_theta": 1e4, "short_factor": [1.0]}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    capsys.readouterr()  # transformers' progress bar while saving
+    assert main(["generate", "hi", "--model", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("celeris: error: ")
+    assert err[0].endswith("is not a usable qwen3 config: rope type 'longrope' is not implemented (only default, "
+                           "linear, llama3 and yarn are)")
