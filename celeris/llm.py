@@ -13,12 +13,13 @@ import torch
 
 from celeris.config import EngineConfig, resolve_device, resolve_dtype
 from celeris.engine import Engine, Request
-from celeris.models.loader import load_any, load_tokenizer
+from celeris.models.loader import CheckpointError, load_any, load_tokenizer
 from celeris.params import SamplingParams, causal_defaults
 from celeris.sampling.block import contract_of
 from celeris.sampling.step import check_fits_context, check_prompts
 from celeris.serve.detokenize import cut_at_stop
 from celeris.structured.grammar import grammar_tokenizer, stops_apply
+from celeris.tokenizer import read_chat_template_file
 
 EMBEDDED = Path(__file__).parent / "checkpoints"
 DEFAULT_MODEL = EMBEDDED / "celeris-code-6m-hybrid"  # the hybrid (verified decoding); see its model card
@@ -79,29 +80,45 @@ class LLM:
         dtype: "float32", "bfloat16" or "float16"; None: bfloat16 on CUDA, float32 on CPU.
         enforce_eager: False compiles the model with ``torch.compile`` (see EngineConfig).
         enable_prefix_caching: False turns off verified decoding's prefix cache (see EngineConfig).
+        tokenizer: a folder holding tokenizer.json, or a tokenizer.json file, replacing the checkpoint's tokenizer
+            (vLLM's ``tokenizer``); its tokenizer_config.json (special tokens, chat template) comes with it, and
+            the model config's special ids fill what it leaves out. None: the checkpoint's.
+        chat_template: a Jinja file (or a one-line template) replacing the tokenizer's chat template
+            (``celeris.tokenizer.read_chat_template_file``). None: the tokenizer's.
         max_waiting: requests queued beyond the running ones before ``add_request`` raises QueueFullError (the
             server's 429; ``OpenAIServing.from_model`` sets it); offline use needs no limit.
 
     Raises:
-        CheckpointError: the folder is missing, incomplete or inconsistent.
+        CheckpointError: the folder is missing, incomplete or inconsistent, or ``tokenizer`` does not exist.
+        ValueError: a ``chat_template`` file that does not exist or does not parse.
     """
 
     def __init__(
         self, model: str | Path | None = None, device: str | None = None, max_num_seqs: int = 8,
         trust_remote_code: bool = False, dtype: str | None = None, enforce_eager: bool = True,
         max_waiting: int = 1 << 30, max_batch_size: int | None = None, enable_prefix_caching: bool = True,
+        tokenizer: str | Path | None = None, chat_template: str | Path | None = None,
     ) -> None:
         if max_batch_size is not None:
             warnings.warn("LLM(max_batch_size=...) is deprecated; use max_num_seqs", DeprecationWarning, stacklevel=2)
             max_num_seqs = max_batch_size
         self.path = resolve_model(model)
+        template = read_chat_template_file(chat_template) if chat_template is not None else None
+        if tokenizer is not None and not Path(tokenizer).exists():
+            raise CheckpointError(f"tokenizer '{tokenizer}' does not exist (give a folder holding tokenizer.json, "
+                                  "or a tokenizer.json file)")
         self.engine_config = EngineConfig(max_num_seqs=max_num_seqs, max_waiting=max_waiting, device=device,
                                           dtype=dtype, enforce_eager=enforce_eager,
                                           enable_prefix_caching=enable_prefix_caching)
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
         self.model = load_any(self.path, device=self.device, dtype=self.dtype, trust_remote_code=trust_remote_code)
-        self.tokenizer = load_tokenizer(self.path, self.model)
+        self.tokenizer = load_tokenizer(self.path if tokenizer is None else tokenizer, self.model)
+        if tokenizer is not None and self.tokenizer.vocab_size > self.model.config.vocab_size:
+            raise CheckpointError(f"tokenizer '{tokenizer}' has {self.tokenizer.vocab_size} tokens, more than the "
+                                  f"model's vocabulary of {self.model.config.vocab_size}")
+        if template is not None:
+            self.tokenizer.chat_template = template
         gen_path = self.path / "generation_config.json"
         self.generation_config: dict = json.loads(gen_path.read_text()) if gen_path.is_file() else {}
         contract = contract_of(self.model)
@@ -141,7 +158,7 @@ class LLM:
         """
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         check_prompts([ids])
-        suffix_ids = self.tokenizer.encode(suffix) if suffix else []
+        suffix_ids = self.tokenizer.encode(suffix, add_special_tokens=False) if suffix else []  # continues the text
         check_fits_context(len(ids), len(suffix_ids), params.max_tokens, self.context_length, what)
         return ids, suffix_ids
 

@@ -110,13 +110,24 @@ def bpe(word: str, ranks: dict[tuple[str, str], int]) -> list[str]:
     return parts
 
 
+_TABLES: dict[int, tuple] = {}
+
+
+def _tables(fields: dict) -> tuple[dict, dict, list[str]]:
+    """Vocabulary, merge ranks and control / user-defined tokens (longest first) of ``fields``, built once."""
+    tokens = fields["tokenizer.ggml.tokens"]
+    if id(tokens) not in _TABLES:
+        vocab = {t: i for i, t in enumerate(tokens)}
+        ranks = {tuple(m.split(" ", 1)): r for r, m in enumerate(fields["tokenizer.ggml.merges"])}
+        types = fields["tokenizer.ggml.token_type"]
+        specials = sorted((t for t, k in zip(tokens, types, strict=True) if k in (3, 4)), key=len, reverse=True)
+        _TABLES[id(tokens)] = (tokens, vocab, ranks, specials)
+    return _TABLES[id(tokens)][1:]
+
+
 def reference_ids(text: str, fields: dict, pre: str) -> list[int]:
     """llama.cpp's ids for ``text`` (special tokens parsed, none added), by the slow route above."""
-    tokens = fields["tokenizer.ggml.tokens"]
-    vocab = {t: i for i, t in enumerate(tokens)}
-    ranks = {tuple(m.split(" ", 1)): r for r, m in enumerate(fields["tokenizer.ggml.merges"])}
-    specials = sorted((t for t, k in zip(tokens, fields["tokenizer.ggml.token_type"], strict=True) if k in (3, 4)),
-                      key=len, reverse=True)
+    vocab, ranks, specials = _tables(fields)
     fragments = regex.split("(" + "|".join(map(regex.escape, specials)) + ")", text) if specials else [text]
     ids: list[int] = []
     for fragment in fragments:
