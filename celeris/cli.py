@@ -63,12 +63,41 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trust-remote-code", action="store_true",
                    help="allow a checkpoint of an unknown format to run its own modeling code")
     _max_model_len_arg(p)
+    _tokenizer_args(p)
 
 
 def _max_model_len_arg(p: argparse.ArgumentParser) -> None:
     """--max-model-len: on every command that loads a model (vLLM's flag)."""
     p.add_argument("--max-model-len", type=int, help="most tokens (prompt + answer) one request may hold; sizes "
                    "the KV store (default: the model's context window, at most 4096 on a CPU)")
+
+
+def _tokenizer_args(p: argparse.ArgumentParser) -> None:
+    """``--tokenizer`` and ``--chat-template`` (vLLM's flags): what replaces the checkpoint's tokenizer files."""
+    p.add_argument("--tokenizer", metavar="PATH", help="a folder holding tokenizer.json (with its "
+                   "tokenizer_config.json), or a tokenizer.json file, replacing the checkpoint's tokenizer")
+    p.add_argument("--chat-template", metavar="FILE", help="a Jinja chat template file replacing the one the "
+                   "tokenizer ships")
+
+
+def _tokenizer_overrides(args: argparse.Namespace) -> dict[str, str | None]:
+    """``tokenizer`` and ``chat_template`` for ``LLM``, checked before any model loads (a missing file is one
+    line), as absolute paths (Ray workers may not share the working directory).
+
+    Raises:
+        CheckpointError: ``--tokenizer`` does not exist. ValueError: ``--chat-template`` is missing or not Jinja.
+    """
+    from celeris.tokenizer import read_chat_template_file
+
+    tokenizer, template = getattr(args, "tokenizer", None), getattr(args, "chat_template", None)
+    if tokenizer is not None and not Path(tokenizer).exists():
+        raise CheckpointError(f"--tokenizer '{tokenizer}' does not exist (give a folder holding tokenizer.json, or "
+                              "a tokenizer.json file)")
+    if template is not None:
+        read_chat_template_file(template)
+    absolute = {k: str(Path(v).resolve()) if v is not None and Path(v).exists() else v
+                for k, v in (("tokenizer", tokenizer), ("chat_template", template))}
+    return absolute
 
 
 def _sampling_args(p: argparse.ArgumentParser) -> None:
@@ -146,6 +175,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="dllm-fast: ceil(length / K) denoising steps instead of the model's steps")
     b.add_argument("--fast-suffix-window", type=int,
                    help="dllm-fast: passes see only W masked columns past the block (default: the model's)")
+    _tokenizer_args(b)
     b.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
                    help="weights of the diffusion model and the twin (default: bfloat16 on CUDA, float32 on CPU)")
     _max_model_len_arg(b)
@@ -209,8 +239,9 @@ def _load(args: argparse.Namespace):
     except json.JSONDecodeError as exc:
         raise CheckpointError(f"{gen_path} is not valid JSON: {exc}") from None
     _params(defaults, args)  # validate before the (slower) model load
+    overrides = _tokenizer_overrides(args)
     llm = LLM(args.model, device=args.device, dtype=args.dtype, enforce_eager=not args.compile,
-              trust_remote_code=args.trust_remote_code, max_model_len=args.max_model_len)
+              trust_remote_code=args.trust_remote_code, max_model_len=args.max_model_len, **overrides)
     return llm, _params(llm.generation_config, args, llm)  # the defaults as the loaded model reads them
 
 
@@ -296,6 +327,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 def cmd_eval(args: argparse.Namespace) -> int:
     from celeris.bench.quality import evaluate_humaneval, load_humaneval
 
+    _tokenizer_overrides(args)  # a missing file is named before the data loads
     problems = load_humaneval(args.data)[: args.limit]
     llm, params = _load(args)
     report = evaluate_humaneval(llm, params, problems)
@@ -328,6 +360,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from celeris.bench.run import BenchConfig, format_table, run_bench
 
     ar_model = bench_ar_model(args.model, args.ar_model)
+    overrides = _tokenizer_overrides(args)
 
     def integers(flag: str, text: str) -> list[int]:
         try:
@@ -340,7 +373,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
                           batch_sizes=integers("batch-sizes", args.batch_sizes), num_prompts=args.num_prompts,
                           warmup=args.warmup, prompts=args.prompts, out_dir=args.out, smollm2=not args.no_smollm2,
                           fast_tokens_per_step=args.fast_tokens_per_step, fast_suffix_window=args.fast_suffix_window,
-                          dtype=args.dtype, max_model_len=args.max_model_len)
+                          dtype=args.dtype, max_model_len=args.max_model_len, **overrides)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
     try:
@@ -407,6 +440,7 @@ def _batch_parser(sub) -> None:
     r.add_argument("--device", help="cpu, cuda, ... (default: cuda when available)")
     r.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
                    help="weight dtype (default: bfloat16 on CUDA, float32 on CPU)")
+    _tokenizer_args(r)
     r.add_argument("--max-num-seqs", type=int, default=8, help="requests denoised together per engine")
     _max_model_len_arg(r)
     r.add_argument("--concurrency", type=int, help="requests in flight (local backend; default 2 x --max-num-seqs)")
@@ -462,6 +496,7 @@ def _batch_run(args: argparse.Namespace) -> int:
         args.model = str(check_model(args.model))
     if args.max_num_seqs < 1:
         raise UsageError(f"--max-num-seqs must be >= 1, got {args.max_num_seqs}")
+    overrides = _tokenizer_overrides(args)
 
     def log(message: str) -> None:
         print(f"celeris batch: {message}", file=sys.stderr)
@@ -475,7 +510,7 @@ def _batch_run(args: argparse.Namespace) -> int:
             max_num_seqs=args.max_num_seqs, device=args.device, request_timeout=args.request_timeout,
             served_model_name=args.served_model_name, ray_address=args.ray_address,
             ray_num_cpus=max(2, args.num_workers), progress=not args.no_progress, log=log, dtype=args.dtype,
-            max_model_len=args.max_model_len,
+            max_model_len=args.max_model_len, **overrides,
         )
     else:
         from celeris.serve.serving import OpenAIServing
@@ -486,7 +521,7 @@ def _batch_run(args: argparse.Namespace) -> int:
             return OpenAIServing.from_model(args.model, device=args.device, max_num_seqs=args.max_num_seqs,
                                             max_waiting=max(64, window), request_timeout=args.request_timeout,
                                             served_model_name=args.served_model_name, dtype=args.dtype,
-                                            max_model_len=args.max_model_len)
+                                            max_model_len=args.max_model_len, **overrides)
 
         result = run_batch(args.input, args.output, make_serving, retry_failed=args.retry_failed,
                            rerun_changed=args.rerun_changed, window=window, progress=not args.no_progress, log=log)
@@ -578,6 +613,7 @@ def _serve_on_ray(args: argparse.Namespace) -> int:
         raise UsageError(f"serving on Ray needs Ray Serve ({exc}): pip install -e '.[ray]'") from None
     try:
         options = ServeArgs(
+            **_tokenizer_overrides(args),
             model=args.model, served_model_name=args.served_model_name, device=args.device, dtype=args.dtype,
             enforce_eager=not args.compile, trust_remote_code=args.trust_remote_code, max_num_seqs=args.max_num_seqs,
             enable_prefix_caching=args.enable_prefix_caching, max_model_len=args.max_model_len,
@@ -619,6 +655,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         what = "empty" if not args.api_key.strip() else "has leading or trailing whitespace"
         raise UsageError(f"--api-key (or $CELERIS_API_KEY) {what}; give a non-empty key without surrounding spaces, "
                          "or none to turn authentication off")
+    overrides = _tokenizer_overrides(args)
     if any(getattr(args, name) is not None for name in RAY_SERVE_FLAGS):
         return _serve_on_ray(args)
     try:
@@ -632,7 +669,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                       served_model_name=args.served_model_name, device=args.device, log_level=args.log_level,
                       limits=limits, also_serve=args.also_serve, dtype=args.dtype, enforce_eager=not args.compile,
                       trust_remote_code=args.trust_remote_code, enable_prefix_caching=args.enable_prefix_caching,
-                      max_model_len=args.max_model_len)
+                      max_model_len=args.max_model_len, **overrides)
 
 
 COMMANDS = {"generate": cmd_generate, "chat": cmd_chat, "train": cmd_train, "data": cmd_data, "eval": cmd_eval,

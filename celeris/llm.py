@@ -22,6 +22,7 @@ from celeris.sampling.block import contract_of
 from celeris.sampling.step import check_fits_context, check_prompts
 from celeris.serve.detokenize import cut_at_stop
 from celeris.structured.grammar import grammar_tokenizer, stops_apply
+from celeris.tokenizer import read_chat_template_file
 
 EMBEDDED = CATALOG_EMBEDDED
 DEFAULT_MODEL = EMBEDDED / "celeris-code-6m-hybrid"  # the hybrid (verified decoding); see its model card
@@ -116,6 +117,11 @@ class LLM:
         dtype: "float32", "bfloat16" or "float16"; None: bfloat16 on CUDA, float32 on CPU.
         enforce_eager: False compiles the model with ``torch.compile`` (see EngineConfig).
         enable_prefix_caching: False turns off verified decoding's prefix cache (see EngineConfig).
+        tokenizer: a folder holding tokenizer.json, or a tokenizer.json file, replacing the checkpoint's tokenizer
+            (vLLM's ``tokenizer``); its tokenizer_config.json (special tokens, chat template) comes with it, and
+            the model config's special ids fill what it leaves out. None: the checkpoint's.
+        chat_template: a Jinja file (or a one-line template) replacing the tokenizer's chat template
+            (``celeris.tokenizer.read_chat_template_file``). None: the tokenizer's.
         max_waiting: requests queued beyond the running ones before ``add_request`` raises QueueFullError (the
             server's 429; ``OpenAIServing.from_model`` sets it); offline use needs no limit.
         max_model_len: most tokens (prompt + answer) a request may hold (vLLM's name): requests beyond get the
@@ -123,8 +129,9 @@ class LLM:
             ``celeris.config.CPU_MAX_MODEL_LEN`` (4,096) on a CPU. ``context_length`` is the value in force.
 
     Raises:
-        CheckpointError: the folder is missing, incomplete or inconsistent.
-        ValueError: ``max_model_len`` exceeds the model's context window, or another setting is out of range.
+        CheckpointError: the folder is missing, incomplete or inconsistent, or ``tokenizer`` does not exist.
+        ValueError: ``max_model_len`` exceeds the model's context window, another setting is out of range, or
+            a ``chat_template`` file that does not exist or does not parse.
     """
 
     def __init__(
@@ -132,11 +139,16 @@ class LLM:
         trust_remote_code: bool = False, dtype: str | None = None, enforce_eager: bool = True,
         max_waiting: int = 1 << 30, max_batch_size: int | None = None, enable_prefix_caching: bool = True,
         max_model_len: int | None = None,
+        tokenizer: str | Path | None = None, chat_template: str | Path | None = None,
     ) -> None:
         if max_batch_size is not None:
             warnings.warn("LLM(max_batch_size=...) is deprecated; use max_num_seqs", DeprecationWarning, stacklevel=2)
             max_num_seqs = max_batch_size
         self.path = resolve_model(model)
+        template = read_chat_template_file(chat_template) if chat_template is not None else None
+        if tokenizer is not None and not Path(tokenizer).exists():
+            raise CheckpointError(f"tokenizer '{tokenizer}' does not exist (give a folder holding tokenizer.json, "
+                                  "or a tokenizer.json file)")
         self.name = model_name(model)  # the served name by default
         tensors, self._gguf = None, None
         gguf_file = find_gguf(self.path)
@@ -156,7 +168,12 @@ class LLM:
             self._gguf.tensors = tensors = None  # the model holds the weights now (in memory: its temporary folder stays)
         self.engine_config.max_model_len = resolve_max_model_len(
             max_model_len, self.model.config.max_position_embeddings, self.device)
-        self.tokenizer = load_tokenizer(self.path, self.model)
+        self.tokenizer = load_tokenizer(self.path if tokenizer is None else tokenizer, self.model)
+        if tokenizer is not None and self.tokenizer.vocab_size > self.model.config.vocab_size:
+            raise CheckpointError(f"tokenizer '{tokenizer}' has {self.tokenizer.vocab_size} tokens, more than the "
+                                  f"model's vocabulary of {self.model.config.vocab_size}")
+        if template is not None:
+            self.tokenizer.chat_template = template
         gen_path = self.path / "generation_config.json"
         self.generation_config: dict = json.loads(gen_path.read_text()) if gen_path.is_file() else {}
         contract = contract_of(self.model)
@@ -199,7 +216,7 @@ class LLM:
         """
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         check_prompts([ids])
-        suffix_ids = self.tokenizer.encode(suffix) if suffix else []
+        suffix_ids = self.tokenizer.encode(suffix, add_special_tokens=False) if suffix else []  # continues the text
         check_fits_context(len(ids), len(suffix_ids), params.max_tokens, self.context_length, what)
         return ids, suffix_ids
 

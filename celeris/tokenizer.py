@@ -123,6 +123,46 @@ def read_chat_template(folder: Path, cfg: dict) -> str | None:
     return template if isinstance(template, str) else None
 
 
+def chat_environment():  # noqa: ANN201 - a jinja2 sandbox, imported lazily
+    """The Jinja environment chat templates render in: Hugging Face's settings, which published templates are
+    written for (sandboxed, strict undefined, trim_blocks, lstrip_blocks, loop controls)."""
+    import jinja2
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    return ImmutableSandboxedEnvironment(
+        undefined=jinja2.StrictUndefined, keep_trailing_newline=True, trim_blocks=True, lstrip_blocks=True,
+        extensions=["jinja2.ext.loopcontrols"],
+    )
+
+
+def read_chat_template_file(source: str | Path) -> str:
+    """A chat template to replace the one a checkpoint ships (``--chat-template``, as vLLM's): the text of the
+    Jinja file ``source``, or ``source`` itself when it is no file and reads as a one-line template (holds
+    ``{{`` or ``{%``).
+
+    Raises:
+        ValueError: no such file (or one that is not UTF-8 text), or a template Jinja cannot parse (its line).
+    """
+    path = Path(source)
+    if path.is_file():
+        try:
+            template = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ValueError(f"chat template file '{source}' could not be read: {exc}") from None
+    elif "{{" in str(source) or "{%" in str(source):
+        template = str(source)
+    else:
+        raise ValueError(f"chat template file '{source}' does not exist")
+    import jinja2
+
+    try:
+        chat_environment().parse(template)
+    except jinja2.TemplateSyntaxError as exc:
+        raise ValueError(f"chat template '{source}' is not a valid Jinja template (line {exc.lineno}: "
+                         f"{exc.message})") from None
+    return template
+
+
 class Tokenizer:
     """Byte-level BPE tokenizer of a checkpoint folder (or of a ``tokenizer.json`` file, with the
     ``tokenizer_config.json`` and ``chat_template.jinja`` beside it).
@@ -301,15 +341,7 @@ class Tokenizer:
             TypeError: a ``template_kwargs`` key that is one of the template's own variables."""
         if not self.chat_template:
             return "\n".join(m["content"] for m in messages) + "\n"
-        import jinja2
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-        # The settings Hugging Face renders chat templates with, which published templates are written for.
-        env = ImmutableSandboxedEnvironment(
-            undefined=jinja2.StrictUndefined, keep_trailing_newline=True, trim_blocks=True, lstrip_blocks=True,
-            extensions=["jinja2.ext.loopcontrols"],
-        )
-        return env.from_string(self.chat_template).render(
+        return chat_environment().from_string(self.chat_template).render(
             messages=messages, add_generation_prompt=add_generation_prompt, tools=tools, documents=None,
             **self.special_tokens, **template_kwargs,
         )

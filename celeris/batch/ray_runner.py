@@ -50,7 +50,8 @@ class ServingActor:
     """
 
     def __init__(self, model: str | None, max_num_seqs: int, device: str | None, request_timeout: float,
-                 served_model_name: str | None, dtype: str | None = None, max_model_len: int | None = None) -> None:
+                 served_model_name: str | None, dtype: str | None = None, max_model_len: int | None = None,
+                 tokenizer: str | None = None, chat_template: str | None = None) -> None:
         import torch
 
         from celeris.serve.serving import OpenAIServing
@@ -59,7 +60,8 @@ class ServingActor:
         self.serving = OpenAIServing.from_model(model, device=device, max_num_seqs=max_num_seqs,
                                                 max_waiting=max(64, 4 * max_num_seqs),
                                                 request_timeout=request_timeout, served_model_name=served_model_name,
-                                                dtype=dtype, max_model_len=max_model_len)
+                                                dtype=dtype, max_model_len=max_model_len, tokenizer=tokenizer,
+                                                chat_template=chat_template)
         self.serving.start()
         self.loop = asyncio.new_event_loop()
         threading.Thread(target=self.loop.run_forever, name="batch-actor-loop", daemon=True).start()
@@ -124,8 +126,11 @@ def run_batch_ray(
     log: Callable[[str], None] | None = None,
     dtype: str | None = None,
     max_model_len: int | None = None,
+    tokenizer: str | None = None,
+    chat_template: str | None = None,
 ) -> dict:
-    """Run (or resume) a batch job on Ray; same files, records and summary as ``jobs.run_batch``."""
+    """Run (or resume) a batch job on Ray; same files, records and summary as ``jobs.run_batch``
+    (``tokenizer`` / ``chat_template``: absolute paths, as each actor's LLM takes them)."""
     try:
         import ray
         import ray.data
@@ -171,7 +176,8 @@ def run_batch_ray(
                     fn_constructor_kwargs={"model": model_path, "max_num_seqs": max_num_seqs, "device": device,
                                            "request_timeout": request_timeout,
                                            "served_model_name": served_model_name, "dtype": dtype,
-                                           "max_model_len": max_model_len},
+                                           "max_model_len": max_model_len, "tokenizer": tokenizer,
+                                           "chat_template": chat_template},
                     batch_size=max_num_seqs,
                     batch_format="numpy",
                     num_cpus=1,

@@ -25,6 +25,7 @@ and fall back to byte tokens).
 from __future__ import annotations
 
 import json
+import numbers
 import warnings
 from collections.abc import Mapping
 from pathlib import Path
@@ -119,11 +120,17 @@ def pre_type(fields: Mapping[str, Any]) -> str:
     return PRE_TYPES[name]
 
 
+def _listed(fields: Mapping[str, Any], key: str) -> list:
+    """The array ``fields[key]`` as a list (a list or a numpy array may be given); [] when absent."""
+    value = fields.get(key)
+    return [] if value is None else list(value)
+
+
 def _tokens(fields: Mapping[str, Any]) -> list[str]:
     """``tokenizer.ggml.tokens`` checked: present, not empty, no duplicates (empty strings renamed as llama.cpp)."""
     model = fields.get("tokenizer.ggml.model")
-    tokens = fields.get("tokenizer.ggml.tokens")
-    if model is None or not tokens:
+    tokens = _listed(fields, "tokenizer.ggml.tokens")
+    if not model or not tokens:
         missing = [k for k, v in (("tokenizer.ggml.model", model), ("tokenizer.ggml.tokens", tokens)) if not v]
         raise GGUFTokenizerError(f"GGUF metadata has no tokenizer ({' and '.join(missing)} missing); pass "
                                  "--tokenizer PATH with the model's tokenizer.json")
@@ -144,7 +151,7 @@ def _tokens(fields: Mapping[str, Any]) -> list[str]:
 def _merges(fields: Mapping[str, Any], vocab: Mapping[str, int]) -> list[tuple[str, str]]:
     """``tokenizer.ggml.merges`` as pairs in rank order, split at the first space after the first character (as
     llama.cpp does); merges whose parts or result the vocabulary lacks are left out."""
-    merges = fields.get("tokenizer.ggml.merges")
+    merges = _listed(fields, "tokenizer.ggml.merges")
     if not merges:
         raise GGUFTokenizerError("GGUF metadata has tokenizer.ggml.tokens but no tokenizer.ggml.merges, which a "
                                  "'gpt2' (BPE) tokenizer needs")
@@ -184,7 +191,7 @@ def tokenizer_from_gguf(fields: Mapping[str, Any]) -> Tokenizer:
         [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in PRE_TYPE_REGEXES[kind]]
         + [pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False)])
     tok.decoder = decoders.ByteLevel()
-    types = list(fields.get("tokenizer.ggml.token_type") or [])
+    types = [int(t) for t in _listed(fields, "tokenizer.ggml.token_type")]  # ints, or numpy's
     if types and len(types) < len(tokens):
         raise GGUFTokenizerError(f"tokenizer.ggml.token_type has {len(types)} entries for {len(tokens)} tokens")
     added = [AddedToken(tokens[i], special=t in (CONTROL, UNKNOWN), normalized=False)
@@ -195,11 +202,12 @@ def tokenizer_from_gguf(fields: Mapping[str, Any]) -> Tokenizer:
 
 def _special_tokens(fields: Mapping[str, Any]) -> dict[str, str]:
     """``{"bos_token": "<|im_start|>", ...}`` for each special-token id of the metadata inside the vocabulary."""
-    tokens = fields.get("tokenizer.ggml.tokens") or []
+    tokens = _listed(fields, "tokenizer.ggml.tokens")
     named = {}
     for name, key in SPECIAL_ID_KEYS.items():
         idx = fields.get(key)
-        if isinstance(idx, int) and not isinstance(idx, bool):
+        if isinstance(idx, numbers.Integral) and not isinstance(idx, bool):  # an int or a numpy integer
+            idx = int(idx)
             if 0 <= idx < len(tokens):
                 named[name] = tokens[idx]
             else:

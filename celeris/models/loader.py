@@ -451,9 +451,14 @@ def load_any(
 
 
 def load_tokenizer(path: str | Path, model: nn.Module | None = None) -> Tokenizer:
-    """The folder's tokenizer; special tokens its tokenizer_config.json leaves out take the model config's ids."""
+    """The tokenizer of a folder (its tokenizer.json) or of a tokenizer.json file (with the tokenizer_config.json
+    beside it); special tokens its tokenizer_config.json leaves out take the model config's ids.
+
+    Raises:
+        CheckpointError: no such file, or one ``tokenizers`` cannot read.
+    """
     folder = Path(path)
-    if not (folder / "tokenizer.json").is_file():
+    if not folder.is_file() and not (folder / "tokenizer.json").is_file():
         raise CheckpointError(f"checkpoint folder '{folder}' has no tokenizer.json")
     ids = None
     if model is not None:
@@ -462,7 +467,8 @@ def load_tokenizer(path: str | Path, model: nn.Module | None = None) -> Tokenize
     try:
         return Tokenizer(folder, special_ids=ids)
     except Exception as exc:  # tokenizers raises plain Exception subclasses on corrupt files
-        raise CheckpointError(f"{folder / 'tokenizer.json'} could not be read: {exc}") from exc
+        where = folder if folder.is_file() else folder / "tokenizer.json"
+        raise CheckpointError(f"{where} could not be read: {exc}") from exc
 
 
 def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype | None = None) -> nn.Module:

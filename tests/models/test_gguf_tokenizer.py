@@ -110,13 +110,24 @@ def bpe(word: str, ranks: dict[tuple[str, str], int]) -> list[str]:
     return parts
 
 
+_TABLES: dict[int, tuple] = {}
+
+
+def _tables(fields: dict) -> tuple[dict, dict, list[str]]:
+    """Vocabulary, merge ranks and control / user-defined tokens (longest first) of ``fields``, built once."""
+    tokens = fields["tokenizer.ggml.tokens"]
+    if id(tokens) not in _TABLES:
+        vocab = {t: i for i, t in enumerate(tokens)}
+        ranks = {tuple(m.split(" ", 1)): r for r, m in enumerate(fields["tokenizer.ggml.merges"])}
+        types = fields["tokenizer.ggml.token_type"]
+        specials = sorted((t for t, k in zip(tokens, types, strict=True) if k in (3, 4)), key=len, reverse=True)
+        _TABLES[id(tokens)] = (tokens, vocab, ranks, specials)
+    return _TABLES[id(tokens)][1:]
+
+
 def reference_ids(text: str, fields: dict, pre: str) -> list[int]:
     """llama.cpp's ids for ``text`` (special tokens parsed, none added), by the slow route above."""
-    tokens = fields["tokenizer.ggml.tokens"]
-    vocab = {t: i for i, t in enumerate(tokens)}
-    ranks = {tuple(m.split(" ", 1)): r for r, m in enumerate(fields["tokenizer.ggml.merges"])}
-    specials = sorted((t for t, k in zip(tokens, fields["tokenizer.ggml.token_type"], strict=True) if k in (3, 4)),
-                      key=len, reverse=True)
+    vocab, ranks, specials = _tables(fields)
     fragments = regex.split("(" + "|".join(map(regex.escape, specials)) + ")", text) if specials else [text]
     ids: list[int] = []
     for fragment in fragments:
@@ -254,7 +265,10 @@ def test_celeris_tokenizer_loads_the_written_folder(tiny, tmp_path):
     assert json.loads((tmp_path / "tokenizer_config.json").read_text())["add_bos_token"] is True
     tok = Tokenizer(tmp_path, special_ids={"mask": 0})
     assert (tok.eos_token_id, tok.pad_token_id, tok.bos_token_id, tok.add_bos_token) == (2, 0, 1, True)
-    plain = tokenizer_from_gguf(tiny).encode("hello 12").ids
+    memory = tokenizer_from_gguf(tiny)
+    for text in TEXTS:  # the saved tokenizer.json splits as the one in memory
+        assert tok.encode(text, add_special_tokens=False) == memory.encode(text).ids, text
+    plain = memory.encode("hello 12").ids
     assert tok.encode("hello 12") == [1, *plain]  # add_bos_token honoured, once
     assert tok.encode("<|im_start|>hello 12") == [1, *plain]  # not twice when the text starts with it
     chat = tok.encode_chat([{"role": "user", "content": "hi"}])
@@ -302,3 +316,13 @@ def test_smollm2_code_is_twelve_tokens_as_in_llama_cpp(smollm2):
     assert (config["bos_token"], config["eos_token"], config["pad_token"]) == ("<|im_start|>", "<|im_end|>",
                                                                              "<|im_end|>")
     assert config["add_bos_token"] is False and "SmolLM" in config["chat_template"]
+
+
+def test_numpy_values_as_a_reader_gives_them(tiny):
+    import numpy as np
+
+    arrays = {**tiny, "tokenizer.ggml.tokens": np.array(tiny["tokenizer.ggml.tokens"]),
+              "tokenizer.ggml.token_type": np.array(tiny["tokenizer.ggml.token_type"], dtype=np.int32),
+              "tokenizer.ggml.eos_token_id": np.uint32(2), "tokenizer.ggml.add_bos_token": np.bool_(False)}
+    assert tokenizer_from_gguf(arrays).encode(TEXTS[16]).ids == tokenizer_from_gguf(tiny).encode(TEXTS[16]).ids
+    assert tokenizer_config_from_gguf(arrays) == tokenizer_config_from_gguf(tiny)
