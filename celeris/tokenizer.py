@@ -15,7 +15,7 @@ from pathlib import Path
 
 from tokenizers import Tokenizer as HFTokenizer
 
-from celeris.chat_template import check_template_kwargs, render_chat_template
+from celeris.chat_template import check_template_kwargs, compile_chat_template, render_chat_template
 
 # The special tokens the engine needs, with the names Celeris checkpoints give them. A
 # published folder may name them differently (tokenizer_config.json) or leave a name
@@ -126,8 +126,37 @@ def read_chat_template(folder: Path, cfg: dict) -> str | None:
     return template if isinstance(template, str) else None
 
 
+def read_chat_template_file(source: str | Path) -> str:
+    """A chat template to replace the one a checkpoint ships (``--chat-template``, as vLLM's): the text of the
+    Jinja file ``source``, or ``source`` itself when it is no file and reads as a one-line template (holds
+    ``{{`` or ``{%``).
+
+    Raises:
+        ValueError: no such file (or one that is not UTF-8 text), or a template Jinja cannot parse (its line).
+    """
+    path = Path(source)
+    if path.is_file():
+        try:
+            template = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ValueError(f"chat template file '{source}' could not be read: {exc}") from None
+    elif "{{" in str(source) or "{%" in str(source):
+        template = str(source)
+    else:
+        raise ValueError(f"chat template file '{source}' does not exist")
+    import jinja2
+
+    try:
+        compile_chat_template(template)  # the environment it will render in (celeris.chat_template)
+    except jinja2.TemplateSyntaxError as exc:
+        raise ValueError(f"chat template '{source}' is not a valid Jinja template (line {exc.lineno}: "
+                         f"{exc.message})") from None
+    return template
+
+
 class Tokenizer:
-    """Byte-level BPE tokenizer of a checkpoint folder.
+    """Byte-level BPE tokenizer of a checkpoint folder (or of a ``tokenizer.json`` file, with the
+    ``tokenizer_config.json`` and ``chat_template.jinja`` beside it).
 
     Attributes:
         eos_token_id / mask_token_id / pad_token_id: special ids read from the
@@ -137,13 +166,21 @@ class Tokenizer:
             missing pad falls back to the end-of-text id (LLaDA and Dream pad
             with it).
         chat_template: Jinja template string, or None.
+        bos_token_id: the id of tokenizer_config.json's ``bos_token``, or None.
+        add_bos_token / add_eos_token: tokenizer_config.json's flags (default False): ``encode`` starts the
+            text with the beginning-of-text id and ends it with the end-of-text id, and ``encode_chat`` starts
+            with the beginning-of-text id, each once (not again where the text or template already writes it),
+            as llama.cpp's ``add_special`` (a GGUF's ``tokenizer.ggml.add_bos_token``). What a ``tokenizer.json``
+            post-processor adds (Hugging Face's way) goes around a plain ``encode`` once, and not around a chat
+            prompt, whose template writes its own tokens (as ``apply_chat_template`` tokenizes).
         special_tokens: special-token strings of tokenizer_config.json
             (``bos_token``, ``eos_token``, ...), passed to the chat template.
     """
 
     def __init__(self, folder: str | Path, special_ids: dict[str, int] | None = None) -> None:
-        folder = Path(folder)
-        self._tok = HFTokenizer.from_file(str(folder / "tokenizer.json"))
+        path = Path(folder)
+        folder = path.parent if path.is_file() else path
+        self._tok = HFTokenizer.from_file(str(path if path.is_file() else folder / "tokenizer.json"))
         cfg = read_json(folder / "tokenizer_config.json")
         self.chat_template: str | None = read_chat_template(folder, cfg)
         keys = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
@@ -153,6 +190,12 @@ class Tokenizer:
         self.mask_token_id = self._special_id("mask", fallback)
         self.pad_token_id = self._special_id("pad", fallback, last_resort=self.eos_token_id)
         self.vocab_size = self._tok.get_vocab_size()
+        bos = self.special_tokens.get("bos_token")
+        self.bos_token_id: int | None = self._tok.token_to_id(bos) if bos is not None else None
+        self.add_bos_token = cfg.get("add_bos_token") is True and self.bos_token_id is not None
+        self.add_eos_token = cfg.get("add_eos_token") is True
+        # what the post-processor adds to a plain text (once per text, never per piece nor to a chat prompt)
+        self._prefix_ids, self._suffix_ids = self._post_processor_ids()
         # A second instance that encodes special-token strings as plain text (so the shared one is never toggled).
         self._text_tok = HFTokenizer.from_str(self._tok.to_str())
         self._text_tok.encode_special_tokens = True
@@ -210,22 +253,46 @@ class Tokenizer:
     def encode(self, text: str, as_text: Iterable[str] | None = None, add_special_tokens: bool = True) -> list[int]:
         """Text -> token ids. Special tokens written in ``text`` keep their ids (a hand-written chat prompt
         works, as in vLLM), except the strings in ``as_text`` (default: ``reserved_tokens``, the mask and pad
-        tokens), which are encoded as the plain text they are: user text never becomes a reserved id.
-        ``add_special_tokens``: let tokenizer.json's post-processor add its tokens (e.g. a BOS id); a rendered
-        chat template is encoded without them, as transformers' ``apply_chat_template`` does (the template writes
-        its own)."""
+        tokens), which are encoded as the plain text they are: user text never becomes a reserved id. With
+        ``add_special_tokens`` the ids start with the beginning-of-text id where ``add_bos_token`` says so and
+        end with the end-of-text id where ``add_eos_token`` does (False for text that continues other text,
+        such as a fill-in suffix)."""
+        ids = self._encode_text(text, as_text)
+        if add_special_tokens:
+            ids = self._with_bos([*self._prefix_ids, *ids, *self._suffix_ids])
+            if self.add_eos_token and ids[-1:] != [self.eos_token_id]:
+                ids = [*ids, self.eos_token_id]
+        return ids
+
+    def _with_bos(self, ids: list[int]) -> list[int]:
+        """``ids`` starting with the beginning-of-text id where ``add_bos_token`` asks for it (once)."""
+        if self.add_bos_token and ids[:1] != [self.bos_token_id]:
+            return [self.bos_token_id, *ids]
+        return ids
+
+    def _encode_text(self, text: str, as_text: Iterable[str] | None) -> list[int]:
+        """``encode`` without the added tokens (neither ``add_bos_token``'s nor the post-processor's)."""
         literal = [t for t in (self.reserved_tokens if as_text is None else as_text) if t]
         if not literal or not any(t in text for t in literal):
-            return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+            return self._tok.encode(text, add_special_tokens=False).ids
         pattern = "(" + "|".join(re.escape(t) for t in sorted(literal, key=len, reverse=True)) + ")"
         ids: list[int] = []
         for i, piece in enumerate(re.split(pattern, text)):  # odd pieces are the literal strings
             if piece:
-                ids += (self._text_tok if i % 2 else self._tok).encode(piece, add_special_tokens=add_special_tokens).ids
+                ids += (self._text_tok if i % 2 else self._tok).encode(piece, add_special_tokens=False).ids
         return ids
 
-    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None,
-                    **template_kwargs: object) -> list[int]:
+    def _post_processor_ids(self) -> tuple[list[int], list[int]]:
+        """The ids ``tokenizer.json``'s post-processor puts before and after one text (Llama 3's
+        ``<|begin_of_text|>``), found by encoding a probe with and without them; ([], []) without one."""
+        plain, full = (self._tok.encode("a", add_special_tokens=flag).ids for flag in (False, True))
+        for k in range(len(full) - len(plain) + 1):
+            if full[k:k + len(plain)] == plain:
+                return full[:k], full[k + len(plain):]
+        return [], []
+
+    def encode_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True,
+                    tools: list[dict] | None = None, **template_kwargs: object) -> list[int]:
         """Render ``messages`` with the chat template and encode the result; the special tokens the template
         writes (role markers, end-of-turn) keep their ids, while every special-token string that comes from the
         caller is encoded as plain text, whatever field carries it: message contents, names and tool calls (names,
@@ -249,8 +316,8 @@ class Tokenizer:
             if piece in back:
                 ids += self._text_tok.encode(back[piece], add_special_tokens=False).ids
             elif piece:
-                ids += self.encode(piece, add_special_tokens=False)
-        return ids
+                ids += self._encode_text(piece, None)
+        return self._with_bos(ids)
 
     def _sentinels(self, values: object) -> tuple[Callable[[object], object], dict[str, str]]:
         """(swap, back): ``swap(value)`` copies ``value`` (strings, lists, tuples and dicts, keys included) with

@@ -402,3 +402,70 @@ def test_a_long_prompt_without_max_tokens_gets_what_fits(capsys, tiny_checkpoint
     code, out, err = run_cli(capsys, "generate", prompt, "--model", str(tiny_checkpoint), "--device", "cpu", "--json")
     assert code == 0, err
     assert len(json.loads(out.strip().splitlines()[-1])["token_ids"]) <= room
+
+
+LOADING_COMMANDS = [c for c in MODEL_COMMANDS if c[0] != "train"]
+
+
+@pytest.mark.parametrize("command", LOADING_COMMANDS, ids=lambda c: " ".join(c[:2]))
+def test_every_command_that_loads_a_model_takes_tokenizer_and_chat_template(command):
+    from celeris.cli import build_parser
+
+    args = build_parser().parse_args([*command, "--tokenizer", "tok", "--chat-template", "t.jinja"])
+    assert (args.tokenizer, args.chat_template) == ("tok", "t.jinja")
+    assert build_parser().parse_args(command).tokenizer is None
+
+
+@pytest.mark.parametrize("command", LOADING_COMMANDS, ids=lambda c: " ".join(c[:2]))
+@pytest.mark.parametrize("flag, needle", [("--tokenizer", "--tokenizer '"), ("--chat-template", "chat template file '")])
+def test_missing_tokenizer_or_chat_template_exits_2(capsys, tiny_checkpoint, tmp_path, command, flag, needle):
+    (tmp_path / "in").write_text("")
+    argv = [*command[:1], *[str(tmp_path / a) if a in ("in", "out") else a for a in command[1:]]]
+    code, out, err = run_cli(capsys, *argv, "--model", str(tiny_checkpoint), flag, str(tmp_path / "nowhere"))
+    assert code == 2, err
+    assert len(err.splitlines()) == 1 and err.startswith("celeris: error:") and needle in err, err
+    assert "does not exist" in err and "Traceback" not in err + out
+
+
+def test_generate_and_chat_load_the_replacements(tiny_checkpoint, tmp_path):
+    from celeris.cli import _load, build_parser
+
+    shutil.copytree(tiny_checkpoint, tmp_path / "tok")
+    (tmp_path / "t.jinja").write_text("{% for m in messages %}{{ m['content'] }}!{% endfor %}")
+    args = build_parser().parse_args(["chat", "--model", str(tiny_checkpoint), "--device", "cpu", "--tokenizer",
+                                      str(tmp_path / "tok" / "tokenizer.json"), "--chat-template",
+                                      str(tmp_path / "t.jinja")])
+    llm, _ = _load(args)
+    assert llm.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}]) == "hi!"
+
+
+def test_serve_batch_and_bench_pass_the_replacements_on(capsys, tiny_checkpoint, tmp_path, monkeypatch):
+    """Each command hands absolute paths to what builds its LLMs (servers, batch workers, the bench)."""
+    import celeris.batch.jobs
+    import celeris.bench.run
+    import celeris.serve.app
+    import celeris.serve.serving
+
+    seen: dict[str, dict] = {}
+    (tmp_path / "t.jinja").write_text("{{ messages[0]['content'] }}")
+    (tmp_path / "in").write_text("")
+    monkeypatch.chdir(tmp_path)
+    flags = ["--model", str(tiny_checkpoint), "--tokenizer", str(tiny_checkpoint), "--chat-template", "t.jinja"]
+    monkeypatch.setattr(celeris.serve.app, "run_server", lambda model, **kw: seen.setdefault("serve", kw) and 0)
+    monkeypatch.setattr(celeris.serve.serving.OpenAIServing, "from_model",
+                        staticmethod(lambda model, **kw: seen.setdefault("batch", kw)))
+
+    def fake_batch(_input, _output, make_serving, **_kw):
+        make_serving()
+        return {"items": 0, "items_failed": 0, "items_failed_retryable": 0}
+
+    monkeypatch.setattr(celeris.batch.jobs, "run_batch", fake_batch)
+    monkeypatch.setattr(celeris.bench.run, "run_bench", lambda cfg: seen.setdefault("bench", {
+        "tokenizer": cfg.tokenizer, "chat_template": cfg.chat_template}) and {"notes": []})
+    monkeypatch.setattr(celeris.bench.run, "format_table", lambda results: "")
+    for argv in (["serve"], ["batch", "run", "in", "out"], ["bench", "--ar-model", "none"]):
+        code, _, err = run_cli(capsys, *argv, *flags)
+        assert code == 0, err
+    for name in ("serve", "batch", "bench"):
+        assert seen[name]["tokenizer"] == str(tiny_checkpoint.resolve()), name
+        assert seen[name]["chat_template"] == str(tmp_path.resolve() / "t.jinja"), name

@@ -292,3 +292,41 @@ def test_a_block_folder_without_max_tokens_fits_its_contract_default(tmp_path):
     ids = llm.tokenizer.encode("def fibonacci(n):\n    return n\n" * 60)[:250]
     assert len(ids) == 250
     assert len(llm.generate([ids])[0].token_ids) <= 6
+
+
+@pytest.fixture
+def other_tokenizer(tiny_checkpoint, tmp_path) -> Path:
+    """The checkpoint's tokenizer files in another folder, with a chat template of their own."""
+    folder = tmp_path / "tok"
+    folder.mkdir()
+    shutil.copy(tiny_checkpoint / "tokenizer.json", folder)
+    config = json.loads((tiny_checkpoint / "tokenizer_config.json").read_text())
+    config["chat_template"] = "{% for m in messages %}[{{ m['content'] }}]{% endfor %}"
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    return folder
+
+
+def test_tokenizer_and_chat_template_replace_the_checkpoints(llm, tiny_checkpoint, other_tokenizer, tmp_path):
+    """LLM(tokenizer=...) takes the tokenizer files (folder or tokenizer.json) and their template;
+    chat_template=FILE replaces the template; the chat prompt follows the template in force."""
+    messages = [{"role": "user", "content": "hi"}]
+    own = llm.tokenizer
+    swapped = LLM(tiny_checkpoint, device="cpu", tokenizer=other_tokenizer).tokenizer
+    assert swapped.chat_template == "{% for m in messages %}[{{ m['content'] }}]{% endfor %}" != own.chat_template
+    assert swapped.decode(swapped.encode_chat(messages)) == "[hi]"
+    template = tmp_path / "chat.jinja"
+    template.write_text("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}")
+    tok = LLM(tiny_checkpoint, device="cpu", tokenizer=other_tokenizer / "tokenizer.json",
+              chat_template=template).tokenizer
+    assert tok.decode(tok.encode_chat(messages)) == "<user>hi"
+    assert (tok.eos_token_id, tok.mask_token_id) == (own.eos_token_id, own.mask_token_id)
+
+
+def test_missing_tokenizer_or_template_is_named(tiny_checkpoint, tmp_path):
+    with pytest.raises(CheckpointError, match="tokenizer '.*nowhere' does not exist"):
+        LLM(tiny_checkpoint, device="cpu", tokenizer=tmp_path / "nowhere")
+    with pytest.raises(ValueError, match="chat template file '.*none.jinja' does not exist"):
+        LLM(tiny_checkpoint, device="cpu", chat_template=tmp_path / "none.jinja")
+    (tmp_path / "bad.jinja").write_text("{% for m in messages %}")
+    with pytest.raises(ValueError, match="not a valid Jinja template"):
+        LLM(tiny_checkpoint, device="cpu", chat_template=tmp_path / "bad.jinja")

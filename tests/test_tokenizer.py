@@ -145,3 +145,52 @@ def test_every_request_string_is_text_in_the_chat_prompt(tmp_path, name):
         if not keys:
             assert ids == hf.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=True,
                                                  return_dict=False, sanitize_control_tokens=True, **variables)
+
+
+def test_post_processor_tokens_go_around_a_plain_text_once(tokenizer_dir, tmp_path):
+    """A tokenizer.json post-processor (Llama 3's <|begin_of_text|> $A) adds its token once per encoded text,
+    also when the text is cut into pieces around a reserved string, and never to a chat prompt."""
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers.processors import TemplateProcessing
+
+    hf = HFTokenizer.from_file(str(tokenizer_dir / "tokenizer.json"))
+    bos = hf.token_to_id("<|endoftext|>")
+    hf.post_processor = TemplateProcessing(single="<|endoftext|> $A", special_tokens=[("<|endoftext|>", bos)])
+    hf.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text((tokenizer_dir / "tokenizer_config.json").read_text())
+    tok = Tokenizer(tmp_path / "tokenizer.json")  # a tokenizer.json file works as its folder does
+    plain = Tokenizer(tokenizer_dir)
+    text = "x = <|mask|> + 1"
+    assert tok.encode(text) == [bos, *plain.encode(text)]
+    assert tok.encode(text, add_special_tokens=False) == plain.encode(text)
+    messages = [{"role": "user", "content": "hi"}]
+    assert tok.encode_chat(messages) == plain.encode_chat(messages)
+
+
+def test_add_bos_token_of_tokenizer_config_is_honoured_once(tokenizer_dir, tmp_path):
+    import json
+
+    config = json.loads((tokenizer_dir / "tokenizer_config.json").read_text())
+    (tmp_path / "tokenizer.json").write_text((tokenizer_dir / "tokenizer.json").read_text())
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({**config, "bos_token": "<|pad|>",
+                                                                "add_bos_token": True}))
+    tok, plain = Tokenizer(tmp_path), Tokenizer(tokenizer_dir)
+    bos = tok.bos_token_id
+    assert bos == plain._tok.token_to_id("<|pad|>") and tok.add_bos_token and not plain.add_bos_token
+    assert tok.encode("import os") == [bos, *plain.encode("import os")]
+    assert tok.encode("import os", add_special_tokens=False) == plain.encode("import os")
+    messages = [{"role": "user", "content": "hi"}]
+    assert tok.encode_chat(messages) == [bos, *plain.encode_chat(messages)]
+
+
+@pytest.mark.parametrize("content, needle", [(None, "does not exist"), ("{% if %}", "not a valid Jinja template")])
+def test_chat_template_file_errors_are_one_line(tmp_path, content, needle):
+    from celeris.tokenizer import read_chat_template_file
+
+    path = tmp_path / "t.jinja"
+    if content is not None:
+        path.write_text(content)
+    with pytest.raises(ValueError, match=needle) as info:
+        read_chat_template_file(path)
+    assert "\n" not in str(info.value)
+    assert read_chat_template_file("{{ messages[0]['content'] }}") == "{{ messages[0]['content'] }}"  # one line

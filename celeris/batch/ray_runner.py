@@ -58,7 +58,8 @@ class ServingActor:
     """
 
     def __init__(self, model: str | None, max_num_seqs: int, device: str | None, request_timeout: float,
-                 served_model_name: str | None, dtype: str | None = None, max_model_len: int | None = None) -> None:
+                 served_model_name: str | None, dtype: str | None = None, max_model_len: int | None = None,
+                 tokenizer: str | None = None, chat_template: str | None = None) -> None:
         import torch
 
         from celeris.serve.serving import OpenAIServing
@@ -67,7 +68,8 @@ class ServingActor:
         self.serving = OpenAIServing.from_model(model, device=device, max_num_seqs=max_num_seqs,
                                                 max_waiting=max(64, 4 * max_num_seqs),
                                                 request_timeout=request_timeout, served_model_name=served_model_name,
-                                                dtype=dtype, max_model_len=max_model_len)
+                                                dtype=dtype, max_model_len=max_model_len, tokenizer=tokenizer,
+                                                chat_template=chat_template)
         self.serving.start()
         self.loop = asyncio.new_event_loop()
         threading.Thread(target=self.loop.run_forever, name="batch-actor-loop", daemon=True).start()
@@ -137,8 +139,11 @@ def run_batch_ray(
     log: Callable[[str], None] | None = None,
     dtype: str | None = None,
     max_model_len: int | None = None,
+    tokenizer: str | None = None,
+    chat_template: str | None = None,
 ) -> dict:
-    """Run (or resume) a batch job on Ray; same files, records and summary as ``jobs.run_batch``.
+    """Run (or resume) a batch job on Ray; same files, records and summary as ``jobs.run_batch``
+    (``tokenizer`` / ``chat_template``: absolute paths, as each actor's LLM takes them).
 
     First reaps the local Ray instances of earlier jobs that were killed (``celeris.ray_session``); the
     instance this job starts is stopped when it ends, also on SIGTERM (then ``Terminated``, exit 143).
@@ -193,7 +198,8 @@ def run_batch_ray(
                 actor_kwargs = {"model": str(Path(model).resolve()) if model else None, "max_num_seqs": max_num_seqs,
                                 "device": device, "request_timeout": request_timeout,
                                 "served_model_name": served_model_name, "dtype": dtype,
-                                "max_model_len": max_model_len}
+                                "max_model_len": max_model_len, "tokenizer": tokenizer,
+                                "chat_template": chat_template}
                 try:
                     for row in map_on_ray(spool, actor_kwargs, num_workers, on_cluster=bool(ray_address)):
                         sink(json.loads(row["record"]))

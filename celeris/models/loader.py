@@ -87,7 +87,7 @@ FORMATS = {
 class TensorInfo:
     """Where a checkpoint tensor lives and what it is, read from the safetensors header only."""
 
-    file: Path
+    file: Path | None  # None: a tensor given in memory
     shape: tuple[int, ...]
     dtype: torch.dtype
 
@@ -335,8 +335,10 @@ def pack(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Te
 
 
 def load_native(folder: Path, fmt: Format, device: torch.device, dtype: torch.dtype | None,
-                kv_rows: int = 0, max_model_len: int | None = None) -> nn.Module:
-    """Build ``fmt``'s model from the folder's config.json and safetensors files (see the module docstring);
+                kv_rows: int = 0, max_model_len: int | None = None,
+                tensors: dict[str, torch.Tensor] | None = None) -> nn.Module:
+    """Build ``fmt``'s model from the folder's config.json and safetensors files (see the module docstring), or
+    from ``tensors`` (checkpoint name -> tensor, e.g. a GGUF converted in memory) instead of the files;
     the memory check counts a KV store of ``kv_rows`` rows of ``max_model_len`` tokens
     (``celeris.config.resolve_max_model_len``: None is the model's context, capped on a CPU)."""
     try:
@@ -345,7 +347,10 @@ def load_native(folder: Path, fmt: Format, device: torch.device, dtype: torch.dt
         raise CheckpointError(f"{folder / 'config.json'} is not a usable {fmt.name} config: {exc}") from exc
     if not (folder / "tokenizer.json").is_file():
         raise CheckpointError(f"checkpoint folder '{folder}' has no tokenizer.json")
-    infos = read_headers(checkpoint_files(folder))
+    if tensors is None:
+        infos = read_headers(checkpoint_files(folder))
+    else:
+        infos = {name: TensorInfo(None, tuple(t.shape), t.dtype) for name, t in tensors.items()}
     with torch.device("meta"):
         model = fmt.model_cls(config)
     targets: dict[str, str] = {}  # checkpoint name -> module name (+ "[part]")
@@ -381,7 +386,9 @@ def load_native(folder: Path, fmt: Format, device: torch.device, dtype: torch.dt
         kv = kv_cache_bytes(model.arch, kv_rows, tokens, dtype)
     check_memory(estimate_memory(infos, dtype, device, kv))
     state = {}
-    for file in sorted({i.file for i in infos.values()}):
+    for name, tensor in (tensors or {}).items():
+        state[targets[name]] = (tensor.to(dtype) if tensor.is_floating_point() else tensor).to(device)
+    for file in sorted({i.file for i in infos.values() if i.file is not None}):
         with safe_open(file, framework="pt", device=_safetensors_device(device)) as f:
             for name in (n for n, i in infos.items() if i.file == file):
                 tensor = f.get_tensor(name)
@@ -403,6 +410,7 @@ def load_any(
     trust_remote_code: bool = False,
     max_model_len: int | None = None,
     max_num_seqs: int = 0,
+    tensors: dict[str, torch.Tensor] | None = None,
 ) -> nn.Module:
     """Load any supported checkpoint folder as an eval-mode model that maps ids to float32 logits.
 
@@ -414,6 +422,8 @@ def load_any(
             formats Celeris does not implement.
         max_model_len / max_num_seqs: the engine's KV store (``max_num_seqs`` rows of ``max_model_len`` tokens),
             counted in the memory check before any weight is read; 0 rows: weights only.
+        tensors: the checkpoint's tensors in memory (a native format only), read instead of its safetensors files
+            (``celeris.models.gguf.prepare`` without a writable cache).
 
     Raises:
         CheckpointError: missing/corrupt files, a tensor missing, unexpected or of
@@ -425,7 +435,7 @@ def load_any(
     raw = read_config(folder)
     kind = detect_format(raw)
     if kind is not None:
-        return load_native(folder, FORMATS[kind], device, dtype, max_num_seqs, max_model_len)
+        return load_native(folder, FORMATS[kind], device, dtype, max_num_seqs, max_model_len, tensors)
     if not trust_remote_code:
         raise CheckpointError(
             f"{folder / 'config.json'} has model_type '{raw.get('model_type')}' (architectures "
@@ -441,9 +451,14 @@ def load_any(
 
 
 def load_tokenizer(path: str | Path, model: nn.Module | None = None) -> Tokenizer:
-    """The folder's tokenizer; special tokens its tokenizer_config.json leaves out take the model config's ids."""
+    """The tokenizer of a folder (its tokenizer.json) or of a tokenizer.json file (with the tokenizer_config.json
+    beside it); special tokens its tokenizer_config.json leaves out take the model config's ids.
+
+    Raises:
+        CheckpointError: no such file, or one ``tokenizers`` cannot read.
+    """
     folder = Path(path)
-    if not (folder / "tokenizer.json").is_file():
+    if not folder.is_file() and not (folder / "tokenizer.json").is_file():
         raise CheckpointError(f"checkpoint folder '{folder}' has no tokenizer.json")
     ids = None
     if model is not None:
@@ -452,7 +467,8 @@ def load_tokenizer(path: str | Path, model: nn.Module | None = None) -> Tokenize
     try:
         return Tokenizer(folder, special_ids=ids)
     except Exception as exc:  # tokenizers raises plain Exception subclasses on corrupt files
-        raise CheckpointError(f"{folder / 'tokenizer.json'} could not be read: {exc}") from exc
+        where = folder if folder.is_file() else folder / "tokenizer.json"
+        raise CheckpointError(f"{where} could not be read: {exc}") from exc
 
 
 def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype | None = None) -> nn.Module:

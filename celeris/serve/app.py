@@ -335,7 +335,8 @@ def run_server(
 ) -> int:
     """Load a checkpoint and serve it until SIGTERM/SIGINT, then drain (``celeris serve``).
 
-    ``load_options`` (dtype, enforce_eager, trust_remote_code, enable_prefix_caching) go to ``celeris.llm.LLM``.
+    ``load_options`` (dtype, enforce_eager, trust_remote_code, enable_prefix_caching) go to ``celeris.llm.LLM``;
+    ``tokenizer`` and ``chat_template`` among them replace those of ``model`` only.
     ``also_serve``: more checkpoints served beside it (each named by its folder; requests choose by ``model``).
 
     Raises:
@@ -344,9 +345,10 @@ def run_server(
     check_api_key_value(api_key)
     limits = limits or ServerLimits()
     shared = ServerMetrics()
+    own = {k: load_options.pop(k) for k in ("tokenizer", "chat_template") if k in load_options}
     options = dict(device=device, max_num_seqs=max_num_seqs, max_waiting=max_waiting, request_timeout=request_timeout,
                    metrics=shared, **load_options)
-    servings = [OpenAIServing.from_model(model, served_model_name=served_model_name, **options)]
+    servings = [OpenAIServing.from_model(model, served_model_name=served_model_name, **options, **own)]
     servings += [OpenAIServing.from_model(extra, **options) for extra in also_serve or []]
     serving = servings[0] if len(servings) == 1 else ModelRouter(servings)
     app = create_app(serving, api_key=api_key, limits=limits)

@@ -453,10 +453,12 @@ class ChatCompletionChunk(BaseModel):
 
 class ModelCard(OmitNoneExtras):
     """One served model. Celeris extensions: ``generation_config`` (the settings a request without them
-    gets: the checkpoint's generation_config.json, the playground's presets) and ``decoding_kind``
-    (``"diffusion"``, ``"autoregressive"`` or ``"hybrid"``)."""
+    gets: the checkpoint's generation_config.json, the playground's presets), ``decoding_kind``
+    (``"diffusion"``, ``"autoregressive"`` or ``"hybrid"``) and ``checkpoint`` (what a converted checkpoint came
+    from: a GGUF's ``format``, ``architecture``, ``context_length``, ``add_bos_token``, ``add_eos_token``,
+    ``license`` and ``source`` file name)."""
 
-    omit_if_none: ClassVar[tuple[str, ...]] = ("generation_config", "decoding_kind")
+    omit_if_none: ClassVar[tuple[str, ...]] = ("generation_config", "decoding_kind", "checkpoint")
     id: str
     object: Literal["model"] = "model"
     created: int = Field(default_factory=now)
@@ -464,6 +466,7 @@ class ModelCard(OmitNoneExtras):
     max_model_len: int | None = None
     generation_config: dict | None = None
     decoding_kind: str | None = None
+    checkpoint: dict | None = None
 
 
 class ModelList(BaseModel):

@@ -86,6 +86,8 @@ class ServeArgs(BaseModel):
     enable_prefix_caching: bool = True
     max_model_len: int | None = Field(None, ge=1)
     trust_remote_code: bool = False
+    tokenizer: str | None = None
+    chat_template: str | None = None
     max_num_seqs: int = Field(8, ge=1)
     max_waiting: int = Field(64, ge=1)
     request_timeout: float = Field(60.0, gt=0)
@@ -231,7 +233,8 @@ class CelerisEngine:
                                                 served_model_name=a.served_model_name, dtype=a.dtype,
                                                 enforce_eager=a.enforce_eager, trust_remote_code=a.trust_remote_code,
                                                 enable_prefix_caching=a.enable_prefix_caching,
-                                                max_model_len=a.max_model_len)
+                                                max_model_len=a.max_model_len, tokenizer=a.tokenizer,
+                                                chat_template=a.chat_template)
         self.async_engine = self.serving.async_engine
         self.admitted = Counter("celeris_replica_generations", "Generations (prompts x n) this engine replica admitted",
                                 registry=self.serving.metrics.registry)
@@ -311,16 +314,17 @@ class ClusterIngress:
         from celeris.llm import LLM
         from celeris.serve.serving import OpenAIServing
 
-        self.args = args
-        llm = LLM(args.model, device="cpu", max_num_seqs=1, dtype=args.dtype, trust_remote_code=args.trust_remote_code,
-                  max_model_len=args.max_model_len)  # the replicas' context window, for validation
+        a = self.args = ServeArgs.model_validate(args)
+        llm = LLM(a.model, device="cpu", max_num_seqs=1, dtype=a.dtype, trust_remote_code=a.trust_remote_code,
+                  tokenizer=a.tokenizer, chat_template=a.chat_template,
+                  max_model_len=a.max_model_len)  # the replicas' context window, for validation
         self.metrics = ClusterMetrics()
         streaming = engine.options(stream=True)
         self.remote = RemoteEngine(lambda inputs, canvas: streaming.generate.remote(inputs, canvas),
-                                   args.replica_capacity,
+                                   a.replica_capacity,
                                    on_failure=lambda code: self.serving.metrics.failed.labels(code=code).inc())
-        self.serving = OpenAIServing(llm, async_engine=self.remote, served_model_name=args.served_model_name,
-                                     request_timeout=args.request_timeout, metrics=self.metrics)
+        self.serving = OpenAIServing(llm, async_engine=self.remote, served_model_name=a.served_model_name,
+                                     request_timeout=a.request_timeout, metrics=self.metrics)
         self._stop = threading.Event()
         if board is not None:
             threading.Thread(target=self._pull_metrics, args=(board,), daemon=True, name="celeris-metrics").start()

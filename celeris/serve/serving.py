@@ -128,7 +128,8 @@ class OpenAIServing:
     Args:
         llm: a loaded ``celeris.llm.LLM`` (model, tokenizer, generation defaults).
         async_engine: the engine loop; built from ``llm.model`` when None.
-        served_model_name: the ``model`` clients must name (default: the checkpoint folder name).
+        served_model_name: the ``model`` clients must name (default: ``llm.name``: the alias or embedded name given,
+            a ``.gguf`` file's stem, else the checkpoint folder name).
         request_timeout: seconds from arrival until a request is aborted (504).
         metrics: Prometheus metrics to record into (a fresh registry when None).
         engine_config: ``max_num_seqs`` running and ``max_waiting`` queued requests at most (beyond
@@ -150,7 +151,7 @@ class OpenAIServing:
     ) -> None:
         self.llm = llm
         self.tokenizer = llm.tokenizer
-        self.model_name = served_model_name or Path(llm.path).name
+        self.model_name = served_model_name or getattr(llm, "name", None) or Path(llm.path).name
         self.metrics = (metrics or ServerMetrics()).for_model(self.model_name)
         if async_engine is None:
             if engine is None:
@@ -218,7 +219,7 @@ class OpenAIServing:
             else "diffusion"
         return ModelCard(id=self.model_name, max_model_len=self.context_length,
                          generation_config=rename_deprecated(dict(getattr(self.llm, "generation_config", {}) or {})),
-                         decoding_kind=kind)
+                         decoding_kind=kind, checkpoint=dict(getattr(self.llm, "card", None) or {}) or None)
 
     def show_models(self) -> ModelList:
         return ModelList(data=[self.model_card()])

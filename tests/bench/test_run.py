@@ -64,7 +64,10 @@ def test_bench_runs_all_systems_and_writes_results(tiny_checkpoint, tokenizer_di
         assert r["output_tokens"] <= 3 * r["max_tokens"] and r["tokens_per_s"] > 0
         assert r["latency_p50_s"] <= r["latency_p95_s"]
         assert 0 <= r["parse_rate"] <= 1 and 0 <= r["repetition_share"] <= 1
-        assert r["output_tokens"] == 0 or r["judge_perplexity"] > 0
+        if r["system"] == "smollm2-135m":
+            assert r["judge_perplexity"] == "n/a"  # the judge would score its own text
+        else:
+            assert r["output_tokens"] == 0 or r["judge_perplexity"] > 0
         assert r["peak_rss_mb"] > 0 and r["peak_rss_reset"] == os.access("/proc/self/clear_refs", os.W_OK)
     reference = [r for r in runs if r["system"] == "dllm-reference"]
     assert all(r["agreement_with_reference"] == 1.0 for r in reference if r["output_tokens"])
