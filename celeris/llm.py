@@ -19,6 +19,7 @@ from celeris.models.gguf import find_gguf, prepare, read_card
 from celeris.models.loader import CheckpointError, load_any, load_tokenizer
 from celeris.params import SamplingParams, causal_defaults
 from celeris.sampling.block import contract_of
+from celeris.sampling.drafter import SpeculativeConfig, attach, load_proposer
 from celeris.sampling.step import answer_room, check_fits_context, check_prompts
 from celeris.serve.detokenize import cut_at_stop
 from celeris.structured.grammar import grammar_tokenizer, stops_apply
@@ -127,11 +128,16 @@ class LLM:
         max_model_len: most tokens (prompt + answer) a request may hold (vLLM's name): requests beyond get the
             context-length error, and the KV store is sized from it. None: the model's context window, capped at
             ``celeris.config.CPU_MAX_MODEL_LEN`` (4,096) on a CPU. ``context_length`` is the value in force.
+        speculative_config: a DFlash drafter beside the (causal) target, vLLM's spelling: a dict or JSON string
+            ``{"method": "dflash", "model": PATH, "num_speculative_tokens": k}``
+            (``celeris.sampling.drafter.SpeculativeConfig``). The default decoding becomes verified decoding with
+            ``draft_source`` ``lookup_first`` (prompt lookup where the context repeats, the drafter elsewhere).
 
     Raises:
         CheckpointError: the folder is missing, incomplete or inconsistent, or ``tokenizer`` does not exist.
-        ValueError: ``max_model_len`` exceeds the model's context window, another setting is out of range, or
-            a ``chat_template`` file that does not exist or does not parse.
+        ValueError: ``max_model_len`` exceeds the model's context window, another setting is out of range,
+            a ``chat_template`` file that does not exist or does not parse, or a drafter that does not fit the
+            target (``celeris.sampling.drafter.check_drafter``: the line names both sides).
     """
 
     def __init__(
@@ -140,11 +146,13 @@ class LLM:
         max_waiting: int = 1 << 30, max_batch_size: int | None = None, enable_prefix_caching: bool = True,
         max_model_len: int | None = None,
         tokenizer: str | Path | None = None, chat_template: str | Path | None = None,
+        speculative_config: dict | str | None = None,
     ) -> None:
         if max_batch_size is not None:
             warnings.warn("LLM(max_batch_size=...) is deprecated; use max_num_seqs", DeprecationWarning, stacklevel=2)
             max_num_seqs = max_batch_size
         self.path = resolve_model(model)
+        spec = SpeculativeConfig.parse(speculative_config)
         template = read_chat_template_file(chat_template) if chat_template is not None else None
         if tokenizer is not None and not Path(tokenizer).exists():
             raise CheckpointError(f"tokenizer '{tokenizer}' does not exist (give a folder holding tokenizer.json, "
@@ -166,6 +174,8 @@ class LLM:
                               max_model_len=max_model_len, max_num_seqs=max_num_seqs, tensors=tensors)
         if self._gguf is not None:
             self._gguf.tensors = tensors = None  # the model holds the weights now (in memory: its temporary folder stays)
+        self.proposer = load_proposer(spec, self.model) if spec is not None else None
+        attach(self.model, self.proposer)
         self.engine_config.max_model_len = resolve_max_model_len(
             max_model_len, self.model.config.max_position_embeddings, self.device)
         self.tokenizer = load_tokenizer(self.path if tokenizer is None else tokenizer, self.model)
@@ -184,6 +194,8 @@ class LLM:
             self.generation_config = {**self.generation_config, "temperature": 0.0}
         if getattr(self.model.config, "is_causal", False):  # what an autoregressive model can decode by default
             self.generation_config = causal_defaults(self.generation_config)
+        if self.proposer is not None:  # a drafter beside the target: verified decoding by default
+            self.generation_config = {**self.generation_config, "decoding": "verified", "draft_source": "lookup_first"}
         # every id that ends an answer: end-of-text, the generation config's eos_token_id list, end-of-turn
         self.end_token_ids = self.tokenizer.end_token_ids(self.path, self.generation_config)
         # llguidance's view of the tokenizer, for requests with a grammar (structured output, tool calls)

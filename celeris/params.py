@@ -31,7 +31,7 @@ from types import MappingProxyType
 from celeris.sampling.cache import CACHE_MODES
 from celeris.sampling.rules import COMMIT_RULES, REMASKING
 
-DRAFT_SOURCES = ("lookup_first", "slots", "lookup")
+DRAFT_SOURCES = ("lookup_first", "slots", "lookup", "dflash")
 # Settings whose provenance ``explicit_settings`` records besides the rule settings: a default answer length (not
 # the caller's) is lowered to what fits the context, with its steps (``celeris.llm.LLM.fit_max_tokens``); a default
 # ``block_length`` a block model cannot use becomes its contract's (``celeris.sampling.block.with_block_defaults``).
@@ -169,12 +169,14 @@ class SamplingParams:
     suffix_window: int = setting(0, low=0, help="passes see only this many masked columns past the block (DPad, "
                                  "arXiv:2508.14148; 0 = the whole canvas)")
     draft_source: str | None = setting(None, choices=DRAFT_SOURCES, unset="lookup_first", per_row=True,
-                                       help="verified decoding's drafts: prompt lookup first, the model's mask "
-                                       "slots, or prompt lookup only")
+                                       help="verified decoding's drafts: prompt lookup first (then the drafter or "
+                                       "the mask slots), the model's mask slots, prompt lookup only, or the DFlash "
+                                       "drafter only (--speculative-config)")
     num_speculative_tokens: int | None = setting(None, low=1, high=16, per_row=True,
                                                  help="verified decoding: drafts checked per pass, k (vLLM's name); "
-                                                 "unset: the model's draft block size (4 for prompt lookup on a "
-                                                 "plain causal model); mask-slot drafts are at most that size")
+                                                 "unset: the model's draft block size (the drafter's block_size - 1 "
+                                                 "with a DFlash drafter; 4 for prompt lookup on a plain causal "
+                                                 "model); mask-slot drafts are at most that size")
     grammar: str | None = setting(None, per_row=True, cli=False, http=False,
                                   help="an llguidance grammar (celeris.structured): every committed token is one it "
                                   "accepts")

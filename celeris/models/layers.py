@@ -389,17 +389,22 @@ class TransformerLM(nn.Module):
         attn_mask: torch.Tensor | None,
         cache: KVCache | None = None,
         window: Window | None = None,
+        capture: dict[int, torch.Tensor | None] | None = None,
     ) -> torch.Tensor:
         """The transformer on a layout the caller builds: (B, Lq) ids at (B, Lq) RoPE positions with an SDPA
         mask (B or 1, 1, Lq, T) bool (True: attend), or None for the layout's own rule -> (B, Lq, d) final
         normed hidden states. ``cache``/``window`` as in ``hidden_states`` (``window`` (B, Lq) per-row columns
         or a span). The hybrid objective's two-stream layout and verified decoding's passes use it.
+        ``capture``: layer index -> filled in place with that decoder layer's output (B, Lq, d), before the
+        final norm (transformers' ``hidden_states[index + 1]``; a DFlash drafter's context features).
         """
         cos, sin = rope_cos_sin(positions, self.arch.rotary_dim or self.arch.head_dim, self.arch.rope_theta,
                                 self.arch.rope_scaling)
         x = self.embed(ids)  # (B, Lq, d)
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, attn_mask, cache=cache, layer_idx=i, window=window)
+            if capture is not None and i in capture:
+                capture[i] = x
         return self.norm(x)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

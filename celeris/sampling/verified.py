@@ -34,6 +34,11 @@ no mask slots and so also runs on a plain causal model; ``lookup_first`` (the de
 context repeats and the slots elsewhere, and a pass whose drafts came from lookup computes no slots. The drafts'
 source changes the speed, never the tokens.
 
+With a DFlash drafter beside the target (``--speculative-config``; ``celeris.sampling.drafter``), draft source
+``dflash`` (and ``lookup_first``'s fallback) takes the drafts from the drafter, which reads the target's hidden
+states of the columns each pass accepted; a pass then computes no mask slots (the target needs none), only
+``[pending | d_1 .. d_m]``.
+
 Under a grammar (``SamplingParams.grammar``: structured output, tool calls) the drafts are checked against the
 grammar-masked next-token head, and drafted under the grammar (``celeris.structured.speculative``): at temperature
 0 the answer is exactly constrained next-token decoding's.
@@ -42,12 +47,13 @@ grammar-masked next-token head, and drafted under the grammar (``celeris.structu
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
 from celeris.models.layers import KVCache
 from celeris.params import SamplingParams
+from celeris.sampling.drafter import DFlashProposer, DraftState, proposer_of
 from celeris.sampling.prefix_cache import BLOCK_SIZE, PrefixCache
 from celeris.sampling.select import NEG_INF, top_p_filter
 from celeris.sampling.step import banned_token_ids, check_prompts, make_generator
@@ -103,17 +109,28 @@ def draft_length(model: torch.nn.Module) -> int:
 def check_verified_support(model: torch.nn.Module, params: SamplingParams, has_suffix: bool = False) -> None:
     """Raise ValueError when verified decoding cannot run ``params`` on ``model``.
 
-    Needs a causal model trained to draft (``draft_length`` > 0); settings it does not implement
+    Needs a causal model trained to draft (``draft_length`` > 0) or a DFlash drafter beside it
+    (``celeris.sampling.drafter.attach``), except for prompt lookup; settings it does not implement
     (``cfg_scale``, ``repetition_penalty``, infilling) are refused naming the setting.
     """
     if not getattr(model.config, "is_causal", False) or not getattr(model, "supports_kv_cache", False):
         raise ValueError("decoding 'verified' needs a causal model with a KV cache (a hybrid model for mask-slot "
                          "drafts, or any causal model with draft_source 'lookup')")
-    if draft_length(model) < 1 and params.draft_source != "lookup":
+    proposer = proposer_of(model)
+    if params.draft_source == "dflash" and proposer is None:
+        raise ValueError("draft_source 'dflash' needs a DFlash drafter beside the model (--speculative-config "
+                         "'{\"method\": \"dflash\", \"model\": PATH}')")
+    if proposer is not None and params.draft_source == "slots" and draft_length(model) < 1:
+        raise ValueError("draft_source 'slots' needs a hybrid model; this target drafts with its DFlash drafter "
+                         "(draft_source 'dflash' or 'lookup_first')")
+    k = params.num_speculative_tokens
+    if proposer is not None and params.draft_source in ("dflash", "lookup_first") and k and k > proposer.block_size - 1:
+        raise ValueError(f"num_speculative_tokens {k} is outside 1..{proposer.block_size - 1} ({proposer.name}'s "
+                         f"block_size is {proposer.block_size})")
+    if proposer is None and draft_length(model) < 1 and params.draft_source != "lookup":
         raise ValueError(f"draft_source '{params.draft_source}' needs a hybrid model (a causal model with "
                          "draft_block_size > 0, trained by `celeris train --objective hybrid`); use draft_source "
                          "'lookup' for this one")
-    k = params.num_speculative_tokens
     if k and params.draft_source == "slots" and k > draft_length(model):
         raise ValueError(f"num_speculative_tokens {k} exceeds the {draft_length(model)} mask slots this model was "
                          "trained to draft (draft_source 'slots'); use at most that, or draft_source 'lookup'")
@@ -138,11 +155,13 @@ def _pass_mask(columns: torch.Tensor, slot_start: torch.Tensor, slots: torch.Ten
 
 
 def _forward(model: torch.nn.Module, ids: torch.Tensor, cache: KVCache, columns: torch.Tensor,
-             mask: torch.Tensor, first: list[int] | None = None) -> torch.Tensor:
+             mask: torch.Tensor, first: list[int] | None = None,
+             capture: dict[int, torch.Tensor | None] | None = None) -> torch.Tensor:
     """Logits (B, Lw, V) float32 of token ``ids`` (B, Lw) at ``columns`` (B, Lw, also their RoPE positions),
     reading and writing ``cache`` (per layer (B, H_kv, T, D)) at those columns. ``first``: per row, the first of
-    its (left-aligned) columns whose logits are wanted; the earlier ones are left unset (uninitialised)."""
-    hidden = model.layout_hidden_states(ids, columns, mask, cache, columns)  # (B, Lw, d)
+    its (left-aligned) columns whose logits are wanted; the earlier ones are left unset (uninitialised).
+    ``capture``: layer outputs to keep (``layout_hidden_states``), for a DFlash drafter."""
+    hidden = model.layout_hidden_states(ids, columns, mask, cache, columns, capture=capture)  # (B, Lw, d)
     if first is None:
         return model.logits(hidden)
     b, width, d = hidden.shape
@@ -221,6 +240,7 @@ class DraftRow:
     k: int
     end_ids: frozenset[int] = frozenset()  # ids that end the answer (with ``early_exit``)
     constraint: Constraint | None = None  # the grammar state (``celeris.structured``), advanced by committed tokens
+    draft_state: DraftState | None = None  # its DFlash drafter's cache and queued features (with a drafter)
     answer: list[int] = field(default_factory=list)
     drafts: list[int] = field(default_factory=list)
     draft_probs: list = field(default_factory=list)
@@ -257,17 +277,24 @@ class VerifiedDecoder:
     prompt's full blocks are cached. The answer is the same (keys/values of a causal prefix are exact; computed in
     a pass of another shape they may differ by float rounding only).
 
+    With a DFlash drafter (``proposer``, default the one ``attach`` put beside the model), each pass also keeps
+    the target's hidden states at the drafter's layers; the prefix cache is then not used (a cached prefix has no
+    hidden states for the drafter's context).
+
     Args:
         model: a causal model with a KV cache.
+        proposer: a DFlash drafter's proposer (``celeris.sampling.drafter``); None: ``proposer_of(model)``.
         max_rows: most rows at once. max_tokens: longest prompt + answer, tokens (the pool adds the
             2 * ``MAX_DRAFTS`` + 2 columns the last pass's drafts and slots may need).
         prefix_cache_tokens: most prompt tokens whose keys/values the prefix cache keeps (LRU); 0 turns it off.
     """
 
     def __init__(self, model: torch.nn.Module, max_rows: int, max_tokens: int,
-                 prefix_cache_tokens: int = PREFIX_CACHE_TOKENS) -> None:
-        self.slots = draft_length(model)  # mask slots the model was trained to draft (0: prompt lookup only)
-        self.model, self.k = model, self.slots or LOOKUP_DRAFTS  # the default k
+                 prefix_cache_tokens: int = PREFIX_CACHE_TOKENS, proposer: DFlashProposer | None = None) -> None:
+        self.proposer = proposer or proposer_of(model)
+        self.slots = 0 if self.proposer else draft_length(model)  # mask slots the model drafts (0: none)
+        self.model = model
+        self.k = self.proposer.k if self.proposer else self.slots or LOOKUP_DRAFTS  # the default k
         self.pad = 2 * MAX_DRAFTS + 2
         max_len = max_tokens + self.pad
         config, arch = model.config, model.arch
@@ -282,7 +309,7 @@ class VerifiedDecoder:
         self.num_prefilled = 0  # rows [0, num_prefilled) have been through their first pass
         self.drafted, self.accepted = [0] * self.k, [0] * self.k  # grow when a row checks more drafts
         self.nfe = 0
-        self.prefix_cache = PrefixCache(prefix_cache_tokens) if prefix_cache_tokens else None
+        self.prefix_cache = PrefixCache(prefix_cache_tokens) if prefix_cache_tokens and not self.proposer else None
 
     @property
     def pool_bytes(self) -> int:
@@ -305,14 +332,22 @@ class VerifiedDecoder:
             raise ValueError(f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) + "
                              f"{self.pad} draft columns exceed the decoder's {self.max_len}")
         ends = frozenset({self.model.config.eos_token_id}) if end_ids is None else frozenset(end_ids)
-        if params.draft_source != "lookup" and not self.slots:
+        if params.draft_source == "dflash" and not self.proposer:
+            raise ValueError("draft_source 'dflash' needs a DFlash drafter (--speculative-config)")
+        if params.draft_source != "lookup" and not self.slots and not self.proposer:
             raise ValueError(f"draft_source '{params.draft_source}' needs a hybrid model; use 'lookup'")
+        if params.draft_source == "slots" and self.proposer:
+            raise ValueError("draft_source 'slots' needs a hybrid model; this target drafts with its DFlash drafter")
         k = params.num_speculative_tokens or self.k
         if k > MAX_DRAFTS:
             raise ValueError(f"num_speculative_tokens must be <= {MAX_DRAFTS}, got {k}")
         slots = 0 if params.draft_source == "lookup" else min(k, self.slots)
+        if self.proposer and k > self.proposer.block_size - 1 and params.draft_source != "lookup":
+            raise ValueError(f"num_speculative_tokens {k} is outside 1..{self.proposer.block_size - 1} "
+                             f"({self.proposer.name}'s block_size is {self.proposer.block_size})")
         row = DraftRow(list(prompt_ids), params, make_generator(params.seed), k, ends, constraint=constraint,
-                       slot_start=len(prompt_ids), num_slots=slots)
+                       slot_start=len(prompt_ids), num_slots=slots,
+                       draft_state=DraftState() if self.proposer else None)
         if self.prefix_cache is not None:  # copy the cached prefix's keys/values into the row's pool row
             row.num_cached, kv = self.prefix_cache.lookup(row.prompt_ids)
             if kv is not None:
@@ -343,8 +378,9 @@ class VerifiedDecoder:
         self.rows[i], self.rows[j] = self.rows[j], self.rows[i]
 
     @torch.no_grad()
-    def _run(self, lo: int, hi: int, fresh: bool) -> torch.Tensor:
-        """One pass over pool rows [lo, hi): (hi - lo, Lw, V) logits of each row's ``columns``."""
+    def _run(self, lo: int, hi: int, fresh: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One pass over pool rows [lo, hi): (hi - lo, Lw, V) logits of each row's ``columns``, and with a drafter
+        the (hi - lo, Lw, n * d) target features of those columns (else None)."""
         rows = self.rows[lo:hi]
         cols = [r.columns for r in rows]
         width = max(len(c) for c in cols)
@@ -364,7 +400,9 @@ class VerifiedDecoder:
         # a prefill reads only each row's last prompt column and its slots (``_advance``): the output head runs on
         # those (a prompt's other columns would cost a vocabulary-wide product each), the rest stays unset
         first = [len(r.prompt_ids) - 1 - r.num_cached for r in rows] if fresh else None
-        logits = _forward(self.model, self.tokens[lo:hi].gather(1, columns), cache, columns, mask, first).float()
+        capture = self.proposer.capture() if self.proposer else None
+        logits = _forward(self.model, self.tokens[lo:hi].gather(1, columns), cache, columns, mask, first,
+                          capture).float()
         if fresh:
             for pool, new in zip((*self.keys, *self.values), (*cache.keys, *cache.values), strict=True):
                 pool[lo:hi, :, :length] = new
@@ -376,7 +414,7 @@ class VerifiedDecoder:
                         self.prefix_cache.insert(r.prompt_ids, kv, a)
         logits[..., self.banned] = NEG_INF
         self.nfe += 1
-        return logits
+        return logits, (DFlashProposer.features(capture) if capture else None)
 
     def step(self) -> list[tuple[DraftRow, list[int]]]:
         """One pass for the rows already prefilled and one prefill pass for new rows (each only if any).
@@ -391,9 +429,9 @@ class VerifiedDecoder:
             live = [i for i in range(lo, hi) if not self.rows[i].finished]
             if not live:
                 continue
-            logits = self._run(lo, hi, fresh)
+            logits, feats = self._run(lo, hi, fresh)
             for i in live:
-                out.append((self.rows[i], self._advance(i, logits[i - lo])))
+                out.append((self.rows[i], self._advance(i, logits[i - lo], None if feats is None else feats[i - lo])))
         self.num_prefilled = len(self.rows)
         return out
 
@@ -403,8 +441,22 @@ class VerifiedDecoder:
             return grammar_slot_drafts(row.constraint, slot_logits, row.params, row.generator)
         return _draft(slot_logits, row.params, row.generator)
 
-    def _advance(self, i: int, logits: torch.Tensor) -> list[int]:
-        """Verify row i's drafts with its pass's logits (Lw, V), commit, and lay out its next pass."""
+    def dflash_drafts(self, row: DraftRow, last_token: int, start: int, vocab: int) -> tuple[list[int], list]:
+        """The drafter's drafts after ``last_token`` at column ``start``: its argmax at every temperature (checked
+        against the grammar's copy when the row has one), with one-hot draft distributions when sampling."""
+        logits = self.proposer.propose(row.draft_state, last_token, start, row.k)  # (k, V)
+        if row.constraint is not None:
+            greedy = replace(row.params, temperature=0.0)
+            drafts, _ = grammar_slot_drafts(row.constraint, logits, greedy, row.generator)
+        else:
+            drafts = logits.argmax(-1).tolist()
+        probs = [] if row.params.temperature == 0 else [
+            torch.nn.functional.one_hot(torch.tensor(t), vocab).double() for t in drafts]
+        return drafts, probs
+
+    def _advance(self, i: int, logits: torch.Tensor, feats: torch.Tensor | None = None) -> list[int]:
+        """Verify row i's drafts with its pass's logits (Lw, V), commit, and lay out its next pass. ``feats``
+        (Lw, n * d): the target features of the pass's columns, with a drafter."""
         row, k = self.rows[i], self.rows[i].k
         cols = row.columns
         row.passes += 1
@@ -427,6 +479,8 @@ class VerifiedDecoder:
         if row.params.early_exit and hit is not None:
             new = new[: hit + 1]
             row.hit_eos = True
+        if feats is not None:  # the accepted columns (the prompt's, or pending and d_1 .. d_a) enter the drafter
+            self.proposer.queue(row.draft_state, feats[: c0 + a + 1])
         base = len(row.prompt_ids) + len(row.answer)  # column of the first new token
         self.tokens[i, base : base + len(new)] = torch.tensor(new, device=self.device)
         row.answer.extend(new)
@@ -445,6 +499,8 @@ class VerifiedDecoder:
             row.drafts = lookup
             row.draft_probs = [] if row.params.temperature == 0 else [
                 torch.nn.functional.one_hot(torch.tensor(t), logits.shape[-1]).double() for t in lookup]
+        elif self.proposer is not None and policy != "lookup":
+            row.drafts, row.draft_probs = self.dflash_drafts(row, new[-1], pending, logits.shape[-1])
         elif slots_valid and row.num_slots:
             s = cols.index(row.slot_start)
             row.drafts, row.draft_probs = self.draft(row, logits[s : s + row.num_slots])

@@ -1,0 +1,199 @@
+"""A DFlash drafter as a proposer of verified decoding: block-diffusion drafts from the target's hidden states.
+
+The drafter (``celeris.models.dflash``) is a second, small model beside the target. Each target pass of verified
+decoding also returns the target's hidden states at the drafter's ``target_layer_ids`` for the columns it computed
+(``layout_hidden_states(capture=...)``); the features of the columns the pass accepted are queued for the row, and
+the next drafter call takes them into its own KV cache of context features (so the cache lags one pass, as in
+z-lab/dflash ``dflash_generate``). A drafter call embeds the block ``[last accepted token, mask x (block_size - 1)]``
+with the target's embedding table, runs the drafter once (non-causal inside the block), crops the block's own
+keys/values from the cache, and scores block positions 1..k with the target's LM head; the drafts are the argmax
+at every temperature (a one-hot draft distribution, so speculative sampling keeps the target's distribution).
+
+``speculative_config`` is vLLM's spelling: ``{"method": "dflash", "model": PATH, "num_speculative_tokens": k}``.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch.nn import functional as F
+
+from celeris.models.dflash import DFlashDraftModel, DraftKVCache, load_dflash
+from celeris.sampling.select import NEG_INF
+
+METHODS = ("dflash",)
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """What ``--speculative-config`` / ``LLM(speculative_config=...)`` name: the method, the drafter folder and the
+    drafts per pass (None: the drafter's ``block_size - 1``)."""
+
+    method: str
+    model: str
+    num_speculative_tokens: int | None = None
+
+    @classmethod
+    def parse(cls, raw: str | dict | SpeculativeConfig | None) -> SpeculativeConfig | None:
+        """From a JSON string, a dict or a SpeculativeConfig; None stays None.
+
+        Raises:
+            ValueError: not JSON or not an object, an unknown key or method, no ``model``, a bad
+                ``num_speculative_tokens``.
+        """
+        if raw is None or isinstance(raw, SpeculativeConfig):
+            return raw
+        if isinstance(raw, str):
+            try:
+                raw = json.loads(raw)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"speculative_config is not JSON: {exc.msg}") from None
+        if not isinstance(raw, dict):
+            raise ValueError("speculative_config must be a JSON object such as "
+                             '{"method": "dflash", "model": "PATH", "num_speculative_tokens": 7}')
+        unknown = sorted(set(raw) - {"method", "model", "num_speculative_tokens"})
+        if unknown:
+            raise ValueError(f"speculative_config: unknown key(s) {', '.join(unknown)} (known: method, model, "
+                             "num_speculative_tokens)")
+        method = raw.get("method", "dflash")
+        if method not in METHODS:
+            raise ValueError(f"speculative_config method '{method}' is not supported (supported: {', '.join(METHODS)}"
+                             "; prompt lookup is draft_source 'lookup')")
+        if not isinstance(raw.get("model"), str) or not raw["model"]:
+            raise ValueError("speculative_config needs 'model': the drafter's folder")
+        k = raw.get("num_speculative_tokens")
+        if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 1):
+            raise ValueError(f"speculative_config num_speculative_tokens must be a positive integer, got {k!r}")
+        return cls(method, raw["model"], k)
+
+
+def check_drafter(drafter: DFlashDraftModel, target: torch.nn.Module, drafter_name: str = "the drafter",
+                  num_speculative_tokens: int | None = None) -> None:
+    """Raise ValueError, naming both sides, when ``drafter`` cannot draft for ``target``.
+
+    Checks: the target is causal with a KV cache; the hidden size and vocabulary agree; every ``target_layer_ids``
+    entry is a target layer; ``mask_token_id`` is a target id (the block is embedded with the target's table); and
+    ``num_speculative_tokens`` is 1 .. block_size - 1.
+    """
+    cfg, tcfg = drafter.config, target.config
+    if not getattr(tcfg, "is_causal", False) or not getattr(target, "supports_kv_cache", False):
+        raise ValueError(f"{drafter_name} drafts for an autoregressive target; this model is not causal")
+    hidden, vocab, layers = target.arch.hidden_size, tcfg.vocab_size, len(target.layers)
+    if cfg.hidden_size != hidden:
+        raise ValueError(f"{drafter_name} has hidden size {cfg.hidden_size}, the target {hidden}")
+    if cfg.vocab_size != vocab:
+        raise ValueError(f"{drafter_name} has a vocabulary of {cfg.vocab_size}, the target {vocab}")
+    if cfg.num_target_layers != layers or any(not 0 <= i < layers for i in cfg.target_layer_ids):
+        raise ValueError(f"{drafter_name} reads target layers {cfg.target_layer_ids} of {cfg.num_target_layers}; "
+                         f"the target has {layers} layers")
+    if cfg.mask_token_id is None or not 0 <= cfg.mask_token_id < vocab:
+        raise ValueError(f"{drafter_name}'s mask_token_id {cfg.mask_token_id} is not an id of the target's "
+                         f"vocabulary of {vocab}")
+    k = num_speculative_tokens
+    if k is not None and not 1 <= k <= cfg.block_size - 1:
+        raise ValueError(f"num_speculative_tokens {k} is outside 1..{cfg.block_size - 1} ({drafter_name}'s "
+                         f"block_size is {cfg.block_size})")
+
+
+@dataclass
+class DraftState:
+    """One row's drafter state: its KV cache of context features and the features accepted since the last call
+    (each (n, len(target_layer_ids) * d), in column order)."""
+
+    cache: DraftKVCache = field(default_factory=DraftKVCache)
+    queued: list[torch.Tensor] = field(default_factory=list)
+    calls: int = 0
+
+
+class DFlashProposer:
+    """Drafts for verified decoding from a DFlash drafter reading ``target``'s hidden states.
+
+    Args:
+        drafter: the loaded drafter (``load_dflash``), checked against ``target`` (``check_drafter``).
+        target: the causal target; its embedding table embeds the block and its head scores the drafts.
+        num_speculative_tokens: drafts per pass (default ``block_size - 1``).
+        name: how errors name the drafter (its folder).
+    """
+
+    def __init__(self, drafter: DFlashDraftModel, target: torch.nn.Module, num_speculative_tokens: int | None = None,
+                 name: str = "the drafter") -> None:
+        check_drafter(drafter, target, name, num_speculative_tokens)
+        self.drafter, self.target, self.name = drafter, target, name
+        self.block_size = drafter.config.block_size
+        self.layer_ids = list(drafter.config.target_layer_ids)
+        self.k = num_speculative_tokens or self.block_size - 1
+        self.calls = 0  # drafter passes, all rows (a call drafts one row)
+
+    def capture(self) -> dict[int, torch.Tensor | None]:
+        """The ``capture`` argument of a target pass: the layers whose outputs the drafter reads."""
+        return dict.fromkeys(self.layer_ids)
+
+    @staticmethod
+    def features(captured: dict[int, torch.Tensor | None]) -> torch.Tensor:
+        """(B, Lw, n * d) context features of a pass: the captured layer outputs concatenated in layer order."""
+        return torch.cat([captured[i] for i in captured], dim=-1)
+
+    def queue(self, state: DraftState, feats: torch.Tensor) -> None:
+        """Queue the features (n, n_layers * d) of columns a pass accepted, in order."""
+        state.queued.append(feats)
+
+    @torch.no_grad()
+    def propose(self, state: DraftState, last_token: int, start: int, k: int) -> torch.Tensor:
+        """Draft logits (k, V) float32 over the target's vocabulary for the k tokens after ``last_token`` at column
+        ``start``; the features of every column before ``start`` must be in the cache or queued.
+
+        Raises:
+            RuntimeError: the queued features do not cover the columns up to ``start`` (a bookkeeping bug).
+        """
+        target, cfg = self.target, self.drafter.config
+        feats = torch.cat(state.queued) if state.queued else None
+        state.queued.clear()
+        have = state.cache.length + (0 if feats is None else feats.shape[0])
+        if have != start:
+            raise RuntimeError(f"drafter context covers {have} columns, the block starts at {start}")
+        device = next(self.drafter.parameters()).device
+        if feats is None:
+            feats = torch.zeros((0, len(self.layer_ids) * cfg.hidden_size), device=device)
+        block = torch.full((1, self.block_size), cfg.mask_token_id, dtype=torch.long, device=device)
+        block[0, 0] = last_token
+        positions = torch.arange(state.cache.length, start + self.block_size, device=device)[None]
+        hidden = self.drafter(target.embed(block), feats[None], positions, state.cache)  # (1, bs, d)
+        state.cache.crop(start)
+        state.calls += 1
+        self.calls += 1
+        out = hidden[0, 1 : 1 + k].to(next(target.parameters()).dtype)  # (k, d)
+        d2t = self.drafter.d2t
+        if d2t.numel() == target.config.vocab_size:
+            return target.logits(out)  # (k, V)
+        weight = target.embed_tokens.weight if target.lm_head is None else target.lm_head.weight
+        pruned = F.linear(out, weight[d2t]).float()  # (k, V_draft)
+        full = torch.full((k, target.config.vocab_size), NEG_INF, device=out.device)
+        return full.index_copy_(1, d2t, pruned)
+
+
+def load_proposer(config: SpeculativeConfig, target: torch.nn.Module) -> DFlashProposer:
+    """Load ``config.model`` as a DFlash drafter on the target's device and dtype and check it.
+
+    Raises:
+        ValueError: the folder is not a DFlash drafter, or it does not fit the target (``check_drafter``).
+    """
+    p = next(target.parameters())
+    folder = Path(config.model)
+    if not folder.is_dir():
+        raise ValueError(f"drafter folder '{folder}' does not exist")
+    drafter = load_dflash(folder, device=p.device, dtype=p.dtype)
+    return DFlashProposer(drafter, target, config.num_speculative_tokens, name=f"drafter '{folder.name}'")
+
+
+def attach(target: torch.nn.Module, proposer: DFlashProposer | None) -> None:
+    """Keep ``proposer`` beside ``target`` (not as a submodule: the target's parameters and state dict stay its
+    own), where ``proposer_of`` finds it for every decoding path."""
+    target.__dict__["_celeris_proposer"] = proposer
+
+
+def proposer_of(target: torch.nn.Module) -> DFlashProposer | None:
+    """The drafter ``attach`` put beside ``target``, or None."""
+    return target.__dict__.get("_celeris_proposer")
