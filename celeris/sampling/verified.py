@@ -241,6 +241,7 @@ class DraftRow:
     end_ids: frozenset[int] = frozenset()  # ids that end the answer (with ``early_exit``)
     constraint: Constraint | None = None  # the grammar state (``celeris.structured``), advanced by committed tokens
     draft_state: DraftState | None = None  # its DFlash drafter's cache and queued features (with a drafter)
+    acceptance_lengths: list[int] = field(default_factory=list)  # drafts accepted, per pass that checked drafts
     answer: list[int] = field(default_factory=list)
     drafts: list[int] = field(default_factory=list)
     draft_probs: list = field(default_factory=list)
@@ -475,6 +476,8 @@ class VerifiedDecoder:
         for j in range(m):
             self.drafted[j] += 1
             self.accepted[j] += j < a
+        if m:
+            row.acceptance_lengths.append(a)
         hit = next((j for j, t in enumerate(new) if t in row.end_ids), None)
         if row.params.early_exit and hit is not None:
             new = new[: hit + 1]
@@ -492,7 +495,7 @@ class VerifiedDecoder:
         pending = base + len(new) - 1  # its keys/values are computed by the next pass
         policy = row.params.draft_source
         slots_valid = a == m  # every draft held: the slots saw the right prefix and drafted pending + 1 ..
-        lookup = lookup_drafts(row.prompt_ids + row.answer, k) if policy != "slots" else []
+        lookup = lookup_drafts(row.prompt_ids + row.answer, k) if policy in ("lookup_first", "lookup") else []
         if row.constraint is not None:
             lookup = grammar_lookup_drafts(row.constraint, lookup)
         if lookup:
