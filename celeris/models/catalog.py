@@ -63,6 +63,31 @@ def alias_path(name: str) -> Path:
     return found[0]
 
 
+PAIRING = "celeris.json"  # in a drafter folder: the target it drafts for, its speculative config, chat by default
+
+
+def read_pairing(folder: Path) -> dict | None:
+    """A drafter folder's pairing (``celeris.json``: ``{"target": name or path, "speculative_config": {...},
+    "chat": bool}``), or None for any other checkpoint. Such a folder is a model of its own: the target loads with
+    this drafter beside it (``celeris.llm.LLM``).
+
+    Raises:
+        CheckpointError: the file does not parse or names no target.
+    """
+    import json
+
+    file = Path(folder) / PAIRING
+    if not file.is_file():
+        return None
+    try:
+        raw = json.loads(file.read_text())
+    except json.JSONDecodeError as exc:
+        raise CheckpointError(f"{file} is not JSON: {exc.msg}") from None
+    if not isinstance(raw, dict) or not isinstance(raw.get("target"), str):
+        raise CheckpointError(f"{file} names no target model")
+    return raw
+
+
 def embedded_names() -> list[str]:
     """The embedded checkpoint folders' names."""
     return sorted(p.name for p in EMBEDDED.iterdir() if (p / "config.json").is_file())
@@ -71,8 +96,19 @@ def embedded_names() -> list[str]:
 def known_models() -> list[dict]:
     """Every name ``--model`` accepts besides a path: ``{"name", "kind", "installed", "description"}`` and, for an
     alias not installed, ``"install"``."""
-    rows = [{"name": n, "kind": "embedded", "installed": True, "description": "embedded checkpoint"}
-            for n in embedded_names()]
+    rows = []
+    for n in embedded_names():
+        pairing = read_pairing(EMBEDDED / n)
+        if pairing is None:
+            rows.append({"name": n, "kind": "embedded", "installed": True, "description": "embedded checkpoint"})
+            continue
+        target = ALIASES.get(pairing["target"])
+        installed = target is None or package_dir(target.package) is not None
+        row = {"name": n, "kind": "embedded drafter", "installed": installed,
+               "description": pairing.get("description", f"a drafter for {pairing['target']}")}
+        if not installed:
+            row["install"] = target.install
+        rows.append(row)
     for alias in ALIASES.values():
         installed = package_dir(alias.package) is not None
         row = {"name": alias.name, "kind": "alias", "installed": installed, "description": alias.description}

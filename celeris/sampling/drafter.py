@@ -29,12 +29,15 @@ METHODS = ("dflash",)
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    """What ``--speculative-config`` / ``LLM(speculative_config=...)`` name: the method, the drafter folder and the
-    drafts per pass (None: the drafter's ``block_size - 1``)."""
+    """What ``--speculative-config`` / ``LLM(speculative_config=...)`` name: the method, the drafter folder, the
+    drafts per pass (None: the drafter's ``block_size - 1``) and ``disable_by_batch_size`` (vLLM's key: with at
+    least this many requests running, passes skip the drafter and verify prompt-lookup drafts only; None: never).
+    """
 
     method: str
     model: str
     num_speculative_tokens: int | None = None
+    disable_by_batch_size: int | None = None
 
     @classmethod
     def parse(cls, raw: str | dict | SpeculativeConfig | None) -> SpeculativeConfig | None:
@@ -54,20 +57,25 @@ class SpeculativeConfig:
         if not isinstance(raw, dict):
             raise ValueError("speculative_config must be a JSON object such as "
                              '{"method": "dflash", "model": "PATH", "num_speculative_tokens": 7}')
-        unknown = sorted(set(raw) - {"method", "model", "num_speculative_tokens"})
+        unknown = sorted(set(raw) - set(cls.__dataclass_fields__))
         if unknown:
-            raise ValueError(f"speculative_config: unknown key(s) {', '.join(unknown)} (known: method, model, "
-                             "num_speculative_tokens)")
+            raise ValueError(f"speculative_config: unknown key(s) {', '.join(unknown)} (known: "
+                             f"{', '.join(cls.__dataclass_fields__)})")
         method = raw.get("method", "dflash")
         if method not in METHODS:
             raise ValueError(f"speculative_config method '{method}' is not supported (supported: {', '.join(METHODS)}"
                              "; prompt lookup is draft_source 'lookup')")
         if not isinstance(raw.get("model"), str) or not raw["model"]:
             raise ValueError("speculative_config needs 'model': the drafter's folder")
-        k = raw.get("num_speculative_tokens")
-        if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 1):
-            raise ValueError(f"speculative_config num_speculative_tokens must be a positive integer, got {k!r}")
-        return cls(method, raw["model"], k)
+        for key in ("num_speculative_tokens", "disable_by_batch_size"):
+            v = raw.get(key)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+                raise ValueError(f"speculative_config {key} must be a positive integer, got {v!r}")
+        return cls(method, raw["model"], raw.get("num_speculative_tokens"), raw.get("disable_by_batch_size"))
+
+    def to_json(self) -> str:
+        """The JSON string ``parse`` reads back (what crosses process boundaries: Ray workers, the CLI)."""
+        return json.dumps({k: getattr(self, k) for k in self.__dataclass_fields__})
 
 
 def check_drafter(drafter: DFlashDraftModel, target: torch.nn.Module, drafter_name: str = "the drafter",
@@ -116,16 +124,22 @@ class DFlashProposer:
         target: the causal target; its embedding table embeds the block and its head scores the drafts.
         num_speculative_tokens: drafts per pass (default ``block_size - 1``).
         name: how errors name the drafter (its folder).
+        disable_by_batch_size: with at least this many rows running, skip the drafter (None: never).
     """
 
     def __init__(self, drafter: DFlashDraftModel, target: torch.nn.Module, num_speculative_tokens: int | None = None,
-                 name: str = "the drafter") -> None:
+                 name: str = "the drafter", disable_by_batch_size: int | None = None) -> None:
         check_drafter(drafter, target, name, num_speculative_tokens)
         self.drafter, self.target, self.name = drafter, target, name
         self.block_size = drafter.config.block_size
         self.layer_ids = list(drafter.config.target_layer_ids)
         self.k = num_speculative_tokens or self.block_size - 1
+        self.disable_by_batch_size = disable_by_batch_size
         self.calls = 0  # drafter passes, all rows (a call drafts one row)
+
+    def enabled(self, running: int) -> bool:
+        """Whether passes with ``running`` rows draft with the drafter (``disable_by_batch_size``)."""
+        return self.disable_by_batch_size is None or running < self.disable_by_batch_size
 
     def capture(self) -> dict[int, torch.Tensor | None]:
         """The ``capture`` argument of a target pass: the layers whose outputs the drafter reads."""
@@ -185,7 +199,8 @@ def load_proposer(config: SpeculativeConfig, target: torch.nn.Module) -> DFlashP
     if not folder.is_dir():
         raise ValueError(f"drafter folder '{folder}' does not exist")
     drafter = load_dflash(folder, device=p.device, dtype=p.dtype)
-    return DFlashProposer(drafter, target, config.num_speculative_tokens, name=f"drafter '{folder.name}'")
+    return DFlashProposer(drafter, target, config.num_speculative_tokens, name=f"drafter '{folder.name}'",
+                          disable_by_batch_size=config.disable_by_batch_size)
 
 
 def attach(target: torch.nn.Module, proposer: DFlashProposer | None) -> None:

@@ -70,6 +70,7 @@ class StepEvent:
     finished: bool
     finish_reason: str | None = None
     nfe: int = 0
+    drafter_passes: int = 0  # a DFlash drafter's passes for the request so far
     steps: int = 0
     num_committed: int = 0
     canvas_ids: list[int] | None = None
@@ -313,6 +314,7 @@ class AsyncEngine:
         if request is not None:
             event.finish_reason = request.finish_reason if finished else None
             event.nfe, event.steps = request.nfe, request.num_steps
+            event.drafter_passes = request.drafter_passes
             event.num_committed = int((request.answer != request.mask_id).sum())
             if group.want_canvas:
                 event.canvas_ids = request.answer.tolist()

@@ -166,7 +166,7 @@ def denoise_details(details: DecodingDetails, steps: list[int | None], event: St
 def decoding_details(params: SamplingParams, event: StepEvent) -> DecodingDetails:
     """The ``celeris`` extension object of a choice after ``event``."""
     return DecodingDetails(
-        nfe=event.nfe, steps=event.steps,
+        nfe=event.nfe, drafter_passes=event.drafter_passes, steps=event.steps,
         tokens_per_forward=round(event.num_committed / event.nfe, 4) if event.nfe else 0.0,
         block_length=min(params.block_length, params.max_tokens), cache=params.cache, decoding=params.decoding,
         remasking=params.remasking,

@@ -299,7 +299,9 @@ class DecodingDetails(BaseModel):
     """Celeris extension on every choice (``choice.celeris``): how the answer was decoded.
 
     Attributes:
-        nfe: forward passes of the model for this choice (a CFG step counts 2).
+        nfe: forward passes of the model (the target, under verified decoding) for this choice (a CFG step
+            counts 2).
+        drafter_passes: passes of a DFlash drafter beside the target for this choice (0 without one).
         steps: denoising steps taken.
         tokens_per_forward: answer positions committed per forward pass (committed / nfe); far above
             1 means many tokens were decided by each pass (lower quality), except under ``verified``
@@ -309,6 +311,7 @@ class DecodingDetails(BaseModel):
     """
 
     nfe: int
+    drafter_passes: int = 0
     steps: int
     tokens_per_forward: float
     block_length: int

@@ -88,6 +88,7 @@ class ServeArgs(BaseModel):
     trust_remote_code: bool = False
     tokenizer: str | None = None
     chat_template: str | None = None
+    speculative_config: str | None = None  # a DFlash drafter beside the target (JSON, celeris.sampling.drafter)
     max_num_seqs: int = Field(8, ge=1)
     max_waiting: int = Field(64, ge=1)
     request_timeout: float = Field(60.0, gt=0)
@@ -234,7 +235,8 @@ class CelerisEngine:
                                                 enforce_eager=a.enforce_eager, trust_remote_code=a.trust_remote_code,
                                                 enable_prefix_caching=a.enable_prefix_caching,
                                                 max_model_len=a.max_model_len, tokenizer=a.tokenizer,
-                                                chat_template=a.chat_template)
+                                                chat_template=a.chat_template,
+                                                speculative_config=a.speculative_config)
         self.async_engine = self.serving.async_engine
         self.admitted = Counter("celeris_replica_generations", "Generations (prompts x n) this engine replica admitted",
                                 registry=self.serving.metrics.registry)
@@ -316,8 +318,8 @@ class ClusterIngress:
 
         a = self.args = ServeArgs.model_validate(args)
         llm = LLM(a.model, device="cpu", max_num_seqs=1, dtype=a.dtype, trust_remote_code=a.trust_remote_code,
-                  tokenizer=a.tokenizer, chat_template=a.chat_template,
-                  max_model_len=a.max_model_len)  # the replicas' context window, for validation
+                  tokenizer=a.tokenizer, chat_template=a.chat_template, speculative_config=a.speculative_config,
+                  max_model_len=a.max_model_len)  # the replicas' context window and defaults, for validation
         self.metrics = ClusterMetrics()
         streaming = engine.options(stream=True)
         self.remote = RemoteEngine(lambda inputs, canvas: streaming.generate.remote(inputs, canvas),

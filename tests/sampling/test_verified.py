@@ -108,7 +108,7 @@ def test_speculative_sampling_keeps_the_next_token_distribution(hybrid):
     assert 0 < sum(out.accepted) < sum(out.drafted)
     drafts_only = VerifiedDecoder(hybrid, 1, 16)  # what accepting every draft would give: the slots' marginal
     row = drafts_only.add(prompt, SamplingParams(max_tokens=2, steps=2))
-    slot = drafts_only._run(0, 1, fresh=True)[0, len(prompt)].double().softmax(-1)
+    slot = drafts_only._run(0, 1, fresh=True)[0][0, len(prompt)].double().softmax(-1)
     q_marginal = slot / slot.sum()
     assert row.k == K and 0.5 * float((q_marginal - exact).abs().sum()) > 3 * tv
 

@@ -12,7 +12,7 @@ from celeris.serve.serving import OpenAIServing
 
 @pytest.fixture(scope="module")
 def client():
-    serving = OpenAIServing.from_model(None, device="cpu", max_num_seqs=4, max_waiting=8)
+    serving = OpenAIServing.from_model("celeris-code-6m-hybrid", device="cpu", max_num_seqs=4, max_waiting=8)
     with BackgroundServer(create_app(serving)) as srv:
         yield openai.OpenAI(base_url=f"{srv.url}/v1", api_key="unused", max_retries=0, timeout=60), serving
 

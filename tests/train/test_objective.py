@@ -165,7 +165,7 @@ def test_hybrid_layout_equals_incremental_inference(make_model):
     for b in range(2):
         dec = VerifiedDecoder(model, 1, 32)
         dec.add(clean[b, :8].tolist(), SamplingParams(max_tokens=2, steps=2))
-        infer = dec._run(0, 1, fresh=True)[0, 8:12]
+        infer = dec._run(0, 1, fresh=True)[0][0, 8:12]
         keep = infer.isfinite()  # the decoder bans the mask and pad ids
         torch.testing.assert_close(infer[keep], train_logits[b][keep], rtol=1e-4, atol=1e-4)
 

@@ -1,0 +1,228 @@
+"""`celeris bench --prompt-set mt-bench,gsm8k`: a chat model's decoding systems on chat prompts, side by side.
+
+Prompt sets (through the model's chat template, one user turn): ``mt-bench`` (MT-Bench's first turns) and
+``gsm8k`` (GSM8K test questions; the drafter's training data holds out the first 300, which these are drawn from).
+Quick runs take the first ``num_prompts`` of each set (the fixed subset).
+
+Systems, each on the same prompts, output length and batch size, all at temperature 0:
+
+- ``target-next-token``: the target's own next-token decoding in the engine (the reference the others must equal);
+- ``target-lookup``: verified decoding with prompt-lookup drafts only;
+- ``dflash`` and ``dflash-lookup-first`` (with a DFlash drafter, ``--speculative-config`` or a drafter folder):
+  verified decoding with the drafter's drafts, with and without prompt lookup first, the drafter on at every
+  batch size; ``default`` when the drafter's ``disable_by_batch_size`` switches it off at some batch size;
+- ``transformers``: SmolLM2 through transformers' ``generate`` on the same weights (SmolLM2 targets only).
+
+Per system: tokens/s, TTFT, p50/p95 latency, tokens per target pass, drafter passes, acceptance per draft position,
+peak RSS, the answers' repetition share (a run of one token longer than 8) and distinct-2, and every greedy text
+that differs from ``target-next-token``'s with the float32 top-2 logit gap of the target at its first differing
+position (a gap below 1e-4 is a tie). The results resume per (system, prompt set, batch size) from ``bench.json``.
+The target's pass cost by width (1, 2, 4, 8, 16 columns after 128 cached tokens) at batch 1 and 8 is recorded.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+import torch
+
+from celeris.bench import smollm2
+from celeris.bench.quality import max_repeat_run
+from celeris.bench.run import conditions, draft_counts, run_system
+from celeris.data import gsm8k_questions, mt_bench_questions
+from celeris.llm import LLM
+from celeris.models.layers import KVCache
+from celeris.params import SamplingParams
+
+PROMPT_SETS = {"mt-bench": mt_bench_questions, "gsm8k": gsm8k_questions}
+
+
+@dataclass(slots=True)
+class ChatBenchConfig:
+    """Fixed conditions of one chat benchmark run (recorded in the JSON output)."""
+
+    model: str | None = None
+    prompt_sets: list[str] = field(default_factory=lambda: ["mt-bench", "gsm8k"])
+    max_tokens: int = 256
+    batch_sizes: list[int] = field(default_factory=lambda: [1, 8])
+    num_prompts: int = 24
+    warmup: int = 1
+    out_dir: str = "bench-results"
+    smollm2: bool = True
+    dtype: str | None = None
+    max_model_len: int | None = None
+    speculative_config: str | None = None
+    tokenizer: str | None = None
+    chat_template: str | None = None
+
+    def __post_init__(self) -> None:
+        unknown = [s for s in self.prompt_sets if s not in PROMPT_SETS]
+        if unknown:
+            raise ValueError(f"unknown prompt set(s) {', '.join(unknown)} (known: humaneval, {', '.join(PROMPT_SETS)})")
+        if not self.batch_sizes or min(self.batch_sizes) < 1 or self.num_prompts < 1 or self.max_tokens < 1:
+            raise ValueError("batch sizes, num_prompts and max_tokens must be >= 1")
+
+
+def distinct_2(outputs: list[list[int]]) -> float:
+    """Distinct bigrams over all bigrams of the answers (Li et al. 2016, "distinct-n"): 1.0 never repeats."""
+    pairs = [(a, b) for o in outputs for a, b in zip(o, o[1:], strict=False)]
+    return round(len(set(pairs)) / len(pairs), 4) if pairs else 0.0
+
+
+@torch.no_grad()
+def mismatches(llm: LLM, prompts: list[list[int]], outputs: list[list[int]], reference: list[list[int]]) -> list[dict]:
+    """Each answer that differs from the reference's: its index, the first differing position and the target's
+    float32 top-2 logit gap there (below 1e-4: a tie that float rounding may break either way)."""
+    found = []
+    for i, (p, o, r) in enumerate(zip(prompts, outputs, reference, strict=True)):
+        j = next((j for j, (a, b) in enumerate(zip(o, r, strict=False)) if a != b), min(len(o), len(r)))
+        if o == r:
+            continue
+        ids = torch.tensor([p + r[:j]], device=llm.device)
+        logits = llm.model.logits(llm.model.hidden_states(ids)[0, -1]).float()  # (V,): the next token
+        top = logits.topk(2).values
+        found.append({"prompt": i, "position": j, "top2_gap": round(float(top[0] - top[1]), 6)})
+    return found
+
+
+@torch.no_grad()
+def pass_cost_by_width(model: torch.nn.Module, batch: int, widths: tuple[int, ...] = (1, 2, 4, 8, 16),
+                       prefix: int = 128, repeats: int = 10) -> dict[str, float]:
+    """Median ms of one cached pass (logits included) of ``w`` new columns after ``prefix`` cached tokens, ``batch``
+    rows: what a verified pass of w - 1 drafts costs against a next-token pass (w = 1)."""
+    import statistics
+    import time
+
+    device = next(model.parameters()).device
+    ids = torch.randint(3, model.config.vocab_size, (batch, prefix + max(widths)), device=device)
+    cache = KVCache()
+    model.hidden_states(ids, None, cache)
+    out = {}
+    for w in widths:
+        times = []
+        for _ in range(repeats + 2):
+            start = time.perf_counter()
+            model.logits(model.hidden_states(ids, None, cache, (prefix, prefix + w)))
+            times.append(time.perf_counter() - start)
+        out[str(w)] = round(1000 * statistics.median(times[2:]), 2)
+    return out
+
+
+def systems(llm: LLM, max_tokens: int) -> list[tuple[str, SamplingParams | None, int | None]]:
+    """(name, params, the drafter's disable_by_batch_size during it) per system; params None: transformers."""
+    base = llm.default_params(max_tokens=max_tokens, temperature=0.0)
+    plain = replace(base, decoding=SamplingParams.__dataclass_fields__["decoding"].default)
+    verified = replace(base, decoding="verified")
+    out = [("target-next-token", plain, None), ("target-lookup", replace(verified, draft_source="lookup"), None)]
+    if llm.proposer is not None:
+        policy = llm.proposer.disable_by_batch_size
+        out += [("dflash", replace(verified, draft_source="dflash"), None),
+                ("dflash-lookup-first", replace(verified, draft_source="lookup_first"), None)]
+        if policy is not None:
+            out.append(("default", replace(verified, draft_source="lookup_first"), policy))
+    return out
+
+
+def run_chat_bench(cfg: ChatBenchConfig) -> dict:
+    """Run every system on every prompt set and batch size, resuming from ``out_dir/bench.json``; returns the
+    results (written after every system).
+
+    Raises:
+        ValueError: an unknown prompt set; a model without a chat template.
+    """
+    out = Path(cfg.out_dir)
+    llm = LLM(cfg.model, max_num_seqs=max(cfg.batch_sizes), dtype=cfg.dtype, max_model_len=cfg.max_model_len,
+              speculative_config=cfg.speculative_config, tokenizer=cfg.tokenizer, chat_template=cfg.chat_template)
+    if not llm.tokenizer.chat_template:
+        raise ValueError(f"model '{llm.name}' has no chat template; the chat prompt sets need one")
+    previous = json.loads((out / "bench.json").read_text()) if (out / "bench.json").is_file() else {}
+    same = previous.get("config") == asdict(cfg)
+    results = {"config": asdict(cfg), "runs": previous.get("runs", []) if same else [], "notes": []}
+    done = {(r["system"], r["prompt_set"], r["batch_size"]) for r in results["runs"]}
+    smol = smollm2.load_smollm2(llm.device) if cfg.smollm2 and smollm2.is_smollm2(llm) and not \
+        smollm2.unavailable_reason() else None
+    for name in cfg.prompt_sets:
+        texts = PROMPT_SETS[name]()[: cfg.num_prompts]
+        prompts = [llm.tokenizer.encode_chat([{"role": "user", "content": t}]) for t in texts]
+        results["conditions"] = conditions(cfg, llm, [len(p) for p in prompts])  # type: ignore[arg-type]
+        for batch_size in cfg.batch_sizes:
+            batches = [prompts[i : i + batch_size] for i in range(0, len(prompts), batch_size)]
+            reference = None
+            plan = systems(llm, cfg.max_tokens) + ([("transformers", None, None)] if smol is not None else [])
+            for system, params, policy in plan:
+                key = (system, name, batch_size)
+                if key in done:
+                    if system == "target-next-token":
+                        reference = next(r for r in results["runs"] if (r["system"], r["prompt_set"],
+                                                                        r["batch_size"]) == key)["outputs"]
+                    continue
+                results["runs"].append(run_one(llm, smol, system, params, policy, batches, cfg, reference))
+                results["runs"][-1].update(prompt_set=name, batch_size=batch_size)
+                if system == "target-next-token":
+                    reference = results["runs"][-1]["outputs"]
+                write(results, out)
+    if "pass_cost_ms_by_width" not in previous or not same:
+        results["pass_cost_ms_by_width"] = {f"batch {b}": pass_cost_by_width(llm.model, b) for b in (1, 8)}
+    else:
+        results["pass_cost_ms_by_width"] = previous["pass_cost_ms_by_width"]
+    write(results, out)
+    return results
+
+
+def run_one(llm: LLM, smol, system: str, params: SamplingParams | None, policy: int | None,  # noqa: ANN001
+            batches: list[list[list[int]]], cfg: ChatBenchConfig, reference: list[list[int]] | None) -> dict:
+    """One system over every batch: run_system's timings plus drafter passes, acceptance and answer quality."""
+    proposer = llm.proposer
+    if proposer is not None:
+        saved, proposer.disable_by_batch_size = proposer.disable_by_batch_size, policy
+    calls, before = (proposer.calls if proposer else 0), draft_counts(llm)
+
+    def decode(batch):
+        if params is None:
+            texts = [llm.tokenizer.decode(p, skip_special_tokens=False) for p in batch]
+            ids, nfe, ttft = smollm2.generate_hf(*smol, texts, cfg.max_tokens)
+            return ids, nfe, [ttft] * len(batch)
+        reqs = [llm.engine.add_request(p, llm.fit_max_tokens(params, len(p))) for p in batch]
+        while llm.engine.has_unfinished():
+            llm.engine.step()
+        outs = [llm.to_output("", r) for r in reqs]
+        return [o.token_ids for o in outs], [o.nfe for o in outs], [o.ttft_s for o in outs]
+
+    try:
+        run = run_system(system, decode, batches, cfg.warmup)
+    finally:
+        if proposer is not None:
+            proposer.disable_by_batch_size = saved
+    after = draft_counts(llm)
+    before = before or [(0, 0)] * len(after)
+    run["drafter_passes"] = (proposer.calls - calls) if proposer else 0
+    run["draft_acceptance"] = [round((a - a0) / (d - d0), 4) if d > d0 else None
+                               for (d0, a0), (d, a) in zip(before, after, strict=False)]
+    outputs = run["outputs"]
+    run["ended_share"] = round(sum(len(o) < cfg.max_tokens for o in outputs) / len(outputs), 4)
+    run["repetition_share"] = round(sum(max_repeat_run(o) > 8 for o in outputs) / len(outputs), 4)
+    run["distinct_2"] = distinct_2(outputs)
+    if reference is not None and params is not None:
+        prompts = [p for b in batches for p in b]
+        run["mismatches"] = mismatches(llm, prompts, outputs, reference)
+    return run
+
+
+def write(results: dict, out: Path) -> None:
+    """bench.json, atomically (a temporary file replaced)."""
+    out.mkdir(parents=True, exist_ok=True)
+    tmp = out / "bench.json.tmp"
+    tmp.write_text(json.dumps(results, indent=1) + "\n")
+    tmp.replace(out / "bench.json")
+
+
+def format_chat_table(results: dict) -> str:
+    cols = ["system", "prompt_set", "batch_size", "tokens_per_s", "ttft_mean_s", "latency_p50_s", "latency_p95_s",
+            "tokens_per_forward", "drafter_passes", "ended_share", "repetition_share", "distinct_2", "peak_rss_mb"]
+    rows = [cols] + [[str(r.get(c, "")) for c in cols] + [str(len(r.get("mismatches", [])))]
+                     for r in results["runs"]]
+    rows[0] = cols + ["mismatches"]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)) for row in rows)
