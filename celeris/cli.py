@@ -156,9 +156,18 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--data", required=True, help="corpus folder from `celeris data stdlib`")
     t.add_argument("--out", required=True, help="run folder: checkpoints, history (resumes if present)")
     t.add_argument("--export", help="write a checkpoint folder here at the end")
-    t.add_argument("--objective", default="diffusion", choices=["diffusion", "ar", "hybrid"],
-                   help="diffusion (masked, from scratch), ar (next-token), or hybrid (adapt a causal --init model "
-                        "to draft blocks in parallel and verify with its next-token head)")
+    t.add_argument("--objective", default="diffusion", choices=["diffusion", "ar", "hybrid", "dflash"],
+                   help="diffusion (masked, from scratch), ar (next-token), hybrid (adapt a causal --init model "
+                        "to draft blocks in parallel and verify with its next-token head), or dflash (a DFlash "
+                        "drafter for a frozen --target, on data from scripts/drafter_data.py; celeris.train.dflash)")
+    t.add_argument("--target", help="dflash: the frozen target (smollm2-135m-instruct, or a transformers folder)")
+    t.add_argument("--heldout", help="dflash: held-out rows (scripts/drafter_data.py --heldout) for the acceptance "
+                   "curve")
+    t.add_argument("--draft-layers", type=int, default=1, help="dflash: drafter layers")
+    t.add_argument("--target-layer-ids", default="1,15,27", help="dflash: target layers the drafter reads")
+    t.add_argument("--mask-token-id", type=int, default=16, help="dflash: the block's mask id (a target id)")
+    t.add_argument("--draft-vocab", type=int, default=0, help="dflash: a pruned draft vocabulary of this many "
+                   "ids (0: the target's whole vocabulary)")
     t.add_argument("--init", help="hybrid: causal checkpoint to start from (name or folder), e.g. celeris-code-6m-ar")
     t.add_argument("--block-size", type=int, default=4, help="hybrid: drafting block length (tokens)")
     t.add_argument("--full-mask-prob", type=float, default=0.5, help="hybrid: share of fully masked noisy blocks")
@@ -337,9 +346,46 @@ def cmd_chat(args: argparse.Namespace) -> int:
     return 0
 
 
+def _train_dflash(args: argparse.Namespace) -> int:
+    """``celeris train --objective dflash``: ``celeris.train.dflash`` with the CLI's flags."""
+    from celeris.train import dflash
+
+    if not args.target or not args.heldout:
+        raise UsageError("--objective dflash needs --target and --heldout (see docs/training.md)")
+    target = Path(args.target)
+    if args.target == "smollm2-135m-instruct":
+        from celeris.bench.smollm2 import hf_folder
+
+        target = hf_folder()  # the wheel's GGUF as a transformers folder, converted once into the cache
+    for folder, flag in ((Path(args.data), "--data"), (Path(args.heldout), "--heldout")):
+        if not (folder / "answers.jsonl").is_file():
+            raise UsageError(f"{flag} {folder} has no answers.jsonl; build it with scripts/drafter_data.py")
+    if not (target / "config.json").is_file() or not (target / "model.safetensors").is_file():
+        raise UsageError(f"--target {args.target}: give smollm2-135m-instruct or a folder with config.json and "
+                         "model.safetensors")
+    first = json.loads((Path(args.data) / "answers.jsonl").read_text().splitlines()[0])
+    stored = ",".join(str(i) for i in first.get("layer_ids", [1, 15, 27]))  # the target layers the shards hold
+    block = 8 if args.block_size == 4 else args.block_size  # the hybrid's default 4 is not DFlash's
+    argv = ["--data", args.data, "--heldout", args.heldout, "--target", str(target), "--out", args.out,
+            "--draft-layers", str(args.draft_layers), "--block-size", str(block), "--target-layer-ids",
+            args.target_layer_ids, "--stored-layer-ids", stored, "--mask-token-id", str(args.mask_token_id),
+            "--draft-vocab", str(args.draft_vocab),
+            "--lr", str(args.lr if args.lr != 1.5e-3 else 1e-3), "--max-steps", str(args.max_steps),
+            "--batch-size", str(args.batch_size if args.batch_size != 8 else 4), "--seed", str(args.seed),
+            "--threads", str(args.threads or 1), "--eval-every", str(args.eval_every)]
+    dflash.main(argv)
+    if args.export:
+        import shutil
+
+        shutil.copytree(Path(args.out) / "export", args.export, dirs_exist_ok=True)
+    return 0
+
+
 def cmd_train(args: argparse.Namespace) -> int:
     from celeris.train.loop import TrainConfig, train
 
+    if args.objective == "dflash":
+        return _train_dflash(args)
     if not (Path(args.data) / "train.bin").is_file():
         raise UsageError(f"--data {args.data} has no train.bin; build it with `celeris data stdlib --out {args.data}`")
     model = {"hidden_size": args.hidden_size, "num_layers": args.num_layers, "num_heads": args.num_heads,

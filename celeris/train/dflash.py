@@ -312,8 +312,8 @@ def main(argv: list[str] | None = None) -> None:
             save_dflash(model, args.out / "export")
             if (args.data / "answers.jsonl").stat().st_size != data_size:  # the data job is still writing: take new rows
                 data_size = (args.data / "answers.jsonl").stat().st_size
-                data_size = (args.data / "answers.jsonl").stat().st_size
-    rows = load_rows(args.data, layer_ids, stored)
+                rows = load_rows(args.data, layer_ids, stored)
+                print(f"{len(rows)} training rows", flush=True)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,56 @@
+"""`celeris train --objective dflash` end to end on a tiny transformers target: it trains, checkpoints, measures
+the acceptance curve, resumes, and exports a drafter folder that loads beside the target and decodes losslessly."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from celeris.cli import main
+
+
+def write_rows(folder, ids_list, prompt_len, width, layer_ids):
+    """Rows in scripts/drafter_data.py's layout: one shard of ids_i / feat_i and answers.jsonl naming them."""
+    folder.mkdir()
+    g = torch.Generator().manual_seed(len(ids_list))
+    tensors, lines = {}, []
+    for i, ids in enumerate(ids_list):
+        tensors[f"ids_{i}"] = torch.tensor(ids, dtype=torch.int32)
+        tensors[f"feat_{i}"] = torch.randn((len(ids) - 1, width), generator=g).half()
+        lines.append(json.dumps({"id": f"r{i}", "shard": "shard-000000.safetensors", "row": i,
+                                 "prompt_len": prompt_len, "layer_ids": layer_ids}))
+    save_file(tensors, folder / "shard-000000.safetensors")
+    (folder / "answers.jsonl").write_text("\n".join(lines) + "\n")
+
+
+@pytest.mark.slow  # transformers' import and a save_pretrained: ~12 s
+def test_train_dflash_checkpoints_resumes_and_exports_a_drafter_that_loads(tmp_path, capsys):
+    from celeris.llm import LLM
+    from celeris.sampling.autoregressive import generate_autoregressive
+    from tests.models.conftest_causal import tiny_causal
+
+    tiny_causal("llama", tmp_path / "target")  # 2 layers, hidden 32, saved by save_pretrained
+    g = torch.Generator().manual_seed(0)
+    rows = [torch.randint(5, 200, (24,), generator=g).tolist() for _ in range(6)]
+    write_rows(tmp_path / "data", rows, 6, 3 * 32, [0, 1, 1])
+    write_rows(tmp_path / "held", rows[:2], 6, 3 * 32, [0, 1, 1])
+    argv = ["train", "--objective", "dflash", "--target", str(tmp_path / "target"), "--data", str(tmp_path / "data"),
+            "--heldout", str(tmp_path / "held"), "--out", str(tmp_path / "run"), "--target-layer-ids", "0,1",
+            "--mask-token-id", "3", "--block-size", "4", "--max-steps", "4", "--eval-every", "2",
+            "--export", str(tmp_path / "drafter")]
+    assert main(argv) == 0, capsys.readouterr().err
+    history = [json.loads(x) for x in (tmp_path / "run" / "history.jsonl").read_text().splitlines()]
+    assert [h["step"] for h in history] == [0, 2, 4] and all(h["tau"] >= 1.0 for h in history)
+    assert main([*argv[:-2], "--max-steps", "6"]) == 0  # resumes at step 4 from last.pt
+    assert "resumed at step 4" in capsys.readouterr().out
+    assert json.loads((tmp_path / "run" / "history.jsonl").read_text().splitlines()[-1])["step"] == 6
+    llm = LLM(str(tmp_path / "target"), speculative_config={"model": str(tmp_path / "drafter")})
+    prompt = [5, 9, 11, 40]
+    params = llm.default_params(max_tokens=10, temperature=0.0)
+    assert params.decoding == "verified" and params.draft_source == "lookup_first"
+    out = llm.generate([prompt], params)[0]
+    want = generate_autoregressive(llm.model, [prompt], llm.default_params(max_tokens=10, decoding="fixed"))
+    assert out.token_ids == want.token_ids[0] and llm.proposer.calls > 0
