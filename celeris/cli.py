@@ -203,8 +203,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--lengths", default="64,128,256", help="comma-separated output lengths")
     b.add_argument("--batch-sizes", default="1", help="comma-separated batch sizes (prompts decoded together)")
     b.add_argument("--num-prompts", type=int, default=8, help="first N prompts of each set")
-    b.add_argument("--prompt-set", default="humaneval", help="humaneval (code completions), or comma-separated chat "
-                   "sets through the chat template: mt-bench, gsm8k (celeris.bench.chat; one --lengths value)")
+    b.add_argument("--prompt-set", help="humaneval (code completions), or comma-separated chat sets through the chat "
+                   "template: mt-bench, gsm8k (celeris.bench.chat; one --lengths value). Default: mt-bench,gsm8k for "
+                   "a model with a drafter (the default model), else humaneval")
     b.add_argument("--warmup", type=int, default=1, help="untimed batches per system and length")
     b.add_argument("--prompts", help="HumanEval JSONL(.gz) file (default: the HumanEval set shipped in celeris/data)")
     b.add_argument("--out", default="bench-results", help="folder for bench.json and tokens_per_s.png")
@@ -426,9 +427,11 @@ def bench_ar_model(model: str | None, ar_model: str | None) -> str | None:
     Raises:
         CheckpointError: the chosen folder does not exist.
     """
-    from celeris.llm import check_model, resolve_model
+    from celeris.llm import EMBEDDED, check_model, resolve_model
 
-    if ar_model is None and resolve_model(model).resolve() == resolve_model(None).resolve():
+    path = resolve_model(model).resolve()
+    code_model = path.parent == Path(EMBEDDED).resolve() and path.name.startswith("celeris-code-6m")
+    if ar_model is None and code_model and path.name != EMBEDDED_AR:  # the embedded code models share one tokenizer
         ar_model = EMBEDDED_AR if resolve_model(EMBEDDED_AR).is_dir() else None  # a name: no machine path
     ar_model = None if ar_model == "none" else ar_model
     if ar_model:
@@ -460,6 +463,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     if args.prompts is not None:
         existing(args.prompts, "a HumanEval JSONL(.gz) file", "--prompts")
+    if args.prompt_set is None:
+        from celeris.llm import resolve_model
+        from celeris.models.catalog import read_pairing
+
+        drafter = args.speculative_config or args.speculative_model or read_pairing(resolve_model(args.model))
+        args.prompt_set = "mt-bench,gsm8k" if drafter else "humaneval"
     if args.prompt_set != "humaneval":
         return _chat_bench(args)
     ar_model = bench_ar_model(args.model, args.ar_model)
