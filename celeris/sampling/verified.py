@@ -279,8 +279,8 @@ class VerifiedDecoder:
     a pass of another shape they may differ by float rounding only).
 
     With a DFlash drafter (``proposer``, default the one ``attach`` put beside the model), each pass also keeps
-    the target's hidden states at the drafter's layers; the prefix cache is then not used (a cached prefix has no
-    hidden states for the drafter's context).
+    the target's hidden states at the drafter's layers; the prefix cache then also keeps a cached prefix's target
+    features (the drafter's context), and a prefix is reused as far as both reach.
 
     Args:
         model: a causal model with a KV cache.
@@ -310,7 +310,9 @@ class VerifiedDecoder:
         self.num_prefilled = 0  # rows [0, num_prefilled) have been through their first pass
         self.drafted, self.accepted = [0] * self.k, [0] * self.k  # grow when a row checks more drafts
         self.nfe = 0
-        self.prefix_cache = PrefixCache(prefix_cache_tokens) if prefix_cache_tokens and not self.proposer else None
+        self.prefix_cache = PrefixCache(prefix_cache_tokens) if prefix_cache_tokens else None
+        # with a drafter: the target features of cached prefixes, (1, 1, BLOCK_SIZE, n * d) per block
+        self.feature_cache = PrefixCache(prefix_cache_tokens) if prefix_cache_tokens and self.proposer else None
 
     @property
     def pool_bytes(self) -> int:
@@ -351,7 +353,13 @@ class VerifiedDecoder:
                        draft_state=DraftState() if self.proposer else None)
         if self.prefix_cache is not None:  # copy the cached prefix's keys/values into the row's pool row
             row.num_cached, kv = self.prefix_cache.lookup(row.prompt_ids)
-            if kv is not None:
+            if self.feature_cache is not None:  # the drafter's context for that prefix, as far as it reaches
+                n, feats = self.feature_cache.lookup(row.prompt_ids)
+                row.num_cached = min(row.num_cached, n)
+                if row.num_cached:
+                    self.proposer.queue(row.draft_state, feats[0, 0, : row.num_cached])
+                    kv = kv[:, :, : row.num_cached]
+            if kv is not None and row.num_cached:
                 for t, block in zip((*self.keys, *self.values), kv, strict=True):
                     t[len(self.rows), :, : row.num_cached] = block
         self.tokens[len(self.rows), : len(prompt_ids)] = torch.tensor(prompt_ids, dtype=torch.long)
@@ -404,6 +412,7 @@ class VerifiedDecoder:
         capture = self.proposer.capture() if self.proposer else None
         logits = _forward(self.model, self.tokens[lo:hi].gather(1, columns), cache, columns, mask, first,
                           capture).float()
+        feats = DFlashProposer.features(capture) if capture else None  # (hi - lo, Lw, n * d)
         if fresh:
             for pool, new in zip((*self.keys, *self.values), (*cache.keys, *cache.values), strict=True):
                 pool[lo:hi, :, :length] = new
@@ -413,9 +422,11 @@ class VerifiedDecoder:
                     if b > a:
                         kv = torch.stack([t[j, :, a:b] for t in (*cache.keys, *cache.values)])  # (2 * layers, H, b - a, D)
                         self.prefix_cache.insert(r.prompt_ids, kv, a)
+                        if self.feature_cache is not None:  # the row's columns start at a (its cached prefix)
+                            self.feature_cache.insert(r.prompt_ids, feats[j, None, None, : b - a], a)
         logits[..., self.banned] = NEG_INF
         self.nfe += 1
-        return logits, (DFlashProposer.features(capture) if capture else None)
+        return logits, feats
 
     def step(self) -> list[tuple[DraftRow, list[int]]]:
         """One pass for the rows already prefilled and one prefill pass for new rows (each only if any).

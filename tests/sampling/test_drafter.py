@@ -211,3 +211,26 @@ def test_bad_speculative_configs_are_one_clear_line(raw, words):
     with pytest.raises(ValueError, match=words):
         SpeculativeConfig.parse(raw)
     assert SpeculativeConfig.parse('{"model": "d", "num_speculative_tokens": 3}') == SpeculativeConfig("dflash", "d", 3)
+
+
+def test_the_prefix_cache_keeps_the_drafters_context_features(target, trained):
+    """A prompt whose first 32 tokens another prompt prefilled reuses their keys/values and their target features:
+    the same tokens and acceptance lengths as without the cache."""
+    shared = [(7 * i) % 50 + 4 for i in range(32)]
+    prompts = [shared + [5, 6], shared + [9, 10, 11]]
+
+    def run(prefix_cache_tokens):
+        dec = VerifiedDecoder(target, 2, 96, prefix_cache_tokens, proposer=DFlashProposer(trained, target))
+        params = SamplingParams(max_tokens=16, early_exit=False, decoding="verified", draft_source="dflash")
+        first = dec.add(prompts[0], params)
+        dec.step()  # its prefill caches the shared blocks
+        second = dec.add(prompts[1], params)
+        while not (first.finished and second.finished):
+            dec.step()
+        return dec, [first.answer, second.answer], [first.acceptance_lengths, second.acceptance_lengths]
+
+    cached, answers, lengths = run(1024)
+    assert cached.prefix_cache.hit_tokens == 32 and cached.feature_cache.hit_tokens == 32
+    _, plain_answers, plain_lengths = run(0)
+    assert answers == plain_answers == [greedy(target, p, 16) for p in prompts]
+    assert lengths == plain_lengths
