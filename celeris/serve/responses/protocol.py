@@ -17,7 +17,7 @@ from __future__ import annotations
 import uuid
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Discriminator, Field, Tag
+from pydantic import AfterValidator, BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator
 
 from celeris.serve.protocol import (
     MAX_SEED,
@@ -113,16 +113,16 @@ class FunctionCallOutputItem(StrictModel):
         return self.output if isinstance(self.output, str) else "".join(p.text for p in self.output)
 
 
-def _item_type(value: Any) -> str:
-    if isinstance(value, dict):
-        return value.get("type", "message")
-    return getattr(value, "type", "message")
+def _item_tag(value: Any) -> str:
+    # "<type> item": not an identifier, so an error's param skips it (``input[0].arguments``)
+    kind = value.get("type", "message") if isinstance(value, dict) else getattr(value, "type", "message")
+    return f"{kind} item"
 
 
 InputItem = Annotated[
-    Annotated[MessageItem, Tag("message")] | Annotated[FunctionCallItem, Tag("function_call")]
-    | Annotated[FunctionCallOutputItem, Tag("function_call_output")],
-    Discriminator(_item_type),
+    Annotated[MessageItem, Tag("message item")] | Annotated[FunctionCallItem, Tag("function_call item")]
+    | Annotated[FunctionCallOutputItem, Tag("function_call_output item")],
+    Discriminator(_item_tag),
 ]
 
 
@@ -173,7 +173,8 @@ class ResponsesRequest(SamplingExtensions):
     """
 
     model: str | None = None
-    input: NonEmptyStr | Annotated[list[InputItem], Field(min_length=1)]
+    # the list first, so its errors name the item (``input[0].arguments``); "" is refused before (``_non_empty``)
+    input: Annotated[list[InputItem], Field(min_length=1)] | str
     instructions: str | None = None
     max_output_tokens: int | None = Field(default=None, ge=1)
     temperature: float | None = None
@@ -197,6 +198,13 @@ class ResponsesRequest(SamplingExtensions):
     reasoning: None = None
     background: Literal[False] | None = None
     conversation: None = None
+
+    @field_validator("input", mode="before")
+    @classmethod
+    def _non_empty(cls, value: Any) -> Any:
+        if value == "":
+            raise ValueError("must not be empty")
+        return value
 
 
 def _refused_tool(i: int, tool: Any) -> tuple[str, str] | None:
