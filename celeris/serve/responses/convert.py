@@ -19,6 +19,7 @@ from celeris.serve.responses.protocol import (
     FunctionCallOutputItem,
     IncompleteDetails,
     MessageItem,
+    NamedFunctionChoice,
     OutputFunctionCall,
     OutputItem,
     OutputMessage,
@@ -79,6 +80,8 @@ def chat_body(request: ResponsesRequest, items: list[Item]) -> dict:
         body["tool_choice"] = choice if isinstance(choice, str) else {"type": "function",
                                                                        "function": {"name": choice.name}}
     fmt = request.text.format if request.text is not None else None
+    if request.tools and (choice == "required" or isinstance(choice, NamedFunctionChoice)):
+        fmt = None  # the answer is calls only, so the format of a message cannot apply (OpenAI accepts both)
     if fmt is not None and fmt.type == "json_schema":
         if fmt.json_schema is None or fmt.name is None:
             missing = "schema" if fmt.json_schema is None else "name"
@@ -100,8 +103,10 @@ def responses_error(exc: APIError) -> APIError:
         head = re.split(r"[.\[]", param, maxsplit=1)[0]
         if head in CHAT_TO_RESPONSES:
             param = CHAT_TO_RESPONSES[head] + param[len(head):]
-        param = re.sub(r"^(tools\[\d+\])\.function\.", r"\1.", param)
+        param = re.sub(r"^(tools\[\d+\])\.function\.", r"\1.", param).replace("text.format.json_schema.",
+                                                                                "text.format.")
     message = _CHAT_NAMES.sub(lambda m: CHAT_TO_RESPONSES[m.group(1)], exc.message)
+    message = message.replace("text.format.json_schema.", "text.format.")
     message = message.replace("the messages (rendered", "the input (rendered")
     return APIError(exc.status_code, message, type=exc.type, param=param, code=exc.code, headers=exc.headers)
 
