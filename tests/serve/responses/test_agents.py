@@ -62,7 +62,8 @@ def run_agent(url: str, streamed: bool) -> tuple[list[Query], object]:
     return calls, asyncio.run(go())
 
 
-@pytest.mark.parametrize("streamed", [False, pytest.param(True, marks=pytest.mark.slow)])
+@pytest.mark.slow  # ~7 s: two turns of 160 tokens under grammars
+@pytest.mark.parametrize("streamed", [False, True])
 def test_openai_agents_completes_a_tool_loop_on_the_responses_api(rserver, streamed):
     calls, result = run_agent(rserver.url, streamed)
     assert calls and all(isinstance(c, Query) and isinstance(c.place, Place) for c in calls)

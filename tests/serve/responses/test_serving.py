@@ -142,6 +142,7 @@ def test_a_stream_reassembles_to_the_non_streamed_answer(rclient):
     assert rclient.responses.retrieve(final.id).output_text == text  # a stream is stored too
 
 
+@pytest.mark.slow  # ~4 s: four answers under grammars
 def test_a_streamed_schema_answer_and_tool_call(rclient):
     fields = {"input": QUESTION, "text_format": Person, "max_output_tokens": 96, "temperature": 0.7,
               "extra_body": {"seed": 0}}
