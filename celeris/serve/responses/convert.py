@@ -142,8 +142,7 @@ def base_response(request: ResponsesRequest, model: str) -> ResponseObject:
         created_at=int(time.time()), status="in_progress", model=model, instructions=request.instructions,
         max_output_tokens=request.max_output_tokens, temperature=request.temperature, top_p=request.top_p,
         tools=[t.model_dump(exclude_none=True) for t in request.tools or []],
-        tool_choice=(choice if isinstance(choice, str) else choice.model_dump()) if choice is not None else
-        ("auto" if request.tools else "none"),
+        tool_choice=(choice if isinstance(choice, str) else choice.model_dump()) if choice is not None else "auto",
         parallel_tool_calls=request.parallel_tool_calls is not False, text=text,
         previous_response_id=request.previous_response_id, store=request.store, metadata=request.metadata or {},
         user=request.user)
