@@ -87,3 +87,19 @@ def test_the_api_key_guards_the_routes(responses_llm):
         client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="secret", max_retries=0)
         r = client.responses.create(model=MODEL_NAME, input="hi", max_output_tokens=2)
         assert client.responses.retrieve(r.id).id == r.id
+
+
+def test_model_picks_the_served_model_behind_a_router(responses_llm):
+    from celeris.serve.metrics import ServerMetrics
+    from celeris.serve.router import ModelRouter
+    from celeris.serve.serving import OpenAIServing
+
+    metrics = ServerMetrics()
+    router = ModelRouter([OpenAIServing(responses_llm, served_model_name=name, metrics=metrics)
+                          for name in ("first", "second")])
+    with BackgroundServer(create_app(router)) as srv:
+        client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="unused", max_retries=0, timeout=30)
+        assert client.responses.create(model="second", input="hi", max_output_tokens=2).model == "second"
+        assert client.responses.create(input="hi", max_output_tokens=2).model == "first"  # the default
+        with pytest.raises(openai.NotFoundError):
+            client.responses.create(model="third", input="hi", max_output_tokens=2)
