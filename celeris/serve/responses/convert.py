@@ -144,7 +144,7 @@ def base_response(request: ResponsesRequest, model: str) -> ResponseObject:
         tools=[t.model_dump(exclude_none=True) for t in request.tools or []],
         tool_choice=(choice if isinstance(choice, str) else choice.model_dump()) if choice is not None else "auto",
         parallel_tool_calls=request.parallel_tool_calls is not False, text=text,
-        previous_response_id=request.previous_response_id, store=request.store, metadata=request.metadata or {},
+        previous_response_id=request.previous_response_id, store=request.store is not False, metadata=request.metadata or {},
         user=request.user)
 
 

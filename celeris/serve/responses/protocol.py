@@ -185,7 +185,7 @@ class ResponsesRequest(SamplingExtensions):
     parallel_tool_calls: bool | None = None
     text: TextConfig | None = None
     stream: bool = False
-    store: bool = True
+    store: bool | None = None  # None: true, OpenAI's default
     previous_response_id: NonEmptyStr | None = None
     metadata: Annotated[dict[str, str] | None, AfterValidator(_metadata)] = None
     # accepted and ignored

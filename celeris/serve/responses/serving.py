@@ -39,7 +39,7 @@ class ResponsesServing:
 
     def __init__(self, serving, store: ResponseStore | None = None) -> None:
         self.serving = serving
-        self.store = store or ResponseStore()
+        self.store = store if store is not None else ResponseStore()  # an empty store is falsy (len 0)
 
     def conversation(self, request: ResponsesRequest) -> list[Item]:
         """The conversation the answer continues: the stored one of ``previous_response_id``, then ``input``.
@@ -92,5 +92,5 @@ class ResponsesServing:
         return {"id": response_id, "object": "response", "deleted": True}
 
     def _keep(self, request: ResponsesRequest, items: list[Item], final: ResponseObject) -> None:
-        if request.store:
+        if request.store is not False:
             self.store.put(final, [*items, *as_input_items(final.output)])

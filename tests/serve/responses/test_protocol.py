@@ -26,7 +26,7 @@ def test_the_fields_the_sdk_sends_at_neutral_values_are_accepted():
     r = parse(include=[], truncation="disabled", reasoning=None, prompt_cache_key="k", service_tier="auto",
               user="u", background=False, conversation=None, store=False, metadata={"a": "b"})
     assert r.store is False and r.metadata == {"a": "b"}
-    assert parse().store is True  # OpenAI's default
+    assert parse().store is None and parse(store=None).store is None  # true, OpenAI's default
 
 
 @pytest.mark.parametrize(("fields", "param"), [

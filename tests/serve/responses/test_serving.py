@@ -103,6 +103,13 @@ def test_previous_response_id_continues_the_stored_conversation(rclient):
         {"role": "user", "content": "And tomorrow?"}])
     assert answer(r2) == chat_answer(chat)
     assert r2.usage.input_tokens == chat.usage.prompt_tokens
+    r3 = rclient.responses.create(model=MODEL_NAME, input="Thanks.", previous_response_id=r2.id,
+                                  instructions="Be brief.", extra_body={"seed": 5}, **SAMPLED)
+    chat3 = rclient.chat.completions.create(model=MODEL_NAME, max_tokens=24, temperature=1.0, seed=5, messages=[
+        {"role": "system", "content": "Be brief."}, {"role": "user", "content": QUESTION},
+        {"role": "assistant", "content": r1.output_text}, {"role": "user", "content": "And tomorrow?"},
+        {"role": "assistant", "content": r2.output_text}, {"role": "user", "content": "Thanks."}])
+    assert answer(r3) == chat_answer(chat3)  # two stored turns back; the new instructions come first
 
 
 def test_stored_responses_are_retrieved_and_unknown_ones_are_404(rclient):
