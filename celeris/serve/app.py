@@ -33,6 +33,9 @@ from celeris.serve.protocol import (
     parse_request,
     validation_error,
 )
+from celeris.serve.responses.protocol import ResponsesRequest
+from celeris.serve.responses.routes import responses_router
+from celeris.serve.responses.serving import ResponsesServing
 from celeris.serve.router import ModelRouter
 from celeris.serve.server import ServerLimits, make_server
 from celeris.serve.serving import ClientDisconnected, OpenAIServing
@@ -88,7 +91,8 @@ def openapi_with_bodies(app: FastAPI) -> dict:
 
     if app.openapi_schema is None:
         doc = get_openapi(title=app.title, version=app.version, summary=app.summary, routes=app.routes)
-        bodies = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest}
+        bodies = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest,
+                  "/v1/responses": ResponsesRequest}
         _, defs = models_json_schema([(m, "validation") for m in bodies.values()],
                                      ref_template="#/components/schemas/{model}")
         doc.setdefault("components", {}).setdefault("schemas", {}).update(defs.get("$defs", {}))
@@ -241,6 +245,8 @@ def create_app(serving: OpenAIServing | ModelRouter, api_key: str | None = None,
     async def model(model_id: str) -> Response:
         return respond(serving.show_model(model_id))
 
+    app.state.responses = ResponsesServing(serving)  # the store lives here, in the process that serves HTTP
+    v1.include_router(responses_router(app.state.responses, json_body))
     app.include_router(v1)
     app.openapi = lambda: openapi_with_bodies(app)
 
