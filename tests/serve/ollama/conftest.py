@@ -1,0 +1,44 @@
+"""A live server with an API key for the Ollama API tests: the serve tests' tiny model with a context long enough for
+tool definitions in the prompt, driven by the official ``ollama`` client (and ``httpx`` for the OpenAI routes the
+answers are compared with)."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from celeris.llm import LLM
+from celeris.serve.app import BackgroundServer, create_app
+from tests.conftest import build_tiny_checkpoint
+from tests.serve.conftest import GENERATION_CONFIG, MODEL_NAME, TEXTS, make_serving
+
+API_KEY = "ollama-test-key"
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+CONTEXT = 2048
+
+
+@pytest.fixture(scope="package")
+def ollama_llm(tmp_path_factory) -> LLM:
+    folder = tmp_path_factory.mktemp("ollama")
+    return LLM(build_tiny_checkpoint(folder, TEXTS, MODEL_NAME, CONTEXT, GENERATION_CONFIG), device="cpu")
+
+
+@pytest.fixture(scope="package")
+def ollama_server(ollama_llm):
+    serving = make_serving(ollama_llm)
+    with BackgroundServer(create_app(serving, api_key=API_KEY)) as srv:
+        srv.serving = serving
+        yield srv
+
+
+@pytest.fixture
+def oclient(ollama_server):
+    import ollama
+
+    return ollama.Client(host=ollama_server.url, headers=AUTH, timeout=60)
+
+
+@pytest.fixture
+def http(ollama_server):
+    with httpx.Client(base_url=ollama_server.url, headers=AUTH, timeout=60) as client:
+        yield client
