@@ -67,10 +67,10 @@ class Options(CelerisOptions):
 
     Mapped: ``num_predict`` (answer tokens; -1 or -2: as many as fit), ``temperature``, ``top_p``, ``top_k``,
     ``min_p``, ``seed``, ``stop``, ``repeat_penalty`` (CTRL's, Celeris's ``repetition_penalty``) and ``num_ctx``
-    (checked: a window larger than the served context is a 400); Celeris's ``tool_choice`` (chat). Accepted and ignored (runtime knobs that do not
-    change the answer): ``numa`` .. ``num_keep``, ``penalize_newline``, ``mirostat_tau``, ``mirostat_eta``.
-    Refused unless neutral: ``mirostat`` (0), ``tfs_z`` and ``typical_p`` (1), ``presence_penalty`` and
-    ``frequency_penalty`` (0), ``repeat_last_n`` (null).
+    (checked: a window larger than the served context is a 400); Celeris's ``tool_choice`` (chat). Accepted and
+    ignored (runtime knobs that do not change the answer): ``numa`` .. ``num_keep``, ``penalize_newline``,
+    ``mirostat_tau``, ``mirostat_eta``. Refused unless neutral: ``mirostat`` (0), ``tfs_z`` and ``typical_p`` (1),
+    ``presence_penalty`` and ``frequency_penalty`` (0), ``repeat_last_n`` (null).
     """
 
     num_predict: int | None = None

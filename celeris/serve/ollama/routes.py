@@ -32,7 +32,7 @@ from celeris.serve.ollama.protocol import (
     VersionResponse,
     error_body,
 )
-from celeris.serve.ollama.serving import answer, chat_request, generate_request, refuse_unsupported
+from celeris.serve.ollama.serving import answer, chat_request, generate_request, refuse_unsupported, with_ollama_names
 from celeris.serve.serving import ClientDisconnected
 
 logger = logging.getLogger(__name__)
@@ -61,7 +61,7 @@ async def ndjson(chunks: AsyncIterator[BaseModel]) -> AsyncIterator[str]:
     except ClientDisconnected:
         return
     except APIError as exc:
-        yield json.dumps(error_body(exc)) + "\n"
+        yield json.dumps(error_body(with_ollama_names(exc))) + "\n"
     except Exception as exc:  # a bug must still end the stream in the documented way
         logger.exception("stream failed")
         yield json.dumps({"error": f"internal error: {type(exc).__name__}"}) + "\n"

@@ -33,11 +33,28 @@ from celeris.serve.serving import IsDisconnected
 NS = 1_000_000_000
 
 
+# the OpenAI request's names in the serving layer's messages -> the Ollama request's (longest first)
+OLLAMA_FIELD_NAMES = (("response_format.json_schema.schema", "format"), ("response_format", "format"),
+                      ("max_tokens", "options.num_predict"), ("repetition_penalty", "options.repeat_penalty"),
+                      ("'stop'", "'options.stop'"))
+
+
+def with_ollama_names(exc: APIError) -> APIError:
+    """``exc`` with the OpenAI field names in its message written as the Ollama request names them."""
+    message, param = exc.message, exc.param
+    for openai_name, ollama_name in OLLAMA_FIELD_NAMES:
+        message = message.replace(openai_name, ollama_name)
+        if param is not None:
+            param = param.replace(openai_name.strip("'"), ollama_name.strip("'"))
+    return APIError(exc.status_code, message, type=exc.type, param=param, code=exc.code, headers=exc.headers)
+
+
 def refuse_unsupported(names: list[str]) -> None:
     """400 naming the fields Celeris cannot honour (set to anything but their neutral value)."""
     if names:
+        hint = " (Celeris's denoising steps go in options.steps)" if "steps" in names else ""
         raise APIError(400, f"unsupported field(s): {', '.join(names)}; Celeris does not implement them (send them "
-                            "unset, or at their neutral value)", param=names[0])
+                            f"unset, or at their neutral value){hint}", param=names[0])
 
 
 def sampling_body(options: Options | None, context_length: int) -> dict[str, object]:
@@ -118,7 +135,7 @@ def _validated(model: type, body: dict):
     try:
         return model.model_validate(body)
     except ValidationError as exc:
-        raise validation_error(exc) from None
+        raise with_ollama_names(validation_error(exc)) from None
 
 
 def chat_request(body: ChatRequest, model: str, context_length: int) -> ChatCompletionRequest:
@@ -264,7 +281,10 @@ async def answer(serving, request: ChatCompletionRequest | CompletionRequest, mo
     arrival = time.perf_counter()
     is_chat_request = isinstance(request, ChatCompletionRequest)
     handler = serving.create_chat_completion if is_chat_request else serving.create_completion
-    chunks = await handler(request, is_disconnected)
-    if stream:
-        return ollama_stream(chunks, arrival, model, chat)
-    return await ollama_answer(chunks, arrival, model, chat)
+    try:
+        chunks = await handler(request, is_disconnected)
+        if stream:
+            return ollama_stream(chunks, arrival, model, chat)
+        return await ollama_answer(chunks, arrival, model, chat)
+    except APIError as exc:
+        raise with_ollama_names(exc) from None
