@@ -1,6 +1,6 @@
-"""A live server with an API key for the Ollama API tests: the serve tests' tiny model with a context long enough for
-tool definitions in the prompt, driven by the official ``ollama`` client (and ``httpx`` for the OpenAI routes the
-answers are compared with)."""
+"""A live server with an API key for the Ollama API tests, on the serve tests' tiny model (context 128), driven by the
+official ``ollama`` client (and ``httpx`` for the OpenAI routes the answers are compared with); ``long_server``: the
+same model with a context long enough for tool definitions in the prompt (slow tier)."""
 
 from __future__ import annotations
 
@@ -14,20 +14,23 @@ from tests.serve.conftest import GENERATION_CONFIG, MODEL_NAME, TEXTS, make_serv
 
 API_KEY = "ollama-test-key"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
-CONTEXT = 2048
+LONG_CONTEXT = 2048
 
 
 @pytest.fixture(scope="package")
-def ollama_llm(tmp_path_factory) -> LLM:
-    folder = tmp_path_factory.mktemp("ollama")
-    return LLM(build_tiny_checkpoint(folder, TEXTS, MODEL_NAME, CONTEXT, GENERATION_CONFIG), device="cpu")
-
-
-@pytest.fixture(scope="package")
-def ollama_server(ollama_llm):
-    serving = make_serving(ollama_llm)
+def ollama_server(serve_llm):
+    serving = make_serving(serve_llm)
     with BackgroundServer(create_app(serving, api_key=API_KEY)) as srv:
         srv.serving = serving
+        yield srv
+
+
+@pytest.fixture(scope="package")
+def long_server(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("ollama")
+    llm = LLM(build_tiny_checkpoint(folder, TEXTS, MODEL_NAME, LONG_CONTEXT, GENERATION_CONFIG), device="cpu")
+    serving = make_serving(llm)
+    with BackgroundServer(create_app(serving, api_key=API_KEY)) as srv:
         yield srv
 
 

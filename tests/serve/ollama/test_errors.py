@@ -9,8 +9,7 @@ import json
 import pytest
 
 from celeris.serve.app import create_app
-from tests.serve.conftest import MODEL_NAME, make_serving
-from tests.serve.ollama.conftest import CONTEXT
+from tests.serve.conftest import CONTEXT, MODEL_NAME, make_serving
 
 USER = [{"role": "user", "content": "hi"}]
 CHAT = {"model": MODEL_NAME, "messages": USER, "stream": False}
@@ -32,7 +31,7 @@ CASES = [
     ("/api/chat", {**CHAT, "options": {"mirostat": 2}}, 400, "options.mirostat"),
     ("/api/chat", {**CHAT, "options": {"num_ctx": CONTEXT + 1}}, 400, f"context of {CONTEXT}"),
     ("/api/chat", {**CHAT, "options": {"num_predict": 0}}, 400, "num_predict"),
-    ("/api/chat", {**CHAT, "options": {"num_predict": CONTEXT}}, 400, "options.num_predict (2048)"),
+    ("/api/chat", {**CHAT, "options": {"num_predict": CONTEXT}}, 400, f"options.num_predict ({CONTEXT})"),
     ("/api/chat", {**CHAT, "options": {"steps": 0}}, 400, "steps"),
     ("/api/chat", {**CHAT, "options": {"stop": [""]}}, 400, "'options.stop'"),
     ("/api/chat", {**CHAT, "options": {"tool_choice": "required"}}, 400, "tool_choice"),
@@ -118,8 +117,8 @@ def test_a_failure_after_the_stream_began_is_an_error_line(http, ollama_server, 
     assert list(lines[-1]) == ["error"] and not any(line.get("done") for line in lines)
 
 
-def test_routes_are_in_openapi_and_metrics(ollama_llm, http):
-    doc = create_app(make_serving(ollama_llm)).openapi()  # no key: the schema is served
+def test_routes_are_in_openapi_and_metrics(serve_llm, http):
+    doc = create_app(make_serving(serve_llm)).openapi()  # no key: the schema is served
     for path in ("/api/generate", "/api/chat", "/api/show"):
         assert doc["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]["$ref"]
     assert {"/api/tags", "/api/ps", "/api/version", "/api/pull", "/api/delete"} <= set(doc["paths"])

@@ -10,8 +10,8 @@ import jsonschema
 import ollama
 import pytest
 
-from tests.serve.conftest import MODEL_NAME
-from tests.serve.ollama.conftest import CONTEXT
+from tests.serve.conftest import CONTEXT, MODEL_NAME
+from tests.serve.ollama.conftest import AUTH
 
 PROMPT = "def add(a, b):"
 SAMPLED = {"temperature": 1.0, "num_predict": 16}
@@ -98,9 +98,14 @@ def test_json_schema_format_validates(oclient, stream):
     assert isinstance(json.loads(mode.response), dict)
 
 
-def test_tool_call_and_its_result(oclient, http):
+@pytest.mark.slow  # a model with a context long enough for the tool definitions (about 4 s)
+def test_tool_call_and_its_result(long_server):
     """A call with its arguments as an object (validating against the tool's schema), streamed as one whole chunk
     equal to the non-streamed call; then the result's follow-up answers as the OpenAI route does."""
+    import httpx
+
+    oclient = ollama.Client(host=long_server.url, headers=AUTH, timeout=60)
+    http = httpx.Client(base_url=long_server.url, headers=AUTH, timeout=60)
     messages = [{"role": "user", "content": "What is the weather in Paris?"}]
     kwargs = {"model": MODEL_NAME, "messages": messages, "tools": [get_weather],
               "options": {"seed": 5, "temperature": 0.7, "num_predict": 96, "tool_choice": "required"}}
@@ -133,16 +138,16 @@ def test_tool_call_and_its_result(oclient, http):
     assert follow.message.content == ref["choices"][0]["message"]["content"]
 
 
-def test_list_show_and_ps(oclient, ollama_llm):
+def test_list_show_and_ps(oclient, serve_llm):
     models = oclient.list().models
     assert [m.model for m in models] == [f"{MODEL_NAME}:latest"]
-    size = sum(p.numel() * p.element_size() for p in ollama_llm.model.parameters())
+    size = sum(p.numel() * p.element_size() for p in serve_llm.model.parameters())
     assert models[0].size == size and models[0].details.family == "celeris" and len(models[0].digest) == 64
     shown = oclient.show(MODEL_NAME)
-    assert shown.modelinfo["celeris.context_length"] == CONTEXT == ollama_llm.context_length
-    assert shown.modelinfo["general.parameter_count"] == sum(p.numel() for p in ollama_llm.model.parameters())
+    assert shown.modelinfo["celeris.context_length"] == CONTEXT == serve_llm.context_length
+    assert shown.modelinfo["general.parameter_count"] == sum(p.numel() for p in serve_llm.model.parameters())
     assert set(shown.capabilities) == {"completion", "tools", "insert"}
-    assert shown.template == ollama_llm.tokenizer.chat_template
+    assert shown.template == serve_llm.tokenizer.chat_template
     assert "num_predict 16" in shown.parameters.splitlines() and shown.details.format == "safetensors"
     assert oclient.show(f"{MODEL_NAME}:latest").modelinfo == shown.modelinfo
     running = oclient.ps().models
@@ -171,3 +176,4 @@ def test_the_api_key_guards_api(ollama_server):
         ollama.Client(host=ollama_server.url).list()
     assert info.value.status_code == 401
     assert info.value.error == "invalid or missing API key; send 'Authorization: Bearer <key>'"
+
