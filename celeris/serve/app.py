@@ -26,7 +26,7 @@ from starlette.requests import ClientDisconnect
 from celeris.serve.metrics import MetricsMiddleware, ServerMetrics
 from celeris.serve.middleware import REQUEST_ID, RequestGuard, install_request_id_logging
 from celeris.serve.ollama.protocol import is_ollama_path
-from celeris.serve.ollama.routes import OLLAMA_BODIES, ollama_router
+from celeris.serve.ollama.routes import OLLAMA_BODIES, document_model_names, ollama_router
 from celeris.serve.ollama.routes import error_response as ollama_error_response
 from celeris.serve.protocol import (
     APIError,
@@ -102,6 +102,7 @@ def openapi_with_bodies(app: FastAPI) -> dict:
             doc["paths"][path]["post"]["requestBody"] = {
                 "required": True,
                 "content": {"application/json": {"schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}
+        document_model_names(doc, app.state.serving)
         app.openapi_schema = doc
     return app.openapi_schema
 

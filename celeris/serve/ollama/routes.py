@@ -83,6 +83,19 @@ def load_answer(body: GenerateRequest | ChatRequest, chat: bool) -> BaseModel:
     return GenerateChunk(model=body.model, done=True, done_reason=reason)
 
 
+def document_model_names(doc: dict, serving) -> None:
+    """Write the served names (with and without ``:latest``) as the ``model`` values of the Ollama bodies in the
+    OpenAPI document ``doc`` (any other name is a 404), so /docs and schema-driven tests name a served model."""
+    names = [n for s in models.servings_of(serving) for n in dict.fromkeys([s.model_name, models.tagged(s.model_name)])]
+    schemas = doc.get("components", {}).get("schemas", {})
+    for body in OLLAMA_BODIES.values():
+        for field in ("model", "name"):
+            prop = schemas.get(body.__name__, {}).get("properties", {}).get(field)
+            if prop is not None:
+                prop.pop("anyOf", None)
+                prop.update({"type": "string", "enum": names})
+
+
 def ollama_router(serving) -> APIRouter:
     """The ``/api`` routes over ``serving`` (an ``OpenAIServing`` or a ``ModelRouter``); include it with the
     app's API-key dependency."""

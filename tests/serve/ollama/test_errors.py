@@ -122,8 +122,11 @@ def test_routes_are_in_openapi_and_metrics(serve_llm, http):
     for path in ("/api/generate", "/api/chat", "/api/show"):
         assert doc["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]["$ref"]
     assert {"/api/tags", "/api/ps", "/api/version", "/api/pull", "/api/delete"} <= set(doc["paths"])
-    assert "GenerateRequest" in doc["components"]["schemas"] and "ChatRequest" in doc["components"]["schemas"]
+    schemas = doc["components"]["schemas"]
+    for body in ("GenerateRequest", "ChatRequest", "ShowRequest"):  # the served names, so /docs names one
+        assert schemas[body]["properties"]["model"]["enum"] == [MODEL_NAME, f"{MODEL_NAME}:latest"]
     http.get("/api/tags")
+    http.post("/api/chat", content=b"{")
     text = http.get("/metrics").text
     assert 'celeris_http_requests_total{path="/api/tags",status="200"}' in text
-    assert 'path="/api/chat",status="400"' in text  # the malformed requests above
+    assert 'celeris_http_requests_total{path="/api/chat",status="400"}' in text
