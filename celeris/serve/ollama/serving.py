@@ -198,9 +198,16 @@ class _Answer:
     usage: object | None = None
 
     def tool_calls(self) -> list[ToolCall]:
-        return [ToolCall(id=c["id"], function=ToolCallFunction(index=i, name=c["name"],
-                                                               arguments=json.loads(c["arguments"] or "{}")))
-                for i, c in sorted(self.calls.items())]
+        """The complete calls; a call whose arguments were cut by the budget (``done_reason: "length"``) is none."""
+        out = []
+        for i, c in sorted(self.calls.items()):
+            try:
+                arguments = json.loads(c["arguments"] or "{}")
+            except ValueError:
+                continue
+            if isinstance(arguments, dict):
+                out.append(ToolCall(id=c["id"], function=ToolCallFunction(index=i, name=c["name"], arguments=arguments)))
+        return out
 
     def timings(self) -> dict[str, object]:
         """The final chunk's fields (``Timings``)."""
@@ -247,10 +254,12 @@ async def ollama_stream(chunks: AsyncIterator, arrival: float, model: str,
             return ChatChunk(model=model, message=MessageOut(content=text, tool_calls=calls), done=done, **final)
         return GenerateChunk(model=model, response=text, done=done, **final)
 
-    async for text in pieces(chunks, answer):
-        yield make(text, False)
-    if answer.calls:
-        yield make("", False, answer.tool_calls())
+    async with aclosing(pieces(chunks, answer)) as texts:  # closing this stream aborts the request at once
+        async for text in texts:
+            yield make(text, False)
+    calls = answer.tool_calls()
+    if calls:
+        yield make("", False, calls)
     yield make("", True, **answer.timings())
 
 

@@ -102,3 +102,53 @@ def test_messages_name_the_ollama_fields():
     assert exc.message == "the prompt (9 tokens) plus options.num_predict (200) need 209 tokens"
     assert exc.param == "options.num_predict" and exc.code == "context_length_exceeded"
     assert with_ollama_names(APIError(400, "'response_format.json_schema.schema' is bad")).message == "'format' is bad"
+
+
+def openai_chunks(deltas: list[dict], finish_reason: str) -> list:
+    """An OpenAI chat stream of one choice: the role chunk, ``deltas``, the finish, the usage chunk."""
+    from celeris.serve.protocol import ChatCompletionChunk
+
+    def chunk(delta: dict, finish: str | None = None, usage: dict | None = None) -> ChatCompletionChunk:
+        choices = [] if usage else [{"index": 0, "delta": delta, "finish_reason": finish}]
+        return ChatCompletionChunk.model_validate({"id": "c", "created": 0, "model": "m", "choices": choices,
+                                                   "usage": usage})
+
+    return [chunk({"role": "assistant", "content": ""}), *map(chunk, deltas), chunk({}, finish_reason),
+            chunk({}, usage={"prompt_tokens": 7, "completion_tokens": 5, "total_tokens": 12})]
+
+
+async def collect(chunks: list, chat: bool = True) -> list:
+    from celeris.serve.ollama.serving import ollama_stream
+
+    async def stream():
+        for c in chunks:
+            yield c
+
+    return [c async for c in ollama_stream(stream(), 0.0, "m:latest", chat)]
+
+
+def call_deltas(name: str, pieces: list[str]) -> list[dict]:
+    first = {"tool_calls": [{"index": 0, "id": "call_a", "type": "function",
+                             "function": {"name": name, "arguments": ""}}]}
+    return [first, *({"tool_calls": [{"index": 0, "function": {"arguments": p}}]} for p in pieces)]
+
+
+def test_a_streamed_call_arrives_whole_in_one_chunk():
+    import asyncio
+
+    out = asyncio.run(collect(openai_chunks(call_deltas("f", ['{"c":', ' [1, 2]', "}"]), "tool_calls")))
+    assert [c.done for c in out] == [False, True]
+    call = out[0].message.tool_calls[0]
+    assert (call.id, call.function.name, call.function.arguments) == ("call_a", "f", {"c": [1, 2]})
+    final = out[-1]
+    assert final.done_reason == "stop" and final.prompt_eval_count == 7 and final.eval_count == 5
+    assert final.model == "m:latest" and final.message.content == "" and final.created_at.endswith("Z")
+
+
+def test_a_call_cut_by_the_budget_is_not_a_call_and_text_streams_as_it_comes():
+    import asyncio
+
+    out = asyncio.run(collect(openai_chunks(call_deltas("f", ['{"c": [1,']), "length")))
+    assert [(c.done, c.message.tool_calls, c.done_reason) for c in out] == [(True, None, "length")]
+    text = asyncio.run(collect(openai_chunks([{"content": "ab"}, {"content": "c"}], "stop"), chat=False))
+    assert [(c.response, c.done) for c in text] == [("ab", False), ("c", False), ("", True)]
