@@ -236,11 +236,15 @@ class Timings(BaseModel):
     eval_duration: int | None = None
 
 
-class GenerateChunk(Timings):
+class _GenerateHead(BaseModel):
     model: str
     created_at: str = Field(default_factory=timestamp)
     response: str = ""
     done: bool
+
+
+class GenerateChunk(Timings, _GenerateHead):
+    """One object of an ``/api/generate`` answer (fields in Ollama's order: the head, then the counters)."""
 
 
 class MessageOut(BaseModel):
@@ -249,11 +253,15 @@ class MessageOut(BaseModel):
     tool_calls: list[ToolCall] | None = None
 
 
-class ChatChunk(Timings):
+class _ChatHead(BaseModel):
     model: str
     created_at: str = Field(default_factory=timestamp)
     message: MessageOut
     done: bool
+
+
+class ChatChunk(Timings, _ChatHead):
+    """One object of an ``/api/chat`` answer (fields in Ollama's order: the head, then the counters)."""
 
 
 class ModelDetails(BaseModel):
