@@ -179,15 +179,6 @@ def generate_request(body: GenerateRequest, model: str,
 
 
 @dataclass
-class Piece:
-    """What one OpenAI chunk adds: answer text, finished tool calls, the finish reason, the usage."""
-
-    text: str = ""
-    finish_reason: str | None = None
-    usage: object | None = None
-
-
-@dataclass
 class _Answer:
     """A streamed answer as it is put together: its calls (by index), timings and counts."""
 
