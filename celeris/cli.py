@@ -677,7 +677,7 @@ def _serve_parser(sub) -> None:
     s.add_argument("--max-waiting", type=int, default=64, help="requests queued beyond those; more get 429")
     s.add_argument("--request-timeout", type=float, default=60.0, help="seconds before a request is aborted (504)")
     s.add_argument("--api-key", default=os.environ.get("CELERIS_API_KEY"),
-                   help="require 'Authorization: Bearer KEY' on /v1 and close /docs (default: $CELERIS_API_KEY, "
+                   help="require 'Authorization: Bearer KEY' on /v1 and /api and close /docs (default: $CELERIS_API_KEY, "
                    "else none); an empty key or one with surrounding spaces is refused")
     s.add_argument("--max-connections", type=int, default=1024,
                    help="open sockets at most; beyond, the oldest idle one is closed, else 503 (default 1024, "

@@ -25,6 +25,9 @@ from starlette.requests import ClientDisconnect
 
 from celeris.serve.metrics import MetricsMiddleware, ServerMetrics
 from celeris.serve.middleware import REQUEST_ID, RequestGuard, install_request_id_logging
+from celeris.serve.ollama.protocol import is_ollama_path
+from celeris.serve.ollama.routes import OLLAMA_BODIES, document_model_names, ollama_router
+from celeris.serve.ollama.routes import error_response as ollama_error_response
 from celeris.serve.protocol import (
     APIError,
     ChatCompletionRequest,
@@ -46,7 +49,10 @@ STALL_TIMEOUT_S = 10.0  # /health fails when requests are in flight and no engin
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
-def error_response(exc: APIError) -> JSONResponse:
+def error_response(exc: APIError, path: str = "") -> JSONResponse:
+    """``exc`` in the error shape of the API ``path`` belongs to (Ollama's under /api, else OpenAI's)."""
+    if is_ollama_path(path):
+        return ollama_error_response(exc)
     return JSONResponse(exc.response().model_dump(mode="json"), status_code=exc.status_code, headers=exc.headers)
 
 
@@ -92,7 +98,7 @@ def openapi_with_bodies(app: FastAPI) -> dict:
     if app.openapi_schema is None:
         doc = get_openapi(title=app.title, version=app.version, summary=app.summary, routes=app.routes)
         bodies = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest,
-                  "/v1/responses": ResponsesRequest}
+                  "/v1/responses": ResponsesRequest, **OLLAMA_BODIES}
         _, defs = models_json_schema([(m, "validation") for m in bodies.values()],
                                      ref_template="#/components/schemas/{model}")
         doc.setdefault("components", {}).setdefault("schemas", {}).update(defs.get("$defs", {}))
@@ -100,6 +106,7 @@ def openapi_with_bodies(app: FastAPI) -> dict:
             doc["paths"][path]["post"]["requestBody"] = {
                 "required": True,
                 "content": {"application/json": {"schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}
+        document_model_names(doc, app.state.serving)
         app.openapi_schema = doc
     return app.openapi_schema
 
@@ -153,7 +160,7 @@ def create_app(serving: OpenAIServing | ModelRouter, api_key: str | None = None,
     Args:
         serving: the serving layer, or a ``ModelRouter`` over several (engine loops are started and stopped
             with the app when ``manage_engine``).
-        api_key: when set, /v1 routes require ``Authorization: Bearer <api_key>`` (401 otherwise),
+        api_key: when set, /v1 and /api routes require ``Authorization: Bearer <api_key>`` (401 otherwise),
             and the interactive docs (/docs, /redoc, /openapi.json) are off.
         limits: body size and body deadline (``RequestGuard``); the defaults when None.
         stall_timeout_s: /health answers 503 when requests are in flight and no engine step has
@@ -186,22 +193,22 @@ def create_app(serving: OpenAIServing | ModelRouter, api_key: str | None = None,
 
     @app.exception_handler(APIError)
     async def on_api_error(request: Request, exc: APIError) -> JSONResponse:
-        return error_response(exc)
+        return error_response(exc, request.url.path)
 
     @app.exception_handler(RequestValidationError)
     async def on_request_validation(request: Request, exc: RequestValidationError) -> JSONResponse:
-        return error_response(errors_to_api_error(exc.errors()))
+        return error_response(errors_to_api_error(exc.errors()), request.url.path)
 
     @app.exception_handler(ValidationError)
     async def on_validation(request: Request, exc: ValidationError) -> JSONResponse:
-        return error_response(validation_error(exc))
+        return error_response(validation_error(exc), request.url.path)
 
     @app.exception_handler(StarletteHTTPException)
     async def on_http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         messages = {404: f"no route for {request.method} {request.url.path}",
                     405: f"method {request.method} is not allowed on {request.url.path}"}
         message = messages.get(exc.status_code, str(exc.detail))
-        return error_response(APIError(exc.status_code, message, headers=dict(exc.headers or {})))
+        return error_response(APIError(exc.status_code, message, headers=dict(exc.headers or {})), request.url.path)
 
     @app.exception_handler(ClientDisconnected)
     async def on_disconnect(request: Request, exc: ClientDisconnected) -> Response:
@@ -215,7 +222,7 @@ def create_app(serving: OpenAIServing | ModelRouter, api_key: str | None = None,
     @app.exception_handler(Exception)
     async def on_exception(request: Request, exc: Exception) -> JSONResponse:
         logger.exception("unhandled error on %s (request id %s)", request.url.path, REQUEST_ID.get())
-        return error_response(APIError(500, f"internal error: {type(exc).__name__}"))
+        return error_response(APIError(500, f"internal error: {type(exc).__name__}"), request.url.path)
 
     async def check_api_key(request: Request) -> None:
         if api_key is None:
@@ -248,6 +255,7 @@ def create_app(serving: OpenAIServing | ModelRouter, api_key: str | None = None,
     app.state.responses = ResponsesServing(serving)  # the store lives here, in the process that serves HTTP
     v1.include_router(responses_router(app.state.responses, json_body))
     app.include_router(v1)
+    app.include_router(ollama_router(serving), dependencies=[Depends(check_api_key)])  # Ollama's API
     app.openapi = lambda: openapi_with_bodies(app)
 
     @app.get("/health")

@@ -16,7 +16,8 @@ LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0
 NFE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 
 # Paths that get their own label; anything else is "other", so scanners cannot blow up cardinality.
-KNOWN_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics", "/v1/responses")
+KNOWN_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics", "/v1/responses",
+               "/api/generate", "/api/chat", "/api/tags", "/api/show", "/api/ps", "/api/version")
 KNOWN_PREFIXES = {"/v1/responses/": "/v1/responses/{response_id}"}  # one label for every id
 
 

@@ -20,6 +20,8 @@ import uuid
 from collections.abc import Callable
 from contextvars import ContextVar
 
+from celeris.serve.ollama.protocol import error_bytes as ollama_error_bytes
+from celeris.serve.ollama.protocol import is_ollama_path
 from celeris.serve.protocol import APIError
 
 logger = logging.getLogger(__name__)
@@ -29,13 +31,14 @@ _REQUEST_ID_RE = re.compile(r"^[A-Za-z0-9._:/+=@-]{1,128}$")  # anything else is
 RETRY_AFTER_S = 1
 
 
-def error_bytes(exc: APIError) -> bytes:
-    return exc.response().model_dump_json().encode()
+def error_bytes(exc: APIError, path: str = "") -> bytes:
+    """``exc`` in the error shape of the API ``path`` belongs to (Ollama's under /api, else OpenAI's)."""
+    return ollama_error_bytes(exc) if is_ollama_path(path) else exc.response().model_dump_json().encode()
 
 
-async def send_error(send, exc: APIError, extra_headers: list[tuple[bytes, bytes]] = ()) -> None:
-    """Send ``exc`` as a complete JSON response on an ASGI ``send``."""
-    body = error_bytes(exc)
+async def send_error(send, exc: APIError, extra_headers: list[tuple[bytes, bytes]] = (), path: str = "") -> None:
+    """Send ``exc`` as a complete JSON response on an ASGI ``send`` (in the shape of ``path``'s API)."""
+    body = error_bytes(exc, path)
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
                *[(k.lower().encode(), v.encode()) for k, v in exc.headers.items()], *extra_headers]
     await send({"type": "http.response.start", "status": exc.status_code, "headers": headers})
@@ -101,13 +104,14 @@ class RequestGuard:
         try:
             refusal = self._refusal(scope, headers)
             if refusal is not None:
-                await send_error(send_with_id, refusal)
+                await send_error(send_with_id, refusal, path=scope.get("path", ""))
                 return
             await self.app(scope, self._guarded_receive(receive), send_with_id)
         except Exception as exc:  # a bug: one traceback, then the error shape if nothing was sent yet
             logger.exception("unhandled error on %s %s", scope.get("method"), scope.get("path"))
             if not started:
-                await send_error(send_with_id, APIError(500, f"internal error: {type(exc).__name__}"))
+                await send_error(send_with_id, APIError(500, f"internal error: {type(exc).__name__}"),
+                                 path=scope.get("path", ""))
         finally:
             REQUEST_ID.reset(token)
 

@@ -100,7 +100,7 @@ async def over_capacity(scope, receive, send) -> None:
 
     exc = APIError(503, "the server has too many open connections; retry later", code="too_many_connections",
                    headers={"Retry-After": "1", "Connection": "close"})
-    await send_error(send, exc)
+    await send_error(send, exc, path=scope.get("path", ""))
 
 
 class ConnectionGuard:
