@@ -90,8 +90,9 @@ def test_choices_say_how_they_were_decoded(server):
     resp = httpx.post(f"{server.url}/v1/completions", json=body, timeout=30).json()
     for choice in resp["choices"]:
         details = choice["celeris"]
-        assert set(details) == {"nfe", "steps", "tokens_per_forward", "block_length", "cache", "decoding",
-                                "remasking"}
+        assert set(details) == {"nfe", "drafter_passes", "steps", "tokens_per_forward", "block_length", "cache",
+                                "decoding", "remasking"}
+        assert details["drafter_passes"] == 0  # no drafter beside this model
         assert details["block_length"] == 16 and details["cache"] == "dual" and details["decoding"] == "fixed"
         assert details["steps"] == details["nfe"] <= 2
         if choice["finish_reason"] == "length":
