@@ -31,7 +31,8 @@ METHODS = ("dflash",)
 class SpeculativeConfig:
     """What ``--speculative-config`` / ``LLM(speculative_config=...)`` name: the method, the drafter folder, the
     drafts per pass (None: the drafter's ``block_size - 1``) and ``disable_by_batch_size`` (vLLM's key: with at
-    least this many requests running, passes skip the drafter and verify prompt-lookup drafts only; None: never).
+    least this many requests running, passes of the default draft source ``lookup_first`` skip the drafter and
+    verify prompt-lookup drafts only; None: never; an explicit ``draft_source`` ``dflash`` always drafts).
     """
 
     method: str

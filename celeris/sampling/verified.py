@@ -513,7 +513,8 @@ class VerifiedDecoder:
             row.drafts = lookup
             row.draft_probs = [] if row.params.temperature == 0 else [
                 torch.nn.functional.one_hot(torch.tensor(t), logits.shape[-1]).double() for t in lookup]
-        elif self.proposer is not None and policy != "lookup" and self.proposer.enabled(len(self.rows)):
+        elif self.proposer is not None and (policy == "dflash" or policy == "lookup_first" and
+                                            self.proposer.enabled(len(self.rows))):
             row.drafts, row.draft_probs = self.dflash_drafts(row, new[-1], pending, logits.shape[-1])
         elif slots_valid and row.num_slots:
             s = cols.index(row.slot_start)
