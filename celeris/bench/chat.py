@@ -30,10 +30,9 @@ import torch
 
 from celeris.bench import smollm2
 from celeris.bench.quality import max_repeat_run
-from celeris.bench.run import conditions, draft_counts, run_system
+from celeris.bench.run import conditions, draft_counts, pass_cost_ms, run_system
 from celeris.data import gsm8k_questions, mt_bench_questions
 from celeris.llm import LLM
-from celeris.models.layers import KVCache
 from celeris.params import SamplingParams
 
 PROMPT_SETS = {"mt-bench": mt_bench_questions, "gsm8k": gsm8k_questions}
@@ -85,29 +84,6 @@ def mismatches(llm: LLM, prompts: list[list[int]], outputs: list[list[int]], ref
         top = logits.topk(2).values
         found.append({"prompt": i, "position": j, "top2_gap": round(float(top[0] - top[1]), 6)})
     return found
-
-
-@torch.no_grad()
-def pass_cost_by_width(model: torch.nn.Module, batch: int, widths: tuple[int, ...] = (1, 2, 4, 8, 16),
-                       prefix: int = 128, repeats: int = 10) -> dict[str, float]:
-    """Median ms of one cached pass (logits included) of ``w`` new columns after ``prefix`` cached tokens, ``batch``
-    rows: what a verified pass of w - 1 drafts costs against a next-token pass (w = 1)."""
-    import statistics
-    import time
-
-    device = next(model.parameters()).device
-    ids = torch.randint(3, model.config.vocab_size, (batch, prefix + max(widths)), device=device)
-    cache = KVCache()
-    model.hidden_states(ids, None, cache)
-    out = {}
-    for w in widths:
-        times = []
-        for _ in range(repeats + 2):
-            start = time.perf_counter()
-            model.logits(model.hidden_states(ids, None, cache, (prefix, prefix + w)))
-            times.append(time.perf_counter() - start)
-        out[str(w)] = round(1000 * statistics.median(times[2:]), 2)
-    return out
 
 
 def systems(llm: LLM, max_tokens: int) -> list[tuple[str, SamplingParams | None, int | None]]:
@@ -164,7 +140,8 @@ def run_chat_bench(cfg: ChatBenchConfig) -> dict:
                     reference = results["runs"][-1]["outputs"]
                 write(results, out)
     if "pass_cost_ms_by_width" not in previous or not same:
-        results["pass_cost_ms_by_width"] = {f"batch {b}": pass_cost_by_width(llm.model, b) for b in (1, 8)}
+        results["pass_cost_ms_by_width"] = {f"batch {b}": pass_cost_ms(llm.model, (1, 2, 4, 8, 16), repeats=10, batch=b)
+                                            for b in (1, 8)}
     else:
         results["pass_cost_ms_by_width"] = previous["pass_cost_ms_by_width"]
     write(results, out)

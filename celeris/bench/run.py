@@ -171,13 +171,13 @@ def run_system(name: str, decode, batches: list[list[int]], warmup: int) -> dict
 
 @torch.no_grad()
 def pass_cost_ms(model: torch.nn.Module, widths: tuple[int, ...] = (1, 4, 8, 16), prefix: int = 128,
-                 repeats: int = 20) -> dict[str, float]:
+                 repeats: int = 20, batch: int = 1) -> dict[str, float]:
     """Median milliseconds of one cached forward pass (logits included) of ``w`` new columns after a
     ``prefix``-token KV cache, per width: what a decoding step costs against how many columns it computes
-    (a next-token step computes 1; a verified step 1 + drafts + mask slots). Batch 1."""
+    (a next-token step computes 1; a verified step 1 + drafts + mask slots), for ``batch`` rows."""
     device = next(model.parameters()).device
     length = prefix + max(widths)
-    ids = torch.randint(3, model.config.vocab_size, (1, length), device=device)
+    ids = torch.randint(3, model.config.vocab_size, (batch, length), device=device)
     cache = KVCache()
     model.hidden_states(ids, None, cache)  # fills the cache for every column
     out = {}
