@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from celeris.llm import DEFAULT_MODEL
+from celeris.llm import EMBEDDED
 from tests.serve.test_serve_process import ServeProcess
 
 pytestmark = pytest.mark.slow
@@ -34,7 +34,7 @@ if webdriver is None or CHROMIUM is None or not os.access(CHROMEDRIVER, os.X_OK)
                 "chromium-driver) and selenium (pip install -e '.[test]')", allow_module_level=True)
 
 KEY = "playground-test-key"
-HYBRID, DIFFUSION, AR = DEFAULT_MODEL.name, "celeris-code-6m", "celeris-code-6m-ar"
+HYBRID, DIFFUSION, AR = "celeris-code-6m-hybrid", "celeris-code-6m", "celeris-code-6m-ar"
 PROMPT = "def fibonacci(n):"
 CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                   "--disable-background-networking", "--disable-component-update", "--disable-sync",
@@ -55,7 +55,7 @@ def artifacts(pytestconfig) -> Path:
 
 @pytest.fixture(scope="module")
 def server():
-    srv = ServeProcess(DEFAULT_MODEL, "--also-serve", DIFFUSION, "--also-serve", AR, "--api-key", KEY)
+    srv = ServeProcess(EMBEDDED / HYBRID, "--also-serve", DIFFUSION, "--also-serve", AR, "--api-key", KEY)
     yield srv
     srv.stop()
 
