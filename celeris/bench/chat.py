@@ -30,7 +30,7 @@ import torch
 
 from celeris.bench import smollm2
 from celeris.bench.quality import max_repeat_run
-from celeris.bench.run import conditions, draft_counts, pass_cost_ms, run_system
+from celeris.bench.run import conditions, draft_counts, pass_cost_ms, run_system, write_json
 from celeris.data import gsm8k_questions, mt_bench_questions
 from celeris.llm import LLM
 from celeris.params import SamplingParams
@@ -138,13 +138,13 @@ def run_chat_bench(cfg: ChatBenchConfig) -> dict:
                 results["runs"][-1].update(prompt_set=name, batch_size=batch_size)
                 if system == "target-next-token":
                     reference = results["runs"][-1]["outputs"]
-                write(results, out)
+                write_json(results, out)
     if "pass_cost_ms_by_width" not in previous or not same:
         results["pass_cost_ms_by_width"] = {f"batch {b}": pass_cost_ms(llm.model, (1, 2, 4, 8, 16), repeats=10, batch=b)
                                             for b in (1, 8)}
     else:
         results["pass_cost_ms_by_width"] = previous["pass_cost_ms_by_width"]
-    write(results, out)
+    write_json(results, out)
     return results
 
 
@@ -185,14 +185,6 @@ def run_one(llm: LLM, smol, system: str, params: SamplingParams | None, policy: 
         prompts = [p for b in batches for p in b]
         run["mismatches"] = mismatches(llm, prompts, outputs, reference)
     return run
-
-
-def write(results: dict, out: Path) -> None:
-    """bench.json, atomically (a temporary file replaced)."""
-    out.mkdir(parents=True, exist_ok=True)
-    tmp = out / "bench.json.tmp"
-    tmp.write_text(json.dumps(results, indent=1) + "\n")
-    tmp.replace(out / "bench.json")
 
 
 def format_chat_table(results: dict) -> str:

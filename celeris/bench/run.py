@@ -364,12 +364,17 @@ def format_table(results: dict) -> str:
     return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)) for row in rows)
 
 
-def write_outputs(results: dict, out: Path) -> None:
-    """bench.json and, when matplotlib is installed, tokens_per_s.png (tokens/s against length)."""
+def write_json(results: dict, out: Path) -> None:
+    """``out/bench.json``, atomically (a temporary file replaced)."""
     out.mkdir(parents=True, exist_ok=True)
     tmp = out / "bench.json.tmp"
     tmp.write_text(json.dumps(results, indent=1) + "\n")
     tmp.replace(out / "bench.json")
+
+
+def write_outputs(results: dict, out: Path) -> None:
+    """bench.json and, when matplotlib is installed, tokens_per_s.png (tokens/s against length)."""
+    write_json(results, out)
     try:
         import matplotlib
 

@@ -19,7 +19,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from torch.nn import functional as F
 
 from celeris.models.dflash import DFlashDraftModel, DraftKVCache, load_dflash
 from celeris.sampling.select import NEG_INF
@@ -184,7 +183,7 @@ class DFlashProposer:
         if d2t.numel() == target.config.vocab_size:
             return target.logits(out)  # (k, V)
         weight = target.embed_tokens.weight if target.lm_head is None else target.lm_head.weight
-        pruned = F.linear(out, weight[d2t]).float()  # (k, V_draft)
+        pruned = self.drafter.draft_logits(out[None], weight)[0]  # (k, V_draft)
         full = torch.full((k, target.config.vocab_size), NEG_INF, device=out.device)
         return full.index_copy_(1, d2t, pruned)
 
