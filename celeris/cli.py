@@ -204,8 +204,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--batch-sizes", default="1", help="comma-separated batch sizes (prompts decoded together)")
     b.add_argument("--num-prompts", type=int, default=8, help="first N prompts of each set")
     b.add_argument("--prompt-set", help="humaneval (code completions), or comma-separated chat sets through the chat "
-                   "template: mt-bench, gsm8k (celeris.bench.chat; one --lengths value). Default: mt-bench,gsm8k for "
-                   "a model with a drafter (the default model), else humaneval")
+                   "template: mt-bench, gsm8k, summarisation (celeris.bench.chat; one --lengths value). Default: "
+                   "all three for a model with a drafter (the default model), else humaneval")
     b.add_argument("--warmup", type=int, default=1, help="untimed batches per system and length")
     b.add_argument("--prompts", help="HumanEval JSONL(.gz) file (default: the HumanEval set shipped in celeris/data)")
     b.add_argument("--out", default="bench-results", help="folder for bench.json and tokens_per_s.png")
@@ -440,7 +440,7 @@ def bench_ar_model(model: str | None, ar_model: str | None) -> str | None:
 
 
 def _chat_bench(args: argparse.Namespace) -> int:
-    """``celeris bench --prompt-set mt-bench,gsm8k``: the chat systems (``celeris.bench.chat``)."""
+    """``celeris bench --prompt-set mt-bench,gsm8k,summarisation``: the chat systems (``celeris.bench.chat``)."""
     from celeris.bench.chat import ChatBenchConfig, format_chat_table, run_chat_bench
 
     lengths = args.lengths.split(",")
@@ -468,7 +468,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         from celeris.models.catalog import read_pairing
 
         drafter = args.speculative_config or args.speculative_model or read_pairing(resolve_model(args.model))
-        args.prompt_set = "mt-bench,gsm8k" if drafter else "humaneval"
+        args.prompt_set = "mt-bench,gsm8k,summarisation" if drafter else "humaneval"
     if args.prompt_set != "humaneval":
         return _chat_bench(args)
     ar_model = bench_ar_model(args.model, args.ar_model)
