@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 from celeris.data import existing
-from celeris.models.loader import CheckpointError
+from celeris.models.checkpoint import CheckpointError
 
 EMBEDDED_AR = "celeris-code-6m-ar"  # the shipped autoregressive twin, `celeris bench`'s default baseline
 
