@@ -5,13 +5,15 @@ unfinished multi-byte UTF-8 character at the end, which decodes to U+FFFD; ``Inc
 holds such a tail back, and also any tail that could still become the start of a stop string, so the
 concatenated deltas equal the non-streamed answer (``cut_at_stop``) for the same tokens.
 
-Also the ``celeris`` extension object of a choice (``decoding_details``) and its canvas view for
-``stream_mode: "denoise"`` (``render_canvas``, ``denoise_details``).
+Also the ``celeris`` extension object of a choice (``decoding_details``), its canvas view for
+``stream_mode: "denoise"`` (``render_canvas``, ``denoise_details``), and ``Update``: what the serving layer tells a
+client about one choice after an engine event, which ``serve/chat.py`` turns into chat chunks.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from celeris.serve.protocol import DecodingDetails, DenoiseDetails
@@ -171,3 +173,15 @@ def decoding_details(params: SamplingParams, event: StepEvent) -> DecodingDetail
         block_length=min(params.block_length, params.max_tokens), cache=params.cache, decoding=params.decoding,
         remasking=params.remasking,
     )
+
+
+@dataclass(slots=True)
+class Update:
+    """What the client should learn about one choice after an engine event."""
+
+    index: int
+    delta: str
+    finish_reason: str | None
+    canvas: str | None = None
+    step: int | None = None
+    details: DecodingDetails | None = None

@@ -33,7 +33,7 @@ from celeris.params import SamplingParams, rename_deprecated
 from celeris.sampling.step import ContextLengthError, check_model_support
 from celeris.serve.async_engine import AsyncEngine, EngineDeadError, EngineInput, RequestGroup, StepEvent
 from celeris.serve.chat import chat_choice, chat_chunks
-from celeris.serve.detokenize import IncrementalText, decoding_details, denoise_details, render_canvas
+from celeris.serve.detokenize import IncrementalText, Update, decoding_details, denoise_details, render_canvas
 from celeris.serve.metrics import ServerMetrics
 from celeris.serve.protocol import (
     APIError,
@@ -77,18 +77,6 @@ class ClientDisconnected(Exception):
 
 # ---------------------------------------------------------------------------------------------
 # One HTTP request in flight
-
-
-@dataclass(slots=True)
-class Update:
-    """What the client should learn about one choice after an engine event."""
-
-    index: int
-    delta: str
-    finish_reason: str | None
-    canvas: str | None = None
-    step: int | None = None
-    details: DecodingDetails | None = None
 
 
 @dataclass

@@ -231,8 +231,8 @@ def test_auto_streams_text_before_the_answer_ends():
     import asyncio
 
     from celeris.serve.chat import chat_chunks
+    from celeris.serve.detokenize import Update
     from celeris.serve.protocol import ChatCompletionChunk
-    from celeris.serve.serving import Update
 
     def chunk(choices):
         return ChatCompletionChunk(id="x", created=0, model="m", choices=choices)
