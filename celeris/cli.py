@@ -285,7 +285,7 @@ def _load(args: argparse.Namespace):
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from celeris.serve.detokenize import render_canvas
+    from celeris.text import render_canvas
 
     start = time.perf_counter()
     llm, params = _load(args)

@@ -29,11 +29,12 @@ from pathlib import Path
 
 from celeris.config import EngineConfig
 from celeris.engine import Engine, QueueFullError
+from celeris.llm import LLM
 from celeris.params import SamplingParams, rename_deprecated
 from celeris.sampling.step import ContextLengthError, check_model_support
 from celeris.serve.async_engine import AsyncEngine, EngineDeadError, EngineInput, RequestGroup, StepEvent
 from celeris.serve.chat import chat_choice, chat_chunks
-from celeris.serve.detokenize import IncrementalText, Update, decoding_details, denoise_details, render_canvas
+from celeris.serve.detokenize import Update, decoding_details, denoise_details
 from celeris.serve.metrics import ServerMetrics
 from celeris.serve.protocol import (
     APIError,
@@ -63,6 +64,7 @@ from celeris.serve.tools import (
     tool_mode,
 )
 from celeris.structured.grammar import answer_matches
+from celeris.text import IncrementalText, render_canvas
 
 DISCONNECT_POLL_S = 0.01  # most seconds between two client-disconnect checks while events flow
 IDLE_WAKE_S = 0.25  # wake this often when no event comes, to check time-out and disconnect
@@ -184,8 +186,6 @@ class OpenAIServing:
         ``load_options`` (dtype, enforce_eager, trust_remote_code, enable_prefix_caching) go to ``celeris.llm.LLM``;
         ``metrics``: a registry shared with other models' serving layers (``celeris serve --also-serve``).
         """
-        from celeris.llm import LLM
-
         llm = LLM(model, device=device, max_num_seqs=max_num_seqs, max_waiting=max_waiting, **load_options)
         return cls(llm, served_model_name=served_model_name, request_timeout=request_timeout, engine=llm.engine,
                    metrics=metrics)

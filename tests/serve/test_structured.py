@@ -267,8 +267,8 @@ def test_stop_strings_never_cut_constrained_json(sclient):
 
 
 def test_stop_strings_apply_to_free_text_only():
-    from celeris.serve.detokenize import IncrementalText
     from celeris.structured.grammar import json_object_grammar, stops_apply, tool_call_grammar
+    from celeris.text import IncrementalText
 
     auto = tool_call_grammar({"f": {"type": "object"}}, alternative="text")
     assert stops_apply(None, "x") is True and stops_apply(json_object_grammar(), "x") is False
