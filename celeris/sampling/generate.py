@@ -16,9 +16,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from celeris.models.layers import KVCache
+from celeris.models.layers import KVCache, column_window
 from celeris.params import SamplingParams
-from celeris.sampling.cache import CACHE_MODES, cache_args, cache_window, delayed_columns, visible_end
+from celeris.sampling.cache import CACHE_MODES, cache_window, visible_end
 from celeris.sampling.schedule import block_plan, num_transfer_tokens
 from celeris.sampling.step import (
     NoProgressError,
@@ -125,6 +125,24 @@ def batch_rows(prompt_ids: list[list[int]], params: SamplingParams | list[Sampli
         raise ValueError("rows of one batch must share max_tokens, steps, block_length, remasking, decoding "
                          "and cache settings")
     return rows
+
+
+def delayed_columns(
+    stale: list[list[int]], span: slice, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row window of a ``rewrites_stale`` cache at a block's first step: each row's stale columns
+    (committed at its previous block's last step, so their cached keys/values were computed
+    while they were still masked: dKV-Cache's one-step delayed caching, arXiv:2505.15781),
+    then the block. Returns the (B, Lw) columns, padded by repeating the block's last column,
+    and the (B, L) index of the block's columns inside them."""
+    block = list(range(span.start, span.stop))
+    index = [[len(s) + j for j in range(len(block))] for s in stale]
+    return column_window([s + block for s in stale], device), torch.tensor(index, device=device)
+
+
+def cache_args(cache: KVCache | None, window: tuple[int, int] | torch.Tensor | None) -> dict:
+    """Keyword arguments for the model: fill ``cache`` (window None) or read it (window given)."""
+    return {} if cache is None else {"cache": cache, "window": window}
 
 
 def _pass_layout(
