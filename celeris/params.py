@@ -395,8 +395,8 @@ def add_setting_flags(parser: argparse.ArgumentParser, names: Iterable[str] | No
 
 def causal_defaults(generation_config: dict) -> dict:
     """An autoregressive (causal) model's defaults: blocks of one token, and the ``delayed`` cache unless the
-    file asks for another mode a causal model can use (``CachePolicy.exact_for_causal``; ``check_model_support``
-    refuses the others for such a model)."""
+    file asks for another mode a causal model can use (``CachePolicy.exact_for_causal``;
+    ``celeris.sampling.modes.check_request`` refuses the others for such a model)."""
     cache = generation_config.get("cache", "delayed")
     ok = cache in CACHE_MODES and CACHE_MODES[cache].exact_for_causal
     return {**generation_config, "block_length": 1, "cache": cache if ok else "delayed"}

@@ -17,14 +17,15 @@ import torch
 
 from celeris.models.layers import KVCache, column_window
 from celeris.params import SamplingParams
+from celeris.sampling.block import generate_block
 from celeris.sampling.cache import CACHE_MODES, cache_window, visible_end
+from celeris.sampling.modes import check_request, mode_of
 from celeris.sampling.output import GenerationOutput, answer_done, build_canvas, cut_at_eos
 from celeris.sampling.schedule import block_plan, num_transfer_tokens
 from celeris.sampling.step import (
     NoProgressError,
     RowSettings,
     banned_token_ids,
-    check_model_support,
     check_prompts,
     confidence_rule,
     context_tokens,
@@ -142,13 +143,11 @@ def generate(
 
     Raises:
         ValueError: empty prompt, mismatched structural settings, or settings the model cannot
-            do (``check_model_support``: e.g. blocks longer than 1 on a causal model).
+            do (``celeris.sampling.modes.check_request``: e.g. blocks longer than 1 on a causal model).
         NoProgressError: a step committed nothing for a row (non-finite scores).
     """
-    from celeris.sampling.block import block_mode, generate_block
-
     first = params[0] if isinstance(params, list) and params else params
-    if isinstance(first, SamplingParams) and block_mode(model, first) is not None:  # block diffusion's reference
+    if isinstance(first, SamplingParams) and mode_of(model, first) == "block":  # block diffusion's reference
         if suffix_ids and any(suffix_ids):
             raise ValueError("suffix (infilling) needs a full-attention model: a block model never sees what follows")
         step_hook = (lambda _row, answer: on_step(answer[None])) if on_step is not None else None  # (1, N) per row
@@ -166,7 +165,7 @@ def generate(
     settings = RowSettings.from_params(rows, device)
     generators = [make_generator(r.seed) for r in rows]
     banned = banned_token_ids(config)
-    check_model_support(model, first, any(suffix_ids or []))
+    check_request(model, first, any(suffix_ids or []))
     constraints = row_constraints(rows, grammar_tokenizer)
     blocks, steps_per_block = block_plan(first.max_tokens, first.block_length, first.steps)
     policy = CACHE_MODES[first.cache]

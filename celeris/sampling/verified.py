@@ -53,7 +53,7 @@ import torch
 
 from celeris.models.layers import KVCache
 from celeris.params import SamplingParams
-from celeris.sampling.drafter import DFlashProposer, DraftState, proposer_of
+from celeris.sampling.drafter import DFlashProposer, DraftState, check_num_drafts, proposer_of
 from celeris.sampling.prefix_cache import BLOCK_SIZE, PrefixCache
 from celeris.sampling.select import NEG_INF, top_p_filter
 from celeris.sampling.step import banned_token_ids, check_prompts, make_generator
@@ -117,29 +117,41 @@ def check_verified_support(model: torch.nn.Module, params: SamplingParams, has_s
         raise ValueError("decoding 'verified' needs a causal model with a KV cache (a hybrid model for mask-slot "
                          "drafts, or any causal model with draft_source 'lookup')")
     proposer = proposer_of(model)
-    if params.draft_source == "dflash" and proposer is None:
-        raise ValueError("draft_source 'dflash' needs a DFlash drafter beside the model (--speculative-config "
-                         "'{\"method\": \"dflash\", \"model\": PATH}')")
-    if proposer is not None and params.draft_source == "slots" and draft_length(model) < 1:
-        raise ValueError("draft_source 'slots' needs a hybrid model; this target drafts with its DFlash drafter "
-                         "(draft_source 'dflash' or 'lookup_first')")
-    k = params.num_speculative_tokens
-    if proposer is not None and params.draft_source in ("dflash", "lookup_first") and k and k > proposer.block_size - 1:
-        raise ValueError(f"num_speculative_tokens {k} is outside 1..{proposer.block_size - 1} ({proposer.name}'s "
-                         f"block_size is {proposer.block_size})")
-    if proposer is None and draft_length(model) < 1 and params.draft_source != "lookup":
-        raise ValueError(f"draft_source '{params.draft_source}' needs a hybrid model (a causal model with "
-                         "draft_block_size > 0, trained by `celeris train --objective hybrid`); use draft_source "
-                         "'lookup' for this one")
-    if k and params.draft_source == "slots" and k > draft_length(model):
-        raise ValueError(f"num_speculative_tokens {k} exceeds the {draft_length(model)} mask slots this model was "
-                         "trained to draft (draft_source 'slots'); use at most that, or draft_source 'lookup'")
+    check_draft_source(params, proposer, mask_slots(model, proposer))
     if params.cfg_scale:
         raise ValueError("cfg_scale is not supported with decoding 'verified'")
     if params.repetition_penalty != 1:
         raise ValueError("repetition_penalty is not supported with decoding 'verified'")
     if has_suffix:
         raise ValueError("infilling (a suffix) is not supported with decoding 'verified'")
+
+
+def mask_slots(model: torch.nn.Module, proposer: DFlashProposer | None) -> int:
+    """Mask slots a pass of verified decoding computes for ``model``: its ``draft_length``, or none beside a DFlash
+    drafter (which drafts instead; ``VerifiedDecoder.slots``)."""
+    return 0 if proposer is not None else draft_length(model)
+
+
+def check_draft_source(params: SamplingParams, proposer: DFlashProposer | None, slots: int) -> None:
+    """Raise ValueError (first word: the parameter) when ``params.draft_source`` and ``num_speculative_tokens``
+    cannot draft with ``proposer`` (a DFlash drafter, or None) and ``slots`` mask slots (``mask_slots``): the one
+    check of the draft settings, run at admission (``check_verified_support``) and by ``VerifiedDecoder.add``."""
+    source, k = params.draft_source, params.num_speculative_tokens
+    if source == "dflash" and proposer is None:
+        raise ValueError("draft_source 'dflash' needs a DFlash drafter beside the model (--speculative-config "
+                         "'{\"method\": \"dflash\", \"model\": PATH}')")
+    if source == "slots" and proposer is not None:
+        raise ValueError("draft_source 'slots' needs a hybrid model; this target drafts with its DFlash drafter "
+                         "(draft_source 'dflash' or 'lookup_first')")
+    if proposer is None and slots < 1 and source != "lookup":
+        raise ValueError(f"draft_source '{source}' needs a hybrid model (a causal model with "
+                         "draft_block_size > 0, trained by `celeris train --objective hybrid`); use draft_source "
+                         "'lookup' for this one")
+    if proposer is not None and source != "lookup" and k:
+        check_num_drafts(k, proposer.block_size, proposer.name)
+    if k and source == "slots" and k > slots:
+        raise ValueError(f"num_speculative_tokens {k} exceeds the {slots} mask slots this model was "
+                         "trained to draft (draft_source 'slots'); use at most that, or draft_source 'lookup'")
 
 
 def _pass_mask(columns: torch.Tensor, slot_start: torch.Tensor, slots: torch.Tensor, length: int) -> torch.Tensor:
@@ -293,7 +305,7 @@ class VerifiedDecoder:
     def __init__(self, model: torch.nn.Module, max_rows: int, max_tokens: int,
                  prefix_cache_tokens: int = PREFIX_CACHE_TOKENS, proposer: DFlashProposer | None = None) -> None:
         self.proposer = proposer or proposer_of(model)
-        self.slots = 0 if self.proposer else draft_length(model)  # mask slots the model drafts (0: none)
+        self.slots = mask_slots(model, self.proposer)  # mask slots the model drafts (0: none)
         self.model = model
         self.k = self.proposer.k if self.proposer else self.slots or LOOKUP_DRAFTS  # the default k
         self.pad = 2 * MAX_DRAFTS + 2
@@ -335,19 +347,11 @@ class VerifiedDecoder:
             raise ValueError(f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) + "
                              f"{self.pad} draft columns exceed the decoder's {self.max_len}")
         ends = frozenset({self.model.config.eos_token_id}) if end_ids is None else frozenset(end_ids)
-        if params.draft_source == "dflash" and not self.proposer:
-            raise ValueError("draft_source 'dflash' needs a DFlash drafter (--speculative-config)")
-        if params.draft_source != "lookup" and not self.slots and not self.proposer:
-            raise ValueError(f"draft_source '{params.draft_source}' needs a hybrid model; use 'lookup'")
-        if params.draft_source == "slots" and self.proposer:
-            raise ValueError("draft_source 'slots' needs a hybrid model; this target drafts with its DFlash drafter")
+        check_draft_source(params, self.proposer, self.slots)
         k = params.num_speculative_tokens or self.k
         if k > MAX_DRAFTS:
             raise ValueError(f"num_speculative_tokens must be <= {MAX_DRAFTS}, got {k}")
         slots = 0 if params.draft_source == "lookup" else min(k, self.slots)
-        if self.proposer and k > self.proposer.block_size - 1 and params.draft_source != "lookup":
-            raise ValueError(f"num_speculative_tokens {k} is outside 1..{self.proposer.block_size - 1} "
-                             f"({self.proposer.name}'s block_size is {self.proposer.block_size})")
         row = DraftRow(list(prompt_ids), params, make_generator(params.seed), k, ends, constraint=constraint,
                        slot_start=len(prompt_ids), num_slots=slots,
                        draft_state=DraftState() if self.proposer else None)

@@ -31,7 +31,7 @@ from celeris.config import EngineConfig
 from celeris.engine import Engine, QueueFullError
 from celeris.llm import LLM
 from celeris.params import SamplingParams, rename_deprecated
-from celeris.sampling.step import ContextLengthError, check_model_support
+from celeris.sampling.modes import ContextLengthError, check_request
 from celeris.serve.async_engine import AsyncEngine, EngineDeadError, EngineInput, RequestGroup, StepEvent
 from celeris.serve.chat import chat_choice, chat_chunks
 from celeris.serve.detokenize import Update, decoding_details, denoise_details
@@ -331,11 +331,7 @@ class OpenAIServing:
                                              top_p=request.top_p, seed=request.seed, stop=request.stop_list() or None,
                                              **request.sampling_fields())
             params = self.llm.with_special_stops(params)
-            vocab = self.tokenizer.vocab_size
-            if any(t >= vocab for t in params.stop_token_ids):
-                raise ValueError(f"stop_token_ids must be ids below the vocabulary size {vocab}; got "
-                                 f"{params.stop_token_ids}")
-            check_model_support(self.llm.model, params, has_suffix=bool(getattr(request, "suffix", None)))
+            check_request(self.llm.model, params, bool(getattr(request, "suffix", None)), self.tokenizer.vocab_size)
             return params
         except (ValueError, TypeError) as exc:  # SamplingParams names the field first: "steps must be >= 1"
             param = str(exc).split(" ", 1)[0].split("=", 1)[0]
