@@ -264,7 +264,8 @@ def test_top_k_is_a_whole_number_at_least_zero_or_vllms_minus_one(top_k):
 
 
 def test_a_default_verified_decoding_stays_under_a_grammar():
-    """Verified decoding checks its drafts against the grammar (celeris.structured.speculative): no switch."""
+    """Verified decoding checks its drafts against the grammar (celeris.sampling.verified.verify_under_grammar):
+    no switch."""
     from celeris.sampling.modes import check_request
     from tests.conftest import tiny_model
 

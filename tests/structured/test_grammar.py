@@ -114,7 +114,7 @@ def test_json_object_and_tool_call_grammars(json_llm):
 
 
 def test_grammar_with_verified_decoding_still_needs_a_causal_model():
-    """Verified decoding runs under a grammar (tests/structured/test_speculative.py), on the models it runs on."""
+    """Verified decoding runs under a grammar (tests/sampling/test_verified_grammar.py), on the models it runs on."""
     from celeris.models.celeris import CelerisConfig, CelerisModel
     from celeris.sampling.modes import check_request
 
