@@ -469,7 +469,8 @@ class VerifiedDecoder:
         its grammar state when ``params.grammar`` is set (``celeris.structured.grammar.row_constraints``).
 
         Raises:
-            ValueError: the pool is full, the prompt is empty or the row does not fit ``max_len``.
+            ValueError: the pool is full, the prompt is empty, the row does not fit ``max_len``, or its draft
+                settings cannot draft here (``check_draft_source``, the check admission runs too).
         """
         if len(self.rows) >= self.max_rows:
             raise ValueError(f"the verified decoder holds at most {self.max_rows} rows")
