@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 from celeris.data import existing
-from celeris.models.loader import CheckpointError
+from celeris.models.checkpoint import CheckpointError
 
 EMBEDDED_AR = "celeris-code-6m-ar"  # the shipped autoregressive twin, `celeris bench`'s default baseline
 
@@ -288,7 +288,7 @@ def _load(args: argparse.Namespace):
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from celeris.serve.detokenize import render_canvas
+    from celeris.text import render_canvas
 
     start = time.perf_counter()
     llm, params = _load(args)
