@@ -8,7 +8,7 @@ import torch
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # weight-only quantization methods (EngineConfig.quantization, vLLM's --quantization; celeris.models.quantize)
-QUANTIZATION_METHODS = ("int8", "int4", "int4-g64", "int4-g128")
+QUANTIZATION_METHODS = ("int8", "int4", "int4-g64", "int4-g128", "gguf")
 CPU_MAX_MODEL_LEN = 4096  # default cap of max_model_len on a CPU: the KV store of 8 rows stays a few hundred MiB
 
 
@@ -35,7 +35,8 @@ class EngineConfig:
             ``CPU_MAX_MODEL_LEN`` on a CPU (``resolve_max_model_len``).
         quantization: weight-only quantization of every linear layer after load (vLLM's name;
             ``celeris.models.quantize``): "int8" (per output channel), "int4" (groups of 32 input columns),
-            "int4-g64", "int4-g128"; None keeps the loaded dtype. The KV cache stays in ``dtype``.
+            "int4-g64", "int4-g128", or "gguf" (a GGUF checkpoint: each tensor at its block type's width);
+            None keeps the loaded dtype. The KV cache stays in ``dtype``.
         quantize_lm_head: quantize the output head too (tied or not); False keeps it in ``dtype``.
     """
 

@@ -15,9 +15,9 @@ from celeris.config import EngineConfig, resolve_device, resolve_dtype, resolve_
 from celeris.engine import Engine, Request
 from celeris.models.catalog import ALIASES, alias_path, read_pairing
 from celeris.models.catalog import EMBEDDED as CATALOG_EMBEDDED
-from celeris.models.gguf import find_gguf, prepare, read_card
+from celeris.models.gguf import find_gguf, prepare, read_card, tensor_types
 from celeris.models.loader import CheckpointError, load_any, load_tokenizer
-from celeris.models.quantize import quantize_model
+from celeris.models.quantize import QuantizationError, gguf_layer_methods, quantize_model
 from celeris.params import SamplingParams, causal_defaults
 from celeris.sampling.block import contract_of
 from celeris.sampling.drafter import SpeculativeConfig, attach, load_proposer
@@ -158,7 +158,9 @@ class LLM:
             ``draft_source`` ``lookup_first`` (prompt lookup where the context repeats, the drafter elsewhere).
         quantization: weight-only quantization of every linear layer, the drafter's included, after load (vLLM's
             ``quantization``; ``celeris.models.quantize``): "int8", "int4" (groups of 32), "int4-g64",
-            "int4-g128"; None: the weights stay in ``dtype``. The KV cache stays in ``dtype`` either way.
+            "int4-g128", or "gguf" (a .gguf checkpoint: Q4_0/Q4_1/Q4_K tensors as group-32 int4, the others and
+            the embedding as int8 rows, the head quantized); None: the weights stay in ``dtype``. The KV cache
+            stays in ``dtype`` either way.
         quantize_lm_head: quantize the output head too (a tied head: a quantized copy scores, the float table
             still embeds).
 
@@ -216,9 +218,15 @@ class LLM:
         self.proposer = load_proposer(spec, self.model) if spec is not None else None
         self.quantization: dict | None = None  # what quantize_model replaced (layers, weight bytes before/after)
         if quantization is not None:  # a transform after load, never inside a model file (gpt-fast's way)
-            self.quantization = quantize_model(self.model, quantization, quantize_lm_head)
-            if self.proposer is not None:
-                quantize_model(self.proposer.drafter, quantization)
+            layers = None
+            if quantization == "gguf":  # each tensor at the width of its GGUF block type
+                if gguf_file is None:
+                    raise QuantizationError(f"--quantization gguf needs a .gguf checkpoint; '{self.name}' holds float "
+                                            "weights: use --quantization int8 or int4")
+                layers = gguf_layer_methods(self.path, tensor_types(gguf_file))
+            self.quantization = quantize_model(self.model, quantization, quantize_lm_head, layers)
+            if self.proposer is not None:  # a drafter's float weights: int8 under gguf, else the same method
+                quantize_model(self.proposer.drafter, "int8" if quantization == "gguf" else quantization)
         attach(self.model, self.proposer)
         self.engine_config.max_model_len = resolve_max_model_len(
             max_model_len, self.model.config.max_position_embeddings, self.device)

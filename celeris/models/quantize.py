@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import types
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -53,11 +54,13 @@ class Method:
 
 
 def parse_method(name: str) -> Method:
-    """The method ``name`` names.
+    """The method ``name`` names (``gguf``: bits 0, each layer's width from its GGUF block type).
 
     Raises:
         QuantizationError: not one of ``METHODS`` (the line lists them).
     """
+    if name == "gguf":
+        return Method("gguf", 0, 32)
     if name == "int8":
         return Method("int8", 8)
     if name in INT4_GROUPS:
@@ -72,13 +75,14 @@ def check_device(method: Method, device: torch.device | str) -> None:
         QuantizationError: the kernel is missing from torch, or does not run on ``device``'s type.
     """
     device = torch.device(device)
-    family = "int8" if method.bits == 8 else "int4"
-    if not hasattr(torch, method.kernel):
-        raise QuantizationError(f"--quantization {method.name} needs torch.{method.kernel}, which this torch "
-                                f"{torch.__version__} does not have")
-    if device.type not in KERNEL_DEVICES[family]:
-        raise QuantizationError(f"--quantization {method.name} runs torch.{method.kernel}, which has no "
-                                f"{device.type} kernel (it runs on {', '.join(KERNEL_DEVICES[family])})")
+    for family in ("int8", "int4") if method.bits == 0 else ("int8" if method.bits == 8 else "int4",):
+        kernel = KERNELS[family]
+        if not hasattr(torch, kernel):
+            raise QuantizationError(f"--quantization {method.name} needs torch.{kernel}, which this torch "
+                                    f"{torch.__version__} does not have")
+        if device.type not in KERNEL_DEVICES[family]:
+            raise QuantizationError(f"--quantization {method.name} runs torch.{kernel}, which has no "
+                                    f"{device.type} kernel (it runs on {', '.join(KERNEL_DEVICES[family])})")
 
 
 def _activation_dtype(device: torch.device, dtype: torch.dtype) -> torch.dtype:
@@ -139,6 +143,41 @@ class Int8Linear(QuantizedLinear):
         return self.qweight.float() * self.scales.float()[:, None]
 
 
+class Int8Embedding(nn.Module):
+    """An embedding table kept as int8 rows with one float32 scale each; rows are dequantized when gathered.
+    ``rows(ids)`` gathers dequantized rows (ids (...,) -> (..., dim)); ``head()`` is an ``Int8Linear`` over the same
+    int8 storage (a tied output head)."""
+
+    def __init__(self, embedding: nn.Embedding, dtype: torch.dtype) -> None:
+        super().__init__()
+        w = embedding.weight.detach().float()
+        scale = (w.abs().amax(dim=1) / 127).clamp(min=torch.finfo(torch.float32).tiny)
+        self.num_embeddings, self.embedding_dim, self.dtype = w.shape[0], w.shape[1], dtype
+        self.register_buffer("qweight", torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8))
+        self.register_buffer("scales", scale)
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        return (self.qweight[ids].float() * self.scales[ids, None]).to(self.dtype)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.rows(ids)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The whole table dequantized (V, dim), built on every read: for rare readers only."""
+        return self.rows(torch.arange(self.num_embeddings, device=self.qweight.device))
+
+    def head(self, rows: int, act_dtype: torch.dtype) -> Int8Linear:
+        """An ``Int8Linear`` scoring the first ``rows`` rows, sharing this table's int8 storage."""
+        head = Int8Linear.__new__(Int8Linear)
+        QuantizedLinear.__init__(head)
+        head.in_features, head.out_features, head.act_dtype = self.embedding_dim, rows, act_dtype
+        head.register_buffer("qweight", self.qweight[:rows])
+        head.register_buffer("scales", self.scales[:rows].to(act_dtype))
+        head.register_buffer("bias", None)
+        return head
+
+
 def int4_group_quantize(w: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """gpt-fast's asymmetric group quantization of w (out, in) float32, ``in % group == 0``.
 
@@ -186,6 +225,8 @@ def check_shape(method: Method, name: str, linear: nn.Linear) -> None:
     Raises:
         QuantizationError: naming the module, its shape and the group.
     """
+    if method.bits == 0:
+        return  # gguf: each layer's own width (quantize_model checks the int4 ones)
     if method.bits == 4 and linear.out_features % 16:
         raise QuantizationError(f"--quantization {method.name}: layer '{name}' has {linear.out_features} output "
                                 "rows, not a multiple of 16 (torch._convert_weight_to_int4pack_for_cpu packs 16 "
@@ -208,12 +249,16 @@ def _head_logits(self: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
     return self._celeris_quantized_head(hidden).float()
 
 
-def quantize_model(model: nn.Module, method: str | Method, quantize_lm_head: bool = False) -> dict:
+def quantize_model(model: nn.Module, method: str | Method, quantize_lm_head: bool = False,
+                   layer_methods: dict[str, Method] | None = None) -> dict:
     """Replace every ``nn.Linear`` of ``model`` (in place) by its weight-only quantized form.
 
     The output head ``lm_head`` (or a tied head) is left alone unless ``quantize_lm_head``: then a quantized
     copy of the head rows (``vocab_size`` of them) scores the logits (``model.logits`` is rebound on the
-    instance) and a tied embedding keeps its float rows for the input side.
+    instance) and a tied embedding keeps its float rows for the input side. Method ``gguf`` takes each layer's
+    method from ``layer_methods`` (module name -> int4 or int8 ``Method``; ``gguf_layer_methods``; int8 where it has
+    none), always quantizes the head, and keeps the embedding as int8 rows (``Int8Embedding``; a tied head shares
+    them), so the resident weights stay near the GGUF file's size.
 
     Args:
         model: a loaded eval-mode model (weights on one device).
@@ -227,13 +272,16 @@ def quantize_model(model: nn.Module, method: str | Method, quantize_lm_head: boo
             (checked for every layer before any is replaced).
     """
     method = parse_method(method) if isinstance(method, str) else method
+    gguf = method.bits == 0
+    quantize_lm_head = quantize_lm_head or gguf
     first = next(model.parameters())
     check_device(method, first.device)
     act = _activation_dtype(first.device, first.dtype)
     targets = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.Linear)
                and (quantize_lm_head or name.split(".")[-1] != "lm_head")]
+    chosen = {name: (layer_methods or {}).get(name, parse_method("int8")) if gguf else method for name, _ in targets}
     for name, linear in targets:
-        check_shape(method, name, linear)
+        check_shape(chosen[name], name, linear)
     lm_head = getattr(model, "lm_head", None)
     if quantize_lm_head and isinstance(lm_head, nn.Linear) and lm_head.out_features != model.vocab_size:
         raise QuantizationError(f"--quantize-lm-head: the head has {lm_head.out_features} rows for a vocabulary "
@@ -241,23 +289,63 @@ def quantize_model(model: nn.Module, method: str | Method, quantize_lm_head: boo
     before = after = 0
     for name, linear in targets:
         parent = model.get_submodule(name.rpartition(".")[0]) if "." in name else model
-        q = quantize_linear(linear, method, act)
+        q = quantize_linear(linear, chosen[name], act)
         before += linear.weight.numel() * linear.weight.element_size()
         after += sum(b.numel() * b.element_size() for b in q.buffers())
         setattr(parent, name.rpartition(".")[2], q)
-    if quantize_lm_head and hasattr(model, "logits") and hasattr(model, "embed_tokens"):
-        if lm_head is None:  # tied: a quantized copy of the embedding rows scores, the float table still embeds
-            rows = model.embed_tokens.weight[: model.vocab_size]
-            head = nn.Linear(rows.shape[1], rows.shape[0], bias=False, device="meta")
-            head.weight = nn.Parameter(rows.detach(), requires_grad=False)
-            check_shape(method, "lm_head (tied to embed_tokens)", head)
-            model.__dict__["_celeris_quantized_head"] = quantize_linear(head, method, act)
-            after += sum(b.numel() * b.element_size() for b in model._celeris_quantized_head.buffers())
-        else:
-            model.__dict__["_celeris_quantized_head"] = model.lm_head  # the quantized module put there above
-        model.logits = types.MethodType(_head_logits, model)
+    if quantize_lm_head and hasattr(model, "logits") and isinstance(getattr(model, "embed_tokens", None), nn.Embedding):
+        after += _quantize_head(model, method, act, gguf)
     model.__dict__["_celeris_quantization"] = method.name
     return {"method": method.name, "layers": len(targets), "weight_bytes_before": before, "weight_bytes_after": after}
+
+
+def _quantize_head(model: nn.Module, method: Method, act: torch.dtype, embedding: bool) -> int:
+    """Score ``model.logits`` through a quantized head (and, with ``embedding``, keep the table as int8 rows);
+    returns the new bytes beyond the linears already counted."""
+    added = 0
+    if embedding:
+        table = Int8Embedding(model.embed_tokens, model.embed_tokens.weight.dtype)
+        model.embed_tokens = table
+        added += sum(b.numel() * b.element_size() for b in table.buffers())
+    if model.lm_head is not None:
+        model.__dict__["_celeris_quantized_head"] = model.lm_head  # the quantized module put there already
+    elif embedding:  # tied: the head reads the int8 rows the embedding keeps
+        model.__dict__["_celeris_quantized_head"] = model.embed_tokens.head(model.vocab_size, act)
+    else:  # tied: a quantized copy of the embedding rows scores, the float table still embeds
+        rows = model.embed_tokens.weight[: model.vocab_size]
+        head = nn.Linear(rows.shape[1], rows.shape[0], bias=False, device="meta")
+        head.weight = nn.Parameter(rows.detach(), requires_grad=False)
+        check_shape(method, "lm_head (tied to embed_tokens)", head)
+        model.__dict__["_celeris_quantized_head"] = quantize_linear(head, method, act)
+        added += sum(b.numel() * b.element_size() for b in model._celeris_quantized_head.buffers())
+    model.logits = types.MethodType(_head_logits, model)
+    return added
+
+
+GGUF_INT4_TYPES = ("Q4_0", "Q4_1", "Q4_K")  # block types kept as group-32 int4 (Q4_1: exactly); the rest int8
+
+
+def gguf_layer_methods(folder: Path, hf_types: dict[str, str]) -> dict[str, Method]:
+    """Module name -> the ``Method`` a GGUF's block types give it: group-32 int4 when every tensor packed into
+    the module (q, k, v of ``qkv_proj``; gate, up of ``gate_up_proj``) is ``GGUF_INT4_TYPES``, else int8.
+
+    Args:
+        folder: the converted checkpoint folder (its config.json names the format whose tensor names apply).
+        hf_types: Hugging Face tensor name -> GGUF type name (``celeris.models.gguf.tensor_types``).
+    """
+    from celeris.models.loader import FORMATS, detect_format, read_config, rename
+
+    kind = detect_format(read_config(folder))
+    if kind is None:
+        return {}
+    keys = FORMATS[kind].checkpoint_keys
+    parts: dict[str, list[str]] = {}
+    for name, kind_name in hf_types.items():
+        target = rename(name, keys)
+        if target is not None and target.split("[")[0].endswith(".weight"):
+            parts.setdefault(target.split("[")[0].removesuffix(".weight"), []).append(kind_name)
+    int4, int8 = parse_method("int4"), parse_method("int8")
+    return {module: int4 if all(t in GGUF_INT4_TYPES for t in found) else int8 for module, found in parts.items()}
 
 
 def quantization_of(model: nn.Module) -> str | None:
