@@ -163,3 +163,17 @@ def test_llm_quantizes_after_load_and_decodes():
     assert len(out.token_ids) > 0
     kv = llm.engine.runner.pool  # the KV cache keeps the compute dtype
     assert all(k.dtype == torch.float32 for k in kv.keys)
+
+
+@pytest.mark.parametrize(("model", "extra"), [("celeris-code-6m", {"block_length": 8, "steps": 24}),
+                                              ("celeris-code-6m-hybrid", {"decoding": "verified"})])
+def test_structured_output_holds_quantized(model, extra):
+    pytest.importorskip("llguidance")
+    from celeris.structured.grammar import schema_grammar
+
+    llm = LLM(model, device="cpu", quantization="int4")
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}},
+              "required": ["n"], "additionalProperties": False}
+    params = llm.default_params(max_tokens=24, temperature=0.0, grammar=schema_grammar(schema), **extra)
+    out = llm.generate(["x = "], params)[0]
+    assert 0 <= json.loads(out.text)["n"] <= 9
