@@ -1,6 +1,6 @@
 """Weight-only quantization (vLLM's ``--quantization``): a transform applied to a loaded model, never inside a model file.
 
-``quantize_model(model, "int8" | "int4" | "int4-g64" | "int4-g128", device)`` replaces every ``nn.Linear`` of the
+``quantize_model(model, "int8" | "int4" | "int4-g64" | "int4-g128" | "gguf")`` replaces every ``nn.Linear`` of the
 model (the transformer's projections, a DFlash drafter's too) by a module that keeps the weight quantized and calls
 PyTorch's own weight-only kernels, as gpt-fast does after load:
 
@@ -14,8 +14,9 @@ The activations are cast to bfloat16 around the kernel: measured here (``scripts
 take a fast path for bfloat16 activations only and are several times slower than a float32 matmul with float32
 ones. Everything else (norms, attention, the KV cache, the residual stream) stays in the model's dtype. The output
 head (tied or not) stays as loaded unless ``quantize_lm_head``; then ``model.logits`` uses a quantized copy of the
-head while a tied embedding keeps its float rows. ``torch._dyn_quant_matmul_4bit`` refused every shape in this CPU
-build (KleidiAI path, ARM only), so it is not a candidate.
+head while a tied embedding keeps its float rows (``gguf``: see ``quantize_model``). ``torch._dyn_quant_matmul_4bit``
+refused the calls tried here ("Expected bias length to match output dimension", with and without a bias), so it
+was not pursued.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from torch import nn
 from celeris.config import QUANTIZATION_METHODS
 
 INT4_GROUPS = {"int4": 32, "int4-g64": 64, "int4-g128": 128}
-METHODS = QUANTIZATION_METHODS  # "int8" and the INT4_GROUPS names
+METHODS = QUANTIZATION_METHODS  # "int8", the INT4_GROUPS names and "gguf"
 KERNELS = {"int8": "_weight_int8pack_mm", "int4": "_weight_int4pack_mm_for_cpu"}
 KERNEL_DEVICES = {"int8": ("cpu", "cuda"), "int4": ("cpu",)}
 
