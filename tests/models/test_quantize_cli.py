@@ -48,3 +48,20 @@ def test_bench_refuses_an_unknown_width_in_one_line(capsys, tmp_path):
     code, out, err = run_cli(capsys, "bench", "--model", "celeris-code-6m", "--quantization", "int8,fp3",
                              "--out", str(tmp_path))
     assert code == 2 and "unknown quantization 'fp3'" in err and err.count("\n") == 1, err
+
+
+def test_bench_prints_each_width_and_its_warning(capsys, tiny_checkpoint, tmp_path):
+    from tests.bench.test_run import write_prompts
+
+    prompts = tmp_path / "he.jsonl"
+    write_prompts(prompts, n=2)
+    code, out, err = run_cli(capsys, "bench", "--model", str(tiny_checkpoint), "--ar-model", "none", "--lengths", "8",
+                             "--num-prompts", "2", "--warmup", "0", "--prompts", str(prompts), "--no-smollm2",
+                             "--quantization", "int8,bfloat16", "--out", str(tmp_path / "out"))
+    assert code == 0, err
+    results = json.loads((tmp_path / "out" / "bench.json").read_text())
+    for width in ("int8", "bfloat16"):
+        line = next(x for x in out.splitlines() if x.startswith(f"{width}: top-1 agreement "))
+        assert "mean KL" in line and "pass cost ms by width" in line
+        assert (f"warning: {width} misses its quality floor" in out) == (not results["widths"][width]["floor_met"])
+    assert "dllm-fast@int8" in out and "dllm-fast@bfloat16" in out
