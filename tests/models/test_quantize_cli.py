@@ -65,3 +65,13 @@ def test_bench_prints_each_width_and_its_warning(capsys, tiny_checkpoint, tmp_pa
         assert "mean KL" in line and "pass cost ms by width" in line
         assert (f"warning: {width} misses its quality floor" in out) == (not results["widths"][width]["floor_met"])
     assert "dllm-fast@int8" in out and "dllm-fast@bfloat16" in out
+
+
+def test_the_server_and_ray_serve_take_the_quantization():
+    from celeris.serve.serving import OpenAIServing
+
+    serving = OpenAIServing.from_model("celeris-code-6m-hybrid", device="cpu", quantization="int8")
+    assert serving.llm.quantization["method"] == "int8"
+    ray = pytest.importorskip("celeris.serve.ray")
+    args = ray.ServeArgs(quantization="int4", quantize_lm_head=True)
+    assert (args.quantization, args.quantize_lm_head) == ("int4", True)
