@@ -83,16 +83,55 @@ def _tokenizer_args(p: argparse.ArgumentParser) -> None:
                    'spelling): \'{"method": "dflash", "model": PATH, "num_speculative_tokens": K}\'')
     p.add_argument("--speculative-model", metavar="PATH", help='shorthand for --speculative-config \'{"method": '
                    '"dflash", "model": PATH}\'')
+    _quantization_args(p)
+
+
+def _quantization_args(p: argparse.ArgumentParser) -> None:
+    """``--quantization`` (vLLM's flag; EngineConfig.quantization) and ``--quantize-lm-head``."""
+    from celeris.config import QUANTIZATION_METHODS
+
+    bench = p.prog.split()[-1] == "bench"
+    p.add_argument("--quantization", metavar="METHOD" + (",..." if bench else ""),
+                   help=("comma-separated weight-only quantizations to bench beside the unquantized model: "
+                         if bench else "weight-only quantization of every linear layer after load: ")
+                   + ", ".join(QUANTIZATION_METHODS) + " (int4: groups of 32 input columns; the KV cache stays in "
+                   "--dtype; docs/quantization.md)")
+    p.add_argument("--quantize-lm-head", action="store_true", help="with --quantization: quantize the output head "
+                   "too (default: kept in --dtype)")
+
+
+def _quantization_overrides(args: argparse.Namespace) -> dict[str, object]:
+    """``quantization`` / ``quantize_lm_head`` for ``LLM`` when given (checked now: an unknown method is one line).
+
+    Raises:
+        UsageError: an unknown method, or --quantize-lm-head without --quantization.
+    """
+    from celeris.config import check_quantization
+
+    method, head = getattr(args, "quantization", None), getattr(args, "quantize_lm_head", False)
+    if head and method is None:
+        raise UsageError("--quantize-lm-head needs --quantization (e.g. --quantization int8)")
+    if method is None:
+        return {}
+    for name in method.split(","):
+        if name == "bfloat16" and getattr(args, "command", None) == "bench":
+            continue  # the bench's list may hold the bfloat16 width too (celeris.bench.quantized.BENCH_WIDTHS)
+        try:
+            check_quantization(name)
+        except ValueError as exc:
+            raise UsageError(f"--quantization: {exc}") from None
+    return {"quantization": method, "quantize_lm_head": head}
 
 
 def _tokenizer_overrides(args: argparse.Namespace) -> dict[str, str | None]:
-    """``tokenizer``, ``chat_template`` and ``speculative_config`` for ``LLM``, checked before any model loads (a
-    missing file is one line), as absolute paths (Ray workers may not share the working directory); the
-    speculative config as a JSON string.
+    """``tokenizer``, ``chat_template``, ``speculative_config`` and (when given) ``quantization`` /
+    ``quantize_lm_head`` for ``LLM``, checked before any model loads (a missing file is one line), as absolute
+    paths (Ray workers may not share the working directory); the speculative config as a JSON string.
 
     Raises:
         CheckpointError: ``--tokenizer`` does not exist. ValueError: ``--chat-template`` is missing or not Jinja,
-            a bad ``--speculative-config``, both speculative flags, or a drafter folder that does not exist.
+            a bad ``--speculative-config``, both speculative flags, or a drafter folder that does not exist;
+            an unknown ``--quantization`` (UsageError).
     """
     from celeris.tokenizer import read_chat_template_file
 
@@ -105,6 +144,7 @@ def _tokenizer_overrides(args: argparse.Namespace) -> dict[str, str | None]:
     absolute = {k: str(Path(v).resolve()) if v is not None and Path(v).exists() else v
                 for k, v in (("tokenizer", tokenizer), ("chat_template", template))}
     spec = _speculative_config(getattr(args, "speculative_config", None), getattr(args, "speculative_model", None))
+    absolute = {**absolute, **_quantization_overrides(args)}
     return {**absolute, "speculative_config": spec} if spec is not None else absolute
 
 
@@ -463,8 +503,26 @@ def _chat_bench(args: argparse.Namespace) -> int:
                           batch_sizes=sizes, num_prompts=args.num_prompts, warmup=args.warmup, out_dir=args.out,
                           smollm2=not args.no_smollm2, dtype=args.dtype, max_model_len=args.max_model_len,
                           **_tokenizer_overrides(args))
-    print(format_chat_table(run_chat_bench(cfg)))
+    results = run_chat_bench(cfg)
+    print(format_chat_table(results))
+    _print_widths(results)
+    for note in results["notes"]:
+        print(note if note.startswith("warning:") else f"note: {note}")
     return 0
+
+
+def _print_widths(results: dict) -> None:
+    """The bench's weight widths (``--quantization``): quality, pass cost and resident bytes, one line each, then
+    the warnings (``celeris.bench.quantized``)."""
+    for width, r in results.get("widths", {}).items():
+        if "quality" not in r:
+            continue
+        q = r["quality"]
+        print(f"{width}: top-1 agreement {q['top1_agreement']:.4f}, mean KL {q['mean_kl']:.5f} nats over "
+              f"{q['tokens']} tokens, first divergence {q['first_divergence']}, weights "
+              f"{r['resident_weight_bytes'] / 2**20:.1f} MiB "
+              f"(unquantized {r['reference_resident_weight_bytes'] / 2**20:.1f}), "
+              f"pass cost ms by width {r['pass_cost_ms_by_width']}")
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -502,8 +560,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
     except ValueError as exc:  # e.g. a twin with another tokenizer
         raise UsageError(str(exc)) from None
     print(format_table(results))
+    _print_widths(results)
     for note in results["notes"]:
-        print(f"note: {note}")
+        print(note if note.startswith("warning:") else f"note: {note}")
     print(f"results: {Path(args.out) / 'bench.json'}")
     return 0
 

@@ -7,6 +7,8 @@ from dataclasses import dataclass
 import torch
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# weight-only quantization methods (EngineConfig.quantization, vLLM's --quantization; celeris.models.quantize)
+QUANTIZATION_METHODS = ("int8", "int4", "int4-g64", "int4-g128", "gguf")
 CPU_MAX_MODEL_LEN = 4096  # default cap of max_model_len on a CPU: the KV store of 8 rows stays a few hundred MiB
 
 
@@ -31,6 +33,11 @@ class EngineConfig:
         max_model_len: most tokens (prompt + answer) one request may hold (vLLM's name); the KV store is sized
             from it (``max_num_seqs`` rows of it, K/V heads). None: the model's context window, capped at
             ``CPU_MAX_MODEL_LEN`` on a CPU (``resolve_max_model_len``).
+        quantization: weight-only quantization of every linear layer after load (vLLM's name;
+            ``celeris.models.quantize``): "int8" (per output channel), "int4" (groups of 32 input columns),
+            "int4-g64", "int4-g128", or "gguf" (a GGUF checkpoint: each tensor at its block type's width);
+            None keeps the loaded dtype. The KV cache stays in ``dtype``.
+        quantize_lm_head: quantize the output head too (tied or not); False keeps it in ``dtype``.
     """
 
     max_num_seqs: int = 8
@@ -42,6 +49,8 @@ class EngineConfig:
     length_bucket: int = 32
     enable_prefix_caching: bool = True
     max_model_len: int | None = None
+    quantization: str | None = None
+    quantize_lm_head: bool = False
 
     def __post_init__(self) -> None:
         if self.dtype is not None and self.dtype not in DTYPES:
@@ -53,6 +62,19 @@ class EngineConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        check_quantization(self.quantization)
+        if self.quantize_lm_head and self.quantization is None:
+            raise ValueError("quantize_lm_head needs a quantization (e.g. --quantization int8)")
+
+
+def check_quantization(name: str | None) -> None:
+    """Refuse a quantization method Celeris does not have (one line listing those it has).
+
+    Raises:
+        ValueError: ``name`` is not None and not in ``QUANTIZATION_METHODS``.
+    """
+    if name is not None and name not in QUANTIZATION_METHODS:
+        raise ValueError(f"unknown quantization '{name}'; Celeris has {', '.join(QUANTIZATION_METHODS)}")
 
 
 def resolve_max_model_len(requested: int | None, context: int, device: torch.device | str) -> int:

@@ -15,8 +15,9 @@ from celeris.config import EngineConfig, resolve_device, resolve_dtype, resolve_
 from celeris.engine import Engine, Request
 from celeris.models.catalog import ALIASES, alias_path, read_pairing
 from celeris.models.catalog import EMBEDDED as CATALOG_EMBEDDED
-from celeris.models.gguf import find_gguf, prepare, read_card
+from celeris.models.gguf import find_gguf, prepare, read_card, tensor_types
 from celeris.models.loader import CheckpointError, load_any, load_tokenizer
+from celeris.models.quantize import QuantizationError, gguf_layer_methods, quantize_model
 from celeris.params import SamplingParams, causal_defaults
 from celeris.sampling.block import contract_of
 from celeris.sampling.drafter import SpeculativeConfig, attach, load_proposer
@@ -156,10 +157,19 @@ class LLM:
             ``{"method": "dflash", "model": PATH, "num_speculative_tokens": k}``
             (``celeris.sampling.drafter.SpeculativeConfig``). The default decoding becomes verified decoding with
             ``draft_source`` ``lookup_first`` (prompt lookup where the context repeats, the drafter elsewhere).
+        quantization: weight-only quantization of every linear layer, the drafter's included, after load (vLLM's
+            ``quantization``; ``celeris.models.quantize``): "int8", "int4" (groups of 32), "int4-g64",
+            "int4-g128", or "gguf" (a .gguf checkpoint: Q4_0/Q4_1/Q4_K tensors as group-32 int4, the others and
+            the embedding as int8 rows, the head quantized); None: the weights stay in ``dtype``. The KV cache
+            stays in ``dtype`` either way.
+        quantize_lm_head: quantize the output head too (a tied head: a quantized copy scores, the float table
+            still embeds).
 
     Raises:
         CheckpointError: the folder is missing, incomplete or inconsistent, or ``tokenizer`` does not exist.
         ValueError: ``max_model_len`` exceeds the model's context window, another setting is out of range,
+            a quantization that is unknown or whose kernel does not take a layer's shape or the device
+            (``celeris.models.quantize.QuantizationError``),
             a ``chat_template`` file that does not exist or does not parse, or a drafter that does not fit the
             target (``celeris.sampling.drafter.check_drafter``: the line names both sides).
     """
@@ -170,7 +180,8 @@ class LLM:
         max_waiting: int = 1 << 30, max_batch_size: int | None = None, enable_prefix_caching: bool = True,
         max_model_len: int | None = None,
         tokenizer: str | Path | None = None, chat_template: str | Path | None = None,
-        speculative_config: dict | str | None = None,
+        speculative_config: dict | str | None = None, quantization: str | None = None,
+        quantize_lm_head: bool = False,
     ) -> None:
         if max_batch_size is not None:
             warnings.warn("LLM(max_batch_size=...) is deprecated; use max_num_seqs", DeprecationWarning, stacklevel=2)
@@ -197,7 +208,8 @@ class LLM:
         self.card: dict = self._gguf.card if self._gguf is not None else read_card(self.path)
         self.engine_config = EngineConfig(max_num_seqs=max_num_seqs, max_waiting=max_waiting, device=device,
                                           dtype=dtype, enforce_eager=enforce_eager,
-                                          enable_prefix_caching=enable_prefix_caching, max_model_len=max_model_len)
+                                          enable_prefix_caching=enable_prefix_caching, max_model_len=max_model_len,
+                                          quantization=quantization, quantize_lm_head=quantize_lm_head)
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
         self.model = load_any(self.path, device=self.device, dtype=self.dtype, trust_remote_code=trust_remote_code,
@@ -205,6 +217,17 @@ class LLM:
         if self._gguf is not None:
             self._gguf.tensors = tensors = None  # the model holds the weights now (in memory: its temporary folder stays)
         self.proposer = load_proposer(spec, self.model) if spec is not None else None
+        self.quantization: dict | None = None  # what quantize_model replaced (layers, weight bytes before/after)
+        if quantization is not None:  # a transform after load, never inside a model file (gpt-fast's way)
+            layers = None
+            if quantization == "gguf":  # each tensor at the width of its GGUF block type
+                if gguf_file is None:
+                    raise QuantizationError(f"--quantization gguf needs a .gguf checkpoint; '{self.name}' holds float "
+                                            "weights: use --quantization int8 or int4")
+                layers = gguf_layer_methods(self.path, tensor_types(gguf_file))
+            self.quantization = quantize_model(self.model, quantization, quantize_lm_head, layers)
+            if self.proposer is not None:  # a drafter's float weights: int8 under gguf, else the same method
+                quantize_model(self.proposer.drafter, "int8" if quantization == "gguf" else quantization)
         attach(self.model, self.proposer)
         self.engine_config.max_model_len = resolve_max_model_len(
             max_model_len, self.model.config.max_position_embeddings, self.device)

@@ -61,7 +61,8 @@ class ServingActor:
     def __init__(self, model: str | None, max_num_seqs: int, device: str | None, request_timeout: float,
                  served_model_name: str | None, dtype: str | None = None, max_model_len: int | None = None,
                  tokenizer: str | None = None, chat_template: str | None = None,
-                 speculative_config: str | None = None) -> None:
+                 speculative_config: str | None = None, quantization: str | None = None,
+                 quantize_lm_head: bool = False) -> None:
         import torch
 
         from celeris.serve.serving import OpenAIServing
@@ -72,7 +73,8 @@ class ServingActor:
                                                 request_timeout=request_timeout, served_model_name=served_model_name,
                                                 dtype=dtype, max_model_len=max_model_len, tokenizer=tokenizer,
                                                 chat_template=chat_template,
-                                                speculative_config=speculative_config)
+                                                speculative_config=speculative_config, quantization=quantization,
+                                                quantize_lm_head=quantize_lm_head)
         self.serving.start()
         self.loop = asyncio.new_event_loop()
         threading.Thread(target=self.loop.run_forever, name="batch-actor-loop", daemon=True).start()
@@ -145,6 +147,8 @@ def run_batch_ray(
     tokenizer: str | None = None,
     chat_template: str | None = None,
     speculative_config: str | None = None,
+    quantization: str | None = None,
+    quantize_lm_head: bool = False,
 ) -> dict:
     """Run (or resume) a batch job on Ray; same files, records and summary as ``jobs.run_batch``
     (``tokenizer`` / ``chat_template``: absolute paths, as each actor's LLM takes them).
@@ -192,7 +196,8 @@ def run_batch_ray(
                                 "device": device, "request_timeout": request_timeout,
                                 "served_model_name": served_model_name, "dtype": dtype,
                                 "max_model_len": max_model_len, "tokenizer": tokenizer,
-                                "chat_template": chat_template, "speculative_config": speculative_config}
+                                "chat_template": chat_template, "speculative_config": speculative_config,
+                                "quantization": quantization, "quantize_lm_head": quantize_lm_head}
                 try:
                     for row in map_on_ray(spool, actor_kwargs, num_workers, on_cluster=bool(ray_address)):
                         sink(json.loads(row["record"]))

@@ -32,6 +32,7 @@ import torch
 
 from celeris.bench import smollm2
 from celeris.bench.quality import max_repeat_run
+from celeris.bench.quantized import load_width, parse_widths, width_report
 from celeris.bench.run import conditions, draft_counts, pass_cost_ms, run_system, write_json
 from celeris.data import gsm8k_questions, mt_bench_questions, summarisation_prompts
 from celeris.llm import LLM
@@ -57,8 +58,13 @@ class ChatBenchConfig:
     speculative_config: str | None = None
     tokenizer: str | None = None
     chat_template: str | None = None
+    # comma-separated widths benched beside the model (celeris.bench.quantized: bfloat16, int8, int4, ...)
+    quantization: str | None = None
+    quantize_lm_head: bool = False
+    quality_prompts: int = 8  # first prompts of the first set the widths' quality is measured on
 
     def __post_init__(self) -> None:
+        parse_widths(self.quantization)
         unknown = [s for s in self.prompt_sets if s not in PROMPT_SETS]
         if unknown:
             raise ValueError(f"unknown prompt set(s) {', '.join(unknown)} (known: humaneval, {', '.join(PROMPT_SETS)})")
@@ -111,8 +117,12 @@ def run_chat_bench(cfg: ChatBenchConfig) -> dict:
         ValueError: an unknown prompt set; a model without a chat template.
     """
     out = Path(cfg.out_dir)
-    llm = LLM(cfg.model, max_num_seqs=max(cfg.batch_sizes), dtype=cfg.dtype, max_model_len=cfg.max_model_len,
-              speculative_config=cfg.speculative_config, tokenizer=cfg.tokenizer, chat_template=cfg.chat_template)
+    options = {"max_num_seqs": max(cfg.batch_sizes), "dtype": cfg.dtype, "max_model_len": cfg.max_model_len,
+               "speculative_config": cfg.speculative_config, "tokenizer": cfg.tokenizer,
+               "chat_template": cfg.chat_template}
+    llm = LLM(cfg.model, **options)
+    widths = {w: load_width(w, lambda **o: LLM(cfg.model, **{**options, **o}), cfg.quantize_lm_head)
+              for w in parse_widths(cfg.quantization)}
     if not llm.tokenizer.chat_template:
         raise ValueError(f"model '{llm.name}' has no chat template; the chat prompt sets need one")
     previous = json.loads((out / "bench.json").read_text()) if (out / "bench.json").is_file() else {}
@@ -128,15 +138,19 @@ def run_chat_bench(cfg: ChatBenchConfig) -> dict:
         for batch_size in cfg.batch_sizes:
             batches = [prompts[i : i + batch_size] for i in range(0, len(prompts), batch_size)]
             reference = None
-            plan = systems(llm, cfg.max_tokens) + ([("transformers", None, None)] if smol is not None else [])
-            for system, params, policy in plan:
+            plan = [(llm, *s) for s in systems(llm, cfg.max_tokens)]
+            plan += [(llm, "transformers", None, None)] if smol is not None else []
+            for width, other in widths.items():  # the same engine systems at each other weight width
+                plan += [(other, f"{system}@{width}", p, policy) for system, p, policy in systems(other, cfg.max_tokens)
+                         if system != "target-lookup"]
+            for owner, system, params, policy in plan:
                 key = (system, name, batch_size)
                 if key in done:
                     if system == "target-next-token":
                         reference = next(r for r in results["runs"] if (r["system"], r["prompt_set"],
                                                                         r["batch_size"]) == key)["outputs"]
                     continue
-                results["runs"].append(run_one(llm, smol, system, params, policy, batches, cfg, reference))
+                results["runs"].append(run_one(owner, smol, system, params, policy, batches, cfg, reference))
                 results["runs"][-1].update(prompt_set=name, batch_size=batch_size)
                 if system == "target-next-token":
                     reference = results["runs"][-1]["outputs"]
@@ -146,6 +160,17 @@ def run_chat_bench(cfg: ChatBenchConfig) -> dict:
                                             for b in (1, 8)}
     else:
         results["pass_cost_ms_by_width"] = previous["pass_cost_ms_by_width"]
+    if widths:
+        first = PROMPT_SETS[cfg.prompt_sets[0]]()[: cfg.quality_prompts]
+        prompts = [llm.tokenizer.encode_chat([{"role": "user", "content": t}]) for t in first]
+        plain = systems(llm, cfg.max_tokens)[0][1]  # target-next-token's params: greedy, the target alone
+        results["widths"] = {}
+        for width, other in widths.items():
+            report, warning = width_report(llm, other, width, prompts, plain, lambda m: {
+                f"batch {b}": pass_cost_ms(m.model, (1, 2, 4, 8, 16), repeats=10, batch=b) for b in (1, 8)})
+            results["widths"][width] = report
+            if warning:
+                results["notes"].append(warning)
     write_json(results, out)
     return results
 

@@ -57,6 +57,7 @@ import torch
 
 from celeris.bench import smollm2
 from celeris.bench.quality import cut_function_body, has_code, heal_prompt, load_humaneval, max_repeat_run, parses
+from celeris.bench.quantized import load_width, parse_widths, width_report
 from celeris.llm import LLM
 from celeris.models.layers import KVCache
 from celeris.params import SamplingParams
@@ -86,8 +87,12 @@ class BenchConfig:
     tokenizer: str | None = None  # replaces the model's and the twin's tokenizer (LLM's ``tokenizer``)
     chat_template: str | None = None  # replaces their chat template (LLM's ``chat_template``)
     speculative_config: str | None = None  # a DFlash drafter beside the target (LLM's ``speculative_config``)
+    # comma-separated widths benched beside the model (celeris.bench.quantized: bfloat16, int8, int4, ...)
+    quantization: str | None = None
+    quantize_lm_head: bool = False
 
     def __post_init__(self) -> None:
+        parse_widths(self.quantization)
         if not self.batch_sizes or min(self.batch_sizes) < 1 or self.num_prompts < 1 or self.warmup < 0:
             raise ValueError("batch sizes and num_prompts must be >= 1 and warmup >= 0")
         if self.fast_tokens_per_step is not None and self.fast_tokens_per_step < 1:
@@ -243,6 +248,9 @@ def run_bench(cfg: BenchConfig) -> dict:
     overrides = {"tokenizer": cfg.tokenizer, "chat_template": cfg.chat_template, "max_model_len": cfg.max_model_len}
     llm = LLM(cfg.model, max_num_seqs=max(cfg.batch_sizes), dtype=cfg.dtype, **overrides)
     load_s = time.perf_counter() - load_start  # cold request = load_s + first_request_s
+    widths = {w: load_width(w, lambda **o: LLM(cfg.model, max_num_seqs=max(cfg.batch_sizes),
+                                                **{"dtype": cfg.dtype, **overrides, **o}), cfg.quantize_lm_head)
+              for w in parse_widths(cfg.quantization)}
     ignored = [flag for flag, value in (("--fast-tokens-per-step", cfg.fast_tokens_per_step),
                                         ("--fast-suffix-window", cfg.fast_suffix_window)) if value is not None]
     if ignored and contract_of(llm.model) is not None:  # block and hybrid models run other systems than dllm-fast
@@ -299,20 +307,26 @@ def run_bench(cfg: BenchConfig) -> dict:
             ids, nfe, ttft = smollm2.generate_hf(*smol, [llm.tokenizer.decode(p) for p in batch], length)
             return ids, nfe, [ttft] * len(batch)
 
-        if hybrid:  # verified decoding against the model's own next-token decoding
-            fast = llm.default_params(max_tokens=length, temperature=0.0, decoding="verified")
-            systems = [("hybrid-next-token", next_token(llm.model)), ("hybrid-verified", diffusion(fast))]
-        elif getattr(llm.model.config, "is_causal", False) and contract_of(llm.model) is None:
-            # a next-token model (Llama, Qwen2, Qwen3, the twin): the reference sampler, the engine, prompt lookup
-            engine = llm.default_params(max_tokens=length, temperature=0.0)
-            lookup = llm.default_params(max_tokens=length, temperature=0.0, decoding="verified", draft_source="lookup")
-            systems = [("ar-reference", next_token(llm.model)), ("ar-engine", diffusion(engine)),
-                       ("ar-lookup", diffusion(lookup))]
-        elif contract_of(llm.model) is not None:  # a block model: its reference sampler, then the engine
-            fast = llm.default_params(max_tokens=length, temperature=0.0)
-            systems = [("block-reference", block_reference(llm, fast)), ("block-engine", diffusion(fast))]
-        else:
-            systems = [("dllm-reference", diffusion(reference)), ("dllm-fast", diffusion(fast))]
+        def plan(owner: LLM, fast: SamplingParams = fast, length: int = length,  # (systems, their fast params)
+                 reference: SamplingParams = reference) -> tuple[list, SamplingParams]:
+            if hybrid:  # verified decoding against the model's own next-token decoding
+                fast = owner.default_params(max_tokens=length, temperature=0.0, decoding="verified")
+                return [("hybrid-next-token", next_token(owner.model)), ("hybrid-verified", diffusion(fast, owner))], fast
+            if getattr(owner.model.config, "is_causal", False) and contract_of(owner.model) is None:
+                # a next-token model (Llama, Qwen2, Qwen3, the twin): the reference sampler, the engine, prompt lookup
+                engine = owner.default_params(max_tokens=length, temperature=0.0)
+                lookup = owner.default_params(max_tokens=length, temperature=0.0, decoding="verified",
+                                              draft_source="lookup")
+                return [("ar-reference", next_token(owner.model)), ("ar-engine", diffusion(engine, owner)),
+                        ("ar-lookup", diffusion(lookup, owner))], engine
+            if contract_of(owner.model) is not None:  # a block model: its reference sampler, then the engine
+                fast = owner.default_params(max_tokens=length, temperature=0.0)
+                return [("block-reference", block_reference(owner, fast)), ("block-engine", diffusion(fast, owner))], fast
+            return [("dllm-reference", diffusion(reference, owner)), ("dllm-fast", diffusion(fast, owner))], fast
+
+        systems, fast = plan(llm)
+        for width, other in widths.items():  # the same systems at each other weight width (celeris.bench.quantized)
+            systems += [(f"{name}@{width}", fn) for name, fn in plan(other)[0]]
         if ar is not None:
             systems.append(("ar-twin", next_token(ar.model)))
             if hybrid:  # the ablation: the twin with the prompt-lookup half of the drafts
@@ -351,8 +365,27 @@ def run_bench(cfg: BenchConfig) -> dict:
         results["runs"] += [{k: v for k, v in r.items() if k != "outputs"} for r in runs]
     if hybrid:
         results["pass_cost_ms_by_width"] = pass_cost_ms(llm.model)
+    if widths:  # quality (against this model, on the first prompts) and pass cost of every other width
+        room = llm.context_length - cfg.lengths[0]
+        quality_prompts = [llm.tokenizer.encode(t)[-room:] for t in texts]
+        results["widths"] = {}
+        for width, other in widths.items():
+            report, warning = width_report(llm, other, width, quality_prompts, fast_quality_params(llm, cfg, hybrid),
+                                           lambda m: pass_cost_ms(m.model))
+            results["widths"][width] = report
+            if warning:
+                results["notes"].append(warning)
+        results["widths"]["reference"] = {"pass_cost_ms_by_width": results.get("pass_cost_ms_by_width")
+                                          or pass_cost_ms(llm.model)}
     write_outputs(results, Path(cfg.out_dir))
     return results
+
+
+def fast_quality_params(llm: LLM, cfg: BenchConfig, hybrid: bool) -> SamplingParams:
+    """The decoding mode the width quality is measured in: the model's default at the first length, greedy
+    (verified for a hybrid model)."""
+    extra = {"decoding": "verified"} if hybrid else {}
+    return llm.default_params(max_tokens=cfg.lengths[0], temperature=0.0, **extra)
 
 
 def format_table(results: dict) -> str:

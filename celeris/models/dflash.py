@@ -221,8 +221,9 @@ class DFlashDraftModel(nn.Module):
 
     def forward(self, noise_embedding: torch.Tensor, target_hidden: torch.Tensor, positions: torch.Tensor,
                 cache: DraftKVCache | None = None, attn_mask: torch.Tensor | None = None) -> torch.Tensor:
-        ctx = self.hidden_norm(self.fc(target_hidden.to(self.fc.weight.dtype)))  # (B, Lc, d)
-        x = noise_embedding.to(self.fc.weight.dtype)
+        dtype = self.hidden_norm.weight.dtype  # the compute dtype (the fc weight may be quantized)
+        ctx = self.hidden_norm(self.fc(target_hidden.to(dtype)))  # (B, Lc, d)
+        x = noise_embedding.to(dtype)
         cos, sin = rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta)  # (B, 1, Lc + Lq, D)
         for i, layer in enumerate(self.layers):
             x = layer(x, ctx, cos, sin, attn_mask, cache, i)

@@ -319,6 +319,18 @@ def hf_config(fields: dict, shapes: dict[str, tuple[int, ...]], rope_factors: to
     return config
 
 
+def tensor_types(path: Path) -> dict[str, str]:
+    """Hugging Face tensor name -> GGUF tensor type name (``Q4_1``, ``Q8_0``, ``F32``, ...) of a GGUF file, from its
+    header only (``--quantization gguf`` keeps each block type's width: ``celeris.models.quantize``).
+
+    Raises:
+        GGUFError: the file cannot be read.
+    """
+    reader = open_reader(path)
+    return {name: t.tensor_type.name for t in reader.tensors
+            if t.name != "rope_freqs.weight" and (name := rename(t.name, TENSOR_NAMES)) is not None}
+
+
 def hf_state(reader, config: dict) -> dict[str, torch.Tensor]:  # noqa: ANN001 - gguf.GGUFReader
     """Every tensor dequantized to float32 under its Hugging Face name (q/k rows unpermuted for ``llama``).
 

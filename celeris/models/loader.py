@@ -354,6 +354,7 @@ def load_any(
     """
     folder, device = Path(path), torch.device(device)
     raw = read_config(folder)
+    check_not_prequantized(folder, raw)
     kind = detect_format(raw)
     if kind is not None:
         return load_native(folder, FORMATS[kind], device, dtype, max_num_seqs, max_model_len, tensors)
@@ -367,6 +368,22 @@ def load_any(
         infos = read_headers(checkpoint_files(folder))
         check_memory(estimate_memory(infos, load_dtype(infos, dtype), device))
     return load_remote(folder, device, dtype)
+
+
+def check_not_prequantized(folder: Path, raw: dict) -> None:
+    """Refuse a checkpoint whose config.json carries a ``quantization_config`` (AWQ, GPTQ, compressed-tensors,
+    bitsandbytes, ...): Celeris reads float weights only and quantizes them itself (``--quantization``).
+
+    Raises:
+        CheckpointError: naming the method (``quant_method``, else ``format``, else "unnamed").
+    """
+    q = raw.get("quantization_config")
+    if q is None:
+        return
+    method = (q.get("quant_method") or q.get("format") or "unnamed") if isinstance(q, dict) else "unnamed"
+    raise CheckpointError(f"{folder / 'config.json'} is an already quantized checkpoint ({method}); Celeris loads "
+                          "float32, float16 or bfloat16 weights and quantizes them itself: use the unquantized "
+                          "checkpoint with --quantization int8 or int4")
 
 
 def load_tokenizer(path: str | Path, model: nn.Module | None = None) -> Tokenizer:

@@ -189,7 +189,9 @@ class DFlashProposer:
         d2t = self.drafter.d2t
         if d2t.numel() == target.config.vocab_size:
             return target.logits(out)  # (k, V)
-        weight = target.embed_tokens.weight if target.lm_head is None else target.lm_head.weight
+        head = target.embed_tokens if target.lm_head is None else target.lm_head
+        # a quantized table (celeris.models.quantize.Int8Embedding) gathers the draft rows, never the whole table
+        weight = head.rows(d2t) if hasattr(head, "rows") else head.weight
         pruned = self.drafter.draft_logits(out[None], weight)[0]  # (k, V_draft)
         full = torch.full((k, target.config.vocab_size), NEG_INF, device=out.device)
         return full.index_copy_(1, d2t, pruned)

@@ -90,6 +90,8 @@ class ServeArgs(BaseModel):
     tokenizer: str | None = None
     chat_template: str | None = None
     speculative_config: str | None = None  # a DFlash drafter beside the target (JSON, celeris.sampling.drafter)
+    quantization: str | None = None  # weight-only quantization of each replica's model (celeris.models.quantize)
+    quantize_lm_head: bool = False
     max_num_seqs: int = Field(8, ge=1)
     max_waiting: int = Field(64, ge=1)
     request_timeout: float = Field(60.0, gt=0)
@@ -237,7 +239,8 @@ class CelerisEngine:
                                                 enable_prefix_caching=a.enable_prefix_caching,
                                                 max_model_len=a.max_model_len, tokenizer=a.tokenizer,
                                                 chat_template=a.chat_template,
-                                                speculative_config=a.speculative_config)
+                                                speculative_config=a.speculative_config,
+                                                quantization=a.quantization, quantize_lm_head=a.quantize_lm_head)
         self.async_engine = self.serving.async_engine
         self.admitted = Counter("celeris_replica_generations", "Generations (prompts x n) this engine replica admitted",
                                 registry=self.serving.metrics.registry)

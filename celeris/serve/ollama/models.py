@@ -74,7 +74,16 @@ def details(s) -> ModelDetails:
     dtype = str(getattr(s.llm, "dtype", "float32")).removeprefix("torch.")
     return ModelDetails(format="gguf" if card.get("format") == "gguf" else "safetensors", family=arch,
                         families=[arch], parameter_size=human_count(parameter_count(s)),
-                        quantization_level=DTYPE_NAMES.get(dtype, dtype.upper()))
+                        quantization_level=quantization_level(s, dtype))
+
+
+def quantization_level(s, dtype: str) -> str:  # noqa: ANN001 - an OpenAIServing
+    """Ollama's ``quantization_level``: the ``--quantization`` method (``INT8``, ``INT4-G64``, ``GGUF``) when the
+    weights are quantized, else the dtype's name (``F32``, ``BF16``, ``F16``)."""
+    applied = getattr(s.llm, "quantization", None)
+    if isinstance(applied, dict):
+        return str(applied["method"]).upper()
+    return DTYPE_NAMES.get(dtype, dtype.upper())
 
 
 def modified_at(s) -> str:

@@ -1,0 +1,62 @@
+"""``celeris bench --quantization int8,int4,...``: the same checkpoint at other weight widths beside the unquantized
+one, in one run (both benches: ``celeris.bench.run`` and ``celeris.bench.chat``).
+
+Per width: a copy of the model loaded with ``quantization=`` (or ``dtype="bfloat16"`` for the pseudo-method
+``bfloat16``), its systems run under the same conditions (their names get ``@width``), its pass cost by width
+(``celeris.bench.run.pass_cost_ms``), its resident weight bytes and its quality against the unquantized model
+(``celeris.bench.divergence.measure_divergence``: teacher-forced top-1 agreement, mean KL, first divergence),
+with a warning line in the notes when a floor is missed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from celeris.bench.divergence import floor_warning, measure_divergence
+from celeris.config import QUANTIZATION_METHODS
+from celeris.llm import LLM
+from celeris.models.quantize import resident_weight_bytes
+from celeris.params import SamplingParams
+
+BENCH_WIDTHS = ("bfloat16", *QUANTIZATION_METHODS)  # what the bench's --quantization list may name
+
+
+def parse_widths(text: str | None) -> list[str]:
+    """The bench's ``--quantization`` list (comma-separated) as names.
+
+    Raises:
+        ValueError: a name not in ``BENCH_WIDTHS``, or a repeated one.
+    """
+    if not text:
+        return []
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    unknown = [n for n in names if n not in BENCH_WIDTHS]
+    if unknown:
+        raise ValueError(f"--quantization: unknown width(s) {', '.join(unknown)}; the bench takes "
+                         f"{', '.join(BENCH_WIDTHS)}")
+    if len(set(names)) != len(names):
+        raise ValueError(f"--quantization names a width twice: {text}")
+    return names
+
+
+def load_width(width: str, load: Callable[..., LLM], quantize_lm_head: bool = False) -> LLM:
+    """The checkpoint at ``width``: ``load(**options)`` with ``dtype="bfloat16"`` or ``quantization=width``."""
+    if width == "bfloat16":
+        return load(dtype="bfloat16")
+    return load(quantization=width, quantize_lm_head=quantize_lm_head)
+
+
+def width_report(reference: LLM, candidate: LLM, width: str, prompts: list[list[int]], params: SamplingParams,
+                 pass_cost: Callable[[LLM], dict]) -> tuple[dict, str | None]:
+    """Quality, pass cost and resident bytes of ``candidate`` (``width``) against ``reference``; the floor warning
+    (None when met; bfloat16 is held to int8's floor)."""
+    divergence = measure_divergence(reference, candidate, prompts, params)
+    report = {"width": width, "quality": divergence.to_json(), "pass_cost_ms_by_width": pass_cost(candidate),
+              "resident_weight_bytes": resident_weight_bytes(candidate.model),
+              "reference_resident_weight_bytes": resident_weight_bytes(reference.model),
+              "quality_conditions": "teacher-forced on the unquantized model's greedy answers "
+                                    f"(max_tokens {params.max_tokens}, decoding {params.decoding}, "
+                                    f"{len(prompts)} prompts)"}
+    warning = floor_warning("int8" if width == "bfloat16" else width, divergence)
+    report["floor_met"] = warning is None
+    return report, warning

@@ -1,0 +1,373 @@
+"""Weight-only quantization (vLLM's ``--quantization``): a transform applied to a loaded model, never inside a model file.
+
+``quantize_model(model, "int8" | "int4" | "int4-g64" | "int4-g128" | "gguf")`` replaces every ``nn.Linear`` of the
+model (the transformer's projections, a DFlash drafter's too) by a module that keeps the weight quantized and calls
+PyTorch's own weight-only kernels, as gpt-fast does after load:
+
+- ``int8``: symmetric per-output-channel int8, ``w = q * scale`` (q in [-127, 127]); ``torch._weight_int8pack_mm``
+  (CPU and CUDA).
+- ``int4`` (groups of 32 input columns; ``int4-g64``/``int4-g128`` for 64/128): asymmetric group-wise 4-bit,
+  ``w = (q - 8) * scale + zero`` per group, q in [0, 15] (gpt-fast's ``group_quantize_tensor``);
+  ``torch._convert_weight_to_int4pack_for_cpu`` + ``torch._weight_int4pack_mm_for_cpu`` (CPU only in torch 2.13).
+
+The activations are cast to bfloat16 around the kernel: measured here (``scripts/quant_kernels.py``), both kernels
+take a fast path for bfloat16 activations only and are several times slower than a float32 matmul with float32
+ones. Everything else (norms, attention, the KV cache, the residual stream) stays in the model's dtype. The output
+head (tied or not) stays as loaded unless ``quantize_lm_head``; then ``model.logits`` uses a quantized copy of the
+head while a tied embedding keeps its float rows (``gguf``: see ``quantize_model``). ``torch._dyn_quant_matmul_4bit``
+refused the calls tried here ("Expected bias length to match output dimension", with and without a bias), so it
+was not pursued.
+"""
+
+from __future__ import annotations
+
+import types
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from celeris.config import QUANTIZATION_METHODS
+
+INT4_GROUPS = {"int4": 32, "int4-g64": 64, "int4-g128": 128}
+METHODS = QUANTIZATION_METHODS  # "int8", the INT4_GROUPS names and "gguf"
+KERNELS = {"int8": "_weight_int8pack_mm", "int4": "_weight_int4pack_mm_for_cpu"}
+KERNEL_DEVICES = {"int8": ("cpu", "cuda"), "int4": ("cpu",)}
+
+
+class QuantizationError(ValueError):
+    """A quantization that cannot be applied: unknown method, a shape or device the kernel does not take."""
+
+
+@dataclass(frozen=True)
+class Method:
+    """A parsed ``--quantization`` value: ``bits`` 8 (per output channel) or 4 (``group`` input columns a scale)."""
+
+    name: str
+    bits: int
+    group: int = 0
+
+    @property
+    def kernel(self) -> str:
+        return KERNELS["int8" if self.bits == 8 else "int4"]
+
+
+def parse_method(name: str) -> Method:
+    """The method ``name`` names (``gguf``: bits 0, each layer's width from its GGUF block type).
+
+    Raises:
+        QuantizationError: not one of ``METHODS`` (the line lists them).
+    """
+    if name == "gguf":
+        return Method("gguf", 0, 32)
+    if name == "int8":
+        return Method("int8", 8)
+    if name in INT4_GROUPS:
+        return Method(name, 4, INT4_GROUPS[name])
+    raise QuantizationError(f"unknown quantization '{name}'; Celeris has {', '.join(METHODS)}")
+
+
+def check_device(method: Method, device: torch.device | str) -> None:
+    """Refuse a device this build of torch has no kernel for (one line naming the kernel and the device).
+
+    Raises:
+        QuantizationError: the kernel is missing from torch, or does not run on ``device``'s type.
+    """
+    device = torch.device(device)
+    for family in ("int8", "int4") if method.bits == 0 else ("int8" if method.bits == 8 else "int4",):
+        kernel = KERNELS[family]
+        if not hasattr(torch, kernel):
+            raise QuantizationError(f"--quantization {method.name} needs torch.{kernel}, which this torch "
+                                    f"{torch.__version__} does not have")
+        if device.type not in KERNEL_DEVICES[family]:
+            raise QuantizationError(f"--quantization {method.name} runs torch.{kernel}, which has no "
+                                    f"{device.type} kernel (it runs on {', '.join(KERNEL_DEVICES[family])})")
+
+
+def _activation_dtype(device: torch.device, dtype: torch.dtype) -> torch.dtype:
+    """bfloat16 on a CPU (the kernels' fast path); the model's half dtype, else bfloat16, on CUDA."""
+    return dtype if device.type == "cuda" and dtype in (torch.bfloat16, torch.float16) else torch.bfloat16
+
+
+class QuantizedLinear(nn.Module):
+    """Common part of the weight-only linears: ``forward`` (..., in) -> (..., out) in the input's dtype."""
+
+    in_features: int
+    out_features: int
+    bias: torch.Tensor | None
+
+    def _matmul(self, x: torch.Tensor) -> torch.Tensor:  # (M, in) in the activation dtype -> (M, out)
+        raise NotImplementedError
+
+    def dequantize(self) -> torch.Tensor:
+        """The weight as the kernel sees it: (out, in) float32."""
+        raise NotImplementedError
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The dequantized weight (out, in) in the activation dtype, built on every read: for the rare code that
+        reads a head's weight (a pruned drafter's vocabulary), never on the decoding path."""
+        return self.dequantize().to(self.act_dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features).to(self.act_dtype)
+        if flat.shape[0] == 0:
+            out = flat.new_zeros((0, self.out_features))
+        else:
+            out = self._matmul(flat.contiguous())
+        if self.bias is not None:
+            out = out + self.bias
+        return out.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
+class Int8Linear(QuantizedLinear):
+    """Per-output-channel symmetric int8 weight (out, in) with (out,) scales: ``w = q * scale``."""
+
+    def __init__(self, linear: nn.Linear, act_dtype: torch.dtype) -> None:
+        super().__init__()
+        self.in_features, self.out_features, self.act_dtype = linear.in_features, linear.out_features, act_dtype
+        w = linear.weight.detach().float()
+        scale = (w.abs().amax(dim=1) / 127).clamp(min=torch.finfo(torch.float32).tiny)
+        self.register_buffer("qweight", torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8))
+        self.register_buffer("scales", scale.to(act_dtype))
+        self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().to(act_dtype))
+
+    def _matmul(self, x: torch.Tensor) -> torch.Tensor:
+        return torch._weight_int8pack_mm(x, self.qweight, self.scales)
+
+    def dequantize(self) -> torch.Tensor:
+        return self.qweight.float() * self.scales.float()[:, None]
+
+
+class Int8Embedding(nn.Module):
+    """An embedding table kept as int8 rows with one float32 scale each; rows are dequantized when gathered.
+    ``rows(ids)`` gathers dequantized rows (ids (...,) -> (..., dim)); ``head()`` is an ``Int8Linear`` over the same
+    int8 storage (a tied output head)."""
+
+    def __init__(self, embedding: nn.Embedding, dtype: torch.dtype) -> None:
+        super().__init__()
+        w = embedding.weight.detach().float()
+        scale = (w.abs().amax(dim=1) / 127).clamp(min=torch.finfo(torch.float32).tiny)
+        self.num_embeddings, self.embedding_dim, self.dtype = w.shape[0], w.shape[1], dtype
+        self.register_buffer("qweight", torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8))
+        self.register_buffer("scales", scale)
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        return (self.qweight[ids].float() * self.scales[ids, None]).to(self.dtype)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.rows(ids)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The whole table dequantized (V, dim), built on every read: for rare readers only."""
+        return self.rows(torch.arange(self.num_embeddings, device=self.qweight.device))
+
+    def head(self, rows: int, act_dtype: torch.dtype) -> Int8Linear:
+        """An ``Int8Linear`` scoring the first ``rows`` rows, sharing this table's int8 storage."""
+        head = Int8Linear.__new__(Int8Linear)
+        QuantizedLinear.__init__(head)
+        head.in_features, head.out_features, head.act_dtype = self.embedding_dim, rows, act_dtype
+        head.register_buffer("qweight", self.qweight[:rows])
+        head.register_buffer("scales", self.scales[:rows].to(act_dtype))
+        head.register_buffer("bias", None)
+        return head
+
+
+def int4_group_quantize(w: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """gpt-fast's asymmetric group quantization of w (out, in) float32, ``in % group == 0``.
+
+    Returns:
+        q (out, in) int32 in [0, 15], scales (out, in / group) and zeros (out, in / group) float32 with
+        ``w ~= (q - 8) * scale + zero`` per group.
+    """
+    n, k = w.shape
+    g = w.reshape(n, k // group, group)
+    lo, hi = g.amin(-1), g.amax(-1)
+    scale = ((hi - lo) / 15).clamp(min=1e-6)
+    q = torch.round((g - lo[..., None]) / scale[..., None]).clamp(0, 15).to(torch.int32).reshape(n, k)
+    return q, scale, lo + 8 * scale
+
+
+class Int4Linear(QuantizedLinear):
+    """Group-wise 4-bit weight packed for ``torch._weight_int4pack_mm_for_cpu``: (out, in / 2) uint8 plus
+    (in / group, out, 2) scales and zeros (``w = (q - 8) * scale + zero``)."""
+
+    def __init__(self, linear: nn.Linear, group: int, act_dtype: torch.dtype,
+                 qsz: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> None:
+        super().__init__()
+        self.in_features, self.out_features, self.act_dtype = linear.in_features, linear.out_features, act_dtype
+        self.group = group
+        w = linear.weight.detach().float().cpu()
+        q, scale, zero = qsz if qsz is not None else int4_group_quantize(w, group)
+        device = linear.weight.device
+        self.register_buffer("qweight", torch._convert_weight_to_int4pack_for_cpu(q.contiguous(), 1).to(device))
+        self.register_buffer("scales_and_zeros",
+                             torch.stack([scale, zero], -1).transpose(0, 1).contiguous().to(device, act_dtype))
+        self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().to(act_dtype))
+
+    def _matmul(self, x: torch.Tensor) -> torch.Tensor:
+        return torch._weight_int4pack_mm_for_cpu(x, self.qweight, self.group, self.scales_and_zeros)
+
+    def dequantize(self) -> torch.Tensor:
+        eye = torch.eye(self.in_features, dtype=self.act_dtype, device=self.qweight.device)
+        return self._matmul(eye).float().T.contiguous()  # the kernel's own reading of the packed weight
+
+
+def check_shape(method: Method, name: str, linear: nn.Linear) -> None:
+    """Refuse a linear the int4 kernel cannot take: output rows not a multiple of 16, or an input width the group
+    does not divide (whole groups only).
+
+    Raises:
+        QuantizationError: naming the module, its shape and the group.
+    """
+    if method.bits == 0:
+        return  # gguf: each layer's own width (quantize_model checks the int4 ones)
+    if method.bits == 4 and linear.out_features % 16:
+        raise QuantizationError(f"--quantization {method.name}: layer '{name}' has {linear.out_features} output "
+                                "rows, not a multiple of 16 (torch._convert_weight_to_int4pack_for_cpu packs 16 "
+                                "rows at a time); use int8")
+    if method.bits == 4 and linear.in_features % method.group:
+        raise QuantizationError(f"--quantization {method.name}: layer '{name}' has {linear.in_features} input "
+                                f"columns, not a multiple of the group of {method.group} "
+                                f"({'try int4 (group 32)' if linear.in_features % 32 == 0 else 'use int8'})")
+
+
+def quantize_linear(linear: nn.Linear, method: Method, act_dtype: torch.dtype) -> QuantizedLinear:
+    """One ``nn.Linear`` as its quantized replacement (same device)."""
+    if method.bits == 8:
+        return Int8Linear(linear, act_dtype)
+    return Int4Linear(linear, method.group, act_dtype)
+
+
+def _head_logits(self: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+    """``TransformerLM.logits`` through the quantized head: (..., hidden) -> (..., vocab_size) float32."""
+    return self._celeris_quantized_head(hidden).float()
+
+
+def quantize_model(model: nn.Module, method: str | Method, quantize_lm_head: bool = False,
+                   layer_methods: dict[str, Method] | None = None) -> dict:
+    """Replace every ``nn.Linear`` of ``model`` (in place) by its weight-only quantized form.
+
+    The output head ``lm_head`` (or a tied head) is left alone unless ``quantize_lm_head``: then a quantized
+    copy of the head rows (``vocab_size`` of them) scores the logits (``model.logits`` is rebound on the
+    instance) and a tied embedding keeps its float rows for the input side. Method ``gguf`` takes each layer's
+    method from ``layer_methods`` (module name -> int4 or int8 ``Method``; ``gguf_layer_methods``; int8 where it has
+    none), always quantizes the head, and keeps the embedding as int8 rows (``Int8Embedding``; a tied head shares
+    them), so the resident weights stay near the GGUF file's size.
+
+    Args:
+        model: a loaded eval-mode model (weights on one device).
+        method: a ``METHODS`` name or a parsed ``Method``.
+
+    Returns:
+        ``{"method", "layers", "weight_bytes_before", "weight_bytes_after"}``: linears replaced and their bytes.
+
+    Raises:
+        QuantizationError: unknown method, a device without the kernel, or a layer shape the kernel cannot take
+            (checked for every layer before any is replaced).
+    """
+    method = parse_method(method) if isinstance(method, str) else method
+    gguf = method.bits == 0
+    quantize_lm_head = quantize_lm_head or gguf
+    first = next(model.parameters())
+    check_device(method, first.device)
+    act = _activation_dtype(first.device, first.dtype)
+    targets = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.Linear)
+               and (quantize_lm_head or name.split(".")[-1] != "lm_head")]
+    chosen = {name: (layer_methods or {}).get(name, parse_method("int8")) if gguf else method for name, _ in targets}
+    for name, linear in targets:
+        check_shape(chosen[name], name, linear)
+    lm_head = getattr(model, "lm_head", None)
+    if quantize_lm_head and isinstance(lm_head, nn.Linear) and lm_head.out_features != model.vocab_size:
+        raise QuantizationError(f"--quantize-lm-head: the head has {lm_head.out_features} rows for a vocabulary "
+                                f"of {model.vocab_size} (padded heads are not supported)")
+    before = after = 0
+    for name, linear in targets:
+        parent = model.get_submodule(name.rpartition(".")[0]) if "." in name else model
+        q = quantize_linear(linear, chosen[name], act)
+        before += linear.weight.numel() * linear.weight.element_size()
+        after += sum(b.numel() * b.element_size() for b in q.buffers())
+        setattr(parent, name.rpartition(".")[2], q)
+    if quantize_lm_head and hasattr(model, "logits") and isinstance(getattr(model, "embed_tokens", None), nn.Embedding):
+        after += _quantize_head(model, method, act, gguf)
+    model.__dict__["_celeris_quantization"] = method.name
+    return {"method": method.name, "layers": len(targets), "weight_bytes_before": before, "weight_bytes_after": after}
+
+
+def _quantize_head(model: nn.Module, method: Method, act: torch.dtype, embedding: bool) -> int:
+    """Score ``model.logits`` through a quantized head (and, with ``embedding``, keep the table as int8 rows);
+    returns the new bytes beyond the linears already counted."""
+    added = 0
+    if embedding:
+        table = Int8Embedding(model.embed_tokens, model.embed_tokens.weight.dtype)
+        model.embed_tokens = table
+        added += sum(b.numel() * b.element_size() for b in table.buffers())
+    if model.lm_head is not None:
+        model.__dict__["_celeris_quantized_head"] = model.lm_head  # the quantized module put there already
+    elif embedding:  # tied: the head reads the int8 rows the embedding keeps
+        model.__dict__["_celeris_quantized_head"] = model.embed_tokens.head(model.vocab_size, act)
+    else:  # tied: a quantized copy of the embedding rows scores, the float table still embeds
+        rows = model.embed_tokens.weight[: model.vocab_size]
+        head = nn.Linear(rows.shape[1], rows.shape[0], bias=False, device="meta")
+        head.weight = nn.Parameter(rows.detach(), requires_grad=False)
+        check_shape(method, "lm_head (tied to embed_tokens)", head)
+        model.__dict__["_celeris_quantized_head"] = quantize_linear(head, method, act)
+        added += sum(b.numel() * b.element_size() for b in model._celeris_quantized_head.buffers())
+    model.logits = types.MethodType(_head_logits, model)
+    return added
+
+
+GGUF_INT4_TYPES = ("Q4_0", "Q4_1", "Q4_K")  # block types kept as group-32 int4 (Q4_1: exactly); the rest int8
+
+
+def gguf_layer_methods(folder: Path, hf_types: dict[str, str]) -> dict[str, Method]:
+    """Module name -> the ``Method`` a GGUF's block types give it: group-32 int4 when every tensor packed into
+    the module (q, k, v of ``qkv_proj``; gate, up of ``gate_up_proj``) is ``GGUF_INT4_TYPES``, else int8.
+
+    Args:
+        folder: the converted checkpoint folder (its config.json names the format whose tensor names apply).
+        hf_types: Hugging Face tensor name -> GGUF type name (``celeris.models.gguf.tensor_types``).
+    """
+    from celeris.models.loader import FORMATS, detect_format, read_config, rename
+
+    kind = detect_format(read_config(folder))
+    if kind is None:
+        return {}
+    keys = FORMATS[kind].checkpoint_keys
+    parts: dict[str, list[str]] = {}
+    for name, kind_name in hf_types.items():
+        target = rename(name, keys)
+        if target is not None and target.split("[")[0].endswith(".weight"):
+            parts.setdefault(target.split("[")[0].removesuffix(".weight"), []).append(kind_name)
+    int4, int8 = parse_method("int4"), parse_method("int8")
+    return {module: int4 if all(t in GGUF_INT4_TYPES for t in found) else int8 for module, found in parts.items()}
+
+
+def quantization_of(model: nn.Module) -> str | None:
+    """The method ``quantize_model`` applied to ``model``, or None."""
+    return model.__dict__.get("_celeris_quantization")
+
+
+def resident_weight_bytes(model: nn.Module) -> int:
+    """Bytes of the parameters and buffers the model holds (each tensor storage counted once)."""
+    seen, total = set(), 0
+    for t in [*model.parameters(), *model.buffers(),
+              *(b for m in [model.__dict__.get("_celeris_quantized_head")] if m is not None for b in m.buffers())]:
+        key = t.untyped_storage().data_ptr()
+        if key not in seen:
+            seen.add(key)
+            total += t.untyped_storage().nbytes()
+    return total
+
+
+def reference_linear(x: torch.Tensor, module: QuantizedLinear) -> torch.Tensor:
+    """The slow obvious reading of a quantized linear: ``x @ dequantize().T`` in float32 (tests compare the kernels
+    with it)."""
+    bias = None if module.bias is None else module.bias.float()
+    return F.linear(x.float(), module.dequantize(), bias)

@@ -1,0 +1,78 @@
+"""Quantization quality (celeris.bench.divergence) on the embedded 6M models: the floors of issue 29, asserted in
+every decoding mode, and the measure itself against a hand-written teacher-forced KL."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from celeris.bench.divergence import Divergence, floor_of, floor_warning, measure_divergence
+from celeris.bench.quality import heal_prompt, load_humaneval
+from celeris.llm import LLM
+
+# the fixed prompt set: the bench's first 8 HumanEval prompts (healed as the bench does), each cut to its last 64
+# tokens to keep the masked mode's 32 passes per prompt short; 32 answer tokens each
+PROMPTS = [heal_prompt(p["prompt"]) for p in load_humaneval()[:8]]
+PROMPT_TOKENS = 64
+MODES = {  # decoding mode -> (model, settings)
+    "masked": ("celeris-code-6m", {"max_tokens": 32, "steps": 32, "block_length": 32, "cache": "none"}),
+    "block": ("celeris-code-6m", {"max_tokens": 32, "steps": 32, "block_length": 8}),
+    "verified": ("celeris-code-6m-hybrid", {"max_tokens": 32, "decoding": "verified"}),
+}
+_LOADED: dict[tuple[str, str | None], LLM] = {}
+
+
+def loaded(model: str, quantization: str | None = None) -> LLM:
+    key = (model, quantization)
+    if key not in _LOADED:
+        _LOADED[key] = LLM(model, device="cpu", quantization=quantization)
+    return _LOADED[key]
+
+
+@pytest.mark.parametrize("method", ["int8", "int4"])
+@pytest.mark.parametrize("mode", list(MODES))
+def test_quantized_models_meet_the_floors_in_every_mode(mode, method):
+    model, settings = MODES[mode]
+    ref = loaded(model)
+    prompts = [ref.tokenizer.encode(p)[-PROMPT_TOKENS:] for p in PROMPTS]
+    d = measure_divergence(ref, loaded(model, method), prompts, ref.default_params(**settings))
+    top1, kl = floor_of(method)
+    assert d.tokens >= 150  # answers may end early, most run their 32 tokens
+    assert d.top1_agreement >= top1, d
+    assert d.mean_kl <= kl, d
+    assert floor_warning(method, d) is None
+    assert len(d.first_divergence) == len(PROMPTS)
+
+
+def test_the_reference_against_itself_agrees_everywhere():
+    ref = loaded("celeris-code-6m")
+    d = measure_divergence(ref, ref, PROMPTS[:2], ref.default_params(**MODES["block"][1]))
+    assert d.top1_agreement == 1.0 and d.mean_kl == pytest.approx(0.0, abs=1e-7)
+    assert d.first_divergence == [None, None]
+
+
+@torch.no_grad()
+def test_the_causal_measure_is_the_teacher_forced_kl_written_out():
+    ref, cand = loaded("celeris-code-6m-hybrid"), loaded("celeris-code-6m-hybrid", "int4")
+    params = ref.default_params(max_tokens=16, decoding="verified", temperature=0.0)
+    kls, same = [], []
+    for prompt in PROMPTS[:3]:
+        ids = ref.tokenizer.encode(prompt)
+        answer = ref.generate([ids], params)[0].token_ids
+        canvas = torch.tensor([ids + answer])
+        # next-token distributions from the hidden state before each answer token
+        lp = ref.model.logits(ref.model.hidden_states(canvas)[0, len(ids) - 1 : -1]).log_softmax(-1)
+        lq = cand.model.logits(cand.model.hidden_states(canvas)[0, len(ids) - 1 : -1]).log_softmax(-1)
+        kls.append(F.kl_div(lq, lp, log_target=True, reduction="none").sum(-1))
+        same.append(lp.argmax(-1) == lq.argmax(-1))
+    d = measure_divergence(ref, cand, PROMPTS[:3], params)
+    assert d.tokens == sum(len(k) for k in kls)
+    assert d.mean_kl == pytest.approx(float(torch.cat(kls).mean()), rel=1e-4, abs=1e-7)
+    assert d.top1_agreement == pytest.approx(float(torch.cat(same).float().mean()))
+
+
+def test_a_missed_floor_is_one_warning_line():
+    line = floor_warning("int4-g64", Divergence(100, 0.85, 0.02, [None]))
+    assert line == ("warning: int4-g64 misses its quality floor: top-1 agreement 0.8500 (floor 0.9), mean KL 0.02000 "
+                    "nats (ceiling 0.1)")

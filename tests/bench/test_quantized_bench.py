@@ -1,0 +1,85 @@
+"""`celeris bench --quantization ...`: the systems at each width beside the model, with quality, pass cost and
+resident bytes per width, and a warning line for each missed floor (celeris.bench.quantized)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from celeris.bench.chat import ChatBenchConfig, run_chat_bench
+from celeris.bench.quantized import parse_widths
+from celeris.bench.run import BenchConfig, run_bench
+from tests.bench.test_run import write_prompts
+
+
+def test_width_lists_are_checked():
+    assert parse_widths("bfloat16, int8,int4") == ["bfloat16", "int8", "int4"]
+    with pytest.raises(ValueError, match="unknown width"):
+        parse_widths("int8,fp3")
+    with pytest.raises(ValueError, match="twice"):
+        BenchConfig(quantization="int8,int8")
+
+
+def check_widths(results: dict, widths: list[str]) -> None:
+    for w in widths:
+        r = results["widths"][w]
+        q = r["quality"]
+        assert q["tokens"] > 0 and 0 <= q["top1_agreement"] <= 1 and q["mean_kl"] >= 0
+        assert r["resident_weight_bytes"] < r["reference_resident_weight_bytes"]
+        assert r["pass_cost_ms_by_width"]
+        warned = any(n.startswith(f"warning: {w} misses") for n in results["notes"])
+        assert warned == (not r["floor_met"])
+
+
+def test_the_humaneval_bench_runs_each_width_beside_the_model(tiny_checkpoint, tmp_path):
+    prompts = tmp_path / "he.jsonl"
+    write_prompts(prompts, n=2)
+    cfg = BenchConfig(model=str(tiny_checkpoint), ar_model=None, lengths=[8], num_prompts=2, warmup=0,
+                      prompts=str(prompts), out_dir=str(tmp_path / "out"), smollm2=False,
+                      quantization="bfloat16,int8,int4")
+    results = run_bench(cfg)
+    systems = [r["system"] for r in results["runs"]]
+    assert systems == ["dllm-reference", "dllm-fast"] + [f"dllm-{s}@{w}" for w in ("bfloat16", "int8", "int4")
+                                                         for s in ("reference", "fast")]
+    check_widths(results, ["bfloat16", "int8", "int4"])
+    assert json.loads((tmp_path / "out" / "bench.json").read_text())["widths"]["int8"]["floor_met"] in (True, False)
+
+
+def test_the_chat_bench_quantizes_the_drafter_too(tiny_checkpoint, tokenizer_dir, tmp_path, monkeypatch):
+    import celeris.bench.chat
+    from celeris.models.dflash import save_dflash
+    from celeris.models.loader import save_checkpoint
+    from celeris.models.quantize import QuantizedLinear
+    from celeris.train.loop import AR_GENERATION
+    from tests.conftest import TINY, tiny_model
+    from tests.sampling.test_drafter import drafter_for
+
+    config = json.loads((tiny_checkpoint / "config.json").read_text())
+    special = {k: config[k] for k in ("vocab_size", "eos_token_id", "mask_token_id", "pad_token_id")}
+    target = tiny_model(seed=1, **{**{k: config[k] for k in TINY if k in config}, **special, "is_causal": True})
+    save_checkpoint(target, tmp_path / "target", tokenizer_dir, AR_GENERATION)
+    save_dflash(drafter_for(target), tmp_path / "drafter", dtype=torch.float32)
+    monkeypatch.setitem(celeris.bench.chat.PROMPT_SETS, "mt-bench", lambda: ["a b", "c d e"])
+    spec = json.dumps({"model": str(tmp_path / "drafter"), "num_speculative_tokens": 3})
+    cfg = ChatBenchConfig(model=str(tmp_path / "target"), prompt_sets=["mt-bench"], max_tokens=8, batch_sizes=[1],
+                          num_prompts=2, warmup=0, out_dir=str(tmp_path / "out"), smollm2=False,
+                          speculative_config=spec, quantization="int8", quality_prompts=2)
+    seen = []
+    real = celeris.bench.chat.run_one
+
+    def spy(owner, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003
+        if owner.proposer is not None and owner.engine_config.quantization:
+            seen.append(all(isinstance(m, QuantizedLinear) for n, m in owner.proposer.drafter.named_modules()
+                            if n.endswith(("proj", "fc"))))
+        return real(owner, *args, **kwargs)
+
+    monkeypatch.setattr(celeris.bench.chat, "run_one", spy)
+    results = run_chat_bench(cfg)
+    systems = [r["system"] for r in results["runs"]]
+    assert systems == ["target-next-token", "target-lookup", "dflash", "dflash-lookup-first",
+                       "target-next-token@int8", "dflash@int8", "dflash-lookup-first@int8"]
+    assert seen and all(seen)
+    check_widths(results, ["int8"])
+    assert set(results["widths"]["int8"]["pass_cost_ms_by_width"]) == {"batch 1", "batch 8"}
