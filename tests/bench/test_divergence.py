@@ -30,8 +30,13 @@ def loaded(model: str, quantization: str | None = None) -> LLM:
     return _LOADED[key]
 
 
+# the masked and block cases re-run full passes for every denoising step of both models (~15-28 s each on 2 cores):
+# slow tier; the verified case (~3 s) stays in the fast tier
+SLOW_MODES = {"masked", "block"}
+
+
 @pytest.mark.parametrize("method", ["int8", "int4"])
-@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("mode", [pytest.param(m, marks=pytest.mark.slow) if m in SLOW_MODES else m for m in MODES])
 def test_quantized_models_meet_the_floors_in_every_mode(mode, method):
     model, settings = MODES[mode]
     ref = loaded(model)
@@ -47,9 +52,9 @@ def test_quantized_models_meet_the_floors_in_every_mode(mode, method):
 
 def test_the_reference_against_itself_agrees_everywhere():
     ref = loaded("celeris-code-6m")
-    d = measure_divergence(ref, ref, PROMPTS[:2], ref.default_params(**MODES["block"][1]))
-    assert d.top1_agreement == 1.0 and d.mean_kl == pytest.approx(0.0, abs=1e-7)
-    assert d.first_divergence == [None, None]
+    d = measure_divergence(ref, ref, PROMPTS[:1], ref.default_params(**MODES["block"][1]))
+    assert d.tokens > 0 and d.top1_agreement == 1.0 and d.mean_kl == pytest.approx(0.0, abs=1e-7)
+    assert d.first_divergence == [None]
 
 
 @torch.no_grad()
