@@ -317,10 +317,14 @@ class OpenAIServing:
 
     # -- request translation ----------------------------------------------------------------------
 
-    def _check_common(self, request: SamplingRequest) -> None:
-        if request.model is not None and request.model != self.model_name:
-            raise APIError(404, f"the model '{request.model}' does not exist; this server serves '{self.model_name}'",
+    def check_model_name(self, model: str | None) -> None:
+        """Raise 404 ``model_not_found`` unless ``model`` is None or this served model's name."""
+        if model is not None and model != self.model_name:
+            raise APIError(404, f"the model '{model}' does not exist; this server serves '{self.model_name}'",
                            param="model", code="model_not_found")
+
+    def _check_common(self, request: SamplingRequest) -> None:
+        self.check_model_name(request.model)
         unsupported = request.unsupported_params()
         if unsupported:
             names = ", ".join(unsupported)
