@@ -38,6 +38,7 @@ from celeris.serve.errors import parse_request as parse_request
 from celeris.serve.errors import validation_error as validation_error
 
 NonEmptyStr = Annotated[str, Field(min_length=1)]
+TokenIds = Annotated[list[int], Field(min_length=1)]  # a prompt already encoded
 # A function's name, declared in tools or called in the conversation's history (OpenAI's rule).
 FunctionNameStr = Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")]
 
@@ -216,15 +217,21 @@ def _is_neutral(value: object, neutral: tuple) -> bool:
 class CompletionRequest(SamplingRequest):
     """POST /v1/completions. ``suffix`` asks for infilling: the answer fills the gap before it."""
 
-    prompt: NonEmptyStr | Annotated[list[NonEmptyStr], Field(min_length=1)]
+    # text, texts, token ids or lists of them (OpenAI's and vLLM's shapes; ids are checked against the vocabulary
+    # and the context by the serving layer)
+    prompt: NonEmptyStr | Annotated[list[NonEmptyStr], Field(min_length=1)] | TokenIds | Annotated[
+        list[TokenIds], Field(min_length=1)]
     suffix: str | None = None
     max_tokens: int | None = Field(default=None, ge=1)
     echo: Any = None
     best_of: Any = None
     response_format: ResponseFormat | None = None  # as vLLM: JSON mode and JSON Schema on completions too
 
-    def prompts(self) -> list[str]:
-        return [self.prompt] if isinstance(self.prompt, str) else list(self.prompt)
+    def prompts(self) -> list[str | list[int]]:
+        """One entry per prompt: a text, or token ids."""
+        if isinstance(self.prompt, str) or isinstance(self.prompt[0], int):
+            return [self.prompt]
+        return list(self.prompt)
 
     def unsupported_params(self) -> list[str]:
         names = super().unsupported_params()

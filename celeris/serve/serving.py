@@ -54,6 +54,7 @@ from celeris.serve.protocol import (
     parse_request,
     random_id,
 )
+from celeris.serve.tokenization import check_token_ids
 from celeris.serve.tools import (
     chat_grammar,
     check_answer_grammar,
@@ -240,7 +241,11 @@ class OpenAIServing:
         grammar = response_format_grammar(request.response_format)
         check_answer_grammar(grammar, getattr(self.llm, "grammar_tokenizer", None), "response_format")
         params = self._params(request, request.max_tokens, grammar)
-        encoded = [self._encode(p, params, request.suffix, "prompt") for p in request.prompts()]
+        prompts = request.prompts()
+        for i, p in enumerate(prompts):
+            if not isinstance(p, str):
+                check_token_ids(p, self.tokenizer.vocab_size, "prompt" if len(prompts) == 1 else f"prompt[{i}]")
+        encoded = [self._encode(p, params, request.suffix, "prompt") for p in prompts]
         run = await self._start(request, encoded, arrival, is_disconnected)
         rid, created = random_id("cmpl"), now()
         if request.stream:
