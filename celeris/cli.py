@@ -634,7 +634,7 @@ def _batch_run(args: argparse.Namespace) -> int:
             return OpenAIServing.from_model(args.model, device=args.device, max_num_seqs=args.max_num_seqs,
                                             max_waiting=max(64, window), request_timeout=args.request_timeout,
                                             served_model_name=args.served_model_name, dtype=args.dtype,
-                                            max_model_len=args.max_model_len, **overrides)
+                                            max_model_len=args.max_model_len, logprobs_mode=args.logprobs_mode, **overrides)
 
         result = run_batch(args.input, args.output, make_serving, retry_failed=args.retry_failed,
                            rerun_changed=args.rerun_changed, window=window, progress=not args.no_progress, log=log)
@@ -691,6 +691,9 @@ def _serve_parser(sub) -> None:
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     s.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false",
                    help="verified decoding recomputes every prompt (no reuse of shared prompt prefixes' keys/values)")
+    s.add_argument("--logprobs-mode", default="raw_logprobs", choices=["raw_logprobs", "processed_logprobs"],
+                   help="what logprobs report (vLLM's flag): the model's distribution (default), or the one each token "
+                   "was drawn from, after penalties, filters and temperature")
     _serve_ray_args(s)
 
 

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")  # EngineConfig.logprobs_mode (celeris.sampling.logprobs)
 CPU_MAX_MODEL_LEN = 4096  # default cap of max_model_len on a CPU: the KV store of 8 rows stays a few hundred MiB
 
 
@@ -31,6 +32,9 @@ class EngineConfig:
         max_model_len: most tokens (prompt + answer) one request may hold (vLLM's name); the KV store is sized
             from it (``max_num_seqs`` rows of it, K/V heads). None: the model's context window, capped at
             ``CPU_MAX_MODEL_LEN`` on a CPU (``resolve_max_model_len``).
+        logprobs_mode: what ``SamplingParams.logprobs`` reports (vLLM's ``--logprobs-mode``): "raw_logprobs", the
+            model's distribution before any processing, or "processed_logprobs", the one the token was drawn from
+            (``celeris.sampling.logprobs``).
     """
 
     max_num_seqs: int = 8
@@ -42,8 +46,11 @@ class EngineConfig:
     length_bucket: int = 32
     enable_prefix_caching: bool = True
     max_model_len: int | None = None
+    logprobs_mode: str = "raw_logprobs"
 
     def __post_init__(self) -> None:
+        if self.logprobs_mode not in LOGPROBS_MODES:
+            raise ValueError(f"logprobs_mode must be one of {', '.join(LOGPROBS_MODES)}; got '{self.logprobs_mode}'")
         if self.dtype is not None and self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}; got '{self.dtype}'")
         if self.length_bucket < 1:

@@ -20,6 +20,7 @@ from celeris.models.loader import CheckpointError, load_any, load_tokenizer
 from celeris.params import SamplingParams, causal_defaults
 from celeris.sampling.block import contract_of
 from celeris.sampling.drafter import SpeculativeConfig, attach, load_proposer
+from celeris.sampling.logprobs import TokenLogprob
 from celeris.sampling.step import answer_room, check_fits_context, check_prompts
 from celeris.serve.detokenize import cut_at_stop
 from celeris.structured.grammar import grammar_tokenizer, stops_apply
@@ -112,6 +113,11 @@ class RequestOutput:
         ttft_s: seconds until the answer's first token was final.
         steps: denoising steps taken.
         num_committed: answer positions committed (``num_committed / nfe`` tokens per forward pass).
+        logprobs: with ``SamplingParams.logprobs``, one entry per id of ``token_ids`` (``TokenLogprob``: its
+            log-probability and the top alternatives; ``celeris.sampling.logprobs`` says what they mean per
+            decoding mode), else None.
+        prompt_logprobs: with ``SamplingParams.prompt_logprobs`` (causal models), one entry per prompt token, None
+            for the first, else None.
     """
 
     prompt: str
@@ -125,6 +131,8 @@ class RequestOutput:
     num_committed: int = 0
     error_code: str | None = None
     error: str | None = None
+    logprobs: list[TokenLogprob | None] | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 class LLM:
@@ -155,6 +163,8 @@ class LLM:
             ``{"method": "dflash", "model": PATH, "num_speculative_tokens": k}``
             (``celeris.sampling.drafter.SpeculativeConfig``). The default decoding becomes verified decoding with
             ``draft_source`` ``lookup_first`` (prompt lookup where the context repeats, the drafter elsewhere).
+        logprobs_mode: what ``SamplingParams.logprobs`` reports (``EngineConfig.logprobs_mode``, vLLM's
+            ``logprobs_mode``): "raw_logprobs" or "processed_logprobs".
 
     Raises:
         CheckpointError: the folder is missing, incomplete or inconsistent, or ``tokenizer`` does not exist.
@@ -169,7 +179,7 @@ class LLM:
         max_waiting: int = 1 << 30, max_batch_size: int | None = None, enable_prefix_caching: bool = True,
         max_model_len: int | None = None,
         tokenizer: str | Path | None = None, chat_template: str | Path | None = None,
-        speculative_config: dict | str | None = None,
+        speculative_config: dict | str | None = None, logprobs_mode: str = "raw_logprobs",
     ) -> None:
         if max_batch_size is not None:
             warnings.warn("LLM(max_batch_size=...) is deprecated; use max_num_seqs", DeprecationWarning, stacklevel=2)
@@ -196,7 +206,8 @@ class LLM:
         self.card: dict = self._gguf.card if self._gguf is not None else read_card(self.path)
         self.engine_config = EngineConfig(max_num_seqs=max_num_seqs, max_waiting=max_waiting, device=device,
                                           dtype=dtype, enforce_eager=enforce_eager,
-                                          enable_prefix_caching=enable_prefix_caching, max_model_len=max_model_len)
+                                          enable_prefix_caching=enable_prefix_caching, max_model_len=max_model_len,
+                                          logprobs_mode=logprobs_mode)
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
         self.model = load_any(self.path, device=self.device, dtype=self.dtype, trust_remote_code=trust_remote_code,
@@ -338,5 +349,8 @@ class LLM:
         end = request.finish_time or time.perf_counter()
         ttft = request.first_token_time - request.arrival_time if request.first_token_time else None
         committed = int((request.answer != request.mask_id).sum())
+        logprobs = None if request.params.logprobs is None else [request.logprob_entries.get(i) for i in
+                                                                  range(len(ids))]
         return RequestOutput(prompt, text, ids, reason, request.nfe, end - request.arrival_time, ttft,
-                             request.num_steps, committed, request.error_code, request.error)
+                             request.num_steps, committed, request.error_code, request.error, logprobs,
+                             request.prompt_logprob_entries)
