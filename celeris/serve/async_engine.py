@@ -68,6 +68,7 @@ class StepEvent:
         logprobs: with ``params.logprobs``, one entry per id of ``new_token_ids`` (``celeris.sampling.logprobs``).
         prompt_logprobs: with ``params.prompt_logprobs``, the prompt's entries (None for its first token), in the
             request's first event after they were computed.
+        end_logprob: with ``params.logprobs``, in the last event of an answer an end id ended: that token's entry.
     """
 
     index: int
@@ -84,6 +85,7 @@ class StepEvent:
     error_code: str | None = None
     logprobs: list[TokenLogprob | None] | None = None
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    end_logprob: TokenLogprob | None = None
 
 
 class RequestGroup:
@@ -333,6 +335,9 @@ class AsyncEngine:
             if request.params.logprobs is not None:
                 first = request.num_emitted - len(new_ids)
                 event.logprobs = [request.logprob_entries.get(p) for p in range(first, request.num_emitted)]
+                end = request.logprob_entries.get(request.num_emitted) if finished else None
+                if end is not None and end.token_id in request.ends(self.engine.eos_id):
+                    event.end_logprob = end  # the end id that ended the answer (not in new_token_ids)
             if request.prompt_logprob_entries is not None and index not in group._prompt_scores_sent:
                 group._prompt_scores_sent.add(index)
                 event.prompt_logprobs = list(request.prompt_logprob_entries)

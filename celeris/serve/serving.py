@@ -113,6 +113,12 @@ class _Choice:
     logprobs: list[TokenLogprob | None] = field(default_factory=list)  # one per answer token received
     prompt_logprobs: list[TokenLogprob | None] | None = None  # the scored prompt (echo with logprobs)
     num_sent_logprobs: int = 0  # streamed: entries already sent
+    end_logprob: TokenLogprob | None = None  # the end token's entry, when an end id ended the answer
+    with_end: bool = False  # completions: the end token's entry follows the answer's (vLLM keeps it)
+
+    def _end(self) -> list[TokenLogprob | None]:
+        stopped = self.text.stopped or self.end_logprob is None or not self.with_end
+        return [] if stopped else [self.end_logprob]
 
     def released_logprobs(self) -> list[TokenLogprob | None]:
         """Streaming: the entries of the tokens behind the text handed out since the last call."""
@@ -120,11 +126,12 @@ class _Choice:
         n = text.num_tokens() if self.done else tokens_within(text.decode, text.token_ids, len(text.text))
         out = self.logprobs[self.num_sent_logprobs : n]
         self.num_sent_logprobs = max(self.num_sent_logprobs, n)
-        return out
+        return out + (self._end() if self.done else [])
 
     def answer_logprobs(self) -> list[TokenLogprob | None]:
-        """The entries of the returned answer's tokens (those before a stop string)."""
-        return self.logprobs[: self.text.num_tokens()]
+        """The entries of the returned answer's tokens (those before a stop string), and for completions the end
+        token's that ended it."""
+        return self.logprobs[: self.text.num_tokens()] + self._end()
 
 
 @dataclass
@@ -456,6 +463,8 @@ class OpenAIServing:
                                            p.stop, p.include_stop_str_in_output, p.grammar))
                    for p in (inp.params for inp in inputs)]
         prompt_tokens = sum(len(ids) + len(sfx) for ids, sfx, _ in encoded)
+        for c in choices:  # completions' logprobs end with the end token's, as vLLM's (lm-evaluation-harness drops it)
+            c.with_end = isinstance(request, CompletionRequest)
         return _Run(group, choices, prompt_tokens, arrival, arrival + self.request_timeout, request.stream_mode,
                     is_disconnected, wants_logprobs(request))
 
@@ -513,6 +522,7 @@ class OpenAIServing:
                     choice.logprobs.extend(event.logprobs)
                 if event.prompt_logprobs is not None:
                     choice.prompt_logprobs = event.prompt_logprobs
+                choice.end_logprob = event.end_logprob or choice.end_logprob
                 delta = choice.text.push(event.new_token_ids, final=event.finished)
                 if choice.text.stopped and not event.finished:
                     self.metrics.aborted.labels(reason="stop").inc()

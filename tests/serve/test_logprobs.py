@@ -92,3 +92,18 @@ def test_diffusion_model_returns_committed_tokens_values(client):
     assert all(len(t.top_logprobs) == 2 for t in content)
     comp = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=8, logprobs=0, seed=0)
     assert len(comp.choices[0].logprobs.token_logprobs) == comp.usage.completion_tokens
+
+
+def test_an_end_token_keeps_its_logprob_in_completions(ar):
+    """The answer's end id is no text, but completions' logprobs keep its entry, as vLLM's do: lm-evaluation-harness
+    reads ``token_logprobs[ctxlen:-1]``, so a max_tokens-1 answer ended at once must still add one entry."""
+    client, serving = ar
+    ids = serving.tokenizer.encode(PROMPT)
+    first = client.completions.create(model=serving.model_name, prompt=ids, max_tokens=1, logprobs=0, echo=True)
+    end_id = serving.tokenizer.encode(first.choices[0].text[len(PROMPT):], add_special_tokens=False)[0]
+    ended = client.completions.create(model=serving.model_name, prompt=ids, max_tokens=1, logprobs=0, echo=True,
+                                      extra_body={"stop_token_ids": [end_id]})
+    lp = ended.choices[0].logprobs
+    assert ended.choices[0].text == PROMPT and ended.choices[0].finish_reason == "stop"
+    assert len(lp.token_logprobs) == len(ids) + 1 == len(first.choices[0].logprobs.token_logprobs)
+    assert lp.token_logprobs == first.choices[0].logprobs.token_logprobs
