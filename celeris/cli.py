@@ -634,7 +634,7 @@ def _batch_run(args: argparse.Namespace) -> int:
             return OpenAIServing.from_model(args.model, device=args.device, max_num_seqs=args.max_num_seqs,
                                             max_waiting=max(64, window), request_timeout=args.request_timeout,
                                             served_model_name=args.served_model_name, dtype=args.dtype,
-                                            max_model_len=args.max_model_len, logprobs_mode=args.logprobs_mode, **overrides)
+                                            max_model_len=args.max_model_len, **overrides)
 
         result = run_batch(args.input, args.output, make_serving, retry_failed=args.retry_failed,
                            rerun_changed=args.rerun_changed, window=window, progress=not args.no_progress, log=log)
@@ -733,7 +733,7 @@ def _serve_on_ray(args: argparse.Namespace) -> int:
             model=args.model, served_model_name=args.served_model_name, device=args.device, dtype=args.dtype,
             enforce_eager=not args.compile, trust_remote_code=args.trust_remote_code, max_num_seqs=args.max_num_seqs,
             enable_prefix_caching=args.enable_prefix_caching, max_model_len=args.max_model_len,
-            max_waiting=args.max_waiting,
+            logprobs_mode=args.logprobs_mode, max_waiting=args.max_waiting,
             request_timeout=args.request_timeout, api_key=args.api_key,
             num_replicas=args.num_replicas if args.num_replicas is not None else max(1, args.min_replicas or 1),
             min_replicas=args.min_replicas,
@@ -791,7 +791,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                       served_model_name=args.served_model_name, device=args.device, log_level=args.log_level,
                       limits=limits, also_serve=args.also_serve, dtype=args.dtype, enforce_eager=not args.compile,
                       trust_remote_code=args.trust_remote_code, enable_prefix_caching=args.enable_prefix_caching,
-                      max_model_len=args.max_model_len, **overrides)
+                      max_model_len=args.max_model_len, logprobs_mode=args.logprobs_mode, **overrides)
 
 
 COMMANDS = {"generate": cmd_generate, "chat": cmd_chat, "train": cmd_train, "data": cmd_data, "eval": cmd_eval,
