@@ -34,6 +34,7 @@ from celeris.config import LOGPROBS_MODES as LOGPROBS_MODES
 
 MAX_LOGPROBS = 20  # most alternatives one position may ask for (vLLM's max_logprobs, OpenAI's top_logprobs)
 FLOOR = -9999.0  # what -inf is reported as (vLLM's value)
+PROMPT_CHUNK = 512  # prompt positions whose logits ``prompt_entries`` holds at once
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,8 +117,10 @@ def step_entries(logits: torch.Tensor, new: torch.Tensor, committed: torch.Tenso
 
 @torch.no_grad()
 def prompt_entries(model: torch.nn.Module, prompt_ids: list[int], k: int) -> list[TokenLogprob | None]:
-    """Score a prompt with one full causal pass of ``model`` (its ``forward(ids, mask, logits_slice)``: row i
-    predicts token i): entry i from the logits at i - 1, None for the first token. Raw values.
+    """Score a prompt with one full causal pass of ``model``: entry i from the logits at i - 1, None for the first
+    token. Raw values. A ``TransformerLM`` (``hidden_states`` / ``logits``, ``logits_shift`` 1) runs the head on
+    ``PROMPT_CHUNK`` positions at a time; another model's ``forward(ids, mask, logits_slice)`` (row i predicts token
+    i) scores the whole prompt at once.
 
     Raises:
         ValueError: the model is not causal (a diffusion model has no left-to-right likelihood).
@@ -129,5 +132,11 @@ def prompt_entries(model: torch.nn.Module, prompt_ids: list[int], k: int) -> lis
         return [None] * len(prompt_ids)
     device = next(model.parameters()).device
     ids = torch.tensor([prompt_ids], dtype=torch.long, device=device)
-    logits = model(ids, None, logits_slice=slice(1, len(prompt_ids)))[0]  # (P - 1, V): row i scores token i + 1
-    return [None, *entries(logits, ids[0, 1:], k)]
+    if not (hasattr(model, "hidden_states") and getattr(model, "logits_shift", 0) == 1):
+        logits = model(ids, None, logits_slice=slice(1, len(prompt_ids)))[0]  # (P - 1, V): row i scores token i + 1
+        return [None, *entries(logits, ids[0, 1:], k)]
+    hidden = model.hidden_states(ids)[0, :-1]  # (P - 1, d): row i scores token i + 1
+    out: list[TokenLogprob | None] = [None]
+    for a in range(0, hidden.shape[0], PROMPT_CHUNK):  # a long prompt's (P, V) logits never exist at once
+        out += entries(model.logits(hidden[a : a + PROMPT_CHUNK]), ids[0, 1 + a : 1 + a + PROMPT_CHUNK], k)
+    return out

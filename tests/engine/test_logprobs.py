@@ -130,3 +130,16 @@ def test_score_only_request_decodes_nothing(ar):
     assert [e.logprob for e in request.prompt_logprob_entries[1:]] == pytest.approx(
         [e.logprob for e in prompt_entries(ar.model, ids, 0)[1:]])
     assert all(math.isfinite(e.logprob) for e in request.prompt_logprob_entries[1:])
+
+
+def test_prompt_scoring_in_chunks_equals_one_forward(ar, monkeypatch):
+    import celeris.sampling.logprobs as logprobs
+
+    ids = ar.tokenizer.encode(PROMPT + "    return a + b\n")
+    want = torch.log_softmax(full_pass_logits(ar.model, ids), -1)
+    monkeypatch.setattr(logprobs, "PROMPT_CHUNK", 3)
+    got = prompt_entries(ar.model, ids, 2)
+    assert got[0] is None and len(got) == len(ids)
+    for i, e in enumerate(got[1:]):
+        assert e.logprob == pytest.approx(float(want[i, ids[i + 1]]), abs=1e-5)
+        assert [t for t, _ in e.top] == want[i].topk(2).indices.tolist()
