@@ -516,7 +516,7 @@ class OpenAIServing:
                     raise APIError(500, event.error or "the engine failed this request", code=code)
                 if event.finish_reason == "abort":
                     raise APIError(500, event.error or "the request was aborted by the engine", code="engine_error")
-                if event.steps:
+                if event.steps or event.nfe:  # (a scored prompt alone takes a pass and no step)
                     choice.details = decoding_details(run.group.inputs[event.index].params, event)
                 if event.logprobs:
                     choice.logprobs.extend(event.logprobs)
