@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 from celeris.data import existing
-from celeris.models.loader import CheckpointError
+from celeris.models.checkpoint import CheckpointError
 
 EMBEDDED_AR = "celeris-code-6m-ar"  # the shipped autoregressive twin, `celeris bench`'s default baseline
 
@@ -169,7 +169,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--draft-vocab", type=int, default=0, help="dflash: a pruned draft vocabulary of this many "
                    "ids (0: the target's whole vocabulary)")
     t.add_argument("--init", help="hybrid: causal checkpoint to start from (name or folder), e.g. celeris-code-6m-ar")
-    t.add_argument("--block-size", type=int, default=4, help="hybrid: drafting block length (tokens)")
+    t.add_argument("--block-size", type=int, help="hybrid: drafting block length in tokens (default 4); dflash: "
+                   "the drafter's block_size (default 8)")
     t.add_argument("--full-mask-prob", type=float, default=0.5, help="hybrid: share of fully masked noisy blocks")
     t.add_argument("--distill-data", help="hybrid: self-distillation sequences (scripts/self_distill_data.py); "
                                           "every other step trains the drafts on them")
@@ -182,12 +183,14 @@ def build_parser() -> argparse.ArgumentParser:
                         "best one (ar, hybrid); 0: off, export the last")
     t.add_argument("--gate-tokens", type=int, default=128, help="tokens per gate completion")
     for name, typ, default in [
-        ("max-steps", int, 1000), ("batch-size", int, 8), ("seq-len", int, 512), ("lr", float, 1.5e-3),
+        ("max-steps", int, 1000), ("batch-size", int, None), ("seq-len", int, 512), ("lr", float, None),
         ("warmup-steps", int, 100), ("eval-every", int, 300), ("eval-batches", int, 16),
         ("save-every", int, 100), ("seed", int, 0), ("threads", int, None), ("prefix-prob", float, 0.0),
         ("hidden-size", int, 256), ("num-layers", int, 6), ("num-heads", int, 4), ("intermediate-size", int, 704),
     ]:
-        t.add_argument(f"--{name}", type=typ, default=default)
+        by_objective = {"lr": "peak learning rate (default 1.5e-3; dflash 1e-3)",
+                        "batch-size": "rows per step (default 8; dflash 4)"}
+        t.add_argument(f"--{name}", type=typ, default=default, help=by_objective.get(name))
 
     ev = sub.add_parser("eval", help="quality check: HumanEval prompts, ast.parse rate, repetition")
     ev.add_argument("suite", choices=["humaneval"])
@@ -204,8 +207,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--batch-sizes", default="1", help="comma-separated batch sizes (prompts decoded together)")
     b.add_argument("--num-prompts", type=int, default=8, help="first N prompts of each set")
     b.add_argument("--prompt-set", help="humaneval (code completions), or comma-separated chat sets through the chat "
-                   "template: mt-bench, gsm8k (celeris.bench.chat; one --lengths value). Default: mt-bench,gsm8k for "
-                   "a model with a drafter (the default model), else humaneval")
+                   "template: mt-bench, gsm8k, summarisation (celeris.bench.chat; one --lengths value). Default: "
+                   "all three for a model with a drafter (the default model), else humaneval")
     b.add_argument("--warmup", type=int, default=1, help="untimed batches per system and length")
     b.add_argument("--prompts", help="HumanEval JSONL(.gz) file (default: the HumanEval set shipped in celeris/data)")
     b.add_argument("--out", default="bench-results", help="folder for bench.json and tokens_per_s.png")
@@ -285,7 +288,7 @@ def _load(args: argparse.Namespace):
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from celeris.serve.detokenize import render_canvas
+    from celeris.text import render_canvas
 
     start = time.perf_counter()
     llm, params = _load(args)
@@ -366,13 +369,11 @@ def _train_dflash(args: argparse.Namespace) -> int:
                          "model.safetensors")
     first = json.loads((Path(args.data) / "answers.jsonl").read_text().splitlines()[0])
     stored = ",".join(str(i) for i in first.get("layer_ids", [1, 15, 27]))  # the target layers the shards hold
-    block = 8 if args.block_size == 4 else args.block_size  # the hybrid's default 4 is not DFlash's
     argv = ["--data", args.data, "--heldout", args.heldout, "--target", str(target), "--out", args.out,
-            "--draft-layers", str(args.draft_layers), "--block-size", str(block), "--target-layer-ids",
+            "--draft-layers", str(args.draft_layers), "--block-size", str(args.block_size), "--target-layer-ids",
             args.target_layer_ids, "--stored-layer-ids", stored, "--mask-token-id", str(args.mask_token_id),
-            "--draft-vocab", str(args.draft_vocab),
-            "--lr", str(args.lr if args.lr != 1.5e-3 else 1e-3), "--max-steps", str(args.max_steps),
-            "--batch-size", str(args.batch_size if args.batch_size != 8 else 4), "--seed", str(args.seed),
+            "--draft-vocab", str(args.draft_vocab), "--lr", str(args.lr), "--max-steps", str(args.max_steps),
+            "--batch-size", str(args.batch_size), "--seed", str(args.seed),
             "--threads", str(args.threads or 1), "--eval-every", str(args.eval_every)]
     dflash.main(argv)
     if args.export:
@@ -382,9 +383,17 @@ def _train_dflash(args: argparse.Namespace) -> int:
     return 0
 
 
+# Defaults of the train flags whose best value depends on the objective (a flag the caller gives always counts).
+TRAIN_DEFAULTS = {"lr": 1.5e-3, "batch_size": 8, "block_size": 4}
+DFLASH_DEFAULTS = {"lr": 1e-3, "batch_size": 4, "block_size": 8}
+
+
 def cmd_train(args: argparse.Namespace) -> int:
     from celeris.train.loop import TrainConfig, train
 
+    for key, value in (DFLASH_DEFAULTS if args.objective == "dflash" else TRAIN_DEFAULTS).items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
     if args.objective == "dflash":
         return _train_dflash(args)
     if not (Path(args.data) / "train.bin").is_file():
@@ -440,7 +449,7 @@ def bench_ar_model(model: str | None, ar_model: str | None) -> str | None:
 
 
 def _chat_bench(args: argparse.Namespace) -> int:
-    """``celeris bench --prompt-set mt-bench,gsm8k``: the chat systems (``celeris.bench.chat``)."""
+    """``celeris bench --prompt-set mt-bench,gsm8k,summarisation``: the chat systems (``celeris.bench.chat``)."""
     from celeris.bench.chat import ChatBenchConfig, format_chat_table, run_chat_bench
 
     lengths = args.lengths.split(",")
@@ -468,7 +477,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         from celeris.models.catalog import read_pairing
 
         drafter = args.speculative_config or args.speculative_model or read_pairing(resolve_model(args.model))
-        args.prompt_set = "mt-bench,gsm8k" if drafter else "humaneval"
+        args.prompt_set = "mt-bench,gsm8k,summarisation" if drafter else "humaneval"
     if args.prompt_set != "humaneval":
         return _chat_bench(args)
     ar_model = bench_ar_model(args.model, args.ar_model)

@@ -21,9 +21,10 @@ from celeris.params import SamplingParams, causal_defaults
 from celeris.sampling.block import contract_of
 from celeris.sampling.drafter import SpeculativeConfig, attach, load_proposer
 from celeris.sampling.logprobs import TokenLogprob
-from celeris.sampling.step import answer_room, check_fits_context, check_prompts
-from celeris.serve.detokenize import cut_at_stop
+from celeris.sampling.modes import answer_room, check_fits_context
+from celeris.sampling.step import check_prompts
 from celeris.structured.grammar import grammar_tokenizer, stops_apply
+from celeris.text import cut_at_stop
 from celeris.tokenizer import read_chat_template_file
 
 EMBEDDED = CATALOG_EMBEDDED

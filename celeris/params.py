@@ -29,7 +29,7 @@ from dataclasses import MISSING, dataclass, field, fields
 from types import MappingProxyType
 
 from celeris.sampling.cache import CACHE_MODES
-from celeris.sampling.rules import COMMIT_RULES, REMASKING
+from celeris.sampling.rules import COMMIT_RULES, NEEDS, REMASKING, CommitRule
 
 DRAFT_SOURCES = ("lookup_first", "slots", "lookup", "dflash")
 # Settings whose provenance ``explicit_settings`` records besides the rule settings: a default answer length (not
@@ -401,8 +401,28 @@ def add_setting_flags(parser: argparse.ArgumentParser, names: Iterable[str] | No
 
 def causal_defaults(generation_config: dict) -> dict:
     """An autoregressive (causal) model's defaults: blocks of one token, and the ``delayed`` cache unless the
-    file asks for another mode a causal model can use (``CachePolicy.exact_for_causal``; ``check_model_support``
-    refuses the others for such a model)."""
+    file asks for another mode a causal model can use (``CachePolicy.exact_for_causal``;
+    ``celeris.sampling.modes.check_request`` refuses the others for such a model)."""
     cache = generation_config.get("cache", "delayed")
     ok = cache in CACHE_MODES and CACHE_MODES[cache].exact_for_causal
     return {**generation_config, "block_length": 1, "cache": cache if ok else "delayed"}
+
+
+def register_commit_rule(name: str, rule: CommitRule) -> None:
+    """Add a ``decoding`` choice. Its params must be ``SamplingParams`` fields and its needs keys of ``NEEDS``.
+
+    Raises:
+        ValueError: ``name`` is taken, or the rule declares an unknown field or need.
+    """
+    if name in COMMIT_RULES:
+        raise ValueError(f"decoding rule '{name}' is already registered")
+    unknown = [p for p in rule.params if p not in SamplingParams.__dataclass_fields__]
+    unknown += [n for n in rule.needs if n not in NEEDS]
+    if unknown:
+        raise ValueError(f"decoding rule '{name}' declares unknown settings or needs: {', '.join(unknown)}")
+    COMMIT_RULES[name] = rule
+
+
+def unregister_commit_rule(name: str) -> None:
+    """Remove a rule added by ``register_commit_rule`` (tests)."""
+    COMMIT_RULES.pop(name, None)

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from celeris.cli import main
-from celeris.serve.detokenize import MASK_PLACEHOLDER
+from celeris.text import MASK_PLACEHOLDER
 from tests.conftest import REPO_ROOT
 
 SHIPPED = REPO_ROOT / "celeris" / "checkpoints" / "celeris-code-6m"

@@ -252,7 +252,7 @@ def prompt_of(llm: LLM, num_tokens: int) -> list[int]:
 
 def test_a_default_max_tokens_is_lowered_to_what_fits(llm):
     """The tiny folder: a 64-token context, generation_config.json's max_tokens 16 and steps 16."""
-    from celeris.sampling.step import ContextLengthError
+    from celeris.sampling.modes import ContextLengthError
 
     ids = prompt_of(llm, 60)
     fitted = llm.fit_max_tokens(llm.default_params(), len(ids))

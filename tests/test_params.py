@@ -264,14 +264,15 @@ def test_top_k_is_a_whole_number_at_least_zero_or_vllms_minus_one(top_k):
 
 
 def test_a_default_verified_decoding_stays_under_a_grammar():
-    """Verified decoding checks its drafts against the grammar (celeris.structured.speculative): no switch."""
-    from celeris.sampling.step import check_model_support
+    """Verified decoding checks its drafts against the grammar (celeris.sampling.verified.verify_under_grammar):
+    no switch."""
+    from celeris.sampling.modes import check_request
     from tests.conftest import tiny_model
 
     defaults = {"decoding": "verified", "draft_source": "lookup_first", "block_length": 1}
     params = SamplingParams.from_defaults(defaults, grammar="start: x")
     assert params.decoding == "verified"
-    check_model_support(tiny_model(is_causal=True, draft_block_size=2), params)
+    assert check_request(tiny_model(is_causal=True, draft_block_size=2), params) == "verified"
 
 
 # ---------------------------------------------------------------------------------------------

@@ -38,6 +38,7 @@ from celeris.batch.jobs import (
     BatchError,
     BatchItem,
     EngineUnavailableError,
+    OpenJob,
     error_record,
     iter_todo,
     open_job,
@@ -185,18 +186,7 @@ def run_batch_ray(
                     written.add(cid)
                 job.record(record)
 
-            num_requests = 0
-            try:
-                with open(spool, "w", encoding="utf-8") as fh:
-                    for item in iter_todo(input_path, job.plan.done, job.scan):
-                        if item.error_code is not None:
-                            sink(error_record(item))
-                        else:
-                            fh.write(item.to_json() + "\n")
-                            num_requests += 1
-            except OSError as exc:
-                raise BatchError(f"cannot write the spool file '{spool}': {exc.strerror}") from None
-            if num_requests:
+            if spool_todo(input_path, job, spool, sink):
                 session = init_ray(ray_address, ray_num_cpus)
                 actor_kwargs = {"model": str(Path(model).resolve()) if model else None, "max_num_seqs": max_num_seqs,
                                 "device": device, "request_timeout": request_timeout,
@@ -214,6 +204,27 @@ def run_batch_ray(
             if session is not None:
                 session.stop()
     return job.summary()
+
+
+def spool_todo(input_path: str | Path, job: OpenJob, spool: Path, sink: Callable[[dict], None]) -> int:
+    """Write the job's runnable to-do items to ``spool`` (JSON Lines, Ray Data's input) and hand the records of
+    unrunnable ones (bad JSON, a missing id, ...) to ``sink``; returns how many items were spooled.
+
+    Raises:
+        BatchError: the spool file cannot be written.
+    """
+    num_requests = 0
+    try:
+        with open(spool, "w", encoding="utf-8") as fh:
+            for item in iter_todo(input_path, job.plan.done, job.scan):
+                if item.error_code is not None:
+                    sink(error_record(item))
+                else:
+                    fh.write(item.to_json() + "\n")
+                    num_requests += 1
+    except OSError as exc:
+        raise BatchError(f"cannot write the spool file '{spool}': {exc.strerror}") from None
+    return num_requests
 
 
 def map_on_ray(spool: Path, actor_kwargs: dict, num_workers: int, on_cluster: bool) -> Iterator[dict]:

@@ -143,6 +143,28 @@ def headline(report: dict) -> str:
     return ": ".join(parts)
 
 
+def duplicate_groups(outputs: list[tuple[str, str]]) -> tuple[list[tuple[str, list[str]]], dict[str, str]]:
+    """Outputs with the same text: ([(sha1 of the text, [names])] for groups of 2 or more, largest first;
+    {sha1: text})."""
+    groups: dict[str, list[str]] = {}
+    samples: dict[str, str] = {}
+    for name, text in outputs:
+        digest = hashlib.sha1(text.encode("utf-8")).hexdigest()
+        groups.setdefault(digest, []).append(name)
+        samples.setdefault(digest, text)
+    return sorted((g for g in groups.items() if len(g[1]) > 1), key=lambda g: -len(g[1])), samples
+
+
+def length_outliers(outputs: list[tuple[str, str]], p50: float | None
+                    ) -> tuple[list[str], float | None, float | None]:
+    """(names, low, high): the outputs whose length in characters lies outside [p50 / OUTLIER_FACTOR,
+    p50 * OUTLIER_FACTOR]; none (and no bounds) without a median."""
+    if not p50:
+        return [], None, None
+    low, high = p50 / OUTLIER_FACTOR, p50 * OUTLIER_FACTOR
+    return [name for name, text in outputs if len(text) < low or len(text) > high], low, high
+
+
 def build_report(path: str | Path, input_path: str | Path | None = None) -> dict:
     """The report of one output file as a JSON-ready dict (see the module doc for every rule)."""
     keyed, superseded, unreadable = read_keyed_records(path)
@@ -179,20 +201,10 @@ def build_report(path: str | Path, input_path: str | Path | None = None) -> dict
     nonempty = [(name, text) for name, text in outputs if text.strip()]
     lengths = [len(text) for _, text in nonempty]
 
-    groups: dict[str, list[str]] = {}
-    samples: dict[str, str] = {}
-    for name, text in nonempty:
-        digest = hashlib.sha1(text.encode("utf-8")).hexdigest()
-        groups.setdefault(digest, []).append(name)
-        samples.setdefault(digest, text)
-    dup_groups = sorted((g for g in groups.items() if len(g[1]) > 1), key=lambda g: -len(g[1]))
+    dup_groups, samples = duplicate_groups(nonempty)
 
     dist = percentiles(lengths)
-    outliers: list[str] = []
-    low = high = None
-    if dist["p50"]:
-        low, high = dist["p50"] / OUTLIER_FACTOR, dist["p50"] * OUTLIER_FACTOR
-        outliers = [name for (name, _), n in zip(nonempty, lengths, strict=True) if n < low or n > high]
+    outliers, low, high = length_outliers(nonempty, dist["p50"])
 
     num_ok = len(records) - sum(errors.values())
     coverage = {}

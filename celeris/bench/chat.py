@@ -1,7 +1,9 @@
-"""`celeris bench --prompt-set mt-bench,gsm8k`: a chat model's decoding systems on chat prompts, side by side.
+"""`celeris bench --prompt-set mt-bench,gsm8k,summarisation`: a chat model's decoding systems on chat prompts.
 
-Prompt sets (through the model's chat template, one user turn): ``mt-bench`` (MT-Bench's first turns) and
-``gsm8k`` (GSM8K test questions; the drafter's training data holds out the first 300, which these are drawn from).
+Prompt sets (through the model's chat template, one user turn): ``mt-bench`` (MT-Bench's first turns), ``gsm8k``
+(GSM8K test questions; the drafter's training data holds out the first 300, which these are drawn from) and
+``summarisation`` ("Summarise in one sentence:" and a TinyStories paragraph, from the first 100 paragraphs, which the
+drafter's training data holds out too).
 Quick runs take the first ``num_prompts`` of each set (the fixed subset).
 
 Systems, each on the same prompts, output length and batch size, all at temperature 0:
@@ -31,11 +33,11 @@ import torch
 from celeris.bench import smollm2
 from celeris.bench.quality import max_repeat_run
 from celeris.bench.run import conditions, draft_counts, pass_cost_ms, run_system, write_json
-from celeris.data import gsm8k_questions, mt_bench_questions
+from celeris.data import gsm8k_questions, mt_bench_questions, summarisation_prompts
 from celeris.llm import LLM
 from celeris.params import SamplingParams
 
-PROMPT_SETS = {"mt-bench": mt_bench_questions, "gsm8k": gsm8k_questions}
+PROMPT_SETS = {"mt-bench": mt_bench_questions, "gsm8k": gsm8k_questions, "summarisation": summarisation_prompts}
 
 
 @dataclass(slots=True)
@@ -43,7 +45,7 @@ class ChatBenchConfig:
     """Fixed conditions of one chat benchmark run (recorded in the JSON output)."""
 
     model: str | None = None
-    prompt_sets: list[str] = field(default_factory=lambda: ["mt-bench", "gsm8k"])
+    prompt_sets: list[str] = field(default_factory=lambda: list(PROMPT_SETS))
     max_tokens: int = 256
     batch_sizes: list[int] = field(default_factory=lambda: [1, 8])
     num_prompts: int = 24

@@ -5,16 +5,17 @@ signatures with docstrings. A completion is cut at the end of the function (the
 first non-empty line that starts at column 0); it must keep at least one line of
 code (an empty body would let the docstring-only prompt parse on its own), and
 ``prompt + completion`` must be accepted by ``ast.parse``. This measures
-syntactic validity, not correctness.
+syntactic validity, not correctness. The cut, code and parse rules and the prompt healing are
+``celeris.data.completions`` (the training gate scores checkpoints by them too); they are importable from here.
 """
 
 from __future__ import annotations
 
-import ast
 import time
 from pathlib import Path
 
 from celeris.data import humaneval_problems
+from celeris.data.completions import cut_function_body, has_code, heal_prompt, parses
 from celeris.llm import LLM
 from celeris.params import SamplingParams
 
@@ -28,30 +29,6 @@ def load_humaneval(path: str | Path | None = None) -> list[dict]:
     return humaneval_problems(path)
 
 
-def cut_function_body(completion: str) -> str:
-    """Keep the completion up to (not including) the first non-empty line at column 0."""
-    kept = []
-    for line in completion.split("\n"):
-        if line.strip() and not line[0].isspace():
-            break
-        kept.append(line)
-    return "\n".join(kept)
-
-
-def has_code(body: str) -> bool:
-    """Whether ``body`` holds a line that is neither blank nor a comment."""
-    return any(line.strip() and not line.strip().startswith("#") for line in body.split("\n"))
-
-
-def parses(source: str) -> bool:
-    """Whether Python's ``ast.parse`` accepts ``source``."""
-    try:
-        ast.parse(source)
-    except (SyntaxError, ValueError):
-        return False
-    return True
-
-
 def max_repeat_run(token_ids: list[int]) -> int:
     """Length of the longest run of one identical token (0 for an empty list)."""
     best = run = 0
@@ -61,16 +38,6 @@ def max_repeat_run(token_ids: list[int]) -> int:
         prev = tid
         best = max(best, run)
     return best
-
-
-def heal_prompt(prompt: str) -> str:
-    """The prompt without trailing whitespace, which the model then writes itself (token healing).
-
-    The byte-level BPE merges a newline with the indentation after it, so a prompt
-    that ends in a bare newline ends on a token the model has only seen before
-    column-0 text; leaving the whitespace to the model avoids that boundary.
-    """
-    return prompt.rstrip()
 
 
 def fit_prompt(llm: LLM, prompt: str, params: SamplingParams) -> tuple[list[int], bool]:

@@ -20,7 +20,7 @@ import torch
 
 from celeris.models import cache
 from celeris.models.catalog import ALIASES, alias_path
-from celeris.models.loader import CheckpointError
+from celeris.models.checkpoint import CheckpointError
 
 ALIAS = "smollm2-135m-instruct"
 PACKAGE = ALIASES[ALIAS].package

@@ -4,7 +4,8 @@ origin, the exact version and the licence):
 - ``humaneval/HumanEval.jsonl.gz``: HumanEval's 164 problems (MIT), for ``celeris eval humaneval``,
   ``celeris bench`` and the load test;
 - ``gsm8k/test.jsonl``: GSM8K's 1,319 test problems (MIT), and ``mt_bench/question.jsonl``: MT-Bench's 80 questions
-  (Apache-2.0), for the batch example job and the bench's prompt sets.
+  (Apache-2.0), for the batch example job and the bench's prompt sets;
+- ``tinystories/paragraphs.jsonl``: 100 TinyStories paragraphs (CDLA-Sharing-1.0), the bench's summarisation set.
 
 Every reader takes an optional ``path`` (a user's own copy, e.g. ``--data``) and raises ``MissingDataError`` (one
 line naming it) when that path does not exist.
@@ -20,6 +21,8 @@ DATA_DIR = Path(__file__).resolve().parent
 HUMANEVAL = DATA_DIR / "humaneval" / "HumanEval.jsonl.gz"
 GSM8K = DATA_DIR / "gsm8k" / "test.jsonl"
 MT_BENCH = DATA_DIR / "mt_bench" / "question.jsonl"
+TINYSTORIES = DATA_DIR / "tinystories" / "paragraphs.jsonl"
+SUMMARISE = "Summarise in one sentence:"
 
 
 class MissingDataError(FileNotFoundError):
@@ -64,3 +67,9 @@ def gsm8k_questions(path: str | Path | None = None) -> list[str]:
 def mt_bench_questions(path: str | Path | None = None) -> list[str]:
     """MT-Bench first turns (``turns[0]``), in file order (default: the shipped questions)."""
     return [r["turns"][0] for r in read_jsonl(MT_BENCH if path is None else path)]
+
+
+def summarisation_prompts(path: str | Path | None = None) -> list[str]:
+    """Summarisation requests: ``SUMMARISE``, a blank line, then a TinyStories paragraph (the ``text`` field), in
+    file order (default: the shipped 100 paragraphs)."""
+    return [f"{SUMMARISE}\n\n{r['text']}" for r in read_jsonl(TINYSTORIES if path is None else path)]

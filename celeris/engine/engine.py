@@ -19,13 +19,12 @@ from celeris.engine.request import NO_PROGRESS, Request
 from celeris.engine.runner import ModelRunner
 from celeris.engine.scheduler import Scheduler
 from celeris.params import SamplingParams
-from celeris.sampling.block import block_mode, contract_of, with_block_defaults
+from celeris.sampling.block import contract_of, with_block_defaults
 from celeris.sampling.logprobs import prompt_entries, step_entries
+from celeris.sampling.modes import check_fits_context, check_request, mode_of
 from celeris.sampling.step import (
     RowSettings,
     banned_token_ids,
-    check_fits_context,
-    check_model_support,
     confidence_rule,
     context_tokens,
     denoise_step,
@@ -99,23 +98,19 @@ class Engine:
         token (OpenAI's ``echo`` with ``max_tokens`` 0).
 
         Raises:
-            ValueError: empty prompt, or settings the model cannot decode (``check_model_support``: an
+            ValueError: empty prompt, or settings the model cannot decode (``check_request``: an
                 unsupported cache; for an autoregressive model, blocks longer than one token, CFG, a suffix;
                 a grammar without ``grammar_tokenizer``, or one that does not compile); ``prompt_logprobs`` on a
                 model that is not causal.
             QueueFullError: the waiting queue is full.
         """
         params = with_block_defaults(self.model, params)  # a block model's sub-block when left at the default
-        check_model_support(self.model, params, bool(suffix_ids))
-        if params.decoding == "verified" and self.max_model_len:
+        mode = check_request(self.model, params, bool(suffix_ids))
+        if mode == "verified" and self.max_model_len:  # its KV pool rows hold max_model_len tokens
             check_fits_context(len(prompt_ids), 0, params.max_tokens, self.max_model_len)
         if params.prompt_logprobs is not None and not getattr(self.model.config, "is_causal", False):
             raise ValueError("prompt_logprobs needs a causal (autoregressive or hybrid) model; a diffusion model has "
                              "no left-to-right likelihood of its prompt")
-        vocab = getattr(self.model.config, "vocab_size", None)
-        if vocab is not None and any(t >= vocab for t in params.stop_token_ids):
-            raise ValueError(f"stop_token_ids must be ids below the vocabulary size {vocab}; got "
-                             f"{params.stop_token_ids}")
         request = Request(request_id or f"req-{next(self._ids)}", list(prompt_ids), params, self.mask_id,
                           list(suffix_ids or []), score_only=score_only)
         # under a grammar the answer ends where the grammar lets it end: a stop token id inside the constrained text
@@ -161,14 +156,15 @@ class Engine:
         outputs = self._score_prompts(batch)
         if outputs:
             batch = [r for r in batch if not r.is_finished]
-        verified = [r for r in batch if r.params.decoding == "verified"]
+        modes = {r: mode_of(self.model, r.params) for r in batch}
+        verified = [r for r in batch if modes[r] == "verified"]
         outputs += self._step_verified(verified) if verified or self._draft_rows else []
-        batch = [r for r in batch if r.params.decoding != "verified"]
+        batch = [r for r in batch if modes[r] != "verified"]
         if not batch:
             self.num_steps += 1
             return outputs
         if self.block_decoder is not None:  # celeris.engine.blocks: one pass, exact KV cache of the history
-            blocks = [r for r in batch if block_mode(self.model, r.params) is not None]
+            blocks = [r for r in batch if modes[r] == "block"]
             if blocks or self.block_decoder.rows:
                 outputs += [self._emit(r) for r in self.block_decoder.step(blocks)]
             in_blocks = set(blocks)

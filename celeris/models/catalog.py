@@ -12,7 +12,7 @@ import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
 
-from celeris.models.loader import CheckpointError
+from celeris.models.checkpoint import CheckpointError
 
 EMBEDDED = Path(__file__).resolve().parent.parent / "checkpoints"
 

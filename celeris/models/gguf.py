@@ -46,7 +46,8 @@ import torch
 from safetensors.torch import save_file
 
 from celeris.models import cache
-from celeris.models.loader import CheckpointError, rename
+from celeris.models.checkpoint import CheckpointError
+from celeris.models.loader import rename
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 PERMUTED = ("llama",)  # architectures whose q/k rows llama.cpp's converter permutes

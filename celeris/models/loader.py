@@ -28,26 +28,18 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError, safe_open
+from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
 from celeris.config import resolve_max_model_len
 from celeris.models import celeris, dream, fast_dllm, llada, llada2, llama, qwen, sdar
+from celeris.models.checkpoint import CheckpointError, TensorInfo, checkpoint_files, read_config, read_headers
 from celeris.models.layers import Architecture
+from celeris.models.remote import load_remote
 from celeris.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
-
-SAFETENSORS_DTYPES = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-    "BOOL": torch.bool,
-}
-
-
-class CheckpointError(ValueError):
-    """A checkpoint folder is missing, incomplete or does not match its config."""
 
 
 @dataclass(frozen=True)
@@ -84,15 +76,6 @@ FORMATS = {
 
 
 @dataclass(frozen=True)
-class TensorInfo:
-    """Where a checkpoint tensor lives and what it is, read from the safetensors header only."""
-
-    file: Path | None  # None: a tensor given in memory
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-
-
-@dataclass(frozen=True)
 class MemoryEstimate:
     """Bytes a model needs once loaded and bytes free: ``need_bytes`` = the weights (parameters x bytes per element
     of the load dtype) + ``kv_cache_bytes``, the KV store of ``max_num_seqs`` rows of ``max_model_len`` tokens
@@ -113,22 +96,6 @@ class MemoryEstimate:
 # ---------------------------------------------------------------- format detection
 
 
-def read_config(folder: Path) -> dict:
-    """The folder's config.json as a dict (CheckpointError when missing or not JSON)."""
-    if not folder.is_dir():
-        raise CheckpointError(f"checkpoint folder '{folder}' does not exist")
-    path = folder / "config.json"
-    if not path.is_file():
-        raise CheckpointError(f"checkpoint folder '{folder}' has no config.json")
-    try:
-        raw = json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise CheckpointError(f"{path} is not valid JSON: {exc}") from exc
-    if not isinstance(raw, dict):
-        raise CheckpointError(f"{path} must hold a JSON object")
-    return raw
-
-
 def detect_format(raw: dict) -> str | None:
     """A key of FORMATS, or None for a format Celeris does not implement."""
     model_type = str(raw.get("model_type", "")).lower()
@@ -142,52 +109,6 @@ def detect_format(raw: dict) -> str | None:
 def supported_types() -> str:
     """The model_type values Celeris implements, for error messages."""
     return ", ".join(t for f in FORMATS.values() for t in f.model_types)
-
-
-# ---------------------------------------------------------------- safetensors files
-
-
-def checkpoint_files(folder: Path) -> list[Path]:
-    """The safetensors files of a folder: the shards named by model.safetensors.index.json, else model.safetensors."""
-    index = folder / "model.safetensors.index.json"
-    if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError) as exc:
-            raise CheckpointError(f"{index} has no readable weight_map: {exc}") from exc
-        files = [folder / name for name in sorted(set(weight_map.values()))]
-        for file in files:
-            if not file.is_file():
-                raise CheckpointError(f"shard '{file.name}' listed in {index.name} is missing from '{folder}'")
-        return files
-    single = folder / "model.safetensors"
-    if not single.is_file():
-        raise CheckpointError(f"checkpoint folder '{folder}' has neither model.safetensors nor model.safetensors.index.json")
-    return [single]
-
-
-def read_headers(files: list[Path]) -> dict[str, TensorInfo]:
-    """Name -> TensorInfo for every tensor in ``files`` (headers only; no weight is read)."""
-    infos: dict[str, TensorInfo] = {}
-    for file in files:
-        try:
-            with safe_open(file, framework="pt") as f:
-                for name in f.keys():
-                    if name in infos:
-                        raise CheckpointError(f"tensor '{name}' is in both {infos[name].file.name} and {file.name}")
-                    piece = f.get_slice(name)
-                    dtype = SAFETENSORS_DTYPES.get(piece.get_dtype())
-                    if dtype is None:
-                        raise CheckpointError(f"tensor '{name}' in {file.name} has unsupported dtype {piece.get_dtype()}")
-                    infos[name] = TensorInfo(file, tuple(piece.get_shape()), dtype)
-        except (SafetensorError, OSError) as exc:
-            raise CheckpointError(f"{file} is unreadable or corrupt: {exc}") from exc
-    index = files[0].parent / "model.safetensors.index.json"
-    if index.is_file():
-        for name, shard in json.loads(index.read_text())["weight_map"].items():
-            if name not in infos or infos[name].file.name != shard:
-                raise CheckpointError(f"{index.name} puts tensor '{name}' in {shard}, but it is not there")
-    return infos
 
 
 # ---------------------------------------------------------------- memory
@@ -442,8 +363,6 @@ def load_any(
             f"{raw.get('architectures')}); Celeris implements only {supported_types()}. Passing "
             f"trust_remote_code=True (--trust-remote-code) would run the folder's own modeling code instead"
         )
-    from celeris.models.remote import load_remote
-
     if (folder / "model.safetensors").is_file() or (folder / "model.safetensors.index.json").is_file():
         infos = read_headers(checkpoint_files(folder))
         check_memory(estimate_memory(infos, load_dtype(infos, dtype), device))

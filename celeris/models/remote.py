@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from celeris.models.loader import CheckpointError
+from celeris.models.checkpoint import CheckpointError
 from celeris.tokenizer import read_json, special_token_ids
 
 # auto_map entries tried in order: a head that returns token logits first.

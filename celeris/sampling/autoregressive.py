@@ -14,7 +14,7 @@ import torch
 
 from celeris.models.layers import KVCache
 from celeris.params import SamplingParams
-from celeris.sampling.generate import GenerationOutput, build_canvas, cut_at_eos
+from celeris.sampling.output import GenerationOutput, build_canvas, cut_at_eos
 from celeris.sampling.select import sample_tokens
 from celeris.sampling.step import (
     RowSettings,

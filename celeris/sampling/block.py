@@ -36,12 +36,12 @@ import dataclasses
 import time
 from collections.abc import Callable
 from dataclasses import replace
-from typing import TYPE_CHECKING
 
 import torch
 
 from celeris.models.contract import DecodingContract, layout_mask
 from celeris.params import SamplingParams
+from celeris.sampling.output import GenerationOutput
 from celeris.sampling.schedule import num_transfer_tokens
 from celeris.sampling.step import (
     NoProgressError,
@@ -52,9 +52,6 @@ from celeris.sampling.step import (
     denoise_step,
     make_generator,
 )
-
-if TYPE_CHECKING:
-    from celeris.sampling.generate import GenerationOutput
 
 Unit = tuple[int, int, int, int]
 """(attention block start, attention block end, sub-block start, sub-block end) canvas columns."""
@@ -231,14 +228,12 @@ def generate_block(
         on_step: called after every step with (row, (max_tokens,) answer canvas).
 
     Returns:
-        ``celeris.sampling.generate.GenerationOutput``; ``nfe`` sums every row's forward passes, ``steps`` too.
+        ``celeris.sampling.output.GenerationOutput``; ``nfe`` sums every row's forward passes, ``steps`` too.
 
     Raises:
         ValueError: empty prompt or a setting the model cannot use (``check_block_support``).
         NoProgressError: a step committed nothing (non-finite scores).
     """
-    from celeris.sampling.generate import GenerationOutput  # noqa: F811 (generate.py imports this module)
-
     start = time.perf_counter()
     rows = params if isinstance(params, list) else [params] * len(prompt_ids)
     rows = [with_block_defaults(model, sp) for sp in rows]

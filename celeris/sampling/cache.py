@@ -25,10 +25,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import torch
-
-from celeris.models.layers import KVCache, column_window
-
 # window(blocks, block_idx, answer_start, total, step_in_block, refresh) -> [w0, w1) or None (a full pass)
 Window = Callable[[list[tuple[int, int]], int, int, int, int, int], "tuple[int, int] | None"]
 
@@ -131,24 +127,6 @@ def cache_window(
     block being denoised, ``answer_start`` the answer's first canvas column and ``total`` the end of what the
     passes see (the canvas length, or ``visible_end`` under a ``suffix_window``). ``refresh`` is
     ``cache_refresh``. Under a mode with ``rewrites_stale`` the caller adds the stale columns at a block's first
-    step (``delayed_columns``).
+    step (``celeris.sampling.generate.delayed_columns``).
     """
     return CACHE_MODES[mode].window(blocks, block_idx, answer_start, total, step_in_block, refresh)
-
-
-def delayed_columns(
-    stale: list[list[int]], span: slice, device: torch.device
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-row window of a ``rewrites_stale`` cache at a block's first step: each row's stale columns
-    (committed at its previous block's last step, so their cached keys/values were computed
-    while they were still masked: dKV-Cache's one-step delayed caching, arXiv:2505.15781),
-    then the block. Returns the (B, Lw) columns, padded by repeating the block's last column,
-    and the (B, L) index of the block's columns inside them."""
-    block = list(range(span.start, span.stop))
-    index = [[len(s) + j for j in range(len(block))] for s in stale]
-    return column_window([s + block for s in stale], device), torch.tensor(index, device=device)
-
-
-def cache_args(cache: KVCache | None, window: tuple[int, int] | torch.Tensor | None) -> dict:
-    """Keyword arguments for the model: fill ``cache`` (window None) or read it (window given)."""
-    return {} if cache is None else {"cache": cache, "window": window}

@@ -100,10 +100,17 @@ def check_drafter(drafter: DFlashDraftModel, target: torch.nn.Module, drafter_na
     if cfg.mask_token_id is None or not 0 <= cfg.mask_token_id < vocab:
         raise ValueError(f"{drafter_name}'s mask_token_id {cfg.mask_token_id} is not an id of the target's "
                          f"vocabulary of {vocab}")
-    k = num_speculative_tokens
-    if k is not None and not 1 <= k <= cfg.block_size - 1:
-        raise ValueError(f"num_speculative_tokens {k} is outside 1..{cfg.block_size - 1} ({drafter_name}'s "
-                         f"block_size is {cfg.block_size})")
+    if num_speculative_tokens is not None:
+        check_num_drafts(num_speculative_tokens, cfg.block_size, drafter_name)
+
+
+def check_num_drafts(k: int, block_size: int, drafter_name: str = "the drafter") -> None:
+    """Raise ValueError unless ``k`` drafts per pass fit a drafter block of ``block_size`` (1 .. block_size - 1:
+    position 0 of the block is the last accepted token). The one check of ``num_speculative_tokens`` against a
+    drafter, at load (``check_drafter``) and per request (``celeris.sampling.verified.check_draft_source``)."""
+    if not 1 <= k <= block_size - 1:
+        raise ValueError(f"num_speculative_tokens {k} is outside 1..{block_size - 1} ({drafter_name}'s "
+                         f"block_size is {block_size})")
 
 
 @dataclass

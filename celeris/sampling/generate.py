@@ -12,19 +12,20 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import torch
 
-from celeris.models.layers import KVCache
+from celeris.models.layers import KVCache, column_window
 from celeris.params import SamplingParams
-from celeris.sampling.cache import CACHE_MODES, cache_args, cache_window, delayed_columns, visible_end
+from celeris.sampling.block import generate_block
+from celeris.sampling.cache import CACHE_MODES, cache_window, visible_end
+from celeris.sampling.modes import check_request, mode_of
+from celeris.sampling.output import GenerationOutput, answer_done, build_canvas, cut_at_eos
 from celeris.sampling.schedule import block_plan, num_transfer_tokens
 from celeris.sampling.step import (
     NoProgressError,
     RowSettings,
     banned_token_ids,
-    check_model_support,
     check_prompts,
     confidence_rule,
     context_tokens,
@@ -33,81 +34,6 @@ from celeris.sampling.step import (
     make_generator,
 )
 from celeris.structured.grammar import constrain_commits, grammar_step, row_constraints
-
-
-@dataclass(slots=True)
-class GenerationOutput:
-    """Result of one batched sampler call.
-
-    Attributes:
-        answer_ids: (B, max_tokens) int64 final canvas of the answer span
-            (positions never reached by early exit hold the mask id).
-        token_ids: per row, the answer cut before the first end-of-text token.
-        nfe: forward passes of the model (a CFG step counts as 2).
-        steps: denoising steps run.
-        ttft_s: per row, seconds from the call's start until answer
-            position 0 was final (time to first token), or None.
-        seconds: wall time of the call.
-    """
-
-    answer_ids: torch.Tensor
-    token_ids: list[list[int]]
-    nfe: int
-    steps: int
-    ttft_s: list[float | None] = field(default_factory=list)
-    seconds: float = 0.0
-
-
-def build_canvas(
-    prompt_ids: list[list[int]],
-    max_tokens: int,
-    mask_id: int,
-    pad_id: int,
-    suffix_ids: list[list[int]] | None = None,
-    device: torch.device | str = "cpu",
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
-    """Lay out [left padding | prompt | masked answer | suffix | right padding] for each row.
-
-    Returns:
-        canvas (B, T) int64, attention_mask (B, T) bool (False on padding),
-        is_prompt (B, T) bool (prompt and suffix tokens, masked out by CFG's
-        unconditional pass), and the answer's start column.
-    """
-    b = len(prompt_ids)
-    suffix_ids = suffix_ids or [[] for _ in range(b)]
-    prompt_len = max(len(p) for p in prompt_ids)
-    suffix_len = max(len(s) for s in suffix_ids)
-    total = prompt_len + max_tokens + suffix_len
-    canvas = torch.full((b, total), pad_id, dtype=torch.long)
-    attn = torch.zeros((b, total), dtype=torch.bool)
-    for i, (p, s) in enumerate(zip(prompt_ids, suffix_ids, strict=True)):
-        canvas[i, prompt_len - len(p) : prompt_len] = torch.tensor(p, dtype=torch.long)
-        canvas[i, prompt_len : prompt_len + max_tokens] = mask_id
-        canvas[i, prompt_len + max_tokens : prompt_len + max_tokens + len(s)] = torch.tensor(s, dtype=torch.long)
-        attn[i, prompt_len - len(p) : prompt_len + max_tokens + len(s)] = True
-    is_prompt = attn.clone()
-    is_prompt[:, prompt_len : prompt_len + max_tokens] = False
-    return canvas.to(device), attn.to(device), is_prompt.to(device), prompt_len
-
-
-def cut_at_eos(answer: torch.Tensor, eos_id: int, mask_id: int) -> list[list[int]]:
-    """Rows of (B, N) answer ids cut before the first end-of-text (and any never-filled mask)."""
-    rows = []
-    for row in answer.tolist():
-        for stop_id in (eos_id, mask_id):
-            if stop_id in row:
-                row = row[: row.index(stop_id)]
-        rows.append(row)
-    return rows
-
-
-def answer_done(answer: torch.Tensor, eos_id: int, mask_id: int) -> torch.Tensor:
-    """(B, N) -> (B,) bool: the answer holds an end-of-text token and nothing before it is masked."""
-    is_eos = answer == eos_id
-    first_eos = torch.where(is_eos.any(-1), is_eos.long().argmax(-1), answer.shape[1])  # (B,)
-    cols = torch.arange(answer.shape[1], device=answer.device)
-    masked_before = ((answer == mask_id) & (cols[None] < first_eos[:, None])).any(-1)
-    return is_eos.any(-1) & ~masked_before
 
 
 def batch_rows(prompt_ids: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[SamplingParams]:
@@ -125,6 +51,24 @@ def batch_rows(prompt_ids: list[list[int]], params: SamplingParams | list[Sampli
         raise ValueError("rows of one batch must share max_tokens, steps, block_length, remasking, decoding "
                          "and cache settings")
     return rows
+
+
+def delayed_columns(
+    stale: list[list[int]], span: slice, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row window of a ``rewrites_stale`` cache at a block's first step: each row's stale columns
+    (committed at its previous block's last step, so their cached keys/values were computed
+    while they were still masked: dKV-Cache's one-step delayed caching, arXiv:2505.15781),
+    then the block. Returns the (B, Lw) columns, padded by repeating the block's last column,
+    and the (B, L) index of the block's columns inside them."""
+    block = list(range(span.start, span.stop))
+    index = [[len(s) + j for j in range(len(block))] for s in stale]
+    return column_window([s + block for s in stale], device), torch.tensor(index, device=device)
+
+
+def cache_args(cache: KVCache | None, window: tuple[int, int] | torch.Tensor | None) -> dict:
+    """Keyword arguments for the model: fill ``cache`` (window None) or read it (window given)."""
+    return {} if cache is None else {"cache": cache, "window": window}
 
 
 def _pass_layout(
@@ -199,13 +143,11 @@ def generate(
 
     Raises:
         ValueError: empty prompt, mismatched structural settings, or settings the model cannot
-            do (``check_model_support``: e.g. blocks longer than 1 on a causal model).
+            do (``celeris.sampling.modes.check_request``: e.g. blocks longer than 1 on a causal model).
         NoProgressError: a step committed nothing for a row (non-finite scores).
     """
-    from celeris.sampling.block import block_mode, generate_block
-
     first = params[0] if isinstance(params, list) and params else params
-    if isinstance(first, SamplingParams) and block_mode(model, first) is not None:  # block diffusion's reference
+    if isinstance(first, SamplingParams) and mode_of(model, first) == "block":  # block diffusion's reference
         if suffix_ids and any(suffix_ids):
             raise ValueError("suffix (infilling) needs a full-attention model: a block model never sees what follows")
         step_hook = (lambda _row, answer: on_step(answer[None])) if on_step is not None else None  # (1, N) per row
@@ -223,7 +165,7 @@ def generate(
     settings = RowSettings.from_params(rows, device)
     generators = [make_generator(r.seed) for r in rows]
     banned = banned_token_ids(config)
-    check_model_support(model, first, any(suffix_ids or []))
+    check_request(model, first, any(suffix_ids or []))
     constraints = row_constraints(rows, grammar_tokenizer)
     blocks, steps_per_block = block_plan(first.max_tokens, first.block_length, first.steps)
     policy = CACHE_MODES[first.cache]

@@ -5,7 +5,9 @@ The reference sampler (``celeris.sampling.generate``) and the engine share ``den
 (``celeris.sampling.step``), which looks rules up here and never names one. ``SamplingParams`` takes its
 ``decoding`` and ``remasking`` choices from these dicts and refuses a setting the chosen rule does not read
 (``celeris.params.rule_settings``), so a new rule that reuses existing settings is one function and one
-``register_commit_rule`` call; one that needs a new setting also declares that field in ``SamplingParams``.
+``celeris.params.register_commit_rule`` call; one that needs a new setting also declares that field in
+``SamplingParams``. This module holds the tables only: registering checks a rule's params against the fields of
+``SamplingParams``, so it lives in ``celeris.params``, which reads these tables (never the other way round).
 The registries are read at call time (validation, CLI choices, HTTP), so a rule registered after import works
 everywhere.
 
@@ -164,25 +166,3 @@ REMASKING: dict[str, Confidence] = {
     "margin": Confidence(margin_confidence, "top-1 minus top-2 probability (Dream's topk_margin)"),
     "entropy": Confidence(neg_entropy_confidence, "negative entropy (Dream's entropy alg; not --decoding entropy)"),
 }
-
-
-def register_commit_rule(name: str, rule: CommitRule) -> None:
-    """Add a ``decoding`` choice. Its params must be ``SamplingParams`` fields and its needs keys of ``NEEDS``.
-
-    Raises:
-        ValueError: ``name`` is taken, or the rule declares an unknown field or need.
-    """
-    from celeris.params import SamplingParams
-
-    if name in COMMIT_RULES:
-        raise ValueError(f"decoding rule '{name}' is already registered")
-    unknown = [p for p in rule.params if p not in SamplingParams.__dataclass_fields__]
-    unknown += [n for n in rule.needs if n not in NEEDS]
-    if unknown:
-        raise ValueError(f"decoding rule '{name}' declares unknown settings or needs: {', '.join(unknown)}")
-    COMMIT_RULES[name] = rule
-
-
-def unregister_commit_rule(name: str) -> None:
-    """Remove a rule added by ``register_commit_rule`` (tests)."""
-    COMMIT_RULES.pop(name, None)

@@ -53,6 +53,15 @@ def top_p_filter(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     return logits.masked_fill(drop, NEG_INF)
 
 
+def probs(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
+    """(L, V) float logits -> (L, V) float64 probabilities after top-p (``top_p_filter``) and temperature
+    (temperature > 0): the next-token distribution p that speculative sampling keeps (``celeris.sampling.verified``)
+    and the draft distribution q of sampled drafts."""
+    if top_p < 1:
+        logits = top_p_filter(logits[None], torch.tensor([top_p], device=logits.device))[0]
+    return (logits.double() / temperature).softmax(-1)
+
+
 def top_k_filter(logits: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
     """Top-k filtering (Fan et al. 2018, arXiv:1805.04833) as Dream's ``top_k_logits`` (DreamLM
     ``generation_utils.py``): tokens whose logit is below the k-th largest are excluded; ties with it stay.

@@ -12,7 +12,6 @@ from dataclasses import dataclass
 import torch
 
 from celeris.params import SamplingParams
-from celeris.sampling.cache import CACHE_MODES
 from celeris.sampling.rules import COMMIT_RULES, NEEDS, REMASKING
 from celeris.sampling.select import NEG_INF, min_p_filter, sample_tokens, top_k_filter, top_p_filter
 
@@ -42,49 +41,6 @@ def banned_token_ids(config: object) -> list[int]:
         ids.append(config.pad_token_id)
     vocab = getattr(config, "vocab_size", None)
     return [i for i in ids if vocab is None or 0 <= i < vocab]
-
-
-def check_model_support(model: torch.nn.Module, params: SamplingParams, has_suffix: bool = False) -> None:
-    """Raise ValueError when ``params`` ask for something this model cannot do.
-
-    A KV cache needs ``supports_kv_cache``. A causal model (the autoregressive
-    twin, ``config.is_causal``) decodes one token per step: it needs
-    ``block_length`` 1 (each block then takes one step, whatever ``steps`` says,
-    see ``block_plan``) and the ``delayed`` cache (exact for it: each token's
-    keys/values are written once, a step after it is committed) or none: the modes whose
-    ``CachePolicy.exact_for_causal`` is set (``celeris.sampling.cache``); it can
-    neither see a suffix (infilling) nor score a masked prompt (classifier-free
-    guidance). A ``suffix_window`` cannot go with a suffix to infill. A block-diffusion model
-    (``block_contract``) is checked by ``celeris.sampling.block.check_block_support``.
-    """
-    from celeris.sampling.block import block_mode, check_block_support
-
-    contract = block_mode(model, params)
-    if contract is not None:  # a block-diffusion model: its own contract (celeris.sampling.block)
-        check_block_support(contract, params, has_suffix)
-        return
-    if params.decoding == "verified":  # its own contract: a hybrid model, no CFG / penalty / infilling
-        from celeris.sampling.verified import check_verified_support
-
-        check_verified_support(model, params, has_suffix)
-        return
-    if params.suffix_window and has_suffix:
-        raise ValueError("suffix_window cannot be used with a suffix to infill (it would shift the suffix's positions)")
-    policy = CACHE_MODES[params.cache]
-    if policy.uses_cache and not getattr(model, "supports_kv_cache", False):
-        raise ValueError(f"cache='{params.cache}' is not supported by {type(model).__name__}; use cache='none'")
-    if not getattr(model.config, "is_causal", False):
-        return
-    if params.block_length != 1:
-        raise ValueError(f"block_length must be 1 for an autoregressive (causal) model, which decodes one token "
-                         f"per step; got {params.block_length}")
-    if not policy.exact_for_causal:
-        allowed = " or ".join(f"'{name}'" for name, p in reversed(CACHE_MODES.items()) if p.exact_for_causal)
-        raise ValueError(f"cache must be {allowed} for an autoregressive (causal) model; got '{params.cache}'")
-    if params.cfg_scale > 0:
-        raise ValueError(f"cfg_scale must be 0 for an autoregressive (causal) model; got {params.cfg_scale}")
-    if has_suffix:
-        raise ValueError("suffix (infilling) needs a masked-diffusion model; this one is autoregressive (causal)")
 
 
 def make_generator(seed: int | None) -> torch.Generator:
@@ -196,38 +152,6 @@ def prepare_logits(
     if allowed is not None:
         logits = logits.masked_fill(~allowed, NEG_INF)
     return filter_logits(logits, settings), unfiltered
-
-
-class ContextLengthError(ValueError):
-    """A prompt (and suffix) plus ``max_tokens`` do not fit the model's context window (HTTP: 400
-    ``context_length_exceeded``)."""
-
-
-def check_fits_context(num_prompt: int, num_suffix: int, max_tokens: int, context_length: int,
-                       what: str = "the prompt") -> None:
-    """Raise ContextLengthError, naming the window and every count, when ``num_prompt`` + ``num_suffix`` +
-    ``max_tokens`` tokens exceed ``context_length``; ``what`` names the prompt (e.g. "the messages")."""
-    need = num_prompt + num_suffix + max_tokens
-    if need > context_length:
-        parts = f"{what} ({num_prompt} tokens)" + (f" and suffix ({num_suffix} tokens)" if num_suffix else "")
-        raise ContextLengthError(f"this model's context window is {context_length} tokens, but {parts} plus "
-                                 f"max_tokens ({max_tokens}) need {need} tokens; shorten the prompt or lower max_tokens")
-
-
-def answer_room(num_prompt: int, num_suffix: int, context_length: int, what: str = "the prompt") -> int:
-    """Answer tokens that fit in ``context_length`` beside ``num_prompt`` prompt and ``num_suffix`` suffix tokens.
-
-    Raises:
-        ContextLengthError: not one token fits; the message names the window and the prompt's counts, never a
-            ``max_tokens`` (the caller may not have sent one).
-    """
-    room = context_length - num_prompt - num_suffix
-    if room < 1:
-        parts = f"{what} ({num_prompt} tokens)" + (f" and suffix ({num_suffix} tokens)" if num_suffix else "")
-        verb = "leave" if num_suffix else "leaves"
-        raise ContextLengthError(f"this model's context window is {context_length} tokens, and {parts} {verb} no "
-                                 f"room for an answer; shorten the prompt")
-    return room
 
 
 def check_prompts(prompt_ids: list[list[int]]) -> None:

@@ -39,9 +39,23 @@ With a DFlash drafter beside the target (``--speculative-config``; ``celeris.sam
 states of the columns each pass accepted; a pass then computes no mask slots (the target needs none), only
 ``[pending | d_1 .. d_m]``.
 
-Under a grammar (``SamplingParams.grammar``: structured output, tool calls) the drafts are checked against the
-grammar-masked next-token head, and drafted under the grammar (``celeris.structured.speculative``): at temperature
-0 the answer is exactly constrained next-token decoding's.
+Under a grammar (``SamplingParams.grammar``: structured output, tool calls; ``verify_under_grammar``) the target at
+each position is the next-token distribution with the tokens the grammar rejects removed, exactly what constrained
+next-token decoding samples from (the mask of ``Constraint.allowed``, then the budget rule ``Constraint.settle``):
+
+- position a = 0, 1, ...: the target token t_a is the masked argmax (temperature 0) or, at temperature > 0, draft
+  d_a kept by speculative sampling against the masked, renormalised distribution p' (``accept_draft``, the same
+  accept/residual step as without a grammar); a draft the grammar rejects has p'(d) = 0 and is never kept;
+- t_a is settled by the budget rule and consumed by the matcher; the walk goes on while the committed token
+  equals the draft, and ends at the first correction (or the bonus token after the last draft).
+
+The matcher only ever consumes committed tokens, so nothing needs rolling back. At temperature 0 the committed
+tokens are, position by position, the ones constrained next-token decoding commits (the same mask, argmax and
+budget rule, called in the same order), so the answer is exactly constrained next-token decoding's. Drafts are
+shaped by the grammar too, which changes the speed, never the tokens: prompt-lookup drafts are cut to the prefix the
+grammar accepts (``grammar_lookup_drafts``: ``LLMatcher.validate_tokens``), mask-slot drafts are drawn from the
+slots' logits masked by a copy of the matcher advanced over the earlier drafts (``grammar_slot_drafts``; vLLM's
+structured output with speculative decoding does the same with xgrammar's matcher).
 """
 
 from __future__ import annotations
@@ -53,13 +67,12 @@ import torch
 
 from celeris.models.layers import KVCache
 from celeris.params import SamplingParams
-from celeris.sampling.drafter import DFlashProposer, DraftState, proposer_of
+from celeris.sampling.drafter import DFlashProposer, DraftState, check_num_drafts, proposer_of
 from celeris.sampling.logprobs import TokenLogprob, entries
 from celeris.sampling.prefix_cache import BLOCK_SIZE, PrefixCache
-from celeris.sampling.select import NEG_INF, top_p_filter
+from celeris.sampling.select import NEG_INF, probs, top_p_filter
 from celeris.sampling.step import banned_token_ids, check_prompts, make_generator
-from celeris.structured.grammar import Constraint, row_constraints
-from celeris.structured.speculative import grammar_lookup_drafts, grammar_slot_drafts, verify_under_grammar
+from celeris.structured.grammar import Constraint, _bits, row_constraints
 
 
 @dataclass(slots=True)
@@ -118,29 +131,41 @@ def check_verified_support(model: torch.nn.Module, params: SamplingParams, has_s
         raise ValueError("decoding 'verified' needs a causal model with a KV cache (a hybrid model for mask-slot "
                          "drafts, or any causal model with draft_source 'lookup')")
     proposer = proposer_of(model)
-    if params.draft_source == "dflash" and proposer is None:
-        raise ValueError("draft_source 'dflash' needs a DFlash drafter beside the model (--speculative-config "
-                         "'{\"method\": \"dflash\", \"model\": PATH}')")
-    if proposer is not None and params.draft_source == "slots" and draft_length(model) < 1:
-        raise ValueError("draft_source 'slots' needs a hybrid model; this target drafts with its DFlash drafter "
-                         "(draft_source 'dflash' or 'lookup_first')")
-    k = params.num_speculative_tokens
-    if proposer is not None and params.draft_source in ("dflash", "lookup_first") and k and k > proposer.block_size - 1:
-        raise ValueError(f"num_speculative_tokens {k} is outside 1..{proposer.block_size - 1} ({proposer.name}'s "
-                         f"block_size is {proposer.block_size})")
-    if proposer is None and draft_length(model) < 1 and params.draft_source != "lookup":
-        raise ValueError(f"draft_source '{params.draft_source}' needs a hybrid model (a causal model with "
-                         "draft_block_size > 0, trained by `celeris train --objective hybrid`); use draft_source "
-                         "'lookup' for this one")
-    if k and params.draft_source == "slots" and k > draft_length(model):
-        raise ValueError(f"num_speculative_tokens {k} exceeds the {draft_length(model)} mask slots this model was "
-                         "trained to draft (draft_source 'slots'); use at most that, or draft_source 'lookup'")
+    check_draft_source(params, proposer, mask_slots(model, proposer))
     if params.cfg_scale:
         raise ValueError("cfg_scale is not supported with decoding 'verified'")
     if params.repetition_penalty != 1:
         raise ValueError("repetition_penalty is not supported with decoding 'verified'")
     if has_suffix:
         raise ValueError("infilling (a suffix) is not supported with decoding 'verified'")
+
+
+def mask_slots(model: torch.nn.Module, proposer: DFlashProposer | None) -> int:
+    """Mask slots a pass of verified decoding computes for ``model``: its ``draft_length``, or none beside a DFlash
+    drafter (which drafts instead; ``VerifiedDecoder.slots``)."""
+    return 0 if proposer is not None else draft_length(model)
+
+
+def check_draft_source(params: SamplingParams, proposer: DFlashProposer | None, slots: int) -> None:
+    """Raise ValueError (first word: the parameter) when ``params.draft_source`` and ``num_speculative_tokens``
+    cannot draft with ``proposer`` (a DFlash drafter, or None) and ``slots`` mask slots (``mask_slots``): the one
+    check of the draft settings, run at admission (``check_verified_support``) and by ``VerifiedDecoder.add``."""
+    source, k = params.draft_source, params.num_speculative_tokens
+    if source == "dflash" and proposer is None:
+        raise ValueError("draft_source 'dflash' needs a DFlash drafter beside the model (--speculative-config "
+                         "'{\"method\": \"dflash\", \"model\": PATH}')")
+    if source == "slots" and proposer is not None:
+        raise ValueError("draft_source 'slots' needs a hybrid model; this target drafts with its DFlash drafter "
+                         "(draft_source 'dflash' or 'lookup_first')")
+    if proposer is None and slots < 1 and source != "lookup":
+        raise ValueError(f"draft_source '{source}' needs a hybrid model (a causal model with "
+                         "draft_block_size > 0, trained by `celeris train --objective hybrid`); use draft_source "
+                         "'lookup' for this one")
+    if proposer is not None and source != "lookup" and k:
+        check_num_drafts(k, proposer.block_size, proposer.name)
+    if k and source == "slots" and k > slots:
+        raise ValueError(f"num_speculative_tokens {k} exceeds the {slots} mask slots this model was "
+                         "trained to draft (draft_source 'slots'); use at most that, or draft_source 'lookup'")
 
 
 def _pass_mask(columns: torch.Tensor, slot_start: torch.Tensor, slots: torch.Tensor, length: int) -> torch.Tensor:
@@ -174,11 +199,21 @@ def _forward(model: torch.nn.Module, ids: torch.Tensor, cache: KVCache, columns:
     return out.scatter_(1, index[..., None].expand_as(part), part)
 
 
-def _probs(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
-    """(L, V) logits -> (L, V) float64 probabilities after temperature and top-p (temperature > 0)."""
-    if top_p < 1:
-        logits = top_p_filter(logits[None], torch.tensor([top_p], device=logits.device))[0]
-    return (logits.double() / temperature).softmax(-1)
+def accept_draft(p: torch.Tensor, q: torch.Tensor, draft: int, generator: torch.Generator) -> torch.Tensor | None:
+    """Speculative sampling's test of one draft (Leviathan et al., arXiv:2211.17192, Sec. 2.3; Chen et al.,
+    arXiv:2302.01318, Alg. 2): keep ``draft`` with probability min(1, p(d) / q(d)) (one U(0, 1) draw from
+    ``generator``); None when it is kept, else the residual norm(max(0, p - q)) (``p`` where that is all zero)
+    to draw the correction from. The one accept/residual step of verified decoding, with and without a grammar.
+
+    Args:
+        p: (V,) float64 target probabilities (after temperature and top-p; under a grammar, masked and renormalised).
+        q: (V,) float64 probabilities the draft was drawn from (one-hot for prompt-lookup and DFlash drafts).
+    """
+    u = float(torch.rand((), generator=generator, dtype=torch.float64))
+    if u * float(q[draft]) < float(p[draft]):  # accept with probability min(1, p/q)
+        return None
+    residual = (p - q).clamp(min=0)
+    return residual / residual.sum() if float(residual.sum()) > 0 else p
 
 
 def _verify(p_logits: torch.Tensor, drafts: list[int], q_probs: list[torch.Tensor], params: SamplingParams,
@@ -194,14 +229,11 @@ def _verify(p_logits: torch.Tensor, drafts: list[int], q_probs: list[torch.Tenso
         while a < len(drafts) and drafts[a] == greedy[a]:
             a += 1
         return a, greedy[a]
-    p = _probs(p_logits, params.temperature, params.top_p).cpu()  # (m + 1, V)
+    p = probs(p_logits, params.temperature, params.top_p).cpu()  # (m + 1, V)
     for a, (d, q) in enumerate(zip(drafts, q_probs, strict=True)):
-        u = float(torch.rand((), generator=gen, dtype=torch.float64))
-        if u * float(q[d]) < float(p[a, d]):  # accept with probability min(1, p/q)
-            continue
-        residual = (p[a] - q).clamp(min=0)
-        residual = residual / residual.sum() if float(residual.sum()) > 0 else p[a]
-        return a, int(torch.multinomial(residual, 1, generator=gen))
+        residual = accept_draft(p[a], q, d, gen)
+        if residual is not None:
+            return a, int(torch.multinomial(residual, 1, generator=gen))
     return len(drafts), int(torch.multinomial(p[len(drafts)], 1, generator=gen))
 
 
@@ -209,7 +241,7 @@ def _draft(slot_logits: torch.Tensor, params: SamplingParams, gen: torch.Generat
     """Drafts from the k mask slots' logits (k, V): argmax at temperature 0, else samples and their q."""
     if params.temperature == 0:
         return slot_logits.argmax(-1).tolist(), []
-    q = _probs(slot_logits, params.temperature, params.top_p).cpu()  # (k, V)
+    q = probs(slot_logits, params.temperature, params.top_p).cpu()  # (k, V)
     return torch.multinomial(q, 1, generator=gen)[:, 0].tolist(), list(q)
 
 
@@ -226,6 +258,117 @@ def lookup_drafts(tokens: list[int], k: int, n_max: int = 3, n_min: int = 2) -> 
             if tokens[start : start + n] == tail:
                 return tokens[start + n : start + n + k]
     return []
+
+
+# ---------------------------------------------------------------- under a grammar (module docstring)
+
+
+def _masked(constraint: Constraint, logits: torch.Tensor, remaining: int) -> torch.Tensor:
+    """(V,) float logits with the tokens the grammar rejects (``Constraint.allowed``) set to -inf."""
+    allowed = constraint.allowed(logits.shape[-1], remaining).to(logits.device)  # (V,) bool
+    return logits.masked_fill(~allowed, NEG_INF)
+
+
+def _sample(probs: torch.Tensor, generator: torch.Generator) -> int:
+    """One draw from ``probs`` (V,) float64 (not necessarily normalised) by inverse transform sampling: a uniform
+    draw placed on the cumulative sum. Same distribution as ``torch.multinomial``, about 6x faster on CPU for one
+    draw over a 4,096-token vocabulary; a token of probability 0 is never drawn (``right=True``)."""
+    cdf = probs.cumsum(0)  # (V,)
+    u = torch.rand((), generator=generator, dtype=torch.float64) * cdf[-1]
+    return min(int(torch.searchsorted(cdf, u, right=True)), probs.shape[0] - 1)
+
+
+def greedy_token(constraint: Constraint, logits: torch.Tensor, remaining: int) -> int:
+    """The grammar-masked argmax of ``logits`` (V,) with ``remaining`` answer positions left (this one included),
+    before the budget rule. The unmasked argmax is checked first (one ``validate_tokens`` call): when the grammar
+    accepts it, it is also the masked argmax (ties resolve to the lowest id in both), and no mask is computed."""
+    if not constraint.is_forced(remaining):
+        top = int(logits.argmax())
+        if constraint.accepts(top):
+            return top
+    return int(_masked(constraint, logits, remaining).argmax())
+
+
+def verify_under_grammar(constraint: Constraint, p_logits: torch.Tensor, drafts: list[int], q_probs: list,
+                         params: SamplingParams, generator: torch.Generator, remaining: int) -> tuple[int, list[int]]:
+    """Check one row's drafts against the grammar-masked next-token head and commit (module docstring, "Under a
+    grammar").
+
+    Args:
+        constraint: the row's grammar state, advanced here by every committed token.
+        p_logits: (m + 1, V) float32 next-token logits at the pending token and at d_1 .. d_m (banned ids -inf).
+        drafts: d_1 .. d_m; q_probs: their (V,) draft distributions (temperature > 0 only).
+        params: temperature and top_p are read. generator: the row's CPU generator.
+        remaining: answer positions left (the first committed token included); nothing is committed past them.
+
+    Returns:
+        (number of drafts accepted, the committed tokens: the accepted drafts and one token of the head's, fewer
+        where the grammar ended or the budget ran out).
+    """
+    new: list[int] = []
+    for a in range(len(drafts) + 1):
+        left = remaining - a
+        if left <= 0 or constraint.stopped:
+            break
+        draft = drafts[a] if a < len(drafts) else None
+        if params.temperature == 0:
+            token = greedy_token(constraint, p_logits[a], left)
+            kept = token == draft
+        else:
+            p = probs(_masked(constraint, p_logits[a], left)[None], params.temperature, params.top_p)[0].cpu()
+            residual = p if draft is None else accept_draft(p, q_probs[a], draft, generator)  # p' against q
+            kept = residual is None
+            token = draft if kept else _sample(residual, generator)
+        settled = constraint.settle(token, left)
+        constraint.consume(settled)
+        new.append(settled)
+        if not kept or settled != token:
+            return a, new
+    return len(new), new
+
+
+def grammar_lookup_drafts(constraint: Constraint, drafts: list[int]) -> list[int]:
+    """Prompt-lookup ``drafts`` cut to the prefix the grammar accepts from its current state (end-of-text
+    included where it may end). Unbiased at any temperature: a lookup draft's distribution is one-hot, so a draft
+    the grammar rejects would be rejected with certainty and replaced by a sample of the masked head, which is
+    what the bonus token after the cut prefix is."""
+    if constraint.stopped or not drafts:
+        return []
+    return drafts[: constraint.matcher.validate_tokens([int(t) for t in drafts])]
+
+
+def grammar_slot_drafts(constraint: Constraint, slot_logits: torch.Tensor, params: SamplingParams,
+                        generator: torch.Generator) -> tuple[list[int], list]:
+    """Drafts from the k mask slots' logits (k, V) under the grammar: each slot's token is drawn from its logits
+    masked by a copy of the matcher advanced over the earlier drafts (argmax at temperature 0, else a sample
+    whose masked distribution q' is returned for speculative sampling). Stops early where the grammar ends."""
+    if constraint.stopped:
+        return [], []
+    matcher = constraint.matcher.deep_copy()
+    n = min(slot_logits.shape[-1], constraint.vocab_size)
+    drafts: list[int] = []
+    qs: list = []
+    for logits in slot_logits:
+        if matcher.is_stopped() or matcher.is_error():
+            break
+        top = int(logits.argmax())
+        if params.temperature == 0 and top < n and matcher.validate_tokens([top]) == 1:
+            token = top  # the grammar accepts the slot's argmax: it is the masked argmax too
+        else:
+            allowed = torch.zeros(logits.shape[-1], dtype=torch.bool)
+            allowed[:n] = torch.from_numpy(_bits(matcher)[:n])
+            if not bool(allowed.any()):
+                break
+            masked = logits.masked_fill(~allowed.to(logits.device), NEG_INF)  # (V,)
+            if params.temperature == 0:
+                token = int(masked.argmax())
+            else:
+                qs.append(probs(masked[None], params.temperature, params.top_p)[0].cpu())  # (V,) q'
+                token = _sample(qs[-1], generator)
+        if not matcher.consume_token(token):
+            break
+        drafts.append(token)
+    return drafts, qs[: len(drafts)]
 
 
 @dataclass(eq=False)
@@ -295,7 +438,7 @@ class VerifiedDecoder:
     def __init__(self, model: torch.nn.Module, max_rows: int, max_tokens: int,
                  prefix_cache_tokens: int = PREFIX_CACHE_TOKENS, proposer: DFlashProposer | None = None) -> None:
         self.proposer = proposer or proposer_of(model)
-        self.slots = 0 if self.proposer else draft_length(model)  # mask slots the model drafts (0: none)
+        self.slots = mask_slots(model, self.proposer)  # mask slots the model drafts (0: none)
         self.model = model
         self.k = self.proposer.k if self.proposer else self.slots or LOOKUP_DRAFTS  # the default k
         self.pad = 2 * MAX_DRAFTS + 2
@@ -330,7 +473,8 @@ class VerifiedDecoder:
         its grammar state when ``params.grammar`` is set (``celeris.structured.grammar.row_constraints``).
 
         Raises:
-            ValueError: the pool is full, the prompt is empty or the row does not fit ``max_len``.
+            ValueError: the pool is full, the prompt is empty, the row does not fit ``max_len``, or its draft
+                settings cannot draft here (``check_draft_source``, the check admission runs too).
         """
         if len(self.rows) >= self.max_rows:
             raise ValueError(f"the verified decoder holds at most {self.max_rows} rows")
@@ -339,19 +483,11 @@ class VerifiedDecoder:
             raise ValueError(f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) + "
                              f"{self.pad} draft columns exceed the decoder's {self.max_len}")
         ends = frozenset({self.model.config.eos_token_id}) if end_ids is None else frozenset(end_ids)
-        if params.draft_source == "dflash" and not self.proposer:
-            raise ValueError("draft_source 'dflash' needs a DFlash drafter (--speculative-config)")
-        if params.draft_source != "lookup" and not self.slots and not self.proposer:
-            raise ValueError(f"draft_source '{params.draft_source}' needs a hybrid model; use 'lookup'")
-        if params.draft_source == "slots" and self.proposer:
-            raise ValueError("draft_source 'slots' needs a hybrid model; this target drafts with its DFlash drafter")
+        check_draft_source(params, self.proposer, self.slots)
         k = params.num_speculative_tokens or self.k
         if k > MAX_DRAFTS:
             raise ValueError(f"num_speculative_tokens must be <= {MAX_DRAFTS}, got {k}")
         slots = 0 if params.draft_source == "lookup" else min(k, self.slots)
-        if self.proposer and k > self.proposer.block_size - 1 and params.draft_source != "lookup":
-            raise ValueError(f"num_speculative_tokens {k} is outside 1..{self.proposer.block_size - 1} "
-                             f"({self.proposer.name}'s block_size is {self.proposer.block_size})")
         row = DraftRow(list(prompt_ids), params, make_generator(params.seed), k, ends, constraint=constraint,
                        slot_start=len(prompt_ids), num_slots=slots,
                        draft_state=DraftState() if self.proposer else None)
@@ -496,7 +632,7 @@ class VerifiedDecoder:
         c0 = cols.index(row.pending if row.pending >= 0 else len(row.prompt_ids) - 1)
         m = len(row.drafts)
         n = row.params.max_tokens
-        if row.constraint is not None:  # celeris.structured.speculative: the grammar-masked head checks the drafts
+        if row.constraint is not None:  # the grammar-masked head checks the drafts (verify_under_grammar)
             a, new = verify_under_grammar(row.constraint, logits[c0 : c0 + m + 1], row.drafts, row.draft_probs,
                                           row.params, row.generator, n - len(row.answer))
         else:
@@ -570,7 +706,7 @@ def generate_verified(
             early_exit and grammar are used; rows may differ in each).
         grammar_tokenizer: llguidance's tokenizer (``celeris.structured.grammar_tokenizer``), needed when a row
             has a ``grammar``: its drafts are then checked against the grammar-masked head
-            (``celeris.structured.speculative``), and it ends where the grammar ends.
+            (``verify_under_grammar``), and it ends where the grammar ends.
 
     Returns:
         VerifiedOutput; a row stops at its first end-of-text token (``early_exit``) or ``max_tokens``.

@@ -7,7 +7,8 @@
 
 Layout: ``protocol`` (pydantic models, error shape, body parsing), ``serving`` (requests -> engine
 calls -> responses), ``async_engine`` (the one thread that drives ``Engine.step()``), ``detokenize``
-(streamed text that never splits a character or leaks a stop string), ``app`` (routes: JSON or SSE),
+(the ``celeris`` extension objects of a choice; the streamed text itself, which never splits a character or leaks a
+stop string, is ``celeris.text``), ``app`` (routes: JSON or SSE),
 ``middleware`` (request ids, body size and deadline, refusal while draining), ``server`` (uvicorn with a
 header deadline, bounded sockets and a drain on SIGTERM), ``metrics``; ``ray`` (the same app on Ray Serve, in front
 of engine replicas; ``celeris serve --num-replicas N``) with ``remote`` (the engine seam it talks through).

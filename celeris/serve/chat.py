@@ -16,8 +16,8 @@ How a choice's text becomes calls depends on ``tool_choice`` (``celeris.serve.to
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable
-from typing import TYPE_CHECKING
 
+from celeris.serve.detokenize import Update
 from celeris.serve.protocol import (
     ChatChoice,
     ChatCompletionChunk,
@@ -31,9 +31,6 @@ from celeris.serve.protocol import (
 )
 from celeris.serve.tools import CallStreamer, parse_tool_calls
 from celeris.structured.grammar import TOOL_CALL_OPEN
-
-if TYPE_CHECKING:  # serving.py imports this module
-    from celeris.serve.serving import Update
 
 Chunk = Callable[[list[ChatStreamChoice]], ChatCompletionChunk]
 

@@ -51,6 +51,7 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 import celeris
+from celeris.llm import LLM
 from celeris.ray_session import LocalRaySession, sigterm_raises
 from celeris.serve.async_engine import EngineDeadError, EngineInput
 from celeris.serve.metrics import ServerMetrics
@@ -315,7 +316,6 @@ class ClusterIngress:
     """
 
     def __init__(self, args: ServeArgs, engine: DeploymentHandle, board: DeploymentHandle | None) -> None:
-        from celeris.llm import LLM
         from celeris.serve.serving import OpenAIServing
 
         a = self.args = ServeArgs.model_validate(args)

@@ -29,12 +29,14 @@ from pathlib import Path
 
 from celeris.config import EngineConfig
 from celeris.engine import Engine, QueueFullError
+from celeris.llm import LLM
 from celeris.params import SamplingParams, rename_deprecated
 from celeris.sampling.logprobs import TokenLogprob
-from celeris.sampling.step import ContextLengthError, check_model_support
+from celeris.sampling.modes import ContextLengthError, check_request
 from celeris.serve.async_engine import AsyncEngine, EngineDeadError, EngineInput, RequestGroup, StepEvent
 from celeris.serve.chat import chat_choice, chat_chunks
-from celeris.serve.detokenize import IncrementalText, decoding_details, denoise_details, render_canvas, tokens_within
+from celeris.serve.detokenize import Update, decoding_details, denoise_details
+from celeris.serve.errors import check_token_ids
 from celeris.serve.metrics import ServerMetrics
 from celeris.serve.protocol import (
     APIError,
@@ -64,7 +66,6 @@ from celeris.serve.scoring import (
     scoring_settings,
     wants_logprobs,
 )
-from celeris.serve.tokenization import check_token_ids
 from celeris.serve.tools import (
     chat_grammar,
     check_answer_grammar,
@@ -74,6 +75,7 @@ from celeris.serve.tools import (
     tool_mode,
 )
 from celeris.structured.grammar import answer_matches
+from celeris.text import IncrementalText, render_canvas, tokens_within
 
 DISCONNECT_POLL_S = 0.01  # most seconds between two client-disconnect checks while events flow
 IDLE_WAKE_S = 0.25  # wake this often when no event comes, to check time-out and disconnect
@@ -88,19 +90,6 @@ class ClientDisconnected(Exception):
 
 # ---------------------------------------------------------------------------------------------
 # One HTTP request in flight
-
-
-@dataclass(slots=True)
-class Update:
-    """What the client should learn about one choice after an engine event."""
-
-    index: int
-    delta: str
-    finish_reason: str | None
-    canvas: str | None = None
-    step: int | None = None
-    details: DecodingDetails | None = None
-    logprobs: list[TokenLogprob | None] | None = None  # streamed: the entries of the tokens this update released
 
 
 @dataclass
@@ -231,8 +220,6 @@ class OpenAIServing:
         ``load_options`` (dtype, enforce_eager, trust_remote_code, enable_prefix_caching) go to ``celeris.llm.LLM``;
         ``metrics``: a registry shared with other models' serving layers (``celeris serve --also-serve``).
         """
-        from celeris.llm import LLM
-
         llm = LLM(model, device=device, max_num_seqs=max_num_seqs, max_waiting=max_waiting, **load_options)
         return cls(llm, served_model_name=served_model_name, request_timeout=request_timeout, engine=llm.engine,
                    metrics=metrics)
@@ -408,11 +395,7 @@ class OpenAIServing:
                                              top_p=request.top_p, seed=request.seed, stop=request.stop_list() or None,
                                              **request.sampling_fields(), **scoring_settings(request))
             params = self.llm.with_special_stops(params)
-            vocab = self.tokenizer.vocab_size
-            if any(t >= vocab for t in params.stop_token_ids):
-                raise ValueError(f"stop_token_ids must be ids below the vocabulary size {vocab}; got "
-                                 f"{params.stop_token_ids}")
-            check_model_support(self.llm.model, params, has_suffix=bool(getattr(request, "suffix", None)))
+            check_request(self.llm.model, params, bool(getattr(request, "suffix", None)), self.tokenizer.vocab_size)
             return params
         except (ValueError, TypeError) as exc:  # SamplingParams names the field first: "steps must be >= 1"
             param = str(exc).split(" ", 1)[0].split("=", 1)[0]

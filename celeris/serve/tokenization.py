@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 from pydantic import AfterValidator, BaseModel, Field
 
+from celeris.serve.errors import check_token_ids
 from celeris.serve.protocol import APIError, ChatMessage, StrictModel, ToolDefinition, _template_kwargs
 
 if TYPE_CHECKING:
@@ -95,14 +96,6 @@ def tokenize(serving: OpenAIServing, request: TokenizeCompletionRequest | Tokeni
             ids = [tok.bos_token_id, *ids]
     strs = [tok.decode([i], skip_special_tokens=False) for i in ids] if request.return_token_strs else None
     return TokenizeResponse(count=len(ids), max_model_len=serving.context_length, tokens=ids, token_strs=strs)
-
-
-def check_token_ids(ids: list[int], vocab_size: int, param: str) -> None:
-    """Raise a 400 naming ``param`` and the first id outside ``[0, vocab_size)``."""
-    for i, t in enumerate(ids):
-        if not 0 <= t < vocab_size:
-            raise APIError(400, f"token id {t} at {param}[{i}] is outside the vocabulary [0, {vocab_size})",
-                           param=param, code="invalid_token_id")
 
 
 def detokenize(serving: OpenAIServing, request: DetokenizeRequest) -> DetokenizeResponse:

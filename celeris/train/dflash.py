@@ -207,8 +207,8 @@ def init_from_target(model: DFlashDraftModel, target_state: dict[str, torch.Tens
     model.norm.weight.data.copy_(target_state["model.norm.weight"])
 
 
-def main(argv: list[str] | None = None) -> None:
-    """Train (or resume) a drafter; see the module docstring."""
+def build_parser() -> argparse.ArgumentParser:
+    """The command line of ``python -m celeris.train.dflash`` (``celeris train --objective dflash`` wraps it)."""
     ap = argparse.ArgumentParser(description="Train a DFlash drafter on a frozen target's own answers.")
     ap.add_argument("--data", type=Path, required=True, help="scripts/drafter_data.py output (training rows)")
     ap.add_argument("--heldout", type=Path, required=True, help="the same, for held-out prompts (acceptance)")
@@ -231,7 +231,34 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--eval-rows", type=int, default=24)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=1)
-    args = ap.parse_args(argv)
+    return ap
+
+
+def drafter_config(tcfg: dict, args: argparse.Namespace, layer_ids: list[int]) -> DFlashConfig:
+    """The drafter's config from the target's ``config.json`` fields (``tcfg``) and the command line."""
+    rope = (tcfg.get("rope_parameters") or {}).get("rope_theta", tcfg.get("rope_theta", 10000.0))
+    return DFlashConfig(hidden_size=tcfg["hidden_size"], intermediate_size=tcfg["intermediate_size"],
+                        num_hidden_layers=args.draft_layers, num_attention_heads=tcfg["num_attention_heads"],
+                        num_key_value_heads=tcfg["num_key_value_heads"], head_dim=tcfg.get("head_dim") or 64,
+                        vocab_size=tcfg["vocab_size"], num_target_layers=tcfg["num_hidden_layers"],
+                        block_size=args.block_size, rms_norm_eps=tcfg["rms_norm_eps"], rope_theta=float(rope),
+                        max_position_embeddings=tcfg["max_position_embeddings"], mask_token_id=args.mask_token_id,
+                        target_layer_ids=layer_ids, draft_vocab=args.draft_vocab)
+
+
+def _save(model: DFlashDraftModel, opt: torch.optim.Optimizer, t2d: torch.Tensor | None, step: int,
+          args: argparse.Namespace) -> None:
+    """``out/last.pt`` written whole or not at all (a temporary file renamed over it)."""
+    tmp = args.out / "last.pt.tmp"
+    torch.save({"model": model.state_dict(), "d2t": model.d2t, "t2d": t2d, "optimizer": opt.state_dict(),
+                "step": step, "args": vars(args) | {k: str(v) for k, v in vars(args).items() if isinstance(v, Path)}},
+               tmp)
+    tmp.replace(args.out / "last.pt")
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Train (or resume) a drafter; see the module docstring."""
+    args = build_parser().parse_args(argv)
     torch.set_num_threads(args.threads)
     from safetensors.torch import load_file
 
@@ -243,14 +270,7 @@ def main(argv: list[str] | None = None) -> None:
     data_size = (args.data / "answers.jsonl").stat().st_size
     rows = load_rows(args.data, layer_ids, stored)
     held = load_rows(args.heldout, layer_ids, stored, args.eval_rows)
-    rope = (tcfg.get("rope_parameters") or {}).get("rope_theta", tcfg.get("rope_theta", 10000.0))
-    cfg = DFlashConfig(hidden_size=tcfg["hidden_size"], intermediate_size=tcfg["intermediate_size"],
-                       num_hidden_layers=args.draft_layers, num_attention_heads=tcfg["num_attention_heads"],
-                       num_key_value_heads=tcfg["num_key_value_heads"], head_dim=tcfg.get("head_dim") or 64,
-                       vocab_size=tcfg["vocab_size"], num_target_layers=tcfg["num_hidden_layers"],
-                       block_size=args.block_size, rms_norm_eps=tcfg["rms_norm_eps"], rope_theta=float(rope),
-                       max_position_embeddings=tcfg["max_position_embeddings"], mask_token_id=args.mask_token_id,
-                       target_layer_ids=layer_ids, draft_vocab=args.draft_vocab)
+    cfg = drafter_config(tcfg, args, layer_ids)
     torch.manual_seed(args.seed)
     model = DFlashDraftModel(cfg)
     t2d = None
@@ -266,10 +286,8 @@ def main(argv: list[str] | None = None) -> None:
     if (args.out / "last.pt").is_file():
         ckpt = torch.load(args.out / "last.pt", weights_only=False)
         model.load_state_dict(ckpt["model"])
-        model.d2t = ckpt["d2t"]
+        model.d2t, t2d, step = ckpt["d2t"], ckpt["t2d"], ckpt["step"]
         opt.load_state_dict(ckpt["optimizer"])
-        step = ckpt["step"]
-        t2d = ckpt["t2d"]
         print(f"resumed at step {step}", flush=True)
     log = (args.out / "history.jsonl").open("a")
     if step == 0:
@@ -299,11 +317,7 @@ def main(argv: list[str] | None = None) -> None:
                   flush=True)
             t0 = time.time()
         if step % args.eval_every == 0 or step == args.max_steps:
-            tmp = args.out / "last.pt.tmp"
-            torch.save({"model": model.state_dict(), "d2t": model.d2t, "t2d": t2d, "optimizer": opt.state_dict(),
-                        "step": step, "args": vars(args) | {k: str(v) for k, v in vars(args).items()
-                                                             if isinstance(v, Path)}}, tmp)
-            tmp.replace(args.out / "last.pt")
+            _save(model, opt, t2d, step, args)
             record = {"step": step, "loss": round(loss.item(), 4), **stats,
                       **acceptance(model.eval(), embed, held, args.block_size - 1)}
             log.write(json.dumps(record) + "\n")

@@ -4,7 +4,7 @@ The issue's rule for self-distillation (dParallel arXiv:2509.26488 and d3LLM arX
 quality for parallelism): every checkpoint is scored on prompts the model never trained on, and the export
 takes the best-scoring one, not the last. The prompts are function headers with their docstrings cut from the
 corpus's held-out split (``val.bin``), HumanEval-style; HumanEval itself is never used, so the benchmark stays
-a test set. The score is the HumanEval harness's (``celeris.bench.quality``: the greedy completion, cut at the
+a test set. The score is the HumanEval harness's (``celeris.data.completions``: the greedy completion, cut at the
 first line at column 0, must hold code and parse together with its prompt), and the function must gain a statement
 that is not a string literal: a model that repeats triple quotes parses (adjacent strings join) and would score 1.0.
 """
@@ -19,7 +19,7 @@ import numpy as np
 import torch
 from tokenizers import Tokenizer
 
-from celeris.bench.quality import cut_function_body, has_code, heal_prompt
+from celeris.data.completions import cut_function_body, has_code, heal_prompt
 from celeris.params import SamplingParams
 from celeris.sampling.autoregressive import generate_autoregressive
 

@@ -186,6 +186,94 @@ def _atomic_torch_save(obj: dict, path: Path) -> None:
     os.replace(tmp, path)
 
 
+def _special_ids(data: Path, objective: str) -> tuple[object, dict]:
+    """The data folder's tokenizer and the model config's special ids (vocabulary size, EOS, mask, pad)."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(data / "tokenizer.json"))
+    return tok, {
+        "vocab_size": tok.get_vocab_size(),
+        "eos_token_id": tok.token_to_id("<|endoftext|>"),
+        "mask_token_id": tok.token_to_id("<|mask|>"),
+        "pad_token_id": tok.token_to_id("<|pad|>"),
+        "is_causal": objective == "ar",
+    }
+
+
+def _model_and_optimizer(cfg: TrainConfig, special: dict, device: torch.device
+                         ) -> tuple[CelerisModel, torch.optim.AdamW]:
+    """A fresh (or ``cfg.init``-initialised) model on ``device`` in train mode and its AdamW (no decay on 1-d
+    parameters, betas 0.9 / 0.95)."""
+    if cfg.init:
+        model = init_from_checkpoint(cfg, special)
+    else:
+        model = CelerisModel(CelerisConfig(**{**cfg.model, **special, "max_position_embeddings": cfg.seq_len}))
+        model.init_weights()
+    model.to(device).train()
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    optim = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=cfg.lr,
+        betas=(0.9, 0.95),
+    )
+    return model, optim
+
+
+def _step_batch(cfg: TrainConfig, seed: int, train_tokens: np.ndarray, distill: np.ndarray | None,
+                step: int, device: torch.device) -> tuple[torch.Tensor, dict]:
+    """(batch (B, L) int64, the objective's keyword arguments) for one step: odd steps draw self-distillation rows
+    (drafting targets only, dParallel / d3LLM) when ``distill`` is given, other steps the training text."""
+    kwargs = objective_kwargs(cfg)
+    if distill is not None and step % 2 == 1:
+        rows = np.random.default_rng(seed).integers(0, len(distill), size=cfg.batch_size)
+        kwargs.update(ntp_weight=0.0, certainty_weight=cfg.certainty_weight,
+                      certainty_temperature=cfg.certainty_temperature)
+        return torch.from_numpy(distill[rows].astype(np.int64)).to(device), kwargs
+    return get_batch(train_tokens, cfg.batch_size, cfg.seq_len, seed).to(device), kwargs
+
+
+def _resume(path: Path, model: CelerisModel, optim: torch.optim.Optimizer, device: torch.device
+            ) -> tuple[int, int, float, list[dict]]:
+    """(step, tokens seen, wall seconds, history) of ``path`` (``last.pt``) loaded into model and optimizer, or
+    the start of a run when it does not exist."""
+    if not path.exists():
+        return 0, 0, 0.0, []
+    state = torch.load(path, map_location=device, weights_only=False)
+    model.load_state_dict(state["model"])
+    optim.load_state_dict(state["optim"])
+    return state["step"], state["tokens_seen"], state["wall"], state["history"]
+
+
+def _save_best(model: CelerisModel, step: int, rate: float, out: Path) -> None:
+    _atomic_torch_save({"model": model.state_dict(), "step": step, "gate_parse_rate": rate}, out / "best.pt")
+
+
+def _finish(cfg: TrainConfig, model: CelerisModel, history: list[dict], counts: dict, gated: bool,
+            rank: int, device: torch.device, default_generation: dict | None) -> dict:
+    """The run's summary; with a parse-rate gate the best-gated weights are loaded (they are the export); rank 0
+    writes ``history.json``, ``summary.json`` and the checkpoint folder ``cfg.export_dir``."""
+    out, data = Path(cfg.out_dir), Path(cfg.data_dir)
+    val = [h["val_loss"] for h in history if "val_loss" in h]
+    summary = {**counts, "final_val_loss": val[-1] if val else None, "parameters": count_parameters(model)}
+    if gated:
+        best = torch.load(out / "best.pt", map_location=device, weights_only=False)
+        model.load_state_dict(best["model"])
+        summary.update(exported_step=best["step"], gate_parse_rate=best["gate_parse_rate"])
+    if rank != 0:
+        return summary
+    (out / "history.json").write_text(json.dumps(history) + "\n")
+    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    if cfg.export_dir:
+        write_tokenizer_config(data)
+        generation = DEFAULT_GENERATION if not model.config.is_causal else (
+            HYBRID_GENERATION if model.config.draft_block_size else AR_GENERATION)
+        save_checkpoint(model, cfg.export_dir, data, default_generation or generation)
+        shutil.copy(out / "train_config.json", Path(cfg.export_dir) / "training_args.json")
+        print(f"exported checkpoint to {cfg.export_dir}", flush=True)
+    return summary
+
+
 def train(cfg: TrainConfig, default_generation: dict | None = None) -> dict:
     """Run (or resume) training; returns a summary dict (steps, tokens, losses, seconds).
 
@@ -201,57 +289,23 @@ def train(cfg: TrainConfig, default_generation: dict | None = None) -> dict:
     out = Path(cfg.out_dir)
     data = Path(cfg.data_dir)
     train_tokens, val_tokens = load_tokens(data / "train.bin"), load_tokens(data / "val.bin")
-    from tokenizers import Tokenizer
-
-    tok = Tokenizer.from_file(str(data / "tokenizer.json"))
-    special = {
-        "vocab_size": tok.get_vocab_size(),
-        "eos_token_id": tok.token_to_id("<|endoftext|>"),
-        "mask_token_id": tok.token_to_id("<|mask|>"),
-        "pad_token_id": tok.token_to_id("<|pad|>"),
-        "is_causal": cfg.objective == "ar",
-    }
+    tok, special = _special_ids(data, cfg.objective)
     torch.manual_seed(cfg.seed)
-    if cfg.init:
-        model = init_from_checkpoint(cfg, special)
-    else:
-        model_cfg = CelerisConfig(**{**cfg.model, **special, "max_position_embeddings": cfg.seq_len})
-        model = CelerisModel(model_cfg)
-        model.init_weights()
-    model.to(device).train()
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.dim() < 2]
-    optim = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=cfg.lr,
-        betas=(0.9, 0.95),
-    )
-    step, tokens_seen, wall = 0, 0, 0.0
-    history: list[dict] = []
+    model, optim = _model_and_optimizer(cfg, special, device)
     ckpt_path = out / "last.pt"
-    if ckpt_path.exists():
-        state = torch.load(ckpt_path, map_location=device, weights_only=False)
-        model.load_state_dict(state["model"])
-        optim.load_state_dict(state["optim"])
-        step, tokens_seen, wall, history = state["step"], state["tokens_seen"], state["wall"], state["history"]
+    step, tokens_seen, wall, history = _resume(ckpt_path, model, optim, device)
     ddp_model = torch.nn.parallel.DistributedDataParallel(model) if world > 1 else model
     if rank == 0:
         out.mkdir(parents=True, exist_ok=True)
         (out / "train_config.json").write_text(json.dumps(asdict(cfg), indent=2) + "\n")
-        print(
-            f"model: {count_parameters(model):,} parameters, objective {cfg.objective}, "
-            f"world {world}, device {device}, resuming at step {step}",
-            flush=True,
-        )
+        print(f"model: {count_parameters(model):,} parameters, objective {cfg.objective}, world {world}, "
+              f"device {device}, resuming at step {step}", flush=True)
     loss_fn = OBJECTIVES[cfg.objective]
-    distill = None
-    if cfg.distill_data:
-        distill = np.fromfile(cfg.distill_data, dtype=np.uint16).reshape(-1, cfg.distill_len)
+    distill = np.fromfile(cfg.distill_data, dtype=np.uint16).reshape(-1, cfg.distill_len) if cfg.distill_data else None
     gate_prompts = function_prompts(val_tokens, tok, cfg.gate_prompts) if cfg.gate_prompts and rank == 0 else []
     if gate_prompts and not any("gate_parse_rate" in h for h in history):  # the starting point is a candidate too
         history.append({"step": step, "gate_parse_rate": parse_rate(model, tok, gate_prompts, cfg.gate_tokens)})
-        _atomic_torch_save({"model": model.state_dict(), "step": step,
-                            "gate_parse_rate": history[-1]["gate_parse_rate"]}, out / "best.pt")
+        _save_best(model, step, history[-1]["gate_parse_rate"], out)
         print(f"step {step}: held-out parse rate {history[-1]['gate_parse_rate']:.3f} before training", flush=True)
     bar = tqdm(total=cfg.max_steps, initial=step, disable=rank != 0, dynamic_ncols=True, mininterval=5)
     while step < cfg.max_steps:
@@ -260,14 +314,7 @@ def train(cfg: TrainConfig, default_generation: dict | None = None) -> dict:
             group["lr"] = lr_at(step, cfg)
         seed = cfg.seed * 1_000_003 + step * world + rank
         runner = model if world == 1 else _DDPView(ddp_model, model)
-        kwargs = objective_kwargs(cfg)
-        if distill is not None and step % 2 == 1:  # self-distillation: drafting targets only (dParallel, d3LLM)
-            rows = np.random.default_rng(seed).integers(0, len(distill), size=cfg.batch_size)
-            batch = torch.from_numpy(distill[rows].astype(np.int64)).to(device)
-            kwargs.update(ntp_weight=0.0, certainty_weight=cfg.certainty_weight,
-                          certainty_temperature=cfg.certainty_temperature)
-        else:
-            batch = get_batch(train_tokens, cfg.batch_size, cfg.seq_len, seed).to(device)
+        batch, kwargs = _step_batch(cfg, seed, train_tokens, distill, step, device)
         loss, _ = loss_fn(runner, batch, torch.Generator().manual_seed(seed), **kwargs)
         optim.zero_grad(set_to_none=True)
         loss.backward()
@@ -290,8 +337,7 @@ def train(cfg: TrainConfig, default_generation: dict | None = None) -> dict:
             record["gate_parse_rate"] = parse_rate(model, tok, gate_prompts, cfg.gate_tokens)
             bar.write(f"step {step}: held-out parse rate {record['gate_parse_rate']:.3f} ({len(gate_prompts)} prompts)")
             if record["gate_parse_rate"] >= best_gate(history):
-                _atomic_torch_save({"model": model.state_dict(), "step": step,
-                                    "gate_parse_rate": record["gate_parse_rate"]}, out / "best.pt")
+                _save_best(model, step, record["gate_parse_rate"], out)
         history.append(record)
         if saving:
             _atomic_torch_save(
@@ -300,23 +346,8 @@ def train(cfg: TrainConfig, default_generation: dict | None = None) -> dict:
                 ckpt_path,
             )
     bar.close()
-    val = [h["val_loss"] for h in history if "val_loss" in h]
-    summary = {"steps": step, "tokens_seen": tokens_seen, "wall_s": round(wall, 1),
-               "final_val_loss": val[-1] if val else None, "parameters": count_parameters(model)}
-    if gate_prompts:
-        best = torch.load(out / "best.pt", map_location=device, weights_only=False)
-        model.load_state_dict(best["model"])  # the export is the best-gated checkpoint
-        summary.update(exported_step=best["step"], gate_parse_rate=best["gate_parse_rate"])
-    if rank == 0:
-        (out / "history.json").write_text(json.dumps(history) + "\n")
-        (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-        if cfg.export_dir:
-            write_tokenizer_config(data)
-            generation = DEFAULT_GENERATION if not model.config.is_causal else (
-                HYBRID_GENERATION if model.config.draft_block_size else AR_GENERATION)
-            save_checkpoint(model, cfg.export_dir, data, default_generation or generation)
-            shutil.copy(out / "train_config.json", Path(cfg.export_dir) / "training_args.json")
-            print(f"exported checkpoint to {cfg.export_dir}", flush=True)
+    counts = {"steps": step, "tokens_seen": tokens_seen, "wall_s": round(wall, 1)}
+    summary = _finish(cfg, model, history, counts, bool(gate_prompts), rank, device, default_generation)
     if world > 1:
         dist.barrier()
         dist.destroy_process_group()

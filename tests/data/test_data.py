@@ -16,7 +16,9 @@ import celeris
 from celeris import data
 
 REPO = Path(celeris.__file__).resolve().parents[1]
-SETS = {data.HUMANEVAL: ("MIT", 164), data.GSM8K: ("MIT", 1319), data.MT_BENCH: ("Apache", 80)}
+SETS = {data.HUMANEVAL: ("MIT", 164), data.GSM8K: ("MIT", 1319), data.MT_BENCH: ("Apache", 80),
+        data.TINYSTORIES: ("CDLA-Sharing-1.0", 100)}
+SHARED = REPO.parent / "shared"
 
 
 @pytest.mark.parametrize("path", list(SETS), ids=lambda p: p.parent.name)
@@ -28,6 +30,23 @@ def test_each_set_matches_its_source_md(path):
     assert len(data.read_jsonl(path)) == count
     if licence == "Apache":
         assert "Apache License" in (path.parent / "LICENSE-Apache-2.0.txt").read_text(encoding="utf-8")
+
+
+@pytest.mark.skipif(not (SHARED / "data/tinystories").is_dir(), reason="needs ../shared/data/tinystories")
+def test_the_summarisation_paragraphs_are_the_held_out_head_of_tinystories():
+    """SOURCE.md's recipe rebuilds the shipped file, and the drafter's training prompts hold all of it out."""
+    import importlib.util
+
+    text = (SHARED / "data/tinystories/tinystories-valid-hf-export-head.txt").read_text(encoding="utf-8")
+    paragraphs = [p.strip() for p in text.split("\n\n") if 200 <= len(p.strip()) <= 1200]
+    shipped = [r["text"] for r in data.read_jsonl(data.TINYSTORIES)]
+    assert shipped == paragraphs[:100]
+    assert data.summarisation_prompts()[0] == f"{data.SUMMARISE}\n\n{shipped[0]}"
+    spec = importlib.util.spec_from_file_location("drafter_data", REPO / "scripts/drafter_data.py")
+    drafter_data = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(drafter_data)
+    trained = {m["content"] for row in drafter_data.prompts(SHARED, 300, 300, 0) for m in row["messages"]}
+    assert not any(p in t for p in shipped for t in trained)
 
 
 def test_every_shipped_file_is_package_data():

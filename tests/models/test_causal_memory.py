@@ -11,7 +11,7 @@ from celeris.config import CPU_MAX_MODEL_LEN, resolve_max_model_len
 from celeris.llm import LLM
 from celeris.models import loader
 from celeris.models.loader import CheckpointError, kv_cache_bytes, load_any
-from celeris.sampling.step import ContextLengthError
+from celeris.sampling.modes import ContextLengthError
 from celeris.sampling.verified import MAX_DRAFTS
 from tests.models.conftest_causal import TINY, tiny_causal
 

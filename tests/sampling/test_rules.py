@@ -13,7 +13,7 @@ import torch
 
 from celeris.cli import main
 from celeris.llm import LLM
-from celeris.params import SamplingParams, rule_settings
+from celeris.params import SamplingParams, register_commit_rule, rule_settings, unregister_commit_rule
 from celeris.sampling.generate import generate
 from celeris.sampling.rules import (
     COMMIT_RULES,
@@ -22,8 +22,6 @@ from celeris.sampling.rules import (
     commit_factor,
     commit_fixed,
     commit_threshold,
-    register_commit_rule,
-    unregister_commit_rule,
 )
 from celeris.sampling.select import NEG_INF, rank_desc
 from celeris.serve.app import BackgroundServer, create_app

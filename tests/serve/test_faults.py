@@ -142,7 +142,7 @@ def test_end_of_generation_controls_over_http(server, serve_llm):
 
 
 def test_include_stop_str_keeps_the_matched_stop():
-    from celeris.serve.detokenize import IncrementalText
+    from celeris.text import IncrementalText
 
     decode = lambda ids: "".join(chr(97 + i) for i in ids)  # noqa: E731 - 0 -> "a", 1 -> "b", ...
     kept, cut = IncrementalText(decode, ["cd"], include_stop=True), IncrementalText(decode, ["cd"])

@@ -231,8 +231,8 @@ def test_auto_streams_text_before_the_answer_ends():
     import asyncio
 
     from celeris.serve.chat import chat_chunks
+    from celeris.serve.detokenize import Update
     from celeris.serve.protocol import ChatCompletionChunk
-    from celeris.serve.serving import Update
 
     def chunk(choices):
         return ChatCompletionChunk(id="x", created=0, model="m", choices=choices)
@@ -267,8 +267,8 @@ def test_stop_strings_never_cut_constrained_json(sclient):
 
 
 def test_stop_strings_apply_to_free_text_only():
-    from celeris.serve.detokenize import IncrementalText
     from celeris.structured.grammar import json_object_grammar, stops_apply, tool_call_grammar
+    from celeris.text import IncrementalText
 
     auto = tool_call_grammar({"f": {"type": "object"}}, alternative="text")
     assert stops_apply(None, "x") is True and stops_apply(json_object_grammar(), "x") is False

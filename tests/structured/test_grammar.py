@@ -114,14 +114,14 @@ def test_json_object_and_tool_call_grammars(json_llm):
 
 
 def test_grammar_with_verified_decoding_still_needs_a_causal_model():
-    """Verified decoding runs under a grammar (tests/structured/test_speculative.py), on the models it runs on."""
+    """Verified decoding runs under a grammar (tests/sampling/test_verified_grammar.py), on the models it runs on."""
     from celeris.models.celeris import CelerisConfig, CelerisModel
-    from celeris.sampling.step import check_model_support
+    from celeris.sampling.modes import check_request
 
     model = CelerisModel(CelerisConfig(vocab_size=64, hidden_size=32, num_layers=1, num_heads=2,
                                        intermediate_size=64, max_position_embeddings=64))
     with pytest.raises(ValueError, match="verified"):
-        check_model_support(model, SamplingParams(decoding="verified", grammar=json_object_grammar()))
+        check_request(model, SamplingParams(decoding="verified", grammar=json_object_grammar()))
 
 
 DIFFUSION_BLOCKS = [

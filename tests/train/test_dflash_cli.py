@@ -54,3 +54,37 @@ def test_train_dflash_checkpoints_resumes_and_exports_a_drafter_that_loads(tmp_p
     out = llm.generate([prompt], params)[0]
     want = generate_autoregressive(llm.model, [prompt], llm.default_params(max_tokens=10, decoding="fixed"))
     assert out.token_ids == want.token_ids[0] and llm.proposer.calls > 0
+
+
+@pytest.mark.parametrize("given, expected", [
+    ([], {"--lr": "0.001", "--batch-size": "4", "--block-size": "8"}),  # DFlash's own defaults
+    (["--lr", "1.5e-3", "--batch-size", "8", "--block-size", "4"],  # the other objectives' defaults, given: they count
+     {"--lr": "0.0015", "--batch-size": "8", "--block-size": "4"}),
+])
+def test_a_flag_the_caller_gives_counts_even_at_another_objectives_default(tmp_path, monkeypatch, given, expected):
+    from celeris.train import dflash
+
+    for name in ("data", "held"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "answers.jsonl").write_text(json.dumps({"id": "r0", "layer_ids": [1]}) + "\n")
+    (tmp_path / "target").mkdir()
+    for name in ("config.json", "model.safetensors"):
+        (tmp_path / "target" / name).write_text("{}")
+    seen: list[list[str]] = []
+    monkeypatch.setattr(dflash, "main", seen.append)
+    assert main(["train", "--objective", "dflash", "--data", str(tmp_path / "data"), "--heldout",
+                 str(tmp_path / "held"), "--target", str(tmp_path / "target"), "--out", str(tmp_path / "run"),
+                 *given]) == 0
+    argv = seen[0]
+    assert {flag: argv[argv.index(flag) + 1] for flag in expected} == expected
+
+
+def test_the_other_objectives_keep_their_defaults(monkeypatch, tmp_path):
+    from celeris.train import loop
+
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "train.bin").write_bytes(b"")
+    seen: list = []
+    monkeypatch.setattr(loop, "train", lambda cfg: seen.append(cfg) or {})
+    assert main(["train", "--data", str(tmp_path / "data"), "--out", str(tmp_path / "run")]) == 0
+    assert (seen[0].lr, seen[0].batch_size, seen[0].block_size) == (1.5e-3, 8, 4)

@@ -11,6 +11,7 @@ import hashlib
 from datetime import UTC, datetime
 
 from celeris.params import rename_deprecated
+from celeris.sampling.modes import check_request
 from celeris.serve.errors import APIError
 from celeris.serve.ollama.protocol import ModelDetails, ModelEntry, ShowResponse
 
@@ -103,10 +104,8 @@ def entry(s, running: bool = False) -> ModelEntry:
 
 def can_infill(s) -> bool:
     """Whether the model takes a ``suffix`` (masked diffusion), as the serving layer would decide."""
-    from celeris.sampling.step import check_model_support
-
     try:
-        check_model_support(s.llm.model, s.llm.default_params(), has_suffix=True)
+        check_request(s.llm.model, s.llm.default_params(), has_suffix=True)
     except ValueError:
         return False
     return True

@@ -1,4 +1,4 @@
-"""Streaming text without HTTP: incremental decoding, stop strings, canvas rendering, request models."""
+"""celeris.text: incremental decoding, stop strings, canvas rendering (no HTTP)."""
 
 from __future__ import annotations
 
@@ -6,8 +6,7 @@ import random
 
 import pytest
 
-from celeris.serve.detokenize import MASK_PLACEHOLDER, IncrementalText, partial_stop_len, render_canvas
-from celeris.serve.protocol import ChatCompletionRequest, CompletionRequest, parse_request
+from celeris.text import MASK_PLACEHOLDER, IncrementalText, partial_stop_len, render_canvas
 
 
 def byte_decode(ids: list[int]) -> str:
@@ -106,18 +105,3 @@ def test_render_canvas_shows_masks_and_cuts_at_end_of_text():
     assert render_canvas(decode, [ord("a"), eos, ord("z")], mask, eos) == "a"
     # end-of-text with masks before it may still move: keep showing the whole canvas
     assert render_canvas(decode, [mask, eos, ord("z")], mask, eos) == f"{MASK_PLACEHOLDER}z"
-
-
-def test_unsupported_params_pass_only_at_neutral_values():
-    ok = parse_request(CompletionRequest, '{"prompt": "x", "logprobs": null, "echo": false, "best_of": 1, '
-                                          '"presence_penalty": 0, "frequency_penalty": 0.0, "logit_bias": {}}')
-    assert ok.unsupported_params() == []
-    bad = parse_request(CompletionRequest, '{"prompt": "x", "logprobs": 0, "echo": true, "top_logprobs": 3, '
-                                           '"best_of": 2}')
-    assert bad.unsupported_params() == ["top_logprobs", "best_of"]  # logprobs and echo are supported
-    chat = parse_request(ChatCompletionRequest, '{"messages": [{"role": "user", "content": "x"}], "functions": '
-                                               '[{"name": "f"}], "response_format": {"type": "json_object"}}')
-    assert chat.unsupported_params() == ["functions"]  # response_format and tools are supported
-    text_format = parse_request(ChatCompletionRequest, '{"messages": [{"role": "user", "content": "x"}], '
-                                                      '"response_format": {"type": "text"}, "logprobs": false}')
-    assert text_format.unsupported_params() == []

@@ -1,4 +1,4 @@
-"""Verified decoding under a grammar (celeris.structured.speculative): at temperature 0 exactly constrained
+"""Verified decoding under a grammar (celeris.sampling.verified.verify_under_grammar): at temperature 0 exactly constrained
 next-token greedy decoding (batched, staggered, drafts accepted and rejected), sampled answers validate, and
 the speculative rule under a grammar keeps the masked next-token distribution."""
 
@@ -12,9 +12,14 @@ from celeris.engine import Engine
 from celeris.llm import LLM
 from celeris.params import SamplingParams
 from celeris.sampling.generate import generate
-from celeris.sampling.verified import DraftRow, VerifiedDecoder, generate_verified
+from celeris.sampling.verified import (
+    DraftRow,
+    VerifiedDecoder,
+    generate_verified,
+    grammar_lookup_drafts,
+    verify_under_grammar,
+)
 from celeris.structured.grammar import Constraint, row_constraints, schema_grammar, tool_call_grammar
-from celeris.structured.speculative import grammar_lookup_drafts, verify_under_grammar
 from tests.conftest import build_tiny_checkpoint
 from tests.serve.conftest import TEXTS
 from tests.structured.schemas import SCHEMAS
