@@ -759,6 +759,9 @@ def _serve_parser(sub) -> None:
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     s.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false",
                    help="verified decoding recomputes every prompt (no reuse of shared prompt prefixes' keys/values)")
+    s.add_argument("--logprobs-mode", default="raw_logprobs", choices=["raw_logprobs", "processed_logprobs"],
+                   help="what logprobs report (vLLM's flag): the model's distribution (default), or the one each token "
+                   "was drawn from, after penalties, filters and temperature")
     _serve_ray_args(s)
 
 
@@ -798,7 +801,7 @@ def _serve_on_ray(args: argparse.Namespace) -> int:
             model=args.model, served_model_name=args.served_model_name, device=args.device, dtype=args.dtype,
             enforce_eager=not args.compile, trust_remote_code=args.trust_remote_code, max_num_seqs=args.max_num_seqs,
             enable_prefix_caching=args.enable_prefix_caching, max_model_len=args.max_model_len,
-            max_waiting=args.max_waiting,
+            logprobs_mode=args.logprobs_mode, max_waiting=args.max_waiting,
             request_timeout=args.request_timeout, api_key=args.api_key,
             num_replicas=args.num_replicas if args.num_replicas is not None else max(1, args.min_replicas or 1),
             min_replicas=args.min_replicas,
@@ -856,7 +859,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                       served_model_name=args.served_model_name, device=args.device, log_level=args.log_level,
                       limits=limits, also_serve=args.also_serve, dtype=args.dtype, enforce_eager=not args.compile,
                       trust_remote_code=args.trust_remote_code, enable_prefix_caching=args.enable_prefix_caching,
-                      max_model_len=args.max_model_len, **overrides)
+                      max_model_len=args.max_model_len, logprobs_mode=args.logprobs_mode, **overrides)
 
 
 COMMANDS = {"generate": cmd_generate, "chat": cmd_chat, "train": cmd_train, "data": cmd_data, "eval": cmd_eval,

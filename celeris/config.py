@@ -9,6 +9,7 @@ import torch
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # weight-only quantization methods (EngineConfig.quantization, vLLM's --quantization; celeris.models.quantize)
 QUANTIZATION_METHODS = ("int8", "int4", "int4-g64", "int4-g128", "gguf")
+LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")  # EngineConfig.logprobs_mode (celeris.sampling.logprobs)
 CPU_MAX_MODEL_LEN = 4096  # default cap of max_model_len on a CPU: the KV store of 8 rows stays a few hundred MiB
 
 
@@ -38,6 +39,9 @@ class EngineConfig:
             "int4-g64", "int4-g128", or "gguf" (a GGUF checkpoint: each tensor at its block type's width);
             None keeps the loaded dtype. The KV cache stays in ``dtype``.
         quantize_lm_head: quantize the output head too (tied or not); False keeps it in ``dtype``.
+        logprobs_mode: what ``SamplingParams.logprobs`` reports (vLLM's ``--logprobs-mode``): "raw_logprobs", the
+            model's distribution before any processing, or "processed_logprobs", the one the token was drawn from
+            (``celeris.sampling.logprobs``).
     """
 
     max_num_seqs: int = 8
@@ -51,8 +55,11 @@ class EngineConfig:
     max_model_len: int | None = None
     quantization: str | None = None
     quantize_lm_head: bool = False
+    logprobs_mode: str = "raw_logprobs"
 
     def __post_init__(self) -> None:
+        if self.logprobs_mode not in LOGPROBS_MODES:
+            raise ValueError(f"logprobs_mode must be one of {', '.join(LOGPROBS_MODES)}; got '{self.logprobs_mode}'")
         if self.dtype is not None and self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}; got '{self.dtype}'")
         if self.length_bucket < 1:

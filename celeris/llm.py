@@ -21,6 +21,7 @@ from celeris.models.quantize import QuantizationError, gguf_layer_methods, quant
 from celeris.params import SamplingParams, causal_defaults
 from celeris.sampling.block import contract_of
 from celeris.sampling.drafter import SpeculativeConfig, attach, load_proposer
+from celeris.sampling.logprobs import TokenLogprob
 from celeris.sampling.modes import answer_room, check_fits_context
 from celeris.sampling.step import check_prompts
 from celeris.structured.grammar import grammar_tokenizer, stops_apply
@@ -114,6 +115,11 @@ class RequestOutput:
         ttft_s: seconds until the answer's first token was final.
         steps: denoising steps taken.
         num_committed: answer positions committed (``num_committed / nfe`` tokens per forward pass).
+        logprobs: with ``SamplingParams.logprobs``, one entry per id of ``token_ids`` (``TokenLogprob``: its
+            log-probability and the top alternatives; ``celeris.sampling.logprobs`` says what they mean per
+            decoding mode), else None.
+        prompt_logprobs: with ``SamplingParams.prompt_logprobs`` (causal models), one entry per prompt token, None
+            for the first, else None.
     """
 
     prompt: str
@@ -127,6 +133,8 @@ class RequestOutput:
     num_committed: int = 0
     error_code: str | None = None
     error: str | None = None
+    logprobs: list[TokenLogprob | None] | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 class LLM:
@@ -164,6 +172,8 @@ class LLM:
             stays in ``dtype`` either way.
         quantize_lm_head: quantize the output head too (a tied head: a quantized copy scores, the float table
             still embeds).
+        logprobs_mode: what ``SamplingParams.logprobs`` reports (``EngineConfig.logprobs_mode``, vLLM's
+            ``logprobs_mode``): "raw_logprobs" or "processed_logprobs".
 
     Raises:
         CheckpointError: the folder is missing, incomplete or inconsistent, or ``tokenizer`` does not exist.
@@ -181,7 +191,7 @@ class LLM:
         max_model_len: int | None = None,
         tokenizer: str | Path | None = None, chat_template: str | Path | None = None,
         speculative_config: dict | str | None = None, quantization: str | None = None,
-        quantize_lm_head: bool = False,
+        quantize_lm_head: bool = False, logprobs_mode: str = "raw_logprobs",
     ) -> None:
         if max_batch_size is not None:
             warnings.warn("LLM(max_batch_size=...) is deprecated; use max_num_seqs", DeprecationWarning, stacklevel=2)
@@ -209,7 +219,8 @@ class LLM:
         self.engine_config = EngineConfig(max_num_seqs=max_num_seqs, max_waiting=max_waiting, device=device,
                                           dtype=dtype, enforce_eager=enforce_eager,
                                           enable_prefix_caching=enable_prefix_caching, max_model_len=max_model_len,
-                                          quantization=quantization, quantize_lm_head=quantize_lm_head)
+                                          quantization=quantization, quantize_lm_head=quantize_lm_head,
+                                          logprobs_mode=logprobs_mode)
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
         self.model = load_any(self.path, device=self.device, dtype=self.dtype, trust_remote_code=trust_remote_code,
@@ -362,5 +373,8 @@ class LLM:
         end = request.finish_time or time.perf_counter()
         ttft = request.first_token_time - request.arrival_time if request.first_token_time else None
         committed = int((request.answer != request.mask_id).sum())
+        logprobs = None if request.params.logprobs is None else [request.logprob_entries.get(i) for i in
+                                                                  range(len(ids))]
         return RequestOutput(prompt, text, ids, reason, request.nfe, end - request.arrival_time, ttft,
-                             request.num_steps, committed, request.error_code, request.error)
+                             request.num_steps, committed, request.error_code, request.error, logprobs,
+                             request.prompt_logprob_entries)

@@ -180,6 +180,12 @@ class SamplingParams:
     grammar: str | None = setting(None, per_row=True, cli=False, http=False,
                                   help="an llguidance grammar (celeris.structured): every committed token is one it "
                                   "accepts")
+    logprobs: int | None = setting(None, low=0, high=20, per_row=True, cli=False, http=False,
+                                   help="return each answer token's log-probability and this many most likely "
+                                   "alternatives at its position (vLLM; celeris.sampling.logprobs; None: none)")
+    prompt_logprobs: int | None = setting(None, low=0, high=20, per_row=True, cli=False, http=False,
+                                          help="also score the prompt, with this many alternatives per token (vLLM; "
+                                          "causal models only; None: no)")
     # Which rule settings (and TRACKED_SETTINGS) the caller set; filled at construction from the arguments
     # given a value other than None. Kept by ``dataclasses.replace`` (it passes the field on), so replacing
     # ``seed`` does not turn the filled-in defaults into settings of the caller.

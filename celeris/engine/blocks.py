@@ -36,7 +36,15 @@ from celeris.engine.runner import KVPool
 from celeris.models.contract import DecodingContract, layout_mask
 from celeris.models.layers import column_window, gather_positions
 from celeris.sampling.block import Unit, block_steps, block_units, end_reached, first_token_pending, unit_schedule
-from celeris.sampling.step import RowSettings, banned_token_ids, confidence_rule, context_tokens, denoise_step
+from celeris.sampling.logprobs import step_entries
+from celeris.sampling.step import (
+    RowSettings,
+    banned_token_ids,
+    confidence_rule,
+    context_tokens,
+    denoise_step,
+    prepare_logits,
+)
 
 
 @dataclass(eq=False)
@@ -76,6 +84,7 @@ class BlockDecoder:
         self.pool = KVPool()
         self.rows: dict[Request, BlockRow] = {}
         self.num_passes = 0
+        self.logprobs_mode = "raw_logprobs"  # EngineConfig.logprobs_mode, set by the engine
 
     def _add(self, request: Request) -> None:
         """Give a new request its units and a pool row (zeros; its first pass writes the prompt and block)."""
@@ -176,6 +185,16 @@ class BlockDecoder:
         new, committed = denoise_step(logits, block.to(self.device), self.mask_id, self.banned_ids, num_tokens,
                                       settings, [row.request.generator for row in rows], seen, widths,
                                       self.confidence_from, force=force.to(self.device) if force.any() else None)
+        if any(p.logprobs is not None for p in params):  # asking for nothing costs nothing
+            processed = None
+            if self.logprobs_mode == "processed_logprobs":
+                processed, _ = prepare_logits(logits, settings, self.banned_ids, seen)
+            entries = step_entries(logits, new, committed, [p.logprobs for p in params], processed,
+                                   settings.temperature)
+            for row, found in zip(rows, entries, strict=True):
+                offset = row.unit[2] - row.request.answer_start
+                n = row.request.params.max_tokens
+                row.request.logprob_entries.update({offset + c: e for c, e in found.items() if offset + c < n})
         new, committed = new.cpu(), committed.cpu()
         for i, row in enumerate(rows):
             self._advance(row, new[i, : widths[i]], committed[i, : widths[i]], pending[i])

@@ -20,8 +20,16 @@ from celeris.engine.runner import ModelRunner
 from celeris.engine.scheduler import Scheduler
 from celeris.params import SamplingParams
 from celeris.sampling.block import contract_of, with_block_defaults
+from celeris.sampling.logprobs import prompt_entries, step_entries
 from celeris.sampling.modes import check_fits_context, check_request, mode_of
-from celeris.sampling.step import RowSettings, banned_token_ids, confidence_rule, context_tokens, denoise_step
+from celeris.sampling.step import (
+    RowSettings,
+    banned_token_ids,
+    confidence_rule,
+    context_tokens,
+    denoise_step,
+    prepare_logits,
+)
 from celeris.sampling.verified import PREFIX_CACHE_TOKENS, DraftRow, VerifiedDecoder
 from celeris.structured.grammar import constrain_commits, grammar_step, row_constraints
 
@@ -75,6 +83,8 @@ class Engine:
         self._draft_rows: dict[Request, DraftRow] = {}
         contract = contract_of(model)  # a block-diffusion model (or a hybrid's block mode): the block path
         self.block_decoder = BlockDecoder(model, contract) if contract is not None else None
+        if self.block_decoder is not None:
+            self.block_decoder.logprobs_mode = self.config.logprobs_mode
 
     def add_request(
         self,
@@ -82,21 +92,27 @@ class Engine:
         params: SamplingParams,
         suffix_ids: list[int] | None = None,
         request_id: str | None = None,
+        score_only: bool = False,
     ) -> Request:
-        """Queue a request.
+        """Queue a request. ``score_only``: score the prompt (``params.prompt_logprobs``) and finish with no answer
+        token (OpenAI's ``echo`` with ``max_tokens`` 0).
 
         Raises:
             ValueError: empty prompt, or settings the model cannot decode (``check_request``: an
                 unsupported cache; for an autoregressive model, blocks longer than one token, CFG, a suffix;
-                a grammar without ``grammar_tokenizer``, or one that does not compile).
+                a grammar without ``grammar_tokenizer``, or one that does not compile); ``prompt_logprobs`` on a
+                model that is not causal.
             QueueFullError: the waiting queue is full.
         """
         params = with_block_defaults(self.model, params)  # a block model's sub-block when left at the default
         mode = check_request(self.model, params, bool(suffix_ids))
         if mode == "verified" and self.max_model_len:  # its KV pool rows hold max_model_len tokens
             check_fits_context(len(prompt_ids), 0, params.max_tokens, self.max_model_len)
+        if params.prompt_logprobs is not None and not getattr(self.model.config, "is_causal", False):
+            raise ValueError("prompt_logprobs needs a causal (autoregressive or hybrid) model; a diffusion model has "
+                             "no left-to-right likelihood of its prompt")
         request = Request(request_id or f"req-{next(self._ids)}", list(prompt_ids), params, self.mask_id,
-                          list(suffix_ids or []))
+                          list(suffix_ids or []), score_only=score_only)
         # under a grammar the answer ends where the grammar lets it end: a stop token id inside the constrained text
         # (a JSON character) would cut it invalid, so stop_token_ids apply only without a grammar
         stops = frozenset(params.stop_token_ids) if params.grammar is None else frozenset()
@@ -137,9 +153,12 @@ class Engine:
         if not batch:
             self._free_finished()  # e.g. every request was aborted since the last step
             return []
+        outputs = self._score_prompts(batch)
+        if outputs:
+            batch = [r for r in batch if not r.is_finished]
         modes = {r: mode_of(self.model, r.params) for r in batch}
         verified = [r for r in batch if modes[r] == "verified"]
-        outputs = self._step_verified(verified) if verified or self._draft_rows else []
+        outputs += self._step_verified(verified) if verified or self._draft_rows else []
         batch = [r for r in batch if modes[r] != "verified"]
         if not batch:
             self.num_steps += 1
@@ -169,6 +188,8 @@ class Engine:
                                             grammar.allowed, grammar.force)
         new_block, committed = constrain_commits(constraints, grammar, block, new_block, committed, self.mask_id,
                                                  self.eos_id)
+        if any(r.params.logprobs is not None for r in batch):  # asking for nothing costs nothing
+            self._record_logprobs(batch, logits, new_block, committed, settings, seen, grammar.allowed)
         new_block, committed = new_block.cpu(), committed.cpu()
         for i, r in enumerate(batch):
             s, e = r.block_span
@@ -187,6 +208,33 @@ class Engine:
         self.num_steps += 1
         return outputs
 
+    def _score_prompts(self, batch: list[Request]) -> list[StepOutput]:
+        """Score the prompts of newly scheduled requests that ask (``prompt_logprobs``: one causal pass each,
+        ``celeris.sampling.logprobs.prompt_entries``), and finish the ``score_only`` ones; their StepOutputs."""
+        outputs = []
+        for r in batch:
+            if r.params.prompt_logprobs is not None and r.prompt_logprob_entries is None:
+                r.prompt_logprob_entries = prompt_entries(self.model, r.prompt_ids, r.params.prompt_logprobs)
+                r.nfe += 1
+            if r.score_only and not r.is_finished:
+                r.finish("length")
+                outputs.append(self._emit(r))
+        return outputs
+
+    def _record_logprobs(self, batch: list[Request], logits: torch.Tensor, new_block: torch.Tensor,
+                         committed: torch.Tensor, settings: RowSettings, seen: torch.Tensor | None,
+                         allowed: torch.Tensor | None) -> None:
+        """Store the log-probabilities of the tokens this step committed for the requests that ask
+        (``celeris.sampling.logprobs.step_entries``, raw or processed as ``EngineConfig.logprobs_mode`` says)."""
+        processed = None
+        if self.config.logprobs_mode == "processed_logprobs":
+            processed, _ = prepare_logits(logits, settings, self.banned_ids, seen, allowed)
+        rows = step_entries(logits, new_block, committed, [r.params.logprobs for r in batch], processed,
+                            settings.temperature)
+        for r, row in zip(batch, rows, strict=True):
+            offset = r.block_span[0] - r.answer_start
+            r.logprob_entries.update({offset + c: e for c, e in row.items() if offset + c < r.params.max_tokens})
+
     def _emit(self, request: Request) -> StepOutput:
         """The answer tokens that became final since the request's last StepOutput (streaming)."""
         prefix = request.final_prefix(self.eos_id)
@@ -201,6 +249,7 @@ class Engine:
         if self.drafter is None:
             self.drafter = VerifiedDecoder(self.model, self.config.max_num_seqs, self.max_model_len,
                                            PREFIX_CACHE_TOKENS if self.config.enable_prefix_caching else 0)
+            self.drafter.logprobs_mode = self.config.logprobs_mode
         running = set(batch)
         for request in [r for r in self._draft_rows if r not in running or r.is_finished]:
             self.drafter.remove(self._draft_rows.pop(request))
@@ -215,6 +264,9 @@ class Engine:
             new = committed.get(id(row), [])
             start = request.answer_start + len(row.answer) - len(new)
             request.canvas[start : start + len(new)] = torch.tensor(new, dtype=torch.long)
+            if new and row.params.logprobs is not None:  # the entries of this pass's tokens (``DraftRow``)
+                first = len(row.answer) - len(new)
+                request.logprob_entries.update({first + j: e for j, e in enumerate(row.new_logprobs[: len(new)])})
             request.nfe += 1
             request.num_steps += 1
             request.drafter_passes = row.draft_state.calls if row.draft_state is not None else 0

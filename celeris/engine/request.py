@@ -10,6 +10,7 @@ import torch
 
 from celeris.params import SamplingParams
 from celeris.sampling.cache import CACHE_MODES, cache_window, visible_end
+from celeris.sampling.logprobs import TokenLogprob
 from celeris.sampling.schedule import block_plan, num_transfer_tokens
 from celeris.sampling.step import check_prompts, make_generator
 
@@ -58,6 +59,12 @@ class Request:
     stop_ids: frozenset[int] | None = None
     # The grammar state of a constrained request (``celeris.structured.grammar.Constraint``), else None.
     constraint: object | None = None
+    # With ``params.logprobs``: answer position -> its committed token's entry (``celeris.sampling.logprobs``).
+    logprob_entries: dict[int, TokenLogprob] = field(default_factory=dict)
+    # With ``params.prompt_logprobs``: one entry per prompt token (None for the first), filled at its first step.
+    prompt_logprob_entries: list[TokenLogprob | None] | None = None
+    # Score the prompt and finish without decoding (OpenAI's echo with max_tokens 0): no answer token.
+    score_only: bool = False
 
     def __post_init__(self) -> None:
         check_prompts([self.prompt_ids])

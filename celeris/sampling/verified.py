@@ -68,8 +68,9 @@ import torch
 from celeris.models.layers import KVCache
 from celeris.params import SamplingParams
 from celeris.sampling.drafter import DFlashProposer, DraftState, check_num_drafts, proposer_of
+from celeris.sampling.logprobs import TokenLogprob, entries
 from celeris.sampling.prefix_cache import BLOCK_SIZE, PrefixCache
-from celeris.sampling.select import NEG_INF, probs
+from celeris.sampling.select import NEG_INF, probs, top_p_filter
 from celeris.sampling.step import banned_token_ids, check_prompts, make_generator
 from celeris.structured.grammar import Constraint, _bits, row_constraints
 
@@ -392,6 +393,7 @@ class DraftRow:
     slot_start: int = 0  # first mask-slot column of the next pass
     num_slots: int = 0  # mask slots in the next pass (k, or 0 when its drafts came from prompt lookup)
     num_cached: int = 0  # prompt tokens whose keys/values came from the prefix cache (the prefill starts there)
+    new_logprobs: list[TokenLogprob] = field(default_factory=list)  # with params.logprobs: the last pass's tokens'
     passes: int = 0
     finished: bool = False
     hit_eos: bool = False
@@ -453,6 +455,8 @@ class VerifiedDecoder:
         self.num_prefilled = 0  # rows [0, num_prefilled) have been through their first pass
         self.drafted, self.accepted = [0] * self.k, [0] * self.k  # grow when a row checks more drafts
         self.nfe = 0
+        self.logprobs_mode = "raw_logprobs"  # EngineConfig.logprobs_mode (celeris.sampling.logprobs), set by the engine
+        self.raw_logits: torch.Tensor | None = None  # the last pass's logits before the ban, when a row asks
         self.prefix_cache = PrefixCache(prefix_cache_tokens) if prefix_cache_tokens else None
         # with a drafter: the target features of cached prefixes, (1, 1, BLOCK_SIZE, n * d) per block
         self.feature_cache = PrefixCache(prefix_cache_tokens) if prefix_cache_tokens and self.proposer else None
@@ -560,6 +564,8 @@ class VerifiedDecoder:
                         self.prefix_cache.insert(r.prompt_ids, kv, a)
                         if self.feature_cache is not None:  # the row's columns start at a (its cached prefix)
                             self.feature_cache.insert(r.prompt_ids, feats[j, None, None, : b - a], a)
+        wants = self.logprobs_mode == "raw_logprobs" and any(r.params.logprobs is not None for r in rows)
+        self.raw_logits = logits.clone() if wants else None  # asking for nothing costs nothing
         logits[..., self.banned] = NEG_INF
         self.nfe += 1
         return logits, feats
@@ -578,10 +584,23 @@ class VerifiedDecoder:
             if not live:
                 continue
             logits, feats = self._run(lo, hi, fresh)
+            raw = self.raw_logits
             for i in live:
-                out.append((self.rows[i], self._advance(i, logits[i - lo], None if feats is None else feats[i - lo])))
+                out.append((self.rows[i], self._advance(i, logits[i - lo], None if feats is None else feats[i - lo],
+                                                        None if raw is None else raw[i - lo])))
         self.num_prefilled = len(self.rows)
         return out
+
+    def _logprobs(self, row: DraftRow, logits: torch.Tensor, c0: int, new: list[int]) -> list[TokenLogprob]:
+        """The entries of ``new`` (``celeris.sampling.logprobs``): raw, or under ``processed_logprobs`` the head
+        after top-p and temperature (the distribution ``_verify`` samples from)."""
+        scores, p = logits[c0 : c0 + len(new)], row.params
+        if self.logprobs_mode == "processed_logprobs":
+            if p.top_p < 1:
+                scores = top_p_filter(scores[None], torch.tensor([p.top_p], device=scores.device))[0]
+            if p.temperature > 0:
+                scores = scores / p.temperature
+        return entries(scores, torch.tensor(new, dtype=torch.long), p.logprobs)
 
     def draft(self, row: DraftRow, slot_logits: torch.Tensor) -> tuple[list[int], list]:
         """The next drafts of ``row`` from its mask slots' logits (slots, V), and their distributions (sampling)."""
@@ -602,9 +621,11 @@ class VerifiedDecoder:
             torch.nn.functional.one_hot(torch.tensor(t), vocab).double() for t in drafts]
         return drafts, probs
 
-    def _advance(self, i: int, logits: torch.Tensor, feats: torch.Tensor | None = None) -> list[int]:
+    def _advance(self, i: int, logits: torch.Tensor, feats: torch.Tensor | None = None,
+                 raw: torch.Tensor | None = None) -> list[int]:
         """Verify row i's drafts with its pass's logits (Lw, V), commit, and lay out its next pass. ``feats``
-        (Lw, n * d): the target features of the pass's columns, with a drafter."""
+        (Lw, n * d): the target features of the pass's columns, with a drafter; ``raw``: the logits before the ban
+        (raw log-probabilities asked)."""
         row, k = self.rows[i], self.rows[i].k
         cols = row.columns
         row.passes += 1
@@ -629,6 +650,8 @@ class VerifiedDecoder:
         if row.params.early_exit and hit is not None:
             new = new[: hit + 1]
             row.hit_eos = True
+        if row.params.logprobs is not None:  # token j was chosen from the next-token logits at column c0 + j
+            row.new_logprobs = self._logprobs(row, logits if raw is None else raw, c0, new)
         if feats is not None:  # the accepted columns (the prompt's, or pending and d_1 .. d_a) enter the drafter
             self.proposer.queue(row.draft_state, feats[: c0 + a + 1])
         base = len(row.prompt_ids) + len(row.answer)  # column of the first new token

@@ -33,6 +33,7 @@ from celeris.serve.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     errors_to_api_error,
+    parse_json_body,
     parse_request,
     validation_error,
 )
@@ -42,6 +43,15 @@ from celeris.serve.responses.serving import ResponsesServing
 from celeris.serve.router import ModelRouter
 from celeris.serve.server import ServerLimits, make_server
 from celeris.serve.serving import ClientDisconnected, OpenAIServing
+from celeris.serve.tokenization import (
+    DetokenizeRequest,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
+    detokenize,
+    tokenize,
+    tokenize_request_model,
+    tokenizer_info,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -98,17 +108,49 @@ def openapi_with_bodies(app: FastAPI) -> dict:
     if app.openapi_schema is None:
         doc = get_openapi(title=app.title, version=app.version, summary=app.summary, routes=app.routes)
         bodies = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest,
-                  "/v1/responses": ResponsesRequest, **OLLAMA_BODIES}
+                  "/v1/responses": ResponsesRequest, "/detokenize": DetokenizeRequest, **OLLAMA_BODIES}
         _, defs = models_json_schema([(m, "validation") for m in bodies.values()],
                                      ref_template="#/components/schemas/{model}")
         doc.setdefault("components", {}).setdefault("schemas", {}).update(defs.get("$defs", {}))
+        _, more = models_json_schema([(m, "validation") for m in (TokenizeCompletionRequest, TokenizeChatRequest)],
+                                     ref_template="#/components/schemas/{model}")
+        doc["components"]["schemas"].update(more.get("$defs", {}))
         for path, model in bodies.items():
             doc["paths"][path]["post"]["requestBody"] = {
                 "required": True,
                 "content": {"application/json": {"schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}
+        doc["paths"]["/tokenize"]["post"]["requestBody"] = {"required": True, "content": {"application/json": {
+            "schema": {"anyOf": [{"$ref": f"#/components/schemas/{m.__name__}"}
+                                 for m in (TokenizeCompletionRequest, TokenizeChatRequest)]}}}}
         document_model_names(doc, app.state.serving)
         app.openapi_schema = doc
     return app.openapi_schema
+
+
+def tokenizer_router(serving: OpenAIServing | ModelRouter, check_api_key) -> APIRouter:
+    """vLLM's tokenizer routes at the root (``celeris.serve.tokenization``), behind the API key as /v1 is (the body
+    limits apply to every route)."""
+    router = APIRouter(dependencies=[Depends(check_api_key)])
+
+    def target(model: str | None) -> OpenAIServing:
+        return serving.pick(model) if isinstance(serving, ModelRouter) else serving
+
+    @router.post("/tokenize")
+    async def tokenize_route(request: Request) -> Response:
+        raw = await json_body(request)
+        body = parse_request(tokenize_request_model(parse_json_body(raw)), raw)
+        return respond(tokenize(target(body.model), body))
+
+    @router.post("/detokenize")
+    async def detokenize_route(request: Request) -> Response:
+        body = parse_request(DetokenizeRequest, await json_body(request))
+        return respond(detokenize(target(body.model), body))
+
+    @router.get("/tokenizer_info")
+    async def tokenizer_info_route() -> Response:
+        return JSONResponse(tokenizer_info(target(None)))
+
+    return router
 
 
 def check_api_key_value(api_key: str | None) -> None:
@@ -256,6 +298,7 @@ def create_app(serving: OpenAIServing | ModelRouter, api_key: str | None = None,
     v1.include_router(responses_router(app.state.responses, json_body))
     app.include_router(v1)
     app.include_router(ollama_router(serving), dependencies=[Depends(check_api_key)])  # Ollama's API
+    app.include_router(tokenizer_router(serving, check_api_key))
     app.openapi = lambda: openapi_with_bodies(app)
 
     @app.get("/health")

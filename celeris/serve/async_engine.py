@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 
 from celeris.engine import Engine, QueueFullError
 from celeris.params import SamplingParams
+from celeris.sampling.logprobs import TokenLogprob
 
 logger = logging.getLogger(__name__)
 
@@ -42,6 +43,7 @@ class EngineInput:
     prompt_ids: list[int]
     params: SamplingParams
     suffix_ids: list[int] = field(default_factory=list)
+    score_only: bool = False  # score the prompt and finish with no answer (``Engine.add_request``)
 
 
 @dataclass(slots=True)
@@ -63,6 +65,10 @@ class StepEvent:
         error: what went wrong when ``finish_reason == "error"``.
         error_code: machine-readable code of that error (``"no_progress"``: a denoising step committed
             nothing; ``"engine_error"``: the step itself failed).
+        logprobs: with ``params.logprobs``, one entry per id of ``new_token_ids`` (``celeris.sampling.logprobs``).
+        prompt_logprobs: with ``params.prompt_logprobs``, the prompt's entries (None for its first token), in the
+            request's first event after they were computed.
+        end_logprob: with ``params.logprobs``, in the last event of an answer an end id ended: that token's entry.
     """
 
     index: int
@@ -77,6 +83,9 @@ class StepEvent:
     draft_ids: list[int] | None = None
     error: str | None = None
     error_code: str | None = None
+    logprobs: list[TokenLogprob | None] | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+    end_logprob: TokenLogprob | None = None
 
 
 class RequestGroup:
@@ -96,6 +105,7 @@ class RequestGroup:
         self.events: asyncio.Queue[StepEvent] = asyncio.Queue()
         self._unfinished = set(range(len(request_ids)))
         self._abort_sent = False
+        self._prompt_scores_sent: set[int] = set()  # engine thread: requests whose prompt_logprobs went out
 
     def abort(self, indices: list[int] | None = None) -> None:
         """Abort the group's requests (or those at ``indices``) at the next step boundary."""
@@ -283,7 +293,8 @@ class AsyncEngine:
         added: list[str] = []
         try:
             for rid, inp in zip(group.request_ids, group.inputs, strict=True):
-                self.engine.add_request(inp.prompt_ids, inp.params, inp.suffix_ids, request_id=rid)
+                self.engine.add_request(inp.prompt_ids, inp.params, inp.suffix_ids, request_id=rid,
+                                        score_only=inp.score_only)
                 added.append(rid)
         except (QueueFullError, ValueError) as exc:
             for rid in added:
@@ -321,6 +332,15 @@ class AsyncEngine:
                 event.draft_ids = self.engine.pending_drafts(request)
             error = error or request.error
             event.error_code = request.error_code
+            if request.params.logprobs is not None:
+                first = request.num_emitted - len(new_ids)
+                event.logprobs = [request.logprob_entries.get(p) for p in range(first, request.num_emitted)]
+                end = request.logprob_entries.get(request.num_emitted) if finished else None
+                if end is not None and end.token_id in request.ends(self.engine.eos_id):
+                    event.end_logprob = end  # the end id that ended the answer (not in new_token_ids)
+            if request.prompt_logprob_entries is not None and index not in group._prompt_scores_sent:
+                group._prompt_scores_sent.add(index)
+                event.prompt_logprobs = list(request.prompt_logprob_entries)
         event.error = error
         if finished:
             del self._live[rid]

@@ -23,6 +23,7 @@ from celeris.serve.protocol import (
     ChatCompletionChunk,
     ChatMessageOut,
     ChatStreamChoice,
+    ChoiceLogprobs,
     DecodingDetails,
     DeltaFunctionCall,
     DeltaMessage,
@@ -71,7 +72,8 @@ class _ChoiceStream:
 
 async def chat_chunks(pieces: AsyncIterator[tuple[Update, str, int | None]], num_choices: int, mode: str,
                       functions: dict[str, dict], constrained: bool, denoise: bool,
-                      chunk: Chunk) -> AsyncIterator[ChatCompletionChunk]:
+                      chunk: Chunk, logprobs: Callable[[list], ChoiceLogprobs] | None = None,
+                      ) -> AsyncIterator[ChatCompletionChunk]:
     """The chunks of a streamed chat answer (module docstring), the usage chunk excepted.
 
     Args:
@@ -80,7 +82,13 @@ async def chat_chunks(pieces: AsyncIterator[tuple[Update, str, int | None]], num
         constrained: the answers were decoded under the request's grammar.
         denoise: ``stream_mode: "denoise"`` (canvases are sent as content, never parsed).
         chunk: wraps a list of stream choices in a chunk (id, created, model).
+        logprobs: formats an update's released log-probability entries (``Update.logprobs``) as a chunk's
+            ``logprobs``; they are sent with content deltas (not with tool-call deltas).
     """
+
+    def scores(u: Update) -> ChoiceLogprobs | None:
+        return None if logprobs is None or u.logprobs is None else logprobs(u.logprobs)
+
     for i in range(num_choices):
         yield chunk([ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""))])
     kind = "calls" if mode in ("required", "named") else None if constrained else "held"
@@ -88,14 +96,15 @@ async def chat_chunks(pieces: AsyncIterator[tuple[Update, str, int | None]], num
     async for u, text, step in pieces:
         if not functions or denoise:
             yield chunk([ChatStreamChoice(index=u.index, delta=DeltaMessage(content=text),
-                                          finish_reason=u.finish_reason, step=step, celeris=u.details)])
+                                          finish_reason=u.finish_reason, step=step, celeris=u.details,
+                                          logprobs=scores(u))])
             continue
         stream = streams[u.index]
         text = stream.decide(text, u.finish_reason is not None)
         if stream.kind == "text":
             if text or u.finish_reason is not None:
                 yield chunk([ChatStreamChoice(index=u.index, delta=DeltaMessage(content=text),
-                                              finish_reason=u.finish_reason, celeris=u.details)])
+                                              finish_reason=u.finish_reason, celeris=u.details, logprobs=scores(u))])
         elif stream.kind == "calls":  # the grammar makes the answer calls: stream them as they are written
             for delta in stream.calls.push(text):
                 yield chunk([ChatStreamChoice(index=u.index, delta=DeltaMessage(tool_calls=[delta]))])

@@ -26,6 +26,7 @@ from celeris.text import (  # noqa: F401 (re-exported for one release: celeris.t
 
 if TYPE_CHECKING:
     from celeris.params import SamplingParams
+    from celeris.sampling.logprobs import TokenLogprob
     from celeris.serve.async_engine import StepEvent
 
 
@@ -64,3 +65,4 @@ class Update:
     canvas: str | None = None
     step: int | None = None
     details: DecodingDetails | None = None
+    logprobs: list[TokenLogprob | None] | None = None  # streamed: the entries of the tokens this update released

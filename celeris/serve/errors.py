@@ -150,3 +150,11 @@ def parse_request(model: type[M], raw: bytes | str) -> M:
         return model.model_validate_json(raw)
     except ValidationError as exc:
         raise validation_error(exc) from None
+
+
+def check_token_ids(ids: list[int], vocab_size: int, param: str) -> None:
+    """Raise a 400 naming ``param`` and the first id outside ``[0, vocab_size)``."""
+    for i, t in enumerate(ids):
+        if not 0 <= t < vocab_size:
+            raise APIError(400, f"token id {t} at {param}[{i}] is outside the vocabulary [0, {vocab_size})",
+                           param=param, code="invalid_token_id")

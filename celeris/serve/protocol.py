@@ -3,7 +3,7 @@ of a raw body into a request model: ``celeris.serve.errors``, whose names are re
 
 Request models are strict (a JSON string is not an integer, ``true`` is not ``1``) and forbid
 unknown fields, so a parameter is never silently ignored. OpenAI parameters Celeris cannot honour
-(logprobs, presence and frequency penalties, the deprecated ``functions``, ...)
+(``logit_bias``, presence and frequency penalties, the deprecated ``functions``, ...)
 are declared so that their neutral values (null, 0, false, [])
 pass; ``unsupported_params`` names those set to anything else, and the serving layer answers 400.
 
@@ -38,6 +38,7 @@ from celeris.serve.errors import parse_request as parse_request
 from celeris.serve.errors import validation_error as validation_error
 
 NonEmptyStr = Annotated[str, Field(min_length=1)]
+TokenIds = Annotated[list[int], Field(min_length=1)]  # a prompt already encoded
 # A function's name, declared in tools or called in the conversation's history (OpenAI's rule).
 FunctionNameStr = Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")]
 
@@ -59,6 +60,7 @@ def _template_kwargs(kwargs: dict[str, Any] | None) -> dict[str, Any] | None:
     return kwargs
 
 MAX_N = 64  # most choices per prompt one request may ask for
+MAX_LOGPROBS = 20  # most alternatives per token (OpenAI's and vLLM's bound; celeris.sampling.logprobs)
 MAX_SEED = 2**63 - 1 - MAX_N  # seed + choice index must stay a valid torch seed
 
 
@@ -177,8 +179,6 @@ class SamplingRequest(SamplingExtensions):
     stream_mode: Literal["text", "denoise"] = "text"
 
     # OpenAI parameters accepted only at their neutral values (see unsupported_params).
-    logprobs: Any = None
-    top_logprobs: Any = None
     logit_bias: Any = None
     presence_penalty: Any = None
     frequency_penalty: Any = None
@@ -195,8 +195,6 @@ class SamplingRequest(SamplingExtensions):
     def unsupported_params(self) -> list[str]:
         """Names of set parameters Celeris cannot honour (a neutral value such as null, 0 or false passes)."""
         neutral = {
-            "logprobs": (None, False),
-            "top_logprobs": (None, 0),
             "logit_bias": (None, {}),
             "presence_penalty": (None, 0),
             "frequency_penalty": (None, 0),
@@ -216,20 +214,30 @@ def _is_neutral(value: object, neutral: tuple) -> bool:
 class CompletionRequest(SamplingRequest):
     """POST /v1/completions. ``suffix`` asks for infilling: the answer fills the gap before it."""
 
-    prompt: NonEmptyStr | Annotated[list[NonEmptyStr], Field(min_length=1)]
+    # text, texts, token ids or lists of them (OpenAI's and vLLM's shapes; ids are checked against the vocabulary
+    # and the context by the serving layer)
+    prompt: NonEmptyStr | Annotated[list[NonEmptyStr], Field(min_length=1)] | TokenIds | Annotated[
+        list[TokenIds], Field(min_length=1)]
     suffix: str | None = None
-    max_tokens: int | None = Field(default=None, ge=1)
-    echo: Any = None
+    # 0 only with echo: the prompt is scored, nothing is generated
+    max_tokens: int | None = Field(default=None, ge=0)
+    # the log-probability of each returned token and this many alternatives (OpenAI's legacy completions shape)
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    echo: bool | None = None  # the prompt comes back before the answer (scored, with logprobs: causal models)
     best_of: Any = None
+    top_logprobs: Any = None  # a chat field: refused here unless neutral
     response_format: ResponseFormat | None = None  # as vLLM: JSON mode and JSON Schema on completions too
 
-    def prompts(self) -> list[str]:
-        return [self.prompt] if isinstance(self.prompt, str) else list(self.prompt)
+    def prompts(self) -> list[str | list[int]]:
+        """One entry per prompt: a text, or token ids."""
+        if isinstance(self.prompt, str) or isinstance(self.prompt[0], int):
+            return [self.prompt]
+        return list(self.prompt)
 
     def unsupported_params(self) -> list[str]:
         names = super().unsupported_params()
-        if not _is_neutral(self.echo, (None, False)):
-            names.append("echo")
+        if not _is_neutral(self.top_logprobs, (None, 0)):
+            names.append("top_logprobs")
         if not _is_neutral(self.best_of, (None, 1)):
             names.append("best_of")
         return names
@@ -260,6 +268,8 @@ class ChatCompletionRequest(SamplingRequest):
     """POST /v1/chat/completions: the conversation is rendered with the tokenizer's chat template."""
 
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    logprobs: bool | None = None  # the log-probability of each returned token (``choice.logprobs.content``)
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)  # alternatives per token (with logprobs)
     max_tokens: int | None = Field(default=None, ge=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     tools: Annotated[list[ToolDefinition], Field(max_length=128)] | None = None
@@ -351,11 +361,39 @@ class OmitNoneExtras(BaseModel):
         return data
 
 
+class CompletionLogprobs(BaseModel):
+    """OpenAI's legacy completions ``logprobs``: per token its text, log-probability (None for an echoed prompt's
+    first token), the most likely tokens at its position with theirs (the token itself included, as vLLM), and
+    its character offset in the choice's text."""
+
+    text_offset: list[int] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    tokens: list[str] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class TokenLogprobOut(TopLogprob):
+    """One token of ``choice.logprobs.content`` (chat): its log-probability and ``top_logprobs`` alternatives."""
+
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChoiceLogprobs(BaseModel):
+    content: list[TokenLogprobOut] | None = None
+    refusal: list[TokenLogprobOut] | None = None
+
+
 class CompletionChoice(OmitNoneExtras):
     omit_if_none: ClassVar[tuple[str, ...]] = ("step", "celeris")
     index: int
     text: str
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     # Celeris extension, stream_mode "denoise" only: the step this canvas snapshot follows.
     step: int | None = None
@@ -414,7 +452,7 @@ class ChatChoice(OmitNoneExtras):
     omit_if_none: ClassVar[tuple[str, ...]] = ("celeris",)
     index: int
     message: ChatMessageOut
-    logprobs: None = None
+    logprobs: ChoiceLogprobs | None = None
     finish_reason: str | None = None
     celeris: DecodingDetails | None = None
 
@@ -439,7 +477,7 @@ class ChatStreamChoice(OmitNoneExtras):
     omit_if_none: ClassVar[tuple[str, ...]] = ("step", "celeris")
     index: int
     delta: DeltaMessage
-    logprobs: None = None
+    logprobs: ChoiceLogprobs | None = None
     finish_reason: str | None = None
     step: int | None = None
     celeris: DenoiseDetails | DecodingDetails | None = None

@@ -44,7 +44,7 @@ import os
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from ray import serve
@@ -85,6 +85,7 @@ class ServeArgs(BaseModel):
     dtype: str | None = None
     enforce_eager: bool = True
     enable_prefix_caching: bool = True
+    logprobs_mode: Literal["raw_logprobs", "processed_logprobs"] = "raw_logprobs"
     max_model_len: int | None = Field(None, ge=1)
     trust_remote_code: bool = False
     tokenizer: str | None = None
@@ -240,7 +241,8 @@ class CelerisEngine:
                                                 max_model_len=a.max_model_len, tokenizer=a.tokenizer,
                                                 chat_template=a.chat_template,
                                                 speculative_config=a.speculative_config,
-                                                quantization=a.quantization, quantize_lm_head=a.quantize_lm_head)
+                                                quantization=a.quantization, quantize_lm_head=a.quantize_lm_head,
+                                                logprobs_mode=a.logprobs_mode)
         self.async_engine = self.serving.async_engine
         self.admitted = Counter("celeris_replica_generations", "Generations (prompts x n) this engine replica admitted",
                                 registry=self.serving.metrics.registry)

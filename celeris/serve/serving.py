@@ -23,7 +23,7 @@ import asyncio
 import json
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
 
@@ -31,10 +31,12 @@ from celeris.config import EngineConfig
 from celeris.engine import Engine, QueueFullError
 from celeris.llm import LLM
 from celeris.params import SamplingParams, rename_deprecated
+from celeris.sampling.logprobs import TokenLogprob
 from celeris.sampling.modes import ContextLengthError, check_request
 from celeris.serve.async_engine import AsyncEngine, EngineDeadError, EngineInput, RequestGroup, StepEvent
 from celeris.serve.chat import chat_choice, chat_chunks
 from celeris.serve.detokenize import Update, decoding_details, denoise_details
+from celeris.serve.errors import check_token_ids
 from celeris.serve.metrics import ServerMetrics
 from celeris.serve.protocol import (
     APIError,
@@ -43,6 +45,7 @@ from celeris.serve.protocol import (
     ChatCompletionResponse,
     ChatStreamChoice,
     CompletionChoice,
+    CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
     CompletionStreamResponse,
@@ -55,6 +58,14 @@ from celeris.serve.protocol import (
     parse_request,
     random_id,
 )
+from celeris.serve.scoring import (
+    chat_logprobs,
+    check_scoring,
+    choice_logprobs,
+    echo_text,
+    scoring_settings,
+    wants_logprobs,
+)
 from celeris.serve.tools import (
     chat_grammar,
     check_answer_grammar,
@@ -64,7 +75,7 @@ from celeris.serve.tools import (
     tool_mode,
 )
 from celeris.structured.grammar import answer_matches
-from celeris.text import IncrementalText, render_canvas
+from celeris.text import IncrementalText, render_canvas, tokens_within
 
 DISCONNECT_POLL_S = 0.01  # most seconds between two client-disconnect checks while events flow
 IDLE_WAKE_S = 0.25  # wake this often when no event comes, to check time-out and disconnect
@@ -88,6 +99,28 @@ class _Choice:
     done: bool = False
     details: DecodingDetails | None = None
     token_steps: list[int | None] | None = None  # stream_mode "denoise": the step that committed each position
+    logprobs: list[TokenLogprob | None] = field(default_factory=list)  # one per answer token received
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # the scored prompt (echo with logprobs)
+    num_sent_logprobs: int = 0  # streamed: entries already sent
+    end_logprob: TokenLogprob | None = None  # the end token's entry, when an end id ended the answer
+    with_end: bool = False  # completions: the end token's entry follows the answer's (vLLM keeps it)
+
+    def _end(self) -> list[TokenLogprob | None]:
+        stopped = self.text.stopped or self.end_logprob is None or not self.with_end
+        return [] if stopped else [self.end_logprob]
+
+    def released_logprobs(self) -> list[TokenLogprob | None]:
+        """Streaming: the entries of the tokens behind the text handed out since the last call."""
+        text = self.text
+        n = text.num_tokens() if self.done else tokens_within(text.decode, text.token_ids, len(text.text))
+        out = self.logprobs[self.num_sent_logprobs : n]
+        self.num_sent_logprobs = max(self.num_sent_logprobs, n)
+        return out + (self._end() if self.done else [])
+
+    def answer_logprobs(self) -> list[TokenLogprob | None]:
+        """The entries of the returned answer's tokens (those before a stop string), and for completions the end
+        token's that ended it."""
+        return self.logprobs[: self.text.num_tokens()] + self._end()
 
 
 @dataclass
@@ -101,6 +134,7 @@ class _Run:
     deadline: float
     stream_mode: str
     is_disconnected: IsDisconnected | None
+    logprobs: bool = False  # the request asked for log-probabilities (streams carry them)
     first_text_time: float | None = None
     abort_reason: str | None = None
     last_disconnect_check: float = 0.0
@@ -225,18 +259,40 @@ class OpenAIServing:
         """POST /v1/completions: one choice per prompt and ``n``; ``suffix`` fills the gap before it."""
         arrival = time.perf_counter()
         self._check_common(request)
+        check_scoring(request, bool(getattr(self.llm.model.config, "is_causal", False)))
         grammar = response_format_grammar(request.response_format)
         check_answer_grammar(grammar, getattr(self.llm, "grammar_tokenizer", None), "response_format")
-        params = self._params(request, request.max_tokens, grammar)
-        encoded = [self._encode(p, params, request.suffix, "prompt") for p in request.prompts()]
-        run = await self._start(request, encoded, arrival, is_disconnected)
+        score_only = request.max_tokens == 0  # echo: the prompt alone (one engine step that decodes nothing)
+        params = self._params(request, 1 if score_only else request.max_tokens, grammar)
+        prompts = request.prompts()
+        for i, p in enumerate(prompts):
+            if not isinstance(p, str):
+                check_token_ids(p, self.tokenizer.vocab_size, "prompt" if len(prompts) == 1 else f"prompt[{i}]")
+        encoded = [self._encode(p, params, request.suffix, "prompt") for p in prompts]
+        run = await self._start(request, encoded, arrival, is_disconnected, score_only)
         rid, created = random_id("cmpl"), now()
+        echoes = [echo_text(p, self.tokenizer.decode) if request.echo else "" for p in prompts
+                  for _ in range(request.n)]
         if request.stream:
-            return self._completion_stream(run, request, rid, created)
+            return self._completion_stream(run, request, rid, created, echoes)
         texts = await self._collect(run)
-        choices = [CompletionChoice(index=i, text=t, finish_reason=c.finish_reason, celeris=c.details)
+        choices = [CompletionChoice(index=i, text=echoes[i] + t, finish_reason=c.finish_reason, celeris=c.details,
+                                    logprobs=self._completion_logprobs(request, run, i, c.answer_logprobs(),
+                                                                       echoes[i]))
                    for i, (t, c) in enumerate(zip(texts, run.choices, strict=True))]
         return CompletionResponse(id=rid, created=created, model=self.model_name, choices=choices, usage=run.usage())
+
+    def _completion_logprobs(self, request: CompletionRequest, run: _Run, index: int,
+                             answer: list[TokenLogprob | None], echo: str, offset: int = 0,
+                             with_prompt: bool = True) -> CompletionLogprobs | None:
+        """Choice ``index``'s completions ``logprobs`` (``celeris.serve.scoring.choice_logprobs``)."""
+        choice = run.choices[index]
+        prompt = run.group.inputs[index].prompt_ids if request.echo and with_prompt else None
+        return choice_logprobs(request, prompt, choice.prompt_logprobs, answer, self._token_text, echo, offset)
+
+    def _token_text(self, token_id: int) -> str:
+        """One token's text alone, special tokens kept (the ``tokens`` of log-probabilities)."""
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
     async def create_chat_completion(
         self, request: ChatCompletionRequest, is_disconnected: IsDisconnected | None = None
@@ -244,6 +300,7 @@ class OpenAIServing:
         """POST /v1/chat/completions: the conversation is rendered with the tokenizer's chat template."""
         arrival = time.perf_counter()
         self._check_common(request)
+        check_scoring(request, bool(getattr(self.llm.model.config, "is_causal", False)))
         max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
         grammar, optional = chat_grammar(request)
         field = "tool_choice" if tool_mode(request) in ("required", "named") else "response_format"
@@ -270,6 +327,9 @@ class OpenAIServing:
         functions = declared_functions(request) if tool_mode(request) != "none" else {}
         choices = [chat_choice(i, t, c.finish_reason, c.details, functions)
                    for i, (t, c) in enumerate(zip(texts, run.choices, strict=True))]
+        if request.logprobs:
+            for choice, c in zip(choices, run.choices, strict=True):
+                choice.logprobs = chat_logprobs(c.answer_logprobs(), self._token_text)
         return ChatCompletionResponse(id=rid, created=created, model=self.model_name, choices=choices,
                                       usage=run.usage())
 
@@ -305,10 +365,14 @@ class OpenAIServing:
 
     # -- request translation ----------------------------------------------------------------------
 
-    def _check_common(self, request: SamplingRequest) -> None:
-        if request.model is not None and request.model != self.model_name:
-            raise APIError(404, f"the model '{request.model}' does not exist; this server serves '{self.model_name}'",
+    def check_model_name(self, model: str | None) -> None:
+        """Raise 404 ``model_not_found`` unless ``model`` is None or this served model's name."""
+        if model is not None and model != self.model_name:
+            raise APIError(404, f"the model '{model}' does not exist; this server serves '{self.model_name}'",
                            param="model", code="model_not_found")
+
+    def _check_common(self, request: SamplingRequest) -> None:
+        self.check_model_name(request.model)
         unsupported = request.unsupported_params()
         if unsupported:
             names = ", ".join(unsupported)
@@ -329,7 +393,7 @@ class OpenAIServing:
         try:
             params = self.llm.default_params(max_tokens=max_tokens, grammar=grammar, temperature=request.temperature,
                                              top_p=request.top_p, seed=request.seed, stop=request.stop_list() or None,
-                                             **request.sampling_fields())
+                                             **request.sampling_fields(), **scoring_settings(request))
             params = self.llm.with_special_stops(params)
             check_request(self.llm.model, params, bool(getattr(request, "suffix", None)), self.tokenizer.vocab_size)
             return params
@@ -353,14 +417,15 @@ class OpenAIServing:
             raise APIError(400, f"'{param}' must not be empty", param=param) from None
 
     async def _start(self, request: SamplingRequest, encoded: list[tuple[list[int], list[int], SamplingParams]],
-                     arrival: float, is_disconnected: IsDisconnected | None) -> _Run:
+                     arrival: float, is_disconnected: IsDisconnected | None, score_only: bool = False) -> _Run:
         """Admit one engine request per (prompt, choice) with that prompt's params (``_encode``); seeds are seed,
-        seed + 1, ... per prompt."""
+        seed + 1, ... per prompt. ``score_only``: each scores its prompt and decodes nothing (echo, max_tokens 0)."""
         inputs = []
         for ids, suffix_ids, params in encoded:
             for j in range(request.n):
                 seed = None if params.seed is None else params.seed + j
-                inputs.append(EngineInput(ids, replace(params, seed=seed, stop=list(params.stop)), suffix_ids))
+                inputs.append(EngineInput(ids, replace(params, seed=seed, stop=list(params.stop)), suffix_ids,
+                                          score_only))
         if self.cutting_off:  # a request that arrived before the drain began runs, unless its period is over
             raise APIError(503, "the server is shutting down and takes no new requests; retry on another replica",
                            code="server_shutting_down", headers={"Retry-After": str(RETRY_AFTER_S)})
@@ -381,8 +446,10 @@ class OpenAIServing:
                                            p.stop, p.include_stop_str_in_output, p.grammar))
                    for p in (inp.params for inp in inputs)]
         prompt_tokens = sum(len(ids) + len(sfx) for ids, sfx, _ in encoded)
+        for c in choices:  # completions' logprobs end with the end token's, as vLLM's (lm-evaluation-harness drops it)
+            c.with_end = isinstance(request, CompletionRequest)
         return _Run(group, choices, prompt_tokens, arrival, arrival + self.request_timeout, request.stream_mode,
-                    is_disconnected)
+                    is_disconnected, wants_logprobs(request))
 
     def _piece(self, token_id: int) -> str:
         """One token's text alone (special tokens as "")."""
@@ -432,8 +499,13 @@ class OpenAIServing:
                     raise APIError(500, event.error or "the engine failed this request", code=code)
                 if event.finish_reason == "abort":
                     raise APIError(500, event.error or "the request was aborted by the engine", code="engine_error")
-                if event.steps:
+                if event.steps or event.nfe:  # (a scored prompt alone takes a pass and no step)
                     choice.details = decoding_details(run.group.inputs[event.index].params, event)
+                if event.logprobs:
+                    choice.logprobs.extend(event.logprobs)
+                if event.prompt_logprobs is not None:
+                    choice.prompt_logprobs = event.prompt_logprobs
+                choice.end_logprob = event.end_logprob or choice.end_logprob
                 delta = choice.text.push(event.new_token_ids, final=event.finished)
                 if choice.text.stopped and not event.finished:
                     self.metrics.aborted.labels(reason="stop").inc()
@@ -507,16 +579,33 @@ class OpenAIServing:
             async for u in updates:
                 text = self._stream_text(run, u)
                 if text is not None:
+                    if run.logprobs:
+                        u.logprobs = run.choices[u.index].released_logprobs()
                     yield u, text, u.step if run.stream_mode == "denoise" else None
         finally:
             await updates.aclose()
 
-    async def _completion_stream(self, run: _Run, request: CompletionRequest, rid: str,
-                                 created: int) -> AsyncIterator[CompletionStreamResponse]:
+    async def _completion_stream(self, run: _Run, request: CompletionRequest, rid: str, created: int,
+                                 echoes: list[str]) -> AsyncIterator[CompletionStreamResponse]:
+        """The chunks of a streamed completion; an echoed prompt (``echoes``, with its logprobs) is each choice's
+        first chunk."""
+        def chunk(choice: CompletionChoice) -> CompletionStreamResponse:
+            return CompletionStreamResponse(id=rid, created=created, model=self.model_name, choices=[choice])
+
+        offsets = [0] * len(run.choices)  # characters of each choice's text sent so far
+        started = [False] * len(run.choices)
         async for u, text, step in self._stream_pieces(run):
-            choice = CompletionChoice(index=u.index, text=text, finish_reason=u.finish_reason, step=step,
-                                      celeris=u.details)
-            yield CompletionStreamResponse(id=rid, created=created, model=self.model_name, choices=[choice])
+            if request.echo and not started[u.index]:
+                echo = echoes[u.index]
+                yield chunk(CompletionChoice(index=u.index, text=echo, logprobs=self._completion_logprobs(
+                    request, run, u.index, [], echo)))
+                offsets[u.index] = len(echo)
+            started[u.index] = True
+            logprobs = None if u.logprobs is None else self._completion_logprobs(
+                request, run, u.index, u.logprobs, "", offsets[u.index], with_prompt=False)
+            offsets[u.index] += len(text)
+            yield chunk(CompletionChoice(index=u.index, text=text, finish_reason=u.finish_reason, step=step,
+                                         celeris=u.details, logprobs=logprobs))
         if request.stream_options is not None and request.stream_options.include_usage:
             yield CompletionStreamResponse(id=rid, created=created, model=self.model_name, choices=[],
                                            usage=run.usage())
@@ -529,8 +618,10 @@ class OpenAIServing:
         mode = tool_mode(request)
         functions = declared_functions(request) if mode != "none" else {}
         constrained = run.group.inputs[0].params.grammar is not None
+        fmt = partial(chat_logprobs, piece=self._token_text) if request.logprobs else None
         async for c in chat_chunks(self._stream_pieces(run), len(run.choices), mode, functions, constrained,
-                                   run.stream_mode == "denoise", chunk):
+                                   run.stream_mode == "denoise", chunk, fmt):
             yield c
         if request.stream_options is not None and request.stream_options.include_usage:
             yield chunk([], usage=run.usage())
+

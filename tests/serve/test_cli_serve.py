@@ -106,3 +106,16 @@ def test_no_enable_prefix_caching_reaches_the_engine_config(monkeypatch):
     monkeypatch.setattr(app, "run_server", lambda *a, **k: seen.append(k["enable_prefix_caching"]) or 0)
     assert main(["serve"]) == 0 and main(["serve", "--no-enable-prefix-caching"]) == 0
     assert seen == [True, False]
+
+
+def test_logprobs_mode_reaches_the_engine_and_bad_ones_are_refused(capsys, monkeypatch):
+    import celeris.serve.app as app
+    from celeris.cli import main
+
+    seen = {}
+    monkeypatch.setattr(app, "run_server", lambda model, **kwargs: seen.update(kwargs) or 0)
+    assert main(["serve", "--logprobs-mode", "processed_logprobs"]) == 0
+    assert seen["logprobs_mode"] == "processed_logprobs"
+    assert main(["serve", "--logprobs-mode", "sampled"]) == 2
+    err = capsys.readouterr().err
+    assert "--logprobs-mode" in err and len(err.strip().splitlines()) == 1

@@ -91,20 +91,33 @@ def test_bad_parameters_are_400_naming_the_parameter(server, path, body, param):
 
 
 @pytest.mark.parametrize("path, body, param", [
-    ("/v1/completions", {"prompt": "x", "logprobs": 2}, "logprobs"),
-    ("/v1/completions", {"prompt": "x", "echo": True}, "echo"),
+    ("/v1/completions", {"prompt": "x", "top_logprobs": 2}, "top_logprobs"),
     ("/v1/completions", {"prompt": "x", "best_of": 3}, "best_of"),
     ("/v1/completions", {"prompt": "x", "logit_bias": {"5": 10}}, "logit_bias"),
     ("/v1/completions", {"prompt": "x", "presence_penalty": 0.5}, "presence_penalty"),
     ("/v1/chat/completions", {"messages": CHAT, "frequency_penalty": 1}, "frequency_penalty"),
-    ("/v1/chat/completions", {"messages": CHAT, "logprobs": True}, "logprobs"),
-    ("/v1/chat/completions", {"messages": CHAT, "top_logprobs": 2}, "top_logprobs"),
     ("/v1/chat/completions", {"messages": CHAT, "functions": [{"name": "f"}]}, "functions"),
     ("/v1/chat/completions", {"messages": CHAT, "function_call": "auto"}, "function_call"),
 ])
 def test_unsupported_openai_parameters_are_named(server, path, body, param):
     err = assert_error(post(server, path, body), 400, param=param, code="unsupported_parameter")
     assert "unsupported" in err["message"]
+
+
+@pytest.mark.parametrize("path, body, param", [
+    ("/v1/chat/completions", {"messages": CHAT, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ("/v1/chat/completions", {"messages": CHAT, "top_logprobs": 2}, "top_logprobs"),
+    ("/v1/chat/completions", {"messages": CHAT, "logprobs": 1}, "logprobs"),
+    ("/v1/completions", {"prompt": "x", "logprobs": 21}, "logprobs"),
+    ("/v1/completions", {"prompt": "x", "logprobs": True}, "logprobs"),
+    ("/v1/completions", {"prompt": "x", "echo": True, "logprobs": 1}, "echo"),  # a diffusion model: no likelihood
+    ("/v1/completions", {"prompt": "x", "max_tokens": 0, "logprobs": 1}, "max_tokens"),
+    ("/v1/completions", {"prompt": "x", "logprobs": 1, "stream": True, "stream_mode": "denoise"}, "logprobs"),
+])
+def test_bad_logprobs_requests_are_400_naming_the_field(server, path, body, param):
+    err = assert_error(post(server, path, body), 400, param=param)
+    if param == "echo":
+        assert "diffusion" in err["message"] and "causal" in err["message"]
 
 
 def test_malformed_tools_and_formats_are_400_naming_the_field(server):
