@@ -165,9 +165,8 @@ class DFlashAttention(nn.Module):
                 cache.keys[layer_idx] = torch.cat([cache.keys[layer_idx], k], dim=2)
                 cache.values[layer_idx] = torch.cat([cache.values[layer_idx], v], dim=2)
             k, v = cache.keys[layer_idx], cache.values[layer_idx]
-        groups = self.num_heads // self.num_kv_heads
-        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)  # (B, H, T, D)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask)  # (B, H, Lq, D)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask,  # (B, H, Lq, D); K/V heads shared by
+                                             enable_gqa=self.num_kv_heads != self.num_heads)  # groups of queries
         return self.o_proj(out.transpose(1, 2).reshape(b, lq, -1))
 
 

@@ -45,9 +45,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (xf * self.weight.float()).to(x.dtype)
+        return F.rms_norm(x.float(), self.weight.shape, self.weight.float(), self.eps).to(x.dtype)  # one fused op
 
 
 @dataclass
@@ -255,11 +253,11 @@ class Attention(nn.Module):
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H, L, D), (B, Hkv, L, D)
         q, k = self.rope(q, cos, sin), self.rope(k, cos, sin)
         k, v = update_cache(k, v, cache, layer_idx, window)  # (B, Hkv, T, D) with a window
-        if self.num_kv_heads != self.num_heads:  # each K/V head serves a group of consecutive query heads
-            k = k.repeat_interleave(self.num_heads // self.num_kv_heads, dim=1)  # (B, H, T, D)
-            v = v.repeat_interleave(self.num_heads // self.num_kv_heads, dim=1)
+        # grouped-query attention: each K/V head serves a group of consecutive query heads (SDPA's enable_gqa,
+        # without materialising the repeated K/V)
         out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=attn_mask, is_causal=self.is_causal and attn_mask is None and window is None
+            q, k, v, attn_mask=attn_mask, is_causal=self.is_causal and attn_mask is None and window is None,
+            enable_gqa=self.num_kv_heads != self.num_heads,
         )  # (B, H, L, D)
         return self.o_proj(out.transpose(1, 2).reshape(b, length, -1))
 
