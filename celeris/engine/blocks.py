@@ -40,9 +40,9 @@ from celeris.sampling.logprobs import step_entries
 from celeris.sampling.step import (
     RowSettings,
     banned_token_ids,
+    commit_step,
     confidence_rule,
     context_tokens,
-    denoise_step,
     prepare_logits,
 )
 
@@ -182,9 +182,10 @@ class BlockDecoder:
         seen = None
         if any(p.repetition_penalty != 1 for p in params):
             seen = context_tokens([row.request.canvas for row in rows], logits.shape[-1], self.mask_id, self.device)
-        new, committed = denoise_step(logits, block.to(self.device), self.mask_id, self.banned_ids, num_tokens,
-                                      settings, [row.request.generator for row in rows], seen, widths,
-                                      self.confidence_from, force=force.to(self.device) if force.any() else None)
+        step = commit_step(logits, block.to(self.device), self.mask_id, self.eos_id, self.banned_ids, num_tokens,
+                           settings, [row.request.generator for row in rows], seen, widths, self.confidence_from,
+                           force=force.to(self.device) if force.any() else None)
+        new, committed = step.block, step.committed
         if any(p.logprobs is not None for p in params):  # asking for nothing costs nothing
             processed = None
             if self.logprobs_mode == "processed_logprobs":
@@ -195,11 +196,12 @@ class BlockDecoder:
                 offset = row.unit[2] - row.request.answer_start
                 n = row.request.params.max_tokens
                 row.request.logprob_entries.update({offset + c: e for c, e in found.items() if offset + c < n})
-        new, committed = new.cpu(), committed.cpu()
+        new, committed, stalled = new.cpu(), committed.cpu(), step.stalled.tolist()
         for i, row in enumerate(rows):
-            self._advance(row, new[i, : widths[i]], committed[i, : widths[i]], pending[i])
+            self._advance(row, new[i, : widths[i]], committed[i, : widths[i]], pending[i], stalled[i])
 
-    def _advance(self, row: BlockRow, new: torch.Tensor, committed: torch.Tensor, first_token: bool) -> None:
+    def _advance(self, row: BlockRow, new: torch.Tensor, committed: torch.Tensor, first_token: bool,
+                 stalled: bool) -> None:
         """Write one row's step into its request; next sub-block, or finish (end of answer / early exit). After a
         ``first_token`` pass the sub-block's denoising steps start (its schedule is not advanced)."""
         request = row.request
@@ -209,7 +211,7 @@ class BlockDecoder:
         request.steps += 1
         row.cached_upto = a  # this pass wrote the history before the block with its final tokens
         row.step_in_unit += 0 if first_token else 1
-        if not bool(committed.any()):
+        if stalled:
             request.fail(NO_PROGRESS, f"denoising step {request.steps} committed no token (the model's scores for the "
                                       f"masked positions are not finite numbers), so the request was ended")
             return

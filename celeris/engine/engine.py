@@ -25,13 +25,13 @@ from celeris.sampling.modes import check_fits_context, check_request, mode_of
 from celeris.sampling.step import (
     RowSettings,
     banned_token_ids,
+    commit_step,
     confidence_rule,
     context_tokens,
-    denoise_step,
     prepare_logits,
 )
 from celeris.sampling.verified import PREFIX_CACHE_TOKENS, DraftRow, VerifiedDecoder
-from celeris.structured.grammar import constrain_commits, grammar_step, row_constraints
+from celeris.structured.grammar import row_constraints
 
 
 @dataclass(slots=True)
@@ -179,23 +179,19 @@ class Engine:
         if any(r.params.repetition_penalty != 1 for r in batch):
             seen = context_tokens([r.canvas for r in batch], logits.shape[-1], self.mask_id, logits.device)
         widths = [r.block_span[1] - r.block_span[0] for r in batch]
-        constraints = [r.constraint for r in batch]
-        grammar = grammar_step(constraints, block, self.mask_id,
-                               [r.answer_start + r.params.max_tokens - r.block_span[0] for r in batch],
-                               logits.shape[-1], logits.device)
-        new_block, committed = denoise_step(logits, block, self.mask_id, self.banned_ids, num_tokens, settings,
-                                            [r.generator for r in batch], seen, widths, self.confidence_from,
-                                            grammar.allowed, grammar.force)
-        new_block, committed = constrain_commits(constraints, grammar, block, new_block, committed, self.mask_id,
-                                                 self.eos_id)
+        step = commit_step(logits, block, self.mask_id, self.eos_id, self.banned_ids, num_tokens, settings,
+                           [r.generator for r in batch], seen, widths, self.confidence_from,
+                           [r.constraint for r in batch],
+                           [r.answer_start + r.params.max_tokens - r.block_span[0] for r in batch])
+        new_block, committed = step.block, step.committed
         if any(r.params.logprobs is not None for r in batch):  # asking for nothing costs nothing
-            self._record_logprobs(batch, logits, new_block, committed, settings, seen, grammar.allowed)
-        new_block, committed = new_block.cpu(), committed.cpu()
+            self._record_logprobs(batch, logits, new_block, committed, settings, seen, step.allowed)
+        new_block, committed, stalled = new_block.cpu(), committed.cpu(), step.stalled.tolist()
         for i, r in enumerate(batch):
             s, e = r.block_span
             r.canvas[s:e] = new_block[i, : e - s]  # a short block's pad columns are dropped
             r.nfe += 2 if r.params.cfg_scale > 0 else 1
-            if not bool(committed[i, : e - s].any()):  # progress guarantee: never take another step in vain
+            if stalled[i]:  # progress guarantee: never take another step in vain
                 r.fail(NO_PROGRESS, f"denoising step {r.num_steps + 1} committed no token (the model's scores for the "
                                     f"masked positions are not finite numbers), so the request was ended")
             else:

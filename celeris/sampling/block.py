@@ -47,9 +47,9 @@ from celeris.sampling.step import (
     NoProgressError,
     RowSettings,
     banned_token_ids,
+    commit_step,
     confidence_rule,
     context_tokens,
-    denoise_step,
     make_generator,
 )
 
@@ -275,11 +275,12 @@ def generate_block(
                 k = torch.ones(1, dtype=torch.long, device=device) if pending else \
                     schedule[min(step, num_steps - 1)].reshape(1)
                 force = torch.ones((1, 1), dtype=torch.bool, device=device) if pending else None
-                new, committed = denoise_step(logits, block[None], mask_id, banned, k, settings, [generator], seen,
-                                              confidence_from=confidence_rule(model), force=force)
-                if not bool(committed.any()):
+                step_commit = commit_step(logits, block[None], mask_id, cfg.eos_token_id, banned, k, settings,
+                                          [generator], seen, confidence_from=confidence_rule(model), force=force)
+                if bool(step_commit.stalled.any()):
                     raise NoProgressError(f"denoising step {step + 1} committed no token (the model's scores are "
                                           f"not finite numbers)")
+                new = step_commit.block
                 canvas[s:hi] = new[0]
                 step += 0 if pending else 1
                 if first is None and int(canvas[p]) != mask_id:
