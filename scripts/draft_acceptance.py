@@ -21,7 +21,7 @@ import torch
 from celeris.llm import resolve_model
 from celeris.models.loader import load_model
 from celeris.params import SamplingParams
-from celeris.sampling.autoregressive import generate_autoregressive
+from celeris.reference.autoregressive import generate_autoregressive
 from celeris.sampling.verified import VerifiedDecoder
 from celeris.train.loop import load_run
 

@@ -24,7 +24,7 @@ import torch
 
 from celeris.llm import EMBEDDED, LLM
 from celeris.params import SamplingParams
-from celeris.sampling.generate import generate
+from celeris.reference.masked import generate
 from celeris.sampling.verified import generate_verified
 
 PINS = Path(__file__).parent / "pins.json"

@@ -21,7 +21,7 @@ Celeris hybrids) a block's first token is committed alone before the block is de
 at different blocks, with different prompt lengths and settings, share each pass: per-row column windows
 (``celeris.models.layers.Window``) and a per-row layout mask. The commit rules are
 ``celeris.sampling.step.denoise_step``'s, on the same sub-blocks and schedules as the reference sampler
-(``celeris.sampling.block.generate_block``), whose tokens the engine must reproduce.
+(``celeris.reference.block.generate_block``), whose tokens the engine must reproduce.
 """
 
 from __future__ import annotations

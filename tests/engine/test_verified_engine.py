@@ -8,7 +8,7 @@ import pytest
 from celeris.config import EngineConfig
 from celeris.engine.engine import Engine
 from celeris.params import SamplingParams
-from celeris.sampling.autoregressive import generate_autoregressive
+from celeris.reference.autoregressive import generate_autoregressive
 from tests.conftest import tiny_model
 
 

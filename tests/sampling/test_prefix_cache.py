@@ -10,7 +10,7 @@ import torch
 from celeris.config import EngineConfig
 from celeris.engine.engine import Engine
 from celeris.params import SamplingParams
-from celeris.sampling.autoregressive import generate_autoregressive
+from celeris.reference.autoregressive import generate_autoregressive
 from celeris.sampling.prefix_cache import BLOCK_SIZE, PrefixCache
 from celeris.sampling.verified import VerifiedDecoder
 from tests.conftest import tiny_model

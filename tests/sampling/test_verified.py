@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from celeris.params import SamplingParams
-from celeris.sampling.autoregressive import generate_autoregressive
+from celeris.reference.autoregressive import generate_autoregressive
 from celeris.sampling.verified import (
     DraftRow,
     VerifiedDecoder,

@@ -11,7 +11,7 @@ import torch
 from celeris.engine import Engine
 from celeris.llm import LLM
 from celeris.params import SamplingParams
-from celeris.sampling.generate import generate
+from celeris.reference.masked import generate
 from celeris.sampling.verified import (
     DraftRow,
     VerifiedDecoder,
