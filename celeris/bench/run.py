@@ -200,8 +200,8 @@ def pass_cost_ms(model: torch.nn.Module, widths: tuple[int, ...] = (1, 4, 8, 16)
 def draft_counts(llm: LLM) -> list[tuple[int, int]]:
     """(drafts checked, drafts accepted) per draft position so far in ``llm``'s engine (none before its first
     verified request)."""
-    drafter = llm.engine.drafter
-    return list(zip(drafter.drafted, drafter.accepted, strict=True)) if drafter else []
+    stats = llm.engine.stats()
+    return list(zip(stats.drafted, stats.accepted, strict=True))
 
 
 def agreement(candidate: list[list[int]], reference: list[list[int]]) -> float:

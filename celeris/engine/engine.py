@@ -15,9 +15,11 @@ import torch
 
 from celeris.config import EngineConfig
 from celeris.engine.blocks import BlockDecoder
+from celeris.engine.kv import PREFIX_CACHE_TOKENS
 from celeris.engine.request import NO_PROGRESS, Request
 from celeris.engine.runner import ModelRunner
 from celeris.engine.scheduler import Scheduler
+from celeris.engine.verified import DraftRow, VerifiedDecoder
 from celeris.params import SamplingParams
 from celeris.sampling.block import contract_of, with_block_defaults
 from celeris.sampling.logprobs import prompt_entries, step_entries
@@ -30,7 +32,6 @@ from celeris.sampling.step import (
     context_tokens,
     prepare_logits,
 )
-from celeris.sampling.verified import PREFIX_CACHE_TOKENS, DraftRow, VerifiedDecoder
 from celeris.structured.grammar import row_constraints
 
 
@@ -48,6 +49,31 @@ class StepOutput:
     request: Request
     new_token_ids: list[int]
     finished: bool
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStats:
+    """What an engine holds and has done, read by the server's metrics and the bench (``Engine.stats``).
+
+    Attributes:
+        num_waiting / num_running: requests in the scheduler's queues.
+        num_steps: ``Engine.step`` calls that ran a batch.
+        kv_bytes: bytes of key/value storage held now by every KV store of the engine (the masked path's pool,
+            the block path's pool and the verified path's preallocated pool, prefix caches not included): the one
+            KV figure.
+        prefix_cache_queries / prefix_cache_hits: prompt tokens looked up in the verified path's prefix cache,
+            and of those the tokens whose keys/values came from it (vLLM's ``prefix_cache_queries``/``_hits``).
+        drafted / accepted: per draft position j = 1..k, drafts checked and accepted under verified decoding.
+    """
+
+    num_waiting: int = 0
+    num_running: int = 0
+    num_steps: int = 0
+    kv_bytes: int = 0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    drafted: tuple[int, ...] = ()
+    accepted: tuple[int, ...] = ()
 
 
 class Engine:
@@ -136,6 +162,19 @@ class Engine:
         self.runner.release({r for r, _ in self.runner.pool.owners if not r.is_finished})
         for request in [r for r in self._draft_rows if r.is_finished]:
             self.drafter.remove(self._draft_rows.pop(request))
+
+    def stats(self) -> EngineStats:
+        """The engine's counters and its one KV figure (``EngineStats``), without reaching into its paths."""
+        drafter, blocks = self.drafter, self.block_decoder
+        cache = drafter.prefix_cache if drafter is not None else None
+        kv = self.runner.pool.nbytes + (blocks.pool.nbytes if blocks is not None else 0)
+        kv += drafter.pool_bytes if drafter is not None else 0
+        return EngineStats(
+            num_waiting=len(self.scheduler.waiting),
+            num_running=sum(not r.is_finished for r in self.scheduler.running),
+            num_steps=self.num_steps, kv_bytes=kv,
+            prefix_cache_queries=cache.query_tokens if cache else 0, prefix_cache_hits=cache.hit_tokens if cache else 0,
+            drafted=tuple(drafter.drafted) if drafter else (), accepted=tuple(drafter.accepted) if drafter else ())
 
     def has_unfinished(self) -> bool:
         return self.scheduler.num_unfinished > 0
@@ -239,7 +278,7 @@ class Engine:
         return StepOutput(request, new_ids, request.is_finished)
 
     def _step_verified(self, batch: list[Request]) -> list[StepOutput]:
-        """One verified-decoding pass for ``batch`` (``celeris.sampling.verified.VerifiedDecoder``): rows of
+        """One verified-decoding pass for ``batch`` (``celeris.engine.verified.VerifiedDecoder``): rows of
         requests that finished or were aborted are freed, new requests are prefilled, the others advance by
         their accepted drafts plus one token. Each request's committed tokens are final at once (streamed)."""
         if self.drafter is None:

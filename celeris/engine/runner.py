@@ -4,99 +4,11 @@ from __future__ import annotations
 
 import torch
 
+from celeris.engine.kv import KVPool
 from celeris.engine.request import Request
 from celeris.models.layers import KVCache, column_window
 from celeris.sampling.cache import CACHE_MODES
 from celeris.sampling.step import guided
-
-Row = tuple[Request, str]  # (request, "cond" | "uncond"): a CFG request owns an unconditional row too
-
-
-class KVPool:
-    """Keys/values of the running requests that use a KV cache, one row per request
-    (plus one for a CFG request's unconditional row).
-
-    Per layer a (capacity rows, H_kv, capacity T, head_dim) tensor. Row r holds
-    its canvas's keys/values at columns [0, n_r) (left-aligned, so RoPE positions
-    equal columns); the columns after n_r are masked. A row is allocated when the
-    request's first full pass stores its cache, rewritten by later full passes
-    (refreshes), updated in place by window passes, and freed when the request
-    leaves by moving the last live row into the hole. So the live rows are always
-    [0, R): one contiguous view that a window pass reads and writes in place,
-    with no per-step copying (the paged/slot cache of vLLM, in its simplest form).
-    """
-
-    def __init__(self, row_block: int = 8, col_block: int = 64) -> None:
-        self.row_block, self.col_block = row_block, col_block
-        self.keys: list[torch.Tensor] = []
-        self.values: list[torch.Tensor] = []
-        self.owners: list[Row] = []
-        self._index: dict[Row, int] = {}
-
-    @property
-    def num_rows(self) -> int:
-        return len(self.owners)
-
-    @property
-    def capacity_length(self) -> int:
-        return self.keys[0].shape[2] if self.keys else 0
-
-    def row(self, request: Request, kind: str = "cond") -> int | None:
-        return self._index.get((request, kind))
-
-    def store(self, request: Request, kind: str, keys: list[torch.Tensor], values: list[torch.Tensor]) -> None:
-        """Write a full pass's keys/values for one row: per layer (H_kv, n, D), n = the request's canvas length."""
-        n = keys[0].shape[1]
-        row = self._index.get((request, kind))
-        if row is None:
-            row = len(self.owners)
-            self.owners.append((request, kind))
-            self._index[(request, kind)] = row
-        self._reserve(len(self.owners), n, keys)
-        for layer in range(len(keys)):
-            self.keys[layer][row, :, :n] = keys[layer]
-            self.values[layer][row, :, :n] = values[layer]
-
-    def _reserve(self, rows: int, length: int, like: list[torch.Tensor]) -> None:
-        """Grow the capacity (rounded up to blocks) to hold ``rows`` rows of ``length`` columns."""
-        if self.keys and self.keys[0].shape[0] >= rows and self.capacity_length >= length:
-            return
-        old_rows = self.keys[0].shape[0] if self.keys else 0
-        cap_rows = -(-max(rows, old_rows) // self.row_block) * self.row_block
-        cap_len = -(-max(length, self.capacity_length) // self.col_block) * self.col_block
-        live = min(self.num_rows, old_rows)
-        for tensors in (self.keys, self.values):
-            fresh = not tensors
-            for layer, t in enumerate(like if fresh else list(tensors)):
-                grown = t.new_zeros((cap_rows, t.shape[-3], cap_len, t.shape[-1]))
-                if fresh:
-                    tensors.append(grown)
-                else:
-                    grown[:live, :, : t.shape[2]] = t[:live]
-                    tensors[layer] = grown
-
-    def release(self, keep: set[Request]) -> None:
-        """Free the rows of requests not in ``keep`` (finished or aborted); with no row left, the storage too."""
-        row = 0
-        while row < self.num_rows:
-            if self.owners[row][0] in keep:
-                row += 1
-                continue
-            del self._index[self.owners[row]]
-            last = self.num_rows - 1
-            if row != last:  # move the last live row into the hole
-                for t in (*self.keys, *self.values):
-                    t[row] = t[last]
-                self.owners[row] = self.owners[last]
-                self._index[self.owners[row]] = row
-            self.owners.pop()
-        if not self.owners:  # nothing live: give the memory back rather than keep the largest batch's capacity
-            self.keys, self.values = [], []
-
-    def view(self) -> KVCache:
-        """The live rows as a KVCache of (R, H_kv, capacity T, D) views (no copy)."""
-        r = self.num_rows
-        return KVCache([k[:r] for k in self.keys], [v[:r] for v in self.values])
 
 
 class ModelRunner:
