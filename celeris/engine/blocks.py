@@ -26,7 +26,6 @@ at different blocks, with different prompt lengths and settings, share each pass
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 
 import torch
@@ -71,7 +70,10 @@ class BlockRow:
 
 
 class BlockDecoder:
-    """Runs the block-diffusion steps of the engine's requests (module docstring)."""
+    """Runs the block-diffusion steps of the engine's requests (module docstring): the engine's path for mode
+    "block". Each request's ``BlockRow`` is its ``request.state``; the requests it holds are its KV pool's owners."""
+
+    mode = "block"
 
     def __init__(self, model: torch.nn.Module, contract: DecodingContract) -> None:
         self.model, self.contract = model, contract
@@ -82,7 +84,6 @@ class BlockDecoder:
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
         self.pool = KVPool()
-        self.rows: dict[Request, BlockRow] = {}
         self.num_passes = 0
         self.logprobs_mode = "raw_logprobs"  # EngineConfig.logprobs_mode, set by the engine
 
@@ -101,7 +102,7 @@ class BlockDecoder:
         zeros = [torch.zeros(heads, request.num_tokens, attn.head_dim, dtype=self.dtype, device=self.device)
                  for _ in self.model.layers]
         self.pool.store(request, "cond", zeros, zeros)
-        self.rows[request] = row
+        request.state = row
 
     def _pending(self, row: BlockRow) -> bool:
         """Whether the row's next pass commits its block's first token alone (``first_token_pending``)."""
@@ -124,16 +125,15 @@ class BlockDecoder:
     def step(self, requests: list[Request]) -> list[Request]:
         """One pass for every request in ``requests`` (the running block-model requests): commit each row's
         chosen tokens, move it on or finish it. Returns ``requests`` (their state is updated in place)."""
-        for gone in [r for r in self.rows if r not in set(requests)]:
-            del self.rows[gone]
-        self.release_finished()
+        keep = set(requests)
+        self.pool.release({r for r in self.requests if r in keep and not r.is_finished})
         for request in requests:
-            if request not in self.rows and not request.is_finished:
+            if self.pool.row(request) is None and not request.is_finished:
                 self._add(request)
-        owners = [r for r, _ in self.pool.owners]
+        owners = self.requests
         if not owners:
             return requests
-        rows = [self.rows[r] for r in owners]
+        rows = [r.state for r in owners]
         total = self.pool.capacity_length
         canvas = torch.full((len(rows), total), self.pad_id, dtype=torch.long)
         columns, sources = [], []
@@ -159,12 +159,16 @@ class BlockDecoder:
         self.release_finished()  # a finished answer's keys/values go now, not at a later step that may never come
         return requests
 
+    @property
+    def requests(self) -> list[Request]:
+        """The requests this path holds (one KV-pool row each), in pool-row order."""
+        return [r for r, _ in self.pool.owners]
+
     def release_finished(self) -> None:
-        """Drop the rows and KV-pool rows of finished or aborted requests (the pool's storage goes with its last
-        row)."""
-        for gone in [r for r in self.rows if r.is_finished]:
-            del self.rows[gone]
-        self.pool.release(set(self.rows))
+        """Drop the KV-pool rows of finished or aborted requests (the pool's storage goes with its last row)."""
+        self.pool.release({r for r in self.requests if not r.is_finished})
+
+    release = release_finished  # the engine's mode-path interface
 
     def _commit(self, rows: list[BlockRow], logits: torch.Tensor, widths: list[int], lb: int) -> None:
         """Choose and commit each row's tokens (``denoise_step``, per-row settings), then advance the rows."""
@@ -207,16 +211,13 @@ class BlockDecoder:
         request = row.request
         a, _, s, t = row.unit
         request.canvas[s : s + new.numel()] = new
-        request.nfe += 1
-        request.steps += 1
+        request.record_step()
         row.cached_upto = a  # this pass wrote the history before the block with its final tokens
         row.step_in_unit += 0 if first_token else 1
         if stalled:
-            request.fail(NO_PROGRESS, f"denoising step {request.steps} committed no token (the model's scores for the "
+            request.fail(NO_PROGRESS, f"denoising step {request.num_steps} committed no token (the model's scores for the "
                                       f"masked positions are not finite numbers), so the request was ended")
             return
-        if request.first_token_time is None and int(request.answer[0]) != self.mask_id:
-            request.first_token_time = time.perf_counter()
         answer = request.answer.tolist()
         ends = request.ends(self.eos_id)
         if request.params.early_exit and end_reached(answer, ends, self.mask_id):

@@ -1,5 +1,6 @@
 """The verified path of the engine: ``VerifiedDecoder`` (continuous batching of draft-and-verify passes over a KV
-pool), ``DraftRow`` (one request's cursor) and ``generate_verified`` (a whole batch through one decoder).
+pool), ``DraftRow`` (one request's cursor, its ``request.state``), ``VerifiedPath`` (the engine's mode path over a
+decoder) and ``generate_verified`` (a whole batch through one decoder).
 
 What verified decoding is, and the rules it follows (drafts, verification, grammars), is
 ``celeris.sampling.verified``'s docstring; this module runs the model and owns the keys/values
@@ -127,6 +128,7 @@ class DraftRow:
     passes: int = 0
     finished: bool = False
     hit_eos: bool = False
+    owner: object | None = None  # the engine's Request this row decodes (``VerifiedPath``), None outside the engine
 
     @property
     def columns(self) -> list[int]:
@@ -418,6 +420,72 @@ class VerifiedDecoder:
         row.num_slots = 0 if policy == "lookup" or lookup else min(k, self.slots)
         self.tokens[i, row.slot_start : row.slot_start + row.num_slots] = self.model.config.mask_token_id
         return new
+
+
+class VerifiedPath:
+    """Runs the verified-decoding passes of the engine's requests: each request's ``DraftRow`` is its
+    ``request.state``; the ``VerifiedDecoder`` (and its KV pool) is made at the first verified request.
+
+    Args:
+        model: the (causal) model; config: the engine's ``EngineConfig`` (``max_num_seqs``, ``enable_prefix_caching``,
+            ``logprobs_mode``); max_model_len: the tokens a pool row holds; eos_id: the model's end-of-text id.
+    """
+
+    mode = "verified"
+
+    def __init__(self, model: torch.nn.Module, config: object, max_model_len: int | None, eos_id: int) -> None:
+        self.model, self.config, self.max_model_len, self.eos_id = model, config, max_model_len, eos_id
+        self.decoder: VerifiedDecoder | None = None
+
+    def release(self) -> None:
+        """Free the pool rows of finished or aborted requests."""
+        if self.decoder is not None:
+            for row in [row for row in self.decoder.rows if row.owner is None or row.owner.is_finished]:
+                self._remove(row)
+
+    def _remove(self, row: DraftRow) -> None:
+        self.decoder.remove(row)
+        if row.owner is not None:
+            row.owner.state = None
+
+    @staticmethod
+    def pending_drafts(request: object) -> list[int]:
+        """The drafts the request's next pass checks; [] before its first pass and after its last."""
+        row = request.state
+        return list(row.drafts) if isinstance(row, DraftRow) and not row.finished else []
+
+    def step(self, batch: list) -> list:
+        """One pass for ``batch`` (running verified requests): new requests are prefilled, the others advance by
+        their accepted drafts plus one token; committed tokens are final at once. Returns ``batch``."""
+        if self.decoder is None:
+            self.decoder = VerifiedDecoder(self.model, self.config.max_num_seqs, self.max_model_len,
+                                           PREFIX_CACHE_TOKENS if self.config.enable_prefix_caching else 0)
+            self.decoder.logprobs_mode = self.config.logprobs_mode
+        running = set(batch)
+        for row in [row for row in self.decoder.rows if row.owner not in running or row.owner.is_finished]:
+            self._remove(row)
+        for request in batch:
+            if request.state is None:
+                request.state = self.decoder.add(request.prompt_ids, request.params, request.ends(self.eos_id),
+                                                 request.constraint)
+                request.state.owner = request
+        committed = {id(row): new for row, new in self.decoder.step()}
+        for request in batch:
+            row = request.state
+            new = committed.get(id(row), [])
+            start = request.answer_start + len(row.answer) - len(new)
+            request.canvas[start : start + len(new)] = torch.tensor(new, dtype=torch.long)
+            if new and row.params.logprobs is not None:  # the entries of this pass's tokens (``DraftRow``)
+                first = len(row.answer) - len(new)
+                request.logprob_entries.update({first + j: e for j, e in enumerate(row.new_logprobs[: len(new)])})
+            request.record_step()
+            request.drafter_passes = row.draft_state.calls if row.draft_state is not None else 0
+            if row.finished:
+                # "stop": an end id, or a grammar that allows nothing more (row.hit_eos)
+                done = row.hit_eos or not request.ends(self.eos_id).isdisjoint(row.answer)
+                request.finish("stop" if done else "length")
+                self._remove(row)
+        return batch
 
 
 @torch.no_grad()

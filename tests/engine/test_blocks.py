@@ -93,7 +93,7 @@ def test_cached_logits_equal_a_full_recompute(model):
     model.logits = record
     try:
         while engine.has_unfinished():
-            row = engine.block_decoder.rows.get(request)
+            row = request.state
             canvas = request.canvas.clone()
             first = block_units(len(PROMPTS[1]), 9, contract, params.block_length)[0]  # before the first pass
             a, e, s, t = row.unit if row else first
@@ -184,7 +184,7 @@ def test_finished_and_aborted_requests_leave_no_kv_rows(model):
     while engine.has_unfinished():
         engine.step()
     pool = engine.block_decoder.pool
-    assert pool.num_rows == 0 and not engine.block_decoder.rows and pool.keys == [] and pool.capacity_length == 0
+    assert pool.num_rows == 0 and not engine.block_decoder.requests and pool.keys == [] and pool.capacity_length == 0
     kept = engine.add_request(PROMPTS[0], params_for(model, max_tokens=16))
     gone = engine.add_request(PROMPTS[1], params_for(model, max_tokens=16))
     engine.step()
