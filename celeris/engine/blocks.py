@@ -104,6 +104,19 @@ class BlockDecoder:
         self.pool.store(request, "cond", zeros, zeros)
         request.state = row
 
+    def token_cost(self, requests: list[Request]) -> int:
+        """Columns the next pass over ``requests`` computes (the scheduler's budget): rows x the widest row's
+        columns, a new request's being its prefill (the prompt and its first block), a running one's ``_columns``."""
+        widths = []
+        for r in requests:
+            if isinstance(r.state, BlockRow):
+                widths.append(len(self._columns(r.state)[0]))
+            else:
+                context = getattr(self.model.config, "max_position_embeddings", None)
+                units = block_units(r.answer_start, r.params.max_tokens, self.contract, r.params.block_length, context)
+                widths.append(units[0][1])
+        return len(widths) * max(widths) if widths else 0
+
     def _pending(self, row: BlockRow) -> bool:
         """Whether the row's next pass commits its block's first token alone (``first_token_pending``)."""
         return first_token_pending(self.contract, row.unit, row.request.canvas, self.mask_id)

@@ -57,6 +57,9 @@ class ModePath(Protocol):
     def step(self, requests: list[Request]) -> list[Request]:
         """One step (a pass) for the running requests of this mode; returns those to emit."""
 
+    def token_cost(self, requests: list[Request]) -> int:
+        """Columns the next step over ``requests`` (all of this mode) computes: the scheduler's token budget."""
+
     def release(self) -> None:
         """Free the memory of finished or aborted requests."""
 
@@ -126,6 +129,14 @@ class Engine:
             "masked": MaskedPath(self.runner, self.mask_id, self.eos_id, self.banned_ids, self.confidence_from,
                                  self.config.logprobs_mode),
         }
+
+        self.scheduler.cost = self.batch_tokens
+
+    def batch_tokens(self, requests: list[Request]) -> int:
+        """Columns one step over ``requests`` computes, each mode's group counted by its path (``token_cost``):
+        the scheduler's ``max_num_batched_tokens`` budget."""
+        return sum(path.token_cost(group) for mode, path in self.paths.items()
+                   if path is not None and (group := [r for r in requests if r.mode == mode]))
 
     @property
     def drafter(self) -> VerifiedDecoder | None:

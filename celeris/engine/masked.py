@@ -55,6 +55,14 @@ class MaskedPath:
         self.confidence_from = confidence_from
         self.logprobs_mode = logprobs_mode
 
+    def token_cost(self, requests: list[Request]) -> int:
+        """Tokens the step's full pass over ``requests`` processes (the scheduler's budget): rows (a CFG request
+        adds its unconditional row) x the longest canvas, since the rows are padded to it; a window pass computes
+        fewer."""
+        if not requests:
+            return 0
+        return sum(2 if r.params.cfg_scale > 0 else 1 for r in requests) * max(r.num_tokens for r in requests)
+
     def release(self) -> None:
         """Free the KV rows of finished or aborted requests."""
         self.runner.release({r for r, _ in self.runner.pool.owners if not r.is_finished})

@@ -454,6 +454,14 @@ class VerifiedPath:
         row = request.state
         return list(row.drafts) if isinstance(row, DraftRow) and not row.finished else []
 
+    def token_cost(self, requests: list) -> int:
+        """Columns the next passes over ``requests`` compute (the scheduler's budget): a new request's prefill is
+        its prompt and its drafts (at most ``MAX_DRAFTS`` columns for drafts and as many for slots), a running one
+        its ``DraftRow.columns``; prefill and decode are two passes, each padded to its widest row."""
+        new = [len(r.prompt_ids) + 2 * MAX_DRAFTS for r in requests if not isinstance(r.state, DraftRow)]
+        running = [len(r.state.columns) for r in requests if isinstance(r.state, DraftRow)]
+        return sum(len(group) * max(group) for group in (new, running) if group)
+
     def step(self, batch: list) -> list:
         """One pass for ``batch`` (running verified requests): new requests are prefilled, the others advance by
         their accepted drafts plus one token; committed tokens are final at once. Returns ``batch``."""

@@ -58,3 +58,30 @@ def test_the_mode_is_decided_once_and_each_path_owns_its_state(hybrid, monkeypat
     assert requests["masked"].num_steps == 6  # one token per step, block_length 1
     assert requests["verified"].state is None  # its pool row was freed with it
     assert engine.stats().kv_bytes == engine.drafter.pool_bytes  # only the preallocated verified pool is left
+
+
+def test_a_requests_token_cost_comes_from_its_mode(hybrid):
+    """The budget counts the columns each mode computes, not rows x the longest canvas: two verified requests
+    with long answers fit a budget of their prefills (prompt + 2 x MAX_DRAFTS columns each), and a masked request
+    costs its whole padded canvas."""
+    from celeris.sampling.verified import MAX_DRAFTS
+
+    long = SamplingParams(max_tokens=60, steps=60, block_length=1, decoding="verified", early_exit=False)
+    prompts = [[5, 6, 7], [8, 9, 10]]
+    budget = 2 * (3 + 2 * MAX_DRAFTS)  # < 2 x (3 + 60), the old padded count
+    engine = Engine(hybrid, EngineConfig(max_num_seqs=4, max_num_batched_tokens=budget))
+    requests = [engine.add_request(p, long) for p in prompts]
+    assert engine.batch_tokens(requests) == budget < 2 * requests[0].num_tokens
+    engine.step()
+    assert all(r.state is not None for r in requests)  # both were admitted in the first step
+    assert engine.batch_tokens(requests) == 2 * len(requests[0].state.columns) < budget  # decoding costs less
+    masked = engine.add_request([11, 12], SETTINGS["masked"])
+    assert engine.batch_tokens([masked]) == masked.num_tokens  # one row, padded to its canvas
+    while engine.has_unfinished():
+        engine.step()
+    for p, r in zip(prompts, requests, strict=True):
+        alone = Engine(hybrid, EngineConfig(max_num_seqs=1))
+        solo = alone.add_request(p, long)
+        while alone.has_unfinished():
+            alone.step()
+        assert r.answer.tolist() == solo.answer.tolist()
