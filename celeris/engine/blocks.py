@@ -75,8 +75,9 @@ class BlockDecoder:
 
     mode = "block"
 
-    def __init__(self, model: torch.nn.Module, contract: DecodingContract) -> None:
+    def __init__(self, model: torch.nn.Module, contract: DecodingContract, entry: object | None = None) -> None:
         self.model, self.contract = model, contract
+        self.entry = entry or model  # what the passes call (``hidden_states``, ``logits``): the engine's runner
         cfg = model.config
         self.mask_id, self.eos_id, self.pad_id = cfg.mask_token_id, cfg.eos_token_id, cfg.pad_token_id
         self.banned_ids = banned_token_ids(cfg)
@@ -161,13 +162,13 @@ class BlockDecoder:
         origin = torch.tensor([0 if self.contract.alignment == "absolute" else row.request.answer_start
                                for row in rows], device=self.device)
         mask = layout_mask(window, total, starts, ends, origin, self.contract.block_size, self.contract.attention)
-        hidden = self.model.hidden_states(canvas.to(self.device), None, cache=self.pool.view(), window=window,
+        hidden = self.entry.hidden_states(canvas.to(self.device), None, cache=self.pool.view(), window=window,
                                           layout_mask=mask)  # (R, Lw, d)
         self.num_passes += 1
         widths = [len(src) for src in sources]
         lb = max(widths)
         index = torch.tensor([src + src[-1:] * (lb - len(src)) for src in sources], device=self.device)  # (R, Lb)
-        logits = self.model.logits(gather_positions(hidden, index))  # (R, Lb, V)
+        logits = self.entry.logits(gather_positions(hidden, index))  # (R, Lb, V)
         self._commit(rows, logits, widths, lb)
         self.release_finished()  # a finished answer's keys/values go now, not at a later step that may never come
         return requests

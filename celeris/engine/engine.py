@@ -119,12 +119,12 @@ class Engine:
         # the most tokens a request holds (EngineConfig.max_model_len, else the model's window): sizes the KV pool
         self.max_model_len = self.config.max_model_len or getattr(config, "max_position_embeddings", None)
         contract = contract_of(model)  # a block-diffusion model (or a hybrid's block mode): the block path
-        self.block_decoder = BlockDecoder(model, contract) if contract is not None else None
+        self.block_decoder = BlockDecoder(model, contract, self.runner) if contract is not None else None
         if self.block_decoder is not None:
             self.block_decoder.logprobs_mode = self.config.logprobs_mode
         # the mode paths, in the order a step runs them (each: step(requests) -> requests, release())
         self.paths: dict[str, ModePath] = {
-            "verified": VerifiedPath(model, self.config, self.max_model_len, self.eos_id),
+            "verified": VerifiedPath(model, self.config, self.max_model_len, self.eos_id, self.runner),
             "block": self.block_decoder,
             "masked": MaskedPath(self.runner, self.mask_id, self.eos_id, self.banned_ids, self.confidence_from,
                                  self.config.logprobs_mode),

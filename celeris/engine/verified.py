@@ -83,7 +83,7 @@ def _pass_mask(columns: torch.Tensor, slot_start: torch.Tensor, slots: torch.Ten
     return torch.where(q >= s, keys < s + slots[:, None, None], keys <= q)[:, None]
 
 
-def _forward(model: torch.nn.Module, ids: torch.Tensor, cache: KVCache, columns: torch.Tensor,
+def _forward(model: object, ids: torch.Tensor, cache: KVCache, columns: torch.Tensor,
              mask: torch.Tensor, first: list[int] | None = None,
              capture: dict[int, torch.Tensor | None] | None = None) -> torch.Tensor:
     """Logits (B, Lw, V) float32 of token ``ids`` (B, Lw) at ``columns`` (B, Lw, also their RoPE positions),
@@ -168,7 +168,9 @@ class VerifiedDecoder:
     """
 
     def __init__(self, model: torch.nn.Module, max_rows: int, max_tokens: int,
-                 prefix_cache_tokens: int = PREFIX_CACHE_TOKENS, proposer: DFlashProposer | None = None) -> None:
+                 prefix_cache_tokens: int = PREFIX_CACHE_TOKENS, proposer: DFlashProposer | None = None,
+                 entry: object | None = None) -> None:
+        self.entry = entry or model  # what a pass calls (``layout_hidden_states``, ``logits``): the engine's runner
         self.proposer = proposer or proposer_of(model)
         self.slots = mask_slots(model, self.proposer)  # mask slots the model drafts (0: none)
         self.model = model
@@ -282,7 +284,7 @@ class VerifiedDecoder:
         # those (a prompt's other columns would cost a vocabulary-wide product each), the rest stays unset
         first = [len(r.prompt_ids) - 1 - r.num_cached for r in rows] if fresh else None
         capture = self.proposer.capture() if self.proposer else None
-        logits = _forward(self.model, self.tokens[lo:hi].gather(1, columns), cache, columns, mask, first,
+        logits = _forward(self.entry, self.tokens[lo:hi].gather(1, columns), cache, columns, mask, first,
                           capture).float()
         feats = DFlashProposer.features(capture) if capture else None  # (hi - lo, Lw, n * d)
         if fresh:
@@ -433,8 +435,10 @@ class VerifiedPath:
 
     mode = "verified"
 
-    def __init__(self, model: torch.nn.Module, config: object, max_model_len: int | None, eos_id: int) -> None:
+    def __init__(self, model: torch.nn.Module, config: object, max_model_len: int | None, eos_id: int,
+                 entry: object | None = None) -> None:
         self.model, self.config, self.max_model_len, self.eos_id = model, config, max_model_len, eos_id
+        self.entry = entry  # the engine's runner (its compiled entries), else the model
         self.decoder: VerifiedDecoder | None = None
 
     def release(self) -> None:
@@ -467,7 +471,8 @@ class VerifiedPath:
         their accepted drafts plus one token; committed tokens are final at once. Returns ``batch``."""
         if self.decoder is None:
             self.decoder = VerifiedDecoder(self.model, self.config.max_num_seqs, self.max_model_len,
-                                           PREFIX_CACHE_TOKENS if self.config.enable_prefix_caching else 0)
+                                           PREFIX_CACHE_TOKENS if self.config.enable_prefix_caching else 0,
+                                           entry=self.entry)
             self.decoder.logprobs_mode = self.config.logprobs_mode
         running = set(batch)
         for row in [row for row in self.decoder.rows if row.owner not in running or row.owner.is_finished]:
