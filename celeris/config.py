@@ -30,7 +30,7 @@ class EngineConfig:
             ``length_bucket`` tokens so few shapes are compiled).
         length_bucket: canvas lengths are padded up to a multiple of this.
         enable_prefix_caching: verified decoding reuses the keys/values of prompt prefixes other requests
-            prefilled (automatic prefix caching, vLLM's name; ``celeris.sampling.prefix_cache``).
+            prefilled (automatic prefix caching, vLLM's name; ``celeris.engine.kv``).
         max_model_len: most tokens (prompt + answer) one request may hold (vLLM's name); the KV store is sized
             from it (``max_num_seqs`` rows of it, K/V heads). None: the model's context window, capped at
             ``CPU_MAX_MODEL_LEN`` on a CPU (``resolve_max_model_len``).

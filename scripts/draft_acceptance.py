@@ -18,11 +18,11 @@ import json
 import numpy as np
 import torch
 
+from celeris.engine.verified import VerifiedDecoder
 from celeris.llm import resolve_model
 from celeris.models.loader import load_model
 from celeris.params import SamplingParams
-from celeris.sampling.autoregressive import generate_autoregressive
-from celeris.sampling.verified import VerifiedDecoder
+from celeris.reference.autoregressive import generate_autoregressive
 from celeris.train.loop import load_run
 
 

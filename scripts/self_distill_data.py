@@ -21,8 +21,8 @@ import time
 import numpy as np
 import torch
 
+from celeris.engine.verified import generate_verified
 from celeris.params import SamplingParams
-from celeris.sampling.verified import generate_verified
 from celeris.train.loop import load_run
 
 

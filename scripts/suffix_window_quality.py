@@ -20,7 +20,7 @@ import torch
 from celeris.bench.quality import heal_prompt, load_humaneval, max_repeat_run
 from celeris.bench.run import agreement, perplexity
 from celeris.llm import LLM
-from celeris.sampling.generate import generate
+from celeris.reference.masked import generate
 
 
 class SuffixCut(torch.nn.Module):

@@ -17,7 +17,7 @@ import torch
 
 from celeris.bench.quality import heal_prompt, load_humaneval
 from celeris.llm import LLM
-from celeris.sampling.generate import generate
+from celeris.reference.masked import generate
 
 
 def main() -> None:

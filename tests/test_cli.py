@@ -161,7 +161,7 @@ def test_shipped_hybrid_decodes_verified_and_equals_its_greedy_tokens(capsys):
     """The embedded code hybrid decodes by verified decoding: fewer passes than tokens, and exactly the tokens of
     its own greedy next-token decoding (its generation config's other settings unchanged)."""
     from celeris.llm import LLM
-    from celeris.sampling.autoregressive import generate_autoregressive
+    from celeris.reference.autoregressive import generate_autoregressive
 
     code, out, err = run_cli(capsys, "generate", "def fibonacci(n):", "--model", "celeris-code-6m-hybrid", "--device",
                              "cpu", "--json", "--max-new-tokens", "64")
@@ -179,7 +179,7 @@ def test_shipped_twin_end_to_end(capsys):
     """The shipped autoregressive twin, by name: one forward pass per token, and the engine's greedy tokens
     are the direct next-token decoder's."""
     from celeris.llm import LLM
-    from celeris.sampling.autoregressive import generate_autoregressive
+    from celeris.reference.autoregressive import generate_autoregressive
 
     twin = SHIPPED.parent / "celeris-code-6m-ar"
     if not (twin / "model.safetensors").is_file():
@@ -491,7 +491,7 @@ def test_a_drafter_folder_with_a_pairing_runs_its_target_with_the_drafter_and_th
     from celeris.llm import LLM
     from celeris.models.dflash import save_dflash
     from celeris.models.loader import save_checkpoint
-    from celeris.sampling.autoregressive import generate_autoregressive
+    from celeris.reference.autoregressive import generate_autoregressive
     from celeris.train.loop import AR_GENERATION
     from tests.conftest import TINY, tiny_model
     from tests.sampling.test_drafter import drafter_for

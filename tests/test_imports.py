@@ -312,3 +312,36 @@ def test_import_celeris_and_its_sampling_params_load_no_model_module():
     assert "celeris.params" in loaded
     assert [m for m in loaded if m == "celeris.models" or m.startswith("celeris.models.")] == []
     assert "celeris.llm" not in loaded  # LLM is loaded on first use
+
+
+SERVING_STACK = ("celeris.engine", "celeris.llm", "celeris.serve", "celeris.batch")
+
+
+def reference_leaks(found: list[Import]) -> list[str]:
+    """Imports of the reference samplers (``celeris.reference``) from the serving stack: the engine, the facade, the
+    server and batch jobs must never run an oracle (the engine is kept from it by the floors too: ``reference`` and
+    ``engine`` share floor 4 in two units). One line per import statement (the package face it runs is not
+    named again)."""
+    return [f"{i.where()}: the serving stack may not run a reference sampler" for i in found
+            if i.via is None and any(i.source == s or i.source.startswith(s + ".") for s in SERVING_STACK)
+            and (i.target == "celeris.reference" or i.target.startswith("celeris.reference."))]
+
+
+def test_the_engine_and_the_server_never_import_a_reference_sampler(tmp_path):
+    assert reference_leaks(imports(ROOT)) == []
+    assert any(i.target.startswith("celeris.reference") for i in imports(ROOT))  # the bench does, for baselines
+    root = _write(tmp_path, {
+        "celeris/__init__.py": "",
+        "celeris/reference/__init__.py": "",
+        "celeris/reference/masked.py": "",
+        "celeris/engine/__init__.py": "",
+        "celeris/engine/engine.py": "def f():\n    from celeris.reference.masked import generate\n",
+        "celeris/serve/__init__.py": "",
+        "celeris/serve/app.py": "import celeris.reference.masked\n",
+    })
+    found = imports(root)
+    assert reference_leaks(found) == [
+        "celeris/engine/engine.py:2 imports celeris.reference.masked (lazy): the serving stack may not run a "
+        "reference sampler",
+        "celeris/serve/app.py:1 imports celeris.reference.masked: the serving stack may not run a reference sampler"]
+    assert any("engine (floor 4) may not import reference (floor 4)" in e for e in check(root))

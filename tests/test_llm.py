@@ -12,7 +12,7 @@ import torch
 from celeris.llm import LLM, RequestOutput
 from celeris.models.loader import CheckpointError
 from celeris.params import SamplingParams
-from celeris.sampling.generate import generate
+from celeris.reference.masked import generate
 
 PROMPTS = ["def fibonacci(n):", "import os", "class Stack:\n    def push(self, item):\n"]
 
@@ -223,7 +223,7 @@ def test_max_batch_size_is_a_deprecated_alias_of_max_num_seqs(tiny_checkpoint):
 def test_block_model_takes_its_sub_block_when_block_length_is_left_at_the_default(tmp_path):
     """SamplingParams' generic block_length (32) does not divide SDAR's block of 4: left unset, the contract's
     sub-block is used (as the reference sampler does); a block_length the caller chose is still checked."""
-    from celeris.sampling.block import generate_block
+    from celeris.reference.block import generate_block
     from tests.models.conftest_block_formats import write_sdar
 
     write_sdar(tmp_path)

@@ -22,10 +22,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from celeris.engine.verified import generate_verified
 from celeris.llm import EMBEDDED, LLM
 from celeris.params import SamplingParams
-from celeris.sampling.generate import generate
-from celeris.sampling.verified import generate_verified
+from celeris.reference.masked import generate
 
 PINS = Path(__file__).parent / "pins.json"
 PROMPTS = ["def add(a, b):\n", "Hello, how are"]

@@ -33,7 +33,7 @@ from celeris.engine import Engine
 from celeris.models.llada import LLaDAConfig, LLaDAModel
 from celeris.models.sdar import SDARConfig, SDARModel
 from celeris.params import SamplingParams
-from celeris.sampling.generate import generate
+from celeris.reference.masked import generate
 
 
 def sync(device: torch.device) -> None:
@@ -180,7 +180,7 @@ def random_model(cfg: SDARConfig, device: torch.device, dtype: torch.dtype, std:
 
 def check_block_correctness(device: torch.device) -> dict:
     """The engine's block path == the reference block sampler on the device (batched, mixed prompt lengths)."""
-    from celeris.sampling.block import generate_block
+    from celeris.reference.block import generate_block
 
     model = random_model(sdar_shape(True), device, torch.float32, 0.2)
     prompts = [[5, 6, 7, 8, 9, 10, 11], [12, 13], [14, 15, 16, 17, 18, 19, 20, 21, 22]]

@@ -16,7 +16,7 @@ every output length is swept, and every batch size of ``batch_sizes``):
   and, beside the twin, ``ar-twin-lookup`` (the twin under verified decoding with prompt-lookup drafts
   only: what the mask slots add over lookup alone);
 - for a block-diffusion model (SDAR, Fast-dLLM v2: ``celeris.models.contract``) the two systems are
-  ``block-reference`` (its reference sampler, ``celeris.sampling.block.generate_block``: the whole canvas
+  ``block-reference`` (its reference sampler, ``celeris.reference.block.generate_block``: the whole canvas
   recomputed every step, no cache) and ``block-engine`` (the engine's block path: exact KV cache of the
   history), both with the model's default decoding settings at temperature 0; they give the same tokens
 - ``ar-twin``: an autoregressive model of the same architecture (``--ar-model``),
@@ -61,8 +61,9 @@ from celeris.bench.quantized import load_width, parse_widths, width_report
 from celeris.llm import LLM
 from celeris.models.layers import KVCache
 from celeris.params import SamplingParams
-from celeris.sampling.autoregressive import generate_autoregressive
-from celeris.sampling.block import contract_of, generate_block
+from celeris.reference.autoregressive import generate_autoregressive
+from celeris.reference.block import generate_block
+from celeris.sampling.block import contract_of
 from celeris.sampling.verified import draft_length
 
 
@@ -199,8 +200,8 @@ def pass_cost_ms(model: torch.nn.Module, widths: tuple[int, ...] = (1, 4, 8, 16)
 def draft_counts(llm: LLM) -> list[tuple[int, int]]:
     """(drafts checked, drafts accepted) per draft position so far in ``llm``'s engine (none before its first
     verified request)."""
-    drafter = llm.engine.drafter
-    return list(zip(drafter.drafted, drafter.accepted, strict=True)) if drafter else []
+    stats = llm.engine.stats()
+    return list(zip(stats.drafted, stats.accepted, strict=True))
 
 
 def agreement(candidate: list[list[int]], reference: list[list[int]]) -> float:
@@ -229,7 +230,7 @@ def perplexity(ar: LLM, prompts: list[list[int]], outputs: list[list[int]]) -> f
 
 
 def block_reference(llm: LLM, params: SamplingParams):
-    """A block-diffusion model's reference sampler (``celeris.sampling.block.generate_block``: recomputes the
+    """A block-diffusion model's reference sampler (``celeris.reference.block.generate_block``: recomputes the
     canvas every step, no KV cache) as a bench system; one row at a time, as it decodes them."""
     def decode(batch):
         outs = [generate_block(llm.model, [p], params, llm.end_token_ids) for p in batch]

@@ -1,7 +1,8 @@
-"""The engine: Request / Scheduler / ModelRunner / Engine, one owner each (see STYLE.md)."""
+"""The engine: Request / Scheduler / ModelRunner / Engine, one owner each; kv.py holds its KV memory, verified.py
+and blocks.py its verified and block paths."""
 
-from celeris.engine.engine import Engine, StepOutput
+from celeris.engine.engine import Engine, EngineStats, StepOutput
 from celeris.engine.request import Request, RequestStatus
 from celeris.engine.scheduler import QueueFullError, Scheduler
 
-__all__ = ["Engine", "QueueFullError", "Request", "RequestStatus", "Scheduler", "StepOutput"]
+__all__ = ["Engine", "EngineStats", "QueueFullError", "Request", "RequestStatus", "Scheduler", "StepOutput"]

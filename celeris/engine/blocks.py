@@ -21,12 +21,11 @@ Celeris hybrids) a block's first token is committed alone before the block is de
 at different blocks, with different prompt lengths and settings, share each pass: per-row column windows
 (``celeris.models.layers.Window``) and a per-row layout mask. The commit rules are
 ``celeris.sampling.step.denoise_step``'s, on the same sub-blocks and schedules as the reference sampler
-(``celeris.sampling.block.generate_block``), whose tokens the engine must reproduce.
+(``celeris.reference.block.generate_block``), whose tokens the engine must reproduce.
 """
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 
 import torch
@@ -40,9 +39,9 @@ from celeris.sampling.logprobs import step_entries
 from celeris.sampling.step import (
     RowSettings,
     banned_token_ids,
+    commit_step,
     confidence_rule,
     context_tokens,
-    denoise_step,
     prepare_logits,
 )
 
@@ -71,10 +70,14 @@ class BlockRow:
 
 
 class BlockDecoder:
-    """Runs the block-diffusion steps of the engine's requests (module docstring)."""
+    """Runs the block-diffusion steps of the engine's requests (module docstring): the engine's path for mode
+    "block". Each request's ``BlockRow`` is its ``request.state``; the requests it holds are its KV pool's owners."""
 
-    def __init__(self, model: torch.nn.Module, contract: DecodingContract) -> None:
+    mode = "block"
+
+    def __init__(self, model: torch.nn.Module, contract: DecodingContract, entry: object | None = None) -> None:
         self.model, self.contract = model, contract
+        self.entry = entry or model  # what the passes call (``hidden_states``, ``logits``): the engine's runner
         cfg = model.config
         self.mask_id, self.eos_id, self.pad_id = cfg.mask_token_id, cfg.eos_token_id, cfg.pad_token_id
         self.banned_ids = banned_token_ids(cfg)
@@ -82,7 +85,6 @@ class BlockDecoder:
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
         self.pool = KVPool()
-        self.rows: dict[Request, BlockRow] = {}
         self.num_passes = 0
         self.logprobs_mode = "raw_logprobs"  # EngineConfig.logprobs_mode, set by the engine
 
@@ -101,7 +103,20 @@ class BlockDecoder:
         zeros = [torch.zeros(heads, request.num_tokens, attn.head_dim, dtype=self.dtype, device=self.device)
                  for _ in self.model.layers]
         self.pool.store(request, "cond", zeros, zeros)
-        self.rows[request] = row
+        request.state = row
+
+    def token_cost(self, requests: list[Request]) -> int:
+        """Columns the next pass over ``requests`` computes (the scheduler's budget): rows x the widest row's
+        columns, a new request's being its prefill (the prompt and its first block), a running one's ``_columns``."""
+        widths = []
+        for r in requests:
+            if isinstance(r.state, BlockRow):
+                widths.append(len(self._columns(r.state)[0]))
+            else:
+                context = getattr(self.model.config, "max_position_embeddings", None)
+                units = block_units(r.answer_start, r.params.max_tokens, self.contract, r.params.block_length, context)
+                widths.append(units[0][1])
+        return len(widths) * max(widths) if widths else 0
 
     def _pending(self, row: BlockRow) -> bool:
         """Whether the row's next pass commits its block's first token alone (``first_token_pending``)."""
@@ -124,16 +139,15 @@ class BlockDecoder:
     def step(self, requests: list[Request]) -> list[Request]:
         """One pass for every request in ``requests`` (the running block-model requests): commit each row's
         chosen tokens, move it on or finish it. Returns ``requests`` (their state is updated in place)."""
-        for gone in [r for r in self.rows if r not in set(requests)]:
-            del self.rows[gone]
-        self.release_finished()
+        keep = set(requests)
+        self.pool.release({r for r in self.requests if r in keep and not r.is_finished})
         for request in requests:
-            if request not in self.rows and not request.is_finished:
+            if self.pool.row(request) is None and not request.is_finished:
                 self._add(request)
-        owners = [r for r, _ in self.pool.owners]
+        owners = self.requests
         if not owners:
             return requests
-        rows = [self.rows[r] for r in owners]
+        rows = [r.state for r in owners]
         total = self.pool.capacity_length
         canvas = torch.full((len(rows), total), self.pad_id, dtype=torch.long)
         columns, sources = [], []
@@ -148,23 +162,27 @@ class BlockDecoder:
         origin = torch.tensor([0 if self.contract.alignment == "absolute" else row.request.answer_start
                                for row in rows], device=self.device)
         mask = layout_mask(window, total, starts, ends, origin, self.contract.block_size, self.contract.attention)
-        hidden = self.model.hidden_states(canvas.to(self.device), None, cache=self.pool.view(), window=window,
+        hidden = self.entry.hidden_states(canvas.to(self.device), None, cache=self.pool.view(), window=window,
                                           layout_mask=mask)  # (R, Lw, d)
         self.num_passes += 1
         widths = [len(src) for src in sources]
         lb = max(widths)
         index = torch.tensor([src + src[-1:] * (lb - len(src)) for src in sources], device=self.device)  # (R, Lb)
-        logits = self.model.logits(gather_positions(hidden, index))  # (R, Lb, V)
+        logits = self.entry.logits(gather_positions(hidden, index))  # (R, Lb, V)
         self._commit(rows, logits, widths, lb)
         self.release_finished()  # a finished answer's keys/values go now, not at a later step that may never come
         return requests
 
+    @property
+    def requests(self) -> list[Request]:
+        """The requests this path holds (one KV-pool row each), in pool-row order."""
+        return [r for r, _ in self.pool.owners]
+
     def release_finished(self) -> None:
-        """Drop the rows and KV-pool rows of finished or aborted requests (the pool's storage goes with its last
-        row)."""
-        for gone in [r for r in self.rows if r.is_finished]:
-            del self.rows[gone]
-        self.pool.release(set(self.rows))
+        """Drop the KV-pool rows of finished or aborted requests (the pool's storage goes with its last row)."""
+        self.pool.release({r for r in self.requests if not r.is_finished})
+
+    release = release_finished  # the engine's mode-path interface
 
     def _commit(self, rows: list[BlockRow], logits: torch.Tensor, widths: list[int], lb: int) -> None:
         """Choose and commit each row's tokens (``denoise_step``, per-row settings), then advance the rows."""
@@ -182,9 +200,10 @@ class BlockDecoder:
         seen = None
         if any(p.repetition_penalty != 1 for p in params):
             seen = context_tokens([row.request.canvas for row in rows], logits.shape[-1], self.mask_id, self.device)
-        new, committed = denoise_step(logits, block.to(self.device), self.mask_id, self.banned_ids, num_tokens,
-                                      settings, [row.request.generator for row in rows], seen, widths,
-                                      self.confidence_from, force=force.to(self.device) if force.any() else None)
+        step = commit_step(logits, block.to(self.device), self.mask_id, self.eos_id, self.banned_ids, num_tokens,
+                           settings, [row.request.generator for row in rows], seen, widths, self.confidence_from,
+                           force=force.to(self.device) if force.any() else None)
+        new, committed = step.block, step.committed
         if any(p.logprobs is not None for p in params):  # asking for nothing costs nothing
             processed = None
             if self.logprobs_mode == "processed_logprobs":
@@ -195,26 +214,24 @@ class BlockDecoder:
                 offset = row.unit[2] - row.request.answer_start
                 n = row.request.params.max_tokens
                 row.request.logprob_entries.update({offset + c: e for c, e in found.items() if offset + c < n})
-        new, committed = new.cpu(), committed.cpu()
+        new, committed, stalled = new.cpu(), committed.cpu(), step.stalled.tolist()
         for i, row in enumerate(rows):
-            self._advance(row, new[i, : widths[i]], committed[i, : widths[i]], pending[i])
+            self._advance(row, new[i, : widths[i]], committed[i, : widths[i]], pending[i], stalled[i])
 
-    def _advance(self, row: BlockRow, new: torch.Tensor, committed: torch.Tensor, first_token: bool) -> None:
+    def _advance(self, row: BlockRow, new: torch.Tensor, committed: torch.Tensor, first_token: bool,
+                 stalled: bool) -> None:
         """Write one row's step into its request; next sub-block, or finish (end of answer / early exit). After a
         ``first_token`` pass the sub-block's denoising steps start (its schedule is not advanced)."""
         request = row.request
         a, _, s, t = row.unit
         request.canvas[s : s + new.numel()] = new
-        request.nfe += 1
-        request.steps += 1
+        request.record_step()
         row.cached_upto = a  # this pass wrote the history before the block with its final tokens
         row.step_in_unit += 0 if first_token else 1
-        if not bool(committed.any()):
-            request.fail(NO_PROGRESS, f"denoising step {request.steps} committed no token (the model's scores for the "
+        if stalled:
+            request.fail(NO_PROGRESS, f"denoising step {request.num_steps} committed no token (the model's scores for the "
                                       f"masked positions are not finite numbers), so the request was ended")
             return
-        if request.first_token_time is None and int(request.answer[0]) != self.mask_id:
-            request.first_token_time = time.perf_counter()
         answer = request.answer.tolist()
         ends = request.ends(self.eos_id)
         if request.params.early_exit and end_reached(answer, ends, self.mask_id):

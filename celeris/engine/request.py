@@ -65,6 +65,12 @@ class Request:
     prompt_logprob_entries: list[TokenLogprob | None] | None = None
     # Score the prompt and finish without decoding (OpenAI's echo with max_tokens 0): no answer token.
     score_only: bool = False
+    # The decoding mode (``celeris.sampling.modes.MODES``), decided once at admission (``Engine.add_request``).
+    mode: str = "masked"
+    # The mode's own cursor for this request, owned by the engine's path for ``mode``: a ``BlockRow`` (block
+    # path), a ``DraftRow`` (verified path); None under masked diffusion, whose cursor is this object's own
+    # block fields (``blocks``, ``block_idx``, ``schedule``).
+    state: object | None = None
 
     def __post_init__(self) -> None:
         check_prompts([self.prompt_ids])
@@ -149,14 +155,20 @@ class Request:
         stop = next((i for i, t in enumerate(ids[:end]) if t in ends), end)
         return ids[:stop]
 
-    def advance(self, eos_id: int, committed_cols: list[int] | None = None) -> None:
-        """After a committed step (``committed_cols``: the canvas columns it filled): move to the next
-        block, or finish (end of answer / early exit)."""
+    def record_step(self, passes: int = 1) -> None:
+        """Count one step of this request, whatever its mode, once its canvas holds the step's tokens: ``passes``
+        forward passes into ``nfe`` (2 for a CFG step), one into ``num_steps``, and the time of the first answer
+        token (``first_token_time``) when the answer's first position has just become final."""
+        self.nfe += passes
         self.num_steps += 1
-        self.step_in_block += 1
-        s, e = self.block_span
         if self.first_token_time is None and int(self.answer[0]) != self.mask_id:
             self.first_token_time = time.perf_counter()
+
+    def advance(self, eos_id: int, committed_cols: list[int] | None = None) -> None:
+        """After a committed masked-diffusion step (counted by ``record_step``; ``committed_cols``: the canvas
+        columns it filled): move to the next block, or finish (end of answer / early exit)."""
+        self.step_in_block += 1
+        s, e = self.block_span
         if bool((self.canvas[s:e] == self.mask_id).any()):
             return
         answer_so_far = self.canvas[self.answer_start : e].tolist()
@@ -169,8 +181,8 @@ class Request:
         self.stale_cols = list(committed_cols or [])  # computed while still masked: rewritten at the next step
 
     def fail(self, code: str, message: str) -> None:
-        """End the request with ``finish_reason`` "error", an error ``code`` and a ``message``."""
-        self.num_steps += 1
+        """End the request with ``finish_reason`` "error", an error ``code`` and a ``message`` (the failed step is
+        counted by ``record_step``)."""
         self.error_code, self.error = code, message
         self.finish("error")
 

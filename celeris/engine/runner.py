@@ -1,126 +1,45 @@
-"""ModelRunner: owns the model, the device and the running requests' KV caches; turns requests into forward passes."""
+"""ModelRunner: owns the model (compiled or eager), the device and the masked path's KV pool."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
+from celeris.engine.kv import KVPool
 from celeris.engine.request import Request
-from celeris.models.layers import KVCache, column_window
-from celeris.sampling.cache import CACHE_MODES
-from celeris.sampling.step import guided
-
-Row = tuple[Request, str]  # (request, "cond" | "uncond"): a CFG request owns an unconditional row too
 
 
-class KVPool:
-    """Keys/values of the running requests that use a KV cache, one row per request
-    (plus one for a CFG request's unconditional row).
-
-    Per layer a (capacity rows, H_kv, capacity T, head_dim) tensor. Row r holds
-    its canvas's keys/values at columns [0, n_r) (left-aligned, so RoPE positions
-    equal columns); the columns after n_r are masked. A row is allocated when the
-    request's first full pass stores its cache, rewritten by later full passes
-    (refreshes), updated in place by window passes, and freed when the request
-    leaves by moving the last live row into the hole. So the live rows are always
-    [0, R): one contiguous view that a window pass reads and writes in place,
-    with no per-step copying (the paged/slot cache of vLLM, in its simplest form).
-    """
-
-    def __init__(self, row_block: int = 8, col_block: int = 64) -> None:
-        self.row_block, self.col_block = row_block, col_block
-        self.keys: list[torch.Tensor] = []
-        self.values: list[torch.Tensor] = []
-        self.owners: list[Row] = []
-        self._index: dict[Row, int] = {}
-
-    @property
-    def num_rows(self) -> int:
-        return len(self.owners)
-
-    @property
-    def capacity_length(self) -> int:
-        return self.keys[0].shape[2] if self.keys else 0
-
-    def row(self, request: Request, kind: str = "cond") -> int | None:
-        return self._index.get((request, kind))
-
-    def store(self, request: Request, kind: str, keys: list[torch.Tensor], values: list[torch.Tensor]) -> None:
-        """Write a full pass's keys/values for one row: per layer (H_kv, n, D), n = the request's canvas length."""
-        n = keys[0].shape[1]
-        row = self._index.get((request, kind))
-        if row is None:
-            row = len(self.owners)
-            self.owners.append((request, kind))
-            self._index[(request, kind)] = row
-        self._reserve(len(self.owners), n, keys)
-        for layer in range(len(keys)):
-            self.keys[layer][row, :, :n] = keys[layer]
-            self.values[layer][row, :, :n] = values[layer]
-
-    def _reserve(self, rows: int, length: int, like: list[torch.Tensor]) -> None:
-        """Grow the capacity (rounded up to blocks) to hold ``rows`` rows of ``length`` columns."""
-        if self.keys and self.keys[0].shape[0] >= rows and self.capacity_length >= length:
-            return
-        old_rows = self.keys[0].shape[0] if self.keys else 0
-        cap_rows = -(-max(rows, old_rows) // self.row_block) * self.row_block
-        cap_len = -(-max(length, self.capacity_length) // self.col_block) * self.col_block
-        live = min(self.num_rows, old_rows)
-        for tensors in (self.keys, self.values):
-            fresh = not tensors
-            for layer, t in enumerate(like if fresh else list(tensors)):
-                grown = t.new_zeros((cap_rows, t.shape[-3], cap_len, t.shape[-1]))
-                if fresh:
-                    tensors.append(grown)
-                else:
-                    grown[:live, :, : t.shape[2]] = t[:live]
-                    tensors[layer] = grown
-
-    def release(self, keep: set[Request]) -> None:
-        """Free the rows of requests not in ``keep`` (finished or aborted); with no row left, the storage too."""
-        row = 0
-        while row < self.num_rows:
-            if self.owners[row][0] in keep:
-                row += 1
-                continue
-            del self._index[self.owners[row]]
-            last = self.num_rows - 1
-            if row != last:  # move the last live row into the hole
-                for t in (*self.keys, *self.values):
-                    t[row] = t[last]
-                self.owners[row] = self.owners[last]
-                self._index[self.owners[row]] = row
-            self.owners.pop()
-        if not self.owners:  # nothing live: give the memory back rather than keep the largest batch's capacity
-            self.keys, self.values = [], []
-
-    def view(self) -> KVCache:
-        """The live rows as a KVCache of (R, H_kv, capacity T, D) views (no copy)."""
-        r = self.num_rows
-        return KVCache([k[:r] for k in self.keys], [v[:r] for v in self.values])
+def _entry(model: torch.nn.Module, name: str, eager: bool) -> Callable | None:
+    """The model's method ``name`` (None when it has none), wrapped in ``torch.compile`` unless ``eager``; an eager
+    entry looks the method up at each call, so a method replaced on the model later (a test's spy) is the one run."""
+    method = getattr(model, name, None)
+    if method is None:
+        return None
+    if eager:
+        return lambda *args, **kwargs: getattr(model, name)(*args, **kwargs)
+    return torch.compile(method, dynamic=True)
 
 
 class ModelRunner:
-    """Runs one denoising step's forward passes and returns logits for each request's current block.
+    """Owns the model (compiled once when ``enforce_eager`` is False), its device and the masked path's KV pool
+    (``celeris.engine.kv.KVPool``); the passes over them are the mode paths' (``celeris.engine.masked`` for
+    masked diffusion). Every path calls the model through the runner: ``model`` (the masked path's forward),
+    ``hidden_states`` and ``logits`` (the block path), ``layout_hidden_states`` and ``logits`` (the verified
+    path), each compiled when ``enforce_eager`` is False.
 
-    A step makes at most two passes (plus CFG rows inside them):
-
-    - a full pass for the requests that need one: no cache, a cache to fill (a
-      new request) or to refresh (``prefix``/``dual`` at a block's first step,
-      ``delayed``/``dual_delayed`` only as ``cache_refresh`` says).
-      Rows are padded so every request's block starts at the same column
-      ("block-aligned"), with an attention mask, so padding is never attended
-      and positions count real tokens only. The keys/values are stored in the
-      ``KVPool``.
-    - one window pass over every live ``KVPool`` row: each row computes only its
-      own columns (``Request.cache_columns``) and reads the rest from the pool in
-      place. Rows that ran a full pass this step recompute their block
-      harmlessly (those keys/values are recomputed before anyone reads them
-      stale), which costs less than copying the others out.
+    Attributes:
+        num_split_passes: window steps run as a shared pass plus one for the wide rows
+            (``MaskedPath._window_pass``).
     """
 
     def __init__(self, model: torch.nn.Module, enforce_eager: bool = True, length_bucket: int = 1) -> None:
         # speed features are transforms applied here, never inside the model file
         self.model = model if enforce_eager else torch.compile(model, dynamic=True)
+        # the block and verified paths' entries into the same model, compiled the same way (shapes are dynamic)
+        self.hidden_states = _entry(model, "hidden_states", enforce_eager)
+        self.layout_hidden_states = _entry(model, "layout_hidden_states", enforce_eager)
+        self.logits = _entry(model, "logits", enforce_eager)
         self.length_bucket = length_bucket
         self.device = next(model.parameters()).device
         self.mask_id = model.config.mask_token_id
@@ -131,144 +50,3 @@ class ModelRunner:
     def release(self, keep: set[Request]) -> None:
         """Free the KV-cache rows of every request not in ``keep`` (finished or aborted)."""
         self.pool.release(keep)
-
-    @torch.no_grad()
-    def run(self, requests: list[Request]) -> tuple[torch.Tensor, torch.Tensor]:
-        """One denoising step's forward passes over ``requests``.
-
-        Returns:
-            logits (B, Lb, V) float32 for each request's current block (after CFG),
-            and block (B, Lb) int64 current block tokens (columns past a short block
-            hold the pad id, so they are never committed). Lb is the longest block.
-        """
-        self.release(set(requests))
-        full = [i for i, r in enumerate(requests) if self._needs_full_pass(r)]
-        windowed = sorted(set(range(len(requests))) - set(full))
-        block_width = max(e - s for s, e in (r.block_span for r in requests))
-        logits = block = None
-        for rows, forward in ((full, self._full_pass), (windowed, self._window_pass)):
-            if not rows:
-                continue
-            g_logits, g_block = forward([requests[i] for i in rows], block_width)
-            if logits is None:
-                logits = g_logits.new_empty((len(requests), block_width, g_logits.shape[-1]))
-                block = g_block.new_empty((len(requests), block_width))
-            logits[rows], block[rows] = g_logits, g_block
-        return logits, block
-
-    def _needs_full_pass(self, r: Request) -> bool:
-        return not CACHE_MODES[r.params.cache].uses_cache or self.pool.row(r) is None or r.cache_columns() is None
-
-    def _uncond(self, canvas: torch.Tensor, is_answer: torch.Tensor) -> torch.Tensor:
-        """CFG's unconditional input: prompt and suffix replaced by the mask token."""
-        return torch.where(is_answer, canvas, self.mask_id)
-
-    def _block_tokens(self, canvas: torch.Tensor, starts: list[int], widths: list[int], block_width: int) -> torch.Tensor:
-        """(B, block_width) tokens of each row's block from a (B, T) canvas; columns past a row's width hold the pad id."""
-        cols = torch.tensor(starts)[:, None] + torch.arange(block_width)[None]
-        block = canvas.gather(1, cols.clamp(max=canvas.shape[1] - 1))
-        return torch.where(torch.arange(block_width)[None] < torch.tensor(widths)[:, None], block, self.pad_id)
-
-    def _guide(self, requests: list[Request], logits: torch.Tensor, cond: list[int], uncond: list[int]) -> torch.Tensor:
-        """Rows ``cond`` of ``logits`` for every request, CFG applied to the guided ones (rows ``uncond``)."""
-        out = logits[cond]
-        guided_rows = [i for i, r in enumerate(requests) if r.params.cfg_scale > 0]
-        if guided_rows:
-            scale = torch.tensor([requests[i].params.cfg_scale for i in guided_rows], device=self.device)[:, None]
-            out = out.clone()
-            out[guided_rows] = guided(out[guided_rows], logits[uncond], scale)
-        return out
-
-    def _full_pass(self, requests: list[Request], block_width: int) -> tuple[torch.Tensor, torch.Tensor]:
-        spans = [r.block_span for r in requests]
-        align = max(s for s, _ in spans)  # every row's block starts at this column
-        total = align + max(max(r.num_tokens - s for r, (s, _) in zip(requests, spans, strict=True)), block_width)
-        total = -(-total // self.length_bucket) * self.length_bucket  # right padding up to a bucket
-        offsets = [align - s for s, _ in spans]
-        b = len(requests)
-        canvas = torch.full((b, total), self.pad_id, dtype=torch.long)
-        attn = torch.zeros((b, total), dtype=torch.bool)
-        is_answer = torch.zeros((b, total), dtype=torch.bool)
-        for i, (r, off) in enumerate(zip(requests, offsets, strict=True)):
-            canvas[i, off : off + r.num_tokens] = r.canvas
-            attn[i, off : off + r.visible_end] = True  # the rest of the canvas: past the suffix window
-            is_answer[i, off + r.answer_start : off + r.answer_start + r.params.max_tokens] = True
-        uncond_rows = [i for i, r in enumerate(requests) if r.params.cfg_scale > 0]
-        batch_ids = torch.cat([canvas, self._uncond(canvas, is_answer)[uncond_rows]]).to(self.device)
-        batch_attn = torch.cat([attn, attn[uncond_rows]]).to(self.device)
-        caching = any(r.params.cache != "none" for r in requests)
-        cache = KVCache() if caching else None
-        kwargs = {} if cache is None else {"cache": cache}
-        columns = slice(align, align + block_width)
-        logits = self.model(batch_ids, batch_attn, logits_slice=columns, **kwargs)  # (B + C, Lb, V)
-        if cache is not None:
-            sources = [(r, "cond") for r in requests] + [(requests[i], "uncond") for i in uncond_rows]
-            for row, ((r, kind), off) in enumerate(zip(sources, offsets + [offsets[i] for i in uncond_rows], strict=True)):
-                if r.params.cache != "none":
-                    cols = slice(off, off + r.num_tokens)
-                    self.pool.store(r, kind, [k[row, :, cols] for k in cache.keys], [v[row, :, cols] for v in cache.values])
-        logits = self._guide(requests, logits, list(range(b)), list(range(b, b + len(uncond_rows))))
-        widths = [e - s for s, e in spans]
-        return logits, self._block_tokens(canvas, [align] * b, widths, block_width).to(self.device)
-
-    def _window_pass(self, requests: list[Request], block_width: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """One window pass over every live pool row, or two when a few rows need far more columns than the rest.
-
-        Per-row columns are padded to the widest row, so one row at a ``dual_delayed`` (or ``prefix``)
-        block start, which recomputes the whole masked suffix, would make every other row compute that
-        many columns too; with continuous batching (requests out of phase) or threshold decoding (blocks
-        of different lengths in steps) that happens at almost every step. So when at most half the rows
-        are wider than twice the block ("wide"), those first redo only their block in the shared pass,
-        then run alone on a copy of their pool rows, which is written back (their block's keys/values are
-        recomputed there, so the first pass's are never read).
-        """
-        pool = self.pool
-        rows, total = pool.num_rows, pool.capacity_length
-        canvas = torch.full((rows, total), self.pad_id, dtype=torch.long)
-        attn = torch.zeros((rows, total), dtype=torch.bool)
-        columns, block_starts = [], []
-        for row, (r, kind) in enumerate(pool.owners):
-            n = r.num_tokens
-            ids = r.canvas
-            if kind == "uncond":
-                is_answer = torch.zeros(n, dtype=torch.bool)
-                is_answer[r.answer_start : r.answer_start + r.params.max_tokens] = True
-                ids = self._uncond(ids, is_answer)
-            canvas[row, :n] = ids
-            attn[row, : r.visible_end] = True
-            # a row that ran a full pass this step just redoes its block
-            cols, block_start = r.cache_columns() or (list(range(*r.block_span)), 0)
-            columns.append(cols)
-            block_starts.append(block_start)
-        wide = [row for row, c in enumerate(columns) if len(c) > 2 * block_width]
-        if not wide or 2 * len(wide) > rows:  # splitting pays (and copies at most half the pool) when few are wide
-            logits = self._run_window(canvas, attn, pool.view(), columns, block_starts, block_width)
-        else:
-            shared, shared_starts = list(columns), list(block_starts)
-            for row in wide:  # in the shared pass a wide row only redoes its block
-                shared[row], shared_starts[row] = list(range(*pool.owners[row][0].block_span)), 0
-            logits = self._run_window(canvas, attn, pool.view(), shared, shared_starts, block_width)
-            self.num_split_passes += 1
-            idx = torch.tensor(wide, device=self.device)
-            sub = KVCache([k.index_select(0, idx) for k in pool.keys], [v.index_select(0, idx) for v in pool.values])
-            logits[idx] = self._run_window(canvas[wide], attn[wide], sub, [columns[i] for i in wide],
-                                           [block_starts[i] for i in wide], block_width)
-            for layer in range(len(pool.keys)):
-                pool.keys[layer].index_copy_(0, idx, sub.keys[layer])
-                pool.values[layer].index_copy_(0, idx, sub.values[layer])
-        cond = [pool.row(r) for r in requests]
-        uncond = [pool.row(r, "uncond") for r in requests if r.params.cfg_scale > 0]
-        logits = self._guide(requests, logits, cond, uncond)
-        spans = [r.block_span for r in requests]
-        block = self._block_tokens(canvas[cond], [s for s, _ in spans], [e - s for s, e in spans], block_width)
-        return logits, block.to(self.device)
-
-    def _run_window(self, canvas: torch.Tensor, attn: torch.Tensor, cache: KVCache, columns: list[list[int]],
-                    block_starts: list[int], block_width: int) -> torch.Tensor:
-        """A window pass: row i computes canvas columns ``columns[i]`` and scores the ``block_width`` of them from
-        ``block_starts[i]`` on. canvas/attn (R, T) on the CPU, cache rows (R, ...). Returns (R, Lb, V) logits."""
-        cols = column_window(columns)  # (R, Lw)
-        width = torch.tensor([len(c) for c in columns])[:, None]
-        index = torch.minimum(torch.tensor(block_starts)[:, None] + torch.arange(block_width)[None], width - 1)  # (R, Lb)
-        return self.model(canvas.to(self.device), attn.to(self.device), cache=cache,
-                          window=cols.to(self.device), logits_index=index.to(self.device))

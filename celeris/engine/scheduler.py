@@ -5,8 +5,9 @@ every running request in one forward pass; new requests are admitted at step
 boundaries while both budgets allow:
 
 - sequences: at most ``max_num_seqs`` running requests;
-- tokens: ``rows x longest canvas`` (CFG adds an unconditional row) at most
-  ``max_num_batched_tokens``, since rows are padded to the longest canvas.
+- tokens: at most ``max_num_batched_tokens`` columns computed in one step, as each request's mode counts them
+  (``cost``, which the engine sets to ``Engine.batch_tokens``: the mode paths' ``token_cost``); without a
+  ``cost``, ``rows x longest canvas`` (CFG adds an unconditional row), masked diffusion's padded full pass.
 
 Admission is first come, first served; a request that does not fit waits (a
 request that could never fit alone is still admitted when nothing else runs,
@@ -16,6 +17,7 @@ so it cannot starve).
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 
 from celeris.config import EngineConfig
 from celeris.engine.request import Request, RequestStatus
@@ -32,8 +34,9 @@ def _rows(request: Request) -> int:
 class Scheduler:
     """FCFS waiting queue plus the running set, within ``config``'s sequence and token budgets (module docstring)."""
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, cost: Callable[[list[Request]], int] | None = None) -> None:
         self.config = config
+        self.cost = cost
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
 
@@ -46,7 +49,9 @@ class Scheduler:
         self.waiting.append(request)
 
     def batch_tokens(self, requests: list[Request]) -> int:
-        """Tokens one forward pass over ``requests`` processes (padded rows)."""
+        """Tokens one step over ``requests`` computes: ``cost``'s count, else padded rows x the longest canvas."""
+        if self.cost is not None:
+            return self.cost(requests)
         if not requests:
             return 0
         return sum(_rows(r) for r in requests) * max(r.num_tokens for r in requests)

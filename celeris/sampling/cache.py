@@ -15,7 +15,7 @@ a full pass (or one to the end of the canvas) for every token, so a causal model
 ``exact_for_causal``. "+ stale": a block's first step also rewrites the columns committed at the
 previous block's last step (``rewrites_stale``).
 
-The reference sampler (``celeris.sampling.generate``) and the engine (``celeris.engine.request``) both ask
+The reference sampler (``celeris.reference.masked``) and the engine (``celeris.engine.request``) both ask
 ``CACHE_MODES`` for each step's columns. A new mode is one window function and one ``CachePolicy`` entry;
 ``SamplingParams`` takes its ``cache`` choices from ``CACHE_MODES`` at call time.
 """
@@ -127,6 +127,6 @@ def cache_window(
     block being denoised, ``answer_start`` the answer's first canvas column and ``total`` the end of what the
     passes see (the canvas length, or ``visible_end`` under a ``suffix_window``). ``refresh`` is
     ``cache_refresh``. Under a mode with ``rewrites_stale`` the caller adds the stale columns at a block's first
-    step (``celeris.sampling.generate.delayed_columns``).
+    step (``celeris.reference.masked.delayed_columns``).
     """
     return CACHE_MODES[mode].window(blocks, block_idx, answer_start, total, step_in_block, refresh)

@@ -1,7 +1,7 @@
 """What a sampler returns, and the canvas it starts from: shared by every reference sampler.
 
-``GenerationOutput`` is the result of the masked-diffusion (``celeris.sampling.generate``), block-diffusion
-(``celeris.sampling.block.generate_block``) and autoregressive (``celeris.sampling.autoregressive``) samplers;
+``GenerationOutput`` is the result of the masked-diffusion (``celeris.reference.masked``), block-diffusion
+(``celeris.reference.block.generate_block``) and autoregressive (``celeris.reference.autoregressive``) samplers;
 ``build_canvas`` lays out prompt, masked answer and suffix; ``cut_at_eos`` and ``answer_done`` read an answer's end.
 A leaf of ``celeris.sampling``: it imports nothing of Celeris, so a sampler that dispatches to another never needs
 the other's file for its result type.

@@ -1,7 +1,7 @@
 """Decoding rules as registered objects: the commit rules (how many masked positions a denoising step fills)
 and the remasking confidences (which ones), each declaring the ``SamplingParams`` fields it reads.
 
-The reference sampler (``celeris.sampling.generate``) and the engine share ``denoise_step``
+The reference sampler (``celeris.reference.masked``) and the engine share ``denoise_step``
 (``celeris.sampling.step``), which looks rules up here and never names one. ``SamplingParams`` takes its
 ``decoding`` and ``remasking`` choices from these dicts and refuses a setting the chosen rule does not read
 (``celeris.params.rule_settings``), so a new rule that reuses existing settings is one function and one

@@ -1,7 +1,8 @@
 """One denoising step over a batch of rows that may each have their own settings.
 
-Shared by the reference sampler (``celeris.sampling.generate``) and the engine
-(``celeris.engine``), so both commit tokens by exactly the same rules.
+Shared by the reference samplers (``celeris.reference``) and the engine (``celeris.engine``), so both commit
+tokens by exactly the same rules: ``commit_step`` is the one composition grammar -> ``denoise_step`` -> grammar
+correction -> progress check that every masked and block path runs.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import torch
 from celeris.params import SamplingParams
 from celeris.sampling.rules import COMMIT_RULES, NEEDS, REMASKING
 from celeris.sampling.select import NEG_INF, min_p_filter, sample_tokens, top_k_filter, top_p_filter
+from celeris.structured.grammar import Constraint, constrain_commits, grammar_step
 
 
 class NoProgressError(RuntimeError):
@@ -228,6 +230,70 @@ def denoise_step(
         chosen |= force
     chosen &= is_masked
     return torch.where(chosen, x0, block), chosen
+
+
+@dataclass(slots=True)
+class StepCommit:
+    """What ``commit_step`` did to a (B, L) block.
+
+    Attributes:
+        block: (B, L) int64 the block after the step (same device as the logits).
+        committed: (B, L) bool the positions committed this step.
+        stalled: (B,) bool rows that still had a masked position and committed none (their scores were not finite
+            numbers): the reference raises ``NoProgressError``, the engine ends them with code "no_progress".
+        allowed: the grammar's (B, L, V) bool mask of allowed tokens, or None when no row has a grammar (the
+            processed log-probabilities are taken under it).
+    """
+
+    block: torch.Tensor
+    committed: torch.Tensor
+    stalled: torch.Tensor
+    allowed: torch.Tensor | None
+
+
+def commit_step(
+    logits: torch.Tensor,
+    block: torch.Tensor,
+    mask_id: int,
+    eos_id: int,
+    banned_ids: list[int],
+    num_tokens: torch.Tensor,
+    settings: RowSettings,
+    generators: list[torch.Generator],
+    seen: torch.Tensor | None = None,
+    lengths: list[int] | None = None,
+    confidence_from: str = "filtered",
+    constraints: list[Constraint | None] | None = None,
+    left: list[int] | None = None,
+    force: torch.Tensor | None = None,
+) -> StepCommit:
+    """One commit of a block: the grammar's masks (``grammar_step``), ``denoise_step``, the grammar's correction
+    (``constrain_commits``), then which rows made no progress. The masked-diffusion and block-diffusion paths of
+    the engine and their reference samplers all commit through here, so they cannot drift apart.
+
+    Args:
+        logits / block / mask_id / banned_ids / num_tokens / settings / generators / seen / lengths /
+            confidence_from: as ``denoise_step`` ((B, L, V) float32 logits, (B, L) int64 block, (B,) int64 counts).
+        eos_id: the end-of-text id a row whose grammar has ended fills its open positions with.
+        constraints: one ``Constraint`` or None per row (None: no row has a grammar).
+        left: per row, the answer positions from the block's first column to the end of the answer (needed when a
+            row has a constraint).
+        force: (B, L) bool positions committed whatever the rule says (a block model's pending first token), or
+            None; OR-ed with the grammar's own forced position.
+
+    Returns:
+        ``StepCommit`` (the new block, the committed positions, the stalled rows, the grammar's mask).
+    """
+    rows = constraints if constraints is not None else [None] * block.shape[0]
+    grammar = grammar_step(rows, block, mask_id, left if left is not None else [0] * len(rows), logits.shape[-1],
+                           logits.device)
+    if grammar.force is not None:
+        force = grammar.force if force is None else force | grammar.force
+    new, committed = denoise_step(logits, block, mask_id, banned_ids, num_tokens, settings, generators, seen,
+                                  lengths, confidence_from, grammar.allowed, force)
+    new, committed = constrain_commits(rows, grammar, block, new, committed, mask_id, eos_id)
+    stalled = (block == mask_id).any(-1) & ~committed.any(-1)  # (B,)
+    return StepCommit(new, committed, stalled, grammar.allowed)
 
 
 def guided(cond: torch.Tensor, uncond: torch.Tensor, cfg_scale: torch.Tensor) -> torch.Tensor:

@@ -99,7 +99,8 @@ class ServerMetrics:
 
 
 class _DraftCollector:
-    """Prometheus collector over each model's ``engine.drafter`` (``celeris.sampling.verified.VerifiedDecoder``)."""
+    """Prometheus collector over each model's ``engine.stats()`` (``celeris.engine.engine.EngineStats``): the
+    verified path's draft and prefix-cache counters."""
 
     def __init__(self) -> None:
         self.engines: dict[str, object] = {}  # model name -> engine
@@ -119,15 +120,12 @@ class _DraftCollector:
         hits = CounterMetricFamily("celeris_prefix_cache_hits", "Prompt tokens whose keys/values came from the prefix "
                                    "cache (vLLM's prefix_cache_hits)", labels=["model"])
         for model, engine in list(self.engines.items()):
-            drafter = engine.drafter
-            cache = drafter.prefix_cache if drafter else None
-            queries.add_metric([model], cache.query_tokens if cache else 0)
-            hits.add_metric([model], cache.hit_tokens if cache else 0)
-            drafted = list(drafter.drafted) if drafter else []
-            accepted = list(drafter.accepted) if drafter else []
-            total_d.add_metric([model], sum(drafted))
-            total_a.add_metric([model], sum(accepted))
-            for j, a in enumerate(accepted):
+            stats = engine.stats()  # celeris.engine.engine.EngineStats
+            queries.add_metric([model], stats.prefix_cache_queries)
+            hits.add_metric([model], stats.prefix_cache_hits)
+            total_d.add_metric([model], sum(stats.drafted))
+            total_a.add_metric([model], sum(stats.accepted))
+            for j, a in enumerate(stats.accepted):
                 per_pos.add_metric([str(j + 1), model], a)
         yield from (total_d, total_a, per_pos, queries, hits)
 

@@ -34,6 +34,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 
 from celeris.engine import QueueFullError
+from celeris.engine.engine import EngineStats
 from celeris.serve.async_engine import EngineDeadError, EngineInput, StepEvent
 from celeris.serve.protocol import APIError
 
@@ -66,9 +67,10 @@ class RemoteEvents(asyncio.Queue):
 
 
 class _NoDrafter:
-    """Stands for ``Engine`` where the serving layer reads ``engine.drafter`` (the replicas report theirs)."""
+    """Stands for ``Engine`` where the serving layer reads ``engine.stats()`` (the replicas report theirs)."""
 
-    drafter = None
+    def stats(self) -> EngineStats:
+        return EngineStats()
 
 
 class RemoteGroup:

@@ -21,7 +21,7 @@ from tokenizers import Tokenizer
 
 from celeris.data.completions import cut_function_body, has_code, heal_prompt
 from celeris.params import SamplingParams
-from celeris.sampling.autoregressive import generate_autoregressive
+from celeris.reference.autoregressive import generate_autoregressive
 
 # a function header (any indentation) followed by an indented triple-quoted docstring
 _FUNCTION = re.compile(r'^([ \t]*)def \w+\([^\n]*\)[^\n]*:\n\1[ \t]+(?:"""|\'\'\')[\s\S]*?(?:"""|\'\'\')\n', re.M)

@@ -1,4 +1,4 @@
-"""The engine's block path against the reference block sampler (``celeris.sampling.block.generate_block``):
+"""The engine's block path against the reference block sampler (``celeris.reference.block.generate_block``):
 token for token at temperature 0 (and with seeds), batched, with staggered arrivals and requests at different
 blocks; and its cached logits against a full recompute. Float64 models with sharpened weights (``scale``) so
 the order in which the engine sums cannot flip a greedy choice."""
@@ -13,7 +13,8 @@ from celeris.engine import Engine
 from celeris.models.contract import layout_mask
 from celeris.models.loader import load_any
 from celeris.params import SamplingParams
-from celeris.sampling.block import block_units, generate_block
+from celeris.reference.block import generate_block
+from celeris.sampling.block import block_units
 from tests.models.conftest_block_formats import write_fast_dllm, write_sdar
 
 PROMPTS = [[5, 6, 7], [8, 9, 10, 11, 12, 13], [14], [20, 21, 22, 23, 24, 25, 26, 27, 28]]
@@ -92,7 +93,7 @@ def test_cached_logits_equal_a_full_recompute(model):
     model.logits = record
     try:
         while engine.has_unfinished():
-            row = engine.block_decoder.rows.get(request)
+            row = request.state
             canvas = request.canvas.clone()
             first = block_units(len(PROMPTS[1]), 9, contract, params.block_length)[0]  # before the first pass
             a, e, s, t = row.unit if row else first
@@ -183,7 +184,7 @@ def test_finished_and_aborted_requests_leave_no_kv_rows(model):
     while engine.has_unfinished():
         engine.step()
     pool = engine.block_decoder.pool
-    assert pool.num_rows == 0 and not engine.block_decoder.rows and pool.keys == [] and pool.capacity_length == 0
+    assert pool.num_rows == 0 and not engine.block_decoder.requests and pool.keys == [] and pool.capacity_length == 0
     kept = engine.add_request(PROMPTS[0], params_for(model, max_tokens=16))
     gone = engine.add_request(PROMPTS[1], params_for(model, max_tokens=16))
     engine.step()

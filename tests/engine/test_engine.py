@@ -10,7 +10,7 @@ from celeris.config import EngineConfig
 from celeris.engine import Engine, RequestStatus
 from celeris.models.loader import load_any
 from celeris.params import SamplingParams
-from celeris.sampling.generate import generate
+from celeris.reference.masked import generate
 from tests.conftest import tiny_model
 from tests.models.conftest_formats import write_dream, write_llada
 
@@ -130,7 +130,7 @@ def test_cache_needs_model_support():
 def test_engine_decodes_a_causal_model_token_by_token(cache, refresh):
     """The AR twin through the engine (blocks of one token, shifted logits) is exactly greedy next-token decoding:
     the same tokens as the autoregressive decoder recomputing everything, for each cache it takes, joined mid-flight."""
-    from celeris.sampling.autoregressive import generate_autoregressive
+    from celeris.reference.autoregressive import generate_autoregressive
 
     model = tiny_model(is_causal=True)
     params = SamplingParams(max_tokens=12, steps=12, block_length=1, cache=cache,
@@ -151,7 +151,7 @@ def test_engine_decodes_a_causal_model_token_by_token(cache, refresh):
 
 
 def test_causal_model_with_repetition_penalty_matches_the_ar_decoder():
-    from celeris.sampling.autoregressive import generate_autoregressive
+    from celeris.reference.autoregressive import generate_autoregressive
 
     model = tiny_model(is_causal=True)
     params = SamplingParams(max_tokens=12, steps=12, block_length=1, cache="delayed", repetition_penalty=3.0,

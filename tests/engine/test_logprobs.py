@@ -109,11 +109,12 @@ def test_block_decoding_values_come_from_the_committing_step(tmp_path):
 
 def test_asking_for_nothing_computes_nothing(ar, hybrid, monkeypatch):
     import celeris.engine.engine as engine_module
+    import celeris.engine.masked as masked_module  # the masked path's commit
 
     def refuse(*args, **kwargs):
         raise AssertionError("log-probabilities computed though no request asked")
 
-    monkeypatch.setattr(engine_module, "step_entries", refuse)
+    monkeypatch.setattr(masked_module, "step_entries", refuse)
     monkeypatch.setattr(engine_module, "prompt_entries", refuse)
     out = ar.generate([PROMPT], ar.default_params(max_tokens=4))[0]
     assert out.logprobs is None and out.prompt_logprobs is None

@@ -9,7 +9,7 @@ import torch
 from celeris.config import EngineConfig
 from celeris.engine import Engine
 from celeris.params import SamplingParams
-from celeris.sampling.generate import generate
+from celeris.reference.masked import generate
 from tests.conftest import tiny_model
 from tests.engine.test_engine import PROMPTS, run_to_end
 
@@ -40,6 +40,27 @@ def test_kv_pool_rows_survive_others_finishing_and_joining(cache):
         assert torch.equal(r.answer, expected)
     if cache in ("dual_delayed", "prefix"):  # out of phase: some steps ran the wide rows in a pass of their own
         assert engine.runner.num_split_passes > 0
+
+
+@pytest.mark.slow
+def test_compiled_runner_gives_the_eager_tokens_in_the_block_and_verified_paths():
+    """enforce_eager=False compiles the block path's and the verified path's entries into the model too
+    (``ModelRunner.hidden_states`` / ``layout_hidden_states``); a hybrid model's block and verified requests,
+    running together, get the eager tokens."""
+    hybrid = tiny_model(seed=4, is_causal=True, draft_block_size=4)
+    block = SamplingParams(max_tokens=8, block_length=4, steps=4, early_exit=False)
+    verified = SamplingParams(max_tokens=8, steps=8, block_length=1, decoding="verified", early_exit=False)
+    answers = []
+    for eager in (True, False):
+        engine = Engine(hybrid, EngineConfig(enforce_eager=eager))
+        if not eager:
+            assert engine.runner.hidden_states is not hybrid.hidden_states  # a compiled wrapper
+        requests = [engine.add_request(PROMPTS[0], block), engine.add_request(PROMPTS[1], verified)]
+        assert [r.mode for r in requests] == ["block", "verified"]
+        run_to_end(engine)
+        assert engine.drafter.entry is engine.runner and engine.block_decoder.entry is engine.runner
+        answers.append([r.answer.tolist() for r in requests])
+    assert answers[0] == answers[1]
 
 
 @pytest.mark.slow

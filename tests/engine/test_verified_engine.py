@@ -8,7 +8,7 @@ import pytest
 from celeris.config import EngineConfig
 from celeris.engine.engine import Engine
 from celeris.params import SamplingParams
-from celeris.sampling.autoregressive import generate_autoregressive
+from celeris.reference.autoregressive import generate_autoregressive
 from tests.conftest import tiny_model
 
 
@@ -43,7 +43,7 @@ def test_engine_verified_equals_greedy_with_staggered_arrivals(hybrid):
         assert request.finish_reason in ("length", "stop") and 1 <= request.nfe <= lengths[i]
     plain_alone = generate_autoregressive(hybrid, [[3, 4, 5]], plain).token_ids[0]
     assert other.final_prefix(hybrid.config.eos_token_id) == plain_alone
-    assert engine._draft_rows == {} and engine.drafter.rows == []  # every row freed
+    assert all(r.state is None for _, r in requests) and engine.drafter.rows == []  # every row freed
 
 
 def test_engine_refuses_verified_for_a_model_that_cannot_draft(make_model):

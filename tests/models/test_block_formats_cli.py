@@ -108,7 +108,7 @@ def test_generation_stops_at_the_end_of_turn_token(block_dir):
 
     def scripted(hidden):
         out = original(hidden).clone()
-        (row,) = engine.block_decoder.rows.values()  # one request: logits column j scores canvas column s + j
+        (row,) = [r.state for r in engine.block_decoder.requests]  # one request: logits column j scores canvas column s + j
         _, _, s, t = row.unit
         if s <= at < s + out.shape[1]:  # one column when a block's first token is scored alone (commit_first)
             out[0, at - s, end] = 1e4

@@ -20,7 +20,7 @@ from celeris.llm import LLM
 from celeris.models.llada import LLaDAModel
 from celeris.models.loader import CheckpointError, estimate_memory, load_any, load_tokenizer, read_headers
 from celeris.params import SamplingParams
-from celeris.sampling.generate import generate
+from celeris.reference.masked import generate
 from tests.models.conftest_formats import (
     llada_shapes,
     padded_batch,

@@ -5,7 +5,7 @@ import torch
 
 from celeris.models.celeris import CelerisConfig, CelerisModel
 from celeris.params import SamplingParams
-from celeris.sampling.autoregressive import generate_autoregressive
+from celeris.reference.autoregressive import generate_autoregressive
 
 
 def tiny_causal(seed: int = 0) -> CelerisModel:

@@ -8,8 +8,8 @@ import pytest
 from celeris.config import EngineConfig
 from celeris.engine import Engine
 from celeris.params import SamplingParams
+from celeris.reference.masked import generate
 from celeris.sampling.cache import CACHE_MODES, CachePolicy, cache_window
-from celeris.sampling.generate import generate
 from tests.conftest import tiny_model
 
 BLOCKS = [(0, 4), (4, 8), (8, 12)]

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from celeris.params import SamplingParams
-from celeris.sampling.generate import generate
+from celeris.reference.masked import generate
 from tests.conftest import tiny_model
 
 

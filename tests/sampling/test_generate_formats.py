@@ -1,4 +1,4 @@
-"""The reference sampler (``celeris.sampling.generate``) on the published LLaDA and Dream formats: every decoding
+"""The reference sampler (``celeris.reference.masked``) on the published LLaDA and Dream formats: every decoding
 rule and CFG run, batched equals unbatched, the prefix / dual caches run and one step per block equals no cache."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import torch
 
 from celeris.models.loader import load_any
 from celeris.params import SamplingParams
-from celeris.sampling.generate import generate
+from celeris.reference.masked import generate
 from tests.models.conftest_formats import write_dream, write_llada
 
 WRITERS = {"llada": write_llada, "dream": write_dream}

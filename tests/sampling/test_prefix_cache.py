@@ -1,4 +1,4 @@
-"""Automatic prefix caching (celeris.sampling.prefix_cache) in verified decoding: which prefix a prompt reuses
+"""Automatic prefix caching (celeris.engine.kv) in verified decoding: which prefix a prompt reuses
 (whole blocks, never its last token), LRU eviction, and answers token-identical to decoding without the cache
 (greedy at temperature 0, the same sampled tokens at temperature > 0), row by row and through the engine."""
 
@@ -9,10 +9,10 @@ import torch
 
 from celeris.config import EngineConfig
 from celeris.engine.engine import Engine
+from celeris.engine.kv import BLOCK_SIZE, PrefixCache
+from celeris.engine.verified import VerifiedDecoder
 from celeris.params import SamplingParams
-from celeris.sampling.autoregressive import generate_autoregressive
-from celeris.sampling.prefix_cache import BLOCK_SIZE, PrefixCache
-from celeris.sampling.verified import VerifiedDecoder
+from celeris.reference.autoregressive import generate_autoregressive
 from tests.conftest import tiny_model
 
 BASE = torch.randint(1, 60, (40,), generator=torch.Generator().manual_seed(0)).tolist()

@@ -6,16 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from celeris.engine.verified import DraftRow, VerifiedDecoder, generate_verified
 from celeris.params import SamplingParams
-from celeris.sampling.autoregressive import generate_autoregressive
-from celeris.sampling.verified import (
-    DraftRow,
-    VerifiedDecoder,
-    accept_draft,
-    check_verified_support,
-    generate_verified,
-    lookup_drafts,
-)
+from celeris.reference.autoregressive import generate_autoregressive
+from celeris.sampling.verified import accept_draft, check_verified_support, lookup_drafts
 from tests.conftest import tiny_model
 
 K = 3
@@ -207,7 +201,7 @@ def test_num_speculative_tokens_sets_the_drafts_per_pass_and_keeps_the_greedy_an
     model = make_model(seed=5, is_causal=True)
     params = SamplingParams(max_tokens=n, steps=n, early_exit=False, decoding="verified", draft_source="lookup",
                             num_speculative_tokens=8)
-    from celeris.sampling import verified
+    from celeris.engine import verified  # the decoder looks its drafts up there
 
     asked = []
     monkeypatch.setattr(verified, "lookup_drafts", lambda tokens, k: asked.append(k) or lookup_drafts(tokens, k))

@@ -9,7 +9,7 @@ import pytest
 from celeris.engine import Engine
 from celeris.llm import LLM
 from celeris.params import SamplingParams
-from celeris.sampling.generate import generate
+from celeris.reference.masked import generate
 from celeris.structured.grammar import (
     TOOL_CALL_CLOSE,
     TOOL_CALL_OPEN,

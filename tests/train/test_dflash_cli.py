@@ -29,7 +29,7 @@ def write_rows(folder, ids_list, prompt_len, width, layer_ids):
 @pytest.mark.slow  # transformers' import and a save_pretrained: ~12 s
 def test_train_dflash_checkpoints_resumes_and_exports_a_drafter_that_loads(tmp_path, capsys):
     from celeris.llm import LLM
-    from celeris.sampling.autoregressive import generate_autoregressive
+    from celeris.reference.autoregressive import generate_autoregressive
     from tests.models.conftest_causal import tiny_causal
 
     tiny_causal("llama", tmp_path / "target")  # 2 layers, hidden 32, saved by save_pretrained

@@ -107,7 +107,7 @@ def test_autoregressive_twin_trains_causal(corpus_dir, tmp_path):
     assert load_model(tmp_path / "ar_export").config.is_causal
     # the exported twin decodes token by token through the engine, as the AR decoder does
     from celeris.llm import LLM
-    from celeris.sampling.autoregressive import generate_autoregressive
+    from celeris.reference.autoregressive import generate_autoregressive
 
     llm = LLM(tmp_path / "ar_export")
     assert llm.generation_config["block_length"] == 1
@@ -121,7 +121,7 @@ def test_hybrid_adapts_a_causal_checkpoint_and_exports_verified_defaults(corpus_
     """--objective hybrid --init TWIN: every weight of the twin, the mask row at the mean embedding, the
     config's draft_block_size, verified decoding by default; its answers equal its greedy next-token ones."""
     from celeris.llm import LLM
-    from celeris.sampling.autoregressive import generate_autoregressive
+    from celeris.reference.autoregressive import generate_autoregressive
     from celeris.train.loop import init_from_checkpoint
 
     train(tiny_cfg(corpus_dir, tmp_path / "ar", objective="ar", max_steps=2, export_dir=str(tmp_path / "twin")))

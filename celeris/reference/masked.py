@@ -17,7 +17,7 @@ import torch
 
 from celeris.models.layers import KVCache, column_window
 from celeris.params import SamplingParams
-from celeris.sampling.block import generate_block
+from celeris.reference.block import generate_block
 from celeris.sampling.cache import CACHE_MODES, cache_window, visible_end
 from celeris.sampling.modes import check_request, mode_of
 from celeris.sampling.output import GenerationOutput, answer_done, build_canvas, cut_at_eos
@@ -27,13 +27,13 @@ from celeris.sampling.step import (
     RowSettings,
     banned_token_ids,
     check_prompts,
+    commit_step,
     confidence_rule,
     context_tokens,
-    denoise_step,
     guided,
     make_generator,
 )
-from celeris.structured.grammar import constrain_commits, grammar_step, row_constraints
+from celeris.structured.grammar import row_constraints
 
 
 def batch_rows(prompt_ids: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[SamplingParams]:
@@ -186,14 +186,12 @@ def generate(
             seen = None
             if any(r.repetition_penalty != 1 for r in rows):  # padding is not context
                 seen = context_tokens(list(torch.where(attn, canvas, mask_id)), logits.shape[-1], mask_id, device)
-            was_masked = (canvas[:, span] == mask_id).any(-1)  # (B,)
-            old = canvas[:, span].clone()
-            grammar = grammar_step(constraints, old, mask_id, [first.max_tokens - s] * batch, logits.shape[-1], device)
-            new, committed = denoise_step(logits, old, mask_id, banned, schedule[:, min(step_in_block, block_steps - 1)],
-                                          settings, generators, seen, confidence_from=confidence_rule(model),
-                                          allowed=grammar.allowed, force=grammar.force)
-            canvas[:, span], committed = constrain_commits(constraints, grammar, old, new, committed, mask_id, eos_id)
-            if bool((was_masked & ~committed.any(-1)).any()):
+            step = commit_step(logits, canvas[:, span].clone(), mask_id, eos_id, banned,
+                               schedule[:, min(step_in_block, block_steps - 1)], settings, generators, seen,
+                               confidence_from=confidence_rule(model), constraints=constraints,
+                               left=[first.max_tokens - s] * batch)
+            canvas[:, span], committed = step.block, step.committed
+            if bool(step.stalled.any()):
                 raise NoProgressError(f"denoising step {steps + 1} committed no token (the model's scores are not "
                                       f"finite numbers)")
             for i in committed.any(-1).nonzero().flatten().tolist():

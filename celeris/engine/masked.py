@@ -1,0 +1,259 @@
+"""The engine's masked-diffusion path: one denoising step for every running masked request.
+
+The step's passes (``MaskedPath.passes``) run the runner's model (``celeris.engine.runner.ModelRunner``: compiled
+when ``enforce_eager`` is False) over the runner's KV pool; a step makes at most two passes (plus CFG rows inside them):
+
+- a full pass for the requests that need one: no cache, a cache to fill (a
+  new request) or to refresh (``prefix``/``dual`` at a block's first step,
+  ``delayed``/``dual_delayed`` only as ``cache_refresh`` says).
+  Rows are padded so every request's block starts at the same column
+  ("block-aligned"), with an attention mask, so padding is never attended
+  and positions count real tokens only. The keys/values are stored in the
+  ``KVPool``.
+- one window pass over every live ``KVPool`` row: each row computes only its
+  own columns (``Request.cache_columns``) and reads the rest from the pool in
+  place. Rows that ran a full pass this step recompute their block
+  harmlessly (those keys/values are recomputed before anyone reads them
+  stale), which costs less than copying the others out.
+
+and return each request's block logits; this path then commits them through
+``celeris.sampling.step.commit_step`` (the reference sampler's composition: grammar, commit rule, grammar
+correction, progress check), stores the committed tokens' log-probabilities when asked, and moves each request's
+cursor (``Request.advance``: the block, its schedule) or ends it. A request's cursor is the ``Request`` itself
+(``request.state`` stays None).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from celeris.engine.request import NO_PROGRESS, Request
+from celeris.engine.runner import ModelRunner
+from celeris.models.layers import KVCache, column_window
+from celeris.sampling.cache import CACHE_MODES
+from celeris.sampling.logprobs import step_entries
+from celeris.sampling.step import RowSettings, commit_step, context_tokens, guided, prepare_logits
+
+
+class MaskedPath:
+    """Runs the masked-diffusion steps of the engine's requests (module docstring).
+
+    Args:
+        runner: the engine's model runner (its passes and KV pool).
+        mask_id / eos_id / banned_ids / confidence_from: the model's ids and its confidence rule
+            (``celeris.sampling.step.confidence_rule``).
+        logprobs_mode: ``EngineConfig.logprobs_mode`` ("raw_logprobs" or "processed_logprobs").
+    """
+
+    mode = "masked"
+
+    def __init__(self, runner: ModelRunner, mask_id: int, eos_id: int, banned_ids: list[int], confidence_from: str,
+                 logprobs_mode: str = "raw_logprobs") -> None:
+        self.runner = runner
+        self.mask_id, self.eos_id, self.banned_ids = mask_id, eos_id, banned_ids
+        self.pad_id = runner.pad_id
+        self.confidence_from = confidence_from
+        self.logprobs_mode = logprobs_mode
+
+    def token_cost(self, requests: list[Request]) -> int:
+        """Tokens the step's full pass over ``requests`` processes (the scheduler's budget): rows (a CFG request
+        adds its unconditional row) x the longest canvas, since the rows are padded to it; a window pass computes
+        fewer."""
+        if not requests:
+            return 0
+        return sum(2 if r.params.cfg_scale > 0 else 1 for r in requests) * max(r.num_tokens for r in requests)
+
+    def release(self) -> None:
+        """Free the KV rows of finished or aborted requests."""
+        self.runner.release({r for r, _ in self.runner.pool.owners if not r.is_finished})
+
+    @torch.no_grad()
+    def step(self, batch: list[Request]) -> list[Request]:
+        """One denoising step for ``batch`` (running masked requests): commit, count (``Request.record_step``),
+        advance or finish each. Returns ``batch``."""
+        logits, block = self.passes(batch)
+        settings = RowSettings.from_params([r.params for r in batch], logits.device)
+        num_tokens = torch.tensor([r.tokens_this_step() for r in batch], device=logits.device)
+        seen = None
+        if any(r.params.repetition_penalty != 1 for r in batch):
+            seen = context_tokens([r.canvas for r in batch], logits.shape[-1], self.mask_id, logits.device)
+        widths = [r.block_span[1] - r.block_span[0] for r in batch]
+        step = commit_step(logits, block, self.mask_id, self.eos_id, self.banned_ids, num_tokens, settings,
+                           [r.generator for r in batch], seen, widths, self.confidence_from,
+                           [r.constraint for r in batch],
+                           [r.answer_start + r.params.max_tokens - r.block_span[0] for r in batch])
+        if any(r.params.logprobs is not None for r in batch):  # asking for nothing costs nothing
+            self._record_logprobs(batch, logits, step.block, step.committed, settings, seen, step.allowed)
+        new_block, committed, stalled = step.block.cpu(), step.committed.cpu(), step.stalled.tolist()
+        for i, r in enumerate(batch):
+            s, e = r.block_span
+            r.canvas[s:e] = new_block[i, : e - s]  # a short block's pad columns are dropped
+            r.record_step(2 if r.params.cfg_scale > 0 else 1)
+            if stalled[i]:  # progress guarantee: never take another step in vain
+                r.fail(NO_PROGRESS, f"denoising step {r.num_steps} committed no token (the model's scores for the "
+                                    f"masked positions are not finite numbers), so the request was ended")
+            else:
+                r.advance(self.eos_id, (s + committed[i, : e - s].nonzero().flatten()).tolist())
+                if r.constraint is not None and r.constraint.stopped and not r.is_finished:
+                    r.finish("stop")  # the grammar allows nothing but the end: no pass for that token
+        if any(r.is_finished for r in batch):  # free finished requests' KV rows now, not at the next step
+            self.runner.release({r for r in batch if not r.is_finished})
+        return batch
+
+    def _record_logprobs(self, batch: list[Request], logits: torch.Tensor, new_block: torch.Tensor,
+                         committed: torch.Tensor, settings: RowSettings, seen: torch.Tensor | None,
+                         allowed: torch.Tensor | None) -> None:
+        """Store the log-probabilities of the tokens this step committed for the requests that ask
+        (``celeris.sampling.logprobs.step_entries``, raw or processed as ``logprobs_mode`` says)."""
+        processed = None
+        if self.logprobs_mode == "processed_logprobs":
+            processed, _ = prepare_logits(logits, settings, self.banned_ids, seen, allowed)
+        rows = step_entries(logits, new_block, committed, [r.params.logprobs for r in batch], processed,
+                            settings.temperature)
+        for r, row in zip(batch, rows, strict=True):
+            offset = r.block_span[0] - r.answer_start
+            r.logprob_entries.update({offset + c: e for c, e in row.items() if offset + c < r.params.max_tokens})
+
+    @torch.no_grad()
+    def passes(self, requests: list[Request]) -> tuple[torch.Tensor, torch.Tensor]:
+        """One denoising step's forward passes over ``requests``.
+
+        Returns:
+            logits (B, Lb, V) float32 for each request's current block (after CFG),
+            and block (B, Lb) int64 current block tokens (columns past a short block
+            hold the pad id, so they are never committed). Lb is the longest block.
+        """
+        self.runner.release(set(requests))
+        full = [i for i, r in enumerate(requests) if self._needs_full_pass(r)]
+        windowed = sorted(set(range(len(requests))) - set(full))
+        block_width = max(e - s for s, e in (r.block_span for r in requests))
+        logits = block = None
+        for rows, forward in ((full, self._full_pass), (windowed, self._window_pass)):
+            if not rows:
+                continue
+            g_logits, g_block = forward([requests[i] for i in rows], block_width)
+            if logits is None:
+                logits = g_logits.new_empty((len(requests), block_width, g_logits.shape[-1]))
+                block = g_block.new_empty((len(requests), block_width))
+            logits[rows], block[rows] = g_logits, g_block
+        return logits, block
+
+    def _needs_full_pass(self, r: Request) -> bool:
+        pool = self.runner.pool
+        return not CACHE_MODES[r.params.cache].uses_cache or pool.row(r) is None or r.cache_columns() is None
+
+    def _uncond(self, canvas: torch.Tensor, is_answer: torch.Tensor) -> torch.Tensor:
+        """CFG's unconditional input: prompt and suffix replaced by the mask token."""
+        return torch.where(is_answer, canvas, self.mask_id)
+
+    def _block_tokens(self, canvas: torch.Tensor, starts: list[int], widths: list[int], block_width: int) -> torch.Tensor:
+        """(B, block_width) tokens of each row's block from a (B, T) canvas; columns past a row's width hold the pad id."""
+        cols = torch.tensor(starts)[:, None] + torch.arange(block_width)[None]
+        block = canvas.gather(1, cols.clamp(max=canvas.shape[1] - 1))
+        return torch.where(torch.arange(block_width)[None] < torch.tensor(widths)[:, None], block, self.pad_id)
+
+    def _guide(self, requests: list[Request], logits: torch.Tensor, cond: list[int], uncond: list[int]) -> torch.Tensor:
+        """Rows ``cond`` of ``logits`` for every request, CFG applied to the guided ones (rows ``uncond``)."""
+        out = logits[cond]
+        guided_rows = [i for i, r in enumerate(requests) if r.params.cfg_scale > 0]
+        if guided_rows:
+            scale = torch.tensor([requests[i].params.cfg_scale for i in guided_rows], device=self.runner.device)
+            scale = scale[:, None]
+            out = out.clone()
+            out[guided_rows] = guided(out[guided_rows], logits[uncond], scale)
+        return out
+
+    def _full_pass(self, requests: list[Request], block_width: int) -> tuple[torch.Tensor, torch.Tensor]:
+        spans = [r.block_span for r in requests]
+        align = max(s for s, _ in spans)  # every row's block starts at this column
+        total = align + max(max(r.num_tokens - s for r, (s, _) in zip(requests, spans, strict=True)), block_width)
+        total = -(-total // self.runner.length_bucket) * self.runner.length_bucket  # right padding up to a bucket
+        offsets = [align - s for s, _ in spans]
+        b = len(requests)
+        canvas = torch.full((b, total), self.pad_id, dtype=torch.long)
+        attn = torch.zeros((b, total), dtype=torch.bool)
+        is_answer = torch.zeros((b, total), dtype=torch.bool)
+        for i, (r, off) in enumerate(zip(requests, offsets, strict=True)):
+            canvas[i, off : off + r.num_tokens] = r.canvas
+            attn[i, off : off + r.visible_end] = True  # the rest of the canvas: past the suffix window
+            is_answer[i, off + r.answer_start : off + r.answer_start + r.params.max_tokens] = True
+        uncond_rows = [i for i, r in enumerate(requests) if r.params.cfg_scale > 0]
+        batch_ids = torch.cat([canvas, self._uncond(canvas, is_answer)[uncond_rows]]).to(self.runner.device)
+        batch_attn = torch.cat([attn, attn[uncond_rows]]).to(self.runner.device)
+        caching = any(r.params.cache != "none" for r in requests)
+        cache = KVCache() if caching else None
+        kwargs = {} if cache is None else {"cache": cache}
+        columns = slice(align, align + block_width)
+        logits = self.runner.model(batch_ids, batch_attn, logits_slice=columns, **kwargs)  # (B + C, Lb, V)
+        if cache is not None:
+            sources = [(r, "cond") for r in requests] + [(requests[i], "uncond") for i in uncond_rows]
+            for row, ((r, kind), off) in enumerate(zip(sources, offsets + [offsets[i] for i in uncond_rows], strict=True)):
+                if r.params.cache != "none":
+                    cols = slice(off, off + r.num_tokens)
+                    self.runner.pool.store(r, kind, [k[row, :, cols] for k in cache.keys],
+                                           [v[row, :, cols] for v in cache.values])
+        logits = self._guide(requests, logits, list(range(b)), list(range(b, b + len(uncond_rows))))
+        widths = [e - s for s, e in spans]
+        return logits, self._block_tokens(canvas, [align] * b, widths, block_width).to(self.runner.device)
+
+    def _window_pass(self, requests: list[Request], block_width: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """One window pass over every live pool row, or two when a few rows need far more columns than the rest.
+
+        Per-row columns are padded to the widest row, so one row at a ``dual_delayed`` (or ``prefix``)
+        block start, which recomputes the whole masked suffix, would make every other row compute that
+        many columns too; with continuous batching (requests out of phase) or threshold decoding (blocks
+        of different lengths in steps) that happens at almost every step. So when at most half the rows
+        are wider than twice the block ("wide"), those first redo only their block in the shared pass,
+        then run alone on a copy of their pool rows, which is written back (their block's keys/values are
+        recomputed there, so the first pass's are never read).
+        """
+        pool = self.runner.pool
+        rows, total = pool.num_rows, pool.capacity_length
+        canvas = torch.full((rows, total), self.pad_id, dtype=torch.long)
+        attn = torch.zeros((rows, total), dtype=torch.bool)
+        columns, block_starts = [], []
+        for row, (r, kind) in enumerate(pool.owners):
+            n = r.num_tokens
+            ids = r.canvas
+            if kind == "uncond":
+                is_answer = torch.zeros(n, dtype=torch.bool)
+                is_answer[r.answer_start : r.answer_start + r.params.max_tokens] = True
+                ids = self._uncond(ids, is_answer)
+            canvas[row, :n] = ids
+            attn[row, : r.visible_end] = True
+            # a row that ran a full pass this step just redoes its block
+            cols, block_start = r.cache_columns() or (list(range(*r.block_span)), 0)
+            columns.append(cols)
+            block_starts.append(block_start)
+        wide = [row for row, c in enumerate(columns) if len(c) > 2 * block_width]
+        if not wide or 2 * len(wide) > rows:  # splitting pays (and copies at most half the pool) when few are wide
+            logits = self._run_window(canvas, attn, pool.view(), columns, block_starts, block_width)
+        else:
+            shared, shared_starts = list(columns), list(block_starts)
+            for row in wide:  # in the shared pass a wide row only redoes its block
+                shared[row], shared_starts[row] = list(range(*pool.owners[row][0].block_span)), 0
+            logits = self._run_window(canvas, attn, pool.view(), shared, shared_starts, block_width)
+            self.runner.num_split_passes += 1
+            idx = torch.tensor(wide, device=self.runner.device)
+            sub = KVCache([k.index_select(0, idx) for k in pool.keys], [v.index_select(0, idx) for v in pool.values])
+            logits[idx] = self._run_window(canvas[wide], attn[wide], sub, [columns[i] for i in wide],
+                                           [block_starts[i] for i in wide], block_width)
+            for layer in range(len(pool.keys)):
+                pool.keys[layer].index_copy_(0, idx, sub.keys[layer])
+                pool.values[layer].index_copy_(0, idx, sub.values[layer])
+        cond = [pool.row(r) for r in requests]
+        uncond = [pool.row(r, "uncond") for r in requests if r.params.cfg_scale > 0]
+        logits = self._guide(requests, logits, cond, uncond)
+        spans = [r.block_span for r in requests]
+        block = self._block_tokens(canvas[cond], [s for s, _ in spans], [e - s for s, e in spans], block_width)
+        return logits, block.to(self.runner.device)
+
+    def _run_window(self, canvas: torch.Tensor, attn: torch.Tensor, cache: KVCache, columns: list[list[int]],
+                    block_starts: list[int], block_width: int) -> torch.Tensor:
+        """A window pass: row i computes canvas columns ``columns[i]`` and scores the ``block_width`` of them from
+        ``block_starts[i]`` on. canvas/attn (R, T) on the CPU, cache rows (R, ...). Returns (R, Lb, V) logits."""
+        cols = column_window(columns)  # (R, Lw)
+        width = torch.tensor([len(c) for c in columns])[:, None]
+        index = torch.minimum(torch.tensor(block_starts)[:, None] + torch.arange(block_width)[None], width - 1)  # (R, Lb)
+        return self.runner.model(canvas.to(self.runner.device), attn.to(self.runner.device), cache=cache,
+                          window=cols.to(self.runner.device), logits_index=index.to(self.runner.device))

@@ -1,0 +1,547 @@
+"""The verified path of the engine: ``VerifiedDecoder`` (continuous batching of draft-and-verify passes over a KV
+pool), ``DraftRow`` (one request's cursor, its ``request.state``), ``VerifiedPath`` (the engine's mode path over a
+decoder) and ``generate_verified`` (a whole batch through one decoder).
+
+What verified decoding is, and the rules it follows (drafts, verification, grammars), is
+``celeris.sampling.verified``'s docstring; this module runs the model and owns the keys/values
+(``celeris.engine.kv.PrefixCache`` for prompt prefixes).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field, replace
+
+import torch
+
+from celeris.engine.kv import BLOCK_SIZE, PREFIX_CACHE_TOKENS, PrefixCache
+from celeris.models.layers import KVCache
+from celeris.params import SamplingParams
+from celeris.sampling.drafter import DFlashProposer, DraftState, proposer_of
+from celeris.sampling.logprobs import TokenLogprob, entries
+from celeris.sampling.select import NEG_INF, top_p_filter
+from celeris.sampling.step import banned_token_ids, check_prompts, make_generator
+from celeris.sampling.verified import (
+    LOOKUP_DRAFTS,
+    MAX_DRAFTS,
+    check_draft_source,
+    check_verified_support,
+    grammar_lookup_drafts,
+    grammar_slot_drafts,
+    lookup_drafts,
+    mask_slots,
+    slot_drafts,
+    verify_drafts,
+    verify_under_grammar,
+)
+from celeris.structured.grammar import Constraint, row_constraints
+
+
+@dataclass(slots=True)
+class VerifiedOutput:
+    """Result of one batched ``generate_verified`` call.
+
+    Attributes:
+        token_ids: per row, the answer cut before the first end-of-text token.
+        nfe: forward passes (a pass counts once for the whole batch; a step that prefills new rows while
+            others decode runs two).
+        row_passes: per row, the passes it took part in until it finished (its own NFE).
+        drafted: per draft position j = 1..k, how many drafts were checked there (all rows).
+        accepted: per draft position, how many of them were accepted.
+        ttft_s: per row, seconds from the call's start until its first answer token.
+        seconds: wall time of the call.
+    """
+
+    token_ids: list[list[int]]
+    nfe: int
+    row_passes: list[int]
+    drafted: list[int]
+    accepted: list[int]
+    ttft_s: list[float | None] = field(default_factory=list)
+    seconds: float = 0.0
+
+    @property
+    def tokens_per_forward(self) -> float:
+        """Answer tokens per pass a row took part in (prefill included), over the whole batch."""
+        return sum(len(t) for t in self.token_ids) / max(1, sum(self.row_passes))
+
+    @property
+    def acceptance(self) -> list[float]:
+        """Per draft position, the share of checked drafts that were accepted."""
+        return [a / d if d else 0.0 for a, d in zip(self.accepted, self.drafted, strict=True)]
+
+
+def _pass_mask(columns: torch.Tensor, slot_start: torch.Tensor, slots: torch.Tensor, length: int) -> torch.Tensor:
+    """Attention mask of one pass: (B, 1, Lw, length) bool, True where a query column may see a key column.
+
+    ``columns`` (B, Lw) are the computed columns; columns >= ``slot_start`` (B,) are the row's ``slots`` (B,)
+    mask slots, which see every key before ``slot_start`` and the whole slot block; the other columns are causal.
+    """
+    keys = torch.arange(length, device=columns.device)[None, None, :]  # (1, 1, T)
+    q = columns[:, :, None]  # (B, Lw, 1)
+    s = slot_start[:, None, None]
+    return torch.where(q >= s, keys < s + slots[:, None, None], keys <= q)[:, None]
+
+
+def _forward(model: object, ids: torch.Tensor, cache: KVCache, columns: torch.Tensor,
+             mask: torch.Tensor, first: list[int] | None = None,
+             capture: dict[int, torch.Tensor | None] | None = None) -> torch.Tensor:
+    """Logits (B, Lw, V) float32 of token ``ids`` (B, Lw) at ``columns`` (B, Lw, also their RoPE positions),
+    reading and writing ``cache`` (per layer (B, H_kv, T, D)) at those columns. ``first``: per row, the first of
+    its (left-aligned) columns whose logits are wanted; the earlier ones are left unset (uninitialised).
+    ``capture``: layer outputs to keep (``layout_hidden_states``), for a DFlash drafter."""
+    hidden = model.layout_hidden_states(ids, columns, mask, cache, columns, capture=capture)  # (B, Lw, d)
+    if first is None:
+        return model.logits(hidden)
+    b, width, d = hidden.shape
+    start = torch.tensor(first, device=hidden.device)  # (B,)
+    span = width - min(first)
+    index = (start[:, None] + torch.arange(span, device=hidden.device)[None]).clamp(max=width - 1)  # (B, span)
+    part = model.logits(hidden.gather(1, index[..., None].expand(b, span, d)))  # (B, span, V)
+    out = torch.empty((b, width, part.shape[-1]), dtype=part.dtype, device=part.device)  # (B, Lw, V)
+    return out.scatter_(1, index[..., None].expand_as(part), part)
+
+
+@dataclass(eq=False)
+class DraftRow:
+    """One sequence under verified decoding: its tokens, drafts and the columns its next pass computes.
+
+    Columns are the row's own positions (0 = its first prompt token; rows are never padded).
+    """
+
+    prompt_ids: list[int]
+    params: SamplingParams
+    generator: torch.Generator
+    k: int
+    end_ids: frozenset[int] = frozenset()  # ids that end the answer (with ``early_exit``)
+    constraint: Constraint | None = None  # the grammar state (``celeris.structured``), advanced by committed tokens
+    draft_state: DraftState | None = None  # its DFlash drafter's cache and queued features (with a drafter)
+    acceptance_lengths: list[int] = field(default_factory=list)  # drafts accepted, per pass that checked drafts
+    answer: list[int] = field(default_factory=list)
+    drafts: list[int] = field(default_factory=list)
+    draft_probs: list = field(default_factory=list)
+    pending: int = -1  # column whose next-token logits give the first token of the next pass
+    slot_start: int = 0  # first mask-slot column of the next pass
+    num_slots: int = 0  # mask slots in the next pass (k, or 0 when its drafts came from prompt lookup)
+    num_cached: int = 0  # prompt tokens whose keys/values came from the prefix cache (the prefill starts there)
+    new_logprobs: list[TokenLogprob] = field(default_factory=list)  # with params.logprobs: the last pass's tokens'
+    passes: int = 0
+    finished: bool = False
+    hit_eos: bool = False
+    owner: object | None = None  # the engine's Request this row decodes (``VerifiedPath``), None outside the engine
+
+    @property
+    def columns(self) -> list[int]:
+        """Columns of the next pass: the prompt past its cached prefix and k slots (prefill), else pending, drafts,
+        slots."""
+        first = self.num_cached if self.pending < len(self.prompt_ids) - 1 else self.pending
+        return list(range(first, self.slot_start + self.num_slots))
+
+
+class VerifiedDecoder:
+    """Continuous batching for verified decoding: rows join and leave between passes.
+
+    Every row's keys/values live in one row of a preallocated pool per layer, (max_rows, H_kv, max_len, D) with
+    H_kv the model's key/value heads (``pool_bytes``);
+    rows that are running occupy pool rows [0, n), so a pass works on views of the pool. A step prefills
+    newly added rows in one pass (on a fresh cache, copied into their pool rows) and advances the others
+    in one pass. Finished rows are removed by moving the last row into the hole (one row copy).
+
+    Each row checks k drafts per pass, its ``num_speculative_tokens`` (default ``draft_length`` of the model,
+    or ``LOOKUP_DRAFTS`` without slots); its mask slots are min(k, ``draft_length``).
+
+    Automatic prefix caching (``celeris.engine.kv.PrefixCache``): a new row copies the keys/values of the longest
+    cached block-aligned prefix of its prompt into its pool row and prefills only the rest; after its prefill its
+    prompt's full blocks are cached. The answer is the same (keys/values of a causal prefix are exact; computed in
+    a pass of another shape they may differ by float rounding only).
+
+    With a DFlash drafter (``proposer``, default the one ``attach`` put beside the model), each pass also keeps
+    the target's hidden states at the drafter's layers; the prefix cache then also keeps a cached prefix's target
+    features (the drafter's context), and a prefix is reused as far as both reach.
+
+    Args:
+        model: a causal model with a KV cache.
+        proposer: a DFlash drafter's proposer (``celeris.sampling.drafter``); None: ``proposer_of(model)``.
+        max_rows: most rows at once. max_tokens: longest prompt + answer, tokens (the pool adds the
+            2 * ``MAX_DRAFTS`` + 2 columns the last pass's drafts and slots may need).
+        prefix_cache_tokens: most prompt tokens whose keys/values the prefix cache keeps (LRU); 0 turns it off.
+    """
+
+    def __init__(self, model: torch.nn.Module, max_rows: int, max_tokens: int,
+                 prefix_cache_tokens: int = PREFIX_CACHE_TOKENS, proposer: DFlashProposer | None = None,
+                 entry: object | None = None) -> None:
+        self.entry = entry or model  # what a pass calls (``layout_hidden_states``, ``logits``): the engine's runner
+        self.proposer = proposer or proposer_of(model)
+        self.slots = mask_slots(model, self.proposer)  # mask slots the model drafts (0: none)
+        self.model = model
+        self.k = self.proposer.k if self.proposer else self.slots or LOOKUP_DRAFTS  # the default k
+        self.pad = 2 * MAX_DRAFTS + 2
+        max_len = max_tokens + self.pad
+        config, arch = model.config, model.arch
+        p = next(model.parameters())
+        shape = (max_rows, arch.num_kv_heads, max_len, arch.head_dim)  # K/V heads: before grouped-query sharing
+        self.keys = [torch.zeros(shape, dtype=p.dtype, device=p.device) for _ in model.layers]
+        self.values = [torch.zeros(shape, dtype=p.dtype, device=p.device) for _ in model.layers]
+        self.tokens = torch.full((max_rows, max_len), config.mask_token_id, dtype=torch.long, device=p.device)
+        self.max_rows, self.max_len, self.device = max_rows, max_len, p.device
+        self.banned = banned_token_ids(config)
+        self.rows: list[DraftRow] = []
+        self.num_prefilled = 0  # rows [0, num_prefilled) have been through their first pass
+        self.drafted, self.accepted = [0] * self.k, [0] * self.k  # grow when a row checks more drafts
+        self.nfe = 0
+        self.logprobs_mode = "raw_logprobs"  # EngineConfig.logprobs_mode (celeris.sampling.logprobs), set by the engine
+        self.raw_logits: torch.Tensor | None = None  # the last pass's logits before the ban, when a row asks
+        self.prefix_cache = PrefixCache(prefix_cache_tokens) if prefix_cache_tokens else None
+        # with a drafter: the target features of cached prefixes, (1, 1, BLOCK_SIZE, n * d) per block
+        self.feature_cache = PrefixCache(prefix_cache_tokens) if prefix_cache_tokens and self.proposer else None
+
+    @property
+    def pool_bytes(self) -> int:
+        """Bytes of the preallocated key/value pool: 2 x layers x max_rows x H_kv x max_len x head_dim x element
+        size (``celeris.models.loader.kv_cache_bytes`` estimates it before loading)."""
+        return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values))
+
+    def add(self, prompt_ids: list[int], params: SamplingParams, end_ids: frozenset[int] | None = None,
+            constraint: Constraint | None = None) -> DraftRow:
+        """Queue a row for the next step; ``end_ids`` end its answer (default: the end-of-text id); ``constraint``:
+        its grammar state when ``params.grammar`` is set (``celeris.structured.grammar.row_constraints``).
+
+        Raises:
+            ValueError: the pool is full, the prompt is empty, the row does not fit ``max_len``, or its draft
+                settings cannot draft here (``check_draft_source``, the check admission runs too).
+        """
+        if len(self.rows) >= self.max_rows:
+            raise ValueError(f"the verified decoder holds at most {self.max_rows} rows")
+        check_prompts([prompt_ids])
+        if len(prompt_ids) + params.max_tokens + self.pad > self.max_len:
+            raise ValueError(f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) + "
+                             f"{self.pad} draft columns exceed the decoder's {self.max_len}")
+        ends = frozenset({self.model.config.eos_token_id}) if end_ids is None else frozenset(end_ids)
+        check_draft_source(params, self.proposer, self.slots)
+        k = params.num_speculative_tokens or self.k
+        if k > MAX_DRAFTS:
+            raise ValueError(f"num_speculative_tokens must be <= {MAX_DRAFTS}, got {k}")
+        slots = 0 if params.draft_source == "lookup" else min(k, self.slots)
+        row = DraftRow(list(prompt_ids), params, make_generator(params.seed), k, ends, constraint=constraint,
+                       slot_start=len(prompt_ids), num_slots=slots,
+                       draft_state=DraftState() if self.proposer else None)
+        if self.prefix_cache is not None:  # copy the cached prefix's keys/values into the row's pool row
+            row.num_cached, kv = self.prefix_cache.lookup(row.prompt_ids)
+            if self.feature_cache is not None:  # the drafter's context for that prefix, as far as it reaches
+                n, feats = self.feature_cache.lookup(row.prompt_ids)
+                row.num_cached = min(row.num_cached, n)
+                if row.num_cached:
+                    self.proposer.queue(row.draft_state, feats[0, 0, : row.num_cached])
+                    kv = kv[:, :, : row.num_cached]
+            if kv is not None and row.num_cached:
+                for t, block in zip((*self.keys, *self.values), kv, strict=True):
+                    t[len(self.rows), :, : row.num_cached] = block
+        self.tokens[len(self.rows), : len(prompt_ids)] = torch.tensor(prompt_ids, dtype=torch.long)
+        self.tokens[len(self.rows), len(prompt_ids) : len(prompt_ids) + slots] = self.model.config.mask_token_id
+        self.rows.append(row)
+        return row
+
+    def remove(self, row: DraftRow) -> None:
+        """Free a row's pool slot (the last row moves into it)."""
+        i, last = self.rows.index(row), len(self.rows) - 1
+        if i != last:
+            for t in (*self.keys, *self.values):
+                t[i] = t[last]
+            self.tokens[i] = self.tokens[last]
+            self.rows[i] = self.rows[last]
+        self.rows.pop()
+        if i < self.num_prefilled:
+            self.num_prefilled -= 1
+            if i != last and last >= self.num_prefilled + 1:  # a new row moved into the prefilled range
+                self._swap(i, self.num_prefilled)
+
+    def _swap(self, i: int, j: int) -> None:
+        for t in (*self.keys, *self.values, self.tokens):
+            t[[i, j]] = t[[j, i]]
+        self.rows[i], self.rows[j] = self.rows[j], self.rows[i]
+
+    @torch.no_grad()
+    def _run(self, lo: int, hi: int, fresh: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One pass over pool rows [lo, hi): (hi - lo, Lw, V) logits of each row's ``columns``, and with a drafter
+        the (hi - lo, Lw, n * d) target features of those columns (else None)."""
+        rows = self.rows[lo:hi]
+        cols = [r.columns for r in rows]
+        width = max(len(c) for c in cols)
+        columns = torch.tensor([c + c[-1:] * (width - len(c)) for c in cols], device=self.device)
+        length = max(c[-1] for c in cols) + 1  # no query sees a key past its row's last column
+        if fresh:  # prefill: a cache of just these rows, copied into the pool afterwards
+            shape = (hi - lo, *self.keys[0].shape[1:2], length, self.keys[0].shape[3])
+            cache = KVCache([torch.zeros(shape, dtype=self.keys[0].dtype, device=self.device) for _ in self.keys],
+                            [torch.zeros(shape, dtype=self.keys[0].dtype, device=self.device) for _ in self.keys])
+            for j, r in enumerate(rows):  # a cached prefix (copied into the pool row by ``add``)
+                for new, pool in zip((*cache.keys, *cache.values), (*self.keys, *self.values), strict=True):
+                    new[j, :, : r.num_cached] = pool[lo + j, :, : r.num_cached]
+        else:
+            cache = KVCache([t[lo:hi, :, :length] for t in self.keys], [t[lo:hi, :, :length] for t in self.values])
+        mask = _pass_mask(columns, torch.tensor([r.slot_start for r in rows], device=self.device),
+                          torch.tensor([r.num_slots for r in rows], device=self.device), length)
+        # a prefill reads only each row's last prompt column and its slots (``_advance``): the output head runs on
+        # those (a prompt's other columns would cost a vocabulary-wide product each), the rest stays unset
+        first = [len(r.prompt_ids) - 1 - r.num_cached for r in rows] if fresh else None
+        capture = self.proposer.capture() if self.proposer else None
+        logits = _forward(self.entry, self.tokens[lo:hi].gather(1, columns), cache, columns, mask, first,
+                          capture).float()
+        feats = DFlashProposer.features(capture) if capture else None  # (hi - lo, Lw, n * d)
+        if fresh:
+            for pool, new in zip((*self.keys, *self.values), (*cache.keys, *cache.values), strict=True):
+                pool[lo:hi, :, :length] = new
+            if self.prefix_cache is not None:
+                for j, r in enumerate(rows):
+                    a, b = r.num_cached, len(r.prompt_ids) // BLOCK_SIZE * BLOCK_SIZE  # the new full blocks
+                    if b > a:
+                        kv = torch.stack([t[j, :, a:b] for t in (*cache.keys, *cache.values)])  # (2 * layers, H, b - a, D)
+                        self.prefix_cache.insert(r.prompt_ids, kv, a)
+                        if self.feature_cache is not None:  # the row's columns start at a (its cached prefix)
+                            self.feature_cache.insert(r.prompt_ids, feats[j, None, None, : b - a], a)
+        wants = self.logprobs_mode == "raw_logprobs" and any(r.params.logprobs is not None for r in rows)
+        self.raw_logits = logits.clone() if wants else None  # asking for nothing costs nothing
+        logits[..., self.banned] = NEG_INF
+        self.nfe += 1
+        return logits, feats
+
+    def step(self) -> list[tuple[DraftRow, list[int]]]:
+        """One pass for the rows already prefilled and one prefill pass for new rows (each only if any).
+
+        Returns (row, tokens committed this pass) for every row that ran; a row ends (``finished``) at
+        ``max_tokens`` or, with ``early_exit``, at its first end-of-text token. Finished rows stay until
+        ``remove``.
+        """
+        out = []
+        n_old = self.num_prefilled
+        for lo, hi, fresh in ((0, n_old, False), (n_old, len(self.rows), True)):
+            live = [i for i in range(lo, hi) if not self.rows[i].finished]
+            if not live:
+                continue
+            logits, feats = self._run(lo, hi, fresh)
+            raw = self.raw_logits
+            for i in live:
+                out.append((self.rows[i], self._advance(i, logits[i - lo], None if feats is None else feats[i - lo],
+                                                        None if raw is None else raw[i - lo])))
+        self.num_prefilled = len(self.rows)
+        return out
+
+    def _logprobs(self, row: DraftRow, logits: torch.Tensor, c0: int, new: list[int]) -> list[TokenLogprob]:
+        """The entries of ``new`` (``celeris.sampling.logprobs``): raw, or under ``processed_logprobs`` the head
+        after top-p and temperature (the distribution ``_verify`` samples from)."""
+        scores, p = logits[c0 : c0 + len(new)], row.params
+        if self.logprobs_mode == "processed_logprobs":
+            if p.top_p < 1:
+                scores = top_p_filter(scores[None], torch.tensor([p.top_p], device=scores.device))[0]
+            if p.temperature > 0:
+                scores = scores / p.temperature
+        return entries(scores, torch.tensor(new, dtype=torch.long), p.logprobs)
+
+    def draft(self, row: DraftRow, slot_logits: torch.Tensor) -> tuple[list[int], list]:
+        """The next drafts of ``row`` from its mask slots' logits (slots, V), and their distributions (sampling)."""
+        if row.constraint is not None:
+            return grammar_slot_drafts(row.constraint, slot_logits, row.params, row.generator)
+        return slot_drafts(slot_logits, row.params, row.generator)
+
+    def dflash_drafts(self, row: DraftRow, last_token: int, start: int, vocab: int) -> tuple[list[int], list]:
+        """The drafter's drafts after ``last_token`` at column ``start``: its argmax at every temperature (checked
+        against the grammar's copy when the row has one), with one-hot draft distributions when sampling."""
+        logits = self.proposer.propose(row.draft_state, last_token, start, row.k)  # (k, V)
+        if row.constraint is not None:
+            greedy = replace(row.params, temperature=0.0)
+            drafts, _ = grammar_slot_drafts(row.constraint, logits, greedy, row.generator)
+        else:
+            drafts = logits.argmax(-1).tolist()
+        probs = [] if row.params.temperature == 0 else [
+            torch.nn.functional.one_hot(torch.tensor(t), vocab).double() for t in drafts]
+        return drafts, probs
+
+    def _advance(self, i: int, logits: torch.Tensor, feats: torch.Tensor | None = None,
+                 raw: torch.Tensor | None = None) -> list[int]:
+        """Verify row i's drafts with its pass's logits (Lw, V), commit, and lay out its next pass. ``feats``
+        (Lw, n * d): the target features of the pass's columns, with a drafter; ``raw``: the logits before the ban
+        (raw log-probabilities asked)."""
+        row, k = self.rows[i], self.rows[i].k
+        cols = row.columns
+        row.passes += 1
+        c0 = cols.index(row.pending if row.pending >= 0 else len(row.prompt_ids) - 1)
+        m = len(row.drafts)
+        n = row.params.max_tokens
+        if row.constraint is not None:  # the grammar-masked head checks the drafts (verify_under_grammar)
+            a, new = verify_under_grammar(row.constraint, logits[c0 : c0 + m + 1], row.drafts, row.draft_probs,
+                                          row.params, row.generator, n - len(row.answer))
+        else:
+            a, token = verify_drafts(logits[c0 : c0 + m + 1], row.drafts, row.draft_probs, row.params, row.generator)
+            new = (row.drafts[:a] + [token])[: n - len(row.answer)]
+        if m > len(self.drafted):
+            self.drafted += [0] * (m - len(self.drafted))
+            self.accepted += [0] * (m - len(self.accepted))
+        for j in range(m):
+            self.drafted[j] += 1
+            self.accepted[j] += j < a
+        if m:
+            row.acceptance_lengths.append(a)
+        hit = next((j for j, t in enumerate(new) if t in row.end_ids), None)
+        if row.params.early_exit and hit is not None:
+            new = new[: hit + 1]
+            row.hit_eos = True
+        if row.params.logprobs is not None:  # token j was chosen from the next-token logits at column c0 + j
+            row.new_logprobs = self._logprobs(row, logits if raw is None else raw, c0, new)
+        if feats is not None:  # the accepted columns (the prompt's, or pending and d_1 .. d_a) enter the drafter
+            self.proposer.queue(row.draft_state, feats[: c0 + a + 1])
+        base = len(row.prompt_ids) + len(row.answer)  # column of the first new token
+        self.tokens[i, base : base + len(new)] = torch.tensor(new, device=self.device)
+        row.answer.extend(new)
+        if row.constraint is not None and row.constraint.stopped:  # the grammar allows nothing more
+            row.hit_eos = True
+        if len(row.answer) >= n or row.hit_eos:
+            row.finished = True
+            return new
+        pending = base + len(new) - 1  # its keys/values are computed by the next pass
+        policy = row.params.draft_source
+        slots_valid = a == m  # every draft held: the slots saw the right prefix and drafted pending + 1 ..
+        lookup = lookup_drafts(row.prompt_ids + row.answer, k) if policy in ("lookup_first", "lookup") else []
+        if row.constraint is not None:
+            lookup = grammar_lookup_drafts(row.constraint, lookup)
+        if lookup:
+            row.drafts = lookup
+            row.draft_probs = [] if row.params.temperature == 0 else [
+                torch.nn.functional.one_hot(torch.tensor(t), logits.shape[-1]).double() for t in lookup]
+        elif self.proposer is not None and (policy == "dflash" or policy == "lookup_first" and
+                                            self.proposer.enabled(len(self.rows))):
+            row.drafts, row.draft_probs = self.dflash_drafts(row, new[-1], pending, logits.shape[-1])
+        elif slots_valid and row.num_slots:
+            s = cols.index(row.slot_start)
+            row.drafts, row.draft_probs = self.draft(row, logits[s : s + row.num_slots])
+        else:
+            row.drafts, row.draft_probs = [], []
+        self.tokens[i, pending + 1 : pending + 1 + len(row.drafts)] = torch.tensor(row.drafts, dtype=torch.long,
+                                                                                   device=self.device)
+        row.pending, row.slot_start = pending, pending + 1 + len(row.drafts)
+        # slots are computed unless the drafts came from prompt lookup: the next drafts will then most likely
+        # come from lookup too (if not, the pass after next drafts with slots again)
+        row.num_slots = 0 if policy == "lookup" or lookup else min(k, self.slots)
+        self.tokens[i, row.slot_start : row.slot_start + row.num_slots] = self.model.config.mask_token_id
+        return new
+
+
+class VerifiedPath:
+    """Runs the verified-decoding passes of the engine's requests: each request's ``DraftRow`` is its
+    ``request.state``; the ``VerifiedDecoder`` (and its KV pool) is made at the first verified request.
+
+    Args:
+        model: the (causal) model; config: the engine's ``EngineConfig`` (``max_num_seqs``, ``enable_prefix_caching``,
+            ``logprobs_mode``); max_model_len: the tokens a pool row holds; eos_id: the model's end-of-text id.
+    """
+
+    mode = "verified"
+
+    def __init__(self, model: torch.nn.Module, config: object, max_model_len: int | None, eos_id: int,
+                 entry: object | None = None) -> None:
+        self.model, self.config, self.max_model_len, self.eos_id = model, config, max_model_len, eos_id
+        self.entry = entry  # the engine's runner (its compiled entries), else the model
+        self.decoder: VerifiedDecoder | None = None
+
+    def release(self) -> None:
+        """Free the pool rows of finished or aborted requests."""
+        if self.decoder is not None:
+            for row in [row for row in self.decoder.rows if row.owner is None or row.owner.is_finished]:
+                self._remove(row)
+
+    def _remove(self, row: DraftRow) -> None:
+        self.decoder.remove(row)
+        if row.owner is not None:
+            row.owner.state = None
+
+    @staticmethod
+    def pending_drafts(request: object) -> list[int]:
+        """The drafts the request's next pass checks; [] before its first pass and after its last."""
+        row = request.state
+        return list(row.drafts) if isinstance(row, DraftRow) and not row.finished else []
+
+    def token_cost(self, requests: list) -> int:
+        """Columns the next passes over ``requests`` compute (the scheduler's budget): a new request's prefill is
+        its prompt and its drafts (at most ``MAX_DRAFTS`` columns for drafts and as many for slots), a running one
+        its ``DraftRow.columns``; prefill and decode are two passes, each padded to its widest row."""
+        new = [len(r.prompt_ids) + 2 * MAX_DRAFTS for r in requests if not isinstance(r.state, DraftRow)]
+        running = [len(r.state.columns) for r in requests if isinstance(r.state, DraftRow)]
+        return sum(len(group) * max(group) for group in (new, running) if group)
+
+    def step(self, batch: list) -> list:
+        """One pass for ``batch`` (running verified requests): new requests are prefilled, the others advance by
+        their accepted drafts plus one token; committed tokens are final at once. Returns ``batch``."""
+        if self.decoder is None:
+            self.decoder = VerifiedDecoder(self.model, self.config.max_num_seqs, self.max_model_len,
+                                           PREFIX_CACHE_TOKENS if self.config.enable_prefix_caching else 0,
+                                           entry=self.entry)
+            self.decoder.logprobs_mode = self.config.logprobs_mode
+        running = set(batch)
+        for row in [row for row in self.decoder.rows if row.owner not in running or row.owner.is_finished]:
+            self._remove(row)
+        for request in batch:
+            if request.state is None:
+                request.state = self.decoder.add(request.prompt_ids, request.params, request.ends(self.eos_id),
+                                                 request.constraint)
+                request.state.owner = request
+        committed = {id(row): new for row, new in self.decoder.step()}
+        for request in batch:
+            row = request.state
+            new = committed.get(id(row), [])
+            start = request.answer_start + len(row.answer) - len(new)
+            request.canvas[start : start + len(new)] = torch.tensor(new, dtype=torch.long)
+            if new and row.params.logprobs is not None:  # the entries of this pass's tokens (``DraftRow``)
+                first = len(row.answer) - len(new)
+                request.logprob_entries.update({first + j: e for j, e in enumerate(row.new_logprobs[: len(new)])})
+            request.record_step()
+            request.drafter_passes = row.draft_state.calls if row.draft_state is not None else 0
+            if row.finished:
+                # "stop": an end id, or a grammar that allows nothing more (row.hit_eos)
+                done = row.hit_eos or not request.ends(self.eos_id).isdisjoint(row.answer)
+                request.finish("stop" if done else "length")
+                self._remove(row)
+        return batch
+
+
+@torch.no_grad()
+def generate_verified(
+    model: torch.nn.Module,
+    prompt_ids: list[list[int]],
+    params: SamplingParams | list[SamplingParams],
+    grammar_tokenizer: object | None = None,
+) -> VerifiedOutput:
+    """Verified decoding of up to ``max_tokens`` tokens per prompt, all rows in one batch.
+
+    Args:
+        model: a hybrid Celeris model (causal, ``draft_block_size`` = k > 0).
+        prompt_ids: B non-empty prompts.
+        params: one SamplingParams for all rows or one per row (temperature, top_p, seed, max_tokens and
+            early_exit and grammar are used; rows may differ in each).
+        grammar_tokenizer: llguidance's tokenizer (``celeris.structured.grammar_tokenizer``), needed when a row
+            has a ``grammar``: its drafts are then checked against the grammar-masked head
+            (``verify_under_grammar``), and it ends where the grammar ends.
+
+    Returns:
+        VerifiedOutput; a row stops at its first end-of-text token (``early_exit``) or ``max_tokens``.
+
+    Raises:
+        ValueError: the model cannot draft, a prompt is empty, a setting is unsupported
+            (``check_verified_support``), or a grammar comes without ``grammar_tokenizer``.
+    """
+    start = time.perf_counter()
+    rows = params if isinstance(params, list) else [params] * len(prompt_ids)
+    for r in rows:
+        check_verified_support(model, r)
+    dec = VerifiedDecoder(model, len(prompt_ids), max(len(p) + r.max_tokens for p, r in zip(
+        prompt_ids, rows, strict=True)))
+    constraints = row_constraints(rows, grammar_tokenizer)
+    handles = [dec.add(p, r, constraint=c) for p, r, c in zip(prompt_ids, rows, constraints, strict=True)]
+    ttft_s = None  # every row commits its first token in the first step (its prefill)
+    while dec.rows:
+        for row, _ in dec.step():
+            if row.finished:
+                dec.remove(row)
+        ttft_s = ttft_s or time.perf_counter() - start
+    eos = model.config.eos_token_id
+    token_ids = [h.answer[: h.answer.index(eos)] if eos in h.answer else h.answer for h in handles]
+    return VerifiedOutput(token_ids=token_ids, nfe=dec.nfe, row_passes=[h.passes for h in handles],
+                          drafted=dec.drafted, accepted=dec.accepted, ttft_s=[ttft_s] * len(handles),
+                          seconds=time.perf_counter() - start)

@@ -1,0 +1,87 @@
+"""The mode is decided once, at admission (``Request.mode``), and ``Engine.step`` dispatches through
+``Engine.paths``: each path owns its request's cursor as ``request.state`` and counts steps with
+``Request.record_step``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from celeris.config import EngineConfig
+from celeris.engine.blocks import BlockRow
+from celeris.engine.engine import Engine
+from celeris.engine.verified import DraftRow
+from celeris.params import SamplingParams
+
+
+@pytest.fixture(scope="module")
+def hybrid():
+    from celeris.models.celeris import CelerisConfig, CelerisModel
+
+    torch.manual_seed(0)
+    model = CelerisModel(CelerisConfig(vocab_size=64, hidden_size=32, num_layers=2, num_heads=4, intermediate_size=64,
+                                       max_position_embeddings=128, is_causal=True, draft_block_size=4))
+    model.init_weights(0.5)
+    return model.double().eval()
+
+
+SETTINGS = {
+    "masked": SamplingParams(max_tokens=6, block_length=1, steps=6, cache="delayed", early_exit=False),
+    "block": SamplingParams(max_tokens=8, block_length=4, steps=4, early_exit=False),
+    "verified": SamplingParams(max_tokens=8, steps=8, block_length=1, decoding="verified", early_exit=False),
+}
+
+
+def test_the_mode_is_decided_once_and_each_path_owns_its_state(hybrid, monkeypatch):
+    engine = Engine(hybrid, EngineConfig(max_num_seqs=3))
+    requests = {mode: engine.add_request([5 + i, 6, 7], params) for i, (mode, params) in enumerate(SETTINGS.items())}
+    assert {mode: r.mode for mode, r in requests.items()} == {mode: mode for mode in SETTINGS}
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a mode was derived again after admission")
+
+    import celeris.engine.engine as engine_module
+    import celeris.sampling.modes as modes
+
+    for module in (modes, engine_module):  # wherever a step could ask for the mode again
+        for name in ("mode_of", "check_request", "block_mode"):
+            monkeypatch.setattr(module, name, refuse, raising=False)
+    engine.step()
+    kinds = {mode: type(r.state) for mode, r in requests.items()}
+    assert kinds == {"masked": type(None), "block": BlockRow, "verified": DraftRow}
+    while engine.has_unfinished():
+        engine.step()
+    for mode, r in requests.items():
+        assert r.finish_reason == "length" and r.first_token_time is not None, mode
+        assert r.first_token_time >= r.arrival_time
+        assert r.nfe == r.num_steps >= 1, mode  # one pass per step in every mode (no CFG here)
+    assert requests["masked"].num_steps == 6  # one token per step, block_length 1
+    assert requests["verified"].state is None  # its pool row was freed with it
+    assert engine.stats().kv_bytes == engine.drafter.pool_bytes  # only the preallocated verified pool is left
+
+
+def test_a_requests_token_cost_comes_from_its_mode(hybrid):
+    """The budget counts the columns each mode computes, not rows x the longest canvas: two verified requests
+    with long answers fit a budget of their prefills (prompt + 2 x MAX_DRAFTS columns each), and a masked request
+    costs its whole padded canvas."""
+    from celeris.sampling.verified import MAX_DRAFTS
+
+    long = SamplingParams(max_tokens=60, steps=60, block_length=1, decoding="verified", early_exit=False)
+    prompts = [[5, 6, 7], [8, 9, 10]]
+    budget = 2 * (3 + 2 * MAX_DRAFTS)  # < 2 x (3 + 60), the old padded count
+    engine = Engine(hybrid, EngineConfig(max_num_seqs=4, max_num_batched_tokens=budget))
+    requests = [engine.add_request(p, long) for p in prompts]
+    assert engine.batch_tokens(requests) == budget < 2 * requests[0].num_tokens
+    engine.step()
+    assert all(r.state is not None for r in requests)  # both were admitted in the first step
+    assert engine.batch_tokens(requests) == 2 * len(requests[0].state.columns) < budget  # decoding costs less
+    masked = engine.add_request([11, 12], SETTINGS["masked"])
+    assert engine.batch_tokens([masked]) == masked.num_tokens  # one row, padded to its canvas
+    while engine.has_unfinished():
+        engine.step()
+    for p, r in zip(prompts, requests, strict=True):
+        alone = Engine(hybrid, EngineConfig(max_num_seqs=1))
+        solo = alone.add_request(p, long)
+        while alone.has_unfinished():
+            alone.step()
+        assert r.answer.tolist() == solo.answer.tolist()
