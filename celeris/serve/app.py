@@ -15,6 +15,7 @@ import time
 from collections.abc import AsyncIterator
 from contextlib import aclosing, asynccontextmanager
 from pathlib import Path
+from typing import Any
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -379,22 +380,21 @@ def run_server(
     model: str | Path | None = None,
     host: str = "127.0.0.1",
     port: int = 8000,
-    max_num_seqs: int = 8,
-    max_waiting: int = 64,
+    *,
     request_timeout: float = 60.0,
     api_key: str | None = None,
     served_model_name: str | None = None,
-    device: str | None = None,
     log_level: str = "info",
     limits: ServerLimits | None = None,
     also_serve: list[str | Path] | None = None,
-    **load_options: object,
+    **llm_kwargs: Any,
 ) -> int:
     """Load a checkpoint and serve it until SIGTERM/SIGINT, then drain (``celeris serve``).
 
-    ``load_options`` (dtype, enforce_eager, trust_remote_code, enable_prefix_caching) go to ``celeris.llm.LLM``;
-    ``tokenizer`` and ``chat_template`` among them replace those of ``model`` only.
-    ``also_serve``: more checkpoints served beside it (each named by its folder; requests choose by ``model``).
+    ``llm_kwargs`` go to ``OpenAIServing.from_model`` (``LLM``'s load options and any ``EngineConfig`` field;
+    ``max_waiting`` defaults to ``SERVER_MAX_WAITING``); ``tokenizer`` and ``chat_template`` among them replace
+    those of ``model`` only. ``also_serve``: more checkpoints served beside it (each named by its folder;
+    requests choose by ``model``).
 
     Raises:
         ValueError: two models with the same name, or a bad API key.
@@ -402,9 +402,8 @@ def run_server(
     check_api_key_value(api_key)
     limits = limits or ServerLimits()
     shared = ServerMetrics()
-    own = {k: load_options.pop(k) for k in ("tokenizer", "chat_template") if k in load_options}
-    options = dict(device=device, max_num_seqs=max_num_seqs, max_waiting=max_waiting, request_timeout=request_timeout,
-                   metrics=shared, **load_options)
+    own = {k: llm_kwargs.pop(k) for k in ("tokenizer", "chat_template") if k in llm_kwargs}
+    options = dict(request_timeout=request_timeout, metrics=shared, **llm_kwargs)
     servings = [OpenAIServing.from_model(model, served_model_name=served_model_name, **options, **own)]
     servings += [OpenAIServing.from_model(extra, **options) for extra in also_serve or []]
     serving = servings[0] if len(servings) == 1 else ModelRouter(servings)

@@ -26,8 +26,9 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
+from typing import Any
 
-from celeris.config import EngineConfig
+from celeris.config import SERVER_MAX_WAITING, EngineConfig
 from celeris.engine import Engine, QueueFullError
 from celeris.llm import LLM
 from celeris.params import SamplingParams, rename_deprecated
@@ -207,20 +208,24 @@ class OpenAIServing:
     def from_model(
         cls,
         model: str | Path | None = None,
-        device: str | None = None,
-        max_num_seqs: int = 8,
-        max_waiting: int = 64,
+        *,
+        max_waiting: int = SERVER_MAX_WAITING,
         request_timeout: float = 60.0,
         served_model_name: str | None = None,
         metrics: ServerMetrics | None = None,
-        **load_options: object,
+        **llm_kwargs: Any,
     ) -> OpenAIServing:
         """Load a checkpoint (None: the embedded default model) and build its serving layer (not started).
 
-        ``load_options`` (dtype, enforce_eager, trust_remote_code, enable_prefix_caching) go to ``celeris.llm.LLM``;
-        ``metrics``: a registry shared with other models' serving layers (``celeris serve --also-serve``).
+        ``llm_kwargs`` go to ``celeris.llm.LLM``: its load options (trust_remote_code, tokenizer, chat_template)
+        and any ``EngineConfig`` field (device, max_num_seqs, dtype, ...); ``max_waiting`` defaults to the
+        server's bounded queue (``SERVER_MAX_WAITING``: beyond it a request gets 429). ``metrics``: a registry
+        shared with other models' serving layers (``celeris serve --also-serve``).
+
+        Raises:
+            TypeError: a keyword LLM does not take. ValueError, CheckpointError: as ``LLM`` raises them.
         """
-        llm = LLM(model, device=device, max_num_seqs=max_num_seqs, max_waiting=max_waiting, **load_options)
+        llm = LLM(model, max_waiting=max_waiting, **llm_kwargs)
         return cls(llm, served_model_name=served_model_name, request_timeout=request_timeout, engine=llm.engine,
                    metrics=metrics)
 
