@@ -23,7 +23,12 @@ from celeris.params import SamplingParams, causal_defaults
 from celeris.sampling.block import contract_of
 from celeris.sampling.drafter import SpeculativeConfig, attach, load_proposer
 from celeris.sampling.logprobs import TokenLogprob
-from celeris.sampling.modes import answer_room, check_fits_context
+from celeris.sampling.modes import (
+    ContextLengthError,  # noqa: F401 - re-exported: serve/ maps it to a 400
+    answer_room,
+    check_fits_context,
+    check_request,
+)
 from celeris.sampling.step import check_prompts
 from celeris.structured.grammar import grammar_tokenizer, stops_apply
 from celeris.text import cut_at_stop
@@ -255,6 +260,17 @@ class LLM:
         ``steps`` count per block, so a shorter answer keeps them; ``SamplingParams.from_defaults``)."""
         return SamplingParams.from_defaults(self.generation_config, per_answer_steps=contract_of(self.model) is None,
                                             **overrides)
+
+    def check(self, params: SamplingParams, has_suffix: bool = False) -> str:
+        """The decoding mode ``params`` get on this model, after the check the engine runs at admission
+        (``celeris.sampling.modes.check_request``, stop ids against this tokenizer's vocabulary): what the
+        server asks before it queues anything, so it repeats no rule of its own.
+
+        Raises:
+            ValueError: a setting this model's mode cannot run, or a stop token id outside the vocabulary; the
+                message starts with the parameter (``celeris.serve.errors.parameter_error`` makes it a 400).
+        """
+        return check_request(self.model, params, has_suffix, self.tokenizer.vocab_size)
 
     def with_special_stops(self, params: SamplingParams) -> SamplingParams:
         """``params`` with each stop string that is exactly a special token (``"<|im_end|>"``) moved to

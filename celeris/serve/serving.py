@@ -23,21 +23,20 @@ import asyncio
 import json
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from functools import partial
 from pathlib import Path
 from typing import Any
 
 from celeris.config import SERVER_MAX_WAITING, EngineConfig
 from celeris.engine import Engine, QueueFullError
-from celeris.llm import LLM
+from celeris.llm import LLM, ContextLengthError
 from celeris.params import SamplingParams, rename_deprecated
 from celeris.sampling.logprobs import TokenLogprob
-from celeris.sampling.modes import ContextLengthError, check_request
 from celeris.serve.async_engine import AsyncEngine, EngineDeadError, EngineInput, RequestGroup, StepEvent
 from celeris.serve.chat import chat_choice, chat_chunks
 from celeris.serve.detokenize import Update, decoding_details, denoise_details
-from celeris.serve.errors import check_token_ids
+from celeris.serve.errors import check_token_ids, parameter_error
 from celeris.serve.metrics import ServerMetrics
 from celeris.serve.protocol import (
     APIError,
@@ -91,6 +90,12 @@ class ClientDisconnected(Exception):
 
 # ---------------------------------------------------------------------------------------------
 # One HTTP request in flight
+
+
+def _fields(request: SamplingRequest) -> set[str]:
+    """The names a 400 may give as its ``param``: the request's fields and ``SamplingParams``' (the request's
+    settings map onto them one to one)."""
+    return set(type(request).model_fields) | {f.name for f in fields(SamplingParams)}
 
 
 @dataclass
@@ -400,12 +405,10 @@ class OpenAIServing:
                                              top_p=request.top_p, seed=request.seed, stop=request.stop_list() or None,
                                              **request.sampling_fields(), **scoring_settings(request))
             params = self.llm.with_special_stops(params)
-            check_request(self.llm.model, params, bool(getattr(request, "suffix", None)), self.tokenizer.vocab_size)
+            self.llm.check(params, bool(getattr(request, "suffix", None)))  # the engine's own admission check
             return params
         except (ValueError, TypeError) as exc:  # SamplingParams names the field first: "steps must be >= 1"
-            param = str(exc).split(" ", 1)[0].split("=", 1)[0]
-            param = grammar_field if param == "grammar" else param  # not a request field: the one it comes from
-            raise APIError(400, str(exc), param=param if param.isidentifier() else None) from None
+            raise parameter_error(exc, _fields(request), {"grammar": grammar_field}) from None
 
     def _encode(self, text: str | list[int], params: SamplingParams, suffix: str | None,
                 param: str) -> tuple[list[int], list[int], SamplingParams]:
@@ -443,8 +446,8 @@ class OpenAIServing:
         except QueueFullError as exc:
             self.metrics.rejected.inc()
             raise APIError(429, f"{exc}", code="queue_full", headers={"Retry-After": str(RETRY_AFTER_S)}) from None
-        except ValueError as exc:
-            raise APIError(400, str(exc)) from None
+        except ValueError as exc:  # the engine's admission refused it (the same check as ``LLM.check``)
+            raise parameter_error(exc, _fields(request)) from None
         except EngineDeadError as exc:
             raise APIError(503, str(exc), code="engine_unavailable") from None
         choices = [_Choice(IncrementalText(partial(self.tokenizer.decode, skip_special_tokens=p.skip_special_tokens),
