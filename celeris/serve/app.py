@@ -26,6 +26,7 @@ from starlette.requests import ClientDisconnect
 
 from celeris.serve.metrics import MetricsMiddleware, ServerMetrics
 from celeris.serve.middleware import REQUEST_ID, RequestGuard, install_request_id_logging
+from celeris.serve.models_router import ModelRouter
 from celeris.serve.ollama.protocol import is_ollama_path
 from celeris.serve.ollama.routes import OLLAMA_BODIES, document_model_names, ollama_router
 from celeris.serve.ollama.routes import error_response as ollama_error_response
@@ -41,7 +42,6 @@ from celeris.serve.protocol import (
 from celeris.serve.responses.protocol import ResponsesRequest
 from celeris.serve.responses.routes import responses_router
 from celeris.serve.responses.serving import ResponsesServing
-from celeris.serve.router import ModelRouter
 from celeris.serve.server import ServerLimits, make_server
 from celeris.serve.serving import ClientDisconnected, OpenAIServing
 from celeris.serve.tokenization import (
