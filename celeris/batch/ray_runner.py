@@ -160,13 +160,7 @@ def run_batch_ray(
         from celeris.ray_session import reap_orphaned_sessions, sigterm_raises
     except ImportError:
         raise BatchError("--backend ray needs Ray: pip install 'celeris[ray]' (ray[data])") from None
-    if num_workers < 1:
-        raise BatchError(f"--num-workers must be >= 1, got {num_workers}")
-    engine = {k: v for k, v in llm_kwargs.items() if k in engine_fields()}
-    try:
-        EngineConfig.from_kwargs(max_num_seqs=max_num_seqs, **engine)
-    except ValueError as exc:
-        raise BatchError(str(exc)) from None
+    check_settings(num_workers, max_num_seqs, llm_kwargs)
     reap_orphaned_sessions()  # what a killed job (SIGKILL) left running
     real = Path(os.path.realpath(output_path))
     spool = real.with_name(f".{real.name}.ray-spool.jsonl")
@@ -197,13 +191,32 @@ def run_batch_ray(
                     for row in map_on_ray(spool, actor_kwargs, num_workers, on_cluster=bool(ray_address)):
                         sink(json.loads(row["record"]))
                 except ray.exceptions.RayError as exc:  # an actor died or failed to start
-                    first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-                    raise EngineUnavailableError(f"the Ray job failed: {first}") from exc
+                    raise EngineUnavailableError(f"the Ray job failed: {first_line(exc)}") from exc
         finally:
             spool.unlink(missing_ok=True)
             if session is not None:
                 session.stop()
     return job.summary()
+
+
+def check_settings(num_workers: int, max_num_seqs: int, llm_kwargs: dict[str, Any]) -> None:
+    """Refuse a bad worker count or engine setting (``EngineConfig.from_kwargs``) before Ray starts.
+
+    Raises:
+        BatchError: the line naming the setting.
+    """
+    if num_workers < 1:
+        raise BatchError(f"--num-workers must be >= 1, got {num_workers}")
+    engine = {k: v for k, v in llm_kwargs.items() if k in engine_fields()}
+    try:
+        EngineConfig.from_kwargs(max_num_seqs=max_num_seqs, **engine)
+    except ValueError as exc:
+        raise BatchError(str(exc)) from None
+
+
+def first_line(exc: BaseException) -> str:
+    """The first line of an exception's message (Ray's carry a traceback), or its type's name."""
+    return str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
 
 
 def spool_todo(input_path: str | Path, job: OpenJob, spool: Path, sink: Callable[[dict], None]) -> int:
