@@ -20,7 +20,9 @@ SERVER_MAX_WAITING = 64  # celeris serve, OpenAIServing.from_model, Ray Serve: b
 
 def _knob(default: object, help: str, **cli: object) -> Any:  # noqa: A002 - argparse's word
     """A field of ``EngineConfig`` with its help text (and any CLI spelling: ``flag``, ``metavar``, ``choices``,
-    ``invert``) as metadata, read by ``celeris.cli``'s flag builder and by Ray Serve's ``ServeArgs``."""
+    ``invert``) as metadata, read by ``celeris.cli``'s flag builder and by Ray Serve's ``ServeArgs``. ``help``
+    says what the flag does: for an ``invert`` field (a switch that sets a True default False) that is the
+    switch's meaning."""
     return field(default=default, metadata={"help": help, **cli})
 
 

@@ -94,7 +94,8 @@ def test_ray_serve_args_hold_every_engine_field_with_its_default():
     args = ServeArgs()
     for name, spec in engine_fields().items():
         assert getattr(args, name) == (SERVER_MAX_WAITING if name == "max_waiting" else spec.default), name
-        assert ServeArgs.model_fields[name].description == spec.metadata["help"]
+        assert ServeArgs.model_fields[name].description.endswith(spec.metadata["help"])
+    assert ServeArgs.model_fields["enforce_eager"].description.startswith("False is --compile: ")
     assert ServeArgs.model_validate({"length_bucket": "16"}).engine_kwargs()["length_bucket"] == 16
     with pytest.raises(ValidationError, match="max_model_len must be >= 1"):
         ServeArgs(max_model_len=0)

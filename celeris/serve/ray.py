@@ -74,8 +74,15 @@ def engine_field_specs(**defaults: object) -> dict[str, tuple[Any, Any]]:
     """Every ``EngineConfig`` field as a pydantic field spec ``(type, Field(default, description=help))`` for
     ``create_model``, the default from ``EngineConfig`` unless ``defaults`` names it."""
     hints = get_type_hints(EngineConfig)
-    return {name: (hints[name], Field(defaults.get(name, f.default), description=f.metadata["help"]))
+    return {name: (hints[name], Field(defaults.get(name, f.default), description=describe(name)))
             for name, f in engine_fields().items()}
+
+
+def describe(name: str) -> str:
+    """An engine field's help as a description of the field itself: a switch that turns it off (``--compile``
+    for ``enforce_eager``) is named, so the text does not read as the True value's meaning."""
+    meta = engine_fields()[name].metadata
+    return f"False is {meta['flag']}: {meta['help']}" if meta.get("invert") else meta["help"]
 
 
 class _ServeArgs(BaseModel):
