@@ -1,8 +1,9 @@
-"""EngineConfig: settings of one engine instance (device, batching budgets, queue)."""
+"""EngineConfig: settings of one engine instance (device, batching budgets, queue), each declared once."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import Field, dataclass, field, fields
+from typing import Any
 
 import torch
 
@@ -13,15 +14,30 @@ LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")  # EngineConfig.logprobs
 CPU_MAX_MODEL_LEN = 4096  # default cap of max_model_len on a CPU: the KV store of 8 rows stays a few hundred MiB
 
 
+OFFLINE_MAX_WAITING = 1 << 30  # LLM(...): offline use queues without limit
+SERVER_MAX_WAITING = 64  # celeris serve, OpenAIServing.from_model, Ray Serve: beyond this a request gets 429
+
+
+def _knob(default: object, help: str, **cli: object) -> Any:  # noqa: A002 - argparse's word
+    """A field of ``EngineConfig`` with its help text (and any CLI spelling: ``flag``, ``metavar``, ``choices``,
+    ``invert``) as metadata, read by ``celeris.cli``'s flag builder and by Ray Serve's ``ServeArgs``. ``help``
+    says what the flag does: for an ``invert`` field (a switch that sets a True default False) that is the
+    switch's meaning."""
+    return field(default=default, metadata={"help": help, **cli})
+
+
 @dataclass(slots=True)
 class EngineConfig:
-    """Engine-wide settings.
+    """Engine-wide settings, each declared once here: its default, and its help text as field metadata (the CLI
+    flags, ``LLM(**engine_kwargs)``, the server, Ray Serve's ``ServeArgs`` and the batch runners read these
+    fields; ``engine_fields()`` lists them, ``from_kwargs`` checks a dict of them).
 
     Attributes:
         max_num_seqs: most requests denoised together in one forward pass.
         max_num_batched_tokens: most canvas tokens (batch rows x padded length,
             CFG rows included) one forward pass may process.
-        max_waiting: most requests queued before ``add_request`` raises QueueFullError.
+        max_waiting: most requests queued before ``add_request`` raises QueueFullError (``LLM`` defaults it
+            to ``OFFLINE_MAX_WAITING``, the servers to ``SERVER_MAX_WAITING``).
         device: "cpu", "cuda", ...; None picks CUDA when available.
         dtype: "float32", "bfloat16" or "float16"; None picks bfloat16 on a CUDA
             device that supports it and float32 otherwise.
@@ -42,20 +58,36 @@ class EngineConfig:
         logprobs_mode: what ``SamplingParams.logprobs`` reports (vLLM's ``--logprobs-mode``): "raw_logprobs", the
             model's distribution before any processing, or "processed_logprobs", the one the token was drawn from
             (``celeris.sampling.logprobs``).
+        speculative_config: a DFlash drafter beside a causal target (vLLM's name), a dict or its JSON string
+            ``{"method": "dflash", "model": PATH, "num_speculative_tokens": k}``; parsed and loaded by ``LLM``
+            (``celeris.sampling.drafter.SpeculativeConfig``). None: no drafter.
     """
 
-    max_num_seqs: int = 8
-    max_num_batched_tokens: int = 16384
-    max_waiting: int = 256
-    device: str | None = None
-    dtype: str | None = None
-    enforce_eager: bool = True
-    length_bucket: int = 32
-    enable_prefix_caching: bool = True
-    max_model_len: int | None = None
-    quantization: str | None = None
-    quantize_lm_head: bool = False
-    logprobs_mode: str = "raw_logprobs"
+    max_num_seqs: int = _knob(8, "requests denoised together in one forward pass")
+    max_num_batched_tokens: int = _knob(16384, "most canvas tokens (rows x padded length) one forward pass "
+                                        "may process")
+    max_waiting: int = _knob(256, "requests queued beyond the running ones; more get 429 (QueueFullError)")
+    device: str | None = _knob(None, "cpu, cuda, cuda:1 ... (default: cuda when available)")
+    dtype: str | None = _knob(None, "weight dtype (default: bfloat16 on CUDA, float32 on CPU)", choices=tuple(DTYPES))
+    enforce_eager: bool = _knob(True, "torch.compile the model (slow first request)", flag="--compile", invert=True)
+    length_bucket: int = _knob(32, "canvas lengths are padded up to a multiple of this (few compiled shapes)")
+    enable_prefix_caching: bool = _knob(True, "verified decoding recomputes every prompt (no reuse of shared "
+                                        "prompt prefixes' keys/values)", flag="--no-enable-prefix-caching",
+                                        invert=True)
+    max_model_len: int | None = _knob(None, "most tokens (prompt + answer) one request may hold; sizes the KV "
+                                      f"store (default: the model's context window, at most {CPU_MAX_MODEL_LEN} "
+                                      "on a CPU)")
+    quantization: str | None = _knob(None, "weight-only quantization of every linear layer after load: "
+                                     + ", ".join(QUANTIZATION_METHODS) + " (int4: groups of 32 input columns; "
+                                     "the KV cache stays in --dtype; docs/quantization.md)", metavar="METHOD")
+    quantize_lm_head: bool = _knob(False, "with --quantization: quantize the output head too (default: kept in "
+                                   "--dtype)")
+    logprobs_mode: str = _knob("raw_logprobs", "what logprobs report (vLLM's flag): the model's distribution "
+                               "(default), or the one each token was drawn from, after penalties, filters and "
+                               "temperature", choices=LOGPROBS_MODES)
+    speculative_config: dict | str | None = _knob(None, "a DFlash drafter beside the target (vLLM's spelling): "
+                                                  '\'{"method": "dflash", "model": PATH, '
+                                                  '"num_speculative_tokens": K}\'', metavar="JSON")
 
     def __post_init__(self) -> None:
         if self.logprobs_mode not in LOGPROBS_MODES:
@@ -72,6 +104,26 @@ class EngineConfig:
         check_quantization(self.quantization)
         if self.quantize_lm_head and self.quantization is None:
             raise ValueError("quantize_lm_head needs a quantization (e.g. --quantization int8)")
+
+    @classmethod
+    def from_kwargs(cls, **engine_kwargs: object) -> EngineConfig:
+        """An ``EngineConfig`` from keyword arguments (``LLM(**engine_kwargs)`` and every front end's way in).
+
+        Raises:
+            TypeError: a name that is not an engine setting (the line lists those there are).
+            ValueError: a value out of range (``__post_init__``'s line naming the field).
+        """
+        unknown = sorted(set(engine_kwargs) - set(engine_fields()))
+        if unknown:
+            raise TypeError(f"unknown engine setting(s) {', '.join(unknown)}; EngineConfig has "
+                            f"{', '.join(engine_fields())}")
+        return cls(**engine_kwargs)  # type: ignore[arg-type]
+
+
+def engine_fields() -> dict[str, Field]:
+    """Every engine setting by name, in declaration order: ``dataclasses.Field`` objects whose ``metadata``
+    holds ``help`` (and, where the CLI spells it otherwise, ``flag``/``invert``/``metavar``/``choices``)."""
+    return {f.name: f for f in fields(EngineConfig)}
 
 
 def check_quantization(name: str | None) -> None:

@@ -8,10 +8,11 @@ import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 import torch
 
-from celeris.config import EngineConfig, resolve_device, resolve_dtype, resolve_max_model_len
+from celeris.config import OFFLINE_MAX_WAITING, EngineConfig, resolve_device, resolve_dtype, resolve_max_model_len
 from celeris.engine import Engine, Request
 from celeris.models.catalog import ALIASES, alias_path, read_pairing
 from celeris.models.catalog import EMBEDDED as CATALOG_EMBEDDED
@@ -22,7 +23,12 @@ from celeris.params import SamplingParams, causal_defaults
 from celeris.sampling.block import contract_of
 from celeris.sampling.drafter import SpeculativeConfig, attach, load_proposer
 from celeris.sampling.logprobs import TokenLogprob
-from celeris.sampling.modes import answer_room, check_fits_context
+from celeris.sampling.modes import (
+    ContextLengthError,  # noqa: F401 - re-exported: serve/ maps it to a 400
+    answer_room,
+    check_fits_context,
+    check_request,
+)
 from celeris.sampling.step import check_prompts
 from celeris.structured.grammar import grammar_tokenizer, stops_apply
 from celeris.text import cut_at_stop
@@ -143,39 +149,25 @@ class LLM:
     Args:
         model: checkpoint folder, ``.gguf`` file, embedded model name or alias (``resolve_model``); None uses the
             embedded default.
-        device: "cpu", "cuda", ...; None picks CUDA when available.
-        max_num_seqs: most requests denoised together in one forward pass (vLLM's name; ``max_batch_size`` is
-            a deprecated alias).
         trust_remote_code: allow a checkpoint format Celeris does not implement to run its own
             modeling code (``celeris.models.loader.load_any``).
-        dtype: "float32", "bfloat16" or "float16"; None: bfloat16 on CUDA, float32 on CPU.
-        enforce_eager: False compiles the model with ``torch.compile`` (see EngineConfig).
-        enable_prefix_caching: False turns off verified decoding's prefix cache (see EngineConfig).
         tokenizer: a folder holding tokenizer.json, or a tokenizer.json file, replacing the checkpoint's tokenizer
             (vLLM's ``tokenizer``); its tokenizer_config.json (special tokens, chat template) comes with it, and
             the model config's special ids fill what it leaves out. None: the checkpoint's.
         chat_template: a Jinja file (or a one-line template) replacing the tokenizer's chat template
             (``celeris.tokenizer.read_chat_template_file``). None: the tokenizer's.
-        max_waiting: requests queued beyond the running ones before ``add_request`` raises QueueFullError (the
-            server's 429; ``OpenAIServing.from_model`` sets it); offline use needs no limit.
-        max_model_len: most tokens (prompt + answer) a request may hold (vLLM's name): requests beyond get the
-            context-length error, and the KV store is sized from it. None: the model's context window, capped at
-            ``celeris.config.CPU_MAX_MODEL_LEN`` (4,096) on a CPU. ``context_length`` is the value in force.
-        speculative_config: a DFlash drafter beside the (causal) target, vLLM's spelling: a dict or JSON string
-            ``{"method": "dflash", "model": PATH, "num_speculative_tokens": k}``
-            (``celeris.sampling.drafter.SpeculativeConfig``). The default decoding becomes verified decoding with
-            ``draft_source`` ``lookup_first`` (prompt lookup where the context repeats, the drafter elsewhere).
-        quantization: weight-only quantization of every linear layer, the drafter's included, after load (vLLM's
-            ``quantization``; ``celeris.models.quantize``): "int8", "int4" (groups of 32), "int4-g64",
-            "int4-g128", or "gguf" (a .gguf checkpoint: Q4_0/Q4_1/Q4_K tensors as group-32 int4, the others and
-            the embedding as int8 rows, the head quantized); None: the weights stay in ``dtype``. The KV cache
-            stays in ``dtype`` either way.
-        quantize_lm_head: quantize the output head too (a tied head: a quantized copy scores, the float table
-            still embeds).
-        logprobs_mode: what ``SamplingParams.logprobs`` reports (``EngineConfig.logprobs_mode``, vLLM's
-            ``logprobs_mode``): "raw_logprobs" or "processed_logprobs".
+        max_batch_size: deprecated alias of ``max_num_seqs``.
+        **engine_kwargs: any ``celeris.config.EngineConfig`` field, each meaning what it says there (vLLM's names):
+            ``max_num_seqs``, ``device``, ``dtype``, ``enforce_eager``, ``enable_prefix_caching``,
+            ``max_model_len`` (requests beyond get the context-length error; ``context_length`` is the value in
+            force), ``quantization`` (the drafter's linear layers too; "gguf" needs a .gguf checkpoint),
+            ``quantize_lm_head``, ``logprobs_mode``, ``speculative_config`` (a DFlash drafter: the default
+            decoding becomes verified decoding with ``draft_source`` ``lookup_first``), ``max_waiting``
+            (default ``OFFLINE_MAX_WAITING``: offline use needs no limit; the servers set
+            ``SERVER_MAX_WAITING``), ... checked by ``EngineConfig.from_kwargs``.
 
     Raises:
+        TypeError: a keyword that is neither a load option above nor an engine setting.
         CheckpointError: the folder is missing, incomplete or inconsistent, or ``tokenizer`` does not exist.
         ValueError: ``max_model_len`` exceeds the model's context window, another setting is out of range,
             a quantization that is unknown or whose kernel does not take a layer's shape or the device
@@ -185,19 +177,18 @@ class LLM:
     """
 
     def __init__(
-        self, model: str | Path | None = None, device: str | None = None, max_num_seqs: int = 8,
-        trust_remote_code: bool = False, dtype: str | None = None, enforce_eager: bool = True,
-        max_waiting: int = 1 << 30, max_batch_size: int | None = None, enable_prefix_caching: bool = True,
-        max_model_len: int | None = None,
+        self, model: str | Path | None = None, *, trust_remote_code: bool = False,
         tokenizer: str | Path | None = None, chat_template: str | Path | None = None,
-        speculative_config: dict | str | None = None, quantization: str | None = None,
-        quantize_lm_head: bool = False, logprobs_mode: str = "raw_logprobs",
+        max_batch_size: int | None = None, **engine_kwargs: Any,
     ) -> None:
         if max_batch_size is not None:
             warnings.warn("LLM(max_batch_size=...) is deprecated; use max_num_seqs", DeprecationWarning, stacklevel=2)
-            max_num_seqs = max_batch_size
+            engine_kwargs["max_num_seqs"] = max_batch_size
+        engine_kwargs.setdefault("max_waiting", OFFLINE_MAX_WAITING)
+        self.engine_config = config = EngineConfig.from_kwargs(**engine_kwargs)
+        quantization, max_model_len = config.quantization, config.max_model_len
         self.path = resolve_model(model)
-        spec = SpeculativeConfig.parse(speculative_config)
+        spec = SpeculativeConfig.parse(config.speculative_config)
         pairing = read_pairing(self.path)  # a drafter folder: its target loads, with it beside
         self.chat_by_default = bool(pairing and pairing.get("chat"))  # `celeris generate` uses the chat template
         if pairing is not None:
@@ -216,15 +207,10 @@ class LLM:
             self.path, tensors = self._gguf.folder, self._gguf.tensors
         # what the model card shows of the checkpoint's source (a GGUF's architecture, context, license, ...)
         self.card: dict = self._gguf.card if self._gguf is not None else read_card(self.path)
-        self.engine_config = EngineConfig(max_num_seqs=max_num_seqs, max_waiting=max_waiting, device=device,
-                                          dtype=dtype, enforce_eager=enforce_eager,
-                                          enable_prefix_caching=enable_prefix_caching, max_model_len=max_model_len,
-                                          quantization=quantization, quantize_lm_head=quantize_lm_head,
-                                          logprobs_mode=logprobs_mode)
-        self.device = resolve_device(device)
-        self.dtype = resolve_dtype(dtype, self.device)
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.device)
         self.model = load_any(self.path, device=self.device, dtype=self.dtype, trust_remote_code=trust_remote_code,
-                              max_model_len=max_model_len, max_num_seqs=max_num_seqs, tensors=tensors)
+                              max_model_len=max_model_len, max_num_seqs=config.max_num_seqs, tensors=tensors)
         if self._gguf is not None:
             self._gguf.tensors = tensors = None  # the model holds the weights now (in memory: its temporary folder stays)
         self.proposer = load_proposer(spec, self.model) if spec is not None else None
@@ -236,7 +222,7 @@ class LLM:
                     raise QuantizationError(f"--quantization gguf needs a .gguf checkpoint; '{self.name}' holds float "
                                             "weights: use --quantization int8 or int4")
                 layers = gguf_layer_methods(self.path, tensor_types(gguf_file))
-            self.quantization = quantize_model(self.model, quantization, quantize_lm_head, layers)
+            self.quantization = quantize_model(self.model, quantization, config.quantize_lm_head, layers)
             if self.proposer is not None:  # a drafter's float weights: int8 under gguf, else the same method
                 quantize_model(self.proposer.drafter, "int8" if quantization == "gguf" else quantization)
         attach(self.model, self.proposer)
@@ -274,6 +260,17 @@ class LLM:
         ``steps`` count per block, so a shorter answer keeps them; ``SamplingParams.from_defaults``)."""
         return SamplingParams.from_defaults(self.generation_config, per_answer_steps=contract_of(self.model) is None,
                                             **overrides)
+
+    def check(self, params: SamplingParams, has_suffix: bool = False) -> str:
+        """The decoding mode ``params`` get on this model, after the check the engine runs at admission
+        (``celeris.sampling.modes.check_request``, stop ids against this tokenizer's vocabulary): what the
+        server asks before it queues anything, so it repeats no rule of its own.
+
+        Raises:
+            ValueError: a setting this model's mode cannot run, or a stop token id outside the vocabulary; the
+                message starts with the parameter (``celeris.serve.errors.parameter_error`` makes it a 400).
+        """
+        return check_request(self.model, params, has_suffix, self.tokenizer.vocab_size)
 
     def with_special_stops(self, params: SamplingParams) -> SamplingParams:
         """``params`` with each stop string that is exactly a special token (``"<|im_end|>"``) moved to

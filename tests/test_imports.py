@@ -51,6 +51,7 @@ FLOORS: list[tuple[int, str, tuple[str, ...]]] = [
     (4, "reference", ("celeris.reference",)),
     (4, "engine", ("celeris.engine",)),
     (5, "llm", ("celeris.llm",)),
+    (7, "bench", ("celeris.serve.loadtest",)),  # the old path of celeris.bench.loadtest, for one release
     (6, "serve", ("celeris.serve",)),
     (7, "batch", ("celeris.batch",)),
     (7, "bench", ("celeris.bench",)),

@@ -31,7 +31,7 @@ import os
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import celeris
 from celeris.batch.jobs import (
@@ -44,6 +44,7 @@ from celeris.batch.jobs import (
     open_job,
     run_item,
 )
+from celeris.config import SERVER_MAX_WAITING, EngineConfig, engine_fields
 
 if TYPE_CHECKING:
     from celeris.ray_session import LocalRaySession
@@ -58,23 +59,19 @@ class ServingActor:
     at once (``max_concurrent_calls_per_actor=2``) share one engine.
     """
 
-    def __init__(self, model: str | None, max_num_seqs: int, device: str | None, request_timeout: float,
-                 served_model_name: str | None, dtype: str | None = None, max_model_len: int | None = None,
-                 tokenizer: str | None = None, chat_template: str | None = None,
-                 speculative_config: str | None = None, quantization: str | None = None,
-                 quantize_lm_head: bool = False) -> None:
+    def __init__(self, model: str | None, request_timeout: float, served_model_name: str | None,
+                 **llm_kwargs: Any) -> None:
+        """``llm_kwargs``: ``LLM``'s load options and ``EngineConfig`` fields (``max_num_seqs`` among them);
+        the queue holds ``max(SERVER_MAX_WAITING, 4 x max_num_seqs)`` unless ``max_waiting`` is given."""
         import torch
 
         from celeris.serve.serving import OpenAIServing
 
         torch.set_num_threads(1)
-        self.serving = OpenAIServing.from_model(model, device=device, max_num_seqs=max_num_seqs,
-                                                max_waiting=max(64, 4 * max_num_seqs),
-                                                request_timeout=request_timeout, served_model_name=served_model_name,
-                                                dtype=dtype, max_model_len=max_model_len, tokenizer=tokenizer,
-                                                chat_template=chat_template,
-                                                speculative_config=speculative_config, quantization=quantization,
-                                                quantize_lm_head=quantize_lm_head)
+        max_num_seqs = llm_kwargs.get("max_num_seqs", engine_fields()["max_num_seqs"].default)
+        llm_kwargs.setdefault("max_waiting", max(SERVER_MAX_WAITING, 4 * max_num_seqs))
+        self.serving = OpenAIServing.from_model(model, request_timeout=request_timeout,
+                                                served_model_name=served_model_name, **llm_kwargs)
         self.serving.start()
         self.loop = asyncio.new_event_loop()
         threading.Thread(target=self.loop.run_forever, name="batch-actor-loop", daemon=True).start()
@@ -135,23 +132,19 @@ def run_batch_ray(
     rerun_changed: bool = False,
     num_workers: int = 2,
     max_num_seqs: int = 8,
-    device: str | None = None,
     request_timeout: float = 600.0,
     served_model_name: str | None = None,
     ray_address: str | None = None,
     ray_num_cpus: int = 2,
     progress: bool = True,
     log: Callable[[str], None] | None = None,
-    dtype: str | None = None,
-    max_model_len: int | None = None,
-    tokenizer: str | None = None,
-    chat_template: str | None = None,
-    speculative_config: str | None = None,
-    quantization: str | None = None,
-    quantize_lm_head: bool = False,
+    **llm_kwargs: Any,
 ) -> dict:
-    """Run (or resume) a batch job on Ray; same files, records and summary as ``jobs.run_batch``
-    (``tokenizer`` / ``chat_template``: absolute paths, as each actor's LLM takes them).
+    """Run (or resume) a batch job on Ray; same files, records and summary as ``jobs.run_batch``.
+
+    ``llm_kwargs``: what each actor's ``LLM`` takes besides ``max_num_seqs`` (its load options, with
+    ``tokenizer`` / ``chat_template`` as absolute paths, and any ``EngineConfig`` field: ``device``, ``dtype``,
+    ``max_model_len``, ``quantization``, ...), checked here by ``EngineConfig.from_kwargs`` before Ray starts.
 
     First reaps the local Ray instances of earlier jobs that were killed (``celeris.ray_session``); the
     instance this job starts is stopped when it ends, also on SIGTERM (then ``Terminated``, exit 143).
@@ -167,8 +160,7 @@ def run_batch_ray(
         from celeris.ray_session import reap_orphaned_sessions, sigterm_raises
     except ImportError:
         raise BatchError("--backend ray needs Ray: pip install 'celeris[ray]' (ray[data])") from None
-    if num_workers < 1:
-        raise BatchError(f"--num-workers must be >= 1, got {num_workers}")
+    check_settings(num_workers, max_num_seqs, llm_kwargs)
     reap_orphaned_sessions()  # what a killed job (SIGKILL) left running
     real = Path(os.path.realpath(output_path))
     spool = real.with_name(f".{real.name}.ray-spool.jsonl")
@@ -193,22 +185,38 @@ def run_batch_ray(
             if spool_todo(input_path, job, spool, sink):
                 session = init_ray(ray_address, ray_num_cpus)
                 actor_kwargs = {"model": str(Path(model).resolve()) if model else None, "max_num_seqs": max_num_seqs,
-                                "device": device, "request_timeout": request_timeout,
-                                "served_model_name": served_model_name, "dtype": dtype,
-                                "max_model_len": max_model_len, "tokenizer": tokenizer,
-                                "chat_template": chat_template, "speculative_config": speculative_config,
-                                "quantization": quantization, "quantize_lm_head": quantize_lm_head}
+                                "request_timeout": request_timeout, "served_model_name": served_model_name,
+                                **llm_kwargs}
                 try:
                     for row in map_on_ray(spool, actor_kwargs, num_workers, on_cluster=bool(ray_address)):
                         sink(json.loads(row["record"]))
                 except ray.exceptions.RayError as exc:  # an actor died or failed to start
-                    first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-                    raise EngineUnavailableError(f"the Ray job failed: {first}") from exc
+                    raise EngineUnavailableError(f"the Ray job failed: {first_line(exc)}") from exc
         finally:
             spool.unlink(missing_ok=True)
             if session is not None:
                 session.stop()
     return job.summary()
+
+
+def check_settings(num_workers: int, max_num_seqs: int, llm_kwargs: dict[str, Any]) -> None:
+    """Refuse a bad worker count or engine setting (``EngineConfig.from_kwargs``) before Ray starts.
+
+    Raises:
+        BatchError: the line naming the setting.
+    """
+    if num_workers < 1:
+        raise BatchError(f"--num-workers must be >= 1, got {num_workers}")
+    engine = {k: v for k, v in llm_kwargs.items() if k in engine_fields()}
+    try:
+        EngineConfig.from_kwargs(max_num_seqs=max_num_seqs, **engine)
+    except ValueError as exc:
+        raise BatchError(str(exc)) from None
+
+
+def first_line(exc: BaseException) -> str:
+    """The first line of an exception's message (Ray's carry a traceback), or its type's name."""
+    return str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
 
 
 def spool_todo(input_path: str | Path, job: OpenJob, spool: Path, sink: Callable[[dict], None]) -> int:

@@ -50,6 +50,7 @@ import resource
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -238,12 +239,61 @@ def block_reference(llm: LLM, params: SamplingParams):
     return decode
 
 
-def run_bench(cfg: BenchConfig) -> dict:
-    """Run every system at every output length and batch size; returns the results (also written to ``out_dir``).
+def next_token_system(model: torch.nn.Module, length: int) -> Callable:
+    """The reference next-token decoding of ``model`` (greedy, KV cache, one token per pass) as a bench system:
+    a batch of prompt ids -> (token ids, nfe, ttft_s) per prompt."""
+    def decode(batch):
+        out = generate_autoregressive(model, batch, SamplingParams(max_tokens=length))
+        return out.token_ids, [out.nfe] * len(batch), out.ttft_s
+    return decode
+
+
+def engine_system(params: SamplingParams, owner: LLM) -> Callable:
+    """``owner``'s engine decoding a batch with ``params`` as a bench system (every request added, then steps
+    until none is left)."""
+    def decode(batch):
+        reqs = [owner.engine.add_request(p, params) for p in batch]
+        while owner.engine.has_unfinished():
+            owner.engine.step()
+        outs = [owner.to_output("", r) for r in reqs]
+        return [o.token_ids for o in outs], [o.nfe for o in outs], [o.ttft_s for o in outs]
+    return decode
+
+
+def smollm2_system(smol: tuple, llm: LLM, length: int) -> Callable:
+    """SmolLM2-135M (``celeris.bench.smollm2``) on the prompts as ``llm``'s tokenizer decodes them."""
+    def decode(batch):
+        ids, nfe, ttft = smollm2.generate_hf(*smol, [llm.tokenizer.decode(p) for p in batch], length)
+        return ids, nfe, [ttft] * len(batch)
+    return decode
+
+
+def plan_systems(owner: LLM, length: int, fast: SamplingParams, reference: SamplingParams,
+                 hybrid: bool) -> tuple[list, SamplingParams]:
+    """The systems a model is benched with at one length, by its kind, and the params of its fast one: a hybrid
+    model's verified decoding against its own next-token decoding; a next-token model's reference, engine and
+    prompt lookup; a block model's reference sampler and engine; else dllm-reference and dllm-fast."""
+    if hybrid:  # verified decoding against the model's own next-token decoding
+        fast = owner.default_params(max_tokens=length, temperature=0.0, decoding="verified")
+        return [("hybrid-next-token", next_token_system(owner.model, length)),
+                ("hybrid-verified", engine_system(fast, owner))], fast
+    if getattr(owner.model.config, "is_causal", False) and contract_of(owner.model) is None:
+        # a next-token model (Llama, Qwen2, Qwen3, the twin): the reference sampler, the engine, prompt lookup
+        engine = owner.default_params(max_tokens=length, temperature=0.0)
+        lookup = owner.default_params(max_tokens=length, temperature=0.0, decoding="verified", draft_source="lookup")
+        return [("ar-reference", next_token_system(owner.model, length)), ("ar-engine", engine_system(engine, owner)),
+                ("ar-lookup", engine_system(lookup, owner))], engine
+    if contract_of(owner.model) is not None:  # a block model: its reference sampler, then the engine
+        fast = owner.default_params(max_tokens=length, temperature=0.0)
+        return [("block-reference", block_reference(owner, fast)), ("block-engine", engine_system(fast, owner))], fast
+    return [("dllm-reference", engine_system(reference, owner)), ("dllm-fast", engine_system(fast, owner))], fast
+
+
+def load_bench_models(cfg: BenchConfig) -> tuple[LLM, float, dict[str, LLM], LLM | None]:
+    """The model (and its load seconds), one copy per other weight width, and the AR twin.
 
     Raises:
-        ValueError: the AR twin's tokenizer is not the diffusion model's; ``fast_tokens_per_step`` or
-            ``fast_suffix_window`` for a block-diffusion (or hybrid) model, whose systems would ignore them.
+        ValueError: as ``run_bench``.
     """
     load_start = time.perf_counter()
     overrides = {"tokenizer": cfg.tokenizer, "chat_template": cfg.chat_template, "max_model_len": cfg.max_model_len}
@@ -258,13 +308,75 @@ def run_bench(cfg: BenchConfig) -> dict:
         raise ValueError(f"{' and '.join(ignored)} set the dllm-fast system of a full-attention model; this "
                          f"block-diffusion model is benchmarked with its own defaults (block-reference / "
                          f"block-engine, or hybrid-verified): leave {'them' if len(ignored) > 1 else 'it'} out")
-    problems = load_humaneval(cfg.prompts)[: cfg.num_prompts]
-    texts = [heal_prompt(p["prompt"]) for p in problems]
     ar = LLM(cfg.ar_model, max_num_seqs=max(cfg.batch_sizes), dtype=cfg.dtype, **overrides) if cfg.ar_model else None
     probe = "def f(x):\n    return x  # probe"
     if ar is not None and (ar.model.config.vocab_size != llm.model.config.vocab_size
                            or ar.tokenizer.encode(probe) != llm.tokenizer.encode(probe)):
         raise ValueError(f"the autoregressive twin {cfg.ar_model} must use the diffusion model's tokenizer")
+    return llm, load_s, widths, ar
+
+
+def score_run(r: dict, llm: LLM, smol: tuple | None, ar: LLM | None, texts: list[str], prompt_ids: list[list[int]],
+              reference_outputs: list[list[int]]) -> None:
+    """Add a run's quality figures in place: HumanEval parse rate, repetition share, agreement with the first
+    system, and the judge's perplexity (SmolLM2's, else the AR twin's, else none)."""
+    own_tokens = r["system"] != "smollm2-135m"  # the diffusion model's tokenizer
+    decoded = [(llm.tokenizer if own_tokens else smol[1]).decode(o) for o in r["outputs"]]
+    bodies = [cut_function_body(d) for d in decoded]
+    r["parse_rate"] = round(sum(has_code(b) and parses(t + b) for t, b in zip(texts, bodies, strict=True))
+                            / len(texts), 4)
+    r["repetition_share"] = round(sum(max_repeat_run(o) > 8 for o in r["outputs"]) / len(texts), 4)
+    r["agreement_with_reference"] = agreement(r["outputs"], reference_outputs) if own_tokens else None
+    if smol is not None and (not own_tokens or smollm2.is_smollm2(llm)):
+        r["judge_perplexity"] = "n/a"  # SmolLM2 would judge its own text
+    elif smol is not None:
+        prompt_texts = [llm.tokenizer.decode(p) for p in prompt_ids]  # as truncated for the context window
+        r["judge_perplexity"] = smollm2.judge_perplexity(*smol, prompt_texts, decoded)
+    else:
+        r["judge_perplexity"] = perplexity(ar, prompt_ids, r["outputs"]) if ar and own_tokens else None
+
+
+def run_systems(systems: list, batches: list, llm: LLM, warmup: int) -> list[dict]:
+    """Each system over the batches (``run_system``), with the draft acceptance per position of hybrid-verified."""
+    runs = []
+    for name, fn in systems:
+        before = draft_counts(llm)
+        runs.append(run_system(name, fn, batches, warmup))
+        if name == "hybrid-verified":  # acceptance per draft position over this system's calls
+            after = draft_counts(llm)
+            before = before or [(0, 0)] * len(after)  # the drafter was made by this system's first call
+            runs[-1]["draft_acceptance"] = [round((a - a0) / (d - d0), 4) if d > d0 else None
+                                            for (d0, a0), (d, a) in zip(before, after, strict=True)]
+    return runs
+
+
+def add_width_reports(results: dict, llm: LLM, widths: dict[str, LLM], cfg: BenchConfig, texts: list[str],
+                      hybrid: bool) -> None:
+    """``results["widths"]``: quality (against this model, on the first prompts) and pass cost of every other
+    weight width, with their warnings in ``results["notes"]``."""
+    room = llm.context_length - cfg.lengths[0]
+    quality_prompts = [llm.tokenizer.encode(t)[-room:] for t in texts]
+    results["widths"] = {}
+    for width, other in widths.items():
+        report, warning = width_report(llm, other, width, quality_prompts, fast_quality_params(llm, cfg, hybrid),
+                                       lambda m: pass_cost_ms(m.model))
+        results["widths"][width] = report
+        if warning:
+            results["notes"].append(warning)
+    results["widths"]["reference"] = {"pass_cost_ms_by_width": results.get("pass_cost_ms_by_width")
+                                      or pass_cost_ms(llm.model)}
+
+
+def run_bench(cfg: BenchConfig) -> dict:
+    """Run every system at every output length and batch size; returns the results (also written to ``out_dir``).
+
+    Raises:
+        ValueError: the AR twin's tokenizer is not the diffusion model's; ``fast_tokens_per_step`` or
+            ``fast_suffix_window`` for a block-diffusion (or hybrid) model, whose systems would ignore them.
+    """
+    llm, load_s, widths, ar = load_bench_models(cfg)
+    problems = load_humaneval(cfg.prompts)[: cfg.num_prompts]
+    texts = [heal_prompt(p["prompt"]) for p in problems]
     results: dict = {"conditions": None, "runs": [], "notes": []}
     smol = None
     if cfg.smollm2:
@@ -288,96 +400,28 @@ def run_bench(cfg: BenchConfig) -> dict:
         k = cfg.fast_tokens_per_step
         fast = llm.default_params(max_tokens=length, temperature=0.0, steps=-(-length // k) if k else None,
                                   suffix_window=cfg.fast_suffix_window)
-
-        def next_token(model: torch.nn.Module, length: int = length):  # greedy, KV cache, one token per pass
-            def decode(batch):
-                out = generate_autoregressive(model, batch, SamplingParams(max_tokens=length))
-                return out.token_ids, [out.nfe] * len(batch), out.ttft_s
-            return decode
-
-        def diffusion(params: SamplingParams, owner: LLM = llm):
-            def decode(batch):
-                reqs = [owner.engine.add_request(p, params) for p in batch]
-                while owner.engine.has_unfinished():
-                    owner.engine.step()
-                outs = [owner.to_output("", r) for r in reqs]
-                return [o.token_ids for o in outs], [o.nfe for o in outs], [o.ttft_s for o in outs]
-            return decode
-
-        def smollm2_system(batch, length=length):
-            ids, nfe, ttft = smollm2.generate_hf(*smol, [llm.tokenizer.decode(p) for p in batch], length)
-            return ids, nfe, [ttft] * len(batch)
-
-        def plan(owner: LLM, fast: SamplingParams = fast, length: int = length,  # (systems, their fast params)
-                 reference: SamplingParams = reference) -> tuple[list, SamplingParams]:
-            if hybrid:  # verified decoding against the model's own next-token decoding
-                fast = owner.default_params(max_tokens=length, temperature=0.0, decoding="verified")
-                return [("hybrid-next-token", next_token(owner.model)), ("hybrid-verified", diffusion(fast, owner))], fast
-            if getattr(owner.model.config, "is_causal", False) and contract_of(owner.model) is None:
-                # a next-token model (Llama, Qwen2, Qwen3, the twin): the reference sampler, the engine, prompt lookup
-                engine = owner.default_params(max_tokens=length, temperature=0.0)
-                lookup = owner.default_params(max_tokens=length, temperature=0.0, decoding="verified",
-                                              draft_source="lookup")
-                return [("ar-reference", next_token(owner.model)), ("ar-engine", diffusion(engine, owner)),
-                        ("ar-lookup", diffusion(lookup, owner))], engine
-            if contract_of(owner.model) is not None:  # a block model: its reference sampler, then the engine
-                fast = owner.default_params(max_tokens=length, temperature=0.0)
-                return [("block-reference", block_reference(owner, fast)), ("block-engine", diffusion(fast, owner))], fast
-            return [("dllm-reference", diffusion(reference, owner)), ("dllm-fast", diffusion(fast, owner))], fast
-
-        systems, fast = plan(llm)
+        systems = plan_systems(llm, length, fast, reference, hybrid)[0]
         for width, other in widths.items():  # the same systems at each other weight width (celeris.bench.quantized)
-            systems += [(f"{name}@{width}", fn) for name, fn in plan(other)[0]]
+            systems += [(f"{name}@{width}", fn) for name, fn in plan_systems(other, length, fast, reference, hybrid)[0]]
         if ar is not None:
-            systems.append(("ar-twin", next_token(ar.model)))
+            systems.append(("ar-twin", next_token_system(ar.model, length)))
             if hybrid:  # the ablation: the twin with the prompt-lookup half of the drafts
                 lookup = SamplingParams(max_tokens=length, block_length=1, decoding="verified",
                                         draft_source="lookup")
-                systems.append(("ar-twin-lookup", diffusion(lookup, ar)))
+                systems.append(("ar-twin-lookup", engine_system(lookup, ar)))
         if smol is not None:
-            systems.append(("smollm2-135m", smollm2_system))
-        runs = []
-        for name, fn in systems:
-            before = draft_counts(llm)
-            runs.append(run_system(name, fn, batches, cfg.warmup))
-            if name == "hybrid-verified":  # acceptance per draft position over this system's calls
-                after = draft_counts(llm)
-                before = before or [(0, 0)] * len(after)  # the drafter was made by this system's first call
-                runs[-1]["draft_acceptance"] = [round((a - a0) / (d - d0), 4) if d > d0 else None
-                                                for (d0, a0), (d, a) in zip(before, after, strict=True)]
-        prompt_texts = [llm.tokenizer.decode(p) for p in prompt_ids]  # as truncated for the context window
+            systems.append(("smollm2-135m", smollm2_system(smol, llm, length)))
+        runs = run_systems(systems, batches, llm, cfg.warmup)
         for r in runs:
             r["load_s"] = round(load_s, 3)
-            own_tokens = r["system"] != "smollm2-135m"  # the diffusion model's tokenizer
-            decoded = [(llm.tokenizer if own_tokens else smol[1]).decode(o) for o in r["outputs"]]
-            bodies = [cut_function_body(d) for d in decoded]
-            r["parse_rate"] = round(sum(has_code(b) and parses(t + b) for t, b in zip(texts, bodies, strict=True))
-                                    / len(texts), 4)
-            r["repetition_share"] = round(sum(max_repeat_run(o) > 8 for o in r["outputs"]) / len(texts), 4)
-            r["agreement_with_reference"] = agreement(r["outputs"], runs[0]["outputs"]) if own_tokens else None
-            if smol is not None and (not own_tokens or smollm2.is_smollm2(llm)):
-                r["judge_perplexity"] = "n/a"  # SmolLM2 would judge its own text
-            elif smol is not None:
-                r["judge_perplexity"] = smollm2.judge_perplexity(*smol, prompt_texts, decoded)
-            else:
-                r["judge_perplexity"] = perplexity(ar, prompt_ids, r["outputs"]) if ar and own_tokens else None
+            score_run(r, llm, smol, ar, texts, prompt_ids, runs[0]["outputs"])
             r["max_tokens"] = length
             r["batch_size"] = batch_size
         results["runs"] += [{k: v for k, v in r.items() if k != "outputs"} for r in runs]
     if hybrid:
         results["pass_cost_ms_by_width"] = pass_cost_ms(llm.model)
-    if widths:  # quality (against this model, on the first prompts) and pass cost of every other width
-        room = llm.context_length - cfg.lengths[0]
-        quality_prompts = [llm.tokenizer.encode(t)[-room:] for t in texts]
-        results["widths"] = {}
-        for width, other in widths.items():
-            report, warning = width_report(llm, other, width, quality_prompts, fast_quality_params(llm, cfg, hybrid),
-                                           lambda m: pass_cost_ms(m.model))
-            results["widths"][width] = report
-            if warning:
-                results["notes"].append(warning)
-        results["widths"]["reference"] = {"pass_cost_ms_by_width": results.get("pass_cost_ms_by_width")
-                                          or pass_cost_ms(llm.model)}
+    if widths:
+        add_width_reports(results, llm, widths, cfg, texts, hybrid)
     write_outputs(results, Path(cfg.out_dir))
     return results
 

@@ -3,7 +3,7 @@
 ``celeris serve --model PATH`` runs it: POST /v1/completions (``suffix`` = infilling), POST
 /v1/chat/completions, GET /v1/models[/{id}], GET /health, GET /metrics (Prometheus).
 ``OpenAIServing.from_model(PATH)`` gives the same layer to batch jobs;
-``python -m celeris.serve.loadtest`` measures it under concurrency.
+``python -m celeris.bench.loadtest`` measures it under concurrency.
 
 Layout: ``protocol`` (pydantic models, error shape, body parsing), ``serving`` (requests -> engine
 calls -> responses), ``async_engine`` (the one thread that drives ``Engine.step()``), ``detokenize``

@@ -12,9 +12,10 @@ import logging
 import socket
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import aclosing, asynccontextmanager
 from pathlib import Path
+from typing import Any
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -25,6 +26,7 @@ from starlette.requests import ClientDisconnect
 
 from celeris.serve.metrics import MetricsMiddleware, ServerMetrics
 from celeris.serve.middleware import REQUEST_ID, RequestGuard, install_request_id_logging
+from celeris.serve.models_router import ModelRouter
 from celeris.serve.ollama.protocol import is_ollama_path
 from celeris.serve.ollama.routes import OLLAMA_BODIES, document_model_names, ollama_router
 from celeris.serve.ollama.routes import error_response as ollama_error_response
@@ -40,7 +42,6 @@ from celeris.serve.protocol import (
 from celeris.serve.responses.protocol import ResponsesRequest
 from celeris.serve.responses.routes import responses_router
 from celeris.serve.responses.serving import ResponsesServing
-from celeris.serve.router import ModelRouter
 from celeris.serve.server import ServerLimits, make_server
 from celeris.serve.serving import ClientDisconnected, OpenAIServing
 from celeris.serve.tokenization import (
@@ -195,6 +196,110 @@ def mount_playground(app: FastAPI) -> None:
     app.mount("/static", PlaygroundFiles(directory=PLAYGROUND), name="static")
 
 
+def _install_error_handlers(app: FastAPI) -> None:
+    """Every error as the one OpenAI error shape (``error_response``): APIError, request validation, pydantic
+    validation, Starlette's 404/405, a client that left (499, no body) and anything unexpected (500, logged)."""
+
+    @app.exception_handler(APIError)
+    async def on_api_error(request: Request, exc: APIError) -> JSONResponse:
+        return error_response(exc, request.url.path)
+
+    @app.exception_handler(RequestValidationError)
+    async def on_request_validation(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return error_response(errors_to_api_error(exc.errors()), request.url.path)
+
+    @app.exception_handler(ValidationError)
+    async def on_validation(request: Request, exc: ValidationError) -> JSONResponse:
+        return error_response(validation_error(exc), request.url.path)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def on_http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        messages = {404: f"no route for {request.method} {request.url.path}",
+                    405: f"method {request.method} is not allowed on {request.url.path}"}
+        message = messages.get(exc.status_code, str(exc.detail))
+        return error_response(APIError(exc.status_code, message, headers=dict(exc.headers or {})), request.url.path)
+
+    @app.exception_handler(ClientDisconnected)
+    async def on_disconnect(request: Request, exc: ClientDisconnected) -> Response:
+        return Response(status_code=499)
+
+    @app.exception_handler(ClientDisconnect)
+    async def on_upload_disconnect(request: Request, exc: ClientDisconnect) -> Response:
+        logger.info("client disconnected while sending the body of %s %s", request.method, request.url.path)
+        return Response(status_code=499)
+
+    @app.exception_handler(Exception)
+    async def on_exception(request: Request, exc: Exception) -> JSONResponse:
+        logger.exception("unhandled error on %s (request id %s)", request.url.path, REQUEST_ID.get())
+        return error_response(APIError(500, f"internal error: {type(exc).__name__}"), request.url.path)
+
+
+def api_key_dependency(api_key: str | None) -> Callable[[Request], Awaitable[None]]:
+    """The FastAPI dependency that checks ``Authorization: Bearer <api_key>`` (no check when ``api_key`` is
+    None); a missing or wrong key is a 401 ``invalid_api_key`` with ``WWW-Authenticate: Bearer``."""
+
+    async def check_api_key(request: Request) -> None:
+        if api_key is None:
+            return
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), api_key.encode()):
+            raise APIError(401, "invalid or missing API key; send 'Authorization: Bearer <key>'",
+                           code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+
+    return check_api_key
+
+
+def _v1_router(serving: OpenAIServing | ModelRouter, check_api_key: Callable[[Request], Awaitable[None]]
+               ) -> APIRouter:
+    """The OpenAI routes under /v1 (completions, chat completions, models), behind ``check_api_key``."""
+    v1 = APIRouter(prefix="/v1", dependencies=[Depends(check_api_key)])
+
+    @v1.post("/completions")
+    async def completions(request: Request) -> Response:
+        body = parse_request(CompletionRequest, await json_body(request))
+        return respond(await serving.create_completion(body, request.is_disconnected))
+
+    @v1.post("/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        body = parse_request(ChatCompletionRequest, await json_body(request))
+        return respond(await serving.create_chat_completion(body, request.is_disconnected))
+
+    @v1.get("/models")
+    async def models() -> Response:
+        return respond(serving.show_models())
+
+    @v1.get("/models/{model_id:path}")
+    async def model(model_id: str) -> Response:
+        return respond(serving.show_model(model_id))
+
+    return v1
+
+
+def _add_health_and_metrics(app: FastAPI, serving: OpenAIServing | ModelRouter, stall_timeout_s: float) -> None:
+    """/health (200 while the server can make progress, else 503 naming why) and /metrics (Prometheus)."""
+
+    @app.get("/health")
+    async def health() -> Response:
+        """200 while the server can make progress. 503 when draining for shutdown, when the engine loop
+        is not running, or when requests are in flight and no step completed for ``stall_timeout_s``.
+        A full queue (429s) alone never fails it."""
+        if serving.draining:
+            raise APIError(503, "the server is draining for shutdown", code="server_shutting_down",
+                           headers={"Retry-After": "1"})
+        if not serving.async_engine.is_running:
+            raise APIError(503, "the engine loop is not running", code="engine_unavailable")
+        stalled = serving.async_engine.seconds_without_progress()
+        if stalled > stall_timeout_s:
+            raise APIError(503, f"the engine has completed no step for {stalled:.0f} s while requests are in flight "
+                                f"(limit {stall_timeout_s:g} s)", code="engine_stalled")
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        body, content_type = serving.metrics.render()
+        return Response(body, media_type=content_type)
+
+
 def create_app(serving: OpenAIServing | ModelRouter, api_key: str | None = None, manage_engine: bool = True,
                limits: ServerLimits | None = None, stall_timeout_s: float = STALL_TIMEOUT_S) -> FastAPI:
     """The FastAPI app for one serving layer.
@@ -233,67 +338,10 @@ def create_app(serving: OpenAIServing | ModelRouter, api_key: str | None = None,
                        is_draining=lambda: serving.draining)
     app.add_middleware(MetricsMiddleware, metrics=serving.metrics)  # outermost: counts RequestGuard's refusals too
 
-    @app.exception_handler(APIError)
-    async def on_api_error(request: Request, exc: APIError) -> JSONResponse:
-        return error_response(exc, request.url.path)
+    _install_error_handlers(app)
 
-    @app.exception_handler(RequestValidationError)
-    async def on_request_validation(request: Request, exc: RequestValidationError) -> JSONResponse:
-        return error_response(errors_to_api_error(exc.errors()), request.url.path)
-
-    @app.exception_handler(ValidationError)
-    async def on_validation(request: Request, exc: ValidationError) -> JSONResponse:
-        return error_response(validation_error(exc), request.url.path)
-
-    @app.exception_handler(StarletteHTTPException)
-    async def on_http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        messages = {404: f"no route for {request.method} {request.url.path}",
-                    405: f"method {request.method} is not allowed on {request.url.path}"}
-        message = messages.get(exc.status_code, str(exc.detail))
-        return error_response(APIError(exc.status_code, message, headers=dict(exc.headers or {})), request.url.path)
-
-    @app.exception_handler(ClientDisconnected)
-    async def on_disconnect(request: Request, exc: ClientDisconnected) -> Response:
-        return Response(status_code=499)
-
-    @app.exception_handler(ClientDisconnect)
-    async def on_upload_disconnect(request: Request, exc: ClientDisconnect) -> Response:
-        logger.info("client disconnected while sending the body of %s %s", request.method, request.url.path)
-        return Response(status_code=499)
-
-    @app.exception_handler(Exception)
-    async def on_exception(request: Request, exc: Exception) -> JSONResponse:
-        logger.exception("unhandled error on %s (request id %s)", request.url.path, REQUEST_ID.get())
-        return error_response(APIError(500, f"internal error: {type(exc).__name__}"), request.url.path)
-
-    async def check_api_key(request: Request) -> None:
-        if api_key is None:
-            return
-        scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), api_key.encode()):
-            raise APIError(401, "invalid or missing API key; send 'Authorization: Bearer <key>'",
-                           code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
-
-    v1 = APIRouter(prefix="/v1", dependencies=[Depends(check_api_key)])
-
-    @v1.post("/completions")
-    async def completions(request: Request) -> Response:
-        body = parse_request(CompletionRequest, await json_body(request))
-        return respond(await serving.create_completion(body, request.is_disconnected))
-
-    @v1.post("/chat/completions")
-    async def chat_completions(request: Request) -> Response:
-        body = parse_request(ChatCompletionRequest, await json_body(request))
-        return respond(await serving.create_chat_completion(body, request.is_disconnected))
-
-    @v1.get("/models")
-    async def models() -> Response:
-        return respond(serving.show_models())
-
-    @v1.get("/models/{model_id:path}")
-    async def model(model_id: str) -> Response:
-        return respond(serving.show_model(model_id))
-
+    check_api_key = api_key_dependency(api_key)
+    v1 = _v1_router(serving, check_api_key)
     app.state.responses = ResponsesServing(serving)  # the store lives here, in the process that serves HTTP
     v1.include_router(responses_router(app.state.responses, json_body))
     app.include_router(v1)
@@ -301,27 +349,7 @@ def create_app(serving: OpenAIServing | ModelRouter, api_key: str | None = None,
     app.include_router(tokenizer_router(serving, check_api_key))
     app.openapi = lambda: openapi_with_bodies(app)
 
-    @app.get("/health")
-    async def health() -> Response:
-        """200 while the server can make progress. 503 when draining for shutdown, when the engine loop
-        is not running, or when requests are in flight and no step completed for ``stall_timeout_s``.
-        A full queue (429s) alone never fails it."""
-        if serving.draining:
-            raise APIError(503, "the server is draining for shutdown", code="server_shutting_down",
-                           headers={"Retry-After": "1"})
-        if not serving.async_engine.is_running:
-            raise APIError(503, "the engine loop is not running", code="engine_unavailable")
-        stalled = serving.async_engine.seconds_without_progress()
-        if stalled > stall_timeout_s:
-            raise APIError(503, f"the engine has completed no step for {stalled:.0f} s while requests are in flight "
-                                f"(limit {stall_timeout_s:g} s)", code="engine_stalled")
-        return JSONResponse({"status": "ok"})
-
-    @app.get("/metrics")
-    async def metrics() -> Response:
-        body, content_type = serving.metrics.render()
-        return Response(body, media_type=content_type)
-
+    _add_health_and_metrics(app, serving, stall_timeout_s)
     mount_playground(app)
 
     return app
@@ -379,22 +407,21 @@ def run_server(
     model: str | Path | None = None,
     host: str = "127.0.0.1",
     port: int = 8000,
-    max_num_seqs: int = 8,
-    max_waiting: int = 64,
+    *,
     request_timeout: float = 60.0,
     api_key: str | None = None,
     served_model_name: str | None = None,
-    device: str | None = None,
     log_level: str = "info",
     limits: ServerLimits | None = None,
     also_serve: list[str | Path] | None = None,
-    **load_options: object,
+    **llm_kwargs: Any,
 ) -> int:
     """Load a checkpoint and serve it until SIGTERM/SIGINT, then drain (``celeris serve``).
 
-    ``load_options`` (dtype, enforce_eager, trust_remote_code, enable_prefix_caching) go to ``celeris.llm.LLM``;
-    ``tokenizer`` and ``chat_template`` among them replace those of ``model`` only.
-    ``also_serve``: more checkpoints served beside it (each named by its folder; requests choose by ``model``).
+    ``llm_kwargs`` go to ``OpenAIServing.from_model`` (``LLM``'s load options and any ``EngineConfig`` field;
+    ``max_waiting`` defaults to ``SERVER_MAX_WAITING``); ``tokenizer`` and ``chat_template`` among them replace
+    those of ``model`` only. ``also_serve``: more checkpoints served beside it (each named by its folder;
+    requests choose by ``model``).
 
     Raises:
         ValueError: two models with the same name, or a bad API key.
@@ -402,9 +429,8 @@ def run_server(
     check_api_key_value(api_key)
     limits = limits or ServerLimits()
     shared = ServerMetrics()
-    own = {k: load_options.pop(k) for k in ("tokenizer", "chat_template") if k in load_options}
-    options = dict(device=device, max_num_seqs=max_num_seqs, max_waiting=max_waiting, request_timeout=request_timeout,
-                   metrics=shared, **load_options)
+    own = {k: llm_kwargs.pop(k) for k in ("tokenizer", "chat_template") if k in llm_kwargs}
+    options = dict(request_timeout=request_timeout, metrics=shared, **llm_kwargs)
     servings = [OpenAIServing.from_model(model, served_model_name=served_model_name, **options, **own)]
     servings += [OpenAIServing.from_model(extra, **options) for extra in also_serve or []]
     serving = servings[0] if len(servings) == 1 else ModelRouter(servings)

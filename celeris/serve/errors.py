@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Iterable
 from typing import TypeVar
 
 from pydantic import BaseModel, ValidationError
@@ -150,6 +151,17 @@ def parse_request(model: type[M], raw: bytes | str) -> M:
         return model.model_validate_json(raw)
     except ValidationError as exc:
         raise validation_error(exc) from None
+
+
+def parameter_error(exc: Exception, known: Iterable[str], aliases: dict[str, str] | None = None) -> APIError:
+    """A refusal of a request's settings as a 400 naming the parameter: ``SamplingParams``, ``LLM.check`` and
+    ``Engine.add_request`` start each message with the parameter at fault ("steps must be >= 1",
+    "top_k=3 ..."). ``aliases`` renames one that is not a request field to the field it comes from
+    (``grammar`` -> ``response_format``); a first word that is not in ``known`` (the request's fields) after
+    that is no parameter ("the prompt ..."), and the 400 names none."""
+    param = str(exc).split(" ", 1)[0].split("=", 1)[0]
+    param = (aliases or {}).get(param, param)
+    return APIError(400, str(exc), param=param if param in set(known) else None)
 
 
 def check_token_ids(ids: list[int], vocab_size: int, param: str) -> None:

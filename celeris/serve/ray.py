@@ -44,13 +44,14 @@ import os
 import threading
 import time
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, get_type_hints
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, create_model, model_validator
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 import celeris
+from celeris.config import SERVER_MAX_WAITING, EngineConfig, engine_fields
 from celeris.llm import LLM
 from celeris.ray_session import LocalRaySession, sigterm_raises
 from celeris.serve.async_engine import EngineDeadError, EngineInput
@@ -69,32 +70,31 @@ REPLICA_SERIES = ("celeris_num_requests_waiting", "celeris_num_requests_running"
 STALL_TIMEOUT_S = 30.0  # an engine replica with requests and no step for this long fails its health check
 
 
-class ServeArgs(BaseModel):
-    """Arguments of the Ray Serve application (``serve run celeris.serve.ray:app key=value ...``).
+def engine_field_specs(**defaults: object) -> dict[str, tuple[Any, Any]]:
+    """Every ``EngineConfig`` field as a pydantic field spec ``(type, Field(default, description=help))`` for
+    ``create_model``, the default from ``EngineConfig`` unless ``defaults`` names it."""
+    hints = get_type_hints(EngineConfig)
+    return {name: (hints[name], Field(defaults.get(name, f.default), description=describe(name)))
+            for name, f in engine_fields().items()}
 
-    Engine settings mean what they mean for ``celeris serve``; the replica settings use Ray Serve's
-    names. Autoscaling is on when ``min_replicas`` or ``max_replicas`` is given (``num_replicas`` is
-    then the initial count). Raises pydantic's ``ValidationError`` naming the field at fault.
-    """
+
+def describe(name: str) -> str:
+    """An engine field's help as a description of the field itself: a switch that turns it off (``--compile``
+    for ``enforce_eager``) is named, so the text does not read as the True value's meaning."""
+    meta = engine_fields()[name].metadata
+    return f"False is {meta['flag']}: {meta['help']}" if meta.get("invert") else meta["help"]
+
+
+class _ServeArgs(BaseModel):
+    """The fields of ``ServeArgs`` that are not engine settings (those come from ``EngineConfig``)."""
 
     model_config = ConfigDict(extra="forbid")
 
     model: str | None = None
     served_model_name: str | None = None
-    device: str | None = None
-    dtype: str | None = None
-    enforce_eager: bool = True
-    enable_prefix_caching: bool = True
-    logprobs_mode: Literal["raw_logprobs", "processed_logprobs"] = "raw_logprobs"
-    max_model_len: int | None = Field(None, ge=1)
     trust_remote_code: bool = False
     tokenizer: str | None = None
     chat_template: str | None = None
-    speculative_config: str | None = None  # a DFlash drafter beside the target (JSON, celeris.sampling.drafter)
-    quantization: str | None = None  # weight-only quantization of each replica's model (celeris.models.quantize)
-    quantize_lm_head: bool = False
-    max_num_seqs: int = Field(8, ge=1)
-    max_waiting: int = Field(64, ge=1)
     request_timeout: float = Field(60.0, gt=0)
     api_key: str | None = None
     num_replicas: int = Field(1, ge=1)
@@ -109,7 +109,16 @@ class ServeArgs(BaseModel):
     max_body_bytes: int = Field(8 << 20, ge=1)
 
     @model_validator(mode="after")
-    def _replicas_in_range(self) -> ServeArgs:
+    def _engine_settings_in_range(self) -> _ServeArgs:
+        EngineConfig.from_kwargs(**self.engine_kwargs())  # ValueError naming the field (pydantic's error)
+        return self
+
+    def engine_kwargs(self) -> dict[str, Any]:
+        """The engine settings (every ``EngineConfig`` field) as keyword arguments for ``LLM``."""
+        return {name: getattr(self, name) for name in engine_fields()}
+
+    @model_validator(mode="after")
+    def _replicas_in_range(self) -> _ServeArgs:
         low = self.min_replicas if self.min_replicas is not None else 1
         high = self.max_replicas if self.max_replicas is not None else max(low, self.num_replicas)
         if low > high:
@@ -150,6 +159,19 @@ class ServeArgs(BaseModel):
         else:
             options["num_replicas"] = self.num_replicas
         return options
+
+
+ServeArgs = create_model(
+    "ServeArgs", __base__=_ServeArgs, __module__=__name__,
+    __doc__="""Arguments of the Ray Serve application (``serve run celeris.serve.ray:app key=value ...``).
+
+    Engine settings are ``EngineConfig``'s fields, each meaning what it means for ``celeris serve`` (and, as
+    there, ``max_waiting`` defaults to ``SERVER_MAX_WAITING``); the replica settings use Ray Serve's
+    names. Autoscaling is on when ``min_replicas`` or ``max_replicas`` is given (``num_replicas`` is
+    then the initial count). Raises pydantic's ``ValidationError`` naming the field at fault.
+    """,
+    **engine_field_specs(max_waiting=SERVER_MAX_WAITING),
+)
 
 
 # -- metrics ---------------------------------------------------------------------------------------
@@ -233,16 +255,10 @@ class CelerisEngine:
         self.args = ServeArgs.model_validate(args)
         torch.set_num_threads(max(1, int(self.args.num_cpus_per_replica)))  # a replica's threads = its CPUs
         a = self.args
-        self.serving = OpenAIServing.from_model(a.model, device=a.device, max_num_seqs=a.max_num_seqs,
-                                                max_waiting=a.max_waiting, request_timeout=a.request_timeout,
-                                                served_model_name=a.served_model_name, dtype=a.dtype,
-                                                enforce_eager=a.enforce_eager, trust_remote_code=a.trust_remote_code,
-                                                enable_prefix_caching=a.enable_prefix_caching,
-                                                max_model_len=a.max_model_len, tokenizer=a.tokenizer,
-                                                chat_template=a.chat_template,
-                                                speculative_config=a.speculative_config,
-                                                quantization=a.quantization, quantize_lm_head=a.quantize_lm_head,
-                                                logprobs_mode=a.logprobs_mode)
+        self.serving = OpenAIServing.from_model(a.model, request_timeout=a.request_timeout,
+                                                served_model_name=a.served_model_name,
+                                                trust_remote_code=a.trust_remote_code, tokenizer=a.tokenizer,
+                                                chat_template=a.chat_template, **a.engine_kwargs())
         self.async_engine = self.serving.async_engine
         self.admitted = Counter("celeris_replica_generations", "Generations (prompts x n) this engine replica admitted",
                                 registry=self.serving.metrics.registry)

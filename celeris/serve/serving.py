@@ -14,7 +14,9 @@ code; failures after that (time-out, engine error) are raised from the iterator 
 Streaming sends each piece of the answer as soon as it is final (``StepOutput.new_token_ids``):
 ``IncrementalText`` decodes the final prefix, holds back text that ends in an unfinished UTF-8
 character (U+FFFD) and any tail that could begin a stop string, so the concatenated deltas equal
-the non-streamed text for the same seed; both paths run the same code.
+the non-streamed text for the same seed; both paths run the same code. That driving of a run (events in,
+``Update``s out) is ``celeris.serve.runs.RunDriver``, a base of ``OpenAIServing``; this module translates
+requests and shapes responses.
 """
 
 from __future__ import annotations
@@ -22,21 +24,20 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass, field, replace
+from collections.abc import AsyncIterator
+from dataclasses import fields, replace
 from functools import partial
 from pathlib import Path
+from typing import Any
 
-from celeris.config import EngineConfig
+from celeris.config import SERVER_MAX_WAITING, EngineConfig
 from celeris.engine import Engine, QueueFullError
-from celeris.llm import LLM
+from celeris.llm import LLM, ContextLengthError
 from celeris.params import SamplingParams, rename_deprecated
 from celeris.sampling.logprobs import TokenLogprob
-from celeris.sampling.modes import ContextLengthError, check_request
-from celeris.serve.async_engine import AsyncEngine, EngineDeadError, EngineInput, RequestGroup, StepEvent
+from celeris.serve.async_engine import AsyncEngine, EngineDeadError, EngineInput
 from celeris.serve.chat import chat_choice, chat_chunks
-from celeris.serve.detokenize import Update, decoding_details, denoise_details
-from celeris.serve.errors import check_token_ids
+from celeris.serve.errors import check_token_ids, parameter_error
 from celeris.serve.metrics import ServerMetrics
 from celeris.serve.protocol import (
     APIError,
@@ -49,7 +50,6 @@ from celeris.serve.protocol import (
     CompletionRequest,
     CompletionResponse,
     CompletionStreamResponse,
-    DecodingDetails,
     ModelCard,
     ModelList,
     SamplingRequest,
@@ -57,6 +57,14 @@ from celeris.serve.protocol import (
     now,
     parse_request,
     random_id,
+)
+from celeris.serve.runs import (
+    RETRY_AFTER_S,
+    Choice,
+    ClientDisconnected,
+    IsDisconnected,
+    Run,
+    RunDriver,
 )
 from celeris.serve.scoring import (
     chat_logprobs,
@@ -74,79 +82,18 @@ from celeris.serve.tools import (
     template_messages,
     tool_mode,
 )
-from celeris.structured.grammar import answer_matches
-from celeris.text import IncrementalText, render_canvas, tokens_within
+from celeris.text import IncrementalText
 
-DISCONNECT_POLL_S = 0.01  # most seconds between two client-disconnect checks while events flow
-IDLE_WAKE_S = 0.25  # wake this often when no event comes, to check time-out and disconnect
-RETRY_AFTER_S = 1
-
-IsDisconnected = Callable[[], Awaitable[bool]]
+__all__ = ["ClientDisconnected", "IsDisconnected", "OpenAIServing"]
 
 
-class ClientDisconnected(Exception):
-    """The client went away; its requests were aborted."""
+def _fields(request: SamplingRequest) -> set[str]:
+    """The names a 400 may give as its ``param``: the request's fields and ``SamplingParams``' (the request's
+    settings map onto them one to one)."""
+    return set(type(request).model_fields) | {f.name for f in fields(SamplingParams)}
 
 
-# ---------------------------------------------------------------------------------------------
-# One HTTP request in flight
-
-
-@dataclass
-class _Choice:
-    text: IncrementalText
-    finish_reason: str | None = None
-    done: bool = False
-    details: DecodingDetails | None = None
-    token_steps: list[int | None] | None = None  # stream_mode "denoise": the step that committed each position
-    logprobs: list[TokenLogprob | None] = field(default_factory=list)  # one per answer token received
-    prompt_logprobs: list[TokenLogprob | None] | None = None  # the scored prompt (echo with logprobs)
-    num_sent_logprobs: int = 0  # streamed: entries already sent
-    end_logprob: TokenLogprob | None = None  # the end token's entry, when an end id ended the answer
-    with_end: bool = False  # completions: the end token's entry follows the answer's (vLLM keeps it)
-
-    def _end(self) -> list[TokenLogprob | None]:
-        stopped = self.text.stopped or self.end_logprob is None or not self.with_end
-        return [] if stopped else [self.end_logprob]
-
-    def released_logprobs(self) -> list[TokenLogprob | None]:
-        """Streaming: the entries of the tokens behind the text handed out since the last call."""
-        text = self.text
-        n = text.num_tokens() if self.done else tokens_within(text.decode, text.token_ids, len(text.text))
-        out = self.logprobs[self.num_sent_logprobs : n]
-        self.num_sent_logprobs = max(self.num_sent_logprobs, n)
-        return out + (self._end() if self.done else [])
-
-    def answer_logprobs(self) -> list[TokenLogprob | None]:
-        """The entries of the returned answer's tokens (those before a stop string), and for completions the end
-        token's that ended it."""
-        return self.logprobs[: self.text.num_tokens()] + self._end()
-
-
-@dataclass
-class _Run:
-    """The state of one API request: its engine group, its choices and its deadline."""
-
-    group: RequestGroup
-    choices: list[_Choice]
-    prompt_tokens: int
-    arrival: float
-    deadline: float
-    stream_mode: str
-    is_disconnected: IsDisconnected | None
-    logprobs: bool = False  # the request asked for log-probabilities (streams carry them)
-    first_text_time: float | None = None
-    abort_reason: str | None = None
-    last_disconnect_check: float = 0.0
-
-    def usage(self) -> UsageInfo:
-        completion = sum(c.text.num_tokens() for c in self.choices)
-        nfe = sum(c.details.nfe for c in self.choices if c.details is not None)
-        return UsageInfo(prompt_tokens=self.prompt_tokens, completion_tokens=completion,
-                         total_tokens=self.prompt_tokens + completion, nfe=nfe)
-
-
-class OpenAIServing:
+class OpenAIServing(RunDriver):
     """Translates OpenAI requests into engine calls for one loaded model.
 
     Args:
@@ -207,20 +154,24 @@ class OpenAIServing:
     def from_model(
         cls,
         model: str | Path | None = None,
-        device: str | None = None,
-        max_num_seqs: int = 8,
-        max_waiting: int = 64,
+        *,
+        max_waiting: int = SERVER_MAX_WAITING,
         request_timeout: float = 60.0,
         served_model_name: str | None = None,
         metrics: ServerMetrics | None = None,
-        **load_options: object,
+        **llm_kwargs: Any,
     ) -> OpenAIServing:
         """Load a checkpoint (None: the embedded default model) and build its serving layer (not started).
 
-        ``load_options`` (dtype, enforce_eager, trust_remote_code, enable_prefix_caching) go to ``celeris.llm.LLM``;
-        ``metrics``: a registry shared with other models' serving layers (``celeris serve --also-serve``).
+        ``llm_kwargs`` go to ``celeris.llm.LLM``: its load options (trust_remote_code, tokenizer, chat_template)
+        and any ``EngineConfig`` field (device, max_num_seqs, dtype, ...); ``max_waiting`` defaults to the
+        server's bounded queue (``SERVER_MAX_WAITING``: beyond it a request gets 429). ``metrics``: a registry
+        shared with other models' serving layers (``celeris serve --also-serve``).
+
+        Raises:
+            TypeError: a keyword LLM does not take. ValueError, CheckpointError: as ``LLM`` raises them.
         """
-        llm = LLM(model, device=device, max_num_seqs=max_num_seqs, max_waiting=max_waiting, **load_options)
+        llm = LLM(model, max_waiting=max_waiting, **llm_kwargs)
         return cls(llm, served_model_name=served_model_name, request_timeout=request_timeout, engine=llm.engine,
                    metrics=metrics)
 
@@ -282,7 +233,7 @@ class OpenAIServing:
                    for i, (t, c) in enumerate(zip(texts, run.choices, strict=True))]
         return CompletionResponse(id=rid, created=created, model=self.model_name, choices=choices, usage=run.usage())
 
-    def _completion_logprobs(self, request: CompletionRequest, run: _Run, index: int,
+    def _completion_logprobs(self, request: CompletionRequest, run: Run, index: int,
                              answer: list[TokenLogprob | None], echo: str, offset: int = 0,
                              with_prompt: bool = True) -> CompletionLogprobs | None:
         """Choice ``index``'s completions ``logprobs`` (``celeris.serve.scoring.choice_logprobs``)."""
@@ -395,12 +346,10 @@ class OpenAIServing:
                                              top_p=request.top_p, seed=request.seed, stop=request.stop_list() or None,
                                              **request.sampling_fields(), **scoring_settings(request))
             params = self.llm.with_special_stops(params)
-            check_request(self.llm.model, params, bool(getattr(request, "suffix", None)), self.tokenizer.vocab_size)
+            self.llm.check(params, bool(getattr(request, "suffix", None)))  # the engine's own admission check
             return params
         except (ValueError, TypeError) as exc:  # SamplingParams names the field first: "steps must be >= 1"
-            param = str(exc).split(" ", 1)[0].split("=", 1)[0]
-            param = grammar_field if param == "grammar" else param  # not a request field: the one it comes from
-            raise APIError(400, str(exc), param=param if param.isidentifier() else None) from None
+            raise parameter_error(exc, _fields(request), {"grammar": grammar_field}) from None
 
     def _encode(self, text: str | list[int], params: SamplingParams, suffix: str | None,
                 param: str) -> tuple[list[int], list[int], SamplingParams]:
@@ -417,7 +366,7 @@ class OpenAIServing:
             raise APIError(400, f"'{param}' must not be empty", param=param) from None
 
     async def _start(self, request: SamplingRequest, encoded: list[tuple[list[int], list[int], SamplingParams]],
-                     arrival: float, is_disconnected: IsDisconnected | None, score_only: bool = False) -> _Run:
+                     arrival: float, is_disconnected: IsDisconnected | None, score_only: bool = False) -> Run:
         """Admit one engine request per (prompt, choice) with that prompt's params (``_encode``); seeds are seed,
         seed + 1, ... per prompt. ``score_only``: each scores its prompt and decodes nothing (echo, max_tokens 0)."""
         inputs = []
@@ -438,154 +387,20 @@ class OpenAIServing:
         except QueueFullError as exc:
             self.metrics.rejected.inc()
             raise APIError(429, f"{exc}", code="queue_full", headers={"Retry-After": str(RETRY_AFTER_S)}) from None
-        except ValueError as exc:
-            raise APIError(400, str(exc)) from None
+        except ValueError as exc:  # the engine's admission refused it (the same check as ``LLM.check``)
+            raise parameter_error(exc, _fields(request)) from None
         except EngineDeadError as exc:
             raise APIError(503, str(exc), code="engine_unavailable") from None
-        choices = [_Choice(IncrementalText(partial(self.tokenizer.decode, skip_special_tokens=p.skip_special_tokens),
+        choices = [Choice(IncrementalText(partial(self.tokenizer.decode, skip_special_tokens=p.skip_special_tokens),
                                            p.stop, p.include_stop_str_in_output, p.grammar))
                    for p in (inp.params for inp in inputs)]
         prompt_tokens = sum(len(ids) + len(sfx) for ids, sfx, _ in encoded)
         for c in choices:  # completions' logprobs end with the end token's, as vLLM's (lm-evaluation-harness drops it)
             c.with_end = isinstance(request, CompletionRequest)
-        return _Run(group, choices, prompt_tokens, arrival, arrival + self.request_timeout, request.stream_mode,
+        return Run(group, choices, prompt_tokens, arrival, arrival + self.request_timeout, request.stream_mode,
                     is_disconnected, wants_logprobs(request))
 
-    def _piece(self, token_id: int) -> str:
-        """One token's text alone (special tokens as "")."""
-        return self.tokenizer.decode([token_id], skip_special_tokens=True)
-
-    # -- driving a request ------------------------------------------------------------------------
-
-    async def _next_event(self, run: _Run) -> StepEvent:
-        """The next engine event, checking the deadline and (at most every DISCONNECT_POLL_S) the client."""
-        while True:
-            t = time.perf_counter()
-            if self.cutting_off:
-                run.abort_reason = "shutdown"
-                run.group.abort()
-                raise APIError(503, "the server is shutting down and cut this request off at the end of its drain "
-                                    "period; retry", code="server_shutting_down",
-                               headers={"Retry-After": str(RETRY_AFTER_S)})
-            if t >= run.deadline:
-                run.abort_reason = "timeout"
-                run.group.abort()
-                raise APIError(504, f"the request did not finish within the server's request timeout of "
-                                    f"{self.request_timeout:g} s and was aborted", code="request_timeout")
-            if run.is_disconnected is not None and t - run.last_disconnect_check >= DISCONNECT_POLL_S:
-                run.last_disconnect_check = t
-                if await run.is_disconnected():
-                    run.abort_reason = "disconnect"
-                    run.group.abort()
-                    raise ClientDisconnected()
-            try:
-                # asyncio.timeout, not wait_for: on 3.11 wait_for can drop an item its inner get already took.
-                async with asyncio.timeout(min(run.deadline - t, IDLE_WAKE_S)):
-                    return await run.group.events.get()
-            except TimeoutError:
-                continue
-
-    async def _updates(self, run: _Run) -> AsyncIterator[Update]:
-        """One Update per engine event until every choice is done; aborts what is left on exit."""
-        try:
-            while not all(c.done for c in run.choices):
-                event = await self._next_event(run)
-                choice = run.choices[event.index]
-                if choice.done:  # e.g. the abort that follows a stop string
-                    continue
-                if event.finish_reason == "error":
-                    code = event.error_code or "engine_error"
-                    self.metrics.failed.labels(code=code).inc()
-                    raise APIError(500, event.error or "the engine failed this request", code=code)
-                if event.finish_reason == "abort":
-                    raise APIError(500, event.error or "the request was aborted by the engine", code="engine_error")
-                if event.steps or event.nfe:  # (a scored prompt alone takes a pass and no step)
-                    choice.details = decoding_details(run.group.inputs[event.index].params, event)
-                if event.logprobs:
-                    choice.logprobs.extend(event.logprobs)
-                if event.prompt_logprobs is not None:
-                    choice.prompt_logprobs = event.prompt_logprobs
-                choice.end_logprob = event.end_logprob or choice.end_logprob
-                delta = choice.text.push(event.new_token_ids, final=event.finished)
-                if choice.text.stopped and not event.finished:
-                    self.metrics.aborted.labels(reason="stop").inc()
-                    run.group.abort([event.index])  # a stop string ended it: free the slot now
-                if event.finished or choice.text.stopped:
-                    choice.done = True
-                    choice.finish_reason = "stop" if choice.text.stopped else (event.finish_reason or "length")
-                    self._check_constrained(run, event.index)
-                    self.metrics.nfe.observe(event.nfe)
-                if delta and run.first_text_time is None:
-                    run.first_text_time = time.perf_counter()
-                    self.metrics.ttft.observe(run.first_text_time - run.arrival)
-                canvas = None
-                details = choice.details if choice.done else None
-                if run.stream_mode == "denoise" and event.canvas_ids is not None:
-                    if not choice.done:
-                        canvas = render_canvas(self.tokenizer.decode, event.canvas_ids, self.mask_id, self.eos_id)
-                    if choice.details is not None:
-                        if choice.token_steps is None:
-                            choice.token_steps = [None] * len(event.canvas_ids)
-                        details = denoise_details(choice.details, choice.token_steps, event, self.mask_id,
-                                                  self._piece)
-                yield Update(event.index, delta, choice.finish_reason if choice.done else None, canvas, event.steps,
-                             details)
-            usage = run.usage()
-            self.metrics.output_tokens.inc(usage.completion_tokens)
-            self.metrics.prompt_tokens.inc(usage.prompt_tokens)
-            self.metrics.e2e.observe(time.perf_counter() - run.arrival)
-        finally:
-            if not all(c.done for c in run.choices):
-                # Time-out, disconnect noticed here, or the consumer went away (a cancelled stream:
-                # the client disconnected) or failed: free the slots at the next step boundary.
-                run.group.abort()
-                self.metrics.aborted.labels(reason=run.abort_reason or "disconnect").inc()
-
-    def _check_constrained(self, run: _Run, index: int) -> None:
-        """A finished constrained answer is returned as ``stop`` only if it is a complete sentence of its grammar
-        (``answer_matches``): one cut by the budget stays ``length``; any other is a 500 ``invalid_output``
-        (an error event when streamed), counted in ``celeris_failed_requests``. A stop string ends free text
-        only (``stops_apply``), so an answer it ended is not checked."""
-        choice, grammar = run.choices[index], run.group.inputs[index].params.grammar
-        if grammar is None or choice.finish_reason != "stop" or choice.text.stopped:
-            return
-        if answer_matches(grammar, self.llm.grammar_tokenizer, choice.text.token_ids):
-            return
-        run.abort_reason = "error"
-        self.metrics.failed.labels(code="invalid_output").inc()
-        raise APIError(500, "the answer ended before it was complete under its response_format or tool grammar "
-                            "(it does not validate), so it is not returned", code="invalid_output")
-
-    async def _collect(self, run: _Run) -> list[str]:
-        async for _ in self._updates(run):
-            pass
-        return [c.text.text for c in run.choices]
-
-    def _stream_text(self, run: _Run, update: Update) -> str | None:
-        """The text a chunk carries for ``update``; None when there is nothing to send."""
-        if run.stream_mode == "denoise":
-            if update.finish_reason is not None:
-                return run.choices[update.index].text.text  # the final answer replaces the last canvas
-            return update.canvas
-        if not update.delta and update.finish_reason is None:
-            return None
-        return update.delta
-
-    async def _stream_pieces(self, run: _Run) -> AsyncIterator[tuple[Update, str, int | None]]:
-        """(update, text to send, denoising step or None) for every update that has something to send;
-        shared by the completion and chat streams. Closes the update stream however the caller stops."""
-        updates = self._updates(run)
-        try:
-            async for u in updates:
-                text = self._stream_text(run, u)
-                if text is not None:
-                    if run.logprobs:
-                        u.logprobs = run.choices[u.index].released_logprobs()
-                    yield u, text, u.step if run.stream_mode == "denoise" else None
-        finally:
-            await updates.aclose()
-
-    async def _completion_stream(self, run: _Run, request: CompletionRequest, rid: str, created: int,
+    async def _completion_stream(self, run: Run, request: CompletionRequest, rid: str, created: int,
                                  echoes: list[str]) -> AsyncIterator[CompletionStreamResponse]:
         """The chunks of a streamed completion; an echoed prompt (``echoes``, with its logprobs) is each choice's
         first chunk."""
@@ -610,7 +425,7 @@ class OpenAIServing:
             yield CompletionStreamResponse(id=rid, created=created, model=self.model_name, choices=[],
                                            usage=run.usage())
 
-    async def _chat_stream(self, run: _Run, request: ChatCompletionRequest, rid: str,
+    async def _chat_stream(self, run: Run, request: ChatCompletionRequest, rid: str,
                            created: int) -> AsyncIterator[ChatCompletionChunk]:
         def chunk(choices: list[ChatStreamChoice], usage: UsageInfo | None = None) -> ChatCompletionChunk:
             return ChatCompletionChunk(id=rid, created=created, model=self.model_name, choices=choices, usage=usage)

@@ -60,10 +60,10 @@ def test_every_shipped_file_is_package_data():
 def test_defaults_resolve_inside_the_package_from_anywhere(tmp_path, monkeypatch):
     """A fresh clone has no ../shared: run from an empty folder; the defaults are the shipped sets."""
     from celeris.batch.examples import build_rows
+    from celeris.bench.loadtest import load_prompts
     from celeris.bench.quality import load_humaneval
     from celeris.bench.run import BenchConfig
     from celeris.cli import build_parser
-    from celeris.serve.loadtest import load_prompts
 
     monkeypatch.chdir(tmp_path)
     parser = build_parser()
@@ -95,7 +95,7 @@ def test_a_missing_data_path_is_one_line_and_exit_2(argv, flag, capsys):
 
 def test_examples_and_loadtest_say_a_missing_path_in_one_line(tmp_path, capsys):
     from celeris.batch.examples import main as examples
-    from celeris.serve.loadtest import main as loadtest
+    from celeris.bench.loadtest import main as loadtest
 
     assert examples(["--data", str(tmp_path / "none"), "--out", str(tmp_path / "job.jsonl")]) == 2
     assert loadtest(["--url", "http://127.0.0.1:9", "--prompts", str(tmp_path / "p.jsonl")]) == 2

@@ -12,7 +12,7 @@ import pytest
 
 from celeris.serve.app import BackgroundServer, create_app
 from celeris.serve.metrics import ServerMetrics
-from celeris.serve.router import ModelRouter
+from celeris.serve.models_router import ModelRouter
 from celeris.serve.serving import OpenAIServing
 from tests.serve.conftest import GENERATION_CONFIG, MODEL_NAME
 from tests.serve.test_openai_client import sse_events

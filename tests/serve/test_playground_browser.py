@@ -251,7 +251,7 @@ def markup_server(tmp_path_factory):
     from celeris.llm import LLM
     from celeris.serve.app import BackgroundServer, create_app
     from celeris.serve.metrics import ServerMetrics
-    from celeris.serve.router import ModelRouter
+    from celeris.serve.models_router import ModelRouter
     from celeris.serve.serving import OpenAIServing
     from tests.serve.conftest import build_checkpoint
 

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from celeris.serve import loadtest
+from celeris.bench import loadtest
 from celeris.serve.protocol import APIError, CompletionRequest
 from tests.serve.conftest import MODEL_NAME, make_serving
 

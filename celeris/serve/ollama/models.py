@@ -11,7 +11,6 @@ import hashlib
 from datetime import UTC, datetime
 
 from celeris.params import rename_deprecated
-from celeris.sampling.modes import check_request
 from celeris.serve.errors import APIError
 from celeris.serve.ollama.protocol import ModelDetails, ModelEntry, ShowResponse
 
@@ -114,7 +113,7 @@ def entry(s, running: bool = False) -> ModelEntry:
 def can_infill(s) -> bool:
     """Whether the model takes a ``suffix`` (masked diffusion), as the serving layer would decide."""
     try:
-        check_request(s.llm.model, s.llm.default_params(), has_suffix=True)
+        s.llm.check(s.llm.default_params(), has_suffix=True)
     except ValueError:
         return False
     return True

@@ -12,8 +12,8 @@ from celeris.config import EngineConfig
 from celeris.llm import LLM
 from celeris.serve.app import BackgroundServer, create_app
 from celeris.serve.metrics import ServerMetrics
+from celeris.serve.models_router import ModelRouter
 from celeris.serve.ollama import models
-from celeris.serve.router import ModelRouter
 from celeris.serve.serving import OpenAIServing
 from celeris.train.loop import AR_GENERATION
 from tests.conftest import build_tiny_checkpoint

@@ -91,7 +91,7 @@ def test_the_api_key_guards_the_routes(responses_llm):
 
 def test_model_picks_the_served_model_behind_a_router(responses_llm):
     from celeris.serve.metrics import ServerMetrics
-    from celeris.serve.router import ModelRouter
+    from celeris.serve.models_router import ModelRouter
     from celeris.serve.serving import OpenAIServing
 
     metrics = ServerMetrics()

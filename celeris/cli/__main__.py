@@ -1,0 +1,7 @@
+"""``python -m celeris.cli``: the ``celeris`` command."""
+
+import sys
+
+from celeris.cli import main
+
+sys.exit(main())
