@@ -27,7 +27,7 @@ from celeris.train.data import build_stdlib_corpus, train_tokenizer  # noqa: E40
 def pytest_configure(config):
     config.addinivalue_line("markers", "ddp: launches two training processes with torch.distributed.run (~30 s)")
     config.addinivalue_line("markers", "slow: subprocess, Ray, DDP, signal or torch.compile tests; deselected by "
-                            "default, run by .ci/run (`pytest -q -m slow`)")
+                            "default, run by .ci/run (`pytest -q -m slow -n 0`)")
 
 
 # The machine is shared with a training job: one intra-op thread keeps tests predictable.
