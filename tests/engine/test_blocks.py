@@ -124,18 +124,6 @@ def test_end_ids_stop_the_answer_and_early_exit_saves_passes(model):
     assert ref.token_ids[0] == streamed and request.nfe == ref.nfe < generate_block(model, [PROMPTS[0]], params).nfe
 
 
-@pytest.fixture(scope="module")
-def hybrid():
-    """A tiny Celeris hybrid model (causal, draft blocks of 4): its block-diffusion mode."""
-    from celeris.models.celeris import CelerisConfig, CelerisModel
-
-    torch.manual_seed(0)
-    model = CelerisModel(CelerisConfig(vocab_size=64, hidden_size=32, num_layers=2, num_heads=4, intermediate_size=64,
-                                       max_position_embeddings=128, is_causal=True, draft_block_size=4))
-    model.init_weights(0.5)
-    return model.double().eval()
-
-
 @pytest.mark.parametrize("settings", [{"block_length": 4, "decoding": "fixed", "steps": 2},
                                       {"block_length": 2, "decoding": "threshold", "threshold": 0.2},
                                       {"block_length": 4, "decoding": "low_confidence_dynamic", "cache": "delayed"}])

@@ -4,26 +4,11 @@
 
 from __future__ import annotations
 
-import pytest
-import torch
-
 from celeris.config import EngineConfig
 from celeris.engine.blocks import BlockRow
 from celeris.engine.engine import Engine
 from celeris.engine.verified import DraftRow
 from celeris.params import SamplingParams
-
-
-@pytest.fixture(scope="module")
-def hybrid():
-    from celeris.models.celeris import CelerisConfig, CelerisModel
-
-    torch.manual_seed(0)
-    model = CelerisModel(CelerisConfig(vocab_size=64, hidden_size=32, num_layers=2, num_heads=4, intermediate_size=64,
-                                       max_position_embeddings=128, is_causal=True, draft_block_size=4))
-    model.init_weights(0.5)
-    return model.double().eval()
-
 
 SETTINGS = {
     "masked": SamplingParams(max_tokens=6, block_length=1, steps=6, cache="delayed", early_exit=False),

@@ -3,24 +3,10 @@ reaching into the paths (the server's metrics and the bench read only this)."""
 
 from __future__ import annotations
 
-import pytest
-import torch
-
 from celeris.config import EngineConfig
 from celeris.engine.engine import Engine
 from celeris.params import SamplingParams
 from celeris.sampling.verified import MAX_DRAFTS
-
-
-@pytest.fixture(scope="module")
-def hybrid():
-    from celeris.models.celeris import CelerisConfig, CelerisModel
-
-    torch.manual_seed(0)
-    model = CelerisModel(CelerisConfig(vocab_size=64, hidden_size=32, num_layers=2, num_heads=4, intermediate_size=64,
-                                       max_position_embeddings=128, is_causal=True, draft_block_size=4))
-    model.init_weights(0.5)
-    return model.double().eval()
 
 
 def store_bytes(model, rows: int, tokens: int) -> int:
