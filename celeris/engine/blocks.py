@@ -35,14 +35,13 @@ from celeris.engine.runner import KVPool
 from celeris.models.contract import DecodingContract, layout_mask
 from celeris.models.layers import column_window, gather_positions
 from celeris.sampling.block import Unit, block_steps, block_units, end_reached, first_token_pending, unit_schedule
-from celeris.sampling.logprobs import step_entries
+from celeris.sampling.logprobs import committed_entries
 from celeris.sampling.step import (
     RowSettings,
     banned_token_ids,
     commit_step,
     confidence_rule,
     context_tokens,
-    prepare_logits,
 )
 
 
@@ -75,7 +74,8 @@ class BlockDecoder:
 
     mode = "block"
 
-    def __init__(self, model: torch.nn.Module, contract: DecodingContract, entry: object | None = None) -> None:
+    def __init__(self, model: torch.nn.Module, contract: DecodingContract, entry: object | None = None,
+                 logprobs_mode: str = "raw_logprobs") -> None:
         self.model, self.contract = model, contract
         self.entry = entry or model  # what the passes call (``hidden_states``, ``logits``): the engine's runner
         cfg = model.config
@@ -86,7 +86,7 @@ class BlockDecoder:
         self.dtype = next(model.parameters()).dtype
         self.pool = KVPool()
         self.num_passes = 0
-        self.logprobs_mode = "raw_logprobs"  # EngineConfig.logprobs_mode, set by the engine
+        self.logprobs_mode = logprobs_mode  # EngineConfig.logprobs_mode
 
     def _add(self, request: Request) -> None:
         """Give a new request its units and a pool row (zeros; its first pass writes the prompt and block)."""
@@ -205,11 +205,8 @@ class BlockDecoder:
                            force=force.to(self.device) if force.any() else None)
         new, committed = step.block, step.committed
         if any(p.logprobs is not None for p in params):  # asking for nothing costs nothing
-            processed = None
-            if self.logprobs_mode == "processed_logprobs":
-                processed, _ = prepare_logits(logits, settings, self.banned_ids, seen)
-            entries = step_entries(logits, new, committed, [p.logprobs for p in params], processed,
-                                   settings.temperature)
+            entries = committed_entries(logits, new, committed, [p.logprobs for p in params], settings,
+                                        self.banned_ids, seen, None, self.logprobs_mode)
             for row, found in zip(rows, entries, strict=True):
                 offset = row.unit[2] - row.request.answer_start
                 n = row.request.params.max_tokens

@@ -119,9 +119,8 @@ class Engine:
         # the most tokens a request holds (EngineConfig.max_model_len, else the model's window): sizes the KV pool
         self.max_model_len = self.config.max_model_len or getattr(config, "max_position_embeddings", None)
         contract = contract_of(model)  # a block-diffusion model (or a hybrid's block mode): the block path
-        self.block_decoder = BlockDecoder(model, contract, self.runner) if contract is not None else None
-        if self.block_decoder is not None:
-            self.block_decoder.logprobs_mode = self.config.logprobs_mode
+        self.block_decoder = (BlockDecoder(model, contract, self.runner, self.config.logprobs_mode)
+                              if contract is not None else None)
         # the mode paths, in the order a step runs them (each: step(requests) -> requests, release())
         self.paths: dict[str, ModePath] = {
             "verified": VerifiedPath(model, self.config, self.max_model_len, self.eos_id, self.runner),

@@ -31,8 +31,8 @@ from celeris.engine.request import NO_PROGRESS, Request
 from celeris.engine.runner import ModelRunner
 from celeris.models.layers import KVCache, column_window
 from celeris.sampling.cache import CACHE_MODES
-from celeris.sampling.logprobs import step_entries
-from celeris.sampling.step import RowSettings, commit_step, context_tokens, guided, prepare_logits
+from celeris.sampling.logprobs import committed_entries
+from celeris.sampling.step import RowSettings, commit_step, context_tokens, guided
 
 
 class MaskedPath:
@@ -105,11 +105,8 @@ class MaskedPath:
                          allowed: torch.Tensor | None) -> None:
         """Store the log-probabilities of the tokens this step committed for the requests that ask
         (``celeris.sampling.logprobs.step_entries``, raw or processed as ``logprobs_mode`` says)."""
-        processed = None
-        if self.logprobs_mode == "processed_logprobs":
-            processed, _ = prepare_logits(logits, settings, self.banned_ids, seen, allowed)
-        rows = step_entries(logits, new_block, committed, [r.params.logprobs for r in batch], processed,
-                            settings.temperature)
+        rows = committed_entries(logits, new_block, committed, [r.params.logprobs for r in batch], settings,
+                                 self.banned_ids, seen, allowed, self.logprobs_mode)
         for r, row in zip(batch, rows, strict=True):
             offset = r.block_span[0] - r.answer_start
             r.logprob_entries.update({offset + c: e for c, e in row.items() if offset + c < r.params.max_tokens})

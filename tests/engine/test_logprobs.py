@@ -114,7 +114,7 @@ def test_asking_for_nothing_computes_nothing(ar, hybrid, monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("log-probabilities computed though no request asked")
 
-    monkeypatch.setattr(masked_module, "step_entries", refuse)
+    monkeypatch.setattr(masked_module, "committed_entries", refuse)
     monkeypatch.setattr(engine_module, "prompt_entries", refuse)
     out = ar.generate([PROMPT], ar.default_params(max_tokens=4))[0]
     assert out.logprobs is None and out.prompt_logprobs is None
