@@ -14,6 +14,14 @@ with other instructions than summarising, docstrings of Python's standard librar
 
 Besides the text it stores, per batch, a safetensors shard with each row's token ids (prompt + answer, as the target
 generated them) and the target's hidden states at ``LAYER_IDS`` (float16), which a DFlash drafter trains on.
+
+The shards (about 1 MB a row) stay on the machine that made them; what is committed is the text with its token ids
+(``--export``, one JSON line a row), from which ``--rebuild`` computes the shards again with one target prefill per
+row instead of generating (the ids are the target's own greedy answer, so the prefill gives the same features up to
+float noise):
+
+    python scripts/drafter_data.py --export runs/drafter-data --out train-data/dflash-smollm2.jsonl
+    OMP_NUM_THREADS=1 python scripts/drafter_data.py --rebuild train-data/dflash-smollm2.jsonl --out runs/drafter-data
 """
 
 from __future__ import annotations
@@ -99,6 +107,70 @@ def answer_batch(model, tokenizer, texts: list[str], max_new_tokens: int) -> lis
     return rows
 
 
+@torch.no_grad()
+def prefill_features(model, rows: list[list[int]]) -> list[torch.Tensor]:
+    """The target's hidden states at ``LAYER_IDS`` for known token ids: one (len(ids) - 1, 3 * hidden) float16 per
+    row, from one right-padded prefill (causal, so padding after a row changes nothing before it)."""
+    width = max(len(r) for r in rows)
+    ids = torch.zeros(len(rows), width, dtype=torch.long)
+    mask = torch.zeros(len(rows), width, dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids[i, : len(r)], mask[i, : len(r)] = torch.tensor(r), 1
+    out = model(input_ids=ids, attention_mask=mask, output_hidden_states=True)
+    feats = torch.cat([out.hidden_states[i + 1] for i in LAYER_IDS], dim=-1)  # (B, width, 3d)
+    return [feats[i, : len(r) - 1].to(torch.float16).contiguous() for i, r in enumerate(rows)]
+
+
+def export_rows(folder: Path, out: Path) -> int:
+    """Write ``folder``'s rows as JSON lines with their token ids (``ids``), no features: the committed form.
+
+    Written to a temporary file and renamed, so ``out`` is whole or absent. Returns the number of rows."""
+    from safetensors.torch import load_file
+
+    lines = [json.loads(x) for x in (folder / "answers.jsonl").read_text().splitlines() if x.strip()]
+    shards: dict[str, dict] = {}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(".tmp")
+    with tmp.open("w") as f:
+        for line in lines:
+            shard = shards.get(line["shard"]) or shards.setdefault(line["shard"], load_file(folder / line["shard"]))
+            ids = shard[f"ids_{line['row']}"].tolist()
+            keep = {k: line[k] for k in ("id", "source", "messages", "answer", "prompt_len", "ended")}
+            f.write(json.dumps(keep | {"ids": ids}) + "\n")
+    tmp.replace(out)
+    return len(lines)
+
+
+def rebuild(answers: Path, out: Path, batch_size: int) -> None:
+    """Shards (and ``answers.jsonl``) in ``out`` from an exported file, by prefill; resumable like generating."""
+    from safetensors.torch import save_file
+
+    from celeris.bench.smollm2 import load_smollm2
+
+    rows = [json.loads(x) for x in answers.read_text().splitlines() if x.strip()]
+    out.mkdir(parents=True, exist_ok=True)
+    index = out / "answers.jsonl"
+    done = {json.loads(x)["id"] for x in index.read_text().splitlines() if x.strip()} if index.is_file() else set()
+    rows = [r for r in rows if r["id"] not in done]
+    print(f"{len(done)} rebuilt, {len(rows)} to go", flush=True)
+    model, _ = load_smollm2()
+    for b in range(0, len(rows), batch_size):
+        batch = rows[b:b + batch_size]
+        feats = prefill_features(model, [r["ids"] for r in batch])
+        shard = f"shard-r{len(done) + b:06d}.safetensors"
+        tensors = {}
+        for j, (r, f) in enumerate(zip(batch, feats, strict=True)):
+            tensors[f"ids_{j}"], tensors[f"feat_{j}"] = torch.tensor(r["ids"], dtype=torch.int32), f
+        save_file(tensors, out / (shard + ".tmp"))
+        (out / (shard + ".tmp")).replace(out / shard)
+        with index.open("a") as f:
+            for j, r in enumerate(batch):
+                meta = {k: v for k, v in r.items() if k != "ids"}
+                f.write(json.dumps(meta | {"num_tokens": len(r["ids"]), "shard": shard, "row": j,
+                                           "layer_ids": list(LAYER_IDS)}) + "\n")
+        print(f"{len(done) + b + len(batch)} rebuilt", flush=True)
+
+
 def heldout_prompts(shared: Path, count: int) -> list[dict]:
     """Evaluation prompts (never trained on): the first GSM8K test questions and MT-Bench first turns, alternating."""
     gsm = [json.loads(x)["question"] for x in (shared / "data/gsm8k/test.jsonl").read_text().splitlines()[:count]]
@@ -121,7 +193,15 @@ def main() -> None:
     ap.add_argument("--limit", type=int, default=0, help="stop after this many prompts (0: all)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--heldout", type=int, default=0, help="instead: this many held-out evaluation prompts")
+    ap.add_argument("--export", type=Path, help="instead: write this data folder's rows with their ids to --out (a file)")
+    ap.add_argument("--rebuild", type=Path, help="instead: shards in --out from an --export file, by prefill")
     args = ap.parse_args()
+    if args.export:
+        print(f"{export_rows(args.export, args.out)} rows written to {args.out}")
+        return
+    if args.rebuild:
+        rebuild(args.rebuild, args.out, args.batch_size)
+        return
     from safetensors.torch import save_file
 
     from celeris.bench.smollm2 import load_smollm2
