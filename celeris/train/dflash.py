@@ -185,16 +185,32 @@ def acceptance(model: DFlashDraftModel, embed: torch.Tensor, rows: list[Row], nu
 
 
 def draft_vocabulary(rows: list[Row], size: int, vocab_size: int, keep: list[int]) -> torch.Tensor:
-    """The ``size`` most frequent target ids in the rows' answers (plus ``keep``), ascending: the ``d2t`` map."""
+    """The ``size`` most frequent target ids in the rows (plus ``keep``), ascending: the ``d2t`` map.
+
+    Answer tokens count twice, prompt tokens once: answers are what gets drafted, and prompts (which answers often
+    quote) fill the ranks that a few hundred answers leave empty."""
     counts = torch.zeros(vocab_size, dtype=torch.long)
     for r in rows:
-        counts += torch.bincount(r.ids[r.prompt_len:], minlength=vocab_size)
+        counts += torch.bincount(r.ids[r.prompt_len:], minlength=vocab_size) + torch.bincount(r.ids, minlength=vocab_size)
     counts[keep] = counts.max() + 1
     return counts.topk(size).indices.sort().values
 
 
 def init_from_target(model: DFlashDraftModel, target_state: dict[str, torch.Tensor], layers: list[int]) -> None:
-    """Start drafter layer i from target layer ``layers[i]`` (Llama names; q/k norms stay ones): a warm start."""
+    """Start drafter layer i from target layer ``layers[i]`` (Llama names; q/k norms stay ones): a warm start.
+
+    When the target layer just below ``layers[0]`` is one the drafter reads, ``fc`` starts as the selection of that
+    layer's features and ``hidden_norm`` as ``layers[0]``'s input norm, so the first drafter layer's context keys and
+    values start as exactly those target layer ``layers[0]`` computes for the context (its input is the output of
+    the layer below); the other layers' features start with zero weight and are learnt.
+    """
+    ids = list(model.config.target_layer_ids)
+    if layers and layers[0] - 1 in ids:
+        d = model.config.hidden_size
+        j = ids.index(layers[0] - 1)
+        model.fc.weight.data.zero_()
+        model.fc.weight.data[:, j * d:(j + 1) * d] = torch.eye(d)
+        model.hidden_norm.weight.data.copy_(target_state[f"model.layers.{layers[0]}.input_layernorm.weight"])
     for i, t in enumerate(layers):
         pre = f"model.layers.{t}."
         own = model.layers[i]
