@@ -38,6 +38,7 @@ application. Under ``serve run`` Ray Serve's CLI owns the signals; ``drain`` app
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import math
 import os
@@ -264,6 +265,9 @@ class CelerisEngine:
                                 registry=self.serving.metrics.registry)
         self.async_engine.start()
         self.replica_id = _replica_id()
+        # per generate() call in flight: answer positions committed so far by each of its unfinished requests
+        self._unfinished: dict[int, dict[int, int]] = {}
+        self._calls = itertools.count()
         self._stop = threading.Event()
         if board is not None:
             threading.Thread(target=self._push_metrics, args=(board,), daemon=True, name="celeris-metrics").start()
@@ -293,17 +297,23 @@ class CelerisEngine:
             yield (REFUSED, "engine_dead", str(exc))
             return
         self.admitted.inc(len(inputs))
-        yield (ACCEPTED, self.replica_id)
-        remaining = len(inputs)
+        call = next(self._calls)
+        unfinished = self._unfinished[call] = dict.fromkeys(range(len(inputs)), 0)
         try:
-            while remaining:
+            yield (ACCEPTED, self.replica_id)
+            while unfinished:
                 batch = [await group.events.get()]
                 while not group.events.empty():
                     batch.append(group.events.get_nowait())
-                remaining -= sum(e.finished for e in batch)
+                for event in batch:
+                    if event.finished:
+                        unfinished.pop(event.index, None)
+                    elif event.index in unfinished:
+                        unfinished[event.index] = event.num_committed
                 yield batch
         finally:
-            if remaining:
+            del self._unfinished[call]
+            if unfinished:
                 group.abort()
 
     def check_health(self) -> None:
@@ -317,6 +327,15 @@ class CelerisEngine:
     def pid(self) -> int:
         """This replica's process id (tests kill it to check recovery)."""
         return os.getpid()
+
+    async def load(self) -> tuple[int, list[int]]:
+        """``(process id, committed)``: ``committed`` has one entry per request of this replica's streams that
+        has not finished yet, the answer positions it committed so far (sorted; 0 while it waits).
+
+        It runs on the event loop of ``generate``, so it sees every stream at one instant: a request listed
+        here has not sent its last event, and its caller still waits for its stream to end.
+        """
+        return os.getpid(), sorted(c for calls in self._unfinished.values() for c in calls.values())
 
     def __del__(self) -> None:
         stop = getattr(self, "_stop", None)

@@ -145,10 +145,14 @@ def is_openai_error(status: int, body: str) -> bool:
     return status >= 400 and isinstance(error.get("message"), str) and bool(error["message"])
 
 
+ANSWER = 96  # answer positions of the load's requests (ignore_eos: all of them, 2 per step at this checkpoint)
+HALF_ANSWER = ANSWER // 2
+
+
 def one_request(i: int, outcomes: list) -> None:
     """A streamed or plain completion; appends (kind, ok, detail) and never raises."""
-    body = {"model": MODEL_NAME, "prompt": PROMPTS[i % 3], "max_tokens": 96, "seed": i, "temperature": 1.0,
-            "stream": i % 2 == 0}
+    body = {"model": MODEL_NAME, "prompt": PROMPTS[i % 3], "max_tokens": ANSWER, "ignore_eos": True, "seed": i,
+            "temperature": 1.0, "stream": i % 2 == 0}
     try:
         with httpx.stream("POST", f"{URL}/v1/completions", json=body, timeout=90) as r:
             if not body["stream"] or r.status_code != 200:
@@ -182,7 +186,20 @@ def test_killing_a_replica_under_load(cluster, client):
     deadline = time.monotonic() + 60
     while len(outcomes) < 4 and time.monotonic() < deadline:  # kill once the load is steady: both replicas busy
         time.sleep(0.05)
-    os.kill(min(pids), signal.SIGKILL)
+    victim = None
+    while victim is None:  # ask replicas (the router picks one) until one has a request early in its answer
+        assert len(outcomes) < 30 and time.monotonic() < deadline, "no replica was seen with a request in flight"
+        pid, committed = handle.load.remote().result(timeout_s=30)
+        assert pid in pids, (pid, pids)
+        if committed and committed[0] <= HALF_ANSWER:
+            victim = pid
+        else:
+            time.sleep(0.02)
+    # the victim's reply (taken on the loop of its streams) listed an unfinished request whose stream the ingress
+    # reads, with at least HALF_ANSWER positions still to commit: 24 more engine steps (ignore_eos, 2 positions
+    # per step), against one reply's trip before the kill lands. So the kill cuts a request in flight, and the
+    # ingress must count a replica failure
+    os.kill(victim, signal.SIGKILL)
     for t in threads:
         t.join(150)
     assert not any(t.is_alive() for t in threads), "a request hung"
@@ -196,20 +213,25 @@ def test_killing_a_replica_under_load(cluster, client):
         assert time.monotonic() < deadline, f"the engine deployment did not recover: {engine_status()}"
         time.sleep(1)
     new_pids = {handle.pid.remote().result(timeout_s=30) for _ in range(10)}
-    assert min(pids) not in new_pids
+    assert victim not in new_pids
     for i in range(4):
         out = client.completions.create(model=MODEL_NAME, prompt=PROMPTS[i % 3], max_tokens=8)
         assert out.choices[0].finish_reason in ("stop", "length")
-    print("outcomes:", sorted(kind for kind, _, _ in outcomes), [d for k, _, d in outcomes if "error" in k])
+    print("killed", victim, "with", committed, "committed; outcomes:", sorted(kind for kind, _, _ in outcomes),
+          [d for k, _, d in outcomes if "error" in k])
 
 
 def test_drain_finishes_requests_in_flight_and_refuses_new_ones(cluster):
     outcomes: list = []
+    ingress = serve.get_app_handle(APP_NAME)
     stream = threading.Thread(target=one_request, args=(0, outcomes))  # even: streamed
     stream.start()
-    time.sleep(0.3)
+    deadline = time.monotonic() + 30
+    while ingress.num_in_flight.remote().result(timeout_s=30) == 0:  # the ingress has taken the stream in
+        assert stream.is_alive() and time.monotonic() < deadline, f"the stream never got in flight: {outcomes}"
+        time.sleep(0.01)
     started = time.monotonic()
-    drain(serve.get_app_handle(APP_NAME), timeout_s=30)
+    drain(ingress, timeout_s=30)
     stream.join(60)
     assert outcomes and outcomes[0][:2] == ("stream", True), outcomes
     assert time.monotonic() - started < 30
