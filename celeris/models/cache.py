@@ -4,7 +4,8 @@ Layout (one scheme for the engine and the bench)::
 
     $CELERIS_CACHE (default ~/.cache/celeris)/
       <kind>/<stem>-<key>/           a finished entry: config.json, model.safetensors, tokenizer files, source.json
-      <kind>/.<stem>-<key>.tmp-<pid>-<random>/   an entry being written by process <pid>
+      <kind>/<stem>-<key>-<variant>/ another form of the same source beside it (``gguf-q``: the weights quantized)
+      <kind>/.<stem>-<key>[-<variant>].tmp-<pid>-<random>/   an entry being written by process <pid>
 
 ``kind`` names the converter (``gguf``: Celeris's own GGUF conversion, ``celeris.models.gguf``;
 ``transformers``: the bench's SmolLM2 copy made by transformers' GGUF loader, ``celeris.bench.smollm2``).
@@ -12,7 +13,9 @@ Layout (one scheme for the engine and the bench)::
 (the header: metadata and tensor table), so a changed file gets a new entry and an old entry is never read for
 it. An entry is written under a temporary name and renamed into place (``os.rename`` of a folder is atomic on
 POSIX), so a process killed while converting leaves only a temporary folder, which the next load removes once
-the process that wrote it is gone.
+the process that wrote it is gone. An entry written with ``checksums`` records the size and SHA-256 of each of
+its files in ``source.json``; reading it checks them, and an entry whose record or files disagree (truncated,
+overwritten, a torn copy) is removed, not trusted, so the caller converts again.
 """
 
 from __future__ import annotations
@@ -68,23 +71,57 @@ def source_key(path: Path) -> SourceKey:
     return SourceKey(stat.st_size, stat.st_mtime_ns, digest.hexdigest())
 
 
-def entry_path(kind: str, source: Path, key: SourceKey) -> Path:
-    """The finished entry folder for ``source`` (which may not exist yet)."""
-    return cache_root() / kind / f"{source.stem}-{key.short}"
+def entry_path(kind: str, source: Path, key: SourceKey, variant: str | None = None) -> Path:
+    """The finished entry folder for ``source`` (which may not exist yet); ``variant`` names another form of the
+    same source (``gguf-q``), kept beside the plain entry."""
+    return cache_root() / kind / (f"{source.stem}-{key.short}" + (f"-{variant}" if variant else ""))
 
 
-def read_entry(kind: str, source: Path) -> Path | None:
-    """The finished entry of ``source`` whose ``source.json`` matches its current key, else None. Stale temporary
-    folders of ``kind`` left by dead processes are removed on the way (errors ignored)."""
+def file_sha256(path: Path) -> str:
+    """SHA-256 of a whole file, hex (read in chunks; about 1 GB/s)."""
+    with path.open("rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def _files_agree(folder: Path, files: dict) -> bool:
+    """Whether every file ``files`` records (name -> ``{"bytes", "sha256"}``) has that size and hash."""
+    try:
+        return all((folder / name).stat().st_size == want.get("bytes") and file_sha256(folder / name) == want.get("sha256")
+                   for name, want in files.items())
+    except (OSError, AttributeError):
+        return False
+
+
+def discard(folder: Path) -> None:
+    """Remove a finished entry that must not be read: renamed to a temporary name of this process first, so no
+    other process finds it half removed (errors ignored: another process may be removing it too)."""
+    doomed = folder.with_name(f".{folder.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
+    try:
+        os.rename(folder, doomed)
+    except OSError:
+        return
+    shutil.rmtree(doomed, ignore_errors=True)
+
+
+def read_entry(kind: str, source: Path, variant: str | None = None) -> Path | None:
+    """The finished entry of ``source`` (``variant``: that form of it) whose ``source.json`` matches its current
+    key and whose recorded files (``checksums``) are whole, else None. An entry folder that exists but disagrees
+    is removed (``discard``), so it is rebuilt; stale temporary folders of ``kind`` left by dead processes are
+    removed on the way (errors ignored)."""
     remove_stale(cache_root() / kind)
     key = source_key(source)
-    folder = entry_path(kind, source, key)
+    folder = entry_path(kind, source, key, variant)
+    if not folder.is_dir():
+        return None
     try:
         recorded = json.loads((folder / SOURCE_FILE).read_text())
     except (OSError, ValueError):
-        return None
-    ok = recorded.get("size") == key.size and recorded.get("mtime_ns") == key.mtime_ns \
-        and recorded.get("header_sha256") == key.header_sha256
+        recorded = {}
+    ok = isinstance(recorded, dict) and recorded.get("size") == key.size and recorded.get("mtime_ns") == key.mtime_ns \
+        and recorded.get("header_sha256") == key.header_sha256 and recorded.get("variant") == variant \
+        and _files_agree(folder, recorded.get("files") or {})
+    if not ok:
+        discard(folder)
     return folder if ok else None
 
 
@@ -118,15 +155,17 @@ def remove_stale(folder: Path) -> list[Path]:
 
 
 @contextmanager
-def writing_entry(kind: str, source: Path, key: SourceKey, info: dict | None = None) -> Iterator[Path]:
-    """Yield a fresh temporary folder to write the entry of ``source`` into; on a clean exit it gets
-    ``source.json`` (the key, the source's name and ``info``) and is renamed to ``entry_path``. On an error the
-    temporary folder is removed.
+def writing_entry(kind: str, source: Path, key: SourceKey, info: dict | None = None, variant: str | None = None,
+                  checksums: bool = False) -> Iterator[Path]:
+    """Yield a fresh temporary folder to write the entry of ``source`` (``variant``: that form of it) into; on a
+    clean exit it gets ``source.json`` (the key, the source's name, the variant, with ``checksums`` the size and
+    SHA-256 of every file written, and ``info``) and is renamed to ``entry_path``. On an error the temporary
+    folder is removed.
 
     Raises:
         CacheUnavailableError: the cache cannot be written (read-only, no space, not a folder); nothing is left.
     """
-    final = entry_path(kind, source, key)
+    final = entry_path(kind, source, key, variant)
     tmp = final.with_name(f".{final.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
     try:
         tmp.mkdir(parents=True)
@@ -137,6 +176,11 @@ def writing_entry(kind: str, source: Path, key: SourceKey, info: dict | None = N
         yield tmp
         record = {"source": source.name, "size": key.size, "mtime_ns": key.mtime_ns,
                   "header_sha256": key.header_sha256, "kind": kind, **(info or {})}
+        if variant:
+            record["variant"] = variant
+        if checksums:
+            record["files"] = {f.name: {"bytes": f.stat().st_size, "sha256": file_sha256(f)}
+                               for f in sorted(tmp.iterdir()) if f.is_file()}
         (tmp / SOURCE_FILE).write_text(json.dumps(record, indent=1) + "\n")
         try:
             os.rename(tmp, final)

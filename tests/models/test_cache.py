@@ -122,3 +122,35 @@ def test_two_writers_of_one_entry_keep_the_first(root, source):
         first = cache.cached_or_convert("gguf", source, writer([]))  # finishes while the other is still writing
     assert (first / "model.safetensors").read_bytes() == b"weights"
     assert [p.name for p in (root / "gguf").iterdir()] == [first.name]
+
+
+def test_a_variant_entry_sits_beside_the_plain_one(root, source):
+    plain = cache.cached_or_convert("gguf", source, writer([]))
+    key = cache.source_key(source)
+    with cache.writing_entry("gguf", source, key, {"architecture": "llama"}, variant="gguf-q") as tmp:
+        (tmp / "model.safetensors").write_bytes(b"quantized")
+    variant = cache.read_entry("gguf", source, "gguf-q")
+    assert variant == plain.with_name(plain.name + "-gguf-q") and cache.read_entry("gguf", source) == plain
+    assert (variant / "model.safetensors").read_bytes() == b"quantized"
+    assert sorted(e.get("variant", "") for e in cache.list_entries()) == ["", "gguf-q"]
+
+
+@pytest.mark.parametrize("change", [b"weightZ", b"weight", b"weights!"])
+def test_a_checksummed_entry_whose_file_changed_is_removed(root, source, change):
+    key = cache.source_key(source)
+    with cache.writing_entry("gguf", source, key, variant="q", checksums=True) as tmp:
+        (tmp / "model.safetensors").write_bytes(b"weights")
+    folder = cache.read_entry("gguf", source, "q")
+    record = json.loads((folder / cache.SOURCE_FILE).read_text())
+    assert record["files"]["model.safetensors"]["bytes"] == len(b"weights")
+    (folder / "model.safetensors").write_bytes(change)  # same size altered, truncated, grown
+    assert cache.read_entry("gguf", source, "q") is None
+    assert not folder.exists() and list((root / "gguf").iterdir()) == []  # removed, so the next load rebuilds
+
+
+def test_an_unreadable_record_removes_the_entry(root, source):
+    folder = cache.cached_or_convert("gguf", source, writer([]))
+    (folder / cache.SOURCE_FILE).write_text("{not json")
+    assert cache.read_entry("gguf", source) is None and not folder.exists()
+    calls: list = []
+    assert cache.cached_or_convert("gguf", source, writer(calls)) == folder and len(calls) == 1
