@@ -125,17 +125,38 @@ class QuantizedLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
 
+def int8_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 per row of w (rows, cols) float32: q (rows, cols) int8 in [-127, 127] and scale (rows,)
+    float32 with ``w ~= q * scale``."""
+    scale = (w.abs().amax(dim=1) / 127).clamp(min=torch.finfo(torch.float32).tiny)
+    return torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8), scale
+
+
 class Int8Linear(QuantizedLinear):
     """Per-output-channel symmetric int8 weight (out, in) with (out,) scales: ``w = q * scale``."""
 
     def __init__(self, linear: nn.Linear, act_dtype: torch.dtype) -> None:
         super().__init__()
-        self.in_features, self.out_features, self.act_dtype = linear.in_features, linear.out_features, act_dtype
-        w = linear.weight.detach().float()
-        scale = (w.abs().amax(dim=1) / 127).clamp(min=torch.finfo(torch.float32).tiny)
-        self.register_buffer("qweight", torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8))
-        self.register_buffer("scales", scale.to(act_dtype))
-        self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().to(act_dtype))
+        q, scale = int8_rows(linear.weight.detach().float())
+        self._fill(q, scale, None if linear.bias is None else linear.bias.detach(), act_dtype)
+
+    @classmethod
+    def from_quantized(cls, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None,
+                       act_dtype: torch.dtype) -> Int8Linear:
+        """The layer from its stored form: qweight (out, in) int8, scales (out,) and bias (out,) or None (any float
+        dtype, cast to ``act_dtype``); the tensors are kept, not copied, where no cast is needed."""
+        module = cls.__new__(cls)
+        QuantizedLinear.__init__(module)
+        module._fill(qweight, scales, bias, act_dtype)
+        return module
+
+    def _fill(self, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None,
+              act_dtype: torch.dtype) -> None:
+        self.out_features, self.in_features = qweight.shape
+        self.act_dtype = act_dtype
+        self.register_buffer("qweight", qweight)
+        self.register_buffer("scales", scales.to(act_dtype))
+        self.register_buffer("bias", None if bias is None else bias.to(act_dtype))
 
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
         return torch._weight_int8pack_mm(x, self.qweight, self.scales)
@@ -151,11 +172,20 @@ class Int8Embedding(nn.Module):
 
     def __init__(self, embedding: nn.Embedding, dtype: torch.dtype) -> None:
         super().__init__()
-        w = embedding.weight.detach().float()
-        scale = (w.abs().amax(dim=1) / 127).clamp(min=torch.finfo(torch.float32).tiny)
-        self.num_embeddings, self.embedding_dim, self.dtype = w.shape[0], w.shape[1], dtype
-        self.register_buffer("qweight", torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8))
-        self.register_buffer("scales", scale)
+        self._fill(*int8_rows(embedding.weight.detach().float()), dtype)
+
+    @classmethod
+    def from_quantized(cls, qweight: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> Int8Embedding:
+        """The table from its stored form: qweight (V, dim) int8, scales (V,) float32; rows come out in ``dtype``."""
+        module = cls.__new__(cls)
+        nn.Module.__init__(module)
+        module._fill(qweight, scales, dtype)
+        return module
+
+    def _fill(self, qweight: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> None:
+        self.num_embeddings, self.embedding_dim, self.dtype = qweight.shape[0], qweight.shape[1], dtype
+        self.register_buffer("qweight", qweight)
+        self.register_buffer("scales", scales.float())
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         return (self.qweight[ids].float() * self.scales[ids, None]).to(self.dtype)
@@ -170,13 +200,7 @@ class Int8Embedding(nn.Module):
 
     def head(self, rows: int, act_dtype: torch.dtype) -> Int8Linear:
         """An ``Int8Linear`` scoring the first ``rows`` rows, sharing this table's int8 storage."""
-        head = Int8Linear.__new__(Int8Linear)
-        QuantizedLinear.__init__(head)
-        head.in_features, head.out_features, head.act_dtype = self.embedding_dim, rows, act_dtype
-        head.register_buffer("qweight", self.qweight[:rows])
-        head.register_buffer("scales", self.scales[:rows].to(act_dtype))
-        head.register_buffer("bias", None)
-        return head
+        return Int8Linear.from_quantized(self.qweight[:rows], self.scales[:rows], None, act_dtype)
 
 
 def int4_group_quantize(w: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -194,6 +218,25 @@ def int4_group_quantize(w: torch.Tensor, group: int) -> tuple[torch.Tensor, torc
     return q, scale, lo + 8 * scale
 
 
+def int4_scales_and_zeros(scale: torch.Tensor, zero: torch.Tensor, act_dtype: torch.dtype) -> torch.Tensor:
+    """The int4 kernel's (in / group, out, 2) table in ``act_dtype`` from scale and zero (out, in / group)."""
+    return torch.stack([scale, zero], -1).transpose(0, 1).contiguous().to(act_dtype)
+
+
+def pack_nibbles(q: torch.Tensor) -> torch.Tensor:
+    """int4 codes (out, in) in [0, 15] (any integer dtype, ``in`` even) as (out, in / 2) uint8, column 2j in the
+    low nibble and 2j + 1 in the high one: a stored form that, unlike the kernel's packing (which depends on the
+    CPU's vector width), reads back the same on every machine."""
+    q = q.to(torch.uint8)
+    return q[:, 0::2] | (q[:, 1::2] << 4)
+
+
+def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
+    """``pack_nibbles`` undone: (out, in / 2) uint8 -> (out, in) int32 codes in [0, 15]."""
+    codes = torch.stack([packed & 15, packed >> 4], dim=-1)  # (out, in / 2, 2)
+    return codes.reshape(packed.shape[0], -1).to(torch.int32)
+
+
 class Int4Linear(QuantizedLinear):
     """Group-wise 4-bit weight packed for ``torch._weight_int4pack_mm_for_cpu``: (out, in / 2) uint8 plus
     (in / group, out, 2) scales and zeros (``w = (q - 8) * scale + zero``)."""
@@ -201,15 +244,29 @@ class Int4Linear(QuantizedLinear):
     def __init__(self, linear: nn.Linear, group: int, act_dtype: torch.dtype,
                  qsz: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> None:
         super().__init__()
-        self.in_features, self.out_features, self.act_dtype = linear.in_features, linear.out_features, act_dtype
-        self.group = group
         w = linear.weight.detach().float().cpu()
         q, scale, zero = qsz if qsz is not None else int4_group_quantize(w, group)
-        device = linear.weight.device
+        bias = None if linear.bias is None else linear.bias.detach()
+        self._fill(q, int4_scales_and_zeros(scale, zero, act_dtype), bias, group, act_dtype, linear.weight.device)
+
+    @classmethod
+    def from_codes(cls, codes: torch.Tensor, scales_and_zeros: torch.Tensor, bias: torch.Tensor | None,
+                   group: int, act_dtype: torch.dtype) -> Int4Linear:
+        """The layer from its stored form (CPU tensors): codes (out, in / 2) uint8 (``pack_nibbles``),
+        scales_and_zeros (in / group, out, 2) and bias (out,) or None in any float dtype (cast to ``act_dtype``).
+        The codes are repacked for this machine's kernel (``torch._convert_weight_to_int4pack_for_cpu``)."""
+        module = cls.__new__(cls)
+        QuantizedLinear.__init__(module)
+        module._fill(unpack_nibbles(codes), scales_and_zeros.to(act_dtype), bias, group, act_dtype, codes.device)
+        return module
+
+    def _fill(self, q: torch.Tensor, scales_and_zeros: torch.Tensor, bias: torch.Tensor | None, group: int,
+              act_dtype: torch.dtype, device: torch.device) -> None:
+        self.out_features, self.in_features = q.shape
+        self.act_dtype, self.group = act_dtype, group
         self.register_buffer("qweight", torch._convert_weight_to_int4pack_for_cpu(q.contiguous(), 1).to(device))
-        self.register_buffer("scales_and_zeros",
-                             torch.stack([scale, zero], -1).transpose(0, 1).contiguous().to(device, act_dtype))
-        self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().to(act_dtype))
+        self.register_buffer("scales_and_zeros", scales_and_zeros.to(device))
+        self.register_buffer("bias", None if bias is None else bias.to(act_dtype))
 
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
         return torch._weight_int4pack_mm_for_cpu(x, self.qweight, self.group, self.scales_and_zeros)
@@ -238,11 +295,42 @@ def check_shape(method: Method, name: str, linear: nn.Linear) -> None:
                                 f"({'try int4 (group 32)' if linear.in_features % 32 == 0 else 'use int8'})")
 
 
-def quantize_linear(linear: nn.Linear, method: Method, act_dtype: torch.dtype) -> QuantizedLinear:
-    """One ``nn.Linear`` as its quantized replacement (same device)."""
+def stored_linear(linear: nn.Linear, method: Method, act_dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """The stored form of ``linear`` quantized by ``method`` (what the GGUF cache entry keeps): int8 ``qweight``
+    (out, in) int8 and ``scales`` (out,); int4 ``codes`` (out, in / 2) uint8 (``pack_nibbles``, on the CPU) and
+    ``scales_and_zeros`` (in / group, out, 2); ``bias`` (out,) when the layer has one; floats in ``act_dtype``."""
+    w = linear.weight.detach().float()
     if method.bits == 8:
-        return Int8Linear(linear, act_dtype)
-    return Int4Linear(linear, method.group, act_dtype)
+        q, scale = int8_rows(w)
+        stored = {"qweight": q, "scales": scale.to(act_dtype)}
+    else:
+        q, scale, zero = int4_group_quantize(w.cpu(), method.group)
+        stored = {"codes": pack_nibbles(q), "scales_and_zeros": int4_scales_and_zeros(scale, zero, act_dtype)}
+    if linear.bias is not None:
+        stored["bias"] = linear.bias.detach().to(act_dtype)
+    return stored
+
+
+def linear_from_stored(stored: dict[str, torch.Tensor], method: Method, act_dtype: torch.dtype) -> QuantizedLinear:
+    """The quantized layer a ``stored_linear`` form describes (its tensors kept where no cast is needed).
+
+    Raises:
+        KeyError: a tensor of the form is missing.
+    """
+    if method.bits == 8:
+        return Int8Linear.from_quantized(stored["qweight"], stored["scales"], stored.get("bias"), act_dtype)
+    return Int4Linear.from_codes(stored["codes"], stored["scales_and_zeros"], stored.get("bias"), method.group,
+                                 act_dtype)
+
+
+def quantize_linear(linear: nn.Linear, method: Method, act_dtype: torch.dtype,
+                    stored: dict[str, torch.Tensor] | None = None) -> QuantizedLinear:
+    """One ``nn.Linear`` as its quantized replacement (same device), built from its stored form (``stored_linear``),
+    which is also put in ``stored`` when given."""
+    form = stored_linear(linear, method, act_dtype)
+    if stored is not None:
+        stored.update(form)
+    return linear_from_stored(form, method, act_dtype)
 
 
 def _head_logits(self: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
@@ -251,7 +339,8 @@ def _head_logits(self: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
 
 
 def quantize_model(model: nn.Module, method: str | Method, quantize_lm_head: bool = False,
-                   layer_methods: dict[str, Method] | None = None) -> dict:
+                   layer_methods: dict[str, Method] | None = None,
+                   stored: dict[str, torch.Tensor] | None = None) -> dict:
     """Replace every ``nn.Linear`` of ``model`` (in place) by its weight-only quantized form.
 
     The output head ``lm_head`` (or a tied head) is left alone unless ``quantize_lm_head``: then a quantized
@@ -264,6 +353,9 @@ def quantize_model(model: nn.Module, method: str | Method, quantize_lm_head: boo
     Args:
         model: a loaded eval-mode model (weights on one device).
         method: a ``METHODS`` name or a parsed ``Method``.
+        stored: filled with the stored form of each replaced linear (``stored_linear``, keys ``{module}.{tensor}``)
+            and of an ``Int8Embedding`` (``embed_tokens.qweight``, ``embed_tokens.scales``): what a cache entry
+            writes (``celeris.models.gguf_quantized``).
 
     Returns:
         ``{"method", "layers", "weight_bytes_before", "weight_bytes_after"}``: linears replaced and their bytes.
@@ -290,12 +382,17 @@ def quantize_model(model: nn.Module, method: str | Method, quantize_lm_head: boo
     before = after = 0
     for name, linear in targets:
         parent = model.get_submodule(name.rpartition(".")[0]) if "." in name else model
-        q = quantize_linear(linear, chosen[name], act)
+        form: dict[str, torch.Tensor] = {}
+        q = quantize_linear(linear, chosen[name], act, form)
+        if stored is not None:
+            stored.update({f"{name}.{k}": v for k, v in form.items()})
         before += linear.weight.numel() * linear.weight.element_size()
         after += sum(b.numel() * b.element_size() for b in q.buffers())
         setattr(parent, name.rpartition(".")[2], q)
     if quantize_lm_head and hasattr(model, "logits") and isinstance(getattr(model, "embed_tokens", None), nn.Embedding):
         after += _quantize_head(model, method, act, gguf)
+    if stored is not None and isinstance(getattr(model, "embed_tokens", None), Int8Embedding):
+        stored.update({f"embed_tokens.{k}": v for k, v in model.embed_tokens.named_buffers()})
     model.__dict__["_celeris_quantization"] = method.name
     return {"method": method.name, "layers": len(targets), "weight_bytes_before": before, "weight_bytes_after": after}
 
@@ -308,19 +405,25 @@ def _quantize_head(model: nn.Module, method: Method, act: torch.dtype, embedding
         table = Int8Embedding(model.embed_tokens, model.embed_tokens.weight.dtype)
         model.embed_tokens = table
         added += sum(b.numel() * b.element_size() for b in table.buffers())
-    if model.lm_head is not None:
-        model.__dict__["_celeris_quantized_head"] = model.lm_head  # the quantized module put there already
-    elif embedding:  # tied: the head reads the int8 rows the embedding keeps
-        model.__dict__["_celeris_quantized_head"] = model.embed_tokens.head(model.vocab_size, act)
-    else:  # tied: a quantized copy of the embedding rows scores, the float table still embeds
+    head = None
+    if model.lm_head is None and not embedding:  # tied: a quantized copy of the rows scores, the float table embeds
         rows = model.embed_tokens.weight[: model.vocab_size]
-        head = nn.Linear(rows.shape[1], rows.shape[0], bias=False, device="meta")
-        head.weight = nn.Parameter(rows.detach(), requires_grad=False)
-        check_shape(method, "lm_head (tied to embed_tokens)", head)
-        model.__dict__["_celeris_quantized_head"] = quantize_linear(head, method, act)
-        added += sum(b.numel() * b.element_size() for b in model._celeris_quantized_head.buffers())
-    model.logits = types.MethodType(_head_logits, model)
+        copy = nn.Linear(rows.shape[1], rows.shape[0], bias=False, device="meta")
+        copy.weight = nn.Parameter(rows.detach(), requires_grad=False)
+        check_shape(method, "lm_head (tied to embed_tokens)", copy)
+        head = quantize_linear(copy, method, act)
+        added += sum(b.numel() * b.element_size() for b in head.buffers())
+    bind_head(model, act, head)
     return added
+
+
+def bind_head(model: nn.Module, act: torch.dtype, head: QuantizedLinear | None = None) -> None:
+    """Make ``model.logits`` score through a quantized head (rebound on the instance): ``head`` when given, else the
+    model's own quantized ``lm_head``, else (tied) an ``Int8Linear`` over the rows of its ``Int8Embedding``."""
+    if head is None:
+        head = model.lm_head if model.lm_head is not None else model.embed_tokens.head(model.vocab_size, act)
+    model.__dict__["_celeris_quantized_head"] = head
+    model.logits = types.MethodType(_head_logits, model)
 
 
 GGUF_INT4_TYPES = ("Q4_0", "Q4_1", "Q4_K")  # block types kept as group-32 int4 (Q4_1: exactly); the rest int8

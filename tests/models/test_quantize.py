@@ -22,9 +22,13 @@ from celeris.models.quantize import (
     check_device,
     check_shape,
     int4_group_quantize,
+    linear_from_stored,
+    pack_nibbles,
     parse_method,
     quantize_model,
     resident_weight_bytes,
+    stored_linear,
+    unpack_nibbles,
 )
 
 
@@ -177,3 +181,23 @@ def test_structured_output_holds_quantized(model, extra):
     params = llm.default_params(max_tokens=24, temperature=0.0, grammar=schema_grammar(schema), **extra)
     out = llm.generate(["x = "], params)[0]
     assert 0 <= json.loads(out.text)["n"] <= 9
+
+
+def test_nibbles_hold_two_codes_a_byte_low_first():
+    q = torch.randint(0, 16, (48, 64), dtype=torch.int32, generator=torch.Generator().manual_seed(0))
+    packed = pack_nibbles(q)
+    assert packed.shape == (48, 32) and packed.dtype == torch.uint8
+    assert int(packed[3, 5]) == int(q[3, 10]) | int(q[3, 11]) << 4
+    assert torch.equal(unpack_nibbles(packed), q)
+
+
+@pytest.mark.parametrize("method", ["int8", "int4", "int4-g64"])
+@pytest.mark.parametrize("bias", [False, True])
+def test_a_layer_rebuilt_from_its_stored_form_is_the_same_layer(method, bias):
+    lin, m = linear(96, 128, bias=bias), parse_method(method)
+    x = torch.randn(5, 128)
+    direct = Int8Linear(lin, torch.bfloat16) if m.bits == 8 else Int4Linear(lin, m.group, torch.bfloat16)
+    form = stored_linear(lin, m, torch.bfloat16)
+    again = linear_from_stored({k: v.clone() for k, v in form.items()}, m, torch.bfloat16)
+    assert torch.equal(direct(x), again(x))
+    assert torch.equal(direct.qweight, again.qweight) and (m.bits == 8 or form["codes"].dtype == torch.uint8)
