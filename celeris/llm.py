@@ -14,11 +14,12 @@ import torch
 
 from celeris.config import OFFLINE_MAX_WAITING, EngineConfig, resolve_device, resolve_dtype, resolve_max_model_len
 from celeris.engine import Engine, Request
+from celeris.models import gguf_quantized
 from celeris.models.catalog import ALIASES, alias_path, read_pairing
 from celeris.models.catalog import EMBEDDED as CATALOG_EMBEDDED
-from celeris.models.gguf import find_gguf, prepare, read_card, tensor_types
+from celeris.models.gguf import find_gguf, prepare, read_card
 from celeris.models.loader import CheckpointError, load_any, load_tokenizer
-from celeris.models.quantize import QuantizationError, gguf_layer_methods, quantize_model
+from celeris.models.quantize import QuantizationError, quantize_model
 from celeris.params import SamplingParams, causal_defaults
 from celeris.sampling.block import contract_of
 from celeris.sampling.drafter import SpeculativeConfig, attach, load_proposer
@@ -200,31 +201,33 @@ class LLM:
             raise CheckpointError(f"tokenizer '{tokenizer}' does not exist (give a folder holding tokenizer.json, "
                                   "or a tokenizer.json file)")
         self.name = model_name(model)  # the served name by default
-        tensors, self._gguf = None, None
-        gguf_file = find_gguf(self.path)
-        if gguf_file is not None:  # converted once into the cache (celeris.models.gguf); a GGUF decodes greedily
-            self._gguf = prepare(gguf_file)
-            self.path, tensors = self._gguf.folder, self._gguf.tensors
-        # what the model card shows of the checkpoint's source (a GGUF's architecture, context, license, ...)
-        self.card: dict = self._gguf.card if self._gguf is not None else read_card(self.path)
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
-        self.model = load_any(self.path, device=self.device, dtype=self.dtype, trust_remote_code=trust_remote_code,
-                              max_model_len=max_model_len, max_num_seqs=config.max_num_seqs, tensors=tensors)
+        tensors, self._gguf = None, None
+        self.quantization: dict | None = None  # what quantize_model replaced (layers, weight bytes before/after)
+        gguf_file = find_gguf(self.path)
+        if quantization == "gguf" and gguf_file is None:
+            raise QuantizationError(f"--quantization gguf needs a .gguf checkpoint; '{self.name}' holds float "
+                                    "weights: use --quantization int8 or int4")
+        if quantization == "gguf":  # each tensor at its GGUF block type's width, cached quantized
+            loaded = gguf_quantized.load(gguf_file, self.device, self.dtype, max_model_len, config.max_num_seqs)
+            self._gguf, self.path, self.model = loaded.checkpoint, loaded.checkpoint.folder, loaded.model
+            self.quantization = loaded.report
+        elif gguf_file is not None:  # converted once into the cache (celeris.models.gguf); a GGUF decodes greedily
+            self._gguf = prepare(gguf_file)
+            self.path, tensors = self._gguf.folder, self._gguf.tensors
+        if quantization != "gguf":
+            self.model = load_any(self.path, device=self.device, dtype=self.dtype, trust_remote_code=trust_remote_code,
+                                  max_model_len=max_model_len, max_num_seqs=config.max_num_seqs, tensors=tensors)
         if self._gguf is not None:
             self._gguf.tensors = tensors = None  # the model holds the weights now (in memory: its temporary folder stays)
+        # what the model card shows of the checkpoint's source (a GGUF's architecture, context, license, ...)
+        self.card: dict = self._gguf.card if self._gguf is not None else read_card(self.path)
         self.proposer = load_proposer(spec, self.model) if spec is not None else None
-        self.quantization: dict | None = None  # what quantize_model replaced (layers, weight bytes before/after)
-        if quantization is not None:  # a transform after load, never inside a model file (gpt-fast's way)
-            layers = None
-            if quantization == "gguf":  # each tensor at the width of its GGUF block type
-                if gguf_file is None:
-                    raise QuantizationError(f"--quantization gguf needs a .gguf checkpoint; '{self.name}' holds float "
-                                            "weights: use --quantization int8 or int4")
-                layers = gguf_layer_methods(self.path, tensor_types(gguf_file))
-            self.quantization = quantize_model(self.model, quantization, config.quantize_lm_head, layers)
-            if self.proposer is not None:  # a drafter's float weights: int8 under gguf, else the same method
-                quantize_model(self.proposer.drafter, "int8" if quantization == "gguf" else quantization)
+        if quantization not in (None, "gguf"):  # a transform after load, never inside a model file (gpt-fast's way)
+            self.quantization = quantize_model(self.model, quantization, config.quantize_lm_head)
+        if self.proposer is not None and quantization is not None:  # the drafter's float weights: int8 under gguf
+            quantize_model(self.proposer.drafter, "int8" if quantization == "gguf" else quantization)
         attach(self.model, self.proposer)
         self.engine_config.max_model_len = resolve_max_model_len(
             max_model_len, self.model.config.max_position_embeddings, self.device)

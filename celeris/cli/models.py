@@ -52,5 +52,6 @@ def cmd_cache(args: argparse.Namespace) -> int:
         return 0
     print(f"cache: {cache.cache_root()} ({len(entries)} entr{'y' if len(entries) == 1 else 'ies'})")
     for e in entries:
-        print(f"{e['kind']:<12}  {e['bytes'] / 2**20:9.1f} MiB  {e.get('source', '?')}  {e['path']}")
+        kind = e["kind"] + (f" ({e['variant']})" if e.get("variant") else "")  # gguf (gguf-q): kept quantized
+        print(f"{kind:<14}  {e['bytes'] / 2**20:9.1f} MiB  {e.get('source', '?')}  {e['path']}")
     return 0

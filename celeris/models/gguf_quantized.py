@@ -1,0 +1,250 @@
+"""``--quantization gguf`` through the conversion cache: a GGUF's weights kept in their quantized form on disk.
+
+The first load of a GGUF file with ``--quantization gguf`` converts it in memory (``celeris.models.gguf.convert``:
+every tensor dequantized to float32), loads that float32 model, quantizes it (``quantize_model(..., "gguf")``: each
+layer at the width of its GGUF block type) and writes the *stored form* of the quantized model into its own cache
+entry (``celeris.models.cache``, kind ``gguf``, variant ``VARIANT``), beside the float32 entry a plain load of the
+same file writes (the two are keyed apart and coexist; this path never writes the float32 one). The entry holds
+``config.json``, ``tokenizer.json``, ``tokenizer_config.json``, ``source.json`` (the key, the card facts, the size
+and SHA-256 of every file) and ``STATE_FILE``, a safetensors file under the quantized model's module names:
+
+- an int4 layer ``m`` (Q4_0, Q4_1, Q4_K blocks): ``m.codes`` (out, in / 2) uint8, two 4-bit codes a byte
+  (``pack_nibbles``: a fixed layout, unlike the kernel's packing, which depends on the CPU's vector width) and
+  ``m.scales_and_zeros`` (in / 32, out, 2) bfloat16;
+- an int8 layer: ``m.qweight`` (out, in) int8 and ``m.scales`` (out,) bfloat16; ``m.bias`` (out,) bfloat16 when the
+  layer has one;
+- the embedding: ``embed_tokens.qweight`` (vocab, hidden) int8 and ``embed_tokens.scales`` (vocab,) float32 (a tied
+  head scores through the same rows);
+- every other tensor (the norms) in float32;
+
+and, in the file's metadata under ``LAYOUT_KEY``, the layout (JSON): ``version``, each quantized module's method
+(``int4``, ``int8``), and ``quantize_model``'s report. Every load, the first one included, builds the model from
+this stored form (``load_entry``): the architecture on the meta device from ``config.json``, each quantized module
+made from its tensors (int4 codes repacked for this machine's kernel), the rest assigned. So a later load never
+dequantizes or requantizes, gives the first load's logits bit for bit, and holds only the quantized weights (its
+peak memory is the quantized model's). An entry whose files do not match their recorded checksums (truncated,
+altered) is removed and rebuilt (``cache.read_entry``). A cache that cannot be written: one warning line, and the
+stored form is used from memory for this run.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+from torch import nn
+
+from celeris.config import resolve_max_model_len
+from celeris.models import cache
+from celeris.models.checkpoint import CheckpointError, TensorInfo, checkpoint_files, read_config, read_headers
+from celeris.models.gguf import Converted, GGUFCheckpoint, convert, read_card, tensor_types
+from celeris.models.loader import FORMATS, check_memory, detect_format, estimate_memory, kv_cache_bytes, load_any
+from celeris.models.quantize import (
+    INT4_GROUPS,
+    Int4Linear,
+    Int8Embedding,
+    Int8Linear,
+    _activation_dtype,
+    bind_head,
+    check_device,
+    gguf_layer_methods,
+    linear_from_stored,
+    parse_method,
+    quantize_model,
+)
+
+VARIANT = "gguf-q"  # the cache entry's variant: the weights as --quantization gguf keeps them
+STATE_FILE = "model.safetensors"
+LAYOUT_KEY = "celeris.quantization"  # safetensors metadata key of the layout (JSON)
+LAYOUT_VERSION = 1  # raised when the stored form changes: an entry of another version is rebuilt
+STORED_KEYS = {8: ("qweight", "scales"), 4: ("codes", "scales_and_zeros")}  # by bits; "bias" beside either
+
+
+@dataclass
+class QuantizedGGUF:
+    """A GGUF file loaded quantized.
+
+    Attributes:
+        model: the eval-mode model, its linears and embedding quantized (``quantization_of(model) == "gguf"``).
+        checkpoint: the entry folder (tokenizer, config, card), or a temporary folder when the cache is unwritable.
+        report: ``quantize_model``'s report from the conversion (method, layers, weight bytes before and after).
+        from_cache: whether the entry existed before this load (nothing was converted or quantized).
+    """
+
+    model: nn.Module
+    checkpoint: GGUFCheckpoint
+    report: dict
+    from_cache: bool
+
+
+def _method_name(module: nn.Module) -> str | None:
+    """The ``--quantization`` name of a quantized linear (``int8``, ``int4``, ``int4-g64``, ...); None otherwise."""
+    if isinstance(module, Int8Linear):
+        return "int8"
+    if isinstance(module, Int4Linear):
+        return next(name for name, group in INT4_GROUPS.items() if group == module.group)
+    return None
+
+
+def quantized_state(path: Path, converted: Converted) -> tuple[dict[str, torch.Tensor], dict]:
+    """The stored form of ``converted`` (the GGUF file ``path`` converted) quantized as ``--quantization gguf``
+    does, and its layout (see the module docstring). ``converted.state`` is emptied on the way (the float32
+    model owns the tensors, and is dropped before this returns).
+
+    Raises:
+        QuantizationError: a layer the int4 kernel cannot take.
+    """
+    with tempfile.TemporaryDirectory(prefix="celeris-gguf-") as tmp:
+        converted.write_small_files(Path(tmp))
+        model = load_any(tmp, device="cpu", dtype=torch.float32, tensors=converted.state)
+        converted.state = {}
+        methods = gguf_layer_methods(Path(tmp), tensor_types(path))
+    stored: dict[str, torch.Tensor] = {}
+    report = quantize_model(model, "gguf", layer_methods=methods, stored=stored)
+    layers = {name: kind for name, m in model.named_modules() if (kind := _method_name(m)) is not None}
+    owned = (*layers, "embed_tokens")
+    for name, tensor in model.state_dict().items():
+        if name.rpartition(".")[0] not in owned:  # the float tensors: norms
+            stored[name] = tensor.detach().float().contiguous()
+    return stored, {"version": LAYOUT_VERSION, "method": "gguf", "layers": layers, "report": report}
+
+
+def apply_stored(model: nn.Module, state: dict[str, torch.Tensor], layout: dict, dtype: torch.dtype) -> None:
+    """Make ``model`` (built on the meta device) the quantized model ``state`` and ``layout`` describe, in place:
+    each layout layer and the embedding replaced by its quantized module, every other tensor assigned (floats cast
+    to ``dtype``), the logits scored through the quantized head.
+
+    Raises:
+        CheckpointError: a tensor missing or left over, or a stored shape the model does not have.
+    """
+    act = _activation_dtype(torch.device("cpu"), dtype)
+    taken: set[str] = set()
+    try:
+        for name, kind in layout["layers"].items():
+            method = parse_method(kind)
+            keys = [k for k in (*STORED_KEYS[method.bits], "bias") if k != "bias" or f"{name}.bias" in state]
+            form = {k: state[f"{name}.{k}"] for k in keys}
+            old, module = model.get_submodule(name), linear_from_stored(form, method, act)
+            if not isinstance(old, nn.Linear) or (old.out_features, old.in_features, old.bias is None) != \
+                    (module.out_features, module.in_features, module.bias is None):
+                raise CheckpointError(f"the stored layer '{name}' ({module.out_features} x {module.in_features}) "
+                                      "does not fit the model")
+            parent, _, child = name.rpartition(".")
+            setattr(model.get_submodule(parent) if parent else model, child, module)
+            taken.update(f"{name}.{k}" for k in keys)
+        table = Int8Embedding.from_quantized(state["embed_tokens.qweight"], state["embed_tokens.scales"], dtype)
+    except (KeyError, AttributeError) as exc:
+        raise CheckpointError(f"the stored quantized model lacks {exc}") from None
+    if tuple(table.qweight.shape) != tuple(model.embed_tokens.weight.shape):
+        raise CheckpointError(f"the stored embedding is {tuple(table.qweight.shape)}, the model's "
+                              f"{tuple(model.embed_tokens.weight.shape)}")
+    model.embed_tokens = table
+    taken.update(("embed_tokens.qweight", "embed_tokens.scales"))
+    rest = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items() if k not in taken}
+    missing, unexpected = model.load_state_dict(rest, strict=False, assign=True)
+    missing = [k for k in missing if k.rpartition(".")[0] not in (*layout["layers"], "embed_tokens")]  # their own
+    if missing or unexpected:
+        raise CheckpointError(f"the stored quantized model does not fit: missing {missing[:3]}, "
+                              f"unexpected {unexpected[:3]}")
+    bind_head(model, act)
+    model.__dict__["_celeris_quantization"] = "gguf"
+
+
+def load_entry(folder: Path, dtype: torch.dtype, max_model_len: int | None = None, max_num_seqs: int = 0,
+               stored: tuple[dict[str, torch.Tensor], dict] | None = None) -> tuple[nn.Module, dict]:
+    """The quantized model of an entry folder (or of ``stored`` = (state, layout) in memory, with the folder's
+    small files), on the CPU, its float tensors in ``dtype``; and the layout's report. The memory check counts a
+    KV store of ``max_num_seqs`` rows of ``max_model_len`` tokens, as ``load_any`` does.
+
+    Raises:
+        CheckpointError: an unknown format in config.json, a layout of another version, a stored form that does not
+            fit the model, or not enough memory.
+    """
+    kind = detect_format(read_config(folder))
+    if kind is None:
+        raise CheckpointError(f"{folder / 'config.json'} names no format Celeris builds")
+    fmt = FORMATS[kind]
+    config = fmt.config_cls.from_json(folder / "config.json")
+    with torch.device("meta"):
+        model = fmt.model_cls(config)
+    if stored is None:
+        infos = read_headers(checkpoint_files(folder))
+    else:
+        infos = {k: TensorInfo(None, tuple(v.shape), v.dtype) for k, v in stored[0].items()}
+    kv = 0
+    if max_num_seqs and getattr(model, "supports_kv_cache", False):
+        tokens = resolve_max_model_len(max_model_len, config.max_position_embeddings, torch.device("cpu"))
+        kv = kv_cache_bytes(model.arch, max_num_seqs, tokens, dtype)
+    check_memory(estimate_memory(infos, dtype, torch.device("cpu"), kv))
+    if stored is None:
+        layout = read_layout(folder)
+        with safe_open(folder / STATE_FILE, framework="pt", device="cpu") as f:
+            state = {k: f.get_tensor(k) for k in f.keys()}
+    else:
+        state, layout = stored
+    if layout.get("version") != LAYOUT_VERSION:
+        raise CheckpointError(f"{folder / STATE_FILE} holds quantized layout version {layout.get('version')}, "
+                              f"not {LAYOUT_VERSION}")
+    apply_stored(model, state, layout, dtype)
+    return model.eval(), layout["report"]
+
+
+def read_layout(folder: Path) -> dict:
+    """The layout an entry's ``STATE_FILE`` records (empty when it records none or cannot be read)."""
+    try:
+        with safe_open(folder / STATE_FILE, framework="pt", device="cpu") as f:
+            layout = json.loads((f.metadata() or {}).get(LAYOUT_KEY, "{}"))
+    except (OSError, ValueError, SafetensorError):
+        return {}
+    return layout if isinstance(layout, dict) else {}
+
+
+def write_entry(folder: Path, converted: Converted, state: dict[str, torch.Tensor], layout: dict) -> dict:
+    """Write the entry's files into ``folder``; returns the card facts for ``source.json``."""
+    converted.write_small_files(folder)
+    save_file(state, folder / STATE_FILE, metadata={"format": "pt", LAYOUT_KEY: json.dumps(layout)})
+    return converted.card
+
+
+def load(path: Path, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
+         max_model_len: int | None = None, max_num_seqs: int = 0) -> QuantizedGGUF:
+    """The GGUF file ``path`` loaded with ``--quantization gguf``: from its quantized cache entry, written first
+    when there is none (see the module docstring).
+
+    Raises:
+        QuantizationError: a device without the kernels (the int4 one runs on CPUs only), or a layer shape they
+            cannot take.
+        GGUFError: the file is unusable (``celeris.models.gguf.convert``).
+        CheckpointError: not enough memory.
+    """
+    check_device(parse_method("gguf"), device)
+    folder = cache.read_entry("gguf", path, VARIANT)
+    if folder is not None and read_layout(folder).get("version") != LAYOUT_VERSION:  # written by another Celeris
+        cache.discard(folder)
+        folder = None
+    from_cache = folder is not None
+    if folder is None:
+        key = cache.source_key(path)
+        converted = convert(path)
+        state, layout = quantized_state(path, converted)
+        info: dict = {}
+        try:
+            with cache.writing_entry("gguf", path, key, info, VARIANT, checksums=True) as tmp:
+                info.update(write_entry(tmp, converted, state, layout))
+            folder = cache.entry_path("gguf", path, key, VARIANT)
+        except cache.CacheUnavailableError as exc:
+            print(f"celeris: warning: {exc}; keeping '{path.name}' quantized in memory for this run", file=sys.stderr)
+            tmp_dir = tempfile.TemporaryDirectory(prefix="celeris-gguf-")
+            converted.write_small_files(Path(tmp_dir.name))
+            model, report = load_entry(Path(tmp_dir.name), dtype, max_model_len, max_num_seqs, (state, layout))
+            card = {**converted.card, "source": path.name}
+            return QuantizedGGUF(model, GGUFCheckpoint(Path(tmp_dir.name), None, card, tmp_dir), report, False)
+        del state  # the model is built from the entry just written, exactly as a later load builds it
+    model, report = load_entry(folder, dtype, max_model_len, max_num_seqs)
+    return QuantizedGGUF(model, GGUFCheckpoint(folder, card=read_card(folder)), report, from_cache)
