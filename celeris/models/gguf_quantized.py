@@ -50,7 +50,7 @@ from celeris.models.quantize import (
     Int4Linear,
     Int8Embedding,
     Int8Linear,
-    _activation_dtype,
+    activation_dtype,
     bind_head,
     check_device,
     gguf_layer_methods,
@@ -123,7 +123,7 @@ def apply_stored(model: nn.Module, state: dict[str, torch.Tensor], layout: dict,
     Raises:
         CheckpointError: a tensor missing or left over, or a stored shape the model does not have.
     """
-    act = _activation_dtype(torch.device("cpu"), dtype)
+    act = activation_dtype(torch.device("cpu"), dtype)
     taken: set[str] = set()
     try:
         for name, kind in layout["layers"].items():
@@ -216,6 +216,12 @@ def load(path: Path, device: torch.device | str = "cpu", dtype: torch.dtype = to
          max_model_len: int | None = None, max_num_seqs: int = 0) -> QuantizedGGUF:
     """The GGUF file ``path`` loaded with ``--quantization gguf``: from its quantized cache entry, written first
     when there is none (see the module docstring).
+
+    Args:
+        path: the ``.gguf`` file.
+        device: checked to have the kernels (the int4 one runs on CPUs only); the model is built on the CPU.
+        dtype: the dtype of the float tensors (norms) and of the embedding's dequantized rows.
+        max_model_len / max_num_seqs: the engine's KV store, counted in the memory check (0 rows: weights only).
 
     Raises:
         QuantizationError: a device without the kernels (the int4 one runs on CPUs only), or a layer shape they

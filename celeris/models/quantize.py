@@ -86,7 +86,7 @@ def check_device(method: Method, device: torch.device | str) -> None:
                                     f"{device.type} kernel (it runs on {', '.join(KERNEL_DEVICES[family])})")
 
 
-def _activation_dtype(device: torch.device, dtype: torch.dtype) -> torch.dtype:
+def activation_dtype(device: torch.device, dtype: torch.dtype) -> torch.dtype:
     """bfloat16 on a CPU (the kernels' fast path); the model's half dtype, else bfloat16, on CUDA."""
     return dtype if device.type == "cuda" and dtype in (torch.bfloat16, torch.float16) else torch.bfloat16
 
@@ -369,7 +369,7 @@ def quantize_model(model: nn.Module, method: str | Method, quantize_lm_head: boo
     quantize_lm_head = quantize_lm_head or gguf
     first = next(model.parameters())
     check_device(method, first.device)
-    act = _activation_dtype(first.device, first.dtype)
+    act = activation_dtype(first.device, first.dtype)
     targets = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.Linear)
                and (quantize_lm_head or name.split(".")[-1] != "lm_head")]
     chosen = {name: (layer_methods or {}).get(name, parse_method("int8")) if gguf else method for name, _ in targets}
