@@ -200,9 +200,10 @@ def init_from_target(model: DFlashDraftModel, target_state: dict[str, torch.Tens
     """Start drafter layer i from target layer ``layers[i]`` (Llama names; q/k norms stay ones): a warm start.
 
     When the target layer just below ``layers[0]`` is one the drafter reads, ``fc`` starts as the selection of that
-    layer's features and ``hidden_norm`` as ``layers[0]``'s input norm, so the first drafter layer's context keys and
-    values start as exactly those target layer ``layers[0]`` computes for the context (its input is the output of
-    the layer below); the other layers' features start with zero weight and are learnt.
+    layer's features and ``hidden_norm`` as ``layers[0]``'s input norm: the context then enters the first drafter
+    layer's ``k_proj`` / ``v_proj`` exactly as the target's layer ``layers[0]`` sees it (the normed output of the
+    layer below), so its context values start as that layer's own (its keys too, up to the drafter's per-head
+    ``k_norm``); the other layers' features start with zero weight and are learnt.
     """
     ids = list(model.config.target_layer_ids)
     if layers and layers[0] - 1 in ids:

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from celeris.models.dflash import DraftKVCache
-from celeris.train.dflash import Row, acceptance, batch_tensors, dflash_loss
+from celeris.train.dflash import Row, acceptance, batch_tensors, dflash_loss, init_from_target
 from tests.models.test_dflash import full_pass, tiny
 
 
@@ -58,3 +58,32 @@ def test_acceptance_along_the_greedy_path_equals_dflashs_decoding_loop():
         s += step
     assert got["passes"] == len(lengths) and got["tokens"] == sum(lengths)
     assert max(lengths) >= 2  # the planted matches were accepted
+
+
+def test_the_warm_start_feeds_the_context_to_the_first_layer_as_the_target_layer_sees_it():
+    """fc selects the features of the layer below the first copied layer and hidden_norm is that layer's input norm:
+    hidden_norm(fc(features)) == RMSNorm(h) * w, the input of target layer ``layers[0]``'s projections."""
+    model = tiny()  # reads target layers [1, 4] of 6
+    d = model.config.hidden_size
+    state = {}
+    for t in (5,):
+        pre = f"model.layers.{t}."
+        for name, shape in (("q_proj", (32, d)), ("k_proj", (16, d)), ("v_proj", (16, d)), ("o_proj", (d, 32))):
+            state[pre + f"self_attn.{name}.weight"] = torch.randn(shape)
+        for name, shape in (("gate_proj", (64, d)), ("up_proj", (64, d)), ("down_proj", (d, 64))):
+            state[pre + f"mlp.{name}.weight"] = torch.randn(shape)
+        state[pre + "input_layernorm.weight"] = torch.rand(d) + 0.5
+        state[pre + "post_attention_layernorm.weight"] = torch.rand(d)
+    state["model.norm.weight"] = torch.rand(d)
+    init_from_target(model, state, [5, 5])
+    low, h = torch.randn(7, d), torch.randn(7, d) * 3  # outputs of target layers 1 and 4 at 7 positions
+    ctx = model.hidden_norm(model.fc(torch.cat([low, h], dim=-1)))
+    expected = F.rms_norm(h, (d,), state["model.layers.5.input_layernorm.weight"], model.config.rms_norm_eps)
+    torch.testing.assert_close(ctx, expected)
+    layer = model.layers[0].self_attn
+    torch.testing.assert_close(layer.v_proj(ctx), expected @ state["model.layers.5.self_attn.v_proj.weight"].T)
+    # without the layer below among the features read, fc keeps its random start
+    other = tiny()
+    before = other.fc.weight.clone()
+    init_from_target(other, state | {k.replace("layers.5.", "layers.4."): v for k, v in state.items()}, [4, 5])
+    assert torch.equal(other.fc.weight, before)
