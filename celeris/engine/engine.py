@@ -1,9 +1,11 @@
 """Engine: ``step()`` = schedule, then each request through the path of its mode, then emit and free.
 
-A request's mode (``celeris.sampling.modes.MODES``) is decided once, in ``add_request`` (``check_request``), and
-stored as ``Request.mode``; ``Engine.paths`` maps each mode to its path (``engine/verified.py``,
-``engine/blocks.py``, ``engine/masked.py``), which owns the request's cursor as ``request.state`` and counts each
-step with ``Request.record_step``.
+A request's mode (a key of the registry ``celeris.sampling.modes.MODES``) is decided once, in ``add_request``
+(``check_request``), and stored as ``Request.mode``; ``Engine.paths`` maps each mode to its path
+(``celeris.engine.path.ModePath``: for the built-in modes ``engine/verified.py``, ``engine/blocks.py``,
+``engine/masked.py``), made from the mode's registered factory at its first request, which owns the request's
+cursor as ``request.state`` and counts each step with ``Request.record_step``. The engine names no mode but the
+one whose KV rows must fit ``max_model_len`` at admission (``verified``).
 
 Offline ``LLM.generate``, the HTTP server and batch jobs all drive this same
 ``step()``. Every running request moves one denoising step per call, whatever
@@ -14,22 +16,20 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
-from typing import Protocol
 
 import torch
 
 from celeris.config import EngineConfig
 from celeris.engine.blocks import BlockDecoder
-from celeris.engine.masked import MaskedPath
+from celeris.engine.path import ModePath, PathContext, resolve_path
 from celeris.engine.request import Request
 from celeris.engine.runner import ModelRunner
 from celeris.engine.scheduler import Scheduler
 from celeris.engine.verified import VerifiedDecoder, VerifiedPath
 from celeris.params import SamplingParams
-from celeris.sampling.block import contract_of, with_block_defaults
+from celeris.sampling.block import with_block_defaults
 from celeris.sampling.logprobs import prompt_entries
-from celeris.sampling.modes import check_fits_context, check_request
-from celeris.sampling.step import banned_token_ids, confidence_rule
+from celeris.sampling.modes import MODES, check_fits_context, check_request
 from celeris.structured.grammar import row_constraints
 
 
@@ -47,21 +47,6 @@ class StepOutput:
     request: Request
     new_token_ids: list[int]
     finished: bool
-
-
-class ModePath(Protocol):
-    """What the engine asks of a decoding mode's path (``Engine.paths``)."""
-
-    mode: str
-
-    def step(self, requests: list[Request]) -> list[Request]:
-        """One step (a pass) for the running requests of this mode; returns those to emit."""
-
-    def token_cost(self, requests: list[Request]) -> int:
-        """Columns the next step over ``requests`` (all of this mode) computes: the scheduler's token budget."""
-
-    def release(self) -> None:
-        """Free the memory of finished or aborted requests."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,8 +94,6 @@ class Engine:
         self.runner = ModelRunner(model, self.config.enforce_eager, self.config.length_bucket)
         config = model.config
         self.mask_id, self.eos_id = config.mask_token_id, config.eos_token_id
-        self.banned_ids = banned_token_ids(config)
-        self.confidence_from = confidence_rule(model)
         self.end_ids = frozenset(end_ids if end_ids is not None else [self.eos_id])
         self.model = model
         self.grammar_tokenizer = grammar_tokenizer
@@ -118,29 +101,40 @@ class Engine:
         self.num_steps = 0
         # the most tokens a request holds (EngineConfig.max_model_len, else the model's window): sizes the KV pool
         self.max_model_len = self.config.max_model_len or getattr(config, "max_position_embeddings", None)
-        contract = contract_of(model)  # a block-diffusion model (or a hybrid's block mode): the block path
-        self.block_decoder = (BlockDecoder(model, contract, self.runner, self.config.logprobs_mode)
-                              if contract is not None else None)
-        # the mode paths, in the order a step runs them (each: step(requests) -> requests, release())
-        self.paths: dict[str, ModePath] = {
-            "verified": VerifiedPath(model, self.config, self.max_model_len, self.eos_id, self.runner),
-            "block": self.block_decoder,
-            "masked": MaskedPath(self.runner, self.mask_id, self.eos_id, self.banned_ids, self.confidence_from,
-                                 self.config.logprobs_mode),
-        }
-
+        self.context = PathContext(model, self.runner, self.config, self.max_model_len, self.eos_id)
+        # mode -> its path, made at the mode's first request from the factory it registered (``path``)
+        self.paths: dict[str, ModePath] = {}
         self.scheduler.cost = self.batch_tokens
+
+    def path(self, mode: str) -> ModePath:
+        """The path of ``mode`` (a key of ``celeris.sampling.modes.MODES``), made from its registered factory
+        with this engine's shared parts (``PathContext``) the first time it is asked for."""
+        if mode not in self.paths:
+            self.paths[mode] = resolve_path(MODES[mode].path)(self.context)
+        return self.paths[mode]
+
+    def _groups(self, requests: list[Request]) -> list[tuple[str, list[Request]]]:
+        """``requests`` grouped by mode, in the registry's order (the order a step runs the paths)."""
+        order = [*MODES, *(m for m in self.paths if m not in MODES)]
+        order += sorted({r.mode for r in requests} - set(order))
+        return [(mode, group) for mode in order if (group := [r for r in requests if r.mode == mode])]
 
     def batch_tokens(self, requests: list[Request]) -> int:
         """Columns one step over ``requests`` computes, each mode's group counted by its path (``token_cost``):
         the scheduler's ``max_num_batched_tokens`` budget."""
-        return sum(path.token_cost(group) for mode, path in self.paths.items()
-                   if path is not None and (group := [r for r in requests if r.mode == mode]))
+        return sum(self.path(mode).token_cost(group) for mode, group in self._groups(requests))
 
     @property
     def drafter(self) -> VerifiedDecoder | None:
         """The verified path's decoder (made at the first verified request), else None."""
-        return self.paths["verified"].decoder
+        path = self.paths.get("verified")
+        return path.decoder if isinstance(path, VerifiedPath) else None
+
+    @property
+    def block_decoder(self) -> BlockDecoder | None:
+        """The block path (made at the first block request), else None."""
+        path = self.paths.get("block")
+        return path if isinstance(path, BlockDecoder) else None
 
     def add_request(
         self,
@@ -188,8 +182,7 @@ class Engine:
         """Free the KV rows of finished or aborted requests in every mode path at once, so no memory outlives a
         request even when no further step runs."""
         for path in self.paths.values():
-            if path is not None:
-                path.release()
+            path.release()
 
     def stats(self) -> EngineStats:
         """The engine's counters and its one KV figure (``EngineStats``), without reaching into its paths."""
@@ -223,10 +216,8 @@ class Engine:
         outputs = self._score_prompts(batch)
         if outputs:
             batch = [r for r in batch if not r.is_finished]
-        for mode, path in self.paths.items():
-            group = [r for r in batch if r.mode == mode]
-            if group:
-                outputs += [self._emit(r) for r in path.step(group)]
+        for mode, group in self._groups(batch):
+            outputs += [self._emit(r) for r in self.path(mode).step(group)]
         self._free_finished()  # a finished request's keys/values go now, not at a later step
         self.num_steps += 1
         return outputs

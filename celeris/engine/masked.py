@@ -27,33 +27,41 @@ from __future__ import annotations
 
 import torch
 
+from celeris.engine.path import PathContext
 from celeris.engine.request import NO_PROGRESS, Request
 from celeris.engine.runner import ModelRunner
 from celeris.models.layers import KVCache, column_window
 from celeris.sampling.cache import CACHE_MODES
 from celeris.sampling.logprobs import committed_entries
-from celeris.sampling.step import RowSettings, commit_step, context_tokens, guided
+from celeris.sampling.step import (
+    RowSettings,
+    banned_token_ids,
+    commit_step,
+    confidence_rule,
+    context_tokens,
+    guided,
+)
 
 
 class MaskedPath:
     """Runs the masked-diffusion steps of the engine's requests (module docstring).
 
     Args:
-        runner: the engine's model runner (its passes and KV pool).
-        mask_id / eos_id / banned_ids / confidence_from: the model's ids and its confidence rule
-            (``celeris.sampling.step.confidence_rule``).
-        logprobs_mode: ``EngineConfig.logprobs_mode`` ("raw_logprobs" or "processed_logprobs").
+        context: the engine's shared parts (``celeris.engine.path.PathContext``): the runner (its passes and KV
+            pool), the model's ids and confidence rule (``celeris.sampling.step.confidence_rule``) and
+            ``EngineConfig.logprobs_mode`` ("raw_logprobs" or "processed_logprobs").
     """
 
     mode = "masked"
 
-    def __init__(self, runner: ModelRunner, mask_id: int, eos_id: int, banned_ids: list[int], confidence_from: str,
-                 logprobs_mode: str = "raw_logprobs") -> None:
-        self.runner = runner
-        self.mask_id, self.eos_id, self.banned_ids = mask_id, eos_id, banned_ids
-        self.pad_id = runner.pad_id
-        self.confidence_from = confidence_from
-        self.logprobs_mode = logprobs_mode
+    def __init__(self, context: PathContext) -> None:
+        self.runner: ModelRunner = context.runner
+        config = context.model.config
+        self.mask_id, self.eos_id = config.mask_token_id, context.eos_id
+        self.banned_ids = banned_token_ids(config)
+        self.pad_id = self.runner.pad_id
+        self.confidence_from = confidence_rule(context.model)
+        self.logprobs_mode = context.config.logprobs_mode
 
     def token_cost(self, requests: list[Request]) -> int:
         """Tokens the step's full pass over ``requests`` processes (the scheduler's budget): rows (a CFG request

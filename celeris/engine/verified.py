@@ -15,6 +15,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from celeris.engine.kv import BLOCK_SIZE, PREFIX_CACHE_TOKENS, PrefixCache
+from celeris.engine.path import PathContext
 from celeris.models.layers import KVCache
 from celeris.params import SamplingParams
 from celeris.sampling.drafter import DFlashProposer, DraftState, proposer_of
@@ -429,16 +430,17 @@ class VerifiedPath:
     ``request.state``; the ``VerifiedDecoder`` (and its KV pool) is made at the first verified request.
 
     Args:
-        model: the (causal) model; config: the engine's ``EngineConfig`` (``max_num_seqs``, ``enable_prefix_caching``,
-            ``logprobs_mode``); max_model_len: the tokens a pool row holds; eos_id: the model's end-of-text id.
+        context: the engine's shared parts (``celeris.engine.path.PathContext``): the (causal) model, the runner
+            whose entries a pass calls, the engine's ``EngineConfig`` (``max_num_seqs``, ``enable_prefix_caching``,
+            ``logprobs_mode``), ``max_model_len`` (the tokens a pool row holds) and the end-of-text id.
     """
 
     mode = "verified"
 
-    def __init__(self, model: torch.nn.Module, config: object, max_model_len: int | None, eos_id: int,
-                 entry: object | None = None) -> None:
-        self.model, self.config, self.max_model_len, self.eos_id = model, config, max_model_len, eos_id
-        self.entry = entry  # the engine's runner (its compiled entries), else the model
+    def __init__(self, context: PathContext) -> None:
+        self.model, self.config = context.model, context.config
+        self.max_model_len, self.eos_id = context.max_model_len, context.eos_id
+        self.entry = context.runner  # the engine's runner (its compiled entries)
         self.decoder: VerifiedDecoder | None = None
 
     def release(self) -> None:
