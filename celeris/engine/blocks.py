@@ -2,9 +2,10 @@
 exact KV cache of the committed history.
 
 For a model with a block-causal or causal-history contract (``celeris.models.contract``) the history's
-keys/values never change once its tokens are final, so they are written once into a ``KVPool`` row per
-request and read in place afterwards, as in autoregressive decoding (SGLang's and LMDeploy's block diffusion
-on a paged cache, in its simplest form). Each step a row computes only the columns ``[cached_upto, block end)``:
+keys/values never change once its tokens are final, so they are written once into a ``KVPool`` row (of the
+engine's one ``KVStore``) per request and read in place afterwards, as in autoregressive decoding (SGLang's and
+LMDeploy's block diffusion on a paged cache, in its simplest form). Each step a row computes only the columns
+``[cached_upto, block end)``:
 
 - a new request's first pass is its prefill: the prompt's full blocks (history) and its first block, together;
 - the other steps of a block compute just the block (its keys/values are rewritten each step, read only by
@@ -105,7 +106,7 @@ class BlockDecoder:
         self.confidence_from = confidence_rule(model)
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
-        self.pool = KVPool()
+        self.pool = KVPool(context.runner.kv)  # its rows of the engine's one KV store
         self.num_passes = 0
         self.logprobs_mode = context.config.logprobs_mode
 
@@ -138,6 +139,10 @@ class BlockDecoder:
                 units = block_units(r.answer_start, r.params.max_tokens, self.contract, r.params.block_length, context)
                 widths.append(units[0][1])
         return len(widths) * max(widths) if widths else 0
+
+    def kv_rows(self, request: Request) -> int:
+        """Rows of the KV store a request takes: one (its history's keys/values)."""
+        return 1
 
     def _pending(self, row: BlockRow) -> bool:
         """Whether the row's next pass commits its block's first token alone (``first_token_pending``)."""

@@ -56,9 +56,8 @@ class EngineStats:
     Attributes:
         num_waiting / num_running: requests in the scheduler's queues.
         num_steps: ``Engine.step`` calls that ran a batch.
-        kv_bytes: bytes of key/value storage held now by every KV store of the engine (the masked path's pool,
-            the block path's pool and the verified path's preallocated pool, prefix caches not included): the one
-            KV figure.
+        kv_bytes: bytes of the engine's one KV store (``celeris.engine.kv.KVStore``: 0 until a request first takes
+            rows, then its whole allocation; prefix caches not included): the one KV figure.
         prefix_cache_queries / prefix_cache_hits: prompt tokens looked up in the verified path's prefix cache,
             and of those the tokens whose keys/values came from it (vLLM's ``prefix_cache_queries``/``_hits``).
         drafted / accepted: per draft position j = 1..k, drafts checked and accepted under verified decoding.
@@ -91,20 +90,22 @@ class Engine:
                  end_ids: list[int] | None = None, grammar_tokenizer: object | None = None) -> None:
         self.config = config or EngineConfig()
         self.scheduler = Scheduler(self.config)
-        self.runner = ModelRunner(model, self.config.enforce_eager, self.config.length_bucket)
         config = model.config
+        # the most tokens a request holds (EngineConfig.max_model_len, else the model's window): sizes the KV store
+        self.max_model_len = self.config.max_model_len or getattr(config, "max_position_embeddings", None)
+        self.runner = ModelRunner(model, self.config.enforce_eager, self.config.length_bucket,
+                                  self.config.max_num_seqs, self.max_model_len)
         self.mask_id, self.eos_id = config.mask_token_id, config.eos_token_id
         self.end_ids = frozenset(end_ids if end_ids is not None else [self.eos_id])
         self.model = model
         self.grammar_tokenizer = grammar_tokenizer
         self._ids = itertools.count()
         self.num_steps = 0
-        # the most tokens a request holds (EngineConfig.max_model_len, else the model's window): sizes the KV pool
-        self.max_model_len = self.config.max_model_len or getattr(config, "max_position_embeddings", None)
         self.context = PathContext(model, self.runner, self.config, self.max_model_len, self.eos_id)
         # mode -> its path, made at the mode's first request from the factory it registered (``path``)
         self.paths: dict[str, ModePath] = {}
         self.scheduler.cost = self.batch_tokens
+        self.scheduler.kv_rows = self.kv_rows
 
     def path(self, mode: str) -> ModePath:
         """The path of ``mode`` (a key of ``celeris.sampling.modes.MODES``), made from its registered factory
@@ -123,6 +124,11 @@ class Engine:
         """Columns one step over ``requests`` computes, each mode's group counted by its path (``token_cost``):
         the scheduler's ``max_num_batched_tokens`` budget."""
         return sum(self.path(mode).token_cost(group) for mode, group in self._groups(requests))
+
+    def kv_rows(self, requests: list[Request]) -> int:
+        """Rows of the KV store (``runner.kv``) ``requests`` hold once running, each counted by its path
+        (``kv_rows``): the scheduler admits no more than the store has."""
+        return sum(self.path(r.mode).kv_rows(r) for r in requests)
 
     @property
     def drafter(self) -> VerifiedDecoder | None:
@@ -156,13 +162,12 @@ class Engine:
         """
         params = with_block_defaults(self.model, params)  # a block model's sub-block when left at the default
         mode = check_request(self.model, params, bool(suffix_ids))
-        if mode == "verified" and self.max_model_len:  # its KV pool rows hold max_model_len tokens
-            check_fits_context(len(prompt_ids), 0, params.max_tokens, self.max_model_len)
         if params.prompt_logprobs is not None and not getattr(self.model.config, "is_causal", False):
             raise ValueError("prompt_logprobs needs a causal (autoregressive or hybrid) model; a diffusion model has "
                              "no left-to-right likelihood of its prompt")
         request = Request(request_id or f"req-{next(self._ids)}", list(prompt_ids), params, self.mask_id,
                           list(suffix_ids or []), score_only=score_only, mode=mode)
+        self._check_kv(request)
         # under a grammar the answer ends where the grammar lets it end: a stop token id inside the constrained text
         # (a JSON character) would cut it invalid, so stop_token_ids apply only without a grammar
         stops = frozenset(params.stop_token_ids) if params.grammar is None else frozenset()
@@ -170,6 +175,24 @@ class Engine:
         request.constraint = row_constraints([params], self.grammar_tokenizer)[0]
         self.scheduler.add(request)
         return request
+
+    def _check_kv(self, request: Request) -> None:
+        """Refuse a request whose keys/values the KV store cannot hold: a row per ``max_model_len`` tokens, and
+        more rows than the store has (a CFG request with a cache takes two).
+
+        Raises:
+            ContextLengthError: prompt + answer (+ suffix) exceed ``max_model_len`` for a request that takes rows.
+            ValueError: it takes more rows than the store has (the message starts with ``cfg_scale``).
+        """
+        rows = self.path(request.mode).kv_rows(request)
+        if rows == 0:
+            return
+        if self.max_model_len:
+            check_fits_context(len(request.prompt_ids), len(request.suffix_ids), request.params.max_tokens,
+                               self.max_model_len)
+        if rows > self.runner.kv.num_rows:
+            raise ValueError(f"cfg_scale with cache='{request.params.cache}' needs {rows} rows of the KV store, which "
+                             f"has {self.runner.kv.num_rows} (max_num_seqs); raise max_num_seqs or use cache='none'")
 
     def abort(self, request_id: str) -> bool:
         """Abort a waiting or running request; it takes no further steps. Returns whether one was found."""
@@ -186,14 +209,12 @@ class Engine:
 
     def stats(self) -> EngineStats:
         """The engine's counters and its one KV figure (``EngineStats``), without reaching into its paths."""
-        drafter, blocks = self.drafter, self.block_decoder
+        drafter = self.drafter
         cache = drafter.prefix_cache if drafter is not None else None
-        kv = self.runner.pool.nbytes + (blocks.pool.nbytes if blocks is not None else 0)
-        kv += drafter.pool_bytes if drafter is not None else 0
         return EngineStats(
             num_waiting=len(self.scheduler.waiting),
             num_running=sum(not r.is_finished for r in self.scheduler.running),
-            num_steps=self.num_steps, kv_bytes=kv,
+            num_steps=self.num_steps, kv_bytes=self.runner.kv.nbytes,
             prefix_cache_queries=cache.query_tokens if cache else 0, prefix_cache_hits=cache.hit_tokens if cache else 0,
             drafted=tuple(drafter.drafted) if drafter else (), accepted=tuple(drafter.accepted) if drafter else ())
 

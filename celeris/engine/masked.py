@@ -1,7 +1,8 @@
 """The engine's masked-diffusion path: one denoising step for every running masked request.
 
 The step's passes (``MaskedPath.passes``) run the runner's model (``celeris.engine.runner.ModelRunner``: compiled
-when ``enforce_eager`` is False) over the runner's KV pool; a step makes at most two passes (plus CFG rows inside them):
+when ``enforce_eager`` is False) over its rows of the engine's KV store (the runner's ``pool``); a step makes at
+most two passes (plus CFG rows inside them):
 
 - a full pass for the requests that need one: no cache, a cache to fill (a
   new request) or to refresh (``prefix``/``dual`` at a block's first step,
@@ -70,6 +71,12 @@ class MaskedPath:
         if not requests:
             return 0
         return sum(2 if r.params.cfg_scale > 0 else 1 for r in requests) * max(r.num_tokens for r in requests)
+
+    def kv_rows(self, request: Request) -> int:
+        """Rows of the KV store a request takes: one with a cache policy that caches (two with CFG), else none."""
+        if not CACHE_MODES[request.params.cache].uses_cache:
+            return 0
+        return 2 if request.params.cfg_scale > 0 else 1
 
     def release(self) -> None:
         """Free the KV rows of finished or aborted requests."""

@@ -32,7 +32,8 @@ class PathContext:
         model: the loaded model (its ``config``: ``mask_token_id``, ``eos_token_id``, ``pad_token_id``, ...).
         runner: the engine's one model runner: call the model through it (``runner.model`` is the full forward,
             compiled when ``config.enforce_eager`` is False; ``hidden_states``, ``layout_hidden_states`` and
-            ``logits`` likewise), on ``runner.device``.
+            ``logits`` likewise), on ``runner.device``; take KV rows from its one store (``runner.kv``, a
+            ``celeris.engine.kv.KVStore``: ``kv.segment()``, then ``grow``/``shrink``).
         config: the engine's settings (``max_num_seqs``, ``logprobs_mode``, ``enable_prefix_caching``, ...).
         max_model_len: the most tokens one request may hold (None: no limit known).
         eos_id: the model's end-of-text id (a request's own end ids: ``Request.ends``).
@@ -55,6 +56,10 @@ class ModePath(Protocol):
 
     def token_cost(self, requests: list[Request]) -> int:
         """Columns the next step over ``requests`` (all of this mode) computes: the scheduler's token budget."""
+
+    def kv_rows(self, request: Request) -> int:
+        """Rows of the engine's KV store (``runner.kv``) ``request`` takes while it runs (0: it holds no
+        keys/values): the scheduler admits requests while the store has rows for them."""
 
     def release(self) -> None:
         """Free the memory (KV rows, cursors) of finished or aborted requests."""

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from celeris.engine.kv import BLOCK_SIZE, PREFIX_CACHE_TOKENS, PrefixCache
+from celeris.engine.kv import BLOCK_SIZE, PREFIX_CACHE_TOKENS, ROW_SLACK, KVStore, PrefixCache
 from celeris.engine.path import PathContext
 from celeris.models.layers import KVCache
 from celeris.params import SamplingParams
@@ -142,11 +142,12 @@ class DraftRow:
 class VerifiedDecoder:
     """Continuous batching for verified decoding: rows join and leave between passes.
 
-    Every row's keys/values live in one row of a preallocated pool per layer, (max_rows, H_kv, max_len, D) with
-    H_kv the model's key/value heads (``pool_bytes``);
-    rows that are running occupy pool rows [0, n), so a pass works on views of the pool. A step prefills
-    newly added rows in one pass (on a fresh cache, copied into their pool rows) and advances the others
-    in one pass. Finished rows are removed by moving the last row into the hole (one row copy).
+    Every row's keys/values live in one row of a ``KVStore`` (per layer (rows, H_kv, max_len, D), H_kv the
+    model's key/value heads): the engine's one store, whose rows it takes as a ``KVSegment``, or a store of its
+    own (``max_rows`` rows of ``max_tokens`` + the draft columns) when none is given. Rows that are running occupy
+    the segment's rows [0, n), so a pass works on views of the store. A step prefills newly added rows in one
+    pass (on a fresh cache, copied into their rows) and advances the others in one pass. Finished rows are
+    removed by moving the last row into the hole (one row copy) and giving the last row back.
 
     Each row checks k drafts per pass, its ``num_speculative_tokens`` (default ``draft_length`` of the model,
     or ``LOOKUP_DRAFTS`` without slots); its mask slots are min(k, ``draft_length``).
@@ -163,29 +164,32 @@ class VerifiedDecoder:
     Args:
         model: a causal model with a KV cache.
         proposer: a DFlash drafter's proposer (``celeris.sampling.drafter``); None: ``proposer_of(model)``.
-        max_rows: most rows at once. max_tokens: longest prompt + answer, tokens (the pool adds the
-            2 * ``MAX_DRAFTS`` + 2 columns the last pass's drafts and slots may need).
+        max_rows: most rows at once. max_tokens: longest prompt + answer, tokens (the store adds the
+            2 * ``MAX_DRAFTS`` + 2 columns the last pass's drafts and slots may need); both are the store's
+            when ``store`` is given.
         prefix_cache_tokens: most prompt tokens whose keys/values the prefix cache keeps (LRU); 0 turns it off.
+        entry: what a pass calls (``layout_hidden_states``, ``logits``): the engine's runner; None: the model.
+        store: the engine's KV store to take rows from; None: one of its own.
     """
 
-    def __init__(self, model: torch.nn.Module, max_rows: int, max_tokens: int,
+    def __init__(self, model: torch.nn.Module, max_rows: int, max_tokens: int | None,
                  prefix_cache_tokens: int = PREFIX_CACHE_TOKENS, proposer: DFlashProposer | None = None,
-                 entry: object | None = None) -> None:
+                 entry: object | None = None, store: KVStore | None = None) -> None:
         self.entry = entry or model  # what a pass calls (``layout_hidden_states``, ``logits``): the engine's runner
         self.proposer = proposer or proposer_of(model)
         self.slots = mask_slots(model, self.proposer)  # mask slots the model drafts (0: none)
         self.model = model
         self.k = self.proposer.k if self.proposer else self.slots or LOOKUP_DRAFTS  # the default k
-        self.pad = 2 * MAX_DRAFTS + 2
-        max_len = max_tokens + self.pad
-        config, arch = model.config, model.arch
+        self.pad = ROW_SLACK  # 2 * MAX_DRAFTS + 2 columns
+        store = store or KVStore(model, max_rows, None if max_tokens is None else max_tokens + self.pad)
+        if store.row_len is None:
+            raise ValueError("verified decoding needs a max_model_len (its rows hold prompt + answer + drafts)")
+        self.segment = store.segment()
+        max_rows, max_len = store.num_rows, store.row_len
         p = next(model.parameters())
-        shape = (max_rows, arch.num_kv_heads, max_len, arch.head_dim)  # K/V heads: before grouped-query sharing
-        self.keys = [torch.zeros(shape, dtype=p.dtype, device=p.device) for _ in model.layers]
-        self.values = [torch.zeros(shape, dtype=p.dtype, device=p.device) for _ in model.layers]
-        self.tokens = torch.full((max_rows, max_len), config.mask_token_id, dtype=torch.long, device=p.device)
+        self.tokens = torch.full((max_rows, max_len), model.config.mask_token_id, dtype=torch.long, device=p.device)
         self.max_rows, self.max_len, self.device = max_rows, max_len, p.device
-        self.banned = banned_token_ids(config)
+        self.banned = banned_token_ids(model.config)
         self.rows: list[DraftRow] = []
         self.num_prefilled = 0  # rows [0, num_prefilled) have been through their first pass
         self.drafted, self.accepted = [0] * self.k, [0] * self.k  # grow when a row checks more drafts
@@ -197,10 +201,21 @@ class VerifiedDecoder:
         self.feature_cache = PrefixCache(prefix_cache_tokens) if prefix_cache_tokens and self.proposer else None
 
     @property
+    def keys(self) -> list[torch.Tensor]:
+        """Per layer the keys of the rows it holds, (rows, H_kv, max_len, D) views of the store."""
+        return self.segment.keys
+
+    @property
+    def values(self) -> list[torch.Tensor]:
+        """Per layer the values of the rows it holds, as ``keys``."""
+        return self.segment.values
+
+    @property
     def pool_bytes(self) -> int:
-        """Bytes of the preallocated key/value pool: 2 x layers x max_rows x H_kv x max_len x head_dim x element
-        size (``celeris.models.loader.kv_cache_bytes`` estimates it before loading)."""
-        return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values))
+        """Bytes of the KV store it takes rows from (the engine's one store, or its own): 2 x layers x rows x H_kv
+        x max_len x head_dim x element size (``celeris.models.loader.kv_cache_bytes`` estimates it before
+        loading)."""
+        return self.segment.store.nbytes
 
     def add(self, prompt_ids: list[int], params: SamplingParams, end_ids: frozenset[int] | None = None,
             constraint: Constraint | None = None) -> DraftRow:
@@ -211,8 +226,6 @@ class VerifiedDecoder:
             ValueError: the pool is full, the prompt is empty, the row does not fit ``max_len``, or its draft
                 settings cannot draft here (``check_draft_source``, the check admission runs too).
         """
-        if len(self.rows) >= self.max_rows:
-            raise ValueError(f"the verified decoder holds at most {self.max_rows} rows")
         check_prompts([prompt_ids])
         if len(prompt_ids) + params.max_tokens + self.pad > self.max_len:
             raise ValueError(f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) + "
@@ -223,6 +236,9 @@ class VerifiedDecoder:
         if k > MAX_DRAFTS:
             raise ValueError(f"num_speculative_tokens must be <= {MAX_DRAFTS}, got {k}")
         slots = 0 if params.draft_source == "lookup" else min(k, self.slots)
+        if self.segment.store.num_free_rows < 1:
+            raise ValueError(f"the verified decoder's KV store holds at most {self.max_rows} rows, all taken")
+        self.segment.grow(1)  # the new row: len(self.rows)
         row = DraftRow(list(prompt_ids), params, make_generator(params.seed), k, ends, constraint=constraint,
                        slot_start=len(prompt_ids), num_slots=slots,
                        draft_state=DraftState() if self.proposer else None)
@@ -251,6 +267,7 @@ class VerifiedDecoder:
             self.tokens[i] = self.tokens[last]
             self.rows[i] = self.rows[last]
         self.rows.pop()
+        self.segment.shrink(1)
         if i < self.num_prefilled:
             self.num_prefilled -= 1
             if i != last and last >= self.num_prefilled + 1:  # a new row moved into the prefilled range
@@ -427,7 +444,8 @@ class VerifiedDecoder:
 
 class VerifiedPath:
     """Runs the verified-decoding passes of the engine's requests: each request's ``DraftRow`` is its
-    ``request.state``; the ``VerifiedDecoder`` (and its KV pool) is made at the first verified request.
+    ``request.state``; the ``VerifiedDecoder`` (its rows of the engine's KV store) is made at the first verified
+    request.
 
     Args:
         context: the engine's shared parts (``celeris.engine.path.PathContext``): the (causal) model, the runner
@@ -460,6 +478,10 @@ class VerifiedPath:
         row = request.state
         return list(row.drafts) if isinstance(row, DraftRow) and not row.finished else []
 
+    def kv_rows(self, request: object) -> int:
+        """Rows of the KV store a request takes: one (its committed tokens', drafts' and slots' keys/values)."""
+        return 1
+
     def token_cost(self, requests: list) -> int:
         """Columns the next passes over ``requests`` compute (the scheduler's budget): a new request's prefill is
         its prompt and its drafts (at most ``MAX_DRAFTS`` columns for drafts and as many for slots), a running one
@@ -474,7 +496,7 @@ class VerifiedPath:
         if self.decoder is None:
             self.decoder = VerifiedDecoder(self.model, self.config.max_num_seqs, self.max_model_len,
                                            PREFIX_CACHE_TOKENS if self.config.enable_prefix_caching else 0,
-                                           entry=self.entry)
+                                           entry=self.entry, store=self.entry.kv)
             self.decoder.logprobs_mode = self.config.logprobs_mode
         running = set(batch)
         for row in [row for row in self.decoder.rows if row.owner not in running or row.owner.is_finished]:

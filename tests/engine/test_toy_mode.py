@@ -72,8 +72,11 @@ class ToyPath:
                 r.finish("stop" if ended else "length")
         return requests
 
+    def kv_rows(self, r: Request) -> int:
+        return 0  # the toy holds no keys/values
+
     def release(self) -> None:
-        """The toy holds no KV memory."""
+        """Nothing to free."""
 
 
 TOY = DecodingMode("toy", toy_check, decoding_is("toy"), ToyPath,
