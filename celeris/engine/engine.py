@@ -4,8 +4,10 @@ A request's mode (a key of the registry ``celeris.sampling.modes.MODES``) is dec
 (``check_request``), and stored as ``Request.mode``; ``Engine.paths`` maps each mode to its path
 (``celeris.engine.path.ModePath``: for the built-in modes ``engine/verified.py``, ``engine/blocks.py``,
 ``engine/masked.py``), made from the mode's registered factory at its first request, which owns the request's
-cursor as ``request.state`` and counts each step with ``Request.record_step``. The engine names no mode but the
-one whose KV rows must fit ``max_model_len`` at admission (``verified``).
+cursor as ``request.state`` and counts each step with ``Request.record_step``. Every path takes its KV rows from
+the runner's one store (``celeris.engine.kv.KVStore``); the scheduler admits a request while the store has the
+rows its path says it takes (``kv_rows``). The engine's step names no mode; ``drafter`` and ``block_decoder``
+are read-only handles on the verified and block paths for the counters ``stats()`` reports and for tests.
 
 Offline ``LLM.generate``, the HTTP server and batch jobs all drive this same
 ``step()``. Every running request moves one denoising step per call, whatever
