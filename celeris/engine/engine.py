@@ -159,7 +159,8 @@ class Engine:
             ValueError: empty prompt, or settings the model cannot decode (``check_request``: an
                 unsupported cache; for an autoregressive model, blocks longer than one token, CFG, a suffix;
                 a grammar without ``grammar_tokenizer``, or one that does not compile); ``prompt_logprobs`` on a
-                model that is not causal.
+                model that is not causal; more KV rows than the store has (``_check_kv``).
+            ContextLengthError: a request that takes KV rows does not fit ``max_model_len``.
             QueueFullError: the waiting queue is full.
         """
         params = with_block_defaults(self.model, params)  # a block model's sub-block when left at the default
@@ -184,14 +185,17 @@ class Engine:
 
         Raises:
             ContextLengthError: prompt + answer (+ suffix) exceed ``max_model_len`` for a request that takes rows.
-            ValueError: it takes more rows than the store has (the message starts with ``cfg_scale``).
+            ValueError: it takes more rows than the store has (the message starts with ``cfg_scale``), or no
+                ``max_model_len`` is known to size the store's rows.
         """
         rows = self.path(request.mode).kv_rows(request)
         if rows == 0:
             return
-        if self.max_model_len:
-            check_fits_context(len(request.prompt_ids), len(request.suffix_ids), request.params.max_tokens,
-                               self.max_model_len)
+        if not self.max_model_len:
+            raise ValueError("max_model_len is not known for this model (no max_position_embeddings): give "
+                             "EngineConfig(max_model_len=...) to size the KV store its cache needs")
+        check_fits_context(len(request.prompt_ids), len(request.suffix_ids), request.params.max_tokens,
+                           self.max_model_len)
         if rows > self.runner.kv.num_rows:
             raise ValueError(f"cfg_scale with cache='{request.params.cache}' needs {rows} rows of the KV store, which "
                              f"has {self.runner.kv.num_rows} (max_num_seqs); raise max_num_seqs or use cache='none'")
