@@ -143,7 +143,8 @@ def generate(
 
     Raises:
         ValueError: empty prompt, mismatched structural settings, or settings the model cannot
-            do (``celeris.sampling.modes.check_request``: e.g. blocks longer than 1 on a causal model).
+            do (``celeris.sampling.modes.check_request``: e.g. blocks longer than 1 on a causal model), or a
+            request of a mode other than masked or block diffusion (``verified``, a plug-in's).
         NoProgressError: a step committed nothing for a row (non-finite scores).
     """
     first = params[0] if isinstance(params, list) and params else params
@@ -165,7 +166,10 @@ def generate(
     settings = RowSettings.from_params(rows, device)
     generators = [make_generator(r.seed) for r in rows]
     banned = banned_token_ids(config)
-    check_request(model, first, any(suffix_ids or []))
+    mode = check_request(model, first, any(suffix_ids or []))
+    if mode != "masked":  # verified decoding, a plug-in mode: the engine's paths run them, not this sampler
+        raise ValueError(f"decoding '{first.decoding}' is the {mode} mode, which this reference sampler does not run "
+                         f"(masked and block diffusion only); decode it through the engine (LLM.generate)")
     constraints = row_constraints(rows, grammar_tokenizer)
     blocks, steps_per_block = block_plan(first.max_tokens, first.block_length, first.steps)
     policy = CACHE_MODES[first.cache]

@@ -185,3 +185,13 @@ def test_the_toy_runs_through_the_command_line_and_a_live_server(hybrid_folder, 
         bad = httpx.post(f"{server.url}/v1/completions", timeout=30,
                          json={"prompt": prompt, "max_tokens": 6, "temperature": 0.5, "decoding": "toy"})
         assert bad.status_code == 400 and "temperature" in bad.json()["error"]["message"]
+
+
+def test_the_reference_sampler_refuses_modes_it_does_not_run_naming_decoding(hybrid):
+    """The reference sampler runs masked and block diffusion; a request of another mode (the toy, verified) is
+    refused with a ValueError naming ``decoding``, not run through a commit rule it does not have."""
+    from celeris.reference.masked import generate
+
+    for params in (toy_params(), SamplingParams(max_tokens=4, block_length=1, cache="delayed", decoding="verified")):
+        with pytest.raises(ValueError, match=f"^decoding '{params.decoding}' is the {params.decoding} mode"):
+            generate(hybrid, [[5, 6, 7]], params)
