@@ -64,7 +64,8 @@ class EngineConfig:
             (``celeris.sampling.drafter.SpeculativeConfig``). None: no drafter.
     """
 
-    max_num_seqs: int = _knob(8, "requests denoised together in one forward pass")
+    max_num_seqs: int = _knob(8, "requests denoised together in one forward pass; also the rows of the KV store "
+                              "(a CFG request with a cache takes two)")
     max_num_batched_tokens: int = _knob(16384, "most canvas tokens (rows x padded length) one forward pass "
                                         "may process")
     max_waiting: int = _knob(256, "requests queued beyond the running ones; more get 429 (QueueFullError)")

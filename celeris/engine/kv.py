@@ -140,9 +140,10 @@ class KVStore:
     request gives each path its rows as one view, with no per-pass gather (a paged store would need one, or a paged
     attention kernel the eager and compiled runners do not have). The price is a row of ``row_len`` columns per
     request whatever its length: the bound the loader's memory check counts (``kv_cache_bytes``). A path's rows
-    stay contiguous: a segment that needs a row and has no free row after it gets one by moving the segments
-    after it (each row of theirs copied once, order kept), which costs about what one pass reads of them; giving a
-    row back copies nothing.
+    stay contiguous: a segment that needs a row and has no free row right after it gets one by packing the
+    segments (each row that moves is copied once, whole, order kept: at most ``num_rows`` row copies, at a
+    request's admission, about the cost of one pass over the store's rows); giving a row back copies nothing, so
+    the free rows may sit between segments until the next packing.
 
     Args:
         model: the model whose keys/values it holds (``arch.num_kv_heads``, ``arch.head_dim``, ``layers``; the
