@@ -113,6 +113,15 @@ def _first_tokens(answer: torch.Tensor, mask_id: int, ttft_s: list[float | None]
             ttft_s[i] = now
 
 
+def _check_masked(model: torch.nn.Module, params: SamplingParams, has_suffix: bool) -> None:
+    """``check_request``, and a ValueError naming ``decoding`` for a mode this sampler does not run (verified
+    decoding, a plug-in's: the engine's paths run them)."""
+    mode = check_request(model, params, has_suffix)
+    if mode != "masked":
+        raise ValueError(f"decoding '{params.decoding}' is the {mode} mode, which this reference sampler does not run "
+                         f"(masked and block diffusion only); decode it through the engine (LLM.generate)")
+
+
 @torch.no_grad()
 def generate(
     model: torch.nn.Module,
@@ -166,10 +175,7 @@ def generate(
     settings = RowSettings.from_params(rows, device)
     generators = [make_generator(r.seed) for r in rows]
     banned = banned_token_ids(config)
-    mode = check_request(model, first, any(suffix_ids or []))
-    if mode != "masked":  # verified decoding, a plug-in mode: the engine's paths run them, not this sampler
-        raise ValueError(f"decoding '{first.decoding}' is the {mode} mode, which this reference sampler does not run "
-                         f"(masked and block diffusion only); decode it through the engine (LLM.generate)")
+    _check_masked(model, first, any(suffix_ids or []))
     constraints = row_constraints(rows, grammar_tokenizer)
     blocks, steps_per_block = block_plan(first.max_tokens, first.block_length, first.steps)
     policy = CACHE_MODES[first.cache]
