@@ -147,7 +147,7 @@ class KVStore:
 
     Args:
         model: the model whose keys/values it holds (``arch.num_kv_heads``, ``arch.head_dim``, ``layers``; the
-            dtype and device of its first parameter); read at allocation.
+            dtype and device of its first floating-point parameter); read at allocation.
         num_rows: rows in all (the most requests holding keys/values at once; a CFG request takes two).
         row_len: columns per row (None: unknown, and any row taken raises).
     """
@@ -174,10 +174,20 @@ class KVStore:
         """Bytes the store holds: 0 before its first row is taken, then its whole allocation."""
         return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values))
 
+    def _like(self) -> torch.Tensor:
+        """The model's first floating-point parameter: the activations' dtype and device (a quantized layer's
+        codes are integers)."""
+        return next(t for t in (*self.model.parameters(), *self.model.buffers()) if t.is_floating_point())
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype of the keys/values it holds (the model's activations')."""
+        return self.keys[0].dtype if self.keys else self._like().dtype
+
     def _allocate(self) -> None:
         if self.row_len is None:
             raise KVStoreFullError("the KV store has no row length: give the engine a max_model_len")
-        arch, p = self.model.arch, next(self.model.parameters())
+        arch, p = self.model.arch, self._like()
         shape = (self.num_rows, arch.num_kv_heads, self.row_len, arch.head_dim)  # K/V heads, not the query heads
         self.keys = [torch.zeros(shape, dtype=p.dtype, device=p.device) for _ in self.model.layers]
         self.values = [torch.zeros(shape, dtype=p.dtype, device=p.device) for _ in self.model.layers]
@@ -263,12 +273,15 @@ class KVPool:
         Raises:
             ValueError: n exceeds the store's row length (``max_model_len`` + ``ROW_SLACK``).
             KVStoreFullError: a new row and no free row in the store.
+            TypeError: the keys' dtype is not the store's.
         """
         n = keys[0].shape[1]
         row_len = self.segment.store.row_len
         if row_len is not None and n > row_len:
             raise ValueError(f"a canvas of {n} tokens does not fit the KV store's rows of {row_len} tokens; "
                              f"raise max_model_len")
+        if self.segment.store.dtype != keys[0].dtype:  # never a silent cast of the keys/values
+            raise TypeError(f"keys of dtype {keys[0].dtype} for a KV store of {self.segment.store.dtype}")
         row = self._index.get((request, kind))
         if row is None:
             self.segment.grow(1)
