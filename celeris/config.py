@@ -33,7 +33,8 @@ class EngineConfig:
     fields; ``engine_fields()`` lists them, ``from_kwargs`` checks a dict of them).
 
     Attributes:
-        max_num_seqs: most requests denoised together in one forward pass.
+        max_num_seqs: most requests denoised together in one forward pass, and the rows of the engine's one KV
+            store (``celeris.engine.kv.KVStore``; a CFG request with a cache takes two).
         max_num_batched_tokens: most canvas tokens (batch rows x padded length,
             CFG rows included) one forward pass may process.
         max_waiting: most requests queued before ``add_request`` raises QueueFullError (``LLM`` defaults it
@@ -63,7 +64,8 @@ class EngineConfig:
             (``celeris.sampling.drafter.SpeculativeConfig``). None: no drafter.
     """
 
-    max_num_seqs: int = _knob(8, "requests denoised together in one forward pass")
+    max_num_seqs: int = _knob(8, "requests denoised together in one forward pass; also the rows of the KV store "
+                              "(a CFG request with a cache takes two)")
     max_num_batched_tokens: int = _knob(16384, "most canvas tokens (rows x padded length) one forward pass "
                                         "may process")
     max_waiting: int = _knob(256, "requests queued beyond the running ones; more get 429 (QueueFullError)")

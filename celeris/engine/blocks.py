@@ -2,9 +2,10 @@
 exact KV cache of the committed history.
 
 For a model with a block-causal or causal-history contract (``celeris.models.contract``) the history's
-keys/values never change once its tokens are final, so they are written once into a ``KVPool`` row per
-request and read in place afterwards, as in autoregressive decoding (SGLang's and LMDeploy's block diffusion
-on a paged cache, in its simplest form). Each step a row computes only the columns ``[cached_upto, block end)``:
+keys/values never change once its tokens are final, so they are written once into a ``KVPool`` row (of the
+engine's one ``KVStore``) per request and read in place afterwards, as in autoregressive decoding (SGLang's and
+LMDeploy's block diffusion on a paged cache, in its simplest form). Each step a row computes only the columns
+``[cached_upto, block end)``:
 
 - a new request's first pass is its prefill: the prompt's full blocks (history) and its first block, together;
 - the other steps of a block compute just the block (its keys/values are rewritten each step, read only by
@@ -30,11 +31,20 @@ from dataclasses import dataclass, field
 
 import torch
 
+from celeris.engine.kv import KVPool
+from celeris.engine.path import PathContext
 from celeris.engine.request import NO_PROGRESS, Request
-from celeris.engine.runner import KVPool
-from celeris.models.contract import DecodingContract, layout_mask
+from celeris.models.contract import layout_mask
 from celeris.models.layers import column_window, gather_positions
-from celeris.sampling.block import Unit, block_steps, block_units, end_reached, first_token_pending, unit_schedule
+from celeris.sampling.block import (
+    Unit,
+    block_steps,
+    block_units,
+    contract_of,
+    end_reached,
+    first_token_pending,
+    unit_schedule,
+)
 from celeris.sampling.logprobs import committed_entries
 from celeris.sampling.step import (
     RowSettings,
@@ -70,23 +80,35 @@ class BlockRow:
 
 class BlockDecoder:
     """Runs the block-diffusion steps of the engine's requests (module docstring): the engine's path for mode
-    "block". Each request's ``BlockRow`` is its ``request.state``; the requests it holds are its KV pool's owners."""
+    "block". Each request's ``BlockRow`` is its ``request.state``; the requests it holds are its KV pool's owners.
+
+    Args:
+        context: the engine's shared parts (``celeris.engine.path.PathContext``): a model with a block-diffusion
+            contract (``celeris.sampling.block.contract_of``), the runner whose entries the passes call, and
+            ``EngineConfig.logprobs_mode``.
+
+    Raises:
+        ValueError: the model has no block-diffusion contract.
+    """
 
     mode = "block"
 
-    def __init__(self, model: torch.nn.Module, contract: DecodingContract, entry: object | None = None,
-                 logprobs_mode: str = "raw_logprobs") -> None:
+    def __init__(self, context: PathContext) -> None:
+        model = context.model
+        contract = contract_of(model)
+        if contract is None:
+            raise ValueError(f"{type(model).__name__} has no block-diffusion contract: no block path for it")
         self.model, self.contract = model, contract
-        self.entry = entry or model  # what the passes call (``hidden_states``, ``logits``): the engine's runner
+        self.entry = context.runner  # what the passes call (``hidden_states``, ``logits``): compiled or not
         cfg = model.config
         self.mask_id, self.eos_id, self.pad_id = cfg.mask_token_id, cfg.eos_token_id, cfg.pad_token_id
         self.banned_ids = banned_token_ids(cfg)
         self.confidence_from = confidence_rule(model)
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
-        self.pool = KVPool()
+        self.pool = KVPool(context.runner.kv)  # its rows of the engine's one KV store
         self.num_passes = 0
-        self.logprobs_mode = logprobs_mode  # EngineConfig.logprobs_mode
+        self.logprobs_mode = context.config.logprobs_mode
 
     def _add(self, request: Request) -> None:
         """Give a new request its units and a pool row (zeros; its first pass writes the prompt and block)."""
@@ -117,6 +139,10 @@ class BlockDecoder:
                 units = block_units(r.answer_start, r.params.max_tokens, self.contract, r.params.block_length, context)
                 widths.append(units[0][1])
         return len(widths) * max(widths) if widths else 0
+
+    def kv_rows(self, request: Request) -> int:
+        """Rows of the KV store a request takes: one (its history's keys/values)."""
+        return 1
 
     def _pending(self, row: BlockRow) -> bool:
         """Whether the row's next pass commits its block's first token alone (``first_token_pending``)."""

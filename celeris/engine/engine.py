@@ -1,9 +1,13 @@
 """Engine: ``step()`` = schedule, then each request through the path of its mode, then emit and free.
 
-A request's mode (``celeris.sampling.modes.MODES``) is decided once, in ``add_request`` (``check_request``), and
-stored as ``Request.mode``; ``Engine.paths`` maps each mode to its path (``engine/verified.py``,
-``engine/blocks.py``, ``engine/masked.py``), which owns the request's cursor as ``request.state`` and counts each
-step with ``Request.record_step``.
+A request's mode (a key of the registry ``celeris.sampling.modes.MODES``) is decided once, in ``add_request``
+(``check_request``), and stored as ``Request.mode``; ``Engine.paths`` maps each mode to its path
+(``celeris.engine.path.ModePath``: for the built-in modes ``engine/verified.py``, ``engine/blocks.py``,
+``engine/masked.py``), made from the mode's registered factory at its first request, which owns the request's
+cursor as ``request.state`` and counts each step with ``Request.record_step``. Every path takes its KV rows from
+the runner's one store (``celeris.engine.kv.KVStore``); the scheduler admits a request while the store has the
+rows its path says it takes (``kv_rows``). The engine's step names no mode; ``drafter`` and ``block_decoder``
+are read-only handles on the verified and block paths for the counters ``stats()`` reports and for tests.
 
 Offline ``LLM.generate``, the HTTP server and batch jobs all drive this same
 ``step()``. Every running request moves one denoising step per call, whatever
@@ -14,22 +18,20 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
-from typing import Protocol
 
 import torch
 
 from celeris.config import EngineConfig
 from celeris.engine.blocks import BlockDecoder
-from celeris.engine.masked import MaskedPath
+from celeris.engine.path import ModePath, PathContext, resolve_path
 from celeris.engine.request import Request
 from celeris.engine.runner import ModelRunner
 from celeris.engine.scheduler import Scheduler
 from celeris.engine.verified import VerifiedDecoder, VerifiedPath
 from celeris.params import SamplingParams
-from celeris.sampling.block import contract_of, with_block_defaults
+from celeris.sampling.block import with_block_defaults
 from celeris.sampling.logprobs import prompt_entries
-from celeris.sampling.modes import check_fits_context, check_request
-from celeris.sampling.step import banned_token_ids, confidence_rule
+from celeris.sampling.modes import MODES, check_fits_context, check_request
 from celeris.structured.grammar import row_constraints
 
 
@@ -49,21 +51,6 @@ class StepOutput:
     finished: bool
 
 
-class ModePath(Protocol):
-    """What the engine asks of a decoding mode's path (``Engine.paths``)."""
-
-    mode: str
-
-    def step(self, requests: list[Request]) -> list[Request]:
-        """One step (a pass) for the running requests of this mode; returns those to emit."""
-
-    def token_cost(self, requests: list[Request]) -> int:
-        """Columns the next step over ``requests`` (all of this mode) computes: the scheduler's token budget."""
-
-    def release(self) -> None:
-        """Free the memory of finished or aborted requests."""
-
-
 @dataclass(frozen=True, slots=True)
 class EngineStats:
     """What an engine holds and has done, read by the server's metrics and the bench (``Engine.stats``).
@@ -71,9 +58,8 @@ class EngineStats:
     Attributes:
         num_waiting / num_running: requests in the scheduler's queues.
         num_steps: ``Engine.step`` calls that ran a batch.
-        kv_bytes: bytes of key/value storage held now by every KV store of the engine (the masked path's pool,
-            the block path's pool and the verified path's preallocated pool, prefix caches not included): the one
-            KV figure.
+        kv_bytes: bytes of the engine's one KV store (``celeris.engine.kv.KVStore``: 0 until a request first takes
+            rows, then its whole allocation; prefix caches not included): the one KV figure.
         prefix_cache_queries / prefix_cache_hits: prompt tokens looked up in the verified path's prefix cache,
             and of those the tokens whose keys/values came from it (vLLM's ``prefix_cache_queries``/``_hits``).
         drafted / accepted: per draft position j = 1..k, drafts checked and accepted under verified decoding.
@@ -106,41 +92,57 @@ class Engine:
                  end_ids: list[int] | None = None, grammar_tokenizer: object | None = None) -> None:
         self.config = config or EngineConfig()
         self.scheduler = Scheduler(self.config)
-        self.runner = ModelRunner(model, self.config.enforce_eager, self.config.length_bucket)
         config = model.config
+        # the most tokens a request holds (EngineConfig.max_model_len, else the model's window): sizes the KV store
+        self.max_model_len = self.config.max_model_len or getattr(config, "max_position_embeddings", None)
+        self.runner = ModelRunner(model, self.config.enforce_eager, self.config.length_bucket,
+                                  self.config.max_num_seqs, self.max_model_len)
         self.mask_id, self.eos_id = config.mask_token_id, config.eos_token_id
-        self.banned_ids = banned_token_ids(config)
-        self.confidence_from = confidence_rule(model)
         self.end_ids = frozenset(end_ids if end_ids is not None else [self.eos_id])
         self.model = model
         self.grammar_tokenizer = grammar_tokenizer
         self._ids = itertools.count()
         self.num_steps = 0
-        # the most tokens a request holds (EngineConfig.max_model_len, else the model's window): sizes the KV pool
-        self.max_model_len = self.config.max_model_len or getattr(config, "max_position_embeddings", None)
-        contract = contract_of(model)  # a block-diffusion model (or a hybrid's block mode): the block path
-        self.block_decoder = (BlockDecoder(model, contract, self.runner, self.config.logprobs_mode)
-                              if contract is not None else None)
-        # the mode paths, in the order a step runs them (each: step(requests) -> requests, release())
-        self.paths: dict[str, ModePath] = {
-            "verified": VerifiedPath(model, self.config, self.max_model_len, self.eos_id, self.runner),
-            "block": self.block_decoder,
-            "masked": MaskedPath(self.runner, self.mask_id, self.eos_id, self.banned_ids, self.confidence_from,
-                                 self.config.logprobs_mode),
-        }
-
+        self.context = PathContext(model, self.runner, self.config, self.max_model_len, self.eos_id)
+        # mode -> its path, made at the mode's first request from the factory it registered (``path``)
+        self.paths: dict[str, ModePath] = {}
         self.scheduler.cost = self.batch_tokens
+        self.scheduler.kv_rows = self.kv_rows
+
+    def path(self, mode: str) -> ModePath:
+        """The path of ``mode`` (a key of ``celeris.sampling.modes.MODES``), made from its registered factory
+        with this engine's shared parts (``PathContext``) the first time it is asked for."""
+        if mode not in self.paths:
+            self.paths[mode] = resolve_path(MODES[mode].path)(self.context)
+        return self.paths[mode]
+
+    def _groups(self, requests: list[Request]) -> list[tuple[str, list[Request]]]:
+        """``requests`` grouped by mode, in the registry's order (the order a step runs the paths)."""
+        order = [*MODES, *(m for m in self.paths if m not in MODES)]
+        order += sorted({r.mode for r in requests} - set(order))
+        return [(mode, group) for mode in order if (group := [r for r in requests if r.mode == mode])]
 
     def batch_tokens(self, requests: list[Request]) -> int:
         """Columns one step over ``requests`` computes, each mode's group counted by its path (``token_cost``):
         the scheduler's ``max_num_batched_tokens`` budget."""
-        return sum(path.token_cost(group) for mode, path in self.paths.items()
-                   if path is not None and (group := [r for r in requests if r.mode == mode]))
+        return sum(self.path(mode).token_cost(group) for mode, group in self._groups(requests))
+
+    def kv_rows(self, requests: list[Request]) -> int:
+        """Rows of the KV store (``runner.kv``) ``requests`` hold once running, each counted by its path
+        (``kv_rows``): the scheduler admits no more than the store has."""
+        return sum(self.path(r.mode).kv_rows(r) for r in requests)
 
     @property
     def drafter(self) -> VerifiedDecoder | None:
         """The verified path's decoder (made at the first verified request), else None."""
-        return self.paths["verified"].decoder
+        path = self.paths.get("verified")
+        return path.decoder if isinstance(path, VerifiedPath) else None
+
+    @property
+    def block_decoder(self) -> BlockDecoder | None:
+        """The block path (made at the first block request), else None."""
+        path = self.paths.get("block")
+        return path if isinstance(path, BlockDecoder) else None
 
     def add_request(
         self,
@@ -157,18 +159,18 @@ class Engine:
             ValueError: empty prompt, or settings the model cannot decode (``check_request``: an
                 unsupported cache; for an autoregressive model, blocks longer than one token, CFG, a suffix;
                 a grammar without ``grammar_tokenizer``, or one that does not compile); ``prompt_logprobs`` on a
-                model that is not causal.
+                model that is not causal; more KV rows than the store has (``_check_kv``).
+            ContextLengthError: a request that takes KV rows does not fit ``max_model_len``.
             QueueFullError: the waiting queue is full.
         """
         params = with_block_defaults(self.model, params)  # a block model's sub-block when left at the default
         mode = check_request(self.model, params, bool(suffix_ids))
-        if mode == "verified" and self.max_model_len:  # its KV pool rows hold max_model_len tokens
-            check_fits_context(len(prompt_ids), 0, params.max_tokens, self.max_model_len)
         if params.prompt_logprobs is not None and not getattr(self.model.config, "is_causal", False):
             raise ValueError("prompt_logprobs needs a causal (autoregressive or hybrid) model; a diffusion model has "
                              "no left-to-right likelihood of its prompt")
         request = Request(request_id or f"req-{next(self._ids)}", list(prompt_ids), params, self.mask_id,
                           list(suffix_ids or []), score_only=score_only, mode=mode)
+        self._check_kv(request)
         # under a grammar the answer ends where the grammar lets it end: a stop token id inside the constrained text
         # (a JSON character) would cut it invalid, so stop_token_ids apply only without a grammar
         stops = frozenset(params.stop_token_ids) if params.grammar is None else frozenset()
@@ -176,6 +178,27 @@ class Engine:
         request.constraint = row_constraints([params], self.grammar_tokenizer)[0]
         self.scheduler.add(request)
         return request
+
+    def _check_kv(self, request: Request) -> None:
+        """Refuse a request whose keys/values the KV store cannot hold: a row per ``max_model_len`` tokens, and
+        more rows than the store has (a CFG request with a cache takes two).
+
+        Raises:
+            ContextLengthError: prompt + answer (+ suffix) exceed ``max_model_len`` for a request that takes rows.
+            ValueError: it takes more rows than the store has (the message starts with ``cfg_scale``), or no
+                ``max_model_len`` is known to size the store's rows.
+        """
+        rows = self.path(request.mode).kv_rows(request)
+        if rows == 0:
+            return
+        if not self.max_model_len:
+            raise ValueError("max_model_len is not known for this model (no max_position_embeddings): give "
+                             "EngineConfig(max_model_len=...) to size the KV store its cache needs")
+        check_fits_context(len(request.prompt_ids), len(request.suffix_ids), request.params.max_tokens,
+                           self.max_model_len)
+        if rows > self.runner.kv.num_rows:
+            raise ValueError(f"cfg_scale with cache='{request.params.cache}' needs {rows} rows of the KV store, which "
+                             f"has {self.runner.kv.num_rows} (max_num_seqs); raise max_num_seqs or use cache='none'")
 
     def abort(self, request_id: str) -> bool:
         """Abort a waiting or running request; it takes no further steps. Returns whether one was found."""
@@ -188,19 +211,16 @@ class Engine:
         """Free the KV rows of finished or aborted requests in every mode path at once, so no memory outlives a
         request even when no further step runs."""
         for path in self.paths.values():
-            if path is not None:
-                path.release()
+            path.release()
 
     def stats(self) -> EngineStats:
         """The engine's counters and its one KV figure (``EngineStats``), without reaching into its paths."""
-        drafter, blocks = self.drafter, self.block_decoder
+        drafter = self.drafter
         cache = drafter.prefix_cache if drafter is not None else None
-        kv = self.runner.pool.nbytes + (blocks.pool.nbytes if blocks is not None else 0)
-        kv += drafter.pool_bytes if drafter is not None else 0
         return EngineStats(
             num_waiting=len(self.scheduler.waiting),
             num_running=sum(not r.is_finished for r in self.scheduler.running),
-            num_steps=self.num_steps, kv_bytes=kv,
+            num_steps=self.num_steps, kv_bytes=self.runner.kv.nbytes,
             prefix_cache_queries=cache.query_tokens if cache else 0, prefix_cache_hits=cache.hit_tokens if cache else 0,
             drafted=tuple(drafter.drafted) if drafter else (), accepted=tuple(drafter.accepted) if drafter else ())
 
@@ -223,10 +243,8 @@ class Engine:
         outputs = self._score_prompts(batch)
         if outputs:
             batch = [r for r in batch if not r.is_finished]
-        for mode, path in self.paths.items():
-            group = [r for r in batch if r.mode == mode]
-            if group:
-                outputs += [self._emit(r) for r in path.step(group)]
+        for mode, group in self._groups(batch):
+            outputs += [self._emit(r) for r in self.path(mode).step(group)]
         self._free_finished()  # a finished request's keys/values go now, not at a later step
         self.num_steps += 1
         return outputs

@@ -1,5 +1,6 @@
-"""The engine's KV memory: ``KVPool`` (the running requests' keys/values, one row each) and ``PrefixCache``
-(keys/values of prompt prefixes, reused across requests).
+"""The engine's KV memory: ``KVStore`` (the one allocation every mode path takes rows from, as a ``KVSegment``;
+why rows, its docstring), ``KVPool`` (the masked and block paths' rows: one per running request) and
+``PrefixCache`` (keys/values of prompt prefixes, reused across requests).
 
 Automatic prefix caching for causal prefill (``PrefixCache``): a causal model's keys and values at column c depend
 only on the tokens at columns <= c (and on c itself, the RoPE position), so a prompt that starts with tokens another
@@ -20,7 +21,9 @@ import torch
 
 from celeris.engine.request import Request
 from celeris.models.layers import KVCache
+from celeris.sampling.verified import MAX_DRAFTS
 
+ROW_SLACK = 2 * MAX_DRAFTS + 2  # columns past max_model_len a verified pass's drafts and mask slots may write
 PREFIX_CACHE_TOKENS = 16384  # default bound of the prefix cache, prompt tokens
 BLOCK_SIZE = 16  # tokens per cached block (vLLM's default block size)
 
@@ -86,24 +89,158 @@ class PrefixCache:
 Row = tuple[Request, str]  # (request, "cond" | "uncond"): a CFG request owns an unconditional row too
 
 
-class KVPool:
-    """Keys/values of the running requests that use a KV cache, one row per request
-    (plus one for a CFG request's unconditional row).
+class KVStoreFullError(RuntimeError):
+    """The KV store has no free row for a request's keys/values (the scheduler's ``kv_rows`` budget prevents it)."""
 
-    Per layer a (capacity rows, H_kv, capacity T, head_dim) tensor. Row r holds
-    its canvas's keys/values at columns [0, n_r) (left-aligned, so RoPE positions
-    equal columns); the columns after n_r are masked. A row is allocated when the
-    request's first full pass stores its cache, rewritten by later full passes
-    (refreshes), updated in place by window passes, and freed when the request
-    leaves by moving the last live row into the hole. So the live rows are always
-    [0, R): one contiguous view that a window pass reads and writes in place,
-    with no per-step copying (the paged/slot cache of vLLM, in its simplest form).
+
+class KVSegment:
+    """The rows of one ``KVStore`` that one mode path holds: rows [start, start + num_rows) of the store, always
+    contiguous, so a pass reads and writes them as one view. The path keeps its live rows at [0, num_rows) of the
+    segment (it moves its last row into a freed one, then ``shrink``s) and asks ``grow`` for more."""
+
+    def __init__(self, store: KVStore) -> None:
+        self.store = store
+        self.start = 0
+        self.num_rows = 0
+
+    @property
+    def keys(self) -> list[torch.Tensor]:
+        """Per layer the segment's rows of the store, (num_rows, H_kv, row_len, D) views ([] before allocation)."""
+        return [k[self.start : self.start + self.num_rows] for k in self.store.keys]
+
+    @property
+    def values(self) -> list[torch.Tensor]:
+        """Per layer the segment's rows of the store's values, as ``keys``."""
+        return [v[self.start : self.start + self.num_rows] for v in self.store.values]
+
+    def grow(self, n: int = 1) -> None:
+        """Take ``n`` more rows (at the segment's end); the store allocates itself at the first rows taken.
+
+        Raises:
+            KVStoreFullError: fewer than ``n`` rows are free.
+        """
+        self.store.grow(self, n)
+
+    def shrink(self, n: int = 1) -> None:
+        """Give the segment's last ``n`` rows back to the store (their contents are left as they are)."""
+        if not 0 <= n <= self.num_rows:
+            raise ValueError(f"cannot give back {n} of a segment's {self.num_rows} rows")
+        self.num_rows -= n
+
+
+class KVStore:
+    """The engine's one KV allocation: per layer a keys and a values tensor (num_rows, H_kv, row_len, D), H_kv the
+    model's key/value heads (before grouped-query sharing), in the model's dtype on its device; sized once (rows:
+    ``EngineConfig.max_num_seqs``; row_len: ``max_model_len`` plus ``ROW_SLACK`` columns a verified pass may write
+    past the answer) and allocated, zeros, at the first rows a path takes. Every mode path takes rows from it as a
+    ``KVSegment`` and gives them back when its requests finish.
+
+    Rows, not pages: every pass of every mode (the masked window pass, the block pass, the verified pass) reads a
+    dense (R, H_kv, T, D) cache in place, with per-row column windows, and writes its new columns into it; a row per
+    request gives each path its rows as one view, with no per-pass gather (a paged store would need one, or a paged
+    attention kernel the eager and compiled runners do not have). The price is a row of ``row_len`` columns per
+    request whatever its length: the bound the loader's memory check counts (``kv_cache_bytes``). A path's rows
+    stay contiguous: a segment that needs a row and has no free row right after it gets one by packing the
+    segments (each row that moves is copied once, whole, order kept: at most ``num_rows`` row copies, at a
+    request's admission, about the cost of one pass over the store's rows); giving a row back copies nothing, so
+    the free rows may sit between segments until the next packing.
+
+    Args:
+        model: the model whose keys/values it holds (``arch.num_kv_heads``, ``arch.head_dim``, ``layers``; the
+            dtype and device of its first floating-point parameter); read at allocation.
+        num_rows: rows in all (the most requests holding keys/values at once; a CFG request takes two).
+        row_len: columns per row (None: unknown, and any row taken raises).
     """
 
-    def __init__(self, row_block: int = 8, col_block: int = 64) -> None:
-        self.row_block, self.col_block = row_block, col_block
+    def __init__(self, model: torch.nn.Module, num_rows: int, row_len: int | None) -> None:
+        self.model, self.num_rows, self.row_len = model, num_rows, row_len
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
+        self.segments: list[KVSegment] = []
+
+    def segment(self) -> KVSegment:
+        """A new, empty segment for one path, after the existing ones."""
+        segment = KVSegment(self)
+        segment.start = self.segments[-1].start + self.segments[-1].num_rows if self.segments else 0
+        self.segments.append(segment)
+        return segment
+
+    @property
+    def num_free_rows(self) -> int:
+        return self.num_rows - sum(s.num_rows for s in self.segments)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the store holds: 0 before its first row is taken, then its whole allocation."""
+        return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values))
+
+    def _like(self) -> torch.Tensor:
+        """The model's first floating-point parameter: the activations' dtype and device (a quantized layer's
+        codes are integers)."""
+        return next(t for t in (*self.model.parameters(), *self.model.buffers()) if t.is_floating_point())
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype of the keys/values it holds (the model's activations')."""
+        return self.keys[0].dtype if self.keys else self._like().dtype
+
+    def _allocate(self) -> None:
+        if self.row_len is None:
+            raise KVStoreFullError("the KV store has no row length: give the engine a max_model_len")
+        arch, p = self.model.arch, self._like()
+        shape = (self.num_rows, arch.num_kv_heads, self.row_len, arch.head_dim)  # K/V heads, not the query heads
+        self.keys = [torch.zeros(shape, dtype=p.dtype, device=p.device) for _ in self.model.layers]
+        self.values = [torch.zeros(shape, dtype=p.dtype, device=p.device) for _ in self.model.layers]
+
+    def grow(self, segment: KVSegment, n: int) -> None:
+        """Give ``segment`` ``n`` more rows at its end, moving the segments after it when it has none free there
+        (``KVSegment.grow``)."""
+        if n > self.num_free_rows:
+            raise KVStoreFullError(f"the KV store's {self.num_rows} rows are all taken (max_num_seqs rows; a CFG "
+                                   f"request with a cache takes two)")
+        if not self.keys:
+            self._allocate()
+        i = self.segments.index(segment)
+        end = self.segments[i + 1].start if i + 1 < len(self.segments) else self.num_rows
+        if segment.start + segment.num_rows + n > end:  # pack every segment, this one n rows longer
+            starts, at = [], 0
+            for s in self.segments:
+                starts.append(at)
+                at += s.num_rows + (n if s is segment else 0)
+            self._move(starts)
+        segment.num_rows += n
+
+    def _move(self, starts: list[int]) -> None:
+        """Move each segment's rows to start at ``starts`` (same order): those moving left first, front to back,
+        then those moving right, back to front, so no row is overwritten before it is copied."""
+        order = [s for s in self.segments if starts[self.segments.index(s)] < s.start]
+        order += [s for s in reversed(self.segments) if starts[self.segments.index(s)] > s.start]
+        for segment in order:
+            new = starts[self.segments.index(segment)]
+            rows = range(segment.num_rows) if new < segment.start else reversed(range(segment.num_rows))
+            for r in rows:
+                for t in (*self.keys, *self.values):
+                    t[new + r] = t[segment.start + r]
+            segment.start = new
+
+
+class KVPool:
+    """Keys/values of the running requests of one path, one row per request (plus one for a CFG request's
+    unconditional row), in a ``KVSegment`` of the engine's ``KVStore``.
+
+    Row r holds its canvas's keys/values at columns [0, n_r) (left-aligned, so RoPE positions equal columns); the
+    columns after n_r are masked. A row is taken when the request's first full pass stores its cache, rewritten by
+    later full passes (refreshes), updated in place by window passes, and given back when the request leaves by
+    moving the last live row into the hole. So the live rows are always [0, R): one contiguous view that a window
+    pass reads and writes in place, with no per-step copying (the paged/slot cache of vLLM, in its simplest form).
+    A pass sees the first ``capacity_length`` columns: the longest canvas stored since the pool was last empty,
+    rounded up to ``col_block`` (so passes keep few shapes), at most the store's ``row_len``.
+    """
+
+    def __init__(self, store: KVStore, col_block: int = 64) -> None:
+        self.segment = store.segment()
+        self.col_block = col_block
+        self.capacity_length = 0
         self.owners: list[Row] = []
         self._index: dict[Row, int] = {}
 
@@ -112,50 +249,53 @@ class KVPool:
         return len(self.owners)
 
     @property
-    def capacity_length(self) -> int:
-        return self.keys[0].shape[2] if self.keys else 0
+    def keys(self) -> list[torch.Tensor]:
+        """Per layer (R, H_kv, capacity_length, D) views of the live rows' keys ([] with no live row)."""
+        return [k[:, :, : self.capacity_length] for k in self.segment.keys] if self.owners else []
+
+    @property
+    def values(self) -> list[torch.Tensor]:
+        """Per layer the live rows' values, as ``keys``."""
+        return [v[:, :, : self.capacity_length] for v in self.segment.values] if self.owners else []
 
     @property
     def nbytes(self) -> int:
-        """Bytes of key/value storage the pool holds now (its capacity, live rows or not; 0 when empty)."""
-        return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values))
+        """Bytes of the store's rows this pool holds now (0 when it holds none)."""
+        store = self.segment.store
+        return store.nbytes * self.segment.num_rows // store.num_rows
 
     def row(self, request: Request, kind: str = "cond") -> int | None:
         return self._index.get((request, kind))
 
     def store(self, request: Request, kind: str, keys: list[torch.Tensor], values: list[torch.Tensor]) -> None:
-        """Write a full pass's keys/values for one row: per layer (H_kv, n, D), n = the request's canvas length."""
+        """Write a full pass's keys/values for one row: per layer (H_kv, n, D), n = the request's canvas length.
+
+        Raises:
+            ValueError: n exceeds the store's row length (``max_model_len`` + ``ROW_SLACK``).
+            KVStoreFullError: a new row and no free row in the store.
+            TypeError: the keys' dtype is not the store's.
+        """
         n = keys[0].shape[1]
+        row_len = self.segment.store.row_len
+        if row_len is not None and n > row_len:
+            raise ValueError(f"a canvas of {n} tokens does not fit the KV store's rows of {row_len} tokens; "
+                             f"raise max_model_len")
+        if self.segment.store.dtype != keys[0].dtype:  # never a silent cast of the keys/values
+            raise TypeError(f"keys of dtype {keys[0].dtype} for a KV store of {self.segment.store.dtype}")
         row = self._index.get((request, kind))
         if row is None:
+            self.segment.grow(1)
             row = len(self.owners)
             self.owners.append((request, kind))
             self._index[(request, kind)] = row
-        self._reserve(len(self.owners), n, keys)
-        for layer in range(len(keys)):
-            self.keys[layer][row, :, :n] = keys[layer]
-            self.values[layer][row, :, :n] = values[layer]
-
-    def _reserve(self, rows: int, length: int, like: list[torch.Tensor]) -> None:
-        """Grow the capacity (rounded up to blocks) to hold ``rows`` rows of ``length`` columns."""
-        if self.keys and self.keys[0].shape[0] >= rows and self.capacity_length >= length:
-            return
-        old_rows = self.keys[0].shape[0] if self.keys else 0
-        cap_rows = -(-max(rows, old_rows) // self.row_block) * self.row_block
-        cap_len = -(-max(length, self.capacity_length) // self.col_block) * self.col_block
-        live = min(self.num_rows, old_rows)
-        for tensors in (self.keys, self.values):
-            fresh = not tensors
-            for layer, t in enumerate(like if fresh else list(tensors)):
-                grown = t.new_zeros((cap_rows, t.shape[-3], cap_len, t.shape[-1]))
-                if fresh:
-                    tensors.append(grown)
-                else:
-                    grown[:live, :, : t.shape[2]] = t[:live]
-                    tensors[layer] = grown
+        grown = -(-max(n, self.capacity_length) // self.col_block) * self.col_block
+        self.capacity_length = grown if row_len is None else min(grown, row_len)
+        for layer, (k, v) in enumerate(zip(self.segment.keys, self.segment.values, strict=True)):
+            k[row, :, :n] = keys[layer]
+            v[row, :, :n] = values[layer]
 
     def release(self, keep: set[Request]) -> None:
-        """Free the rows of requests not in ``keep`` (finished or aborted); with no row left, the storage too."""
+        """Give back the rows of requests not in ``keep`` (finished or aborted) to the store."""
         row = 0
         while row < self.num_rows:
             if self.owners[row][0] in keep:
@@ -164,15 +304,15 @@ class KVPool:
             del self._index[self.owners[row]]
             last = self.num_rows - 1
             if row != last:  # move the last live row into the hole
-                for t in (*self.keys, *self.values):
+                for t in (*self.segment.keys, *self.segment.values):
                     t[row] = t[last]
                 self.owners[row] = self.owners[last]
                 self._index[self.owners[row]] = row
             self.owners.pop()
-        if not self.owners:  # nothing live: give the memory back rather than keep the largest batch's capacity
-            self.keys, self.values = [], []
+            self.segment.shrink(1)
+        if not self.owners:  # passes start again from the shortest shape
+            self.capacity_length = 0
 
     def view(self) -> KVCache:
         """The live rows as a KVCache of (R, H_kv, capacity T, D) views (no copy)."""
-        r = self.num_rows
-        return KVCache([k[:r] for k in self.keys], [v[:r] for v in self.values])
+        return KVCache(self.keys, self.values)

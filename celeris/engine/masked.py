@@ -1,7 +1,8 @@
 """The engine's masked-diffusion path: one denoising step for every running masked request.
 
 The step's passes (``MaskedPath.passes``) run the runner's model (``celeris.engine.runner.ModelRunner``: compiled
-when ``enforce_eager`` is False) over the runner's KV pool; a step makes at most two passes (plus CFG rows inside them):
+when ``enforce_eager`` is False) over its rows of the engine's KV store (the runner's ``pool``); a step makes at
+most two passes (plus CFG rows inside them):
 
 - a full pass for the requests that need one: no cache, a cache to fill (a
   new request) or to refresh (``prefix``/``dual`` at a block's first step,
@@ -27,33 +28,41 @@ from __future__ import annotations
 
 import torch
 
+from celeris.engine.path import PathContext
 from celeris.engine.request import NO_PROGRESS, Request
 from celeris.engine.runner import ModelRunner
 from celeris.models.layers import KVCache, column_window
 from celeris.sampling.cache import CACHE_MODES
 from celeris.sampling.logprobs import committed_entries
-from celeris.sampling.step import RowSettings, commit_step, context_tokens, guided
+from celeris.sampling.step import (
+    RowSettings,
+    banned_token_ids,
+    commit_step,
+    confidence_rule,
+    context_tokens,
+    guided,
+)
 
 
 class MaskedPath:
     """Runs the masked-diffusion steps of the engine's requests (module docstring).
 
     Args:
-        runner: the engine's model runner (its passes and KV pool).
-        mask_id / eos_id / banned_ids / confidence_from: the model's ids and its confidence rule
-            (``celeris.sampling.step.confidence_rule``).
-        logprobs_mode: ``EngineConfig.logprobs_mode`` ("raw_logprobs" or "processed_logprobs").
+        context: the engine's shared parts (``celeris.engine.path.PathContext``): the runner (its passes and KV
+            pool), the model's ids and confidence rule (``celeris.sampling.step.confidence_rule``) and
+            ``EngineConfig.logprobs_mode`` ("raw_logprobs" or "processed_logprobs").
     """
 
     mode = "masked"
 
-    def __init__(self, runner: ModelRunner, mask_id: int, eos_id: int, banned_ids: list[int], confidence_from: str,
-                 logprobs_mode: str = "raw_logprobs") -> None:
-        self.runner = runner
-        self.mask_id, self.eos_id, self.banned_ids = mask_id, eos_id, banned_ids
-        self.pad_id = runner.pad_id
-        self.confidence_from = confidence_from
-        self.logprobs_mode = logprobs_mode
+    def __init__(self, context: PathContext) -> None:
+        self.runner: ModelRunner = context.runner
+        config = context.model.config
+        self.mask_id, self.eos_id = config.mask_token_id, context.eos_id
+        self.banned_ids = banned_token_ids(config)
+        self.pad_id = self.runner.pad_id
+        self.confidence_from = confidence_rule(context.model)
+        self.logprobs_mode = context.config.logprobs_mode
 
     def token_cost(self, requests: list[Request]) -> int:
         """Tokens the step's full pass over ``requests`` processes (the scheduler's budget): rows (a CFG request
@@ -62,6 +71,12 @@ class MaskedPath:
         if not requests:
             return 0
         return sum(2 if r.params.cfg_scale > 0 else 1 for r in requests) * max(r.num_tokens for r in requests)
+
+    def kv_rows(self, request: Request) -> int:
+        """Rows of the KV store a request takes: one with a cache policy that caches (two with CFG), else none."""
+        if not CACHE_MODES[request.params.cache].uses_cache:
+            return 0
+        return 2 if request.params.cfg_scale > 0 else 1
 
     def release(self) -> None:
         """Free the KV rows of finished or aborted requests."""

@@ -1,4 +1,4 @@
-"""ModelRunner: owns the model (compiled or eager), the device and the masked path's KV pool."""
+"""ModelRunner: owns the model (compiled or eager), the device and the engine's one KV store."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from collections.abc import Callable
 
 import torch
 
-from celeris.engine.kv import KVPool
+from celeris.engine.kv import ROW_SLACK, KVPool, KVStore
 from celeris.engine.request import Request
 
 
@@ -22,18 +22,20 @@ def _entry(model: torch.nn.Module, name: str, eager: bool) -> Callable | None:
 
 
 class ModelRunner:
-    """Owns the model (compiled once when ``enforce_eager`` is False), its device and the masked path's KV pool
-    (``celeris.engine.kv.KVPool``); the passes over them are the mode paths' (``celeris.engine.masked`` for
-    masked diffusion). Every path calls the model through the runner: ``model`` (the masked path's forward),
-    ``hidden_states`` and ``logits`` (the block path), ``layout_hidden_states`` and ``logits`` (the verified
-    path), each compiled when ``enforce_eager`` is False.
+    """Owns the model (compiled once when ``enforce_eager`` is False), its device and the engine's one KV store
+    (``kv``: ``celeris.engine.kv.KVStore``, ``kv_rows`` rows of ``max_model_len`` + ``ROW_SLACK`` columns), from
+    which every mode path takes its rows (``pool``: the masked path's, ``celeris.engine.kv.KVPool``); the passes
+    are the mode paths' (``celeris.engine.masked`` for masked diffusion). Every path calls the model through the
+    runner: ``model`` (the masked path's forward), ``hidden_states`` and ``logits`` (the block path),
+    ``layout_hidden_states`` and ``logits`` (the verified path), each compiled when ``enforce_eager`` is False.
 
     Attributes:
         num_split_passes: window steps run as a shared pass plus one for the wide rows
             (``MaskedPath._window_pass``).
     """
 
-    def __init__(self, model: torch.nn.Module, enforce_eager: bool = True, length_bucket: int = 1) -> None:
+    def __init__(self, model: torch.nn.Module, enforce_eager: bool = True, length_bucket: int = 1,
+                 kv_rows: int = 8, max_model_len: int | None = None) -> None:
         # speed features are transforms applied here, never inside the model file
         self.model = model if enforce_eager else torch.compile(model, dynamic=True)
         # the block and verified paths' entries into the same model, compiled the same way (shapes are dynamic)
@@ -44,7 +46,8 @@ class ModelRunner:
         self.device = next(model.parameters()).device
         self.mask_id = model.config.mask_token_id
         self.pad_id = model.config.pad_token_id
-        self.pool = KVPool()
+        self.kv = KVStore(model, kv_rows, None if max_model_len is None else max_model_len + ROW_SLACK)
+        self.pool = KVPool(self.kv)  # the masked path's rows
         self.num_split_passes = 0  # window steps run as a shared pass plus one for the wide rows (_window_pass)
 
     def release(self, keep: set[Request]) -> None:

@@ -7,7 +7,9 @@ boundaries while both budgets allow:
 - sequences: at most ``max_num_seqs`` running requests;
 - tokens: at most ``max_num_batched_tokens`` columns computed in one step, as each request's mode counts them
   (``cost``, which the engine sets to ``Engine.batch_tokens``: the mode paths' ``token_cost``); without a
-  ``cost``, ``rows x longest canvas`` (CFG adds an unconditional row), masked diffusion's padded full pass.
+  ``cost``, ``rows x longest canvas`` (CFG adds an unconditional row), masked diffusion's padded full pass;
+- KV rows: at most ``max_num_seqs`` rows of the engine's KV store held (``kv_rows``, which the engine sets to
+  ``Engine.kv_rows``; a CFG request with a cache holds two); none counted without it.
 
 Admission is first come, first served; a request that does not fit waits (a
 request that could never fit alone is still admitted when nothing else runs,
@@ -37,6 +39,7 @@ class Scheduler:
     def __init__(self, config: EngineConfig, cost: Callable[[list[Request]], int] | None = None) -> None:
         self.config = config
         self.cost = cost
+        self.kv_rows: Callable[[list[Request]], int] | None = None  # rows of the KV store a set of requests holds
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
 
@@ -64,7 +67,9 @@ class Scheduler:
             if candidate.is_finished:  # aborted while waiting
                 self.waiting.popleft()
                 continue
-            fits = self.batch_tokens([*self.running, candidate]) <= self.config.max_num_batched_tokens
+            batch = [*self.running, candidate]
+            fits = self.batch_tokens(batch) <= self.config.max_num_batched_tokens and (
+                self.kv_rows is None or self.kv_rows(batch) <= self.config.max_num_seqs)
             if not fits and self.running:
                 break
             self.waiting.popleft()

@@ -1,6 +1,7 @@
-"""The verified path of the engine: ``VerifiedDecoder`` (continuous batching of draft-and-verify passes over a KV
-pool), ``DraftRow`` (one request's cursor, its ``request.state``), ``VerifiedPath`` (the engine's mode path over a
-decoder) and ``generate_verified`` (a whole batch through one decoder).
+"""The verified path of the engine: ``VerifiedDecoder`` (continuous batching of draft-and-verify passes over rows
+of a KV store), ``VerifiedPath`` (the engine's mode path over a decoder) and ``generate_verified`` (a whole batch
+through one decoder); a request's cursor, its ``request.state``, is a ``DraftRow`` (``celeris.engine.draft_rows``,
+re-exported here).
 
 What verified decoding is, and the rules it follows (drafts, verification, grammars), is
 ``celeris.sampling.verified``'s docstring; this module runs the model and owns the keys/values
@@ -10,11 +11,13 @@ What verified decoding is, and the rules it follows (drafts, verification, gramm
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
 import torch
 
-from celeris.engine.kv import BLOCK_SIZE, PREFIX_CACHE_TOKENS, PrefixCache
+from celeris.engine.draft_rows import DraftRow, VerifiedOutput, forward, pass_mask
+from celeris.engine.kv import BLOCK_SIZE, PREFIX_CACHE_TOKENS, ROW_SLACK, KVStore, PrefixCache
+from celeris.engine.path import PathContext
 from celeris.models.layers import KVCache
 from celeris.params import SamplingParams
 from celeris.sampling.drafter import DFlashProposer, DraftState, proposer_of
@@ -37,115 +40,15 @@ from celeris.sampling.verified import (
 from celeris.structured.grammar import Constraint, row_constraints
 
 
-@dataclass(slots=True)
-class VerifiedOutput:
-    """Result of one batched ``generate_verified`` call.
-
-    Attributes:
-        token_ids: per row, the answer cut before the first end-of-text token.
-        nfe: forward passes (a pass counts once for the whole batch; a step that prefills new rows while
-            others decode runs two).
-        row_passes: per row, the passes it took part in until it finished (its own NFE).
-        drafted: per draft position j = 1..k, how many drafts were checked there (all rows).
-        accepted: per draft position, how many of them were accepted.
-        ttft_s: per row, seconds from the call's start until its first answer token.
-        seconds: wall time of the call.
-    """
-
-    token_ids: list[list[int]]
-    nfe: int
-    row_passes: list[int]
-    drafted: list[int]
-    accepted: list[int]
-    ttft_s: list[float | None] = field(default_factory=list)
-    seconds: float = 0.0
-
-    @property
-    def tokens_per_forward(self) -> float:
-        """Answer tokens per pass a row took part in (prefill included), over the whole batch."""
-        return sum(len(t) for t in self.token_ids) / max(1, sum(self.row_passes))
-
-    @property
-    def acceptance(self) -> list[float]:
-        """Per draft position, the share of checked drafts that were accepted."""
-        return [a / d if d else 0.0 for a, d in zip(self.accepted, self.drafted, strict=True)]
-
-
-def _pass_mask(columns: torch.Tensor, slot_start: torch.Tensor, slots: torch.Tensor, length: int) -> torch.Tensor:
-    """Attention mask of one pass: (B, 1, Lw, length) bool, True where a query column may see a key column.
-
-    ``columns`` (B, Lw) are the computed columns; columns >= ``slot_start`` (B,) are the row's ``slots`` (B,)
-    mask slots, which see every key before ``slot_start`` and the whole slot block; the other columns are causal.
-    """
-    keys = torch.arange(length, device=columns.device)[None, None, :]  # (1, 1, T)
-    q = columns[:, :, None]  # (B, Lw, 1)
-    s = slot_start[:, None, None]
-    return torch.where(q >= s, keys < s + slots[:, None, None], keys <= q)[:, None]
-
-
-def _forward(model: object, ids: torch.Tensor, cache: KVCache, columns: torch.Tensor,
-             mask: torch.Tensor, first: list[int] | None = None,
-             capture: dict[int, torch.Tensor | None] | None = None) -> torch.Tensor:
-    """Logits (B, Lw, V) float32 of token ``ids`` (B, Lw) at ``columns`` (B, Lw, also their RoPE positions),
-    reading and writing ``cache`` (per layer (B, H_kv, T, D)) at those columns. ``first``: per row, the first of
-    its (left-aligned) columns whose logits are wanted; the earlier ones are left unset (uninitialised).
-    ``capture``: layer outputs to keep (``layout_hidden_states``), for a DFlash drafter."""
-    hidden = model.layout_hidden_states(ids, columns, mask, cache, columns, capture=capture)  # (B, Lw, d)
-    if first is None:
-        return model.logits(hidden)
-    b, width, d = hidden.shape
-    start = torch.tensor(first, device=hidden.device)  # (B,)
-    span = width - min(first)
-    index = (start[:, None] + torch.arange(span, device=hidden.device)[None]).clamp(max=width - 1)  # (B, span)
-    part = model.logits(hidden.gather(1, index[..., None].expand(b, span, d)))  # (B, span, V)
-    out = torch.empty((b, width, part.shape[-1]), dtype=part.dtype, device=part.device)  # (B, Lw, V)
-    return out.scatter_(1, index[..., None].expand_as(part), part)
-
-
-@dataclass(eq=False)
-class DraftRow:
-    """One sequence under verified decoding: its tokens, drafts and the columns its next pass computes.
-
-    Columns are the row's own positions (0 = its first prompt token; rows are never padded).
-    """
-
-    prompt_ids: list[int]
-    params: SamplingParams
-    generator: torch.Generator
-    k: int
-    end_ids: frozenset[int] = frozenset()  # ids that end the answer (with ``early_exit``)
-    constraint: Constraint | None = None  # the grammar state (``celeris.structured``), advanced by committed tokens
-    draft_state: DraftState | None = None  # its DFlash drafter's cache and queued features (with a drafter)
-    acceptance_lengths: list[int] = field(default_factory=list)  # drafts accepted, per pass that checked drafts
-    answer: list[int] = field(default_factory=list)
-    drafts: list[int] = field(default_factory=list)
-    draft_probs: list = field(default_factory=list)
-    pending: int = -1  # column whose next-token logits give the first token of the next pass
-    slot_start: int = 0  # first mask-slot column of the next pass
-    num_slots: int = 0  # mask slots in the next pass (k, or 0 when its drafts came from prompt lookup)
-    num_cached: int = 0  # prompt tokens whose keys/values came from the prefix cache (the prefill starts there)
-    new_logprobs: list[TokenLogprob] = field(default_factory=list)  # with params.logprobs: the last pass's tokens'
-    passes: int = 0
-    finished: bool = False
-    hit_eos: bool = False
-    owner: object | None = None  # the engine's Request this row decodes (``VerifiedPath``), None outside the engine
-
-    @property
-    def columns(self) -> list[int]:
-        """Columns of the next pass: the prompt past its cached prefix and k slots (prefill), else pending, drafts,
-        slots."""
-        first = self.num_cached if self.pending < len(self.prompt_ids) - 1 else self.pending
-        return list(range(first, self.slot_start + self.num_slots))
-
-
 class VerifiedDecoder:
     """Continuous batching for verified decoding: rows join and leave between passes.
 
-    Every row's keys/values live in one row of a preallocated pool per layer, (max_rows, H_kv, max_len, D) with
-    H_kv the model's key/value heads (``pool_bytes``);
-    rows that are running occupy pool rows [0, n), so a pass works on views of the pool. A step prefills
-    newly added rows in one pass (on a fresh cache, copied into their pool rows) and advances the others
-    in one pass. Finished rows are removed by moving the last row into the hole (one row copy).
+    Every row's keys/values live in one row of a ``KVStore`` (per layer (rows, H_kv, max_len, D), H_kv the
+    model's key/value heads): the engine's one store, whose rows it takes as a ``KVSegment``, or a store of its
+    own (``max_rows`` rows of ``max_tokens`` + the draft columns) when none is given. Rows that are running occupy
+    the segment's rows [0, n), so a pass works on views of the store. A step prefills newly added rows in one
+    pass (on a fresh cache, copied into their rows) and advances the others in one pass. Finished rows are
+    removed by moving the last row into the hole (one row copy) and giving the last row back.
 
     Each row checks k drafts per pass, its ``num_speculative_tokens`` (default ``draft_length`` of the model,
     or ``LOOKUP_DRAFTS`` without slots); its mask slots are min(k, ``draft_length``).
@@ -162,29 +65,32 @@ class VerifiedDecoder:
     Args:
         model: a causal model with a KV cache.
         proposer: a DFlash drafter's proposer (``celeris.sampling.drafter``); None: ``proposer_of(model)``.
-        max_rows: most rows at once. max_tokens: longest prompt + answer, tokens (the pool adds the
-            2 * ``MAX_DRAFTS`` + 2 columns the last pass's drafts and slots may need).
+        max_rows: most rows at once. max_tokens: longest prompt + answer, tokens (the store adds the
+            2 * ``MAX_DRAFTS`` + 2 columns the last pass's drafts and slots may need); both are the store's
+            when ``store`` is given.
         prefix_cache_tokens: most prompt tokens whose keys/values the prefix cache keeps (LRU); 0 turns it off.
+        entry: what a pass calls (``layout_hidden_states``, ``logits``): the engine's runner; None: the model.
+        store: the engine's KV store to take rows from; None: one of its own.
     """
 
-    def __init__(self, model: torch.nn.Module, max_rows: int, max_tokens: int,
+    def __init__(self, model: torch.nn.Module, max_rows: int, max_tokens: int | None,
                  prefix_cache_tokens: int = PREFIX_CACHE_TOKENS, proposer: DFlashProposer | None = None,
-                 entry: object | None = None) -> None:
+                 entry: object | None = None, store: KVStore | None = None) -> None:
         self.entry = entry or model  # what a pass calls (``layout_hidden_states``, ``logits``): the engine's runner
         self.proposer = proposer or proposer_of(model)
         self.slots = mask_slots(model, self.proposer)  # mask slots the model drafts (0: none)
         self.model = model
         self.k = self.proposer.k if self.proposer else self.slots or LOOKUP_DRAFTS  # the default k
-        self.pad = 2 * MAX_DRAFTS + 2
-        max_len = max_tokens + self.pad
-        config, arch = model.config, model.arch
+        self.pad = ROW_SLACK  # 2 * MAX_DRAFTS + 2 columns
+        store = store or KVStore(model, max_rows, None if max_tokens is None else max_tokens + self.pad)
+        if store.row_len is None:
+            raise ValueError("verified decoding needs a max_model_len (its rows hold prompt + answer + drafts)")
+        self.segment = store.segment()
+        max_rows, max_len = store.num_rows, store.row_len
         p = next(model.parameters())
-        shape = (max_rows, arch.num_kv_heads, max_len, arch.head_dim)  # K/V heads: before grouped-query sharing
-        self.keys = [torch.zeros(shape, dtype=p.dtype, device=p.device) for _ in model.layers]
-        self.values = [torch.zeros(shape, dtype=p.dtype, device=p.device) for _ in model.layers]
-        self.tokens = torch.full((max_rows, max_len), config.mask_token_id, dtype=torch.long, device=p.device)
+        self.tokens = torch.full((max_rows, max_len), model.config.mask_token_id, dtype=torch.long, device=p.device)
         self.max_rows, self.max_len, self.device = max_rows, max_len, p.device
-        self.banned = banned_token_ids(config)
+        self.banned = banned_token_ids(model.config)
         self.rows: list[DraftRow] = []
         self.num_prefilled = 0  # rows [0, num_prefilled) have been through their first pass
         self.drafted, self.accepted = [0] * self.k, [0] * self.k  # grow when a row checks more drafts
@@ -196,10 +102,21 @@ class VerifiedDecoder:
         self.feature_cache = PrefixCache(prefix_cache_tokens) if prefix_cache_tokens and self.proposer else None
 
     @property
+    def keys(self) -> list[torch.Tensor]:
+        """Per layer the keys of the rows it holds, (rows, H_kv, max_len, D) views of the store."""
+        return self.segment.keys
+
+    @property
+    def values(self) -> list[torch.Tensor]:
+        """Per layer the values of the rows it holds, as ``keys``."""
+        return self.segment.values
+
+    @property
     def pool_bytes(self) -> int:
-        """Bytes of the preallocated key/value pool: 2 x layers x max_rows x H_kv x max_len x head_dim x element
-        size (``celeris.models.loader.kv_cache_bytes`` estimates it before loading)."""
-        return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values))
+        """Bytes of the KV store it takes rows from (the engine's one store, or its own): 2 x layers x rows x H_kv
+        x max_len x head_dim x element size (``celeris.models.loader.kv_cache_bytes`` estimates it before
+        loading)."""
+        return self.segment.store.nbytes
 
     def add(self, prompt_ids: list[int], params: SamplingParams, end_ids: frozenset[int] | None = None,
             constraint: Constraint | None = None) -> DraftRow:
@@ -210,8 +127,6 @@ class VerifiedDecoder:
             ValueError: the pool is full, the prompt is empty, the row does not fit ``max_len``, or its draft
                 settings cannot draft here (``check_draft_source``, the check admission runs too).
         """
-        if len(self.rows) >= self.max_rows:
-            raise ValueError(f"the verified decoder holds at most {self.max_rows} rows")
         check_prompts([prompt_ids])
         if len(prompt_ids) + params.max_tokens + self.pad > self.max_len:
             raise ValueError(f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) + "
@@ -222,6 +137,9 @@ class VerifiedDecoder:
         if k > MAX_DRAFTS:
             raise ValueError(f"num_speculative_tokens must be <= {MAX_DRAFTS}, got {k}")
         slots = 0 if params.draft_source == "lookup" else min(k, self.slots)
+        if self.segment.store.num_free_rows < 1:
+            raise ValueError(f"the verified decoder's KV store holds at most {self.max_rows} rows, all taken")
+        self.segment.grow(1)  # the new row: len(self.rows)
         row = DraftRow(list(prompt_ids), params, make_generator(params.seed), k, ends, constraint=constraint,
                        slot_start=len(prompt_ids), num_slots=slots,
                        draft_state=DraftState() if self.proposer else None)
@@ -250,6 +168,7 @@ class VerifiedDecoder:
             self.tokens[i] = self.tokens[last]
             self.rows[i] = self.rows[last]
         self.rows.pop()
+        self.segment.shrink(1)
         if i < self.num_prefilled:
             self.num_prefilled -= 1
             if i != last and last >= self.num_prefilled + 1:  # a new row moved into the prefilled range
@@ -278,13 +197,13 @@ class VerifiedDecoder:
                     new[j, :, : r.num_cached] = pool[lo + j, :, : r.num_cached]
         else:
             cache = KVCache([t[lo:hi, :, :length] for t in self.keys], [t[lo:hi, :, :length] for t in self.values])
-        mask = _pass_mask(columns, torch.tensor([r.slot_start for r in rows], device=self.device),
+        mask = pass_mask(columns, torch.tensor([r.slot_start for r in rows], device=self.device),
                           torch.tensor([r.num_slots for r in rows], device=self.device), length)
         # a prefill reads only each row's last prompt column and its slots (``_advance``): the output head runs on
         # those (a prompt's other columns would cost a vocabulary-wide product each), the rest stays unset
         first = [len(r.prompt_ids) - 1 - r.num_cached for r in rows] if fresh else None
         capture = self.proposer.capture() if self.proposer else None
-        logits = _forward(self.entry, self.tokens[lo:hi].gather(1, columns), cache, columns, mask, first,
+        logits = forward(self.entry, self.tokens[lo:hi].gather(1, columns), cache, columns, mask, first,
                           capture).float()
         feats = DFlashProposer.features(capture) if capture else None  # (hi - lo, Lw, n * d)
         if fresh:
@@ -426,19 +345,21 @@ class VerifiedDecoder:
 
 class VerifiedPath:
     """Runs the verified-decoding passes of the engine's requests: each request's ``DraftRow`` is its
-    ``request.state``; the ``VerifiedDecoder`` (and its KV pool) is made at the first verified request.
+    ``request.state``; the ``VerifiedDecoder`` (its rows of the engine's KV store) is made at the first verified
+    request.
 
     Args:
-        model: the (causal) model; config: the engine's ``EngineConfig`` (``max_num_seqs``, ``enable_prefix_caching``,
-            ``logprobs_mode``); max_model_len: the tokens a pool row holds; eos_id: the model's end-of-text id.
+        context: the engine's shared parts (``celeris.engine.path.PathContext``): the (causal) model, the runner
+            whose entries a pass calls, the engine's ``EngineConfig`` (``max_num_seqs``, ``enable_prefix_caching``,
+            ``logprobs_mode``), ``max_model_len`` (the tokens a pool row holds) and the end-of-text id.
     """
 
     mode = "verified"
 
-    def __init__(self, model: torch.nn.Module, config: object, max_model_len: int | None, eos_id: int,
-                 entry: object | None = None) -> None:
-        self.model, self.config, self.max_model_len, self.eos_id = model, config, max_model_len, eos_id
-        self.entry = entry  # the engine's runner (its compiled entries), else the model
+    def __init__(self, context: PathContext) -> None:
+        self.model, self.config = context.model, context.config
+        self.max_model_len, self.eos_id = context.max_model_len, context.eos_id
+        self.entry = context.runner  # the engine's runner (its compiled entries)
         self.decoder: VerifiedDecoder | None = None
 
     def release(self) -> None:
@@ -458,6 +379,10 @@ class VerifiedPath:
         row = request.state
         return list(row.drafts) if isinstance(row, DraftRow) and not row.finished else []
 
+    def kv_rows(self, request: object) -> int:
+        """Rows of the KV store a request takes: one (its committed tokens', drafts' and slots' keys/values)."""
+        return 1
+
     def token_cost(self, requests: list) -> int:
         """Columns the next passes over ``requests`` compute (the scheduler's budget): a new request's prefill is
         its prompt and its drafts (at most ``MAX_DRAFTS`` columns for drafts and as many for slots), a running one
@@ -472,7 +397,7 @@ class VerifiedPath:
         if self.decoder is None:
             self.decoder = VerifiedDecoder(self.model, self.config.max_num_seqs, self.max_model_len,
                                            PREFIX_CACHE_TOKENS if self.config.enable_prefix_caching else 0,
-                                           entry=self.entry)
+                                           entry=self.entry, store=self.entry.kv)
             self.decoder.logprobs_mode = self.config.logprobs_mode
         running = set(batch)
         for row in [row for row in self.decoder.rows if row.owner not in running or row.owner.is_finished]:

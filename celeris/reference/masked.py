@@ -113,6 +113,15 @@ def _first_tokens(answer: torch.Tensor, mask_id: int, ttft_s: list[float | None]
             ttft_s[i] = now
 
 
+def _check_masked(model: torch.nn.Module, params: SamplingParams, has_suffix: bool) -> None:
+    """``check_request``, and a ValueError naming ``decoding`` for a mode this sampler does not run (verified
+    decoding, a plug-in's: the engine's paths run them)."""
+    mode = check_request(model, params, has_suffix)
+    if mode != "masked":
+        raise ValueError(f"decoding '{params.decoding}' is the {mode} mode, which this reference sampler does not run "
+                         f"(masked and block diffusion only); decode it through the engine (LLM.generate)")
+
+
 @torch.no_grad()
 def generate(
     model: torch.nn.Module,
@@ -143,7 +152,8 @@ def generate(
 
     Raises:
         ValueError: empty prompt, mismatched structural settings, or settings the model cannot
-            do (``celeris.sampling.modes.check_request``: e.g. blocks longer than 1 on a causal model).
+            do (``celeris.sampling.modes.check_request``: e.g. blocks longer than 1 on a causal model), or a
+            request of a mode other than masked or block diffusion (``verified``, a plug-in's).
         NoProgressError: a step committed nothing for a row (non-finite scores).
     """
     first = params[0] if isinstance(params, list) and params else params
@@ -165,7 +175,7 @@ def generate(
     settings = RowSettings.from_params(rows, device)
     generators = [make_generator(r.seed) for r in rows]
     banned = banned_token_ids(config)
-    check_request(model, first, any(suffix_ids or []))
+    _check_masked(model, first, any(suffix_ids or []))
     constraints = row_constraints(rows, grammar_tokenizer)
     blocks, steps_per_block = block_plan(first.max_tokens, first.block_length, first.steps)
     policy = CACHE_MODES[first.cache]

@@ -39,6 +39,7 @@ import torch
 
 from celeris.models.contract import DecodingContract
 from celeris.params import SamplingParams
+from celeris.sampling.rules import COMMIT_RULES
 from celeris.sampling.schedule import num_transfer_tokens
 
 Unit = tuple[int, int, int, int]
@@ -54,12 +55,13 @@ def contract_of(model: torch.nn.Module) -> DecodingContract | None:
 def block_mode(model: torch.nn.Module, params: SamplingParams) -> DecodingContract | None:
     """The contract when ``params`` decode ``model`` by block diffusion, else None. A published block model
     (SDAR, Fast-dLLM v2) always does; a Celeris hybrid model (causal, ``draft_block_size`` > 0) does when the
-    request asks for blocks (``block_length`` > 1) and not for ``verified`` decoding: with ``block_length`` 1 it
+    request asks for blocks (``block_length`` > 1) with a commit rule that denoises, not a ``decoding`` value that
+    names a mode of its own (``verified``, a plug-in's: ``CommitRule.denoises`` False): with ``block_length`` 1 it
     decodes token by token as its autoregressive twin does."""
     contract = contract_of(model)
     if contract is None or not getattr(model.config, "is_causal", False):
         return contract
-    return contract if params.decoding != "verified" and params.block_length > 1 else None
+    return contract if COMMIT_RULES[params.decoding].denoises and params.block_length > 1 else None
 
 
 DEFAULT_BLOCK_LENGTH: int = next(f.default for f in dataclasses.fields(SamplingParams) if f.name == "block_length")
@@ -85,9 +87,11 @@ def check_block_support(contract: DecodingContract, params: SamplingParams, has_
                          f"{contract.block_size} (it is the denoising sub-block; the trained block never changes)")
     # a causal history's keys/values written once, a step after commit: what cache='delayed' means for a causal model
     allowed_cache = ("none", "delayed") if contract.attention == "causal_history" else ("none",)
+    own_mode = ("'verified' needs a causal model's next-token head (a hybrid or autoregressive model)"
+                if params.decoding == "verified" else f"'{params.decoding}' is a decoding mode of its own")
     refused = [
-        ("decoding", params.decoding == "verified", "'verified' needs a causal model's next-token head (a hybrid or "
-                                                    "autoregressive model); a block-diffusion model denoises blocks"),
+        ("decoding", not COMMIT_RULES[params.decoding].denoises, f"{own_mode}; a block-diffusion model denoises "
+                                                                 "blocks"),
         ("cache", params.cache not in allowed_cache, f"'{params.cache}' does not apply: the committed history has an "
                                                     f"exact KV cache, always on; use cache='none'"),
         ("suffix_window", params.suffix_window != 0, "does not apply: nothing after the current block is attended"),

@@ -1,14 +1,25 @@
 """Decoding modes: which way through the engine a request takes, and whether the model can take it.
 
-The one module that names every mode. A request is decoded by one of:
+The one registry of decoding modes (``MODES``). A mode is registered once (``register_mode``) as a
+``DecodingMode``: its check (settings it cannot run on a model are refused, naming the parameter), its selection
+predicate (which requests take it), the ``decoding`` value that names it (if any: then ``SamplingParams`` accepts
+that value, because registering the mode adds it to ``celeris.sampling.rules.COMMIT_RULES``, the table
+``SamplingParams.decoding`` is validated against) and its engine path: the object that lays out a pass, commits
+its tokens and counts its token cost (``celeris.engine.path.ModePath``). The path is given as the factory itself
+or, for the built-in modes, which live on the engine's floor above this one, as a ``"module:attribute"`` string
+that the engine resolves when it first needs the path (vLLM's lazily registered models do the same). The
+built-in modes:
 
 - ``masked``: full-attention diffusion models (Celeris, LLaDA, Dream), and a causal model decoding one token per
   step through the same path (``block_length`` 1: the autoregressive twin, a hybrid model outside ``verified``);
-  the rules of ``celeris.sampling.step`` with the ``cache`` policies of ``celeris.sampling.cache``.
+  the rules of ``celeris.sampling.step`` with the ``cache`` policies of ``celeris.sampling.cache``. The default:
+  a request no other mode selects takes it.
 - ``block``: block-diffusion models (SDAR, Fast-dLLM v2, LLaDA2.0), and a hybrid model asking for blocks
   (``block_length`` > 1); the rules of ``celeris.sampling.block``.
 - ``verified``: ``decoding: "verified"`` on a causal model (drafts checked by the next-token head); the rules of
-  ``celeris.sampling.verified``.
+  ``celeris.sampling.verified``. Its ``decoding`` value is declared in ``COMMIT_RULES`` itself, so that
+  ``SamplingParams(decoding="verified")`` validates after a bare ``import celeris``, which must not load this
+  module (it imports ``celeris.models``); registering the mode checks that entry is the mode's own.
 
 ``mode_of`` picks the mode from the model and the settings; ``check_request`` refuses, with a ValueError whose
 first word is the parameter, what the chosen mode cannot run on the model, and returns the mode. The reference
@@ -20,25 +31,84 @@ Also the context-window checks every caller shares (``ContextLengthError``, ``ch
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
-from celeris.params import SamplingParams
+from celeris.params import SamplingParams, register_commit_rule, unregister_commit_rule
 from celeris.sampling.block import block_mode, check_block_support
 from celeris.sampling.cache import CACHE_MODES
+from celeris.sampling.rules import COMMIT_RULES, CommitRule
 from celeris.sampling.verified import check_verified_support
 
-MODES = ("masked", "block", "verified")
+Check = Callable[[torch.nn.Module, SamplingParams, bool], None]
+Selects = Callable[[torch.nn.Module, SamplingParams], bool]
+DEFAULT_MODE = "masked"  # the mode of a request no other mode selects
+
+
+@dataclass(frozen=True, slots=True)
+class DecodingMode:
+    """One decoding mode, as ``register_mode`` takes it.
+
+    Attributes:
+        name: the mode's name (``Request.mode``, ``Engine.paths``' key).
+        check: ``check(model, params, has_suffix)`` raises ValueError, its message starting with the parameter's
+            name, for settings this mode cannot run on ``model`` (``has_suffix``: the request infills).
+        selects: ``selects(model, params)``: whether a request with ``params`` on ``model`` takes this mode. The
+            modes are asked in registration order; a request none selects takes ``DEFAULT_MODE``.
+        path: the engine's path for this mode: a factory ``path(context) -> ModePath`` taking the engine's
+            shared parts (``celeris.engine.path.PathContext``), or ``"module:attribute"`` naming one.
+        rule: the ``decoding`` value that names this mode (a ``CommitRule`` with ``fn`` None: its ``help`` and the
+            settings only it reads, ``params``), added to ``COMMIT_RULES`` under ``name``; None: no such value.
+    """
+
+    name: str
+    check: Check
+    selects: Selects
+    path: Callable[..., object] | str
+    rule: CommitRule | None = None
+
+
+MODES: dict[str, DecodingMode] = {}
+
+
+def decoding_is(name: str) -> Selects:
+    """The selection predicate of a mode named by a ``decoding`` value: requests with ``decoding == name``."""
+    return lambda model, params: params.decoding == name
+
+
+def register_mode(mode: DecodingMode) -> None:
+    """Add a decoding mode; with a ``rule``, ``decoding=mode.name`` becomes a valid setting everywhere (CLI flag,
+    HTTP field, ``SamplingParams``), read from ``COMMIT_RULES`` at call time.
+
+    Raises:
+        ValueError: the name is taken (a mode, or a ``decoding`` value that is not this mode's own rule), the
+            rule has a commit function (a mode commits through its path), or it declares unknown settings.
+    """
+    if mode.name in MODES:
+        raise ValueError(f"decoding mode '{mode.name}' is already registered")
+    if mode.rule is not None:
+        if mode.rule.fn is not None:
+            raise ValueError(f"decoding mode '{mode.name}': its rule must have fn None (the mode's path commits)")
+        if COMMIT_RULES.get(mode.name) is not mode.rule:
+            register_commit_rule(mode.name, mode.rule)  # refuses a taken decoding value or an unknown setting
+    MODES[mode.name] = mode
+
+
+def unregister_mode(name: str) -> None:
+    """Remove a mode added by ``register_mode`` and its ``decoding`` value (tests, plug-ins)."""
+    mode = MODES.pop(name, None)
+    if mode is not None and mode.rule is not None and COMMIT_RULES.get(name) is mode.rule:
+        unregister_commit_rule(name)
 
 
 def mode_of(model: torch.nn.Module, params: SamplingParams) -> str:
-    """The mode (one of ``MODES``) that decodes ``params`` on ``model``: ``block`` when the model has a
-    block-diffusion contract that applies (``celeris.sampling.block.block_mode``: a published block model always,
-    a hybrid model for ``block_length`` > 1 outside ``verified``), else ``verified`` for ``decoding: "verified"``,
-    else ``masked``."""
-    if block_mode(model, params) is not None:
-        return "block"
-    return "verified" if params.decoding == "verified" else "masked"
+    """The mode (a key of ``MODES``) that decodes ``params`` on ``model``: the first registered mode whose
+    ``selects`` says so (``block`` when the model has a block-diffusion contract that applies,
+    ``celeris.sampling.block.block_mode``; ``verified`` for ``decoding: "verified"``; a plug-in's own), else
+    ``DEFAULT_MODE``."""
+    return next((m.name for m in MODES.values() if m.name != DEFAULT_MODE and m.selects(model, params)),
+                DEFAULT_MODE)
 
 
 def check_masked_support(model: torch.nn.Module, params: SamplingParams, has_suffix: bool = False) -> None:
@@ -76,12 +146,17 @@ def _check_block(model: torch.nn.Module, params: SamplingParams, has_suffix: boo
     check_block_support(block_mode(model, params), params, has_suffix)
 
 
-# mode -> its check(model, params, has_suffix): raises ValueError naming the parameter first
-CHECKS: dict[str, Callable[[torch.nn.Module, SamplingParams, bool], None]] = {
-    "masked": check_masked_support,
-    "block": _check_block,
-    "verified": check_verified_support,
-}
+def _always(model: torch.nn.Module, params: SamplingParams) -> bool:
+    return True
+
+
+# the built-in modes; the order is the order ``mode_of`` asks them in (block before verified: a block model
+# asked for 'verified' is refused by the block check, naming ``decoding``)
+register_mode(DecodingMode("block", _check_block, lambda model, params: block_mode(model, params) is not None,
+                           "celeris.engine.blocks:BlockDecoder"))
+register_mode(DecodingMode("verified", check_verified_support, decoding_is("verified"),
+                           "celeris.engine.verified:VerifiedPath", rule=COMMIT_RULES["verified"]))
+register_mode(DecodingMode(DEFAULT_MODE, check_masked_support, _always, "celeris.engine.masked:MaskedPath"))
 
 
 def check_request(model: torch.nn.Module, params: SamplingParams, has_suffix: bool = False,
@@ -96,15 +171,15 @@ def check_request(model: torch.nn.Module, params: SamplingParams, has_suffix: bo
             (no check when it has none). The serving layer passes its tokenizer's.
 
     Returns:
-        One of ``MODES``.
+        A key of ``MODES``.
 
     Raises:
         ValueError: a setting the mode cannot run on this model (the message starts with the parameter:
             ``celeris.sampling.block.check_block_support``, ``celeris.sampling.verified.check_verified_support``,
-            ``check_masked_support``), or a stop token id outside the vocabulary.
+            ``check_masked_support``, a plug-in mode's ``check``), or a stop token id outside the vocabulary.
     """
     mode = mode_of(model, params)
-    CHECKS[mode](model, params, has_suffix)
+    MODES[mode].check(model, params, has_suffix)
     vocab = getattr(model.config, "vocab_size", None) if vocab_size is None else vocab_size
     if vocab is not None and any(t >= vocab for t in params.stop_token_ids):
         raise ValueError(f"stop_token_ids must be ids below the vocabulary size {vocab}; got {params.stop_token_ids}")

@@ -4,6 +4,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from celeris.config import EngineConfig
 from celeris.engine.blocks import BlockRow
 from celeris.engine.engine import Engine
@@ -42,7 +44,7 @@ def test_the_mode_is_decided_once_and_each_path_owns_its_state(hybrid, monkeypat
         assert r.nfe == r.num_steps >= 1, mode  # one pass per step in every mode (no CFG here)
     assert requests["masked"].num_steps == 6  # one token per step, block_length 1
     assert requests["verified"].state is None  # its pool row was freed with it
-    assert engine.stats().kv_bytes == engine.drafter.pool_bytes  # only the preallocated verified pool is left
+    assert engine.stats().kv_bytes == engine.drafter.pool_bytes == engine.runner.kv.nbytes  # the one store
 
 
 def test_a_requests_token_cost_comes_from_its_mode(hybrid):
@@ -70,3 +72,54 @@ def test_a_requests_token_cost_comes_from_its_mode(hybrid):
         while alone.has_unfinished():
             alone.step()
         assert r.answer.tolist() == solo.answer.tolist()
+
+
+def test_every_registered_mode_names_a_path_the_engine_can_make(hybrid):
+    """The built-in modes name their paths as 'module:attribute' strings (the engine's floor is above the
+    registry's); each resolves, and the engine makes each path once, at the mode's first request."""
+    from celeris.engine.blocks import BlockDecoder
+    from celeris.engine.masked import MaskedPath
+    from celeris.engine.path import resolve_path
+    from celeris.engine.verified import VerifiedPath
+    from celeris.sampling.modes import DEFAULT_MODE, MODES
+
+    assert list(MODES)[:3] == ["block", "verified", "masked"] and DEFAULT_MODE == "masked"
+    classes = {"block": BlockDecoder, "verified": VerifiedPath, "masked": MaskedPath}
+    assert {name: resolve_path(MODES[name].path) for name in classes} == classes
+    engine = Engine(hybrid, EngineConfig(max_num_seqs=3))
+    assert engine.paths == {}  # nothing is made before a request of its mode arrives
+    for i, params in enumerate(SETTINGS.values()):
+        engine.add_request([5 + i, 6, 7], params)
+    engine.step()
+    assert {mode: type(path) for mode, path in engine.paths.items()} == classes
+    first = dict(engine.paths)
+    engine.add_request([9, 9], SETTINGS["block"])
+    engine.step()
+    assert all(engine.paths[mode] is path for mode, path in first.items())  # made once
+    with pytest.raises(ValueError, match="module:attribute"):
+        resolve_path("celeris.engine.masked.MaskedPath")
+
+
+def test_a_mode_is_registered_once_and_its_decoding_value_goes_with_it():
+    from celeris.sampling.modes import DecodingMode, decoding_is, register_mode, unregister_mode
+    from celeris.sampling.rules import COMMIT_RULES, CommitRule
+
+    def check(model, params, has_suffix):
+        return None
+
+    with pytest.raises(ValueError, match="'verified' is already registered"):
+        register_mode(DecodingMode("verified", check, decoding_is("verified"), "x:y"))
+    with pytest.raises(ValueError, match="'fixed' is already registered"):  # a commit rule's value is taken
+        register_mode(DecodingMode("fixed", check, decoding_is("fixed"), "x:y", rule=CommitRule(None, "?")))
+    with pytest.raises(ValueError, match="fn None"):
+        register_mode(DecodingMode("spare", check, decoding_is("spare"), "x:y", rule=COMMIT_RULES["fixed"]))
+    with pytest.raises(ValueError, match="spare"):
+        SamplingParams(decoding="spare")
+    register_mode(DecodingMode("spare", check, decoding_is("spare"), "x:y", rule=CommitRule(None, "a spare mode")))
+    try:
+        assert SamplingParams(decoding="spare").decoding == "spare"
+    finally:
+        unregister_mode("spare")
+    assert "spare" not in COMMIT_RULES
+    with pytest.raises(ValueError, match="decoding must be one of"):
+        SamplingParams(decoding="spare")

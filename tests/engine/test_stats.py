@@ -1,12 +1,24 @@
-"""``Engine.stats()``: one KV figure over every store of the engine, and the verified path's counters, read without
-reaching into the paths (the server's metrics and the bench read only this)."""
+"""The engine's one KV store (``celeris.engine.kv.KVStore``) and ``Engine.stats()``: every mode takes its rows
+from one allocation sized from ``EngineConfig`` (``max_num_seqs`` rows of ``max_model_len`` + ``ROW_SLACK``
+columns, the K/V heads) and gives them back; ``stats()`` reports that one figure and the verified path's counters,
+read without reaching into the paths (the server's metrics and the bench read only this)."""
 
 from __future__ import annotations
 
+import pytest
+
 from celeris.config import EngineConfig
 from celeris.engine.engine import Engine
+from celeris.engine.kv import ROW_SLACK
 from celeris.params import SamplingParams
-from celeris.sampling.verified import MAX_DRAFTS
+from tests.conftest import tiny_model
+
+SETTINGS = {
+    "masked": SamplingParams(max_tokens=6, block_length=1, steps=6, cache="delayed", early_exit=False),
+    "block": SamplingParams(max_tokens=8, block_length=4, steps=4, early_exit=False),
+    "verified": SamplingParams(max_tokens=8, steps=8, block_length=1, decoding="verified", early_exit=False),
+}
+PROMPTS = {"masked": [5, 6, 7], "block": [8, 9], "verified": [10, 11, 12]}
 
 
 def store_bytes(model, rows: int, tokens: int) -> int:
@@ -14,25 +26,62 @@ def store_bytes(model, rows: int, tokens: int) -> int:
     return 2 * len(model.layers) * rows * model.arch.num_kv_heads * tokens * model.arch.head_dim * 8
 
 
-def test_one_kv_figure_counts_every_store_and_drops_as_requests_finish(hybrid):
-    rows, max_len = 3, 48
+def alone(model, prompt: list[int], params: SamplingParams) -> list[int]:
+    engine = Engine(model, EngineConfig(max_num_seqs=2))  # two rows: room for a CFG request's
+    request = engine.add_request(prompt, params)
+    while engine.has_unfinished():
+        engine.step()
+    return request.answer.tolist()
+
+
+def test_one_store_sized_for_exactly_three_modes_holds_them_at_once(hybrid):
+    rows, max_len = 3, 48  # one row each: the masked request (delayed cache), the block one, the verified one
     engine = Engine(hybrid, EngineConfig(max_num_seqs=rows, max_model_len=max_len))
     assert engine.stats().kv_bytes == 0  # nothing is allocated before a request needs it
-    token = SamplingParams(max_tokens=6, block_length=1, steps=6, cache="delayed", early_exit=False)  # masked path
-    block = SamplingParams(max_tokens=8, block_length=4, steps=4, early_exit=False)  # block path
-    verified = SamplingParams(max_tokens=8, steps=8, block_length=1, decoding="verified", early_exit=False)
-    for prompt, params in (([5, 6, 7], token), ([8, 9], block), ([10, 11, 12], verified)):
-        engine.add_request(prompt, params)
+    requests = {mode: engine.add_request(PROMPTS[mode], params) for mode, params in SETTINGS.items()}
     engine.step()
+    store = engine.runner.kv
     stats = engine.stats()
-    verified_pool = store_bytes(hybrid, rows, max_len + 2 * MAX_DRAFTS + 2)  # preallocated for max_num_seqs rows
-    one_block_of_rows = store_bytes(hybrid, 8, 64)  # a growing pool reserves 8 rows x 64 columns at a time
-    assert stats.kv_bytes == verified_pool + 2 * one_block_of_rows  # the masked path's pool and the block path's
+    assert stats.kv_bytes == store.nbytes == store_bytes(hybrid, rows, max_len + ROW_SLACK)  # one allocation
+    assert store.num_free_rows == 0 and [s.num_rows for s in store.segments] == [1, 1, 1]  # full, one row each
+    pools = {"masked": engine.runner.pool.segment, "block": engine.block_decoder.pool.segment,
+             "verified": engine.drafter.segment}
+    assert all(segment.store is store for segment in pools.values())  # every mode takes from the one store
     assert stats.num_running == 3 and stats.num_waiting == 0 and stats.num_steps == 1
     while engine.has_unfinished():
         engine.step()
+    for mode, r in requests.items():
+        assert r.answer.tolist() == alone(hybrid, PROMPTS[mode], SETTINGS[mode]), mode
     done = engine.stats()
-    assert done.kv_bytes == verified_pool  # the growing pools gave their memory back
+    assert done.kv_bytes == stats.kv_bytes and store.num_free_rows == rows  # every row given back, kept allocated
     assert done.num_running == 0 and done.num_steps > 1
     assert len(done.drafted) == len(done.accepted) >= 1 and sum(done.drafted) >= sum(done.accepted)
     assert done.prefix_cache_queries == 3 and done.prefix_cache_hits == 0  # one prompt of 3 tokens, no block reused
+
+
+def test_the_scheduler_admits_no_more_rows_than_the_store_has():
+    """A CFG request with a cache takes two rows (its unconditional row too): beside it, a store of three rows
+    holds one more cached request, and the third waits for a row; every request still gets its tokens alone."""
+    model = tiny_model()  # full attention: CFG applies
+    cfg = SamplingParams(max_tokens=8, block_length=4, steps=8, cache="dual", cfg_scale=1.0, early_exit=False)
+    plain = SamplingParams(max_tokens=8, block_length=4, steps=8, cache="dual", early_exit=False)
+    prompts, settings = [[5, 6, 7], [8, 9], [10, 11, 12, 13]], [cfg, plain, plain]
+    engine = Engine(model, EngineConfig(max_num_seqs=3))
+    requests = [engine.add_request(p, params) for p, params in zip(prompts, settings, strict=True)]
+    engine.step()
+    assert engine.scheduler.running == requests[:2] and engine.runner.kv.num_free_rows == 0
+    assert engine.kv_rows(engine.scheduler.running) == 3 and requests[2].num_steps == 0  # it waits for a row
+    while engine.has_unfinished():
+        engine.step()
+    for prompt, params, r in zip(prompts, settings, requests, strict=True):
+        assert r.answer.tolist() == alone(model, prompt, params)
+    with pytest.raises(ValueError, match="^cfg_scale with cache='dual' needs 2 rows of the KV store, which has 1"):
+        Engine(model, EngineConfig(max_num_seqs=1)).add_request([5, 6], cfg)
+
+
+def test_a_request_that_takes_rows_must_fit_max_model_len(hybrid):
+    from celeris.sampling.modes import ContextLengthError
+
+    engine = Engine(hybrid, EngineConfig(max_model_len=16))
+    with pytest.raises(ContextLengthError, match="context window is 16 tokens"):
+        engine.add_request([5] * 12, SETTINGS["masked"])

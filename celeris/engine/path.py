@@ -1,0 +1,83 @@
+"""What a decoding mode's engine path is given and what the engine asks of it.
+
+A decoding mode (``celeris.sampling.modes.DecodingMode``) names its path: a factory ``path(context) -> ModePath``.
+The engine calls it once, at the mode's first request, with the parts every path shares (``PathContext``: the
+model, the one ``ModelRunner`` that calls it, compiled or not, the engine's settings); the path then owns its
+requests' cursors (``Request.state``) and, each step, lays out its pass(es), runs them through the runner,
+commits the chosen tokens into each ``Request.canvas`` and counts the step (``Request.record_step``), advancing or
+finishing each request. The built-in paths are ``celeris.engine.masked.MaskedPath``,
+``celeris.engine.blocks.BlockDecoder`` and ``celeris.engine.verified.VerifiedPath``; a plug-in's is its own class
+(``tests/engine/test_toy_mode.py`` holds one).
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from celeris.config import EngineConfig
+from celeris.engine.request import Request
+from celeris.engine.runner import ModelRunner
+
+
+@dataclass(frozen=True, slots=True)
+class PathContext:
+    """The engine's shared parts, handed to each mode's path factory.
+
+    Attributes:
+        model: the loaded model (its ``config``: ``mask_token_id``, ``eos_token_id``, ``pad_token_id``, ...).
+        runner: the engine's one model runner: call the model through it (``runner.model`` is the full forward,
+            compiled when ``config.enforce_eager`` is False; ``hidden_states``, ``layout_hidden_states`` and
+            ``logits`` likewise), on ``runner.device``; take KV rows from its one store (``runner.kv``, a
+            ``celeris.engine.kv.KVStore``: ``kv.segment()``, then ``grow``/``shrink``).
+        config: the engine's settings (``max_num_seqs``, ``logprobs_mode``, ``enable_prefix_caching``, ...).
+        max_model_len: the most tokens one request may hold (None: no limit known).
+        eos_id: the model's end-of-text id (a request's own end ids: ``Request.ends``).
+    """
+
+    model: torch.nn.Module
+    runner: ModelRunner
+    config: EngineConfig
+    max_model_len: int | None
+    eos_id: int
+
+
+class ModePath(Protocol):
+    """What the engine asks of a decoding mode's path (``Engine.paths``)."""
+
+    def step(self, requests: list[Request]) -> list[Request]:
+        """One step (its passes) for the running requests of this mode, in place: each request's canvas holds the
+        committed tokens, its step is counted (``Request.record_step``) and it is advanced or finished. Returns
+        the requests to emit (usually ``requests``)."""
+
+    def token_cost(self, requests: list[Request]) -> int:
+        """Columns the next step over ``requests`` (all of this mode) computes: the scheduler's token budget."""
+
+    def kv_rows(self, request: Request) -> int:
+        """Rows of the engine's KV store (``runner.kv``) ``request`` takes while it runs (0: it holds no
+        keys/values): the scheduler admits requests while the store has rows for them."""
+
+    def release(self) -> None:
+        """Free the memory (KV rows, cursors) of finished or aborted requests."""
+
+
+PathFactory = Callable[[PathContext], ModePath]
+
+
+def resolve_path(path: PathFactory | str) -> PathFactory:
+    """A mode's path factory: ``path`` itself, or the attribute a ``"module:attribute"`` string names.
+
+    Raises:
+        ValueError: a string without exactly one ``:``.
+        ImportError / AttributeError: the module or attribute does not exist.
+    """
+    if not isinstance(path, str):
+        return path
+    module, sep, attribute = path.partition(":")
+    if not sep or not module or not attribute or ":" in attribute:
+        raise ValueError(f"a mode's path must be a factory or 'module:attribute', got '{path}'")
+    return getattr(importlib.import_module(module), attribute)
