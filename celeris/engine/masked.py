@@ -22,6 +22,11 @@ and return each request's block logits; this path then commits them through
 correction, progress check), stores the committed tokens' log-probabilities when asked, and moves each request's
 cursor (``Request.advance``: the block, its schedule) or ends it. A request's cursor is the ``Request`` itself
 (``request.state`` stays None).
+
+Chunked prefill (``celeris.engine.scheduler``), for a causal model under the ``delayed`` cache: a request still
+prefilling takes a row of the pool at once (``KVPool.reserve``) and computes its step's chunk of prompt columns as
+its columns of the window pass (logits unused, nothing committed); its first step then computes just its first
+block, reading the prompt's keys/values from its row, exact as a full pass is for a causal model.
 """
 
 from __future__ import annotations
@@ -102,6 +107,7 @@ class MaskedPath:
         advance or finish each; a request prefilling in chunks computes its chunk instead. Returns the requests
         that stepped (``batch`` less those prefilling)."""
         logits, block = self.passes(batch)
+        stepped = batch  # every running request, prefilling ones included: they keep their KV rows
         prefilled = [r for r in batch if r.is_prefilling]
         for r in prefilled:  # a chunk of its prompt is in the cache now; nothing to commit
             r.num_computed += r.prefill_chunk
@@ -136,7 +142,7 @@ class MaskedPath:
                 if r.constraint is not None and r.constraint.stopped and not r.is_finished:
                     r.finish("stop")  # the grammar allows nothing but the end: no pass for that token
         if any(r.is_finished for r in batch):  # free finished requests' KV rows now, not at the next step
-            self.runner.release({r for r in batch if not r.is_finished})
+            self.runner.release({r for r in stepped if not r.is_finished})
         return batch
 
     def _record_logprobs(self, batch: list[Request], logits: torch.Tensor, new_block: torch.Tensor,

@@ -5,7 +5,7 @@ re-exported here).
 
 What verified decoding is, and the rules it follows (drafts, verification, grammars), is
 ``celeris.sampling.verified``'s docstring; this module runs the model and owns the keys/values
-(``celeris.engine.kv.PrefixCache`` for prompt prefixes).
+(``celeris.engine.kv.PrefixCache`` for prompt prefixes; a long prompt's chunks, ``DraftRow.plan_chunk``).
 """
 
 from __future__ import annotations

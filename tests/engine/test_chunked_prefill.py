@@ -153,3 +153,26 @@ def test_chunked_verified_prefill_fills_and_reads_the_prefix_cache(hybrid):
     for request in (first, second):
         assert request.final_prefix(eos) == generate_autoregressive(hybrid, [request.prompt_ids],
                                                                     VERIFIED).token_ids[0]
+
+
+@pytest.mark.parametrize("params", [AR, VERIFIED], ids=["masked-causal", "verified"])
+def test_a_request_finishing_mid_prefill_leaves_the_prefills_cache(hybrid, params):
+    """A short request finishes (and frees its KV row, the last rows moving into the holes) while the long prompt is
+    still being prefilled between two later requests: the long request's row and the chunks in it stay, and every
+    request gets its solo tokens."""
+    engine = Engine(hybrid, EngineConfig(max_num_seqs=4, max_num_batched_tokens=60))
+    short = engine.add_request(SHORT, SamplingParams(**{**_fields(params), "max_tokens": 2, "steps": 2}))
+    engine.step()
+    long = engine.add_request(LONG, params)
+    later = [engine.add_request(p, SamplingParams(**{**_fields(params), "max_tokens": 12, "steps": 12}))
+             for p in ([8, 9], [10, 11])]
+    finished_mid_prefill = 0
+    while engine.has_unfinished():
+        was_running = not short.is_finished
+        engine.step()
+        finished_mid_prefill += long.is_prefilling and was_running and short.is_finished
+    assert finished_mid_prefill and long.prefill_target and all(r.num_steps for r in later)
+    eos = hybrid.config.eos_token_id
+    for request in (long, *later):
+        assert request.final_prefix(eos) == generate_autoregressive(hybrid, [request.prompt_ids],
+                                                                    request.params).token_ids[0]
