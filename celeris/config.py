@@ -35,8 +35,9 @@ class EngineConfig:
     Attributes:
         max_num_seqs: most requests denoised together in one forward pass, and the rows of the engine's one KV
             store (``celeris.engine.kv.KVStore``; a CFG request with a cache takes two).
-        max_num_batched_tokens: most canvas tokens (batch rows x padded length,
-            CFG rows included) one forward pass may process.
+        max_num_batched_tokens: most columns one step computes, as each request's mode counts them (masked
+            diffusion: batch rows x padded length, CFG rows included); a prompt that does not fit is prefilled in
+            chunks where its mode allows (``celeris.engine.scheduler``).
         max_waiting: most requests queued before ``add_request`` raises QueueFullError (``LLM`` defaults it
             to ``OFFLINE_MAX_WAITING``, the servers to ``SERVER_MAX_WAITING``).
         device: "cpu", "cuda", ...; None picks CUDA when available.
@@ -66,8 +67,8 @@ class EngineConfig:
 
     max_num_seqs: int = _knob(8, "requests denoised together in one forward pass; also the rows of the KV store "
                               "(a CFG request with a cache takes two)")
-    max_num_batched_tokens: int = _knob(16384, "most canvas tokens (rows x padded length) one forward pass "
-                                        "may process")
+    max_num_batched_tokens: int = _knob(16384, "most canvas tokens (rows x padded length) one step may "
+                                        "process; a longer causal prompt is prefilled in chunks")
     max_waiting: int = _knob(256, "requests queued beyond the running ones; more get 429 (QueueFullError)")
     device: str | None = _knob(None, "cpu, cuda, cuda:1 ... (default: cuda when available)")
     dtype: str | None = _knob(None, "weight dtype (default: bfloat16 on CUDA, float32 on CPU)", choices=tuple(DTYPES))

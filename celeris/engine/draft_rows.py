@@ -102,16 +102,27 @@ class DraftRow:
     pending: int = -1  # column whose next-token logits give the first token of the next pass
     slot_start: int = 0  # first mask-slot column of the next pass
     num_slots: int = 0  # mask slots in the next pass (k, or 0 when its drafts came from prompt lookup)
-    num_cached: int = 0  # prompt tokens whose keys/values came from the prefix cache (the prefill starts there)
+    num_cached: int = 0  # prompt tokens whose keys/values are in its row (prefix cache, chunks): the prefill starts there
+    prefilling: bool = False  # its prompt is prefilled ahead of its first pass, in chunks (chunked prefill)
+    chunk: int = 0  # while prefilling: prompt columns its next pass computes (0: paused, it redoes one it holds)
     new_logprobs: list[TokenLogprob] = field(default_factory=list)  # with params.logprobs: the last pass's tokens'
     passes: int = 0
     finished: bool = False
     hit_eos: bool = False
     owner: object | None = None  # the engine's Request this row decodes (``VerifiedPath``), None outside the engine
 
+    def plan_chunk(self, target: int, chunk: int) -> None:
+        """Set whether its prompt is still prefilled in chunks, up to column ``target`` (0: not chunked), and if so
+        the ``chunk`` more columns its next pass computes (fewer at the end; 0: it pauses, redoing one it holds)."""
+        self.prefilling = self.num_cached < target
+        self.chunk = max(0, min(chunk, target - self.num_cached)) if self.prefilling else 0
+
     @property
     def columns(self) -> list[int]:
-        """Columns of the next pass: the prompt past its cached prefix and k slots (prefill), else pending, drafts,
-        slots."""
+        """Columns of the next pass: a chunk of the prompt past its cached prefix (chunked prefill), the prompt past
+        its cached prefix and k slots (prefill), else pending, drafts, slots."""
+        if self.prefilling:
+            first = self.num_cached if self.chunk else max(self.num_cached - 1, 0)
+            return list(range(first, self.num_cached + self.chunk)) or [first]
         first = self.num_cached if self.pending < len(self.prompt_ids) - 1 else self.pending
         return list(range(first, self.slot_start + self.num_slots))

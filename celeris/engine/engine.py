@@ -6,8 +6,9 @@ A request's mode (a key of the registry ``celeris.sampling.modes.MODES``) is dec
 ``engine/masked.py``), made from the mode's registered factory at its first request, which owns the request's
 cursor as ``request.state`` and counts each step with ``Request.record_step``. Every path takes its KV rows from
 the runner's one store (``celeris.engine.kv.KVStore``); the scheduler admits a request while the store has the
-rows its path says it takes (``kv_rows``). The engine's step names no mode; ``drafter`` and ``block_decoder``
-are read-only handles on the verified and block paths for the counters ``stats()`` reports and for tests.
+rows its path says it takes (``kv_rows``), and prefills a long prompt in chunks where its path can
+(``prefill_columns``; ``celeris.engine.scheduler``'s docstring). The engine's step names no mode; ``drafter`` and
+``block_decoder`` are read-only handles on the verified and block paths for the counters ``stats()`` reports and for tests.
 
 Offline ``LLM.generate``, the HTTP server and batch jobs all drive this same
 ``step()``. Every running request moves one denoising step per call, whatever
@@ -108,6 +109,7 @@ class Engine:
         self.paths: dict[str, ModePath] = {}
         self.scheduler.cost = self.batch_tokens
         self.scheduler.kv_rows = self.kv_rows
+        self.scheduler.prefill_columns = self.prefill_columns
 
     def path(self, mode: str) -> ModePath:
         """The path of ``mode`` (a key of ``celeris.sampling.modes.MODES``), made from its registered factory
@@ -131,6 +133,12 @@ class Engine:
         """Rows of the KV store (``runner.kv``) ``requests`` hold once running, each counted by its path
         (``kv_rows``): the scheduler admits no more than the store has."""
         return sum(self.path(r.mode).kv_rows(r) for r in requests)
+
+    def prefill_columns(self, request: Request) -> int:
+        """Prompt columns ``request``'s path can prefill in chunks ahead of its first step (its optional
+        ``prefill_columns``; 0: none, its prompt is prefilled whole): the scheduler's chunked prefill."""
+        columns = getattr(self.path(request.mode), "prefill_columns", None)
+        return columns(request) if columns is not None else 0
 
     @property
     def drafter(self) -> VerifiedDecoder | None:

@@ -282,17 +282,28 @@ class KVPool:
                              f"raise max_model_len")
         if self.segment.store.dtype != keys[0].dtype:  # never a silent cast of the keys/values
             raise TypeError(f"keys of dtype {keys[0].dtype} for a KV store of {self.segment.store.dtype}")
+        row = self.reserve(request, kind, n)
+        for layer, (k, v) in enumerate(zip(self.segment.keys, self.segment.values, strict=True)):
+            k[row, :, :n] = keys[layer]
+            v[row, :, :n] = values[layer]
+
+    def reserve(self, request: Request, kind: str, n: int) -> int:
+        """The request's row (taken from the store when it has none, its contents left as they are) with passes
+        seeing at least ``n`` columns; a chunked prefill fills it column by column. Returns the row.
+
+        Raises:
+            KVStoreFullError: a new row and no free row in the store.
+        """
         row = self._index.get((request, kind))
         if row is None:
             self.segment.grow(1)
             row = len(self.owners)
             self.owners.append((request, kind))
             self._index[(request, kind)] = row
+        row_len = self.segment.store.row_len
         grown = -(-max(n, self.capacity_length) // self.col_block) * self.col_block
         self.capacity_length = grown if row_len is None else min(grown, row_len)
-        for layer, (k, v) in enumerate(zip(self.segment.keys, self.segment.values, strict=True)):
-            k[row, :, :n] = keys[layer]
-            v[row, :, :n] = values[layer]
+        return row
 
     def release(self, keep: set[Request]) -> None:
         """Give back the rows of requests not in ``keep`` (finished or aborted) to the store."""

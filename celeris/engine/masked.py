@@ -22,6 +22,11 @@ and return each request's block logits; this path then commits them through
 correction, progress check), stores the committed tokens' log-probabilities when asked, and moves each request's
 cursor (``Request.advance``: the block, its schedule) or ends it. A request's cursor is the ``Request`` itself
 (``request.state`` stays None).
+
+Chunked prefill (``celeris.engine.scheduler``), for a causal model under the ``delayed`` cache: a request still
+prefilling takes a row of the pool at once (``KVPool.reserve``) and computes its step's chunk of prompt columns as
+its columns of the window pass (logits unused, nothing committed); its first step then computes just its first
+block, reading the prompt's keys/values from its row, exact as a full pass is for a causal model.
 """
 
 from __future__ import annotations
@@ -63,14 +68,28 @@ class MaskedPath:
         self.pad_id = self.runner.pad_id
         self.confidence_from = confidence_rule(context.model)
         self.logprobs_mode = context.config.logprobs_mode
+        self.is_causal = bool(getattr(config, "is_causal", False))
 
     def token_cost(self, requests: list[Request]) -> int:
-        """Tokens the step's full pass over ``requests`` processes (the scheduler's budget): rows (a CFG request
-        adds its unconditional row) x the longest canvas, since the rows are padded to it; a window pass computes
-        fewer."""
-        if not requests:
-            return 0
-        return sum(2 if r.params.cfg_scale > 0 else 1 for r in requests) * max(r.num_tokens for r in requests)
+        """Tokens the step's passes over ``requests`` process (the scheduler's budget): a request prefilling in
+        chunks its chunk (``Request.prefill_chunk``); one whose chunked prefill is done, while the step is a window
+        pass, its window's columns (and the column that scores its first); the others, as the full pass pads them,
+        rows (a CFG request adds its unconditional row) x their longest canvas (a window pass computes fewer)."""
+        full = [r for r in requests if not r.prefill_target]
+        cost = sum(2 if r.params.cfg_scale > 0 else 1 for r in full) * max((r.num_tokens for r in full), default=0)
+        for r in requests:
+            if r.prefill_target:
+                window = None if r.is_prefilling else r.cache_columns()
+                cost += r.prefill_chunk if r.is_prefilling else r.num_tokens if window is None else len(window[0]) + 1
+        return cost
+
+    def prefill_columns(self, request: Request) -> int:
+        """Prompt columns a chunked prefill can compute ahead of the first step: the whole prompt for a causal model
+        under the ``delayed`` cache without CFG or a suffix (a causal prompt's keys/values are exact, whatever the
+        pass that computes them, and that cache's first block reads them from the cache); else 0."""
+        p = request.params
+        exact = self.is_causal and p.cache == "delayed" and p.cfg_scale == 0 and not request.suffix_ids
+        return request.answer_start if exact else 0
 
     def kv_rows(self, request: Request) -> int:
         """Rows of the KV store a request takes: one with a cache policy that caches (two with CFG), else none."""
@@ -85,8 +104,19 @@ class MaskedPath:
     @torch.no_grad()
     def step(self, batch: list[Request]) -> list[Request]:
         """One denoising step for ``batch`` (running masked requests): commit, count (``Request.record_step``),
-        advance or finish each. Returns ``batch``."""
+        advance or finish each; a request prefilling in chunks computes its chunk instead. Returns the requests
+        that stepped (``batch`` less those prefilling)."""
         logits, block = self.passes(batch)
+        stepped = batch  # every running request, prefilling ones included: they keep their KV rows
+        prefilled = [r for r in batch if r.is_prefilling]
+        for r in prefilled:  # a chunk of its prompt is in the cache now; nothing to commit
+            r.num_computed += r.prefill_chunk
+            r.nfe += r.prefill_chunk > 0
+        if prefilled:
+            rows = [i for i, r in enumerate(batch) if r not in prefilled]
+            batch, logits, block = [batch[i] for i in rows], logits[rows], block[rows]
+            if not batch:
+                return []
         settings = RowSettings.from_params([r.params for r in batch], logits.device)
         num_tokens = torch.tensor([r.tokens_this_step() for r in batch], device=logits.device)
         seen = None
@@ -112,7 +142,7 @@ class MaskedPath:
                 if r.constraint is not None and r.constraint.stopped and not r.is_finished:
                     r.finish("stop")  # the grammar allows nothing but the end: no pass for that token
         if any(r.is_finished for r in batch):  # free finished requests' KV rows now, not at the next step
-            self.runner.release({r for r in batch if not r.is_finished})
+            self.runner.release({r for r in stepped if not r.is_finished})
         return batch
 
     def _record_logprobs(self, batch: list[Request], logits: torch.Tensor, new_block: torch.Tensor,
@@ -136,6 +166,9 @@ class MaskedPath:
             hold the pad id, so they are never committed). Lb is the longest block.
         """
         self.runner.release(set(requests))
+        for r in requests:
+            if r.is_prefilling:  # its row, filled a chunk at a time by the window pass
+                self.runner.pool.reserve(r, "cond", r.num_tokens)
         full = [i for i, r in enumerate(requests) if self._needs_full_pass(r)]
         windowed = sorted(set(range(len(requests))) - set(full))
         block_width = max(e - s for s, e in (r.block_span for r in requests))
@@ -233,8 +266,12 @@ class MaskedPath:
                 ids = self._uncond(ids, is_answer)
             canvas[row, :n] = ids
             attn[row, : r.visible_end] = True
-            # a row that ran a full pass this step just redoes its block
-            cols, block_start = r.cache_columns() or (list(range(*r.block_span)), 0)
+            # a row that ran a full pass this step just redoes its block; a prefilling row computes its chunk
+            if r.is_prefilling:  # paused (a chunk of 0): redo a column it holds (column 0 is exact on its own)
+                first = r.num_computed if r.prefill_chunk else max(r.num_computed - 1, 0)
+                cols, block_start = list(range(first, r.num_computed + r.prefill_chunk) or [first]), 0
+            else:
+                cols, block_start = r.cache_columns() or (list(range(*r.block_span)), 0)
             columns.append(cols)
             block_starts.append(block_start)
         wide = [row for row, c in enumerate(columns) if len(c) > 2 * block_width]
@@ -242,8 +279,10 @@ class MaskedPath:
             logits = self._run_window(canvas, attn, pool.view(), columns, block_starts, block_width)
         else:
             shared, shared_starts = list(columns), list(block_starts)
-            for row in wide:  # in the shared pass a wide row only redoes its block
-                shared[row], shared_starts[row] = list(range(*pool.owners[row][0].block_span)), 0
+            for row in wide:  # in the shared pass a wide row only redoes its block (a prefill: its chunk's first)
+                r = pool.owners[row][0]
+                shared[row] = [r.num_computed] if r.is_prefilling else list(range(*r.block_span))
+                shared_starts[row] = 0
             logits = self._run_window(canvas, attn, pool.view(), shared, shared_starts, block_width)
             self.runner.num_split_passes += 1
             idx = torch.tensor(wide, device=self.runner.device)

@@ -65,6 +65,11 @@ class ModePath(Protocol):
         """Free the memory (KV rows, cursors) of finished or aborted requests."""
 
 
+# Optional: ``prefill_columns(request) -> int``, the prompt columns whose keys/values the path can compute ahead of
+# the request's first step, in chunks (chunked prefill; ``celeris.engine.scheduler``). While ``request.is_prefilling``
+# its step computes ``request.prefill_chunk`` of them (adding them to ``request.num_computed``), commits nothing and
+# does not return it; ``token_cost`` counts the chunk. A path without it prefills every prompt whole.
+
 PathFactory = Callable[[PathContext], ModePath]
 
 

@@ -71,6 +71,12 @@ class Request:
     # path), a ``DraftRow`` (verified path); None under masked diffusion, whose cursor is this object's own
     # block fields (``blocks``, ``block_idx``, ``schedule``).
     state: object | None = None
+    # Chunked prefill (``celeris.engine.scheduler``): the prompt columns whose keys/values are computed ahead of
+    # the first step, a chunk per step (0: the prompt is prefilled whole by the first step's pass), how many of
+    # them are done, and this step's chunk (set by the scheduler each step; 0 when not prefilling).
+    prefill_target: int = 0
+    num_computed: int = 0
+    prefill_chunk: int = 0
 
     def __post_init__(self) -> None:
         check_prompts([self.prompt_ids])
@@ -103,6 +109,12 @@ class Request:
         return self.status in (RequestStatus.FINISHED, RequestStatus.ABORTED)
 
     @property
+    def is_prefilling(self) -> bool:
+        """Its prompt is still being prefilled in chunks: it computes ``prefill_chunk`` prompt columns this step,
+        commits and emits nothing."""
+        return self.num_computed < self.prefill_target
+
+    @property
     def block_span(self) -> tuple[int, int]:
         """Canvas columns [start, end) of the block being denoised."""
         s, e = self.blocks[self.block_idx]
@@ -128,7 +140,10 @@ class Request:
     def cache_columns(self) -> tuple[list[int], int] | None:
         """Canvas columns this step computes with a KV cache and where the block starts among them, or
         None for a full pass: the cache policy's rule (``celeris.sampling.cache.cache_window``, plus
-        ``stale_cols`` at a block's first step under a policy that ``rewrites_stale``)."""
+        ``stale_cols`` at a block's first step under a policy that ``rewrites_stale``). After a chunked prefill
+        (``prefill_target``) the first step computes just the first block: the prompt's keys/values are cached."""
+        if self.prefill_target and self.block_idx == 0 and self.step_in_block == 0:  # the prompt is in the cache
+            return list(range(*self.block_span)), 0
         window = cache_window(self.params.cache, self.blocks, self.block_idx, self.answer_start, self.visible_end,
                               self.step_in_block, self.params.cache_refresh)
         if window is None:

@@ -14,6 +14,17 @@ boundaries while both budgets allow:
 Admission is first come, first served; a request that does not fit waits (a
 request that could never fit alone is still admitted when nothing else runs,
 so it cannot starve).
+
+Chunked prefill (vLLM's): a request whose mode can compute its prompt's keys/values ahead of its first step
+(``prefill_columns``, which the engine sets to ``Engine.prefill_columns``: the verified path, and the masked path
+for a causal model under the ``delayed`` cache) and whose whole prefill does not fit beside the running requests
+(e.g. a prompt longer than ``max_num_batched_tokens``) is admitted with ``Request.prefill_target`` set: each step
+it computes a chunk of its prompt columns (``Request.prefill_chunk``), sized here, after admission, as the most
+columns (up to what is left of the prompt) that keep the step's token cost within ``max_num_batched_tokens``
+beside the running requests' own columns; its token cost this step is the chunk. It commits and emits nothing until
+its prefill is done, and the running requests keep decoding every step meanwhile. Admission leaves room for one
+column of each prefill; a prefill whose running neighbours leave no room this step pauses (a chunk of 0: its path
+redoes one column it already holds, inside a pass padded wider anyway) and resumes as they finish.
 """
 
 from __future__ import annotations
@@ -40,6 +51,8 @@ class Scheduler:
         self.config = config
         self.cost = cost
         self.kv_rows: Callable[[list[Request]], int] | None = None  # rows of the KV store a set of requests holds
+        # prompt columns a request's mode can prefill in chunks (0: none); None: no chunked prefill
+        self.prefill_columns: Callable[[Request], int] | None = None
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
 
@@ -60,22 +73,56 @@ class Scheduler:
         return sum(_rows(r) for r in requests) * max(r.num_tokens for r in requests)
 
     def schedule(self) -> list[Request]:
-        """Drop finished requests, admit waiting ones within budget, return the batch to run."""
+        """Drop finished requests, admit waiting ones within budget (a request that does not fit whole is admitted
+        with a chunked prefill when its mode allows one), size this step's prefill chunks, return the batch."""
         self.running = [r for r in self.running if not r.is_finished]
+        for r in self.running:  # a prefill's least chunk, so that admission leaves room for it
+            r.prefill_chunk = 1 if r.is_prefilling else 0
         while self.waiting and len(self.running) < self.config.max_num_seqs:
             candidate = self.waiting[0]
             if candidate.is_finished:  # aborted while waiting
                 self.waiting.popleft()
                 continue
-            batch = [*self.running, candidate]
-            fits = self.batch_tokens(batch) <= self.config.max_num_batched_tokens and (
-                self.kv_rows is None or self.kv_rows(batch) <= self.config.max_num_seqs)
-            if not fits and self.running:
+            if not self._fits([*self.running, candidate]) and not self._chunked(candidate) and self.running:
                 break
             self.waiting.popleft()
             candidate.status = RequestStatus.RUNNING
             self.running.append(candidate)
+        self._size_chunks()
         return list(self.running)
+
+    def _fits(self, batch: list[Request]) -> bool:
+        """One step over ``batch`` stays within the token budget and the KV store's rows."""
+        return self.batch_tokens(batch) <= self.config.max_num_batched_tokens and (
+            self.kv_rows is None or self.kv_rows(batch) <= self.config.max_num_seqs)
+
+    def _chunked(self, candidate: Request) -> bool:
+        """Whether ``candidate`` fits beside the running requests with its prompt prefilled in chunks (one column
+        this step, to begin with); if so it is marked for a chunked prefill (``Request.prefill_target``)."""
+        columns = self.prefill_columns(candidate) if self.prefill_columns is not None else 0
+        if columns <= candidate.num_computed:
+            return False
+        candidate.prefill_target, candidate.prefill_chunk = columns, 1
+        if self._fits([*self.running, candidate]):
+            return True
+        candidate.prefill_target, candidate.prefill_chunk = 0, 0
+        return False
+
+    def _size_chunks(self) -> None:
+        """Give each prefilling request, in admission order, the most prompt columns (at most what is left of its
+        prompt; 0 when the running requests leave no room: it pauses a step) that keep this step's token cost
+        within ``max_num_batched_tokens`` (a binary search: a step's cost grows with a chunk)."""
+        for r in self.running:
+            if not r.is_prefilling:
+                continue
+            lo, hi = 0, r.prefill_target - r.num_computed  # find the largest that fits
+            while lo < hi:
+                r.prefill_chunk = (lo + hi + 1) // 2
+                if self.batch_tokens(self.running) <= self.config.max_num_batched_tokens:
+                    lo = r.prefill_chunk
+                else:
+                    hi = r.prefill_chunk - 1
+            r.prefill_chunk = lo
 
     def abort(self, request_id: str) -> Request | None:
         """Mark a waiting or running request aborted; it is dropped at the next ``schedule``."""

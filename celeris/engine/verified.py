@@ -5,7 +5,7 @@ re-exported here).
 
 What verified decoding is, and the rules it follows (drafts, verification, grammars), is
 ``celeris.sampling.verified``'s docstring; this module runs the model and owns the keys/values
-(``celeris.engine.kv.PrefixCache`` for prompt prefixes).
+(``celeris.engine.kv.PrefixCache`` for prompt prefixes; a long prompt's chunks, ``DraftRow.plan_chunk``).
 """
 
 from __future__ import annotations
@@ -199,9 +199,8 @@ class VerifiedDecoder:
             cache = KVCache([t[lo:hi, :, :length] for t in self.keys], [t[lo:hi, :, :length] for t in self.values])
         mask = pass_mask(columns, torch.tensor([r.slot_start for r in rows], device=self.device),
                           torch.tensor([r.num_slots for r in rows], device=self.device), length)
-        # a prefill reads only each row's last prompt column and its slots (``_advance``): the output head runs on
-        # those (a prompt's other columns would cost a vocabulary-wide product each), the rest stays unset
-        first = [len(r.prompt_ids) - 1 - r.num_cached for r in rows] if fresh else None
+        # a prefill reads only its last prompt column and slots (``_advance``; a chunk, none): the head runs on those
+        first = [min(len(r.prompt_ids) - 1 - r.num_cached, len(r.columns) - 1) for r in rows] if fresh else None
         capture = self.proposer.capture() if self.proposer else None
         logits = forward(self.entry, self.tokens[lo:hi].gather(1, columns), cache, columns, mask, first,
                           capture).float()
@@ -211,12 +210,13 @@ class VerifiedDecoder:
                 pool[lo:hi, :, :length] = new
             if self.prefix_cache is not None:
                 for j, r in enumerate(rows):
-                    a, b = r.num_cached, len(r.prompt_ids) // BLOCK_SIZE * BLOCK_SIZE  # the new full blocks
+                    # the new full blocks, as far as the pass computed (a chunk stops short of the prompt's end)
+                    a, b = (n // BLOCK_SIZE * BLOCK_SIZE for n in (r.num_cached, min(len(r.prompt_ids), cols[j][-1] + 1)))
                     if b > a:
                         kv = torch.stack([t[j, :, a:b] for t in (*cache.keys, *cache.values)])  # (2 * layers, H, b - a, D)
-                        self.prefix_cache.insert(r.prompt_ids, kv, a)
+                        self.prefix_cache.insert(r.prompt_ids[:b], kv, a)
                         if self.feature_cache is not None:  # the row's columns start at a (its cached prefix)
-                            self.feature_cache.insert(r.prompt_ids, feats[j, None, None, : b - a], a)
+                            self.feature_cache.insert(r.prompt_ids[:b], feats[j, None, None, : b - a], a)
         wants = self.logprobs_mode == "raw_logprobs" and any(r.params.logprobs is not None for r in rows)
         self.raw_logits = logits.clone() if wants else None  # asking for nothing costs nothing
         logits[..., self.banned] = NEG_INF
@@ -224,7 +224,8 @@ class VerifiedDecoder:
         return logits, feats
 
     def step(self) -> list[tuple[DraftRow, list[int]]]:
-        """One pass for the rows already prefilled and one prefill pass for new rows (each only if any).
+        """One pass for the rows already prefilled and one prefill pass for new rows (a chunk, for a row prefilling
+        in chunks: ``DraftRow.chunk``; each only if any).
 
         Returns (row, tokens committed this pass) for every row that ran; a row ends (``finished``) at
         ``max_tokens`` or, with ``early_exit``, at its first end-of-text token. Finished rows stay until
@@ -234,14 +235,22 @@ class VerifiedDecoder:
         n_old = self.num_prefilled
         for lo, hi, fresh in ((0, n_old, False), (n_old, len(self.rows), True)):
             live = [i for i in range(lo, hi) if not self.rows[i].finished]
-            if not live:
+            if not [i for i in live if self.rows[i].chunk or not self.rows[i].prefilling]:  # none, or all paused
                 continue
             logits, feats = self._run(lo, hi, fresh)
             raw = self.raw_logits
             for i in live:
-                out.append((self.rows[i], self._advance(i, logits[i - lo], None if feats is None else feats[i - lo],
-                                                        None if raw is None else raw[i - lo])))
-        self.num_prefilled = len(self.rows)
+                row = self.rows[i]
+                if row.prefilling:  # a chunk of its prompt is in its row now: nothing to verify yet
+                    row.num_cached, row.chunk = row.num_cached + row.chunk, 0
+                    continue
+                out.append((row, self._advance(i, logits[i - lo], None if feats is None else feats[i - lo],
+                                               None if raw is None else raw[i - lo])))
+        self.num_prefilled = n_old  # rows still prefilling in chunks stay after the prefilled ones
+        for i in [i for i in range(n_old, len(self.rows)) if self.rows[i].passes]:
+            if i != self.num_prefilled:
+                self._swap(i, self.num_prefilled)
+            self.num_prefilled += 1
         return out
 
     def _logprobs(self, row: DraftRow, logits: torch.Tensor, c0: int, new: list[int]) -> list[TokenLogprob]:
@@ -385,15 +394,28 @@ class VerifiedPath:
 
     def token_cost(self, requests: list) -> int:
         """Columns the next passes over ``requests`` compute (the scheduler's budget): a new request's prefill is
-        its prompt and its drafts (at most ``MAX_DRAFTS`` columns for drafts and as many for slots), a running one
-        its ``DraftRow.columns``; prefill and decode are two passes, each padded to its widest row."""
-        new = [len(r.prompt_ids) + 2 * MAX_DRAFTS for r in requests if not isinstance(r.state, DraftRow)]
-        running = [len(r.state.columns) for r in requests if isinstance(r.state, DraftRow)]
+        its prompt and its drafts (at most ``MAX_DRAFTS`` columns for drafts and as many for slots), or, prefilling
+        in chunks, this step's chunk (``Request.prefill_chunk``), and once its chunks are done its
+        ``DraftRow.columns``, as a running one's; prefill and decode are two passes, each padded to its widest row."""
+        new, running = [], []
+        for r in requests:
+            row = r.state if isinstance(r.state, DraftRow) else None
+            if row is not None and row.passes:
+                running.append(len(row.columns))
+            else:  # a prefill: this step's chunk, or its row's columns once its chunks are done, or all of it
+                new.append(r.prefill_chunk if r.is_prefilling else len(row.columns) if row is not None
+                           else len(r.prompt_ids) + 2 * MAX_DRAFTS)
         return sum(len(group) * max(group) for group in (new, running) if group)
 
+    def prefill_columns(self, request: object) -> int:
+        """Prompt columns a chunked prefill can compute ahead of the first pass: all but the last (whose logits
+        the first pass reads), when no DFlash drafter needs the prompt's target features; else 0."""
+        return 0 if proposer_of(self.model) is not None else len(request.prompt_ids) - 1
+
     def step(self, batch: list) -> list:
-        """One pass for ``batch`` (running verified requests): new requests are prefilled, the others advance by
-        their accepted drafts plus one token; committed tokens are final at once. Returns ``batch``."""
+        """One pass for ``batch`` (running verified requests): new requests are prefilled (a chunk of a long
+        prompt, under chunked prefill), the others advance by their accepted drafts plus one token; committed
+        tokens are final at once. Returns the requests that advanced (``batch`` less those prefilling)."""
         if self.decoder is None:
             self.decoder = VerifiedDecoder(self.model, self.config.max_num_seqs, self.max_model_len,
                                            PREFIX_CACHE_TOKENS if self.config.enable_prefix_caching else 0,
@@ -407,7 +429,14 @@ class VerifiedPath:
                 request.state = self.decoder.add(request.prompt_ids, request.params, request.ends(self.eos_id),
                                                  request.constraint)
                 request.state.owner = request
+            if request.prefill_target:  # a prefix cache hit counts as prefilled too
+                request.num_computed = max(request.num_computed, request.state.num_cached)
+            request.state.plan_chunk(request.prefill_target, request.prefill_chunk)
         committed = {id(row): new for row, new in self.decoder.step()}
+        for request in (prefilled := [r for r in batch if r.is_prefilling]):  # a chunk is in its row; no commit
+            request.nfe += request.state.num_cached > request.num_computed
+            request.num_computed = request.state.num_cached
+        batch = [r for r in batch if r not in prefilled]
         for request in batch:
             row = request.state
             new = committed.get(id(row), [])
