@@ -1,0 +1,185 @@
+"""Why ``--quantization int8`` misses issue 29's floor on SmolLM2-135M-Instruct: the error sources taken apart.
+
+Measures, with ``celeris.bench.divergence.measure_divergence`` (teacher-forced top-1 agreement and mean KL against
+float32 on float32's own greedy answers; the slow test's 8 chat questions, 32 tokens), SmolLM2 under variants that
+each add one error source of the product's int8 path, applied to every ``nn.Linear`` of the transformer (the tied
+head stays float32, as the product's default does):
+
+- ``act_in_bf16``: float32 weights, each linear's input rounded to bfloat16;
+- ``act_out_bf16``: float32 weights, each linear's output rounded to bfloat16 (the kernel returns bfloat16);
+- ``act_inout_bf16``: both roundings;
+- ``w8_f32``: int8 weights (per-channel absmax scales, float32 scales), float32 activations (dequantized weights in
+  a plain float32 matmul: a diagnostic, never product code);
+- ``w8_bf16scale``: the same with the scales rounded to bfloat16 (as the product stores them);
+- ``w8mse_f32``: int8 weights whose per-channel scale is the MSE-optimal clipping found by a grid search;
+- ``int8_emulated``: int8 weights, bfloat16 scales, input and output rounded to bfloat16 (the product's arithmetic);
+- ``product_int8`` / ``product_int8_head``: ``LLM(..., quantization="int8")`` as shipped (head float32 / quantized).
+
+``--sweep`` instead scores teacher-forced only (the same top-1 and KL as ``measure_divergence``, without the
+free-running answers: faster) the absmax int8 weights with float32 activations in one part of the model at a time
+(each linear kind, then each block), and column-scaled int8 (``w / c`` quantized per row, ``c`` = column absmax to
+the power 0.25, 0.5, 1; activations float32).
+
+Run: ``OMP_NUM_THREADS=1 PYTHONPATH=. python scripts/int8_floor.py [variant ... | --sweep]``. Deterministic:
+machine load changes the time taken, not the numbers.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from celeris.bench.divergence import _kl_and_agreement, measure_divergence
+from celeris.llm import LLM
+from celeris.models.quantize import int8_rows
+
+ALIAS = "smollm2-135m-instruct"
+QUESTIONS = ["Write a short email inviting the team to a product demo on Friday afternoon.",
+             "Explain what a hash table is to a ten-year-old.", "Why is the sky blue? Answer in two sentences.",
+             "Write a Python function that returns the factorial of a number.",
+             "Tom has 5 apples and buys 7 more. How many apples does he have now?",
+             "A train travels 60 miles per hour for 3 hours. How far does it go?",
+             "List four benefits of regular exercise.", "Write a haiku about autumn leaves."]
+
+
+class Probe(nn.Module):
+    """A float32 linear with an optional bfloat16 rounding of its input and/or output."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, round_in: bool, round_out: bool) -> None:
+        super().__init__()
+        self.weight, self.bias, self.round_in, self.round_out = weight, bias, round_in, round_out
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        if self.round_in:
+            h = h.bfloat16().float()
+        y = F.linear(h, self.weight, self.bias)
+        if self.round_out:
+            y = y.bfloat16().float()
+        return y.to(x.dtype)
+
+
+def int8_mse_rows(w: torch.Tensor, grid: int = 40, low: float = 0.6) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row int8 with the clipping ratio (of absmax, ``low``..1) that minimises each row's squared error."""
+    amax = w.abs().amax(dim=1).clamp(min=torch.finfo(torch.float32).tiny)
+    best_err = torch.full_like(amax, float("inf"))
+    best_scale = amax / 127
+    for r in torch.linspace(low, 1.0, grid):
+        scale = amax * r / 127
+        q = torch.round(w / scale[:, None]).clamp(-127, 127)
+        err = ((q * scale[:, None] - w) ** 2).sum(1)
+        better = err < best_err
+        best_err, best_scale = torch.where(better, err, best_err), torch.where(better, scale, best_scale)
+    return torch.round(w / best_scale[:, None]).clamp(-127, 127).to(torch.int8), best_scale
+
+
+def weight_of(w: torch.Tensor, kind: str) -> torch.Tensor:
+    """The weight a variant computes with: float32, or int8 dequantized (``absmax``/``mse``, scale f32 or bf16)."""
+    if kind == "f32":
+        return w
+    q, scale = int8_mse_rows(w) if kind.startswith("mse") else int8_rows(w)
+    if kind.endswith("bf16scale"):
+        scale = scale.bfloat16().float()
+    return q.float() * scale[:, None]
+
+
+VARIANTS = {  # name -> (weight kind, round input, round output)
+    "fp32": ("f32", False, False),
+    "act_in_bf16": ("f32", True, False),
+    "act_out_bf16": ("f32", False, True),
+    "act_inout_bf16": ("f32", True, True),
+    "w8_f32": ("absmax", False, False),
+    "w8_bf16scale": ("absmax_bf16scale", False, False),
+    "w8mse_f32": ("mse", False, False),
+    "int8_emulated": ("absmax_bf16scale", True, True),
+}
+
+
+def patch(model: nn.Module, kind: str, round_in: bool, round_out: bool) -> list[tuple[nn.Module, str, nn.Module]]:
+    """Replace every ``nn.Linear`` of ``model`` by a ``Probe``; returns what to put back."""
+    undo = []
+    for name, m in list(model.named_modules()):
+        if isinstance(m, nn.Linear) and name.split(".")[-1] != "lm_head":
+            parent = model.get_submodule(name.rpartition(".")[0]) if "." in name else model
+            w = m.weight.detach().float()
+            setattr(parent, name.rpartition(".")[2], Probe(weight_of(w, kind), m.bias, round_in, round_out))
+            undo.append((parent, name.rpartition(".")[2], m))
+    return undo
+
+
+def column_scaled(w: torch.Tensor, alpha: float) -> torch.Tensor:
+    """int8 rows of ``w / c`` (``c`` = each column's absmax ** alpha), dequantized and scaled back by ``c``."""
+    c = w.abs().amax(0).clamp(min=1e-8) ** alpha
+    q, scale = int8_rows(w / c)
+    return q.float() * scale[:, None] * c
+
+
+@torch.no_grad()
+def sweep(reference: LLM, candidate: LLM, prompts: list[list[int]], params) -> None:  # noqa: ANN001
+    """Teacher-forced top-1 / KL of int8 weights (float32 activations) in one part of the model at a time."""
+    answers = [reference.generate([p], params)[0].token_ids for p in prompts]
+    model = candidate.model
+    ref = [reference.model(torch.tensor([p + a]))[0, -len(a):] for p, a in zip(prompts, answers, strict=True)]
+    linears = {n: m for n, m in model.named_modules() if isinstance(m, nn.Linear) and not n.endswith("lm_head")}
+
+    def score(name: str, chosen, weight) -> None:  # noqa: ANN001
+        undo = []
+        for n, m in linears.items():
+            if chosen(n):
+                parent, attr = model.get_submodule(n.rpartition(".")[0]), n.rpartition(".")[2]
+                setattr(parent, attr, Probe(weight(m.weight.detach().float()), m.bias, False, False))
+                undo.append((parent, attr, m))
+        kls, same = [], []
+        for (p, a), r in zip(zip(prompts, answers, strict=True), ref, strict=True):
+            kl, agree = _kl_and_agreement(r, model(torch.tensor([p + a]))[0, -len(a):])
+            kls.append(kl)
+            same.append(agree)
+        for parent, attr, m in undo:
+            setattr(parent, attr, m)
+        agree_all = torch.cat(same)
+        print(f"{name:22s} tokens {agree_all.numel()} top1 {agree_all.float().mean():.4f} "
+              f"kl {torch.cat(kls).mean():.6f} flips {int((~agree_all).sum())}", flush=True)
+
+    absmax = lambda w: weight_of(w, "absmax")  # noqa: E731
+    score("all linears", lambda n: True, absmax)
+    for kind in sorted({n.rpartition(".")[2] for n in linears}):
+        score(f"only {kind}", lambda n, kind=kind: n.endswith(kind), absmax)
+    for i in range(len(model.layers)):
+        score(f"only block {i}", lambda n, i=i: n.startswith(f"layers.{i}."), absmax)
+    for alpha in (0.25, 0.5, 1.0):
+        score(f"column-scaled a={alpha}", lambda n: True, lambda w, alpha=alpha: column_scaled(w, alpha))
+
+
+def main(names: list[str]) -> None:
+    torch.set_num_threads(1)
+    reference = LLM(ALIAS, device="cpu", dtype="float32")
+    prompts = [reference.tokenizer.encode_chat([{"role": "user", "content": q}]) for q in QUESTIONS]
+    params = reference.default_params(max_tokens=32)
+    candidate = LLM(ALIAS, device="cpu", dtype="float32")
+    if names == ["--sweep"]:
+        sweep(reference, candidate, prompts, params)
+        return
+    for name in names or [*VARIANTS, "product_int8", "product_int8_head"]:
+        t = time.perf_counter()
+        if name.startswith("product_"):
+            method = name.removeprefix("product_").removesuffix("_head")
+            q = LLM(ALIAS, device="cpu", dtype="float32", quantization=method, quantize_lm_head=name.endswith("_head"))
+            d = measure_divergence(reference, q, prompts, params)
+        else:
+            undo = patch(candidate.model, *VARIANTS[name])
+            try:
+                d = measure_divergence(reference, candidate, prompts, params)
+            finally:
+                for parent, attr, m in undo:
+                    setattr(parent, attr, m)
+        first = ", ".join("-" if f is None else str(f) for f in d.first_divergence)
+        print(f"{name:18s} tokens {d.tokens} top1 {d.top1_agreement:.4f} kl {d.mean_kl:.6f} first [{first}] "
+              f"({time.perf_counter() - t:.0f} s)", flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
