@@ -28,10 +28,11 @@ def reference():
     return LLM(ALIAS, device="cpu", dtype="float32")
 
 
-# measured here: int8 top-1 0.977, mean KL 0.0037 nats on these questions. SmolLM2's weights come from a Q4_1 GGUF
+# measured here: int8 top-1 0.977, later 0.984 (2026-12-03), mean KL 0.0037 nats on these questions. SmolLM2's
+# weights come from a Q4_1 GGUF
 # (group-32 int4): int4 recovers them exactly (KL 0.0004, from bfloat16 activations), per-channel int8 requantizes
 # them with ~0.9% relative error per layer, which flips near-ties of this small model; a known gap, strict xfail
-INT8_GAP = pytest.mark.xfail(strict=True, reason="per-channel int8 of Q4_1-grid weights: top-1 0.977 < 0.99")
+INT8_GAP = pytest.mark.xfail(strict=True, reason="per-channel int8 of Q4_1-grid weights: top-1 0.984 < 0.99")
 
 
 @pytest.mark.parametrize("method", [pytest.param("int8", marks=INT8_GAP), "int4", "gguf"])
