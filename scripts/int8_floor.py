@@ -33,17 +33,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from celeris.bench.divergence import CHAT_QUESTIONS as QUESTIONS
 from celeris.bench.divergence import _kl_and_agreement, measure_divergence
 from celeris.llm import LLM
 from celeris.models.quantize import int8_rows
 
 ALIAS = "smollm2-135m-instruct"
-QUESTIONS = ["Write a short email inviting the team to a product demo on Friday afternoon.",
-             "Explain what a hash table is to a ten-year-old.", "Why is the sky blue? Answer in two sentences.",
-             "Write a Python function that returns the factorial of a number.",
-             "Tom has 5 apples and buys 7 more. How many apples does he have now?",
-             "A train travels 60 miles per hour for 3 hours. How far does it go?",
-             "List four benefits of regular exercise.", "Write a haiku about autumn leaves."]
 
 
 class Probe(nn.Module):

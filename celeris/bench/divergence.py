@@ -27,6 +27,14 @@ from celeris.params import SamplingParams
 
 # quality floors of issue 29, per method family (top-1 agreement at least, mean KL in nats at most)
 FLOORS = {"int8": (0.99, 0.01), "int4": (0.90, 0.1)}
+# the chat questions the SmolLM2 quality floors are measured on (tests/models/test_quantize_smollm2.py,
+# scripts/int8_floor.py): short requests of several kinds, through the chat template
+CHAT_QUESTIONS = ["Write a short email inviting the team to a product demo on Friday afternoon.",
+                  "Explain what a hash table is to a ten-year-old.", "Why is the sky blue? Answer in two sentences.",
+                  "Write a Python function that returns the factorial of a number.",
+                  "Tom has 5 apples and buys 7 more. How many apples does he have now?",
+                  "A train travels 60 miles per hour for 3 hours. How far does it go?",
+                  "List four benefits of regular exercise.", "Write a haiku about autumn leaves."]
 SCORE_BATCH = 16  # canvases per teacher-forced pass of a masked-diffusion model
 
 

@@ -5,17 +5,12 @@ from __future__ import annotations
 
 import pytest
 
+from celeris.bench.divergence import CHAT_QUESTIONS as QUESTIONS
 from celeris.bench.divergence import floor_of, measure_divergence
 from celeris.models.catalog import ALIASES, package_dir
 
 pytestmark = pytest.mark.slow
 ALIAS = "smollm2-135m-instruct"
-QUESTIONS = ["Write a short email inviting the team to a product demo on Friday afternoon.",
-             "Explain what a hash table is to a ten-year-old.", "Why is the sky blue? Answer in two sentences.",
-             "Write a Python function that returns the factorial of a number.",
-             "Tom has 5 apples and buys 7 more. How many apples does he have now?",
-             "A train travels 60 miles per hour for 3 hours. How far does it go?",
-             "List four benefits of regular exercise.", "Write a haiku about autumn leaves."]
 
 
 @pytest.fixture(scope="module")
