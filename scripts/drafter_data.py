@@ -121,6 +121,18 @@ def prefill_features(model, rows: list[list[int]]) -> list[torch.Tensor]:
     return [feats[i, : len(r) - 1].to(torch.float16).contiguous() for i, r in enumerate(rows)]
 
 
+def save_shard(folder: Path, name: str, rows: list[tuple[list[int], torch.Tensor]]) -> None:
+    """One shard ``folder/name`` of ``ids_j`` (int32) and ``feat_j`` (float16) per row, written whole or not at all
+    (a temporary file renamed over it)."""
+    from safetensors.torch import save_file
+
+    tensors = {}
+    for j, (ids, feats) in enumerate(rows):
+        tensors[f"ids_{j}"], tensors[f"feat_{j}"] = torch.tensor(ids, dtype=torch.int32), feats
+    save_file(tensors, folder / (name + ".tmp"))
+    (folder / (name + ".tmp")).replace(folder / name)
+
+
 def export_rows(folder: Path, out: Path) -> int:
     """Write ``folder``'s rows as JSON lines with their token ids (``ids``), no features: the committed form.
 
@@ -143,7 +155,6 @@ def export_rows(folder: Path, out: Path) -> int:
 
 def rebuild(answers: Path, out: Path, batch_size: int) -> None:
     """Shards (and ``answers.jsonl``) in ``out`` from an exported file, by prefill; resumable like generating."""
-    from safetensors.torch import save_file
 
     from celeris.bench.smollm2 import load_smollm2
 
@@ -158,11 +169,7 @@ def rebuild(answers: Path, out: Path, batch_size: int) -> None:
         batch = rows[b:b + batch_size]
         feats = prefill_features(model, [r["ids"] for r in batch])
         shard = f"shard-r{len(done) + b:06d}.safetensors"
-        tensors = {}
-        for j, (r, f) in enumerate(zip(batch, feats, strict=True)):
-            tensors[f"ids_{j}"], tensors[f"feat_{j}"] = torch.tensor(r["ids"], dtype=torch.int32), f
-        save_file(tensors, out / (shard + ".tmp"))
-        (out / (shard + ".tmp")).replace(out / shard)
+        save_shard(out, shard, [(r["ids"], f) for r, f in zip(batch, feats, strict=True)])
         with index.open("a") as f:
             for j, r in enumerate(batch):
                 meta = {k: v for k, v in r.items() if k != "ids"}
@@ -202,7 +209,6 @@ def main() -> None:
     if args.rebuild:
         rebuild(args.rebuild, args.out, args.batch_size)
         return
-    from safetensors.torch import save_file
 
     from celeris.bench.smollm2 import load_smollm2
 
@@ -223,11 +229,7 @@ def main() -> None:
                      for p in batch]
             rows = answer_batch(model, tokenizer, texts, args.max_new_tokens)
             shard = f"shard-{len(done) + start + b:06d}.safetensors"
-            tensors = {}
-            for j, (ids, _, feats) in enumerate(rows):
-                tensors[f"ids_{j}"], tensors[f"feat_{j}"] = torch.tensor(ids, dtype=torch.int32), feats
-            save_file(tensors, args.out / (shard + ".tmp"))
-            (args.out / (shard + ".tmp")).replace(args.out / shard)
+            save_shard(args.out, shard, [(ids, feats) for ids, _, feats in rows])
             with index.open("a") as f:
                 for j, (p, (ids, prompt_len, _)) in enumerate(zip(batch, rows, strict=True)):
                     answer = tokenizer.decode(ids[prompt_len:], skip_special_tokens=True)

@@ -15,6 +15,7 @@ from celeris.params import SamplingParams
 from celeris.reference.autoregressive import generate_autoregressive
 from celeris.reference.masked import generate
 from tests.conftest import tiny_model
+from tests.engine.test_engine import run_to_end
 
 LONG = [(7 * i + 3) % 50 + 2 for i in range(37)]  # 37 prompt tokens
 SHORT = [5, 6, 7]
@@ -44,11 +45,7 @@ def spy_schedule(engine: Engine) -> list[tuple[int, dict[str, int]]]:
 
 
 def run(engine: Engine) -> None:
-    for _ in range(1000):
-        if not engine.has_unfinished():
-            return
-        engine.step()
-    raise AssertionError("engine did not finish")
+    run_to_end(engine, max_steps=1000)
 
 
 @pytest.mark.parametrize("params", [AR, VERIFIED], ids=["masked-causal", "verified"])

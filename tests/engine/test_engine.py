@@ -17,8 +17,9 @@ from tests.models.conftest_formats import write_dream, write_llada
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [12, 13], [14, 15, 16, 17]]
 
 
-def run_to_end(engine: Engine) -> None:
-    for _ in range(10_000):
+def run_to_end(engine: Engine, max_steps: int = 10_000) -> None:
+    """Step ``engine`` until no request is unfinished; AssertionError after ``max_steps`` steps (a hang)."""
+    for _ in range(max_steps):
         if not engine.has_unfinished():
             return
         engine.step()
