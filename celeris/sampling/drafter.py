@@ -143,6 +143,7 @@ class DFlashProposer:
         self.k = num_speculative_tokens or self.block_size - 1
         self.disable_by_batch_size = disable_by_batch_size
         self.calls = 0  # drafter passes, all rows (a call drafts one row)
+        self._draft_head: torch.Tensor | None = None
 
     def enabled(self, running: int) -> bool:
         """Whether passes with ``running`` rows draft with the drafter (``disable_by_batch_size``)."""
@@ -160,6 +161,18 @@ class DFlashProposer:
     def queue(self, state: DraftState, feats: torch.Tensor) -> None:
         """Queue the features (n, n_layers * d) of columns a pass accepted, in order."""
         state.queued.append(feats)
+
+    @torch.no_grad()
+    def draft_head(self) -> torch.Tensor:
+        """(V_draft, d) rows of the target's head for the drafter's pruned vocabulary (``d2t``), in the head's
+        dtype, gathered once and kept: every call of ``propose`` scores with them (gathering them per call, or
+        dequantizing them from an int8 table per call, cost as much as the drafter's own layers)."""
+        if self._draft_head is None:
+            target, d2t = self.target, self.drafter.d2t
+            head = target.embed_tokens if target.lm_head is None else target.lm_head
+            # a quantized table (celeris.models.quantize.Int8Embedding) dequantizes the draft rows, never the whole table
+            self._draft_head = (head.rows(d2t) if hasattr(head, "rows") else head.weight[d2t]).detach().clone()
+        return self._draft_head
 
     @torch.no_grad()
     def propose(self, state: DraftState, last_token: int, start: int, k: int) -> torch.Tensor:
@@ -189,10 +202,7 @@ class DFlashProposer:
         d2t = self.drafter.d2t
         if d2t.numel() == target.config.vocab_size:
             return target.logits(out)  # (k, V)
-        head = target.embed_tokens if target.lm_head is None else target.lm_head
-        # a quantized table (celeris.models.quantize.Int8Embedding) gathers the draft rows, never the whole table
-        weight = head.rows(d2t) if hasattr(head, "rows") else head.weight
-        pruned = self.drafter.draft_logits(out[None], weight)[0]  # (k, V_draft)
+        pruned = self.drafter.draft_logits(out[None], self.draft_head())[0]  # (k, V_draft)
         full = torch.full((k, target.config.vocab_size), NEG_INF, device=out.device)
         return full.index_copy_(1, d2t, pruned)
 
