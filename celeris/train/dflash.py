@@ -196,6 +196,21 @@ def draft_vocabulary(rows: list[Row], size: int, vocab_size: int, keep: list[int
     return counts.topk(size).indices.sort().values
 
 
+def pick_vocabulary(model: DFlashDraftModel, rows: list[Row], size: int, keep: list[int]) -> torch.Tensor | None:
+    """Set ``model.d2t`` to the draft vocabulary of ``rows`` (``draft_vocabulary``) and return ``t2d`` (V,) int64
+    (target id -> draft row, -1 outside), or leave the full vocabulary and return None when ``size`` is 0.
+
+    No parameter depends on the choice (the drafter is scored by the target's own head rows ``d2t`` selects), so a
+    run picks it again whenever its rows change, and a resumed run from the rows it has then."""
+    if not size:
+        return None
+    vocab_size = model.config.vocab_size
+    model.d2t = draft_vocabulary(rows, size, vocab_size, keep)
+    t2d = torch.full((vocab_size,), -1, dtype=torch.long)
+    t2d[model.d2t] = torch.arange(size)
+    return t2d
+
+
 def init_from_target(model: DFlashDraftModel, target_state: dict[str, torch.Tensor], layers: list[int]) -> None:
     """Start drafter layer i from target layer ``layers[i]`` (Llama names; q/k norms stay ones): a warm start.
 
@@ -290,11 +305,8 @@ def main(argv: list[str] | None = None) -> None:
     cfg = drafter_config(tcfg, args, layer_ids)
     torch.manual_seed(args.seed)
     model = DFlashDraftModel(cfg)
-    t2d = None
-    if args.draft_vocab:
-        model.d2t = draft_vocabulary(rows, args.draft_vocab, cfg.vocab_size, [tcfg.get("eos_token_id", 0)])
-        t2d = torch.full((cfg.vocab_size,), -1, dtype=torch.long)
-        t2d[model.d2t] = torch.arange(args.draft_vocab)
+    keep = [tcfg.get("eos_token_id", 0)]
+    t2d = pick_vocabulary(model, rows, args.draft_vocab, keep)
     n = tcfg["num_hidden_layers"]
     init_from_target(model, tstate, list(range(n - args.draft_layers, n)))
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.lr, weight_decay=0.0)
@@ -303,8 +315,8 @@ def main(argv: list[str] | None = None) -> None:
     if (args.out / "last.pt").is_file():
         ckpt = torch.load(args.out / "last.pt", weights_only=False)
         model.load_state_dict(ckpt["model"])
-        model.d2t, t2d, step = ckpt["d2t"], ckpt["t2d"], ckpt["step"]
-        opt.load_state_dict(ckpt["optimizer"])
+        step = ckpt["step"]
+        opt.load_state_dict(ckpt["optimizer"])  # the draft vocabulary is picked again from today's rows (above)
         print(f"resumed at step {step}", flush=True)
     log = (args.out / "history.jsonl").open("a")
     if step == 0:
@@ -344,6 +356,7 @@ def main(argv: list[str] | None = None) -> None:
             if (args.data / "answers.jsonl").stat().st_size != data_size:  # the data job is still writing: take new rows
                 data_size = (args.data / "answers.jsonl").stat().st_size
                 rows = load_rows(args.data, layer_ids, stored)
+                t2d = pick_vocabulary(model, rows, args.draft_vocab, keep)
                 print(f"{len(rows)} training rows", flush=True)
 
 
