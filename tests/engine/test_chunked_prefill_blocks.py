@@ -8,6 +8,9 @@ counted, never timed."""
 
 from __future__ import annotations
 
+import copy
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -127,6 +130,21 @@ def test_a_block_prompt_is_prefilled_whole_where_no_chunk_fits(models):
         assert request.prefill_target == 0 and request.num_steps == 1
         run(engine)
         assert request.answer.tolist() == answer_of(model, prompt, params_for(model))
+
+
+@pytest.mark.parametrize(("name", "ahead"), [("hybrid", len(LONG)), ("sdar", 0)])
+def test_answer_alignment_prefills_the_whole_prompt_as_history(models, name, ahead):
+    """Under ``answer`` alignment the whole prompt is history: ``causal_history`` (the hybrid's layout) prefills it
+    in chunks of any size (5 here); under ``block_causal`` it is one bidirectional block, prefilled whole. Both
+    give the reference's tokens."""
+    model = copy.deepcopy(models[name])
+    model.block_contract = replace(model.block_contract, alignment="answer")
+    params = params_for(model)
+    engine = Engine(model, EngineConfig(max_num_seqs=2, max_num_batched_tokens=5))
+    request = engine.add_request(LONG, params)
+    run(engine)
+    assert request.prefill_target == request.num_computed == ahead
+    assert request.answer.tolist() == answer_of(model, LONG, params)
 
 
 @pytest.mark.parametrize("name", FORMATS)
