@@ -17,7 +17,8 @@ LMDeploy's block diffusion on a paged cache, in its simplest form). Each step a 
 
 Chunked prefill (``celeris.engine.scheduler``): the prompt's history, the columns before its first attention block
 (``prefill_columns``), can be computed ahead of the first step, a chunk per step, in the same pass as the running
-rows (a prefilling row's window is its chunk, scored and committed nothing). Each format's prompt attention decides
+rows (a prefilling row's window is its chunk; it scores and commits nothing; a paused one, given no chunk, sits the
+pass out, its pool row left as it is). Each format's prompt attention decides
 where a chunk may end, so that every cached key/value equals the whole prefill's: under ``causal_history`` (the
 Celeris hybrids) a history column sees the columns up to itself, so any chunk is exact; under ``block_causal``
 (SDAR, Fast-dLLM v2, LLaDA2.0) it sees its whole attention block, so chunks are whole blocks (the scheduler's
@@ -141,7 +142,7 @@ class BlockDecoder:
     def token_cost(self, requests: list[Request]) -> int:
         """Columns the next pass over ``requests`` computes (the scheduler's budget): rows x the widest row's
         columns, a new request's being its prefill (the prompt and its first block), a prefilling one's its chunk
-        (``_chunk_columns``), a running one's ``_columns``."""
+        (``_chunk_columns``; a paused one takes no row), a running one's ``_columns``."""
         widths = []
         for r in requests:
             if self._paused(r):
@@ -163,6 +164,7 @@ class BlockDecoder:
         return self._first_unit(request)[0]
 
     def _first_unit(self, request: Request) -> Unit:
+        """The request's first sub-block and its attention block (``block_units``), from its prompt and settings."""
         context = getattr(self.model.config, "max_position_embeddings", None)
         p, n = request.answer_start, request.params.max_tokens
         return block_units(p, n, self.contract, request.params.block_length, context)[0]
