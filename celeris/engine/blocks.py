@@ -13,7 +13,19 @@ LMDeploy's block diffusion on a paged cache, in its simplest form). Each step a 
 - a finished block is not given a pass of its own to write its final keys/values (the published SDAR loop
   spends one): its columns are recomputed as history in the next block's first pass, which then also writes
   them into the pool (under ``commit_first``, that is the pass that commits the block's first token).
-  ``nfe`` counts every pass, so a request's ``nfe`` equals its steps.
+  ``nfe`` counts every pass, so a request's ``nfe`` equals its steps (plus its prefill chunks, below).
+
+Chunked prefill (``celeris.engine.scheduler``): the prompt's history, the columns before its first attention block
+(``prefill_columns``), can be computed ahead of the first step, a chunk per step, in the same pass as the running
+rows (a prefilling row's window is its chunk; it scores and commits nothing; a paused one, given no chunk, sits the
+pass out, its pool row left as it is). Each format's prompt attention decides
+where a chunk may end, so that every cached key/value equals the whole prefill's: under ``causal_history`` (the
+Celeris hybrids) a history column sees the columns up to itself, so any chunk is exact; under ``block_causal``
+(SDAR, Fast-dLLM v2, LLaDA2.0) it sees its whole attention block, so chunks are whole blocks (the scheduler's
+chunk is rounded up to a block end, which ``token_cost`` counts: the largest chunk within the budget is then a
+whole number of blocks). A prompt under ``answer`` alignment with ``block_causal`` attention is one block of
+history (bidirectional) and is prefilled whole. The first step then computes the first block (with the prompt's
+last partial block) reading the history from the pool, as every later step does.
 
 A shifted model (Fast-dLLM v2) scores the block's first column from the hidden state of the history's last
 column, which is then recomputed too (its keys/values do not change). Under ``commit_first`` (Fast-dLLM v2, the
@@ -35,7 +47,7 @@ from celeris.engine.kv import KVPool
 from celeris.engine.path import PathContext
 from celeris.engine.request import NO_PROGRESS, Request
 from celeris.models.contract import layout_mask
-from celeris.models.layers import column_window, gather_positions
+from celeris.models.layers import KVCache, column_window, gather_positions
 from celeris.sampling.block import (
     Unit,
     block_steps,
@@ -129,16 +141,42 @@ class BlockDecoder:
 
     def token_cost(self, requests: list[Request]) -> int:
         """Columns the next pass over ``requests`` computes (the scheduler's budget): rows x the widest row's
-        columns, a new request's being its prefill (the prompt and its first block), a running one's ``_columns``."""
+        columns, a new request's being its prefill (the prompt and its first block), a prefilling one's its chunk
+        (``_chunk_columns``; a paused one takes no row), a running one's ``_columns``."""
         widths = []
         for r in requests:
-            if isinstance(r.state, BlockRow):
+            if self._paused(r):
+                continue  # its row sits the pass out
+            if r.is_prefilling:
+                widths.append(len(self._chunk_columns(r)))
+            elif isinstance(r.state, BlockRow):
                 widths.append(len(self._columns(r.state)[0]))
             else:
-                context = getattr(self.model.config, "max_position_embeddings", None)
-                units = block_units(r.answer_start, r.params.max_tokens, self.contract, r.params.block_length, context)
-                widths.append(units[0][1])
+                widths.append(self._first_unit(r)[1])
         return len(widths) * max(widths) if widths else 0
+
+    def prefill_columns(self, request: Request) -> int:
+        """Prompt columns a chunked prefill can compute ahead of the first step (module docstring): the history
+        before the first attention block (the prompt's full blocks; the whole prompt under ``answer`` alignment),
+        0 when that is nothing or, under ``block_causal`` with ``answer`` alignment, one bidirectional block."""
+        if self.contract.attention == "block_causal" and self.contract.alignment == "answer":
+            return 0
+        return self._first_unit(request)[0]
+
+    def _first_unit(self, request: Request) -> Unit:
+        """The request's first sub-block and its attention block (``block_units``), from its prompt and settings."""
+        context = getattr(self.model.config, "max_position_embeddings", None)
+        p, n = request.answer_start, request.params.max_tokens
+        return block_units(p, n, self.contract, request.params.block_length, context)[0]
+
+    def _chunk_columns(self, request: Request) -> list[int]:
+        """The prompt columns a prefilling request computes this step: ``prefill_chunk`` of them from
+        ``num_computed`` on, rounded up to an attention block's end under ``block_causal`` (whose history columns
+        see their whole block), at most ``prefill_target``; none for a paused prefill (a chunk of 0: ``_paused``)."""
+        done, end = request.num_computed, request.num_computed + request.prefill_chunk
+        if self.contract.attention == "block_causal":  # absolute alignment (``prefill_columns``): blocks from 0
+            end = -(-end // self.contract.block_size) * self.contract.block_size
+        return list(range(done, min(end, request.prefill_target)))
 
     def kv_rows(self, request: Request) -> int:
         """Rows of the KV store a request takes: one (its history's keys/values)."""
@@ -151,7 +189,10 @@ class BlockDecoder:
     def _columns(self, row: BlockRow) -> tuple[list[int], list[int]]:
         """The canvas columns a row's pass computes and, per scored column of the sub-block, the index of the
         column whose hidden state scores it (``logits_shift``). A pending first token (``_pending``) is scored
-        alone from the history, which that pass computes (and writes) up to the block."""
+        alone from the history, which that pass computes (and writes) up to the block. A prefilling row computes
+        its chunk (``_chunk_columns``) and scores nothing."""
+        if row.request.is_prefilling:
+            return self._chunk_columns(row.request), []
         a, e, s, t = row.unit
         end, scored = (a, range(s, s + 1)) if self._pending(row) else (e, range(s, t))
         cols = list(range(row.cached_upto, end))
@@ -164,16 +205,19 @@ class BlockDecoder:
     @torch.no_grad()
     def step(self, requests: list[Request]) -> list[Request]:
         """One pass for every request in ``requests`` (the running block-model requests): commit each row's
-        chosen tokens, move it on or finish it. Returns ``requests`` (their state is updated in place)."""
+        chosen tokens, move it on or finish it; a prefilling row computes its chunk instead (``_prefilled``).
+        Returns the requests that stepped (``requests`` less those prefilling; the state is updated in place)."""
         keep = set(requests)
         self.pool.release({r for r in self.requests if r in keep and not r.is_finished})
         for request in requests:
             if self.pool.row(request) is None and not request.is_finished:
                 self._add(request)
         owners = self.requests
-        if not owners:
-            return requests
-        rows = [r.state for r in owners]
+        prefilling = {r for r in owners if r.is_prefilling}  # they commit nothing and are not returned
+        active = [i for i, r in enumerate(owners) if not self._paused(r)]
+        if not active:
+            return [r for r in requests if r not in prefilling]
+        rows = [owners[i].state for i in active]
         total = self.pool.capacity_length
         canvas = torch.full((len(rows), total), self.pad_id, dtype=torch.long)
         columns, sources = [], []
@@ -188,16 +232,50 @@ class BlockDecoder:
         origin = torch.tensor([0 if self.contract.alignment == "absolute" else row.request.answer_start
                                for row in rows], device=self.device)
         mask = layout_mask(window, total, starts, ends, origin, self.contract.block_size, self.contract.attention)
-        hidden = self.entry.hidden_states(canvas.to(self.device), None, cache=self.pool.view(), window=window,
+        cache, copied = self._pass_cache(active)
+        hidden = self.entry.hidden_states(canvas.to(self.device), None, cache=cache, window=window,
                                           layout_mask=mask)  # (R, Lw, d)
+        if copied is not None:  # the rows' fresh keys/values back into the pool
+            for pooled, fresh in zip((*self.pool.keys, *self.pool.values), (*cache.keys, *cache.values), strict=True):
+                pooled.index_copy_(0, copied, fresh)
         self.num_passes += 1
-        widths = [len(src) for src in sources]
-        lb = max(widths)
-        index = torch.tensor([src + src[-1:] * (lb - len(src)) for src in sources], device=self.device)  # (R, Lb)
-        logits = self.entry.logits(gather_positions(hidden, index))  # (R, Lb, V)
-        self._commit(rows, logits, widths, lb)
+        self._prefilled([row for row in rows if row.request in prefilling])
+        live = [i for i, row in enumerate(rows) if row.request not in prefilling]
+        if live:
+            widths = [len(sources[i]) for i in live]
+            lb = max(widths)
+            index = torch.tensor([sources[i] + sources[i][-1:] * (lb - len(sources[i])) for i in live],
+                                 device=self.device)  # (R', Lb)
+            live_hidden = hidden if len(live) == len(rows) else hidden[torch.tensor(live, device=self.device)]
+            logits = self.entry.logits(gather_positions(live_hidden, index))  # (R', Lb, V)
+            self._commit([rows[i] for i in live], logits, widths, lb)
         self.release_finished()  # a finished answer's keys/values go now, not at a later step that may never come
-        return requests
+        return [r for r in requests if r not in prefilling]
+
+    @staticmethod
+    def _paused(request: Request) -> bool:
+        """A prefill given no chunk this step (its running neighbours leave no room): its row sits the pass out."""
+        return request.is_prefilling and request.prefill_chunk == 0
+
+    def _pass_cache(self, active: list[int]) -> tuple[KVCache, torch.Tensor | None]:
+        """The pool rows ``active`` (indices, ascending) as the pass's cache: a view of the pool when they are
+        its first rows (every row, or paused prefills at the end), else a copy of them and their (R',) int64 index,
+        for the caller to write the pass's keys/values back (``index_copy_``)."""
+        n = len(active)
+        if active[-1] == n - 1:
+            return KVCache([k[:n] for k in self.pool.keys], [v[:n] for v in self.pool.values]), None
+        index = torch.tensor(active, device=self.device)
+        return KVCache([k.index_select(0, index) for k in self.pool.keys],
+                       [v.index_select(0, index) for v in self.pool.values]), index
+
+    def _prefilled(self, rows: list[BlockRow]) -> None:
+        """Count the chunk each prefilling row's pass just wrote into its pool row: ``num_computed`` (and the
+        row's ``cached_upto``) move past it, ``nfe`` counts the pass."""
+        for row in rows:
+            request = row.request
+            request.num_computed += len(self._chunk_columns(request))
+            request.nfe += 1
+            row.cached_upto = request.num_computed
 
     @property
     def requests(self) -> list[Request]:

@@ -16,15 +16,17 @@ request that could never fit alone is still admitted when nothing else runs,
 so it cannot starve).
 
 Chunked prefill (vLLM's): a request whose mode can compute its prompt's keys/values ahead of its first step
-(``prefill_columns``, which the engine sets to ``Engine.prefill_columns``: the verified path, and the masked path
-for a causal model under the ``delayed`` cache) and whose whole prefill does not fit beside the running requests
+(``prefill_columns``, which the engine sets to ``Engine.prefill_columns``: the verified path, the masked path
+for a causal model under the ``delayed`` cache, and the block path, whose chunks are whole attention blocks under
+``block_causal`` attention: ``celeris.engine.blocks``) and whose whole prefill does not fit beside the running requests
 (e.g. a prompt longer than ``max_num_batched_tokens``) is admitted with ``Request.prefill_target`` set: each step
 it computes a chunk of its prompt columns (``Request.prefill_chunk``), sized here, after admission, as the most
 columns (up to what is left of the prompt) that keep the step's token cost within ``max_num_batched_tokens``
 beside the running requests' own columns; its token cost this step is the chunk. It commits and emits nothing until
 its prefill is done, and the running requests keep decoding every step meanwhile. Admission leaves room for one
-column of each prefill; a prefill whose running neighbours leave no room this step pauses (a chunk of 0: its path
-redoes one column it already holds, inside a pass padded wider anyway) and resumes as they finish.
+column of each prefill (as its path counts one: a whole block on the block path); a prefill whose running
+neighbours leave no room this step pauses (a chunk of 0: the masked path redoes one column it already holds, inside
+a pass padded wider anyway; the block path leaves its row out of the pass) and resumes as they finish.
 """
 
 from __future__ import annotations
