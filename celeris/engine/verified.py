@@ -60,7 +60,8 @@ class VerifiedDecoder:
 
     With a DFlash drafter (``proposer``, default the one ``attach`` put beside the model), each pass also keeps
     the target's hidden states at the drafter's layers; the prefix cache then also keeps a cached prefix's target
-    features (the drafter's context), and a prefix is reused as far as both reach.
+    features (the drafter's context), and a prefix is reused as far as both reach. The drafter's keys/values of a
+    row's context live in the same row of the store, in its drafter layers (``KVStore``), and move with the row.
 
     Args:
         model: a causal model with a KV cache.
@@ -82,7 +83,8 @@ class VerifiedDecoder:
         self.model = model
         self.k = self.proposer.k if self.proposer else self.slots or LOOKUP_DRAFTS  # the default k
         self.pad = ROW_SLACK  # 2 * MAX_DRAFTS + 2 columns
-        store = store or KVStore(model, max_rows, None if max_tokens is None else max_tokens + self.pad)
+        store = store or KVStore(model, max_rows, None if max_tokens is None else max_tokens + self.pad,
+                                 self.proposer.drafter if self.proposer else None)
         if store.row_len is None:
             raise ValueError("verified decoding needs a max_model_len (its rows hold prompt + answer + drafts)")
         self.segment = store.segment()
@@ -115,7 +117,7 @@ class VerifiedDecoder:
     def pool_bytes(self) -> int:
         """Bytes of the KV store it takes rows from (the engine's one store, or its own): 2 x layers x rows x H_kv
         x max_len x head_dim x element size (``celeris.models.loader.kv_cache_bytes`` estimates it before
-        loading)."""
+        loading), plus the same count of a DFlash drafter's layers (``KVStore.draft_len`` columns)."""
         return self.segment.store.nbytes
 
     def add(self, prompt_ids: list[int], params: SamplingParams, end_ids: frozenset[int] | None = None,
@@ -160,10 +162,10 @@ class VerifiedDecoder:
         return row
 
     def remove(self, row: DraftRow) -> None:
-        """Free a row's pool slot (the last row moves into it)."""
+        """Free a row's pool slot (the last row moves into it, its drafter's layers too)."""
         i, last = self.rows.index(row), len(self.rows) - 1
         if i != last:
-            for t in (*self.keys, *self.values):
+            for t in self.segment.layers:
                 t[i] = t[last]
             self.tokens[i] = self.tokens[last]
             self.rows[i] = self.rows[last]
@@ -175,7 +177,7 @@ class VerifiedDecoder:
                 self._swap(i, self.num_prefilled)
 
     def _swap(self, i: int, j: int) -> None:
-        for t in (*self.keys, *self.values, self.tokens):
+        for t in (*self.segment.layers, self.tokens):
             t[[i, j]] = t[[j, i]]
         self.rows[i], self.rows[j] = self.rows[j], self.rows[i]
 
@@ -270,9 +272,16 @@ class VerifiedDecoder:
             return grammar_slot_drafts(row.constraint, slot_logits, row.params, row.generator)
         return slot_drafts(slot_logits, row.params, row.generator)
 
-    def dflash_drafts(self, row: DraftRow, last_token: int, start: int, vocab: int) -> tuple[list[int], list]:
-        """The drafter's drafts after ``last_token`` at column ``start``: its argmax at every temperature (checked
-        against the grammar's copy when the row has one), with one-hot draft distributions when sampling."""
+    def dflash_drafts(self, i: int, last_token: int, start: int, vocab: int) -> tuple[list[int], list]:
+        """Row i's drafter drafts after ``last_token`` at column ``start``: its argmax at every temperature (checked
+        against the grammar's copy when the row has one), with one-hot draft distributions when sampling. The
+        drafter's keys/values live in the row's drafter layers of the KV store (bound before each call: rows move),
+        unless the store holds another drafter's (it was allocated before this one was attached): then in the
+        row's ``DraftState`` alone."""
+        row = self.rows[i]
+        if self.segment.store.drafter is self.proposer.drafter:
+            row.draft_state.cache.bind([k[i : i + 1] for k in self.segment.draft_keys],
+                                       [v[i : i + 1] for v in self.segment.draft_values])
         logits = self.proposer.propose(row.draft_state, last_token, start, row.k)  # (k, V)
         if row.constraint is not None:
             greedy = replace(row.params, temperature=0.0)
@@ -336,7 +345,7 @@ class VerifiedDecoder:
                 torch.nn.functional.one_hot(torch.tensor(t), logits.shape[-1]).double() for t in lookup]
         elif self.proposer is not None and (policy == "dflash" or policy == "lookup_first" and
                                             self.proposer.enabled(len(self.rows))):
-            row.drafts, row.draft_probs = self.dflash_drafts(row, new[-1], pending, logits.shape[-1])
+            row.drafts, row.draft_probs = self.dflash_drafts(i, new[-1], pending, logits.shape[-1])
         elif slots_valid and row.num_slots:
             s = cols.index(row.slot_start)
             row.drafts, row.draft_probs = self.draft(row, logits[s : s + row.num_slots])
