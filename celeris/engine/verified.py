@@ -15,14 +15,13 @@ from dataclasses import replace
 
 import torch
 
-from celeris.engine.draft_rows import DraftRow, VerifiedOutput, forward, pass_mask
+from celeris.engine.draft_rows import DraftRow, VerifiedOutput, forward, pass_mask, row_logprobs
 from celeris.engine.kv import BLOCK_SIZE, PREFIX_CACHE_TOKENS, ROW_SLACK, KVStore, PrefixCache
 from celeris.engine.path import PathContext
 from celeris.models.layers import KVCache
 from celeris.params import SamplingParams
 from celeris.sampling.drafter import DFlashProposer, DraftState, proposer_of
-from celeris.sampling.logprobs import TokenLogprob, entries
-from celeris.sampling.select import NEG_INF, top_p_filter
+from celeris.sampling.select import NEG_INF
 from celeris.sampling.step import banned_token_ids, check_prompts, make_generator
 from celeris.sampling.verified import (
     LOOKUP_DRAFTS,
@@ -217,8 +216,9 @@ class VerifiedDecoder:
                     if b > a:
                         kv = torch.stack([t[j, :, a:b] for t in (*cache.keys, *cache.values)])  # (2 * layers, H, b - a, D)
                         self.prefix_cache.insert(r.prompt_ids[:b], kv, a)
-                        if self.feature_cache is not None:  # the row's columns start at a (its cached prefix)
-                            self.feature_cache.insert(r.prompt_ids[:b], feats[j, None, None, : b - a], a)
+                        if self.feature_cache is not None:  # the features of columns [0, num_cached) are queued
+                            known = torch.cat([*r.draft_state.queued, feats[j]])  # columns 0, 1, ..
+                            self.feature_cache.insert(r.prompt_ids[:b], known[None, None, a:b], a)
         wants = self.logprobs_mode == "raw_logprobs" and any(r.params.logprobs is not None for r in rows)
         self.raw_logits = logits.clone() if wants else None  # asking for nothing costs nothing
         logits[..., self.banned] = NEG_INF
@@ -244,6 +244,8 @@ class VerifiedDecoder:
             for i in live:
                 row = self.rows[i]
                 if row.prefilling:  # a chunk of its prompt is in its row now: nothing to verify yet
+                    if feats is not None and row.chunk:  # its features enter the drafter at its first call
+                        self.proposer.queue(row.draft_state, feats[i - lo, : row.chunk])
                     row.num_cached, row.chunk = row.num_cached + row.chunk, 0
                     continue
                 out.append((row, self._advance(i, logits[i - lo], None if feats is None else feats[i - lo],
@@ -254,17 +256,6 @@ class VerifiedDecoder:
                 self._swap(i, self.num_prefilled)
             self.num_prefilled += 1
         return out
-
-    def _logprobs(self, row: DraftRow, logits: torch.Tensor, c0: int, new: list[int]) -> list[TokenLogprob]:
-        """The entries of ``new`` (``celeris.sampling.logprobs``): raw, or under ``processed_logprobs`` the head
-        after top-p and temperature (the distribution ``_verify`` samples from)."""
-        scores, p = logits[c0 : c0 + len(new)], row.params
-        if self.logprobs_mode == "processed_logprobs":
-            if p.top_p < 1:
-                scores = top_p_filter(scores[None], torch.tensor([p.top_p], device=scores.device))[0]
-            if p.temperature > 0:
-                scores = scores / p.temperature
-        return entries(scores, torch.tensor(new, dtype=torch.long), p.logprobs)
 
     def draft(self, row: DraftRow, slot_logits: torch.Tensor) -> tuple[list[int], list]:
         """The next drafts of ``row`` from its mask slots' logits (slots, V), and their distributions (sampling)."""
@@ -322,7 +313,7 @@ class VerifiedDecoder:
             new = new[: hit + 1]
             row.hit_eos = True
         if row.params.logprobs is not None:  # token j was chosen from the next-token logits at column c0 + j
-            row.new_logprobs = self._logprobs(row, logits if raw is None else raw, c0, new)
+            row.new_logprobs = row_logprobs(row, logits if raw is None else raw, c0, new, self.logprobs_mode)
         if feats is not None:  # the accepted columns (the prompt's, or pending and d_1 .. d_a) enter the drafter
             self.proposer.queue(row.draft_state, feats[: c0 + a + 1])
         base = len(row.prompt_ids) + len(row.answer)  # column of the first new token
@@ -418,8 +409,8 @@ class VerifiedPath:
 
     def prefill_columns(self, request: object) -> int:
         """Prompt columns a chunked prefill can compute ahead of the first pass: all but the last (whose logits
-        the first pass reads), when no DFlash drafter needs the prompt's target features; else 0."""
-        return 0 if proposer_of(self.model) is not None else len(request.prompt_ids) - 1
+        the first pass reads); with a DFlash drafter, each chunk's target features are queued for its context."""
+        return len(request.prompt_ids) - 1
 
     def step(self, batch: list) -> list:
         """One pass for ``batch`` (running verified requests): new requests are prefilled (a chunk of a long
