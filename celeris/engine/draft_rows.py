@@ -1,7 +1,7 @@
 """Verified decoding's per-row state and one pass's layout: ``DraftRow`` (one sequence's tokens, drafts and the
 columns its next pass computes: the engine's ``request.state`` under verified decoding), ``VerifiedOutput``
-(``generate_verified``'s result), the pass's attention mask (``pass_mask``) and its model call (``forward``).
-``celeris.engine.verified`` runs them."""
+(``generate_verified``'s result), the pass's attention mask (``pass_mask``), its model call (``forward``) and the
+log-probability entries of a row's new tokens (``row_logprobs``). ``celeris.engine.verified`` runs them."""
 
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ import torch
 from celeris.models.layers import KVCache
 from celeris.params import SamplingParams
 from celeris.sampling.drafter import DraftState
-from celeris.sampling.logprobs import TokenLogprob
+from celeris.sampling.logprobs import TokenLogprob, entries
+from celeris.sampling.select import top_p_filter
 from celeris.structured.grammar import Constraint
 
 
@@ -126,3 +127,16 @@ class DraftRow:
             return list(range(first, self.num_cached + self.chunk)) or [first]
         first = self.num_cached if self.pending < len(self.prompt_ids) - 1 else self.pending
         return list(range(first, self.slot_start + self.num_slots))
+
+
+def row_logprobs(row: DraftRow, logits: torch.Tensor, c0: int, new: list[int], mode: str) -> list[TokenLogprob]:
+    """The entries of ``new`` (``celeris.sampling.logprobs``), token j chosen from ``logits`` (Lw, V) at column
+    c0 + j: raw, or under ``mode`` ``processed_logprobs`` the head after top-p and temperature (the distribution
+    verification samples from)."""
+    scores, p = logits[c0 : c0 + len(new)], row.params
+    if mode == "processed_logprobs":
+        if p.top_p < 1:
+            scores = top_p_filter(scores[None], torch.tensor([p.top_p], device=scores.device))[0]
+        if p.temperature > 0:
+            scores = scores / p.temperature
+    return entries(scores, torch.tensor(new, dtype=torch.long), p.logprobs)

@@ -60,7 +60,8 @@ class EngineStats:
         num_waiting / num_running: requests in the scheduler's queues.
         num_steps: ``Engine.step`` calls that ran a batch.
         kv_bytes: bytes of the engine's one KV store (``celeris.engine.kv.KVStore``: 0 until a request first takes
-            rows, then its whole allocation; prefix caches not included): the one KV figure.
+            rows, then its whole allocation, a DFlash drafter's layers included; prefix caches not included): the
+            one KV figure.
         prefix_cache_queries / prefix_cache_hits: prompt tokens looked up in the verified path's prefix cache,
             and of those the tokens whose keys/values came from it (vLLM's ``prefix_cache_queries``/``_hits``).
         drafted / accepted: per draft position j = 1..k, drafts checked and accepted under verified decoding.

@@ -21,6 +21,7 @@ import torch
 
 from celeris.engine.request import Request
 from celeris.models.layers import KVCache
+from celeris.sampling.drafter import proposer_of
 from celeris.sampling.verified import MAX_DRAFTS
 
 ROW_SLACK = 2 * MAX_DRAFTS + 2  # columns past max_model_len a verified pass's drafts and mask slots may write
@@ -113,6 +114,23 @@ class KVSegment:
         """Per layer the segment's rows of the store's values, as ``keys``."""
         return [v[self.start : self.start + self.num_rows] for v in self.store.values]
 
+    @property
+    def draft_keys(self) -> list[torch.Tensor]:
+        """Per drafter layer the segment's rows of the store's drafter keys, (num_rows, H_kv', draft_len, D')
+        views ([] without a drafter)."""
+        return [k[self.start : self.start + self.num_rows] for k in self.store.draft_keys]
+
+    @property
+    def draft_values(self) -> list[torch.Tensor]:
+        """Per drafter layer the segment's rows of the store's drafter values, as ``draft_keys``."""
+        return [v[self.start : self.start + self.num_rows] for v in self.store.draft_values]
+
+    @property
+    def layers(self) -> list[torch.Tensor]:
+        """Every tensor of the segment's rows: the target's keys and values, then the drafter's (what moves with a
+        row)."""
+        return [*self.keys, *self.values, *self.draft_keys, *self.draft_values]
+
     def grow(self, n: int = 1) -> None:
         """Take ``n`` more rows (at the segment's end); the store allocates itself at the first rows taken.
 
@@ -145,17 +163,29 @@ class KVStore:
     request's admission, about the cost of one pass over the store's rows); giving a row back copies nothing, so
     the free rows may sit between segments until the next packing.
 
+    A DFlash drafter beside the model (``celeris.sampling.drafter``) keeps per request the keys/values of its
+    context features (``celeris.models.dflash.DraftKVCache``); the store holds them too: with a drafter, every row
+    also has the drafter's layers (``draft_keys``/``draft_values``: per drafter layer (num_rows, its K/V heads,
+    ``draft_len``, its head_dim), in its compute dtype), so a verified row holds the target's and the drafter's
+    keys/values in the same row index, moved and given back together, and ``nbytes`` counts both. Those columns are
+    the row's own: a masked or block row leaves them unused (the store is sized once, for every row alike).
+
     Args:
         model: the model whose keys/values it holds (``arch.num_kv_heads``, ``arch.head_dim``, ``layers``; the
             dtype and device of its first floating-point parameter); read at allocation.
         num_rows: rows in all (the most requests holding keys/values at once; a CFG request takes two).
         row_len: columns per row (None: unknown, and any row taken raises).
+        drafter: a DFlash drafter (``DFlashDraftModel``) whose layers every row holds too; None: the drafter of
+            the proposer attached to ``model`` at allocation (``proposer_of``), if any.
     """
 
-    def __init__(self, model: torch.nn.Module, num_rows: int, row_len: int | None) -> None:
-        self.model, self.num_rows, self.row_len = model, num_rows, row_len
+    def __init__(self, model: torch.nn.Module, num_rows: int, row_len: int | None,
+                 drafter: torch.nn.Module | None = None) -> None:
+        self.model, self.num_rows, self.row_len, self.drafter = model, num_rows, row_len, drafter
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
+        self.draft_keys: list[torch.Tensor] = []
+        self.draft_values: list[torch.Tensor] = []
         self.segments: list[KVSegment] = []
 
     def segment(self) -> KVSegment:
@@ -170,9 +200,24 @@ class KVStore:
         return self.num_rows - sum(s.num_rows for s in self.segments)
 
     @property
+    def layers(self) -> list[torch.Tensor]:
+        """Every tensor of the store: the target's keys and values, then the drafter's ([] before allocation)."""
+        return [*self.keys, *self.values, *self.draft_keys, *self.draft_values]
+
+    @property
     def nbytes(self) -> int:
-        """Bytes the store holds: 0 before its first row is taken, then its whole allocation."""
-        return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values))
+        """Bytes the store holds: 0 before its first row is taken, then its whole allocation (the drafter's
+        layers included)."""
+        return sum(t.numel() * t.element_size() for t in self.layers)
+
+    @property
+    def draft_len(self) -> int | None:
+        """Columns per row of the drafter's layers: ``row_len``, plus what a drafter block longer than the
+        ``ROW_SLACK`` columns needs (a block starts at most at the row's last answer column and writes
+        ``block_size`` columns); None before a drafter is known or with no ``row_len``."""
+        if self.drafter is None or self.row_len is None:
+            return None
+        return self.row_len + max(0, self.drafter.config.block_size - ROW_SLACK)
 
     def _like(self) -> torch.Tensor:
         """The model's first floating-point parameter: the activations' dtype and device (a quantized layer's
@@ -191,6 +236,10 @@ class KVStore:
         shape = (self.num_rows, arch.num_kv_heads, self.row_len, arch.head_dim)  # K/V heads, not the query heads
         self.keys = [torch.zeros(shape, dtype=p.dtype, device=p.device) for _ in self.model.layers]
         self.values = [torch.zeros(shape, dtype=p.dtype, device=p.device) for _ in self.model.layers]
+        if self.drafter is None and (proposer := proposer_of(self.model)) is not None:
+            self.drafter = proposer.drafter
+        if self.drafter is not None:
+            self.draft_keys, self.draft_values = self.drafter.cache_buffers(self.num_rows, self.draft_len)
 
     def grow(self, segment: KVSegment, n: int) -> None:
         """Give ``segment`` ``n`` more rows at its end, moving the segments after it when it has none free there
@@ -219,7 +268,7 @@ class KVStore:
             new = starts[self.segments.index(segment)]
             rows = range(segment.num_rows) if new < segment.start else reversed(range(segment.num_rows))
             for r in rows:
-                for t in (*self.keys, *self.values):
+                for t in self.layers:
                     t[new + r] = t[segment.start + r]
             segment.start = new
 

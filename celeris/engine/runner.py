@@ -23,7 +23,8 @@ def _entry(model: torch.nn.Module, name: str, eager: bool) -> Callable | None:
 
 class ModelRunner:
     """Owns the model (compiled once when ``enforce_eager`` is False), its device and the engine's one KV store
-    (``kv``: ``celeris.engine.kv.KVStore``, ``kv_rows`` rows of ``max_model_len`` + ``ROW_SLACK`` columns), from
+    (``kv``: ``celeris.engine.kv.KVStore``, ``kv_rows`` rows of ``max_model_len`` + ``ROW_SLACK`` columns, with
+    the layers of a DFlash drafter attached to the model beside its own), from
     which every mode path takes its rows (``pool``: the masked path's, ``celeris.engine.kv.KVPool``); the passes
     are the mode paths' (``celeris.engine.masked`` for masked diffusion). Every path calls the model through the
     runner: ``model`` (the masked path's forward), ``hidden_states`` and ``logits`` (the block path),

@@ -15,14 +15,13 @@ from dataclasses import replace
 
 import torch
 
-from celeris.engine.draft_rows import DraftRow, VerifiedOutput, forward, pass_mask
+from celeris.engine.draft_rows import DraftRow, VerifiedOutput, forward, pass_mask, row_logprobs
 from celeris.engine.kv import BLOCK_SIZE, PREFIX_CACHE_TOKENS, ROW_SLACK, KVStore, PrefixCache
 from celeris.engine.path import PathContext
 from celeris.models.layers import KVCache
 from celeris.params import SamplingParams
 from celeris.sampling.drafter import DFlashProposer, DraftState, proposer_of
-from celeris.sampling.logprobs import TokenLogprob, entries
-from celeris.sampling.select import NEG_INF, top_p_filter
+from celeris.sampling.select import NEG_INF
 from celeris.sampling.step import banned_token_ids, check_prompts, make_generator
 from celeris.sampling.verified import (
     LOOKUP_DRAFTS,
@@ -60,7 +59,8 @@ class VerifiedDecoder:
 
     With a DFlash drafter (``proposer``, default the one ``attach`` put beside the model), each pass also keeps
     the target's hidden states at the drafter's layers; the prefix cache then also keeps a cached prefix's target
-    features (the drafter's context), and a prefix is reused as far as both reach.
+    features (the drafter's context), and a prefix is reused as far as both reach. The drafter's keys/values of a
+    row's context live in the same row of the store, in its drafter layers (``KVStore``), and move with the row.
 
     Args:
         model: a causal model with a KV cache.
@@ -82,7 +82,8 @@ class VerifiedDecoder:
         self.model = model
         self.k = self.proposer.k if self.proposer else self.slots or LOOKUP_DRAFTS  # the default k
         self.pad = ROW_SLACK  # 2 * MAX_DRAFTS + 2 columns
-        store = store or KVStore(model, max_rows, None if max_tokens is None else max_tokens + self.pad)
+        store = store or KVStore(model, max_rows, None if max_tokens is None else max_tokens + self.pad,
+                                 self.proposer.drafter if self.proposer else None)
         if store.row_len is None:
             raise ValueError("verified decoding needs a max_model_len (its rows hold prompt + answer + drafts)")
         self.segment = store.segment()
@@ -115,7 +116,7 @@ class VerifiedDecoder:
     def pool_bytes(self) -> int:
         """Bytes of the KV store it takes rows from (the engine's one store, or its own): 2 x layers x rows x H_kv
         x max_len x head_dim x element size (``celeris.models.loader.kv_cache_bytes`` estimates it before
-        loading)."""
+        loading), plus the same count of a DFlash drafter's layers (``KVStore.draft_len`` columns)."""
         return self.segment.store.nbytes
 
     def add(self, prompt_ids: list[int], params: SamplingParams, end_ids: frozenset[int] | None = None,
@@ -160,10 +161,10 @@ class VerifiedDecoder:
         return row
 
     def remove(self, row: DraftRow) -> None:
-        """Free a row's pool slot (the last row moves into it)."""
+        """Free a row's pool slot (the last row moves into it, its drafter's layers too)."""
         i, last = self.rows.index(row), len(self.rows) - 1
         if i != last:
-            for t in (*self.keys, *self.values):
+            for t in self.segment.layers:
                 t[i] = t[last]
             self.tokens[i] = self.tokens[last]
             self.rows[i] = self.rows[last]
@@ -175,7 +176,7 @@ class VerifiedDecoder:
                 self._swap(i, self.num_prefilled)
 
     def _swap(self, i: int, j: int) -> None:
-        for t in (*self.keys, *self.values, self.tokens):
+        for t in (*self.segment.layers, self.tokens):
             t[[i, j]] = t[[j, i]]
         self.rows[i], self.rows[j] = self.rows[j], self.rows[i]
 
@@ -215,8 +216,9 @@ class VerifiedDecoder:
                     if b > a:
                         kv = torch.stack([t[j, :, a:b] for t in (*cache.keys, *cache.values)])  # (2 * layers, H, b - a, D)
                         self.prefix_cache.insert(r.prompt_ids[:b], kv, a)
-                        if self.feature_cache is not None:  # the row's columns start at a (its cached prefix)
-                            self.feature_cache.insert(r.prompt_ids[:b], feats[j, None, None, : b - a], a)
+                        if self.feature_cache is not None:  # the features of columns [0, num_cached) are queued
+                            known = torch.cat([*r.draft_state.queued, feats[j]])  # columns 0, 1, ..
+                            self.feature_cache.insert(r.prompt_ids[:b], known[None, None, a:b], a)
         wants = self.logprobs_mode == "raw_logprobs" and any(r.params.logprobs is not None for r in rows)
         self.raw_logits = logits.clone() if wants else None  # asking for nothing costs nothing
         logits[..., self.banned] = NEG_INF
@@ -242,6 +244,8 @@ class VerifiedDecoder:
             for i in live:
                 row = self.rows[i]
                 if row.prefilling:  # a chunk of its prompt is in its row now: nothing to verify yet
+                    if feats is not None and row.chunk:  # its features enter the drafter at its first call
+                        self.proposer.queue(row.draft_state, feats[i - lo, : row.chunk])
                     row.num_cached, row.chunk = row.num_cached + row.chunk, 0
                     continue
                 out.append((row, self._advance(i, logits[i - lo], None if feats is None else feats[i - lo],
@@ -253,26 +257,22 @@ class VerifiedDecoder:
             self.num_prefilled += 1
         return out
 
-    def _logprobs(self, row: DraftRow, logits: torch.Tensor, c0: int, new: list[int]) -> list[TokenLogprob]:
-        """The entries of ``new`` (``celeris.sampling.logprobs``): raw, or under ``processed_logprobs`` the head
-        after top-p and temperature (the distribution ``_verify`` samples from)."""
-        scores, p = logits[c0 : c0 + len(new)], row.params
-        if self.logprobs_mode == "processed_logprobs":
-            if p.top_p < 1:
-                scores = top_p_filter(scores[None], torch.tensor([p.top_p], device=scores.device))[0]
-            if p.temperature > 0:
-                scores = scores / p.temperature
-        return entries(scores, torch.tensor(new, dtype=torch.long), p.logprobs)
-
     def draft(self, row: DraftRow, slot_logits: torch.Tensor) -> tuple[list[int], list]:
         """The next drafts of ``row`` from its mask slots' logits (slots, V), and their distributions (sampling)."""
         if row.constraint is not None:
             return grammar_slot_drafts(row.constraint, slot_logits, row.params, row.generator)
         return slot_drafts(slot_logits, row.params, row.generator)
 
-    def dflash_drafts(self, row: DraftRow, last_token: int, start: int, vocab: int) -> tuple[list[int], list]:
-        """The drafter's drafts after ``last_token`` at column ``start``: its argmax at every temperature (checked
-        against the grammar's copy when the row has one), with one-hot draft distributions when sampling."""
+    def dflash_drafts(self, i: int, last_token: int, start: int, vocab: int) -> tuple[list[int], list]:
+        """Row i's drafter drafts after ``last_token`` at column ``start``: its argmax at every temperature (checked
+        against the grammar's copy when the row has one), with one-hot draft distributions when sampling. The
+        drafter's keys/values live in the row's drafter layers of the KV store (bound before each call: rows move),
+        unless the store holds another drafter's (it was allocated before this one was attached): then in the
+        row's ``DraftState`` alone."""
+        row = self.rows[i]
+        if self.segment.store.drafter is self.proposer.drafter:
+            row.draft_state.cache.bind([k[i : i + 1] for k in self.segment.draft_keys],
+                                       [v[i : i + 1] for v in self.segment.draft_values])
         logits = self.proposer.propose(row.draft_state, last_token, start, row.k)  # (k, V)
         if row.constraint is not None:
             greedy = replace(row.params, temperature=0.0)
@@ -313,7 +313,7 @@ class VerifiedDecoder:
             new = new[: hit + 1]
             row.hit_eos = True
         if row.params.logprobs is not None:  # token j was chosen from the next-token logits at column c0 + j
-            row.new_logprobs = self._logprobs(row, logits if raw is None else raw, c0, new)
+            row.new_logprobs = row_logprobs(row, logits if raw is None else raw, c0, new, self.logprobs_mode)
         if feats is not None:  # the accepted columns (the prompt's, or pending and d_1 .. d_a) enter the drafter
             self.proposer.queue(row.draft_state, feats[: c0 + a + 1])
         base = len(row.prompt_ids) + len(row.answer)  # column of the first new token
@@ -336,7 +336,7 @@ class VerifiedDecoder:
                 torch.nn.functional.one_hot(torch.tensor(t), logits.shape[-1]).double() for t in lookup]
         elif self.proposer is not None and (policy == "dflash" or policy == "lookup_first" and
                                             self.proposer.enabled(len(self.rows))):
-            row.drafts, row.draft_probs = self.dflash_drafts(row, new[-1], pending, logits.shape[-1])
+            row.drafts, row.draft_probs = self.dflash_drafts(i, new[-1], pending, logits.shape[-1])
         elif slots_valid and row.num_slots:
             s = cols.index(row.slot_start)
             row.drafts, row.draft_probs = self.draft(row, logits[s : s + row.num_slots])
@@ -409,8 +409,8 @@ class VerifiedPath:
 
     def prefill_columns(self, request: object) -> int:
         """Prompt columns a chunked prefill can compute ahead of the first pass: all but the last (whose logits
-        the first pass reads), when no DFlash drafter needs the prompt's target features; else 0."""
-        return 0 if proposer_of(self.model) is not None else len(request.prompt_ids) - 1
+        the first pass reads); with a DFlash drafter, each chunk's target features are queued for its context."""
+        return len(request.prompt_ids) - 1
 
     def step(self, batch: list) -> list:
         """One pass for ``batch`` (running verified requests): new requests are prefilled (a chunk of a long

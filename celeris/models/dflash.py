@@ -110,7 +110,9 @@ class DFlashConfig:
 
 @dataclass
 class DraftKVCache:
-    """The drafter's keys/values per layer, (B, H_kv, T, D) each, for the context positions already seen.
+    """The drafter's keys/values per layer for the context positions already seen: grown tensors, (B, H_kv, T, D)
+    each (T the positions held), or, once ``bind``-ed, buffers (B, H_kv, C, D) of which the first ``filled`` columns
+    are held (the engine's KV store's rows: ``celeris.engine.kv.KVStore``); both give the same keys/values.
 
     DFlash keeps the context features' keys/values of accepted positions; the block's own entries are dropped right
     after drafting (``crop``), and newly accepted positions' features enter at the next drafter call.
@@ -118,13 +120,61 @@ class DraftKVCache:
 
     keys: list[torch.Tensor] = field(default_factory=list)
     values: list[torch.Tensor] = field(default_factory=list)
+    filled: int | None = None  # bound to buffers: the columns held; None: keys/values are exactly the ones held
 
     @property
     def length(self) -> int:
+        if self.filled is not None:
+            return self.filled
         return self.keys[0].shape[2] if self.keys else 0
+
+    def bind(self, keys: list[torch.Tensor], values: list[torch.Tensor]) -> None:
+        """Hold the keys/values in buffers from now on: per layer (B, H_kv, C, D), whose first ``length`` columns
+        already hold this cache's positions (a fresh cache: none). The next call writes its columns into them.
+
+        Raises:
+            ValueError: grown tensors are held (their positions are not in the buffers).
+        """
+        if self.filled is None and self.keys:
+            raise ValueError("a drafter cache that grew its own tensors cannot move into buffers")
+        self.filled = self.length
+        self.keys, self.values = keys, values
+
+    def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append one call's keys/values (B, H_kv, n, D) of layer ``layer_idx`` after the held positions; returns the
+        layer's keys and values of every position, (B, H_kv, length + n, D). Bound, it writes into the buffers
+        (``advance`` then counts the n columns, once every layer has written them).
+
+        Raises:
+            ValueError: the buffers have fewer than length + n columns.
+        """
+        if self.filled is None:
+            if len(self.keys) <= layer_idx:
+                self.keys.append(k)
+                self.values.append(v)
+            else:
+                self.keys[layer_idx] = torch.cat([self.keys[layer_idx], k], dim=2)
+                self.values[layer_idx] = torch.cat([self.values[layer_idx], v], dim=2)
+            return self.keys[layer_idx], self.values[layer_idx]
+        end = self.filled + k.shape[2]
+        keys, values = self.keys[layer_idx], self.values[layer_idx]
+        if end > keys.shape[2]:
+            raise ValueError(f"the drafter's cache holds {keys.shape[2]} columns, a call needs {end}")
+        keys[:, :, self.filled : end] = k
+        values[:, :, self.filled : end] = v
+        return keys[:, :, :end], values[:, :, :end]
+
+    def advance(self, n: int) -> None:
+        """Count the ``n`` columns every layer has just written (``update``) as held (grown tensors count
+        themselves)."""
+        if self.filled is not None:
+            self.filled += n
 
     def crop(self, length: int) -> None:
         """Keep the first ``length`` positions of every layer."""
+        if self.filled is not None:
+            self.filled = min(self.filled, length)
+            return
         self.keys = [k[:, :, :length] for k in self.keys]
         self.values = [v[:, :, :length] for v in self.values]
 
@@ -158,13 +208,7 @@ class DFlashAttention(nn.Module):
         v = self.v_proj(both).view(b, lc + lq, self.num_kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos[:, :, lc:], sin[:, :, lc:]), apply_rope(k, cos, sin)
         if cache is not None:
-            if len(cache.keys) <= layer_idx:
-                cache.keys.append(k)
-                cache.values.append(v)
-            else:
-                cache.keys[layer_idx] = torch.cat([cache.keys[layer_idx], k], dim=2)
-                cache.values[layer_idx] = torch.cat([cache.values[layer_idx], v], dim=2)
-            k, v = cache.keys[layer_idx], cache.values[layer_idx]
+            k, v = cache.update(layer_idx, k, v)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask,  # (B, H, Lq, D); K/V heads shared by
                                              enable_gqa=self.num_kv_heads != self.num_heads)  # groups of queries
         return self.o_proj(out.transpose(1, 2).reshape(b, lq, -1))
@@ -226,7 +270,18 @@ class DFlashDraftModel(nn.Module):
         cos, sin = rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta)  # (B, 1, Lc + Lq, D)
         for i, layer in enumerate(self.layers):
             x = layer(x, ctx, cos, sin, attn_mask, cache, i)
+        if cache is not None:
+            cache.advance(ctx.shape[1] + x.shape[1])
         return self.norm(x)
+
+    def cache_buffers(self, num_rows: int, num_cols: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Zeroed keys and values for ``num_rows`` rows of ``num_cols`` positions: per layer (num_rows, H_kv,
+        num_cols, head_dim), in the dtype the layers compute in, on its device (what a bound ``DraftKVCache``
+        writes into: the engine's KV store holds them beside the target's layers)."""
+        cfg, w = self.config, self.hidden_norm.weight
+        shape = (num_rows, cfg.num_key_value_heads, num_cols, cfg.head_dim)
+        return ([torch.zeros(shape, dtype=w.dtype, device=w.device) for _ in self.layers],
+                [torch.zeros(shape, dtype=w.dtype, device=w.device) for _ in self.layers])
 
     def draft_logits(self, hidden: torch.Tensor, head_weight: torch.Tensor) -> torch.Tensor:
         """Scores over the draft vocabulary: hidden (B, L, d) -> (B, L, V_draft) float32 (row j: target id d2t[j])."""

@@ -3,8 +3,9 @@
 The drafter (``celeris.models.dflash``) is a second, small model beside the target. Each target pass of verified
 decoding also returns the target's hidden states at the drafter's ``target_layer_ids`` for the columns it computed
 (``layout_hidden_states(capture=...)``); the features of the columns the pass accepted are queued for the row, and
-the next drafter call takes them into its own KV cache of context features (so the cache lags one pass, as in
-z-lab/dflash ``dflash_generate``). A drafter call embeds the block ``[last accepted token, mask x (block_size - 1)]``
+the next drafter call takes them into the row's KV cache of context features (so the cache lags one pass, as in
+z-lab/dflash ``dflash_generate``); under the engine that cache is the row's drafter layers of the engine's KV store
+(``celeris.engine.kv.KVStore``). A drafter call embeds the block ``[last accepted token, mask x (block_size - 1)]``
 with the target's embedding table, runs the drafter once (non-causal inside the block), crops the block's own
 keys/values from the cache, and scores block positions 1..k with the target's LM head; the drafts are the argmax
 at every temperature (a one-hot draft distribution, so speculative sampling keeps the target's distribution).
@@ -115,8 +116,9 @@ def check_num_drafts(k: int, block_size: int, drafter_name: str = "the drafter")
 
 @dataclass
 class DraftState:
-    """One row's drafter state: its KV cache of context features and the features accepted since the last call
-    (each (n, len(target_layer_ids) * d), in column order)."""
+    """One row's drafter state: its KV cache of context features (bound to the row's drafter layers of a KV store
+    by ``celeris.engine.verified``, else grown on its own) and the features accepted since the last call (each
+    (n, len(target_layer_ids) * d), in column order)."""
 
     cache: DraftKVCache = field(default_factory=DraftKVCache)
     queued: list[torch.Tensor] = field(default_factory=list)

@@ -5,6 +5,8 @@ cost exceeds the budget. Steps are counted, never timed."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -14,13 +16,17 @@ from celeris.engine.request import Request
 from celeris.params import SamplingParams
 from celeris.reference.autoregressive import generate_autoregressive
 from celeris.reference.masked import generate
+from celeris.sampling.drafter import DFlashProposer, attach, proposer_of
 from tests.conftest import tiny_model
 from tests.engine.test_engine import run_to_end
+from tests.sampling.test_drafter import drafter_for
 
 LONG = [(7 * i + 3) % 50 + 2 for i in range(37)]  # 37 prompt tokens
 SHORT = [5, 6, 7]
 AR = SamplingParams(max_tokens=8, steps=8, block_length=1, cache="delayed", early_exit=False)
 VERIFIED = SamplingParams(max_tokens=8, steps=8, block_length=1, decoding="verified", early_exit=False)
+DFLASH = SamplingParams(max_tokens=12, steps=12, block_length=1, decoding="verified", early_exit=False,
+                        draft_source="dflash")
 
 
 @pytest.fixture(scope="module")
@@ -173,3 +179,66 @@ def test_a_request_finishing_mid_prefill_leaves_the_prefills_cache(hybrid, param
     for request in (long, *later):
         assert request.final_prefix(eos) == generate_autoregressive(hybrid, [request.prompt_ids],
                                                                     request.params).token_ids[0]
+
+
+@pytest.fixture(scope="module")
+def with_drafter(hybrid):
+    """A copy of the hybrid with a DFlash drafter attached (block 5: 4 drafts a pass)."""
+    model = copy.deepcopy(hybrid)
+    attach(model, DFlashProposer(drafter_for(model), model))
+    return model
+
+
+@pytest.fixture
+def drafter_log(with_drafter):
+    """Every drafter call's (block start, argmax drafts), in order, while the test runs."""
+    proposer, log = proposer_of(with_drafter), []
+
+    def spy(state: object, last_token: int, start: int, k: int) -> torch.Tensor:
+        logits = type(proposer).propose(proposer, state, last_token, start, k)
+        log.append((start, logits.argmax(-1).tolist()))
+        return logits
+
+    proposer.propose = spy
+    yield log
+    del proposer.propose
+
+
+def drafted_run(model: torch.nn.Module, config: EngineConfig, prompts: list[list[int]],
+                log: list) -> tuple[Engine, list[Request], list]:
+    """Serve ``prompts`` one after another on one engine; the engine, the requests and the drafter calls made."""
+    engine = Engine(model, config)
+    requests = []
+    for prompt in prompts:
+        requests.append(engine.add_request(prompt, DFLASH))
+        run(engine)
+    calls, log[:] = list(log), []
+    return engine, requests, calls
+
+
+@pytest.mark.parametrize("chunk", [1, 5, 12])
+def test_chunked_prefill_with_a_drafter_gives_the_whole_prefills_drafts(with_drafter, drafter_log, chunk):
+    """With a DFlash drafter, each chunk's target features enter the drafter's context: the drafter drafts the same
+    blocks as after one whole prefill, and the tokens are the whole prefill's."""
+    _, (want,), whole = drafted_run(with_drafter, EngineConfig(max_num_seqs=2), [LONG], drafter_log)
+    config = EngineConfig(max_num_seqs=2, max_num_batched_tokens=chunk)
+    _, (request,), chunked = drafted_run(with_drafter, config, [LONG], drafter_log)
+    assert want.prefill_target == 0 and request.prefill_target == request.num_computed == len(LONG) - 1
+    assert chunked == whole and len(whole) == request.drafter_passes > 1 and whole[0][0] == len(LONG)
+    eos = with_drafter.config.eos_token_id
+    assert request.final_prefix(eos) == want.final_prefix(eos)
+    assert request.final_prefix(eos) == generate_autoregressive(with_drafter, [LONG], DFLASH).token_ids[0]
+
+
+def test_chunked_prefill_with_a_drafter_fills_and_reads_the_prefix_cache(with_drafter, drafter_log):
+    """Chunks of 5 end mid-block: the prefix cache still stores the features of LONG's two full blocks (gathered
+    over the chunks), and a later prompt sharing them drafts as it does alone with a whole prefill."""
+    prompts = [LONG, [*LONG, 9, 10]]
+    config = EngineConfig(max_num_seqs=2, max_num_batched_tokens=5, enable_prefix_caching=True)
+    engine, requests, chunked = drafted_run(with_drafter, config, prompts, drafter_log)
+    assert all(r.prefill_target for r in requests) and engine.stats().prefix_cache_hits == 32
+    assert engine.drafter.feature_cache.hit_tokens == 32  # the second starts its chunks after the cached 32
+    alone = []
+    for prompt in prompts:
+        alone += drafted_run(with_drafter, EngineConfig(max_num_seqs=2), [prompt], drafter_log)[2]
+    assert chunked == alone

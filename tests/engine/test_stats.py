@@ -5,13 +5,18 @@ read without reaching into the paths (the server's metrics and the bench read on
 
 from __future__ import annotations
 
+import copy
+
 import pytest
+import torch
 
 from celeris.config import EngineConfig
 from celeris.engine.engine import Engine
 from celeris.engine.kv import ROW_SLACK
 from celeris.params import SamplingParams
+from celeris.sampling.drafter import DFlashProposer, attach
 from tests.conftest import tiny_model
+from tests.sampling.test_drafter import drafter_for
 
 SETTINGS = {
     "masked": SamplingParams(max_tokens=6, block_length=1, steps=6, cache="delayed", early_exit=False),
@@ -57,6 +62,67 @@ def test_one_store_sized_for_exactly_three_modes_holds_them_at_once(hybrid):
     assert done.num_running == 0 and done.num_steps > 1
     assert len(done.drafted) == len(done.accepted) >= 1 and sum(done.drafted) >= sum(done.accepted)
     assert done.prefix_cache_queries == 3 and done.prefix_cache_hits == 0  # one prompt of 3 tokens, no block reused
+
+
+def drafter_bytes(drafter, rows: int, tokens: int) -> int:
+    """The drafter's keys and values for ``rows`` x ``tokens`` positions in each of its layers, float64."""
+    cfg = drafter.config
+    return 2 * cfg.num_hidden_layers * rows * cfg.num_key_value_heads * tokens * cfg.head_dim * 8
+
+
+@pytest.fixture
+def with_drafter(hybrid):
+    """A copy of the hybrid with a 2-layer DFlash drafter attached whose keys/values are shaped unlike the target's
+    (1 K/V head of 16 dims against 4 of 8), float64."""
+    model = copy.deepcopy(hybrid)
+    drafter = drafter_for(model, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                          head_dim=16).double()
+    attach(model, DFlashProposer(drafter, model))
+    return model, drafter
+
+
+def test_the_store_holds_the_drafters_layers_beside_the_targets(with_drafter):
+    """A store of exactly 3 rows serves a masked, a block and a verified request with a DFlash drafter at once:
+    the verified row's drafter keys/values are in the store (kv_bytes counts the drafter's layers of every row),
+    each request gets the tokens it gets alone, and a masked request arriving later packs the segments, moving the
+    verified row with its drafter context mid-answer."""
+    model, drafter = with_drafter
+    proposer, drafts = model.__dict__["_celeris_proposer"], []
+    propose = proposer.propose
+
+    def spy(*args: object) -> torch.Tensor:  # every drafter call's argmax drafts, in order
+        logits = propose(*args)
+        drafts.append(logits.argmax(-1).tolist())
+        return logits
+
+    proposer.propose = spy
+    rows, max_len = 3, 48
+    verified = SamplingParams(max_tokens=16, steps=16, block_length=1, decoding="verified", early_exit=False,
+                              draft_source="dflash")
+    settings = {"block": SETTINGS["block"], "verified": verified, "masked": SETTINGS["masked"]}
+    engine = Engine(model, EngineConfig(max_num_seqs=rows, max_model_len=max_len))
+    requests = {mode: engine.add_request(PROMPTS[mode], settings[mode]) for mode in ("block", "verified")}
+    engine.step()
+    store = engine.runner.kv
+    assert store.drafter is drafter and len(store.draft_keys) == drafter.config.num_hidden_layers
+    expected = store_bytes(model, rows, max_len + ROW_SLACK) + drafter_bytes(drafter, rows, max_len + ROW_SLACK)
+    assert engine.stats().kv_bytes == store.nbytes == expected
+    verified_segment = engine.drafter.segment
+    start = verified_segment.start
+    requests["masked"] = engine.add_request(PROMPTS["masked"], settings["masked"])
+    engine.step()  # the masked segment (the first) takes a row: the block and verified segments move right
+    assert store.num_free_rows == 0 and verified_segment.start == start + 1
+    row = requests["verified"].state
+    held = row.draft_state.cache.filled  # its context's keys are in the store's drafter layers, at its row
+    assert held > len(PROMPTS["verified"]) and verified_segment.draft_keys[0][0, :, :held].abs().min() > 0
+    while engine.has_unfinished():
+        engine.step()
+    assert requests["verified"].drafter_passes == len(drafts) > 1
+    together, drafts[:] = list(drafts), []
+    for mode, r in requests.items():
+        assert r.answer.tolist() == alone(model, PROMPTS[mode], settings[mode]), mode
+    assert together == drafts  # the drafter saw the same context: its keys/values moved with the row
+    assert engine.stats().kv_bytes == expected and store.num_free_rows == rows
 
 
 def test_the_scheduler_admits_no_more_rows_than_the_store_has():
