@@ -332,28 +332,43 @@ def tensor_types(path: Path) -> dict[str, str]:
             if t.name != "rope_freqs.weight" and (name := rename(t.name, TENSOR_NAMES)) is not None}
 
 
+def hf_name(tensor, config: dict) -> str | None:  # noqa: ANN001 - gguf.ReaderTensor
+    """The Hugging Face name of one reader tensor; None for ``rope_freqs.weight`` (read into config.json).
+
+    Raises:
+        GGUFError: a tensor name outside ``TENSOR_NAMES``.
+    """
+    if tensor.name == "rope_freqs.weight":  # not a weight: read into config.json's rope_scaling (llama3)
+        return None
+    name = rename(tensor.name, TENSOR_NAMES)
+    if name is None:
+        raise GGUFError(f"tensor '{tensor.name}' of this {config['model_type']} GGUF has no Hugging Face "
+                        "counterpart Celeris knows")
+    return name
+
+
+def hf_tensor(tensor, name: str, config: dict) -> torch.Tensor:  # noqa: ANN001 - gguf.ReaderTensor
+    """One reader tensor (Hugging Face name ``name``) dequantized to float32, its q/k rows unpermuted for ``llama``.
+
+    Raises:
+        GGUFError: an unsupported tensor type.
+    """
+    weight = dequantize(tensor)
+    permuted = config["model_type"] in PERMUTED
+    if permuted and ".self_attn.q_proj." in name:
+        weight = unpermute(weight, config["num_attention_heads"])
+    elif permuted and ".self_attn.k_proj." in name:
+        weight = unpermute(weight, config["num_key_value_heads"])
+    return weight
+
+
 def hf_state(reader, config: dict) -> dict[str, torch.Tensor]:  # noqa: ANN001 - gguf.GGUFReader
-    """Every tensor dequantized to float32 under its Hugging Face name (q/k rows unpermuted for ``llama``).
+    """Every tensor dequantized to float32 under its Hugging Face name (``hf_tensor``).
 
     Raises:
         GGUFError: a tensor name outside ``TENSOR_NAMES``, or an unsupported tensor type.
     """
-    permuted = config["model_type"] in PERMUTED
-    state = {}
-    for tensor in reader.tensors:
-        if tensor.name == "rope_freqs.weight":  # not a weight: read into config.json's rope_scaling (llama3)
-            continue
-        name = rename(tensor.name, TENSOR_NAMES)
-        if name is None:
-            raise GGUFError(f"tensor '{tensor.name}' of this {config['model_type']} GGUF has no Hugging Face "
-                            "counterpart Celeris knows")
-        weight = dequantize(tensor)
-        if permuted and ".self_attn.q_proj." in name:
-            weight = unpermute(weight, config["num_attention_heads"])
-        elif permuted and ".self_attn.k_proj." in name:
-            weight = unpermute(weight, config["num_key_value_heads"])
-        state[name] = weight
-    return state
+    return {name: hf_tensor(t, name, config) for t in reader.tensors if (name := hf_name(t, config)) is not None}
 
 
 # ---------------------------------------------------------------- conversion
@@ -392,8 +407,9 @@ def card_facts(fields: dict, tokenizer_config: dict) -> dict:
             "license": fields.get("general.license")}
 
 
-def convert(path: Path) -> Converted:
-    """Read and convert one GGUF file (see the module docstring).
+def convert(path: Path, tensors: bool = True) -> Converted:
+    """Read and convert one GGUF file (see the module docstring); without ``tensors``, everything but the weights
+    (``state`` left empty: ``celeris.models.gguf_quantized`` reads them one at a time).
 
     Raises:
         GGUFError: anything that makes the file unusable, in one line.
@@ -415,7 +431,7 @@ def convert(path: Path) -> Converted:
         tokenizer_config = tokenizer_config_from_gguf(fields)
     except GGUFTokenizerError as exc:
         raise GGUFError(f"'{path.name}': {exc}") from None
-    state = hf_state(reader, config)
+    state = hf_state(reader, config) if tensors else {}
     return Converted(config, state, tokenizer.to_str(), tokenizer_config, card_facts(fields, tokenizer_config))
 
 

@@ -41,22 +41,41 @@ from safetensors.torch import save_file
 from torch import nn
 
 from celeris.config import resolve_max_model_len
-from celeris.models import cache
+from celeris.models import cache, quantize
 from celeris.models.checkpoint import CheckpointError, TensorInfo, checkpoint_files, read_config, read_headers
-from celeris.models.gguf import Converted, GGUFCheckpoint, convert, read_card, tensor_types
-from celeris.models.loader import FORMATS, check_memory, detect_format, estimate_memory, kv_cache_bytes, load_any
+from celeris.models.gguf import (
+    Converted,
+    GGUFCheckpoint,
+    convert,
+    hf_name,
+    hf_tensor,
+    open_reader,
+    read_card,
+    tensor_types,
+)
+from celeris.models.loader import (
+    FORMATS,
+    check_memory,
+    detect_format,
+    estimate_memory,
+    kv_cache_bytes,
+    match_tensors,
+    packed_parts,
+    split_part,
+)
 from celeris.models.quantize import (
     INT4_GROUPS,
-    Int4Linear,
+    STORED_ROW_DIMS,
     Int8Embedding,
-    Int8Linear,
+    Method,
+    QuantizationError,
     activation_dtype,
     bind_head,
     check_device,
+    check_shape,
     gguf_layer_methods,
     linear_from_stored,
     parse_method,
-    quantize_model,
 )
 
 VARIANT = "gguf-q"  # the cache entry's variant: the weights as --quantization gguf keeps them
@@ -83,36 +102,93 @@ class QuantizedGGUF:
     from_cache: bool
 
 
-def _method_name(module: nn.Module) -> str | None:
-    """The ``--quantization`` name of a quantized linear (``int8``, ``int4``, ``int4-g64``, ...); None otherwise."""
-    if isinstance(module, Int8Linear):
+def method_name(method: Method) -> str:
+    """The ``--quantization`` name of a layer's int8 or int4 ``Method`` (``int8``, ``int4``, ``int4-g64``, ...)."""
+    if method.bits == 8:
         return "int8"
-    if isinstance(module, Int4Linear):
-        return next(name for name, group in INT4_GROUPS.items() if group == module.group)
-    return None
+    return next(name for name, group in INT4_GROUPS.items() if group == method.group)
 
 
 def quantized_state(path: Path, converted: Converted) -> tuple[dict[str, torch.Tensor], dict]:
-    """The stored form of ``converted`` (the GGUF file ``path`` converted) quantized as ``--quantization gguf``
-    does, and its layout (see the module docstring). ``converted.state`` is emptied on the way (the float32
-    model owns the tensors, and is dropped before this returns).
+    """The stored form of the GGUF file ``path`` quantized as ``--quantization gguf`` does, and its layout (see the
+    module docstring), read tensor by tensor without building the float32 model: each tensor is dequantized to
+    float32 (``gguf.hf_tensor``, memory-mapped reads), quantized at its layer's method (``stored_weight``; the
+    embedding as int8 rows, the norms kept) and dropped before the next is read. A fused projection's parts (q, k,
+    v; gate, up) are quantized one at a time and joined along the rows (``STORED_ROW_DIMS``), which gives, bit for
+    bit, what ``quantize_model(..., "gguf")`` gives on the float32 model (every stored tensor is computed row by
+    row). Only the float32 copy of one tensor (and its quantizer's temporaries) is held at a time.
+
+    Args:
+        path: the ``.gguf`` file.
+        converted: its small files (``convert(path, tensors=False)``); ``state`` is not read.
 
     Raises:
+        GGUFError: a tensor name Celeris does not know, or an unsupported tensor type.
+        CheckpointError: a tensor missing, unexpected, or of a shape the config does not give.
         QuantizationError: a layer the int4 kernel cannot take.
     """
     with tempfile.TemporaryDirectory(prefix="celeris-gguf-") as tmp:
         converted.write_small_files(Path(tmp))
-        model = load_any(tmp, device="cpu", dtype=torch.float32, tensors=converted.state)
-        converted.state = {}
+        fmt = FORMATS[detect_format(converted.config)]
+        config = fmt.config_cls.from_json(Path(tmp) / "config.json")
         methods = gguf_layer_methods(Path(tmp), tensor_types(path))
+    with torch.device("meta"):
+        model = fmt.model_cls(config)
+    reader = open_reader(path)
+    tensors = {name: t for t in reader.tensors if (name := hf_name(t, converted.config)) is not None}
+    targets = match_tensors(model, fmt, {n: tuple(int(d) for d in reversed(t.shape.tolist()))
+                                         for n, t in tensors.items()})
+    linears = {name: m for name, m in model.named_modules() if isinstance(m, nn.Linear)}
+    chosen = {name: methods.get(name, parse_method("int8")) for name in linears}
+    for name, linear in linears.items():
+        check_shape(chosen[name], name, linear)
+    if "lm_head" in linears and linears["lm_head"].out_features != model.vocab_size:
+        raise QuantizationError(f"--quantization gguf: the head has {linears['lm_head'].out_features} rows for a "
+                                f"vocabulary of {model.vocab_size} (padded heads are not supported)")
+    sources: dict[str, dict[str | None, str]] = {}  # parameter -> {part: Hugging Face name}
+    for name, target in targets.items():
+        param, part = split_part(target)
+        sources.setdefault(param, {})[part] = name
+    packed, act = packed_parts(model), activation_dtype(torch.device("cpu"), torch.float32)
     stored: dict[str, torch.Tensor] = {}
-    report = quantize_model(model, "gguf", layer_methods=methods, stored=stored)
-    layers = {name: kind for name, m in model.named_modules() if (kind := _method_name(m)) is not None}
-    owned = (*layers, "embed_tokens")
-    for name, tensor in model.state_dict().items():
-        if name.rpartition(".")[0] not in owned:  # the float tensors: norms
-            stored[name] = tensor.detach().float().contiguous()
-    return stored, {"version": LAYOUT_VERSION, "method": "gguf", "layers": layers, "report": report}
+    for param, parts in sources.items():
+        module, _, kind = param.rpartition(".")
+        names = [parts[p] for p in packed[param]] if param in packed else [parts[None]]
+        if module in linears:
+            forms = [_stored_part(tensors[n], n, kind, chosen[module], converted.config, act) for n in names]
+            stored.update({f"{module}.{k}": torch.cat([f[k] for f in forms], dim=STORED_ROW_DIMS[k])
+                           for k in forms[0]})
+        elif param == "embed_tokens.weight":
+            stored["embed_tokens.qweight"], stored["embed_tokens.scales"] = \
+                quantize.int8_rows(hf_tensor(tensors[names[0]], names[0], converted.config))
+        else:  # the norms, in float32
+            stored[param] = hf_tensor(tensors[names[0]], names[0], converted.config)
+    return stored, _layout(stored, linears, chosen, act)
+
+
+def _stored_part(tensor, name: str, kind: str, method: Method, config: dict,  # noqa: ANN001 - gguf.ReaderTensor
+                 act: torch.dtype) -> dict[str, torch.Tensor]:
+    """One reader tensor of a quantized linear (``kind`` weight or bias) in its stored form; its float32 copy is
+    dropped on return."""
+    if kind == "weight":
+        return quantize.stored_weight(hf_tensor(tensor, name, config), method, act)
+    return {"bias": hf_tensor(tensor, name, config).to(act)}
+
+
+def _layout(stored: dict[str, torch.Tensor], linears: dict[str, nn.Module], chosen: dict[str, Method],
+            act: torch.dtype) -> dict:
+    """The layout of a stored form: each linear's method and ``quantize_model``'s report (the float32 bytes of the
+    linears' weights, and the bytes of the modules built from the stored form)."""
+    layers = {name: method_name(chosen[name]) for name in linears}
+    before = sum(m.weight.numel() * 4 for m in linears.values())
+    after = sum(stored[f"embed_tokens.{k}"].numel() * stored[f"embed_tokens.{k}"].element_size()
+                for k in ("qweight", "scales"))
+    for name in linears:
+        keys = [k for k in (*STORED_KEYS[chosen[name].bits], "bias") if f"{name}.{k}" in stored]
+        module = linear_from_stored({k: stored[f"{name}.{k}"] for k in keys}, chosen[name], act)
+        after += sum(b.numel() * b.element_size() for b in module.buffers())
+    report = {"method": "gguf", "layers": len(linears), "weight_bytes_before": before, "weight_bytes_after": after}
+    return {"version": LAYOUT_VERSION, "method": "gguf", "layers": layers, "report": report}
 
 
 def apply_stored(model: nn.Module, state: dict[str, torch.Tensor], layout: dict, dtype: torch.dtype) -> None:
@@ -237,7 +313,7 @@ def load(path: Path, device: torch.device | str = "cpu", dtype: torch.dtype = to
     from_cache = folder is not None
     if folder is None:
         key = cache.source_key(path)
-        converted = convert(path)
+        converted = convert(path, tensors=False)
         state, layout = quantized_state(path, converted)
         info: dict = {}
         try:
