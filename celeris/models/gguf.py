@@ -162,8 +162,10 @@ def unpermute(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
     return weight.reshape(num_heads, head_dim // 2, 2, *rest).transpose(1, 2).reshape(rows, *rest)
 
 
-def dequantize(tensor) -> torch.Tensor:  # noqa: ANN001 - gguf.ReaderTensor
-    """One reader tensor as float32, shaped as Hugging Face stores it (the reversed GGUF dimensions).
+def dequantize(tensor, rows: tuple[int, int] | None = None) -> torch.Tensor:  # noqa: ANN001 - gguf.ReaderTensor
+    """One reader tensor as float32, shaped as Hugging Face stores it (the reversed GGUF dimensions); with ``rows``
+    = (start, stop), only those rows of a 2-D tensor (``chunk_rows``: a row of GGUF blocks never spans two rows, so
+    they are exactly those rows of the whole).
 
     Raises:
         GGUFError: a type outside ``SUPPORTED_TYPES``, or data of the wrong size.
@@ -175,11 +177,28 @@ def dequantize(tensor) -> torch.Tensor:  # noqa: ANN001 - gguf.ReaderTensor
         raise GGUFError(f"tensor '{tensor.name}' has type {kind}, which Celeris does not dequantize (supported: "
                         f"{', '.join(SUPPORTED_TYPES)})")
     shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
+    data = tensor.data
+    if rows is not None:
+        data, shape = data[rows[0]:rows[1]], (rows[1] - rows[0], *shape[1:])
     try:
-        values = gguf_dequantize(np.asarray(tensor.data), tensor.tensor_type).reshape(shape)
+        values = gguf_dequantize(np.asarray(data), tensor.tensor_type).reshape(shape)
     except ValueError as exc:
         raise GGUFError(f"tensor '{tensor.name}' ({kind}) does not hold {shape} values: {exc}") from None
     return torch.from_numpy(np.array(values, dtype=np.float32, order="C"))  # a copy: the reader's data is read-only
+
+
+def chunk_rows(tensor, name: str, config: dict, max_bytes: int) -> list[tuple[int, int] | None]:  # noqa: ANN001
+    """Row ranges (start, stop) splitting the reader tensor ``tensor`` (Hugging Face name ``name``) into consecutive
+    blocks of at most ``max_bytes`` in float32 (at least one row each), for ``dequantize``'s ``rows``; ``[None]``
+    (the whole tensor at once) for one that is not 2-D, fits, or is a ``llama`` q/k whose rows ``hf_tensor``
+    unpermutes."""
+    shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
+    permuted = config["model_type"] in PERMUTED and (".self_attn.q_proj." in name or ".self_attn.k_proj." in name)
+    data = tensor.data
+    if len(shape) != 2 or data.ndim != 2 or data.shape[0] != shape[0] or permuted or shape[0] * shape[1] * 4 <= max_bytes:
+        return [None]
+    step = max(1, max_bytes // (4 * shape[1]))
+    return [(start, min(start + step, shape[0])) for start in range(0, shape[0], step)]
 
 
 def _field(fields: dict, key: str, default: Any = None, required: bool = True) -> Any:
@@ -347,13 +366,15 @@ def hf_name(tensor, config: dict) -> str | None:  # noqa: ANN001 - gguf.ReaderTe
     return name
 
 
-def hf_tensor(tensor, name: str, config: dict) -> torch.Tensor:  # noqa: ANN001 - gguf.ReaderTensor
-    """One reader tensor (Hugging Face name ``name``) dequantized to float32, its q/k rows unpermuted for ``llama``.
+def hf_tensor(tensor, name: str, config: dict,  # noqa: ANN001 - gguf.ReaderTensor
+              rows: tuple[int, int] | None = None) -> torch.Tensor:
+    """One reader tensor (Hugging Face name ``name``) dequantized to float32, its q/k rows unpermuted for ``llama``;
+    with ``rows``, only those rows (``chunk_rows``, which never splits a tensor that is unpermuted).
 
     Raises:
         GGUFError: an unsupported tensor type.
     """
-    weight = dequantize(tensor)
+    weight = dequantize(tensor, rows)
     permuted = config["model_type"] in PERMUTED
     if permuted and ".self_attn.q_proj." in name:
         weight = unpermute(weight, config["num_attention_heads"])

@@ -1,12 +1,14 @@
 """``--quantization gguf`` through the conversion cache: a GGUF's weights kept in their quantized form on disk.
 
-The first load of a GGUF file with ``--quantization gguf`` converts it in memory (``celeris.models.gguf.convert``:
-every tensor dequantized to float32), loads that float32 model, quantizes it (``quantize_model(..., "gguf")``: each
-layer at the width of its GGUF block type) and writes the *stored form* of the quantized model into its own cache
-entry (``celeris.models.cache``, kind ``gguf``, variant ``VARIANT``), beside the float32 entry a plain load of the
-same file writes (the two are keyed apart and coexist; this path never writes the float32 one). The entry holds
-``config.json``, ``tokenizer.json``, ``tokenizer_config.json``, ``source.json`` (the key, the card facts, the size
-and SHA-256 of every file) and ``STATE_FILE``, a safetensors file under the quantized model's module names:
+The first load of a GGUF file with ``--quantization gguf`` reads the file's metadata
+(``celeris.models.gguf.convert`` without the tensors), then its tensors one at a time (``quantized_state``: each
+dequantized to float32, a large one in blocks of rows, quantized at the width of its GGUF block type and dropped
+before the next is read; never a float32 model) and writes the *stored form* of the quantized model, the same bit
+for bit as ``quantize_model(..., "gguf")`` on the float32 model, into its own cache entry (``celeris.models.cache``,
+kind ``gguf``, variant ``VARIANT``), beside the float32 entry a plain load of the same file writes (the two are
+keyed apart and coexist; this path never writes the float32 one). The entry holds ``config.json``,
+``tokenizer.json``, ``tokenizer_config.json``, ``source.json`` (the key, the card facts, the size and SHA-256 of
+every file) and ``STATE_FILE``, a safetensors file under the quantized model's module names:
 
 - an int4 layer ``m`` (Q4_0, Q4_1, Q4_K blocks): ``m.codes`` (out, in / 2) uint8, two 4-bit codes a byte
   (``pack_nibbles``: a fixed layout, unlike the kernel's packing, which depends on the CPU's vector width) and
@@ -32,7 +34,9 @@ from __future__ import annotations
 import json
 import sys
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -46,12 +50,12 @@ from celeris.models.checkpoint import CheckpointError, TensorInfo, checkpoint_fi
 from celeris.models.gguf import (
     Converted,
     GGUFCheckpoint,
+    chunk_rows,
     convert,
     hf_name,
     hf_tensor,
     open_reader,
     read_card,
-    tensor_types,
 )
 from celeris.models.loader import (
     FORMATS,
@@ -82,6 +86,7 @@ VARIANT = "gguf-q"  # the cache entry's variant: the weights as --quantization g
 STATE_FILE = "model.safetensors"
 LAYOUT_KEY = "celeris.quantization"  # safetensors metadata key of the layout (JSON)
 LAYOUT_VERSION = 1  # raised when the stored form changes: an entry of another version is rebuilt
+CHUNK_BYTES = 16 << 20  # float32 bytes of rows dequantized at once on a first load (the embedding: blocks of rows)
 STORED_KEYS = {8: ("qweight", "scales"), 4: ("codes", "scales_and_zeros")}  # by bits; "bias" beside either
 
 
@@ -112,11 +117,12 @@ def method_name(method: Method) -> str:
 def quantized_state(path: Path, converted: Converted) -> tuple[dict[str, torch.Tensor], dict]:
     """The stored form of the GGUF file ``path`` quantized as ``--quantization gguf`` does, and its layout (see the
     module docstring), read tensor by tensor without building the float32 model: each tensor is dequantized to
-    float32 (``gguf.hf_tensor``, memory-mapped reads), quantized at its layer's method (``stored_weight``; the
-    embedding as int8 rows, the norms kept) and dropped before the next is read. A fused projection's parts (q, k,
-    v; gate, up) are quantized one at a time and joined along the rows (``STORED_ROW_DIMS``), which gives, bit for
-    bit, what ``quantize_model(..., "gguf")`` gives on the float32 model (every stored tensor is computed row by
-    row). Only the float32 copy of one tensor (and its quantizer's temporaries) is held at a time.
+    float32 (``gguf.hf_tensor``, from the memory-mapped file; one bigger than ``CHUNK_BYTES`` in blocks of rows),
+    quantized at its layer's method (``stored_weight``; the embedding as int8 rows, the norms kept) and dropped
+    before the next is read. A fused projection's parts (q, k, v; gate, up) are quantized one at a time and joined
+    along the rows (``STORED_ROW_DIMS``). Every stored tensor is computed row by row (int8 scales per row, int4
+    groups within a row), so this equals, bit for bit, ``quantize_model(..., "gguf")`` on the float32 model (the
+    first load before this existed; ``tests/models/test_gguf_quantized.py`` compares the two).
 
     Args:
         path: the ``.gguf`` file.
@@ -127,15 +133,16 @@ def quantized_state(path: Path, converted: Converted) -> tuple[dict[str, torch.T
         CheckpointError: a tensor missing, unexpected, or of a shape the config does not give.
         QuantizationError: a layer the int4 kernel cannot take.
     """
+    reader = open_reader(path)
+    tensors = {name: t for t in reader.tensors if (name := hf_name(t, converted.config)) is not None}
+    del reader  # its parsed metadata (the vocabulary) is large; the tensors keep their memory-mapped data
     with tempfile.TemporaryDirectory(prefix="celeris-gguf-") as tmp:
         converted.write_small_files(Path(tmp))
         fmt = FORMATS[detect_format(converted.config)]
         config = fmt.config_cls.from_json(Path(tmp) / "config.json")
-        methods = gguf_layer_methods(Path(tmp), tensor_types(path))
+        methods = gguf_layer_methods(Path(tmp), {name: t.tensor_type.name for name, t in tensors.items()})
     with torch.device("meta"):
         model = fmt.model_cls(config)
-    reader = open_reader(path)
-    tensors = {name: t for t in reader.tensors if (name := hf_name(t, converted.config)) is not None}
     targets = match_tensors(model, fmt, {n: tuple(int(d) for d in reversed(t.shape.tolist()))
                                          for n, t in tensors.items()})
     linears = {name: m for name, m in model.named_modules() if isinstance(m, nn.Linear)}
@@ -155,24 +162,43 @@ def quantized_state(path: Path, converted: Converted) -> tuple[dict[str, torch.T
         module, _, kind = param.rpartition(".")
         names = [parts[p] for p in packed[param]] if param in packed else [parts[None]]
         if module in linears:
-            forms = [_stored_part(tensors[n], n, kind, chosen[module], converted.config, act) for n in names]
-            stored.update({f"{module}.{k}": torch.cat([f[k] for f in forms], dim=STORED_ROW_DIMS[k])
-                           for k in forms[0]})
+            quantizer = partial(quantize.stored_weight, method=chosen[module], act_dtype=act) if kind == "weight" \
+                else partial(_bias, act_dtype=act)
+            form = _join([_read(tensors[n], n, converted.config, quantizer) for n in names])
+            stored.update({f"{module}.{k}": v for k, v in form.items()})
         elif param == "embed_tokens.weight":
-            stored["embed_tokens.qweight"], stored["embed_tokens.scales"] = \
-                quantize.int8_rows(hf_tensor(tensors[names[0]], names[0], converted.config))
+            form = _read(tensors[names[0]], names[0], converted.config, _int8_table)
+            stored.update({f"embed_tokens.{k}": v for k, v in form.items()})
         else:  # the norms, in float32
             stored[param] = hf_tensor(tensors[names[0]], names[0], converted.config)
     return stored, _layout(stored, linears, chosen, act)
 
 
-def _stored_part(tensor, name: str, kind: str, method: Method, config: dict,  # noqa: ANN001 - gguf.ReaderTensor
-                 act: torch.dtype) -> dict[str, torch.Tensor]:
-    """One reader tensor of a quantized linear (``kind`` weight or bias) in its stored form; its float32 copy is
-    dropped on return."""
-    if kind == "weight":
-        return quantize.stored_weight(hf_tensor(tensor, name, config), method, act)
-    return {"bias": hf_tensor(tensor, name, config).to(act)}
+def _bias(b: torch.Tensor, act_dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """A linear's bias (out,) float32 as stored: in ``act_dtype``."""
+    return {"bias": b.to(act_dtype)}
+
+
+def _int8_table(w: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The embedding (V, dim) float32 as stored: int8 rows and their float32 scales (``Int8Embedding``)."""
+    q, scale = quantize.int8_rows(w)
+    return {"qweight": q, "scales": scale}
+
+
+def _join(forms: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Stored forms of consecutive row blocks as the form of all the rows (joined along ``STORED_ROW_DIMS``)."""
+    if len(forms) == 1:
+        return forms[0]
+    return {k: torch.cat([f[k] for f in forms], dim=STORED_ROW_DIMS[k]) for k in forms[0]}
+
+
+def _read(tensor, name: str, config: dict,  # noqa: ANN001 - gguf.ReaderTensor
+          quantizer: Callable[[torch.Tensor], dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """``quantizer``'s stored form of one reader tensor (Hugging Face name ``name``), read ``CHUNK_BYTES`` of
+    float32 rows at a time (``chunk_rows``), each block quantized and dropped before the next is read. Every
+    quantizer here works row by row, so the joined blocks equal the whole tensor quantized at once, bit for bit."""
+    return _join([quantizer(hf_tensor(tensor, name, config, rows))
+                  for rows in chunk_rows(tensor, name, config, CHUNK_BYTES)])
 
 
 def _layout(stored: dict[str, torch.Tensor], linears: dict[str, nn.Module], chosen: dict[str, Method],

@@ -363,7 +363,7 @@ def quantize_model(model: nn.Module, method: str | Method, quantize_lm_head: boo
         method: a ``METHODS`` name or a parsed ``Method``.
         stored: filled with the stored form of each replaced linear (``stored_linear``, keys ``{module}.{tensor}``)
             and of an ``Int8Embedding`` (``embed_tokens.qweight``, ``embed_tokens.scales``): what a cache entry
-            writes (``celeris.models.gguf_quantized``).
+            writes (``celeris.models.gguf_quantized`` computes the same tensor by tensor from the file).
 
     Returns:
         ``{"method", "layers", "weight_bytes_before", "weight_bytes_after"}``: linears replaced and their bytes.

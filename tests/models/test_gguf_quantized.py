@@ -182,8 +182,10 @@ def float_path(path: Path) -> tuple[dict[str, torch.Tensor], dict, torch.nn.Modu
     return stored, {"version": GQ.LAYOUT_VERSION, "method": "gguf", "layers": layers, "report": report}, model
 
 
+@pytest.mark.parametrize("chunk", [GQ.CHUNK_BYTES, 1000])  # whole tensors; blocks of 3 rows (64 columns)
 @pytest.mark.parametrize("arch,quant", [("llama", QUANT), ("llama", MIXED), ("qwen2", MIXED), ("qwen3", QUANT)])
-def test_first_load_equals_quantizing_the_float32_model(tmp_path, root, arch, quant):
+def test_first_load_equals_quantizing_the_float32_model(tmp_path, root, monkeypatch, arch, quant, chunk):
+    monkeypatch.setattr(GQ, "CHUNK_BYTES", chunk)
     path = write_gguf(tmp_path / f"{arch}.gguf", tiny_checkpoint(arch, tie=arch != "qwen2"), quant=quant)
     q = LLM(path, device="cpu", quantization="gguf")  # the first load: tensor by tensor
     with safe_open(q.path / GQ.STATE_FILE, framework="pt") as f:
@@ -201,8 +203,8 @@ def test_first_load_equals_quantizing_the_float32_model(tmp_path, root, arch, qu
 
 
 def float32_matrices_alive(monkeypatch) -> list[int]:
-    """Spies on the dequantization (and the llama q/k unpermutation, which copies): before each tensor is
-    dequantized, records how many float32 matrices an earlier call returned are still alive."""
+    """Spies on the dequantization (and the llama q/k unpermutation, which copies): before each tensor (or block
+    of rows) is dequantized, records how many float32 matrices an earlier call returned are still alive."""
     made: list[weakref.ref] = []
     alive: list[int] = []
     for name in ("dequantize", "unpermute"):
@@ -220,14 +222,20 @@ def float32_matrices_alive(monkeypatch) -> list[int]:
     return alive
 
 
+@pytest.mark.parametrize("chunk", [GQ.CHUNK_BYTES, 1000])
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_first_load_holds_one_float32_tensor_at_a_time(tmp_path, root, monkeypatch, arch):
+def test_first_load_holds_one_float32_tensor_at_a_time(tmp_path, root, monkeypatch, arch, chunk):
+    monkeypatch.setattr(GQ, "CHUNK_BYTES", chunk)
     path = write_gguf(tmp_path / f"{arch}.gguf", tiny_checkpoint(arch, tie=arch == "llama"), quant=MIXED)
-    reads = len(G.open_reader(path).tensors)
+    reader = G.open_reader(path)
+    reads = len(reader.tensors)
+    config = G.convert(path, tensors=False).config
+    blocks = sum(len(G.chunk_rows(t, G.hf_name(t, config), config, chunk)) for t in reader.tensors)
+    assert (blocks > reads) == (chunk == 1000)
     alive = float32_matrices_alive(monkeypatch)
     LLM(path, device="cpu", quantization="gguf")
-    assert len(alive) == reads  # each tensor read once
-    assert max(alive) == 0  # the previous one is gone before the next is read
+    assert len(alive) == blocks  # each tensor read once, in blocks of rows when it is bigger than the chunk
+    assert max(alive) == 0  # the previous tensor (block) is gone before the next is read
     alive.clear()
     float_path(path)  # the spy sees the old way's float32 model
     assert len(alive) == reads and max(alive) >= reads // 2
