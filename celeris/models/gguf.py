@@ -164,8 +164,8 @@ def unpermute(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
 
 def dequantize(tensor, rows: tuple[int, int] | None = None) -> torch.Tensor:  # noqa: ANN001 - gguf.ReaderTensor
     """One reader tensor as float32, shaped as Hugging Face stores it (the reversed GGUF dimensions); with ``rows``
-    = (start, stop), only those rows of a 2-D tensor (``chunk_rows``: a row of GGUF blocks never spans two rows, so
-    they are exactly those rows of the whole).
+    = (start, stop), only those rows of a 2-D tensor (``gguf_quantized.chunk_rows``: a row of GGUF blocks never
+    spans two rows, so they are exactly those rows of the whole).
 
     Raises:
         GGUFError: a type outside ``SUPPORTED_TYPES``, or data of the wrong size.
@@ -185,20 +185,6 @@ def dequantize(tensor, rows: tuple[int, int] | None = None) -> torch.Tensor:  # 
     except ValueError as exc:
         raise GGUFError(f"tensor '{tensor.name}' ({kind}) does not hold {shape} values: {exc}") from None
     return torch.from_numpy(np.array(values, dtype=np.float32, order="C"))  # a copy: the reader's data is read-only
-
-
-def chunk_rows(tensor, name: str, config: dict, max_bytes: int) -> list[tuple[int, int] | None]:  # noqa: ANN001
-    """Row ranges (start, stop) splitting the reader tensor ``tensor`` (Hugging Face name ``name``) into consecutive
-    blocks of at most ``max_bytes`` in float32 (at least one row each), for ``dequantize``'s ``rows``; ``[None]``
-    (the whole tensor at once) for one that is not 2-D, fits, or is a ``llama`` q/k whose rows ``hf_tensor``
-    unpermutes."""
-    shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
-    permuted = config["model_type"] in PERMUTED and (".self_attn.q_proj." in name or ".self_attn.k_proj." in name)
-    data = tensor.data
-    if len(shape) != 2 or data.ndim != 2 or data.shape[0] != shape[0] or permuted or shape[0] * shape[1] * 4 <= max_bytes:
-        return [None]
-    step = max(1, max_bytes // (4 * shape[1]))
-    return [(start, min(start + step, shape[0])) for start in range(0, shape[0], step)]
 
 
 def _field(fields: dict, key: str, default: Any = None, required: bool = True) -> Any:
@@ -369,7 +355,7 @@ def hf_name(tensor, config: dict) -> str | None:  # noqa: ANN001 - gguf.ReaderTe
 def hf_tensor(tensor, name: str, config: dict,  # noqa: ANN001 - gguf.ReaderTensor
               rows: tuple[int, int] | None = None) -> torch.Tensor:
     """One reader tensor (Hugging Face name ``name``) dequantized to float32, its q/k rows unpermuted for ``llama``;
-    with ``rows``, only those rows (``chunk_rows``, which never splits a tensor that is unpermuted).
+    with ``rows``, only those rows (``gguf_quantized.chunk_rows`` never splits one that is unpermuted).
 
     Raises:
         GGUFError: an unsupported tensor type.

@@ -48,9 +48,9 @@ from celeris.config import resolve_max_model_len
 from celeris.models import cache, quantize
 from celeris.models.checkpoint import CheckpointError, TensorInfo, checkpoint_files, read_config, read_headers
 from celeris.models.gguf import (
+    PERMUTED,
     Converted,
     GGUFCheckpoint,
-    chunk_rows,
     convert,
     hf_name,
     hf_tensor,
@@ -172,6 +172,20 @@ def quantized_state(path: Path, converted: Converted) -> tuple[dict[str, torch.T
         else:  # the norms, in float32
             stored[param] = hf_tensor(tensors[names[0]], names[0], converted.config)
     return stored, _layout(stored, linears, chosen, act)
+
+
+def chunk_rows(tensor, name: str, config: dict, max_bytes: int) -> list[tuple[int, int] | None]:  # noqa: ANN001
+    """Row ranges (start, stop) splitting the reader tensor ``tensor`` (Hugging Face name ``name``) into consecutive
+    blocks of at most ``max_bytes`` in float32 (at least one row each), for ``gguf.dequantize``'s ``rows``; ``[None]``
+    (the whole tensor at once) for one that is not 2-D, fits, or is a ``llama`` q/k whose rows ``gguf.hf_tensor``
+    unpermutes."""
+    shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
+    permuted = config["model_type"] in PERMUTED and (".self_attn.q_proj." in name or ".self_attn.k_proj." in name)
+    data = tensor.data
+    if len(shape) != 2 or data.ndim != 2 or data.shape[0] != shape[0] or permuted or shape[0] * shape[1] * 4 <= max_bytes:
+        return [None]
+    step = max(1, max_bytes // (4 * shape[1]))
+    return [(start, min(start + step, shape[0])) for start in range(0, shape[0], step)]
 
 
 def _bias(b: torch.Tensor, act_dtype: torch.dtype) -> dict[str, torch.Tensor]:

@@ -230,7 +230,7 @@ def test_first_load_holds_one_float32_tensor_at_a_time(tmp_path, root, monkeypat
     reader = G.open_reader(path)
     reads = len(reader.tensors)
     config = G.convert(path, tensors=False).config
-    blocks = sum(len(G.chunk_rows(t, G.hf_name(t, config), config, chunk)) for t in reader.tensors)
+    blocks = sum(len(GQ.chunk_rows(t, G.hf_name(t, config), config, chunk)) for t in reader.tensors)
     assert (blocks > reads) == (chunk == 1000)
     alive = float32_matrices_alive(monkeypatch)
     LLM(path, device="cpu", quantization="gguf")
