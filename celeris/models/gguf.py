@@ -162,8 +162,10 @@ def unpermute(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
     return weight.reshape(num_heads, head_dim // 2, 2, *rest).transpose(1, 2).reshape(rows, *rest)
 
 
-def dequantize(tensor) -> torch.Tensor:  # noqa: ANN001 - gguf.ReaderTensor
-    """One reader tensor as float32, shaped as Hugging Face stores it (the reversed GGUF dimensions).
+def dequantize(tensor, rows: tuple[int, int] | None = None) -> torch.Tensor:  # noqa: ANN001 - gguf.ReaderTensor
+    """One reader tensor as float32, shaped as Hugging Face stores it (the reversed GGUF dimensions); with ``rows``
+    = (start, stop), only those rows of a 2-D tensor (``gguf_quantized.chunk_rows``: a row of GGUF blocks never
+    spans two rows, so they are exactly those rows of the whole).
 
     Raises:
         GGUFError: a type outside ``SUPPORTED_TYPES``, or data of the wrong size.
@@ -175,8 +177,11 @@ def dequantize(tensor) -> torch.Tensor:  # noqa: ANN001 - gguf.ReaderTensor
         raise GGUFError(f"tensor '{tensor.name}' has type {kind}, which Celeris does not dequantize (supported: "
                         f"{', '.join(SUPPORTED_TYPES)})")
     shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
+    data = tensor.data
+    if rows is not None:
+        data, shape = data[rows[0]:rows[1]], (rows[1] - rows[0], *shape[1:])
     try:
-        values = gguf_dequantize(np.asarray(tensor.data), tensor.tensor_type).reshape(shape)
+        values = gguf_dequantize(np.asarray(data), tensor.tensor_type).reshape(shape)
     except ValueError as exc:
         raise GGUFError(f"tensor '{tensor.name}' ({kind}) does not hold {shape} values: {exc}") from None
     return torch.from_numpy(np.array(values, dtype=np.float32, order="C"))  # a copy: the reader's data is read-only
@@ -332,28 +337,45 @@ def tensor_types(path: Path) -> dict[str, str]:
             if t.name != "rope_freqs.weight" and (name := rename(t.name, TENSOR_NAMES)) is not None}
 
 
+def hf_name(tensor, config: dict) -> str | None:  # noqa: ANN001 - gguf.ReaderTensor
+    """The Hugging Face name of one reader tensor; None for ``rope_freqs.weight`` (read into config.json).
+
+    Raises:
+        GGUFError: a tensor name outside ``TENSOR_NAMES``.
+    """
+    if tensor.name == "rope_freqs.weight":  # not a weight: read into config.json's rope_scaling (llama3)
+        return None
+    name = rename(tensor.name, TENSOR_NAMES)
+    if name is None:
+        raise GGUFError(f"tensor '{tensor.name}' of this {config['model_type']} GGUF has no Hugging Face "
+                        "counterpart Celeris knows")
+    return name
+
+
+def hf_tensor(tensor, name: str, config: dict,  # noqa: ANN001 - gguf.ReaderTensor
+              rows: tuple[int, int] | None = None) -> torch.Tensor:
+    """One reader tensor (Hugging Face name ``name``) dequantized to float32, its q/k rows unpermuted for ``llama``;
+    with ``rows``, only those rows (``gguf_quantized.chunk_rows`` never splits one that is unpermuted).
+
+    Raises:
+        GGUFError: an unsupported tensor type.
+    """
+    weight = dequantize(tensor, rows)
+    permuted = config["model_type"] in PERMUTED
+    if permuted and ".self_attn.q_proj." in name:
+        weight = unpermute(weight, config["num_attention_heads"])
+    elif permuted and ".self_attn.k_proj." in name:
+        weight = unpermute(weight, config["num_key_value_heads"])
+    return weight
+
+
 def hf_state(reader, config: dict) -> dict[str, torch.Tensor]:  # noqa: ANN001 - gguf.GGUFReader
-    """Every tensor dequantized to float32 under its Hugging Face name (q/k rows unpermuted for ``llama``).
+    """Every tensor dequantized to float32 under its Hugging Face name (``hf_tensor``).
 
     Raises:
         GGUFError: a tensor name outside ``TENSOR_NAMES``, or an unsupported tensor type.
     """
-    permuted = config["model_type"] in PERMUTED
-    state = {}
-    for tensor in reader.tensors:
-        if tensor.name == "rope_freqs.weight":  # not a weight: read into config.json's rope_scaling (llama3)
-            continue
-        name = rename(tensor.name, TENSOR_NAMES)
-        if name is None:
-            raise GGUFError(f"tensor '{tensor.name}' of this {config['model_type']} GGUF has no Hugging Face "
-                            "counterpart Celeris knows")
-        weight = dequantize(tensor)
-        if permuted and ".self_attn.q_proj." in name:
-            weight = unpermute(weight, config["num_attention_heads"])
-        elif permuted and ".self_attn.k_proj." in name:
-            weight = unpermute(weight, config["num_key_value_heads"])
-        state[name] = weight
-    return state
+    return {name: hf_tensor(t, name, config) for t in reader.tensors if (name := hf_name(t, config)) is not None}
 
 
 # ---------------------------------------------------------------- conversion
@@ -392,8 +414,9 @@ def card_facts(fields: dict, tokenizer_config: dict) -> dict:
             "license": fields.get("general.license")}
 
 
-def convert(path: Path) -> Converted:
-    """Read and convert one GGUF file (see the module docstring).
+def convert(path: Path, tensors: bool = True) -> Converted:
+    """Read and convert one GGUF file (see the module docstring); without ``tensors``, everything but the weights
+    (``state`` left empty: ``celeris.models.gguf_quantized`` reads them one at a time).
 
     Raises:
         GGUFError: anything that makes the file unusable, in one line.
@@ -415,7 +438,7 @@ def convert(path: Path) -> Converted:
         tokenizer_config = tokenizer_config_from_gguf(fields)
     except GGUFTokenizerError as exc:
         raise GGUFError(f"'{path.name}': {exc}") from None
-    state = hf_state(reader, config)
+    state = hf_state(reader, config) if tensors else {}
     return Converted(config, state, tokenizer.to_str(), tokenizer_config, card_facts(fields, tokenizer_config))
 
 

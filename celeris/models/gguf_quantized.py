@@ -1,12 +1,14 @@
 """``--quantization gguf`` through the conversion cache: a GGUF's weights kept in their quantized form on disk.
 
-The first load of a GGUF file with ``--quantization gguf`` converts it in memory (``celeris.models.gguf.convert``:
-every tensor dequantized to float32), loads that float32 model, quantizes it (``quantize_model(..., "gguf")``: each
-layer at the width of its GGUF block type) and writes the *stored form* of the quantized model into its own cache
-entry (``celeris.models.cache``, kind ``gguf``, variant ``VARIANT``), beside the float32 entry a plain load of the
-same file writes (the two are keyed apart and coexist; this path never writes the float32 one). The entry holds
-``config.json``, ``tokenizer.json``, ``tokenizer_config.json``, ``source.json`` (the key, the card facts, the size
-and SHA-256 of every file) and ``STATE_FILE``, a safetensors file under the quantized model's module names:
+The first load of a GGUF file with ``--quantization gguf`` reads the file's metadata
+(``celeris.models.gguf.convert`` without the tensors), then its tensors one at a time (``quantized_state``: each
+dequantized to float32, a large one in blocks of rows, quantized at the width of its GGUF block type and dropped
+before the next is read; never a float32 model) and writes the *stored form* of the quantized model, the same bit
+for bit as ``quantize_model(..., "gguf")`` on the float32 model, into its own cache entry (``celeris.models.cache``,
+kind ``gguf``, variant ``VARIANT``), beside the float32 entry a plain load of the same file writes (the two are
+keyed apart and coexist; this path never writes the float32 one). The entry holds ``config.json``,
+``tokenizer.json``, ``tokenizer_config.json``, ``source.json`` (the key, the card facts, the size and SHA-256 of
+every file) and ``STATE_FILE``, a safetensors file under the quantized model's module names:
 
 - an int4 layer ``m`` (Q4_0, Q4_1, Q4_K blocks): ``m.codes`` (out, in / 2) uint8, two 4-bit codes a byte
   (``pack_nibbles``: a fixed layout, unlike the kernel's packing, which depends on the CPU's vector width) and
@@ -32,7 +34,9 @@ from __future__ import annotations
 import json
 import sys
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -41,28 +45,48 @@ from safetensors.torch import save_file
 from torch import nn
 
 from celeris.config import resolve_max_model_len
-from celeris.models import cache
+from celeris.models import cache, quantize
 from celeris.models.checkpoint import CheckpointError, TensorInfo, checkpoint_files, read_config, read_headers
-from celeris.models.gguf import Converted, GGUFCheckpoint, convert, read_card, tensor_types
-from celeris.models.loader import FORMATS, check_memory, detect_format, estimate_memory, kv_cache_bytes, load_any
+from celeris.models.gguf import (
+    PERMUTED,
+    Converted,
+    GGUFCheckpoint,
+    convert,
+    hf_name,
+    hf_tensor,
+    open_reader,
+    read_card,
+)
+from celeris.models.loader import (
+    FORMATS,
+    check_memory,
+    detect_format,
+    estimate_memory,
+    kv_cache_bytes,
+    match_tensors,
+    packed_parts,
+    split_part,
+)
 from celeris.models.quantize import (
     INT4_GROUPS,
-    Int4Linear,
+    STORED_ROW_DIMS,
     Int8Embedding,
-    Int8Linear,
+    Method,
+    QuantizationError,
     activation_dtype,
     bind_head,
     check_device,
+    check_shape,
     gguf_layer_methods,
     linear_from_stored,
     parse_method,
-    quantize_model,
 )
 
 VARIANT = "gguf-q"  # the cache entry's variant: the weights as --quantization gguf keeps them
 STATE_FILE = "model.safetensors"
 LAYOUT_KEY = "celeris.quantization"  # safetensors metadata key of the layout (JSON)
 LAYOUT_VERSION = 1  # raised when the stored form changes: an entry of another version is rebuilt
+CHUNK_BYTES = 16 << 20  # float32 bytes of rows dequantized at once on a first load (the embedding: blocks of rows)
 STORED_KEYS = {8: ("qweight", "scales"), 4: ("codes", "scales_and_zeros")}  # by bits; "bias" beside either
 
 
@@ -83,36 +107,128 @@ class QuantizedGGUF:
     from_cache: bool
 
 
-def _method_name(module: nn.Module) -> str | None:
-    """The ``--quantization`` name of a quantized linear (``int8``, ``int4``, ``int4-g64``, ...); None otherwise."""
-    if isinstance(module, Int8Linear):
+def method_name(method: Method) -> str:
+    """The ``--quantization`` name of a layer's int8 or int4 ``Method`` (``int8``, ``int4``, ``int4-g64``, ...)."""
+    if method.bits == 8:
         return "int8"
-    if isinstance(module, Int4Linear):
-        return next(name for name, group in INT4_GROUPS.items() if group == module.group)
-    return None
+    return next(name for name, group in INT4_GROUPS.items() if group == method.group)
 
 
 def quantized_state(path: Path, converted: Converted) -> tuple[dict[str, torch.Tensor], dict]:
-    """The stored form of ``converted`` (the GGUF file ``path`` converted) quantized as ``--quantization gguf``
-    does, and its layout (see the module docstring). ``converted.state`` is emptied on the way (the float32
-    model owns the tensors, and is dropped before this returns).
+    """The stored form of the GGUF file ``path`` quantized as ``--quantization gguf`` does, and its layout (see the
+    module docstring), read tensor by tensor without building the float32 model: each tensor is dequantized to
+    float32 (``gguf.hf_tensor``, from the memory-mapped file; one bigger than ``CHUNK_BYTES`` in blocks of rows),
+    quantized at its layer's method (``stored_weight``; the embedding as int8 rows, the norms kept) and dropped
+    before the next is read. A fused projection's parts (q, k, v; gate, up) are quantized one at a time and joined
+    along the rows (``STORED_ROW_DIMS``). Every stored tensor is computed row by row (int8 scales per row, int4
+    groups within a row), so this equals, bit for bit, ``quantize_model(..., "gguf")`` on the float32 model (the
+    first load before this existed; ``tests/models/test_gguf_quantized.py`` compares the two).
+
+    Args:
+        path: the ``.gguf`` file.
+        converted: its small files (``convert(path, tensors=False)``); ``state`` is not read.
 
     Raises:
+        GGUFError: a tensor name Celeris does not know, or an unsupported tensor type.
+        CheckpointError: a tensor missing, unexpected, or of a shape the config does not give.
         QuantizationError: a layer the int4 kernel cannot take.
     """
+    reader = open_reader(path)
+    tensors = {name: t for t in reader.tensors if (name := hf_name(t, converted.config)) is not None}
+    del reader  # its parsed metadata (the vocabulary) is large; the tensors keep their memory-mapped data
     with tempfile.TemporaryDirectory(prefix="celeris-gguf-") as tmp:
         converted.write_small_files(Path(tmp))
-        model = load_any(tmp, device="cpu", dtype=torch.float32, tensors=converted.state)
-        converted.state = {}
-        methods = gguf_layer_methods(Path(tmp), tensor_types(path))
+        fmt = FORMATS[detect_format(converted.config)]
+        config = fmt.config_cls.from_json(Path(tmp) / "config.json")
+        methods = gguf_layer_methods(Path(tmp), {name: t.tensor_type.name for name, t in tensors.items()})
+    with torch.device("meta"):
+        model = fmt.model_cls(config)
+    targets = match_tensors(model, fmt, {n: tuple(int(d) for d in reversed(t.shape.tolist()))
+                                         for n, t in tensors.items()})
+    linears = {name: m for name, m in model.named_modules() if isinstance(m, nn.Linear)}
+    chosen = {name: methods.get(name, parse_method("int8")) for name in linears}
+    for name, linear in linears.items():
+        check_shape(chosen[name], name, linear)
+    if "lm_head" in linears and linears["lm_head"].out_features != model.vocab_size:
+        raise QuantizationError(f"--quantization gguf: the head has {linears['lm_head'].out_features} rows for a "
+                                f"vocabulary of {model.vocab_size} (padded heads are not supported)")
+    sources: dict[str, dict[str | None, str]] = {}  # parameter -> {part: Hugging Face name}
+    for name, target in targets.items():
+        param, part = split_part(target)
+        sources.setdefault(param, {})[part] = name
+    packed, act = packed_parts(model), activation_dtype(torch.device("cpu"), torch.float32)
     stored: dict[str, torch.Tensor] = {}
-    report = quantize_model(model, "gguf", layer_methods=methods, stored=stored)
-    layers = {name: kind for name, m in model.named_modules() if (kind := _method_name(m)) is not None}
-    owned = (*layers, "embed_tokens")
-    for name, tensor in model.state_dict().items():
-        if name.rpartition(".")[0] not in owned:  # the float tensors: norms
-            stored[name] = tensor.detach().float().contiguous()
-    return stored, {"version": LAYOUT_VERSION, "method": "gguf", "layers": layers, "report": report}
+    for param, parts in sources.items():
+        module, _, kind = param.rpartition(".")
+        names = [parts[p] for p in packed[param]] if param in packed else [parts[None]]
+        if module in linears:
+            quantizer = partial(quantize.stored_weight, method=chosen[module], act_dtype=act) if kind == "weight" \
+                else partial(_bias, act_dtype=act)
+            form = _join([_read(tensors[n], n, converted.config, quantizer) for n in names])
+            stored.update({f"{module}.{k}": v for k, v in form.items()})
+        elif param == "embed_tokens.weight":
+            form = _read(tensors[names[0]], names[0], converted.config, _int8_table)
+            stored.update({f"embed_tokens.{k}": v for k, v in form.items()})
+        else:  # the norms, in float32
+            stored[param] = hf_tensor(tensors[names[0]], names[0], converted.config)
+    return stored, _layout(stored, linears, chosen, act)
+
+
+def chunk_rows(tensor, name: str, config: dict, max_bytes: int) -> list[tuple[int, int] | None]:  # noqa: ANN001
+    """Row ranges (start, stop) splitting the reader tensor ``tensor`` (Hugging Face name ``name``) into consecutive
+    blocks of at most ``max_bytes`` in float32 (at least one row each), for ``gguf.dequantize``'s ``rows``; ``[None]``
+    (the whole tensor at once) for one that is not 2-D, fits, or is a ``llama`` q/k whose rows ``gguf.hf_tensor``
+    unpermutes."""
+    shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
+    permuted = config["model_type"] in PERMUTED and (".self_attn.q_proj." in name or ".self_attn.k_proj." in name)
+    data = tensor.data
+    if len(shape) != 2 or data.ndim != 2 or data.shape[0] != shape[0] or permuted or shape[0] * shape[1] * 4 <= max_bytes:
+        return [None]
+    step = max(1, max_bytes // (4 * shape[1]))
+    return [(start, min(start + step, shape[0])) for start in range(0, shape[0], step)]
+
+
+def _bias(b: torch.Tensor, act_dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """A linear's bias (out,) float32 as stored: in ``act_dtype``."""
+    return {"bias": b.to(act_dtype)}
+
+
+def _int8_table(w: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The embedding (V, dim) float32 as stored: int8 rows and their float32 scales (``Int8Embedding``)."""
+    q, scale = quantize.int8_rows(w)
+    return {"qweight": q, "scales": scale}
+
+
+def _join(forms: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Stored forms of consecutive row blocks as the form of all the rows (joined along ``STORED_ROW_DIMS``)."""
+    if len(forms) == 1:
+        return forms[0]
+    return {k: torch.cat([f[k] for f in forms], dim=STORED_ROW_DIMS[k]) for k in forms[0]}
+
+
+def _read(tensor, name: str, config: dict,  # noqa: ANN001 - gguf.ReaderTensor
+          quantizer: Callable[[torch.Tensor], dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """``quantizer``'s stored form of one reader tensor (Hugging Face name ``name``), read ``CHUNK_BYTES`` of
+    float32 rows at a time (``chunk_rows``), each block quantized and dropped before the next is read. Every
+    quantizer here works row by row, so the joined blocks equal the whole tensor quantized at once, bit for bit."""
+    return _join([quantizer(hf_tensor(tensor, name, config, rows))
+                  for rows in chunk_rows(tensor, name, config, CHUNK_BYTES)])
+
+
+def _layout(stored: dict[str, torch.Tensor], linears: dict[str, nn.Module], chosen: dict[str, Method],
+            act: torch.dtype) -> dict:
+    """The layout of a stored form: each linear's method and ``quantize_model``'s report (the float32 bytes of the
+    linears' weights, and the bytes of the modules built from the stored form)."""
+    layers = {name: method_name(chosen[name]) for name in linears}
+    before = sum(m.weight.numel() * 4 for m in linears.values())
+    after = sum(stored[f"embed_tokens.{k}"].numel() * stored[f"embed_tokens.{k}"].element_size()
+                for k in ("qweight", "scales"))
+    for name in linears:
+        keys = [k for k in (*STORED_KEYS[chosen[name].bits], "bias") if f"{name}.{k}" in stored]
+        module = linear_from_stored({k: stored[f"{name}.{k}"] for k in keys}, chosen[name], act)
+        after += sum(b.numel() * b.element_size() for b in module.buffers())
+    report = {"method": "gguf", "layers": len(linears), "weight_bytes_before": before, "weight_bytes_after": after}
+    return {"version": LAYOUT_VERSION, "method": "gguf", "layers": layers, "report": report}
 
 
 def apply_stored(model: nn.Module, state: dict[str, torch.Tensor], layout: dict, dtype: torch.dtype) -> None:
@@ -237,7 +353,7 @@ def load(path: Path, device: torch.device | str = "cpu", dtype: torch.dtype = to
     from_cache = folder is not None
     if folder is None:
         key = cache.source_key(path)
-        converted = convert(path)
+        converted = convert(path, tensors=False)
         state, layout = quantized_state(path, converted)
         info: dict = {}
         try:

@@ -255,6 +255,43 @@ def pack(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Te
 # ---------------------------------------------------------------- loading
 
 
+def match_tensors(model: nn.Module, fmt: Format, shapes: dict[str, tuple[int, ...]]) -> dict[str, str]:
+    """Checkpoint name -> module name (+ ``"[part]"``) of every tensor in ``shapes`` (checkpoint name -> shape),
+    checked against ``model`` (built on any device, the meta one included).
+
+    Raises:
+        CheckpointError: a tensor the format does not have, of the wrong shape (named with both shapes), or one the
+            model needs that is missing.
+    """
+    targets: dict[str, str] = {}  # checkpoint name -> module name (+ "[part]")
+    for name in shapes:
+        target = rename(name, fmt.checkpoint_keys)
+        if target is None:
+            raise CheckpointError(
+                f"unexpected tensor '{name}' in the checkpoint: not part of the {fmt.name} format for this config"
+            )
+        targets[name] = target
+    expected = expected_shapes(model, set(targets.values()))
+    order = {target: i for i, target in enumerate(expected)}  # report the model's first mismatch first
+    for name, shape in sorted(shapes.items(), key=lambda item: order.get(targets[item[0]], -1)):
+        if targets[name] not in expected:
+            raise CheckpointError(
+                f"unexpected tensor '{name}' in the checkpoint: not part of the {fmt.name} format for this config"
+            )
+        if shape != expected[targets[name]]:
+            raise CheckpointError(
+                f"tensor '{name}' has shape {shape} in the checkpoint but the config needs {expected[targets[name]]}"
+            )
+    missing = sorted(set(expected) - set(targets.values()))
+    if missing:
+        back = {target: source for source, target in fmt.checkpoint_keys.items()}
+        raise CheckpointError(
+            f"tensor '{rename(missing[0], back) or missing[0]}' is missing from the checkpoint (expected shape "
+            f"{expected[missing[0]]}; {len(missing)} missing in all)"
+        )
+    return targets
+
+
 def load_native(folder: Path, fmt: Format, device: torch.device, dtype: torch.dtype | None,
                 kv_rows: int = 0, max_model_len: int | None = None,
                 tensors: dict[str, torch.Tensor] | None = None) -> nn.Module:
@@ -274,32 +311,7 @@ def load_native(folder: Path, fmt: Format, device: torch.device, dtype: torch.dt
         infos = {name: TensorInfo(None, tuple(t.shape), t.dtype) for name, t in tensors.items()}
     with torch.device("meta"):
         model = fmt.model_cls(config)
-    targets: dict[str, str] = {}  # checkpoint name -> module name (+ "[part]")
-    for name in infos:
-        target = rename(name, fmt.checkpoint_keys)
-        if target is None:
-            raise CheckpointError(
-                f"unexpected tensor '{name}' in the checkpoint: not part of the {fmt.name} format for this config"
-            )
-        targets[name] = target
-    expected = expected_shapes(model, set(targets.values()))
-    order = {target: i for i, target in enumerate(expected)}  # report the model's first mismatch first
-    for name, info in sorted(infos.items(), key=lambda item: order.get(targets[item[0]], -1)):
-        if targets[name] not in expected:
-            raise CheckpointError(
-                f"unexpected tensor '{name}' in the checkpoint: not part of the {fmt.name} format for this config"
-            )
-        if info.shape != expected[targets[name]]:
-            raise CheckpointError(
-                f"tensor '{name}' has shape {info.shape} in the checkpoint but the config needs {expected[targets[name]]}"
-            )
-    missing = sorted(set(expected) - set(targets.values()))
-    if missing:
-        back = {target: source for source, target in fmt.checkpoint_keys.items()}
-        raise CheckpointError(
-            f"tensor '{rename(missing[0], back) or missing[0]}' is missing from the checkpoint (expected shape "
-            f"{expected[missing[0]]}; {len(missing)} missing in all)"
-        )
+    targets = match_tensors(model, fmt, {name: info.shape for name, info in infos.items()})
     dtype = load_dtype(infos, dtype)
     kv = 0
     if kv_rows and getattr(model, "supports_kv_cache", False):

