@@ -28,7 +28,8 @@ from celeris.engine.path import ModePath, PathContext, resolve_path
 from celeris.engine.request import Request
 from celeris.engine.runner import ModelRunner
 from celeris.engine.scheduler import Scheduler
-from celeris.engine.verified import VerifiedDecoder, VerifiedPath
+from celeris.engine.verified import VerifiedDecoder
+from celeris.engine.verified_path import VerifiedPath
 from celeris.params import SamplingParams
 from celeris.sampling.block import with_block_defaults
 from celeris.sampling.logprobs import prompt_entries

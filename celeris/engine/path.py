@@ -6,7 +6,7 @@ model, the one ``ModelRunner`` that calls it, compiled or not, the engine's sett
 requests' cursors (``Request.state``) and, each step, lays out its pass(es), runs them through the runner,
 commits the chosen tokens into each ``Request.canvas`` and counts the step (``Request.record_step``), advancing or
 finishing each request. The built-in paths are ``celeris.engine.masked.MaskedPath``,
-``celeris.engine.blocks.BlockDecoder`` and ``celeris.engine.verified.VerifiedPath``; a plug-in's is its own class
+``celeris.engine.blocks.BlockDecoder`` and ``celeris.engine.verified_path.VerifiedPath``; a plug-in's is its own class
 (``tests/engine/test_toy_mode.py`` holds one).
 """
 

@@ -155,7 +155,7 @@ def _always(model: torch.nn.Module, params: SamplingParams) -> bool:
 register_mode(DecodingMode("block", _check_block, lambda model, params: block_mode(model, params) is not None,
                            "celeris.engine.blocks:BlockDecoder"))
 register_mode(DecodingMode("verified", check_verified_support, decoding_is("verified"),
-                           "celeris.engine.verified:VerifiedPath", rule=COMMIT_RULES["verified"]))
+                           "celeris.engine.verified_path:VerifiedPath", rule=COMMIT_RULES["verified"]))
 register_mode(DecodingMode(DEFAULT_MODE, check_masked_support, _always, "celeris.engine.masked:MaskedPath"))
 
 

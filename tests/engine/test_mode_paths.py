@@ -80,7 +80,7 @@ def test_every_registered_mode_names_a_path_the_engine_can_make(hybrid):
     from celeris.engine.blocks import BlockDecoder
     from celeris.engine.masked import MaskedPath
     from celeris.engine.path import resolve_path
-    from celeris.engine.verified import VerifiedPath
+    from celeris.engine.verified_path import VerifiedPath
     from celeris.sampling.modes import DEFAULT_MODE, MODES
 
     assert list(MODES)[:3] == ["block", "verified", "masked"] and DEFAULT_MODE == "masked"

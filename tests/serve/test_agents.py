@@ -1,7 +1,11 @@
 """A real agent framework (OpenAI's ``openai-agents`` SDK, on the chat-completions API, tracing off: there is
 no network) runs a tool-calling loop against the live server: turn 1 is forced to call the tool
 (``tool_choice="required"``), the SDK runs it and sends the result back (``role: "tool"``), and turn 2
-(``tool_choice`` reset to auto by the SDK) gives the final answer."""
+(``tool_choice`` reset to auto by the SDK) gives the final answer.
+
+Slow tier (~4-8 s: two turns of 160 tokens under grammars, beside seconds of importing the SDK), as its twin on
+the Responses API (tests/serve/responses/test_agents.py); the fast tier keeps the same tool loop on the server,
+through OpenAI's client (tests/serve/test_structured.py: ``test_two_turn_tool_loop``)."""
 
 from __future__ import annotations
 
@@ -12,10 +16,10 @@ import pytest
 from tests.serve.conftest import MODEL_NAME, make_serving
 from tests.serve.test_structured import long_llm  # noqa: F401 - the module-scoped fixture
 
-agents = pytest.importorskip("agents")
 
-
+@pytest.mark.slow
 def test_openai_agents_completes_a_tool_loop(long_llm):  # noqa: F811
+    agents = pytest.importorskip("agents")  # here, not at collection: the SDK takes seconds to import
     from openai import AsyncOpenAI
 
     from celeris.serve.app import BackgroundServer, create_app

@@ -117,8 +117,9 @@ def test_full_queue_answers_429_with_retry_after(slow_server):
 
 
 def assert_stopped_taking_steps(request) -> None:
-    # well before the 1 s request time-out (the abort-reason metric tells the two apart)
-    assert wait_until(lambda: request.status is RequestStatus.ABORTED, timeout=0.75), "not aborted after disconnect"
+    # the abort-reason metric (checked by the callers) tells a disconnect's abort from the 1 s request time-out's,
+    # so the bound here is only against a hang: generous, for busy cores
+    assert wait_until(lambda: request.status is RequestStatus.ABORTED, timeout=10), "not aborted after disconnect"
     steps = request.num_steps
     time.sleep(0.2)
     assert request.num_steps == steps < 64

@@ -67,9 +67,40 @@ def test_idle_sockets_cannot_lock_out_new_clients(small_server):
             s.close()
 
 
+def held_steps(serving) -> threading.Event:
+    """Make every engine step of ``serving`` wait until the returned event is set (at most 30 s): its requests stay
+    in flight, however slow the machine, until the test lets them go."""
+    release = threading.Event()
+    engine = serving.async_engine.engine
+    real_step = engine.step
+
+    def held_step():
+        release.wait(30)
+        return real_step()
+
+    engine.step = held_step
+    return release
+
+
+def paced_steps(serving, delay_s: float) -> dict[str, float]:
+    """Make every engine step of ``serving`` sleep ``pace["delay_s"]`` seconds first; the returned ``pace`` may be
+    changed while it runs (0: the rest at full speed)."""
+    pace = {"delay_s": delay_s}
+    engine = serving.async_engine.engine
+    real_step = engine.step
+
+    def paced_step():
+        time.sleep(pace["delay_s"])
+        return real_step()
+
+    engine.step = paced_step
+    return pace
+
+
 def test_busy_connections_beyond_the_bound_get_503_in_the_error_shape(serve_llm):
     limits = ServerLimits(max_connections=2)
-    serving = make_serving(serve_llm, step_delay=0.03)
+    serving = make_serving(serve_llm)
+    release = held_steps(serving)  # the two requests hold their connections until the third is refused
     with BackgroundServer(create_app(serving, limits=limits), limits=limits) as srv:
         done = []
         threads = [threading.Thread(target=lambda: done.append(
@@ -77,7 +108,10 @@ def test_busy_connections_beyond_the_bound_get_503_in_the_error_shape(serve_llm)
         for t in threads:
             t.start()
         assert wait_until(lambda: serving.async_engine.num_in_flight == 2)
-        resp = httpx.get(f"{srv.url}/health", timeout=5)
+        try:
+            resp = httpx.get(f"{srv.url}/health", timeout=5)
+        finally:
+            release.set()
         assert resp.status_code == 503 and resp.json()["error"]["code"] == "too_many_connections"
         assert resp.headers["retry-after"] == "1"
         for t in threads:
@@ -199,16 +233,8 @@ def test_a_request_whose_headers_arrived_before_the_drain_runs(serve_llm):
 
 
 def test_health_fails_on_a_stuck_engine_but_not_on_a_full_queue(serve_llm):
-    release = threading.Event()
     serving = make_serving(serve_llm, max_num_seqs=1, max_waiting=1)
-    engine = serving.async_engine.engine
-    real_step = engine.step
-
-    def stuck_step():
-        release.wait(30)
-        return real_step()
-
-    engine.step = stuck_step
+    release = held_steps(serving)  # a stuck engine
     with BackgroundServer(create_app(serving, stall_timeout_s=0.3)) as srv:
         statuses = []
         threads = [threading.Thread(target=lambda: statuses.append(httpx.post(
@@ -229,9 +255,10 @@ def test_health_fails_on_a_stuck_engine_but_not_on_a_full_queue(serve_llm):
 
 
 def test_health_stays_ok_while_a_busy_engine_makes_progress(serve_llm):
-    serving = make_serving(serve_llm, max_num_seqs=1, max_waiting=1, step_delay=0.05)
+    serving = make_serving(serve_llm, max_num_seqs=1, max_waiting=1)
+    pace = paced_steps(serving, 0.05)
     with BackgroundServer(create_app(serving, stall_timeout_s=0.3)) as srv:
-        busy = {**LONG, "max_tokens": 24, "steps": 24, "block_length": 24}  # 24 steps of 0.05 s: busy > 1 s each
+        busy = LONG  # 64 steps of 0.05 s: busy > 3 s each, far beyond the checks below
         threads = [threading.Thread(target=lambda: httpx.post(f"{srv.url}/v1/completions", json=busy, timeout=30))
                    for _ in range(2)]
         for t in threads:
@@ -241,5 +268,7 @@ def test_health_stays_ok_while_a_busy_engine_makes_progress(serve_llm):
         for _ in range(10):  # 0.5 s > stall_timeout_s, with the queue full all along
             assert httpx.get(f"{srv.url}/health").status_code == 200
             time.sleep(0.05)
+        assert serving.async_engine.num_in_flight == 2  # the queue was still full at the last check
+        pace["delay_s"] = 0.0  # the rest of both answers at full speed
         for t in threads:
             t.join()

@@ -13,8 +13,6 @@ from pydantic import BaseModel, Field
 
 from tests.serve.conftest import MODEL_NAME
 
-agents = pytest.importorskip("agents")
-
 
 class Place(BaseModel):
     city: str = Field(max_length=8)
@@ -33,6 +31,7 @@ class Query(BaseModel):
 
 
 def run_agent(url: str, streamed: bool) -> tuple[list[Query], object]:
+    agents = pytest.importorskip("agents")  # here, not at collection: the SDK takes seconds to import
     from openai import AsyncOpenAI
 
     calls: list[Query] = []
