@@ -57,6 +57,9 @@ class EngineConfig:
             "int4-g64", "int4-g128", or "gguf" (a GGUF checkpoint: each tensor at its block type's width);
             None keeps the loaded dtype. The KV cache stays in ``dtype``.
         quantize_lm_head: quantize the output head too (tied or not); False keeps it in ``dtype``.
+        onednn: on a CPU with float32 weights, unquantized and eager, run every linear layer (the head included)
+            through oneDNN with its weight reordered once at load (``celeris.models.prepack``); False keeps
+            PyTorch's default matmul.
         logprobs_mode: what ``SamplingParams.logprobs`` reports (vLLM's ``--logprobs-mode``): "raw_logprobs", the
             model's distribution before any processing, or "processed_logprobs", the one the token was drawn from
             (``celeris.sampling.logprobs``).
@@ -85,6 +88,10 @@ class EngineConfig:
                                      "the KV cache stays in --dtype; docs/quantization.md)", metavar="METHOD")
     quantize_lm_head: bool = _knob(False, "with --quantization: quantize the output head too (default: kept in "
                                    "--dtype)")
+    onednn: bool = _knob(True, "CPU, float32 weights: PyTorch's default matmul instead of oneDNN with weights "
+                         "prepacked at load (celeris.models.prepack: the same numbers up to float rounding, faster "
+                         "at every width, and a verified pass of several columns costs little more than one)",
+                         flag="--no-onednn", invert=True)
     logprobs_mode: str = _knob("raw_logprobs", "what logprobs report (vLLM's flag): the model's distribution "
                                "(default), or the one each token was drawn from, after penalties, filters and "
                                "temperature", choices=LOGPROBS_MODES)

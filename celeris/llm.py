@@ -14,7 +14,7 @@ import torch
 
 from celeris.config import OFFLINE_MAX_WAITING, EngineConfig, resolve_device, resolve_dtype, resolve_max_model_len
 from celeris.engine import Engine, Request
-from celeris.models import gguf_quantized
+from celeris.models import gguf_quantized, prepack
 from celeris.models.catalog import ALIASES, alias_path, read_pairing
 from celeris.models.catalog import EMBEDDED as CATALOG_EMBEDDED
 from celeris.models.gguf import find_gguf, prepare, read_card
@@ -228,6 +228,13 @@ class LLM:
             self.quantization = quantize_model(self.model, quantization, config.quantize_lm_head)
         if self.proposer is not None and quantization is not None:  # the drafter's float weights: int8 under gguf
             quantize_model(self.proposer.drafter, "int8" if quantization == "gguf" else quantization)
+        # float32 linears through oneDNN, weights reordered once (compiled models get inductor's own packing)
+        self.prepacked = 0  # linear layers replaced, the drafter's and the head included
+        if config.onednn and config.enforce_eager and quantization is None:
+            for m in (self.model, getattr(self.proposer, "drafter", None)):
+                first = next(m.parameters()) if m is not None else None
+                if first is not None and prepack.available(first.device, first.dtype):
+                    self.prepacked += prepack.prepack_model(m)
         attach(self.model, self.proposer)
         self.engine_config.max_model_len = resolve_max_model_len(
             max_model_len, self.model.config.max_position_embeddings, self.device)

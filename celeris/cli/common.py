@@ -116,14 +116,15 @@ def _tokenizer_args(p: argparse.ArgumentParser) -> None:
 
 
 def _quantization_args(p: argparse.ArgumentParser) -> None:
-    """``--quantization`` (vLLM's flag; EngineConfig.quantization) and ``--quantize-lm-head``."""
+    """``--quantization`` (vLLM's flag; EngineConfig.quantization), ``--quantize-lm-head`` and ``--no-onednn``: how
+    the weights are stored and multiplied."""
     from celeris.config import QUANTIZATION_METHODS
 
     bench = {"metavar": "METHOD,...", "help": "comma-separated weight-only quantizations to bench beside the "
              "unquantized model: " + ", ".join(QUANTIZATION_METHODS) + " (int4: groups of 32 input columns; the KV "
              "cache stays in --dtype; docs/quantization.md)"}
-    _engine_args(p, "quantization", "quantize_lm_head", **({"quantization": bench}
-                                                           if p.prog.split()[-1] == "bench" else {}))
+    _engine_args(p, "quantization", "quantize_lm_head", "onednn", **({"quantization": bench}
+                                                                     if p.prog.split()[-1] == "bench" else {}))
 
 
 def _quantization_overrides(args: argparse.Namespace) -> dict[str, object]:

@@ -466,7 +466,8 @@ def quantization_of(model: nn.Module) -> str | None:
 
 
 def resident_weight_bytes(model: nn.Module) -> int:
-    """Bytes of the parameters and buffers the model holds (each tensor storage counted once)."""
+    """Bytes of the parameters and buffers the model holds (each tensor storage counted once), and of the oneDNN
+    weights of its prepacked linears and head (``celeris.models.prepack``: opaque tensors outside both)."""
     seen, total = set(), 0
     for t in [*model.parameters(), *model.buffers(),
               *(b for m in [model.__dict__.get("_celeris_quantized_head")] if m is not None for b in m.buffers())]:
@@ -474,7 +475,8 @@ def resident_weight_bytes(model: nn.Module) -> int:
         if key not in seen:
             seen.add(key)
             total += t.untyped_storage().nbytes()
-    return total
+    packed = {id(m): m for m in [*model.modules(), model.__dict__.get("_celeris_packed_head")] if hasattr(m, "packed")}
+    return total + sum(m.packed.numel() * m.packed.element_size() for m in packed.values())
 
 
 def reference_linear(x: torch.Tensor, module: QuantizedLinear) -> torch.Tensor:

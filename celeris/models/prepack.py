@@ -1,0 +1,111 @@
+"""Float32 linear layers through oneDNN with prepacked weights on CPU: a transform applied to a loaded model (as
+quantization is: ``celeris.models.quantize``), never inside a model file.
+
+Why. On a CPU a decoding pass reads every weight once and computes little. PyTorch's default float32 matmul
+(MKL's ``sgemm`` through ``F.linear``) repacks the weight on every call that has more than one row, so a pass of
+2-8 columns (a verified pass: one token plus drafts) costs about twice a one-column pass, and ``sgemm`` barely
+uses a second thread at these sizes. oneDNN's inner-product with a weight reordered once at load
+(``torch.ops.mkldnn._reorder_linear_weight``, then ``torch.ops.mkldnn._linear_pointwise``: the path
+``torch.compile``'s CPU backend takes for frozen linear weights) reads the stored layout directly. Measured on the
+2-core development machine (``scripts/prepack_bench.py``; SmolLM2-135M's shapes, each weight streamed from memory,
+ms per call), the 49,152 x 576 output head at 2 threads: 7.4 / 17.3 / 19.4 (``F.linear``) against 3.2 / 3.4 / 5.6
+(oneDNN) for 1 / 2 / 8 rows; docs/benchmarks.md has the whole table.
+
+Numbers. The products are float32 sums in another order: they differ from ``F.linear``'s by float32 rounding
+(about 4e-6 relative), and a row's result does not depend on how many rows share the call (checked by the tests),
+so verified decoding's target columns score as next-token decoding's do.
+
+Memory. The reordered copy replaces each linear's weight. A tied output head gets its own reordered copy of the
+embedding rows (the table keeps its rows for the input side): for SmolLM2-135M 108 MiB more than the float32
+model's 513 MiB.
+"""
+
+from __future__ import annotations
+
+import types
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from celeris.models.layers import TransformerLM
+
+
+def available(device: torch.device | str, dtype: torch.dtype) -> bool:
+    """Whether prepacking applies: float32 weights on a CPU whose PyTorch build has oneDNN (mkldnn)."""
+    return torch.device(device).type == "cpu" and dtype == torch.float32 and torch.backends.mkldnn.is_available()
+
+
+class PrepackedLinear(nn.Module):
+    """An ``nn.Linear`` whose weight is held in oneDNN's reordered layout: (..., in) -> (..., out) float32.
+
+    The reordered tensor is an opaque mkldnn tensor kept as a plain attribute (not a parameter or buffer: it has no
+    strides, so ``state_dict``, ``.to`` and ``parameters()`` never see it); ``weight`` gives the plain (out, in)
+    matrix back on request, for the rare reader.
+    """
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach().float().contiguous(), None)
+        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().float(), requires_grad=False)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The weight as a plain (out, in) float32 matrix, rebuilt on every read (not on the decoding path)."""
+        return self.packed.to_dense()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x.float(), self.packed, self.bias, "none", [], "").to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
+def _packed_logits(self: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+    """``TransformerLM.logits`` through the prepacked head: (..., hidden) -> (..., vocab_size) float32."""
+    return self._celeris_packed_head(hidden)
+
+
+def prepack_model(model: nn.Module) -> int:
+    """Replace every ``nn.Linear`` of ``model`` (in place) by a ``PrepackedLinear``, and score ``model.logits``
+    (rebound on the instance, when the model has one) through a prepacked head: its own ``lm_head``, or a reordered
+    copy of a tied embedding's first ``vocab_size`` rows.
+
+    Args:
+        model: a loaded eval-mode model with float32 weights on a CPU (``available``).
+    Returns:
+        the number of linear layers replaced, the head included.
+    Raises:
+        ValueError: a weight that is not float32 on a CPU, or a PyTorch without oneDNN.
+    """
+    first = next(model.parameters())
+    if not available(first.device, first.dtype):
+        raise ValueError(f"prepacked linears need float32 weights on a CPU with oneDNN; the model has {first.dtype} "
+                         f"on {first.device}")
+    # the head is rebound only where ``logits`` is the plain product TransformerLM's is (another family's head may
+    # scale or cap the logits): elsewhere ``lm_head`` stays an nn.Linear, as that family's ``logits`` reads it
+    plain_head = getattr(type(model), "logits", None) is TransformerLM.logits
+    targets = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.Linear)
+               and (plain_head or name != "lm_head")]
+    for name, linear in targets:
+        parent = model.get_submodule(name.rpartition(".")[0]) if "." in name else model
+        setattr(parent, name.rpartition(".")[2], PrepackedLinear(linear))
+    if plain_head and isinstance(getattr(model, "embed_tokens", None), nn.Embedding):
+        head = getattr(model, "lm_head", None)
+        if head is None:  # tied: a reordered copy of the rows scores, the table embeds
+            rows = model.embed_tokens.weight[: model.vocab_size].detach()
+            copy = nn.Linear(rows.shape[1], rows.shape[0], bias=False, device="meta")
+            copy.weight = nn.Parameter(rows, requires_grad=False)
+            head = PrepackedLinear(copy)
+            targets.append(("lm_head (tied)", copy))
+        elif head.out_features != model.vocab_size:  # a padded head: logits reads its rows (rebuilt per call)
+            return len(targets)
+        model.__dict__["_celeris_packed_head"] = head
+        model.logits = types.MethodType(_packed_logits, model)
+    return len(targets)
+
+
+def reference_linear(x: torch.Tensor, module: PrepackedLinear) -> torch.Tensor:
+    """The slow, obviously correct product the tests compare with: ``F.linear`` on the plain weight."""
+    return F.linear(x.float(), module.weight, module.bias)
