@@ -104,26 +104,30 @@ class KVSegment:
         self.start = 0
         self.num_rows = 0
 
+    def _rows(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The segment's rows of each of the store's tensors, as views."""
+        return [t[self.start : self.start + self.num_rows] for t in tensors]
+
     @property
     def keys(self) -> list[torch.Tensor]:
         """Per layer the segment's rows of the store, (num_rows, H_kv, row_len, D) views ([] before allocation)."""
-        return [k[self.start : self.start + self.num_rows] for k in self.store.keys]
+        return self._rows(self.store.keys)
 
     @property
     def values(self) -> list[torch.Tensor]:
         """Per layer the segment's rows of the store's values, as ``keys``."""
-        return [v[self.start : self.start + self.num_rows] for v in self.store.values]
+        return self._rows(self.store.values)
 
     @property
     def draft_keys(self) -> list[torch.Tensor]:
         """Per drafter layer the segment's rows of the store's drafter keys, (num_rows, H_kv', draft_len, D')
         views ([] without a drafter)."""
-        return [k[self.start : self.start + self.num_rows] for k in self.store.draft_keys]
+        return self._rows(self.store.draft_keys)
 
     @property
     def draft_values(self) -> list[torch.Tensor]:
         """Per drafter layer the segment's rows of the store's drafter values, as ``draft_keys``."""
-        return [v[self.start : self.start + self.num_rows] for v in self.store.draft_values]
+        return self._rows(self.store.draft_values)
 
     @property
     def layers(self) -> list[torch.Tensor]:
