@@ -1,9 +1,11 @@
-"""Tokens/s of SmolLM2-135M-Instruct at batch 1: prompt lookup alone against a DFlash drafter at k drafts per pass.
+"""Tokens/s of SmolLM2-135M-Instruct at batch 1: next-token decoding and prompt lookup against a DFlash drafter at k
+drafts per pass.
 
-One process, one thread, the same held-out prompts (the first MT-Bench first turns and GSM8K test questions, never
-in the drafter's data) through the chat template, greedy; the systems run interleaved, ``--repeats`` rounds, and the
-best round per system is reported with its tokens per target pass. Every system's text must equal prompt lookup's
-(verified decoding is lossless at temperature 0): a mismatch is printed and makes the exit status 1.
+One process (``--threads``, default one), the same held-out prompts (the first MT-Bench first turns and GSM8K test
+questions, never in the drafter's data) through the chat template, greedy; the systems run interleaved,
+``--repeats`` rounds, and the best round per system is reported with its tokens per target pass. Every system's
+text must equal prompt lookup's (verified decoding is lossless at temperature 0): a mismatch is printed and makes
+the exit status 1.
 
     OMP_NUM_THREADS=1 python scripts/drafter_speed.py --drafter runs/dflash/export --k 1,2,3,7
 """
@@ -30,7 +32,9 @@ def prompts(shared: Path, n: int) -> list[str]:
 
 def run(llm: LLM, texts: list[str], max_tokens: int, source: str) -> tuple[float, int, int, list[str]]:
     """(seconds, answer tokens, target passes, texts) for the prompts one at a time."""
-    params = llm.default_params(max_tokens=max_tokens, seed=0, decoding="verified", draft_source=source)
+    # no source: next-token decoding (the chat bench's target-next-token)
+    params = (llm.default_params(max_tokens=max_tokens, seed=0, decoding="verified", draft_source=source) if source
+              else llm.default_params(max_tokens=max_tokens, seed=0, decoding="fixed"))
     seconds = tokens = passes = 0
     out_texts = []
     for t in texts:
@@ -52,10 +56,12 @@ def main() -> None:
     ap.add_argument("--num-prompts", type=int, default=2, help="of each set")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=1)
     args = ap.parse_args()
-    torch.set_num_threads(1)
+    torch.set_num_threads(args.threads)
     texts = prompts(args.shared, args.num_prompts)
-    systems = {"lookup": (LLM("smollm2-135m-instruct"), "lookup")}
+    target = LLM("smollm2-135m-instruct")
+    systems = {"lookup": (target, "lookup"), "dflash-k0 (next-token)": (target, None)}
     for k in (int(x) for x in args.k.split(",")):
         spec = {"method": "dflash", "model": str(args.drafter), "num_speculative_tokens": k}
         systems[f"dflash-k{k}"] = (LLM("smollm2-135m-instruct", speculative_config=spec), "dflash")
