@@ -245,6 +245,11 @@ def _load(args: argparse.Namespace):
         defaults = json.loads(gen_path.read_text()) if gen_path.is_file() else {}
     except json.JSONDecodeError as exc:
         raise CheckpointError(f"{gen_path} is not valid JSON: {exc}") from None
-    _params(defaults, args)  # validate before the (slower) model load
+    # validate before the (slower) model load, where the folder's own file holds the defaults: a drafter folder
+    # (the default model), a .gguf file or a --speculative-* target gets its defaults (verified decoding, the causal
+    # defaults) only once loaded, so its flags are checked after the load, against those
+    drafter_flag = getattr(args, "speculative_config", None) or getattr(args, "speculative_model", None)
+    if gen_path.is_file() and drafter_flag is None:
+        _params(defaults, args)
     llm = LLM(args.model, **_engine_kwargs(args))
     return llm, _params(llm.generation_config, args, llm)  # the defaults as the loaded model reads them
