@@ -511,6 +511,14 @@ def test_a_drafter_folder_with_a_pairing_runs_its_target_with_the_drafter_and_th
     prompt = llm.tokenizer.encode_chat([{"role": "user", "content": "hello"}])
     want = generate_autoregressive(llm.model, [prompt], llm.default_params(max_tokens=12)).token_ids[0]
     assert record["token_ids"] == want
+    # a flag that needs the drafter's verified decoding is checked against the defaults the loaded model reads (the
+    # drafter folder has no generation_config.json; the target's own says next-token decoding)
+    code, out, err = run_cli(capsys, "generate", "hello", "--model", str(tmp_path / "drafter"), "--json",
+                             "--draft-source", "lookup")
+    assert code == 0 and json.loads(out)["decoding"] == "verified", err
+    code, out, err = run_cli(capsys, "generate", "hello", "--model", str(tmp_path / "target"), "--json",
+                             "--speculative-model", str(tmp_path / "drafter"), "--draft-source", "dflash")
+    assert code == 0 and json.loads(out)["decoding"] == "verified", err
     code, out, err = run_cli(capsys, "generate", "hello", "--model", str(tmp_path / "drafter"), "--raw")
     assert code == 0 and out.startswith("hello"), err
     bad = drafter_for(target, hidden_size=48, num_attention_heads=3, num_key_value_heads=3)  # another target's

