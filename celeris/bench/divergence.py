@@ -56,13 +56,15 @@ def floor_of(method: str) -> tuple[float, float]:
     return FLOORS["int8" if method.startswith("int8") else "int4"]
 
 
-def floor_warning(method: str, d: Divergence) -> str | None:
-    """A one-line warning when ``d`` misses ``method``'s floor, else None."""
-    top1, kl = floor_of(method)
+def floor_warning(method: str, d: Divergence, floor: str | None = None) -> str | None:
+    """A one-line warning naming ``method`` when ``d`` misses the floor of ``floor`` (default: ``method``'s own;
+    the bench holds ``bfloat16`` to int8's), else None."""
+    top1, kl = floor_of(floor or method)
     if d.top1_agreement >= top1 and d.mean_kl <= kl:
         return None
-    return (f"warning: {method} misses its quality floor: top-1 agreement {d.top1_agreement:.4f} (floor {top1}), "
-            f"mean KL {d.mean_kl:.5f} nats (ceiling {kl})")
+    held = f" ({floor}'s)" if floor and floor != method else ""
+    return (f"warning: {method} misses its quality floor{held}: top-1 agreement {d.top1_agreement:.4f} (floor "
+            f"{top1}), mean KL {d.mean_kl:.5f} nats (ceiling {kl})")
 
 
 def _kl_and_agreement(ref: torch.Tensor, cand: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -57,6 +57,6 @@ def width_report(reference: LLM, candidate: LLM, width: str, prompts: list[list[
               "quality_conditions": "teacher-forced on the unquantized model's greedy answers "
                                     f"(max_tokens {params.max_tokens}, decoding {params.decoding}, "
                                     f"{len(prompts)} prompts)"}
-    warning = floor_warning("int8" if width == "bfloat16" else width, divergence)
+    warning = floor_warning(width, divergence, "int8" if width == "bfloat16" else None)
     report["floor_met"] = warning is None
     return report, warning

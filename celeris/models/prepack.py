@@ -22,6 +22,7 @@ model's 513 MiB.
 
 from __future__ import annotations
 
+import copy
 import types
 
 import torch
@@ -61,10 +62,45 @@ class PrepackedLinear(nn.Module):
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
+    def _save_to_state_dict(self, destination: dict, prefix: str, keep_vars: bool) -> None:
+        """``state_dict`` holds the plain ``weight`` (out, in), as the ``nn.Linear`` it replaced wrote it."""
+        destination[prefix + "weight"] = self.weight
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+
+    def _load_from_state_dict(self, state_dict: dict, prefix: str, local_metadata: dict, strict: bool,
+                              missing_keys: list[str], unexpected_keys: list[str], error_msgs: list[str]) -> None:
+        """``load_state_dict`` reorders a plain ``weight`` (out, in) into the oneDNN layout."""
+        key = prefix + "weight"
+        if key in state_dict:
+            weight = state_dict[key]
+            if tuple(weight.shape) != (self.out_features, self.in_features):
+                error_msgs.append(f"size mismatch for {key}: copying a param with shape {tuple(weight.shape)}, the "
+                                  f"shape in current model is {(self.out_features, self.in_features)}")
+            else:
+                self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().float().contiguous(), None)
+        elif strict:
+            missing_keys.append(key)
+        rest = {k: v for k, v in state_dict.items() if k != key}
+        super()._load_from_state_dict(rest, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs)
+
+    def __deepcopy__(self, memo: dict) -> PrepackedLinear:
+        """A copy that shares the reordered weight (an opaque tensor has no storage to copy; nothing writes it)."""
+        new = self.__class__.__new__(self.__class__)
+        memo[id(self)] = new
+        for name, value in self.__dict__.items():
+            object.__setattr__(new, name, value if name == "packed" else copy.deepcopy(value, memo))
+        return new
+
 
 def _packed_logits(self: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
     """``TransformerLM.logits`` through the prepacked head: (..., hidden) -> (..., vocab_size) float32."""
     return self._celeris_packed_head(hidden)
+
+
+def _repack_tied_head(model: nn.Module, incompatible_keys: object) -> None:
+    """After ``load_state_dict``: the tied head's reordered copy from the embedding rows just loaded."""
+    rows = model.embed_tokens.weight[: model.vocab_size].detach().float().contiguous()
+    model.__dict__["_celeris_packed_head"].packed = torch.ops.mkldnn._reorder_linear_weight(rows, None)
 
 
 def prepack_model(model: nn.Module) -> int:
@@ -95,10 +131,11 @@ def prepack_model(model: nn.Module) -> int:
         head = getattr(model, "lm_head", None)
         if head is None:  # tied: a reordered copy of the rows scores, the table embeds
             rows = model.embed_tokens.weight[: model.vocab_size].detach()
-            copy = nn.Linear(rows.shape[1], rows.shape[0], bias=False, device="meta")
-            copy.weight = nn.Parameter(rows, requires_grad=False)
-            head = PrepackedLinear(copy)
-            targets.append(("lm_head (tied)", copy))
+            tied = nn.Linear(rows.shape[1], rows.shape[0], bias=False, device="meta")
+            tied.weight = nn.Parameter(rows, requires_grad=False)
+            head = PrepackedLinear(tied)
+            targets.append(("lm_head (tied)", tied))
+            model.register_load_state_dict_post_hook(_repack_tied_head)
         elif head.out_features != model.vocab_size:  # a padded head: logits reads its rows (rebuilt per call)
             return len(targets)
         model.__dict__["_celeris_packed_head"] = head

@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from celeris.config import QUANTIZATION_METHODS
+from celeris.models.prepack import PrepackedLinear
 
 INT4_GROUPS = {"int4": 32, "int4-g64": 64, "int4-g128": 128}
 METHODS = QUANTIZATION_METHODS  # "int8", the INT4_GROUPS names and "gguf"
@@ -372,6 +373,9 @@ def quantize_model(model: nn.Module, method: str | Method, quantize_lm_head: boo
         QuantizationError: unknown method, a device without the kernel, or a layer shape the kernel cannot take
             (checked for every layer before any is replaced).
     """
+    if any(isinstance(m, PrepackedLinear) for m in model.modules()):
+        raise QuantizationError("the model's linear layers are prepacked for oneDNN (celeris.models.prepack); "
+                                "quantize a model loaded with onednn=False (--no-onednn)")
     method = parse_method(method) if isinstance(method, str) else method
     gguf = method.bits == 0
     quantize_lm_head = quantize_lm_head or gguf

@@ -105,3 +105,6 @@ def test_a_missed_floor_is_one_warning_line():
     line = floor_warning("int4-g64", Divergence(100, 0.85, 0.02, [None]))
     assert line == ("warning: int4-g64 misses its quality floor: top-1 agreement 0.8500 (floor 0.9), mean KL 0.02000 "
                     "nats (ceiling 0.1)")
+    held = floor_warning("bfloat16", Divergence(100, 0.98, 0.001, [None]), "int8")  # the bench's bfloat16 width
+    assert held == ("warning: bfloat16 misses its quality floor (int8's): top-1 agreement 0.9800 (floor 0.99), mean "
+                    "KL 0.00100 nats (ceiling 0.01)")

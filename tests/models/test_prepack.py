@@ -96,3 +96,30 @@ def test_quantized_and_compiled_models_are_not_prepacked(tmp_path, monkeypatch):
     path = write_gguf(tmp_path / "llama.gguf", tiny_checkpoint("llama"))
     assert LLM(str(path), device="cpu", quantization="int8").prepacked == 0
     assert LLM(str(path), device="cpu", dtype="bfloat16").prepacked == 0
+
+
+def test_a_prepacked_model_copies_saves_and_loads_as_the_plain_one():
+    """``copy.deepcopy``, ``state_dict`` (the plain weights under the nn.Linear names) and ``load_state_dict``
+    behave as on the model before prepacking; quantizing a prepacked model is refused in one line."""
+    import copy
+
+    from celeris.models.quantize import QuantizationError, quantize_model
+
+    plain = tiny_model(seed=5, vocab_size=80)
+    model = tiny_model(seed=5, vocab_size=80)
+    want = plain.state_dict()
+    prepack_model(model)
+    got = model.state_dict()
+    assert list(got) == list(want)
+    for name in want:
+        assert torch.equal(got[name], want[name]), name
+    ids = torch.randint(3, 80, (1, 9))
+    twin = copy.deepcopy(model)
+    with torch.no_grad():
+        assert torch.equal(twin(ids), model(ids))
+        other = tiny_model(seed=6, vocab_size=80)
+        twin.load_state_dict(other.state_dict())
+        torch.testing.assert_close(twin(ids), other(ids), rtol=1e-4, atol=1e-4)
+        assert torch.equal(model(ids), copy.deepcopy(model)(ids))  # the original is untouched by its copy's load
+    with pytest.raises(QuantizationError, match="onednn=False"):
+        quantize_model(model, "int8")
