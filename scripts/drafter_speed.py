@@ -57,6 +57,7 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--lookup-first", action="store_true", help="also draft_source lookup_first at each k")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     texts = prompts(args.shared, args.num_prompts)
@@ -64,7 +65,10 @@ def main() -> None:
     systems = {"lookup": (target, "lookup"), "dflash-k0 (next-token)": (target, None)}
     for k in (int(x) for x in args.k.split(",")):
         spec = {"method": "dflash", "model": str(args.drafter), "num_speculative_tokens": k}
-        systems[f"dflash-k{k}"] = (LLM("smollm2-135m-instruct", speculative_config=spec), "dflash")
+        llm = LLM("smollm2-135m-instruct", speculative_config=spec)
+        systems[f"dflash-k{k}"] = (llm, "dflash")
+        if args.lookup_first:  # prompt lookup first, the drafter where lookup finds nothing (the default's source)
+            systems[f"lookup-first-k{k}"] = (llm, "lookup_first")
     best: dict[str, tuple] = {}
     for _ in range(args.repeats):
         for name, (llm, source) in systems.items():
