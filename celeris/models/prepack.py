@@ -143,6 +143,13 @@ def prepack_model(model: nn.Module) -> int:
     return len(targets)
 
 
+def weight_tensors(model: nn.Module) -> list[torch.Tensor]:
+    """The model's parameters and the reordered weights of its prepacked linears (opaque tensors ``parameters()``
+    does not list): what a parameter count or a weight size reads (a tied head's reordered copy is not a weight of
+    its own and is left out)."""
+    return [*model.parameters(), *(m.packed for m in model.modules() if isinstance(m, PrepackedLinear))]
+
+
 def reference_linear(x: torch.Tensor, module: PrepackedLinear) -> torch.Tensor:
     """The slow, obviously correct product the tests compare with: ``F.linear`` on the plain weight."""
     return F.linear(x.float(), module.weight, module.bias)

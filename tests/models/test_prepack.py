@@ -12,7 +12,7 @@ from torch import nn
 
 from celeris.llm import LLM
 from celeris.models import prepack
-from celeris.models.prepack import PrepackedLinear, prepack_model, reference_linear
+from celeris.models.prepack import PrepackedLinear, prepack_model, reference_linear, weight_tensors
 from celeris.models.quantize import resident_weight_bytes
 from tests.conftest import tiny_model
 
@@ -48,12 +48,14 @@ def test_a_tied_model_keeps_its_embedding_and_scores_through_a_packed_copy():
     model = tiny_model(seed=3, vocab_size=80)
     ids = torch.randint(3, 80, (2, 12))
     bytes_before = resident_weight_bytes(model)
+    count_before = sum(p.numel() for p in model.parameters())
     with torch.no_grad():
         before = model(ids)
         table = model.embed_tokens.weight.clone()
         replaced = prepack_model(model)
         after = model(ids)
     assert resident_weight_bytes(model) == bytes_before + 80 * model.config.hidden_size * 4  # the head's copy
+    assert sum(t.numel() for t in weight_tensors(model)) == count_before  # what a parameter count reports
     linears = sum(isinstance(m, PrepackedLinear) for m in model.modules())
     assert replaced == linears + 1  # every linear, and the tied head's reordered copy
     assert isinstance(model.embed_tokens, nn.Embedding) and torch.equal(model.embed_tokens.weight, table)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 from datetime import UTC, datetime
 
+from celeris.models.prepack import weight_tensors
 from celeris.params import rename_deprecated
 from celeris.serve.errors import APIError
 from celeris.serve.ollama.protocol import ModelDetails, ModelEntry, ShowResponse
@@ -53,11 +54,11 @@ def architecture(s) -> str:
 
 
 def parameter_count(s) -> int:
-    return sum(p.numel() for p in s.llm.model.parameters())
+    return sum(p.numel() for p in weight_tensors(s.llm.model))
 
 
 def size_bytes(s) -> int:
-    return sum(p.numel() * p.element_size() for p in s.llm.model.parameters())
+    return sum(p.numel() * p.element_size() for p in weight_tensors(s.llm.model))
 
 
 def human_count(n: int) -> str:

@@ -10,6 +10,7 @@ import jsonschema
 import ollama
 import pytest
 
+from celeris.models.prepack import weight_tensors
 from tests.serve.conftest import CONTEXT, MODEL_NAME
 from tests.serve.ollama.conftest import AUTH
 
@@ -141,11 +142,11 @@ def test_tool_call_and_its_result(long_server):
 def test_list_show_and_ps(oclient, serve_llm):
     models = oclient.list().models
     assert [m.model for m in models] == [f"{MODEL_NAME}:latest"]
-    size = sum(p.numel() * p.element_size() for p in serve_llm.model.parameters())
+    size = sum(p.numel() * p.element_size() for p in weight_tensors(serve_llm.model))  # prepacked weights included
     assert models[0].size == size and models[0].details.family == "celeris" and len(models[0].digest) == 64
     shown = oclient.show(MODEL_NAME)
     assert shown.modelinfo["celeris.context_length"] == CONTEXT == serve_llm.context_length
-    assert shown.modelinfo["general.parameter_count"] == sum(p.numel() for p in serve_llm.model.parameters())
+    assert shown.modelinfo["general.parameter_count"] == sum(p.numel() for p in weight_tensors(serve_llm.model))
     assert set(shown.capabilities) == {"completion", "tools", "insert"}
     assert shown.template == serve_llm.tokenizer.chat_template
     assert "num_predict 16" in shown.parameters.splitlines() and shown.details.format == "safetensors"
