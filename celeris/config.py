@@ -57,9 +57,9 @@ class EngineConfig:
             "int4-g64", "int4-g128", or "gguf" (a GGUF checkpoint: each tensor at its block type's width);
             None keeps the loaded dtype. The KV cache stays in ``dtype``.
         quantize_lm_head: quantize the output head too (tied or not); False keeps it in ``dtype``.
-        onednn: on a CPU with float32 weights, unquantized and eager, run every linear layer (the head included)
-            through oneDNN with its weight reordered once at load (``celeris.models.prepack``); False keeps
-            PyTorch's default matmul.
+        onednn: on a CPU with float32 weights and eager, run every float32 linear layer (the head included; under
+            int8/int4 without ``quantize_lm_head`` the float head alone) through oneDNN with its weight reordered once
+            at load (``celeris.models.prepack``); False keeps PyTorch's default matmul.
         logprobs_mode: what ``SamplingParams.logprobs`` reports (vLLM's ``--logprobs-mode``): "raw_logprobs", the
             model's distribution before any processing, or "processed_logprobs", the one the token was drawn from
             (``celeris.sampling.logprobs``).

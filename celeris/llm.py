@@ -228,9 +228,11 @@ class LLM:
             self.quantization = quantize_model(self.model, quantization, config.quantize_lm_head)
         if self.proposer is not None and quantization is not None:  # the drafter's float weights: int8 under gguf
             quantize_model(self.proposer.drafter, "int8" if quantization == "gguf" else quantization)
-        # float32 linears through oneDNN, weights reordered once (compiled models get inductor's own packing)
+        # float32 linears through oneDNN, weights reordered once (compiled models get inductor's own packing); under
+        # int8/int4 without --quantize-lm-head that is the float head alone (a quantized head or gguf's stays as is)
         self.prepacked = 0  # linear layers replaced, the drafter's and the head included
-        if config.onednn and config.enforce_eager and quantization is None:
+        float_head = quantization is None or (quantization != "gguf" and not config.quantize_lm_head)
+        if config.onednn and config.enforce_eager and float_head:
             for m in (self.model, getattr(self.proposer, "drafter", None)):
                 first = next(m.parameters()) if m is not None else None
                 if first is not None and prepack.available(first.device, first.dtype):

@@ -36,7 +36,7 @@ import torch
 from celeris.engine.path import PathContext
 from celeris.engine.request import NO_PROGRESS, Request
 from celeris.engine.runner import ModelRunner
-from celeris.models.layers import KVCache, column_window
+from celeris.models.layers import KVCache, column_window, gather_positions
 from celeris.sampling.cache import CACHE_MODES
 from celeris.sampling.logprobs import committed_entries
 from celeris.sampling.step import (
@@ -69,6 +69,9 @@ class MaskedPath:
         self.confidence_from = confidence_rule(context.model)
         self.logprobs_mode = context.config.logprobs_mode
         self.is_causal = bool(getattr(config, "is_causal", False))
+        # a causal model scores token t from the hidden state at t - 1 (logits_shift 1): its window passes compute
+        # that column and score it unshifted, never the mask column t itself (``_next_token_columns``)
+        self.next_token = self.is_causal and getattr(context.model, "logits_shift", 0) == 1
 
     def token_cost(self, requests: list[Request]) -> int:
         """Tokens the step's passes over ``requests`` process (the scheduler's budget): a request prefilling in
@@ -272,6 +275,8 @@ class MaskedPath:
                 cols, block_start = list(range(first, r.num_computed + r.prefill_chunk) or [first]), 0
             else:
                 cols, block_start = r.cache_columns() or (list(range(*r.block_span)), 0)
+                if self.next_token:
+                    cols, block_start = self._next_token_columns(r, cols)
             columns.append(cols)
             block_starts.append(block_start)
         wide = [row for row, c in enumerate(columns) if len(c) > 2 * block_width]
@@ -299,6 +304,21 @@ class MaskedPath:
         block = self._block_tokens(canvas[cond], [s for s, _ in spans], [e - s for s, e in spans], block_width)
         return logits, block.to(self.runner.device)
 
+    @staticmethod
+    def _next_token_columns(r: Request, cols: list[int]) -> tuple[list[int], int]:
+        """A causal model's window columns without its block column t, with t - 1 (whose hidden state scores t),
+        and where t - 1 is among them.
+
+        Exact: a causal model decodes with ``block_length`` 1 under the ``delayed`` cache (or none, which runs full
+        passes; ``celeris.sampling.modes.check_masked_support``), so no column of this pass attends to t (causal
+        attention looks left) and the next step rewrites t's keys/values as a stale column before any pass reads
+        them; the mask column is the one the two-column window computed for nothing (it halves the columns of a
+        decoding step, which matters most for the quantized kernels, whose cost grows with the columns).
+        """
+        t = r.block_span[0]
+        kept = sorted((set(cols) - {t}) | {t - 1})
+        return kept, kept.index(t - 1)
+
     def _run_window(self, canvas: torch.Tensor, attn: torch.Tensor, cache: KVCache, columns: list[list[int]],
                     block_starts: list[int], block_width: int) -> torch.Tensor:
         """A window pass: row i computes canvas columns ``columns[i]`` and scores the ``block_width`` of them from
@@ -306,5 +326,9 @@ class MaskedPath:
         cols = column_window(columns)  # (R, Lw)
         width = torch.tensor([len(c) for c in columns])[:, None]
         index = torch.minimum(torch.tensor(block_starts)[:, None] + torch.arange(block_width)[None], width - 1)  # (R, Lb)
+        if self.next_token:  # the hidden state at each row's chosen column scores its next token (no shift)
+            hidden = self.runner.hidden_states(canvas.to(self.runner.device), attn.to(self.runner.device), cache,
+                                               cols.to(self.runner.device))
+            return self.runner.logits(gather_positions(hidden, index.to(self.runner.device)))
         return self.runner.model(canvas.to(self.runner.device), attn.to(self.runner.device), cache=cache,
                           window=cols.to(self.runner.device), logits_index=index.to(self.runner.device))

@@ -75,3 +75,35 @@ def test_compiled_runner_gives_the_eager_tokens():
         run_to_end(engine)
         answers.append(request.answer)
     assert torch.equal(answers[0], answers[1])
+
+
+def test_a_causal_models_decoding_step_computes_one_column():
+    """The masked path of a causal model (``block_length`` 1, ``delayed``) scores token t from the hidden state at
+    t - 1 and never computes the mask column t: every window pass of a lone request computes one column, and a
+    batch of three ragged prompts gets the reference samplers' tokens (the masked loop, which computes both, and
+    the plain next-token loop)."""
+    from celeris.reference.autoregressive import generate_autoregressive
+
+    model = tiny_model(seed=4, is_causal=True)
+    params = SamplingParams(max_tokens=10, steps=10, block_length=1, cache="delayed", early_exit=False)
+    prompts = [[5, 6, 7], [9, 3, 11, 12, 4, 8], [13]]
+    engine = Engine(model, EngineConfig(max_num_seqs=4))
+    widths: list[int] = []
+    hidden_states = engine.runner.hidden_states
+
+    def spy(ids, mask, cache=None, window=None):  # noqa: ANN001, ANN202
+        if isinstance(window, torch.Tensor):
+            widths.append(window.shape[1])
+        return hidden_states(ids, mask, cache, window)
+
+    engine.runner.hidden_states = spy
+    alone = engine.add_request(prompts[0], params)
+    run_to_end(engine)
+    assert widths == [1] * (params.max_tokens - 1)  # the first token comes from the full pass that fills the cache
+    want_masked = generate(model, [prompts[0]], params).answer_ids[0]
+    assert torch.equal(alone.answer, want_masked)
+    requests = [engine.add_request(p, params) for p in prompts]
+    run_to_end(engine)
+    for p, r in zip(prompts, requests, strict=True):
+        assert torch.equal(r.answer, generate(model, [p], params).answer_ids[0])
+        assert r.answer.tolist() == generate_autoregressive(model, [p], params).token_ids[0]

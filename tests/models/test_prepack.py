@@ -91,12 +91,27 @@ def test_llm_prepacks_by_default_and_onednn_false_keeps_the_plain_matmul(tmp_pat
     assert fast.generate(["the theme"], params)[0].token_ids == plain.generate(["the theme"], params)[0].token_ids
 
 
-def test_quantized_and_compiled_models_are_not_prepacked(tmp_path, monkeypatch):
+@pytest.mark.parametrize("arch,tie", [("llama", True), ("qwen2", False)])
+def test_a_quantized_model_scores_through_a_prepacked_float_head(tmp_path, monkeypatch, arch, tie):
+    """int8/int4 leave the head in float32 (without ``quantize_lm_head``): that head alone is prepacked, and the
+    logits equal the same quantized model's through ``F.linear``; a quantized head, or ``onednn=False``, is left
+    alone; bfloat16 weights are not prepacked."""
     from tests.models.conftest_gguf import tiny_checkpoint, write_gguf
 
     monkeypatch.setenv("CELERIS_CACHE", str(tmp_path / "cache"))
-    path = write_gguf(tmp_path / "llama.gguf", tiny_checkpoint("llama"))
-    assert LLM(str(path), device="cpu", quantization="int8").prepacked == 0
+    path = write_gguf(tmp_path / f"{arch}.gguf", tiny_checkpoint(arch, tie=tie))
+    ids = torch.tensor([[5, 9, 14, 3, 22, 7]])
+    for method in ("int8", "int4"):
+        packed = LLM(str(path), device="cpu", quantization=method)
+        plain = LLM(str(path), device="cpu", quantization=method, onednn=False)
+        assert packed.prepacked == 1 and plain.prepacked == 0
+        assert [type(m) for m in packed.model.modules() if isinstance(m, PrepackedLinear)] == ([] if tie else
+                                                                                            [PrepackedLinear])
+        with torch.no_grad():
+            torch.testing.assert_close(packed.model(ids), plain.model(ids), rtol=1e-4, atol=1e-4)
+    head = LLM(str(path), device="cpu", quantization="int8", quantize_lm_head=True)  # int4 takes no 264-row head
+    assert head.prepacked == 0
+    assert not any(isinstance(m, PrepackedLinear) for m in head.model.modules())
     assert LLM(str(path), device="cpu", dtype="bfloat16").prepacked == 0
 
 
