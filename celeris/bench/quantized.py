@@ -19,31 +19,40 @@ from celeris.models.quantize import resident_weight_bytes
 from celeris.params import SamplingParams
 
 BENCH_WIDTHS = ("bfloat16", *QUANTIZATION_METHODS)  # what the bench's --quantization list may name
+HEAD_SUFFIX = "+lm_head"  # a width with its head quantized too (--quantize-lm-head for that width alone)
+
+
+def base_width(name: str) -> str:
+    """The method of a bench width name: ``int4+lm_head`` -> ``int4`` (other names unchanged)."""
+    return name.removesuffix(HEAD_SUFFIX)
 
 
 def parse_widths(text: str | None) -> list[str]:
-    """The bench's ``--quantization`` list (comma-separated) as names.
+    """The bench's ``--quantization`` list (comma-separated) as names: ``BENCH_WIDTHS``, and an int8/int4 method
+    with ``+lm_head`` (its head quantized too, beside the same method with a float head in one run).
 
     Raises:
-        ValueError: a name not in ``BENCH_WIDTHS``, or a repeated one.
+        ValueError: a name not in ``BENCH_WIDTHS`` (or ``+lm_head`` on bfloat16 or gguf), or a repeated one.
     """
     if not text:
         return []
     names = [n.strip() for n in text.split(",") if n.strip()]
-    unknown = [n for n in names if n not in BENCH_WIDTHS]
+    unknown = [n for n in names if base_width(n) not in BENCH_WIDTHS
+               or (n.endswith(HEAD_SUFFIX) and base_width(n) in ("bfloat16", "gguf"))]
     if unknown:
         raise ValueError(f"--quantization: unknown width(s) {', '.join(unknown)}; the bench takes "
-                         f"{', '.join(BENCH_WIDTHS)}")
+                         f"{', '.join(BENCH_WIDTHS)}, and an int8/int4 method with {HEAD_SUFFIX}")
     if len(set(names)) != len(names):
         raise ValueError(f"--quantization names a width twice: {text}")
     return names
 
 
 def load_width(width: str, load: Callable[..., LLM], quantize_lm_head: bool = False) -> LLM:
-    """The checkpoint at ``width``: ``load(**options)`` with ``dtype="bfloat16"`` or ``quantization=width``."""
+    """The checkpoint at ``width``: ``load(**options)`` with ``dtype="bfloat16"`` or ``quantization=width`` (its
+    head quantized with ``quantize_lm_head`` or a ``+lm_head`` name)."""
     if width == "bfloat16":
         return load(dtype="bfloat16")
-    return load(quantization=width, quantize_lm_head=quantize_lm_head)
+    return load(quantization=base_width(width), quantize_lm_head=quantize_lm_head or width.endswith(HEAD_SUFFIX))
 
 
 def width_report(reference: LLM, candidate: LLM, width: str, prompts: list[list[int]], params: SamplingParams,

@@ -142,10 +142,11 @@ def _quantization_overrides(args: argparse.Namespace) -> dict[str, object]:
     if method is None:
         return {}
     for name in method.split(","):
-        if name == "bfloat16" and getattr(args, "command", None) == "bench":
+        bench = getattr(args, "command", None) == "bench"
+        if name == "bfloat16" and bench:
             continue  # the bench's list may hold the bfloat16 width too (celeris.bench.quantized.BENCH_WIDTHS)
         try:
-            check_quantization(name)
+            check_quantization(name.removesuffix("+lm_head") if bench else name)  # celeris.bench.quantized.HEAD_SUFFIX
         except ValueError as exc:
             raise UsageError(f"--quantization: {exc}") from None
     return {"quantization": method, "quantize_lm_head": head}

@@ -16,10 +16,23 @@ from tests.bench.test_run import write_prompts
 
 def test_width_lists_are_checked():
     assert parse_widths("bfloat16, int8,int4") == ["bfloat16", "int8", "int4"]
-    with pytest.raises(ValueError, match="unknown width"):
-        parse_widths("int8,fp3")
+    assert parse_widths("int4,int4+lm_head") == ["int4", "int4+lm_head"]
+    for bad in ("int8,fp3", "gguf+lm_head", "bfloat16+lm_head", "fp3+lm_head"):
+        with pytest.raises(ValueError, match="unknown width"):
+            parse_widths(bad)
     with pytest.raises(ValueError, match="twice"):
         BenchConfig(quantization="int8,int8")
+
+
+def test_a_width_with_its_head_loads_the_method_with_the_head_quantized():
+    from celeris.bench.quantized import load_width
+
+    calls = []
+    load = lambda **options: calls.append(options)  # noqa: E731
+    for width in ("int4", "int4+lm_head", "bfloat16"):
+        load_width(width, load)
+    assert calls == [{"quantization": "int4", "quantize_lm_head": False},
+                     {"quantization": "int4", "quantize_lm_head": True}, {"dtype": "bfloat16"}]
 
 
 def check_widths(results: dict, widths: list[str]) -> None:
