@@ -206,6 +206,9 @@ class LLM:
         tensors, self._gguf = None, None
         self.quantization: dict | None = None  # what quantize_model replaced (layers, weight bytes before/after)
         gguf_file = find_gguf(self.path)
+        # the .gguf file the weights were read from (an alias's packaged file, or the path given); None for a
+        # folder checkpoint. Other engines can load the same file (celeris.bench.llamacpp)
+        self.gguf_path: Path | None = gguf_file
         if quantization == "gguf" and gguf_file is None:
             raise QuantizationError(f"--quantization gguf needs a .gguf checkpoint; '{self.name}' holds float "
                                     "weights: use --quantization int8 or int4")

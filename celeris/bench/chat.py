@@ -13,7 +13,9 @@ Systems, each on the same prompts, output length and batch size, all at temperat
 - ``dflash`` and ``dflash-lookup-first`` (with a DFlash drafter, ``--speculative-config`` or a drafter folder):
   verified decoding with the drafter's drafts, with and without prompt lookup first, the drafter on at every
   batch size; ``default`` when the drafter's ``disable_by_batch_size`` switches it off at some batch size;
-- ``transformers``: SmolLM2 through transformers' ``generate`` on the same weights (SmolLM2 targets only).
+- ``transformers``: SmolLM2 through transformers' ``generate`` on the same weights (SmolLM2 targets only);
+- ``llama.cpp``: llama-cpp-python on the same ``.gguf`` file when it is installed (``celeris.bench.llamacpp``: the
+  same prompt ids, greedy, its own quantized kernels; a batch's prompts run one after another), else a note.
 
 Per system: tokens/s, TTFT, p50/p95 latency, tokens per target pass, drafter passes, acceptance per draft position,
 peak RSS, the answers' repetition share (a run of one token longer than 8) and distinct-2, and every greedy text
@@ -30,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from celeris.bench import smollm2
+from celeris.bench import llamacpp, smollm2
 from celeris.bench.quality import max_repeat_run
 from celeris.bench.quantized import load_width, parse_widths, width_report
 from celeris.bench.run import conditions, draft_counts, pass_cost_ms, run_system, write_json
@@ -53,6 +55,7 @@ class ChatBenchConfig:
     warmup: int = 1
     out_dir: str = "bench-results"
     smollm2: bool = True
+    llamacpp: bool = True  # add llama.cpp on the same .gguf file when llama-cpp-python is installed
     dtype: str | None = None
     max_model_len: int | None = None
     speculative_config: str | None = None
@@ -131,15 +134,17 @@ def run_chat_bench(cfg: ChatBenchConfig) -> dict:
     done = {(r["system"], r["prompt_set"], r["batch_size"]) for r in results["runs"]}
     smol = smollm2.load_smollm2(llm.device) if cfg.smollm2 and smollm2.is_smollm2(llm) and not \
         smollm2.unavailable_reason() else None
-    for name in cfg.prompt_sets:
-        texts = PROMPT_SETS[name]()[: cfg.num_prompts]
-        prompts = [llm.tokenizer.encode_chat([{"role": "user", "content": t}]) for t in texts]
+    encoded = {name: [llm.tokenizer.encode_chat([{"role": "user", "content": t}])
+                      for t in PROMPT_SETS[name]()[: cfg.num_prompts]] for name in cfg.prompt_sets}
+    llama = load_llamacpp(cfg, llm, [p for prompts in encoded.values() for p in prompts], results["notes"])
+    for name, prompts in encoded.items():
         results["conditions"] = conditions(cfg, llm, [len(p) for p in prompts])  # type: ignore[arg-type]
         for batch_size in cfg.batch_sizes:
             batches = [prompts[i : i + batch_size] for i in range(0, len(prompts), batch_size)]
             reference = None
             plan = [(llm, *s) for s in systems(llm, cfg.max_tokens)]
             plan += [(llm, "transformers", None, None)] if smol is not None else []
+            plan += [(llm, "llama.cpp", None, None)] if llama is not None else []
             for width, other in widths.items():  # the same engine systems at each other weight width
                 plan += [(other, f"{system}@{width}", p, policy) for system, p, policy in systems(other, cfg.max_tokens)
                          if system != "target-lookup"]
@@ -150,7 +155,8 @@ def run_chat_bench(cfg: ChatBenchConfig) -> dict:
                         reference = next(r for r in results["runs"] if (r["system"], r["prompt_set"],
                                                                         r["batch_size"]) == key)["outputs"]
                     continue
-                results["runs"].append(run_one(owner, smol, system, params, policy, batches, cfg, reference))
+                results["runs"].append(run_one(owner, smol if system == "transformers" else llama, system, params,
+                                               policy, batches, cfg, reference))
                 results["runs"][-1].update(prompt_set=name, batch_size=batch_size)
                 if system == "target-next-token":
                     reference = results["runs"][-1]["outputs"]
@@ -175,18 +181,33 @@ def run_chat_bench(cfg: ChatBenchConfig) -> dict:
     return results
 
 
-def run_one(llm: LLM, smol, system: str, params: SamplingParams | None, policy: int | None,  # noqa: ANN001
+def load_llamacpp(cfg: ChatBenchConfig, llm: LLM, prompts: list[list[int]], notes: list[str]):  # noqa: ANN201
+    """llama.cpp on ``llm``'s ``.gguf`` file (``celeris.bench.llamacpp.load``) with a context that holds the longest
+    prompt and its answer (at most ``llm.context_length``), or None with a line in ``notes`` saying why not
+    (``--no-llamacpp``, llama-cpp-python not installed, a checkpoint that is no ``.gguf`` file)."""
+    reason = llamacpp.unavailable_reason(llm.gguf_path) if cfg.llamacpp else "llama.cpp left out (--no-llamacpp)"
+    if reason:
+        notes.append(reason)
+        return None
+    return llamacpp.load(llm.gguf_path, min(llm.context_length, max(map(len, prompts)) + cfg.max_tokens))
+
+
+def run_one(llm: LLM, other, system: str, params: SamplingParams | None, policy: int | None,  # noqa: ANN001
             batches: list[list[list[int]]], cfg: ChatBenchConfig, reference: list[list[int]] | None) -> dict:
-    """One system over every batch: run_system's timings plus drafter passes, acceptance and answer quality."""
+    """One system over every batch: run_system's timings plus drafter passes, acceptance and answer quality.
+    ``params`` None: a system outside the engine, ``other`` its model (``transformers``: SmolLM2's (model,
+    tokenizer); ``llama.cpp``: a ``llama_cpp.Llama``)."""
     proposer = llm.proposer
     if proposer is not None:
         saved, proposer.disable_by_batch_size = proposer.disable_by_batch_size, policy
     calls, before = (proposer.calls if proposer else 0), draft_counts(llm)
 
     def decode(batch):
+        if system == "llama.cpp":  # the same prompt ids, the engine's end-of-text and end-of-turn ids
+            return llamacpp.generate(other, batch, cfg.max_tokens, llm.end_token_ids)
         if params is None:
             texts = [llm.tokenizer.decode(p, skip_special_tokens=False) for p in batch]
-            ids, nfe, ttft = smollm2.generate_hf(*smol, texts, cfg.max_tokens)
+            ids, nfe, ttft = smollm2.generate_hf(*other, texts, cfg.max_tokens)
             return ids, nfe, [ttft] * len(batch)
         reqs = [llm.engine.add_request(p, llm.fit_max_tokens(params, len(p))) for p in batch]
         while llm.engine.has_unfinished():
@@ -208,9 +229,11 @@ def run_one(llm: LLM, smol, system: str, params: SamplingParams | None, policy: 
     run["ended_share"] = round(sum(len(o) < cfg.max_tokens for o in outputs) / len(outputs), 4)
     run["repetition_share"] = round(sum(max_repeat_run(o) > 8 for o in outputs) / len(outputs), 4)
     run["distinct_2"] = distinct_2(outputs)
-    if reference is not None and params is not None:
+    if reference is not None and system != "transformers":  # transformers' ids are its own tokenizer's
         prompts = [p for b in batches for p in b]
         run["mismatches"] = mismatches(llm, prompts, outputs, reference)
+    if system == "llama.cpp":
+        run["note"] = llamacpp.NOTE
     return run
 
 

@@ -33,6 +33,8 @@ def add_parsers(sub) -> None:  # noqa: ANN001 - argparse's subparsers action
     b.add_argument("--prompts", help="HumanEval JSONL(.gz) file (default: the HumanEval set shipped in celeris/data)")
     b.add_argument("--out", default="bench-results", help="folder for bench.json and tokens_per_s.png")
     b.add_argument("--no-smollm2", action="store_true", help="leave SmolLM2-135M out even when installed")
+    b.add_argument("--no-llamacpp", action="store_true", help="chat sets: leave llama.cpp (on the same .gguf file) "
+                   "out even when llama-cpp-python is installed")
     b.add_argument("--fast-tokens-per-step", type=int,
                    help="dllm-fast: ceil(length / K) denoising steps instead of the model's steps")
     b.add_argument("--fast-suffix-window", type=int,
@@ -76,7 +78,8 @@ def _chat_bench(args: argparse.Namespace) -> int:
         raise UsageError(f"--batch-sizes must be comma-separated integers, got '{args.batch_sizes}'") from None
     cfg = ChatBenchConfig(model=args.model, prompt_sets=args.prompt_set.split(","), max_tokens=int(lengths[0]),
                           batch_sizes=sizes, num_prompts=args.num_prompts, warmup=args.warmup, out_dir=args.out,
-                          smollm2=not args.no_smollm2, dtype=args.dtype, max_model_len=args.max_model_len,
+                          smollm2=not args.no_smollm2, llamacpp=not args.no_llamacpp, dtype=args.dtype,
+                          max_model_len=args.max_model_len,
                           **_tokenizer_overrides(args))
     results = run_chat_bench(cfg)
     print(format_chat_table(results))
