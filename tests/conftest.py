@@ -28,10 +28,21 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "ddp: launches two training processes with torch.distributed.run (~30 s)")
     config.addinivalue_line("markers", "slow: subprocess, Ray, DDP, signal or torch.compile tests; deselected by "
                             "default, run by .ci/run (`pytest -q -m slow -n 0`)")
+    config.addinivalue_line("markers", "bench_plots: `celeris bench` draws its PNG plots in this test (the others "
+                            "skip them: _no_bench_plots)")
 
 
 # The machine is shared with a training job: one intra-op thread keeps tests predictable.
 torch.set_num_threads(1)
+
+@pytest.fixture(autouse=True)
+def _no_bench_plots(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``celeris bench`` draws two PNGs with matplotlib after every run (about 1 s, and 1.5 s to import it once):
+    only tests marked ``bench_plots`` draw them (tests/bench/test_run.py checks the files); the others' benches
+    write bench.json alone."""
+    if request.node.get_closest_marker("bench_plots") is None:
+        monkeypatch.setattr("celeris.bench.run.write_plots", lambda results, out: None)
+
 
 TINY = {
     "vocab_size": 64,
