@@ -216,6 +216,13 @@ def corpus_dir(tmp_path_factory) -> Path:
     return base / "data"
 
 
+# LLM(...) settings for the fixtures' tiny checkpoints (hidden 32) where a module decodes a lot through them (the
+# structured-output, Responses and Ollama tests): PyTorch's default matmul, not oneDNN's prepacked linears, whose
+# fixed cost per call (~35 us) is 4x F.linear's at these 32-wide layers; the prepacked path is what the other
+# serve tests' serve_llm runs, and tests/models/test_prepack.py checks it against the plain model
+TINY_LLM = {"device": "cpu", "onednn": False}
+
+
 TINY_TRAIN_MODEL = {"hidden_size": 32, "num_layers": 2, "num_heads": 2, "intermediate_size": 64}
 
 

@@ -8,14 +8,14 @@ import pytest
 
 from celeris.llm import LLM
 from celeris.serve.app import BackgroundServer, create_app
-from tests.conftest import build_tiny_checkpoint
+from tests.conftest import TINY_LLM, build_tiny_checkpoint
 from tests.serve.conftest import GENERATION_CONFIG, MODEL_NAME, TEXTS, make_serving
 
 
 @pytest.fixture(scope="session")
 def responses_llm(tmp_path_factory) -> LLM:
     folder = tmp_path_factory.mktemp("responses")
-    return LLM(build_tiny_checkpoint(folder, TEXTS, MODEL_NAME, 2048, GENERATION_CONFIG), device="cpu")
+    return LLM(build_tiny_checkpoint(folder, TEXTS, MODEL_NAME, 2048, GENERATION_CONFIG), **TINY_LLM)
 
 
 @pytest.fixture(scope="module")
