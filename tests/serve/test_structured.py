@@ -12,7 +12,7 @@ from pydantic import BaseModel, Field
 
 from celeris.llm import LLM
 from celeris.serve.app import BackgroundServer, create_app
-from tests.conftest import TINY_LLM, build_tiny_checkpoint
+from tests.conftest import build_tiny_checkpoint
 from tests.serve.conftest import GENERATION_CONFIG, MODEL_NAME, TEXTS, make_serving
 from tests.structured.schemas import SCHEMAS
 
@@ -37,13 +37,6 @@ class Person(BaseModel):
     name: str = Field(max_length=6)
     age: int = Field(ge=0, le=120)
     address: Address  # a nested model: .parse() sends it as $defs / $ref
-
-
-@pytest.fixture(scope="module")
-def long_llm(tmp_path_factory) -> LLM:
-    """The serve tests' tiny model with a context long enough for tool definitions in the prompt."""
-    folder = tmp_path_factory.mktemp("structured")
-    return LLM(build_tiny_checkpoint(folder, TEXTS, MODEL_NAME, 2048, GENERATION_CONFIG), **TINY_LLM)
 
 
 @pytest.fixture(scope="module")
