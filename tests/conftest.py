@@ -216,10 +216,10 @@ def corpus_dir(tmp_path_factory) -> Path:
     return base / "data"
 
 
-# LLM(...) settings for the fixtures' tiny checkpoints (hidden 32) where a module decodes a lot through them (the
-# structured-output, Responses and Ollama tests): PyTorch's default matmul, not oneDNN's prepacked linears, whose
-# fixed cost per call (~35 us) is 4x F.linear's at these 32-wide layers; the prepacked path is what the other
-# serve tests' serve_llm runs, and tests/models/test_prepack.py checks it against the plain model
+# LLM(...) settings for the serve tests' tiny checkpoints (hidden 32, decoded through the live servers): PyTorch's
+# default matmul, not oneDNN's prepacked linears, whose fixed cost per call (~35 us) is 4x F.linear's at these
+# 32-wide layers. The prepacked default is served in tests/serve/test_shipped_model.py and decoded in test_pins.py
+# and test_cli.py (the embedded models); tests/models/test_prepack.py checks it against the plain model
 TINY_LLM = {"device": "cpu", "onednn": False}
 
 

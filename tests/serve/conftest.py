@@ -41,7 +41,7 @@ def serve_checkpoint(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def serve_llm(serve_checkpoint) -> LLM:
-    return LLM(serve_checkpoint, device="cpu")
+    return LLM(serve_checkpoint, **TINY_LLM)
 
 
 @pytest.fixture(scope="session")
