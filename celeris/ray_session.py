@@ -36,9 +36,15 @@ from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-import ray
+try:
+    import psutil
+except ImportError:  # Ray ships it (ray/thirdparty_files, on the path once ray is imported) when it is not installed
+    import ray  # noqa: F401
 
-import psutil  # isort: skip - after ray, which ships it (ray/thirdparty_files) when it is not installed
+    import psutil  # isort: skip - after ray, which puts its copy on the path
+
+# Ray itself is imported where a session starts or stops, not here: the reaper and its records need only psutil, and
+# `import ray` costs ~0.7 s
 
 logger = logging.getLogger(__name__)
 
@@ -196,6 +202,8 @@ class LocalRaySession:
         Raises:
             RayStartError: ``ray.init`` failed (what it had started is shut down).
         """
+        import ray
+
         reap_orphaned_sessions()
         in_main = threading.current_thread() is threading.main_thread()
         previous = signal.getsignal(signal.SIGTERM) if in_main else None
@@ -232,6 +240,8 @@ class LocalRaySession:
             if self._stopped:
                 return
             self._stopped = True
+        import ray
+
         with contextlib.suppress(Exception):
             ray.shutdown()
         procs = session_processes(self.record)

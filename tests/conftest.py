@@ -28,10 +28,21 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "ddp: launches two training processes with torch.distributed.run (~30 s)")
     config.addinivalue_line("markers", "slow: subprocess, Ray, DDP, signal or torch.compile tests; deselected by "
                             "default, run by .ci/run (`pytest -q -m slow -n 0`)")
+    config.addinivalue_line("markers", "bench_plots: `celeris bench` draws its PNG plots in this test (the others "
+                            "skip them: _no_bench_plots)")
 
 
 # The machine is shared with a training job: one intra-op thread keeps tests predictable.
 torch.set_num_threads(1)
+
+@pytest.fixture(autouse=True)
+def _no_bench_plots(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``celeris bench`` draws two PNGs with matplotlib after every run (about 1 s, and 1.5 s to import it once):
+    only tests marked ``bench_plots`` draw them (tests/bench/test_run.py checks the files); the others' benches
+    write bench.json alone."""
+    if request.node.get_closest_marker("bench_plots") is None:
+        monkeypatch.setattr("celeris.bench.run.write_plots", lambda results, out: None)
+
 
 TINY = {
     "vocab_size": 64,
@@ -203,6 +214,13 @@ def corpus_dir(tmp_path_factory) -> Path:
     write_fake_stdlib(base / "fake_stdlib")
     build_stdlib_corpus(base / "data", vocab_size=300, root=base / "fake_stdlib")
     return base / "data"
+
+
+# LLM(...) settings for the serve tests' tiny checkpoints (hidden 32, decoded through the live servers): PyTorch's
+# default matmul, not oneDNN's prepacked linears, whose fixed cost per call (~35 us) is 4x F.linear's at these
+# 32-wide layers. The prepacked default is served in tests/serve/test_shipped_model.py and decoded in test_pins.py
+# and test_cli.py (the embedded models); tests/models/test_prepack.py checks it against the plain model
+TINY_LLM = {"device": "cpu", "onednn": False}
 
 
 TINY_TRAIN_MODEL = {"hidden_size": 32, "num_layers": 2, "num_heads": 2, "intermediate_size": 64}

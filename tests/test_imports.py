@@ -30,13 +30,11 @@ from __future__ import annotations
 
 import ast
 import functools
-import json
-import os
-import subprocess
-import sys
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
+
+from tests.fixtures.fresh_interpreter import fresh_interpreter
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -317,13 +315,9 @@ def test_imports_up_a_floor_or_across_units_of_one_floor_are_refused(tmp_path):
 
 def test_import_celeris_and_its_sampling_params_load_no_model_module():
     """``import celeris`` and ``from celeris import SamplingParams`` stay off the models (and so off the model
-    code): checked in a child interpreter, since this one has imported everything."""
-    code = ("import sys, celeris\nfrom celeris import SamplingParams\nSamplingParams(max_tokens=4)\n"
-            "import json; print(json.dumps(sorted(m for m in sys.modules if m.startswith('celeris.'))))")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True,
-                         cwd=ROOT, timeout=120)
-    loaded = json.loads(out.stdout)
+    code): checked in a child interpreter, since this one has imported everything (the child of
+    ``tests.fixtures.fresh_interpreter``, which checks the moved modules' old paths after this)."""
+    loaded = fresh_interpreter()["celeris_modules"]
     assert "celeris.params" in loaded
     assert [m for m in loaded if m == "celeris.models" or m.startswith("celeris.models.")] == []
     assert "celeris.llm" not in loaded  # LLM is loaded on first use

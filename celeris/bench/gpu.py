@@ -50,8 +50,10 @@ def llada_shape(smoke: bool) -> LLaDAConfig:
     big = dict(d_model=4096, n_heads=32, n_kv_heads=32, n_layers=32, mlp_hidden_size=12288, vocab_size=126464)
     small = dict(d_model=128, n_heads=4, n_kv_heads=4, n_layers=2, mlp_hidden_size=256, vocab_size=1024)
     dims = small if smoke else big
+    # smoke: a 512-token context (its canvases hold 64): the engine's KV store has a row of the whole context per
+    # request, and 4096 zeroed columns would cost more than the smoke run's passes
     return LLaDAConfig(**dims, block_type="llama", layer_norm_type="rms", activation_type="silu", rope=True,
-                       rope_theta=500000.0, weight_tying=False, max_sequence_length=4096,
+                       rope_theta=500000.0, weight_tying=False, max_sequence_length=512 if smoke else 4096,
                        mask_token_id=dims["vocab_size"] - 128, eos_token_id=dims["vocab_size"] - 383,
                        pad_token_id=dims["vocab_size"] - 383)
 
@@ -163,9 +165,10 @@ def sdar_shape(smoke: bool) -> SDARConfig:
     small = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_hidden_layers=2,
                  intermediate_size=128, vocab_size=512)
     dims = small if smoke else big
-    return SDARConfig(**dims, rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=False,
-                      mask_token_id=dims["vocab_size"] - 1, eos_token_id=dims["vocab_size"] - 3,
-                      pad_token_id=dims["vocab_size"] - 3)
+    context = 512 if smoke else 32768  # smoke: as llada_shape's (the KV store's rows are the context long)
+    return SDARConfig(**dims, max_position_embeddings=context, rope_theta=1000000.0, rms_norm_eps=1e-6,
+                      tie_word_embeddings=False, mask_token_id=dims["vocab_size"] - 1,
+                      eos_token_id=dims["vocab_size"] - 3, pad_token_id=dims["vocab_size"] - 3)
 
 
 def random_model(cfg: SDARConfig, device: torch.device, dtype: torch.dtype, std: float) -> SDARModel:

@@ -451,8 +451,15 @@ def write_json(results: dict, out: Path) -> None:
 
 
 def write_outputs(results: dict, out: Path) -> None:
-    """bench.json and, when matplotlib is installed, tokens_per_s.png (tokens/s against length)."""
+    """bench.json and, when matplotlib is installed, its two plots (``write_plots``)."""
     write_json(results, out)
+    write_plots(results, out)
+
+
+def write_plots(results: dict, out: Path) -> None:
+    """``out/tokens_per_s.png`` (tokens/s against output length, at the smallest batch size) and
+    ``out/tokens_per_s_by_batch.png`` (against batch size, at the longest length); nothing when matplotlib is not
+    installed or there are no runs."""
     try:
         import matplotlib
 

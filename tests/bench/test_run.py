@@ -38,6 +38,7 @@ def tiny_hf_causal_lm(tokenizer_dir):
     return LlamaForCausalLM(cfg).eval(), tok
 
 
+@pytest.mark.bench_plots
 def test_bench_runs_all_systems_and_writes_results(tiny_checkpoint, tokenizer_dir, tmp_path, monkeypatch):
     stand_in = tiny_hf_causal_lm(tokenizer_dir)
     monkeypatch.setattr(smollm2, "unavailable_reason", lambda: None)

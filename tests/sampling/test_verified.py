@@ -104,6 +104,7 @@ def test_accept_draft_keeps_at_rate_min_one_p_over_q_else_returns_the_residual()
     assert accept_draft(p, p, 0, torch.Generator().manual_seed(0)) is None  # p == q: always kept
 
 
+@pytest.mark.slow  # 3.5 s; the fast tier keeps test_accept_draft_keeps_at_rate_min_one_p_over_q_else_returns_the_residual
 def test_speculative_sampling_keeps_the_next_token_distribution(hybrid):
     """The second answer token is the first one that comes from a draft. Its frequency over 3,000 seeded
     rows must match the exact marginal sum_t1 p(t1) p(t2 | t1) of the next-token head (total variation

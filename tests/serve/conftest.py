@@ -14,7 +14,7 @@ import pytest
 from celeris.llm import LLM
 from celeris.serve.app import BackgroundServer, create_app
 from celeris.serve.serving import OpenAIServing
-from tests.conftest import build_tiny_checkpoint
+from tests.conftest import TINY_LLM, build_tiny_checkpoint
 
 MODEL_NAME = "tiny-serve"
 CONTEXT = 128
@@ -41,7 +41,15 @@ def serve_checkpoint(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def serve_llm(serve_checkpoint) -> LLM:
-    return LLM(serve_checkpoint, device="cpu")
+    return LLM(serve_checkpoint, **TINY_LLM)
+
+
+@pytest.fixture(scope="session")
+def long_llm(tmp_path_factory) -> LLM:
+    """The serve tests' tiny model with a 2048-token context (room for tool definitions in the prompt), shared by
+    the structured-output, agents and Responses tests (each builds its own serving and engine on it)."""
+    folder = tmp_path_factory.mktemp("long")
+    return LLM(build_tiny_checkpoint(folder, TEXTS, MODEL_NAME, 2048, GENERATION_CONFIG), **TINY_LLM)
 
 
 def make_serving(llm: LLM, max_num_seqs: int = 4, max_waiting: int = 8, request_timeout: float = 30.0,

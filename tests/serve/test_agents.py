@@ -14,11 +14,10 @@ import asyncio
 import pytest
 
 from tests.serve.conftest import MODEL_NAME, make_serving
-from tests.serve.test_structured import long_llm  # noqa: F401 - the module-scoped fixture
 
 
 @pytest.mark.slow
-def test_openai_agents_completes_a_tool_loop(long_llm):  # noqa: F811
+def test_openai_agents_completes_a_tool_loop(long_llm):
     agents = pytest.importorskip("agents")  # here, not at collection: the SDK takes seconds to import
     from openai import AsyncOpenAI
 

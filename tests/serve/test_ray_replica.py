@@ -5,21 +5,25 @@ request in flight), and a stream closed right after its ``accepted`` item aborts
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import os
 import threading
 
 import pytest
 
-pytest.importorskip("ray.serve")
+from celeris.engine import RequestStatus
+from celeris.serve.async_engine import EngineInput
+from celeris.serve.remote import ACCEPTED
 
-from celeris.engine import RequestStatus  # noqa: E402
-from celeris.serve.async_engine import EngineInput  # noqa: E402
-from celeris.serve.ray import CelerisEngine  # noqa: E402
-from celeris.serve.remote import ACCEPTED  # noqa: E402
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("ray") is None, reason="Ray is not installed")
 
 
 @pytest.fixture
 def replica(serve_checkpoint):
+    # imported here, not at collection: celeris.serve.ray imports Ray Serve (~1.5 s in every xdist worker)
+    pytest.importorskip("ray.serve")
+    from celeris.serve.ray import CelerisEngine
+
     replica = CelerisEngine.func_or_class({"model": str(serve_checkpoint), "max_num_seqs": 1, "max_waiting": 4})
     yield replica
     replica.async_engine.stop()

@@ -6,6 +6,7 @@ has few cores), the tiny checkpoint of the serve tests."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import signal
@@ -16,14 +17,13 @@ import httpx
 import openai
 import pytest
 
+from celeris.serve.app import BackgroundServer, create_app
 from tests.serve.conftest import MODEL_NAME, make_serving
 
-pytestmark = pytest.mark.slow
-ray = pytest.importorskip("ray")
-serve = pytest.importorskip("ray.serve")
-
-from celeris.serve.app import BackgroundServer, create_app  # noqa: E402
-from celeris.serve.ray import APP_NAME, ServeArgs, build_app, drain, init_ray  # noqa: E402
+# Ray and Ray Serve (and celeris.serve.ray, which imports them) are imported inside the fixtures and tests, not at
+# collection: the fast tier deselects this module but would pay their ~1.5 s import in every xdist worker
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(importlib.util.find_spec("ray") is None, reason="Ray is not installed")]
 
 PORT = 18431  # Ray Serve's proxy binds this port (a fixed one: the proxy picks it, not the test)
 URL = f"http://127.0.0.1:{PORT}"
@@ -32,12 +32,20 @@ PROMPTS = ["def fibonacci(n):", "class Stack:", "import os\n"]
 
 def deploy(checkpoint, **overrides) -> None:
     """(Re)deploy the application at / with the test checkpoint; returns when it is ready."""
+    from ray import serve
+
+    from celeris.serve.ray import APP_NAME, ServeArgs, build_app
+
     args = ServeArgs(model=str(checkpoint), served_model_name=MODEL_NAME, **overrides)
     serve.run(build_app(args), name=APP_NAME, route_prefix="/")
 
 
 @pytest.fixture(scope="module")
 def cluster(serve_checkpoint):
+    ray = pytest.importorskip("ray")
+    serve = pytest.importorskip("ray.serve")
+    from celeris.serve.ray import ServeArgs, init_ray
+
     session = init_ray(None, ServeArgs(num_replicas=2))  # a local instance, recorded (celeris.ray_session)
     serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": PORT})
     deploy(serve_checkpoint, num_replicas=2, max_num_seqs=2, max_waiting=4, request_timeout=60)
@@ -59,6 +67,10 @@ def sse_events(response: httpx.Response) -> list[str]:
 
 
 def engine_status() -> tuple[str, int]:
+    from ray import serve
+
+    from celeris.serve.ray import APP_NAME
+
     deployment = serve.status().applications[APP_NAME].deployments["CelerisEngine"]
     return deployment.status, deployment.replica_states.get("RUNNING", 0)
 
@@ -171,6 +183,10 @@ def one_request(i: int, outcomes: list) -> None:
 
 
 def test_killing_a_replica_under_load(cluster, client):
+    from ray import serve
+
+    from celeris.serve.ray import APP_NAME
+
     handle = serve.get_deployment_handle("CelerisEngine", APP_NAME)
     pids = set()
     for _ in range(20):
@@ -222,6 +238,10 @@ def test_killing_a_replica_under_load(cluster, client):
 
 
 def test_drain_finishes_requests_in_flight_and_refuses_new_ones(cluster):
+    from ray import serve
+
+    from celeris.serve.ray import APP_NAME, drain
+
     outcomes: list = []
     ingress = serve.get_app_handle(APP_NAME)
     stream = threading.Thread(target=one_request, args=(0, outcomes))  # even: streamed

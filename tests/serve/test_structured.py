@@ -40,13 +40,6 @@ class Person(BaseModel):
 
 
 @pytest.fixture(scope="module")
-def long_llm(tmp_path_factory) -> LLM:
-    """The serve tests' tiny model with a context long enough for tool definitions in the prompt."""
-    folder = tmp_path_factory.mktemp("structured")
-    return LLM(build_tiny_checkpoint(folder, TEXTS, MODEL_NAME, 2048, GENERATION_CONFIG), device="cpu")
-
-
-@pytest.fixture(scope="module")
 def sclient(long_llm):
     serving = make_serving(long_llm)
     with BackgroundServer(create_app(serving)) as srv:

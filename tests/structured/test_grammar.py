@@ -21,7 +21,7 @@ from celeris.structured.grammar import (
     tool_call_grammar,
 )
 from celeris.tokenizer import Tokenizer
-from tests.conftest import REPO_ROOT, build_tiny_checkpoint
+from tests.conftest import REPO_ROOT, TINY_LLM, build_tiny_checkpoint
 from tests.serve.conftest import TEXTS
 from tests.structured.schemas import SCHEMAS
 
@@ -32,7 +32,7 @@ GEN = {"max_tokens": 16, "steps": 8, "block_length": 8, "temperature": 0.0, "top
 @pytest.fixture(scope="module", params=[False, True], ids=["diffusion", "causal"])
 def json_llm(request, tmp_path_factory) -> LLM:
     folder = tmp_path_factory.mktemp("json")
-    return LLM(build_tiny_checkpoint(folder, TEXTS, "tiny-json", 256, GEN, is_causal=request.param), device="cpu")
+    return LLM(build_tiny_checkpoint(folder, TEXTS, "tiny-json", 256, GEN, is_causal=request.param), **TINY_LLM)
 
 
 def params_for(grammar: str, **overrides) -> SamplingParams:
@@ -135,7 +135,7 @@ DIFFUSION_BLOCKS = [
 @pytest.fixture(scope="module")
 def diffusion_llm(tmp_path_factory) -> LLM:
     folder = tmp_path_factory.mktemp("json-diffusion")
-    return LLM(build_tiny_checkpoint(folder, TEXTS, "tiny-json", 256, GEN), device="cpu")
+    return LLM(build_tiny_checkpoint(folder, TEXTS, "tiny-json", 256, GEN), **TINY_LLM)
 
 
 @pytest.mark.parametrize("settings", DIFFUSION_BLOCKS, ids=lambda d: "-".join(map(str, d.values())))

@@ -9,7 +9,7 @@ import pytest
 
 from celeris.llm import LLM
 from celeris.serve.app import BackgroundServer, create_app
-from tests.conftest import build_tiny_checkpoint
+from tests.conftest import TINY_LLM, build_tiny_checkpoint
 from tests.serve.conftest import GENERATION_CONFIG, MODEL_NAME, TEXTS, make_serving
 
 API_KEY = "ollama-test-key"
@@ -28,7 +28,7 @@ def ollama_server(serve_llm):
 @pytest.fixture(scope="package")
 def long_server(tmp_path_factory):
     folder = tmp_path_factory.mktemp("ollama")
-    llm = LLM(build_tiny_checkpoint(folder, TEXTS, MODEL_NAME, LONG_CONTEXT, GENERATION_CONFIG), device="cpu")
+    llm = LLM(build_tiny_checkpoint(folder, TEXTS, MODEL_NAME, LONG_CONTEXT, GENERATION_CONFIG), **TINY_LLM)
     serving = make_serving(llm)
     with BackgroundServer(create_app(serving, api_key=API_KEY)) as srv:
         yield srv

@@ -142,7 +142,7 @@ def test_tool_call_and_its_result(long_server):
 def test_list_show_and_ps(oclient, serve_llm):
     models = oclient.list().models
     assert [m.model for m in models] == [f"{MODEL_NAME}:latest"]
-    size = sum(p.numel() * p.element_size() for p in weight_tensors(serve_llm.model))  # prepacked weights included
+    size = sum(p.numel() * p.element_size() for p in weight_tensors(serve_llm.model))  # any prepacked weights too
     assert models[0].size == size and models[0].details.family == "celeris" and len(models[0].digest) == 64
     shown = oclient.show(MODEL_NAME)
     assert shown.modelinfo["celeris.context_length"] == CONTEXT == serve_llm.context_length

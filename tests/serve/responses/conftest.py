@@ -8,14 +8,13 @@ import pytest
 
 from celeris.llm import LLM
 from celeris.serve.app import BackgroundServer, create_app
-from tests.conftest import build_tiny_checkpoint
-from tests.serve.conftest import GENERATION_CONFIG, MODEL_NAME, TEXTS, make_serving
+from tests.serve.conftest import make_serving
 
 
 @pytest.fixture(scope="session")
-def responses_llm(tmp_path_factory) -> LLM:
-    folder = tmp_path_factory.mktemp("responses")
-    return LLM(build_tiny_checkpoint(folder, TEXTS, MODEL_NAME, 2048, GENERATION_CONFIG), device="cpu")
+def responses_llm(long_llm) -> LLM:
+    """The serve tests' 2048-token tiny model (tests/serve/conftest.py ``long_llm``)."""
+    return long_llm
 
 
 @pytest.fixture(scope="module")
