@@ -15,6 +15,11 @@ Numbers. The products are float32 sums in another order: they differ from ``F.li
 (about 4e-6 relative), and a row's result does not depend on how many rows share the call (checked by the tests),
 so verified decoding's target columns score as next-token decoding's do.
 
+Small layers stay. oneDNN's call has a fixed cost of about 20 us on this machine (one thread, weight in the cache)
+against ``F.linear``'s 3 us for a 32 x 32 weight: a layer below ``MIN_WEIGHT_ELEMENTS`` (128 Ki elements, 512 KiB of
+float32) keeps ``F.linear``, where that fixed cost outweighs what the layout saves (the tests' tiny models, the 6M
+models' 256 x 256 output projections); SmolLM2-135M's smallest layer has 331,776.
+
 Memory. The reordered copy replaces each linear's weight. A tied output head gets its own reordered copy of the
 embedding rows (the table keeps its rows for the input side): for SmolLM2-135M 108 MiB more than the float32
 model's 513 MiB.
@@ -30,6 +35,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from celeris.models.layers import TransformerLM
+
+MIN_WEIGHT_ELEMENTS = 1 << 17  # a smaller linear keeps F.linear (module docstring)
 
 
 def available(device: torch.device | str, dtype: torch.dtype) -> bool:
@@ -103,18 +110,21 @@ def _repack_tied_head(model: nn.Module, incompatible_keys: object) -> None:
     model.__dict__["_celeris_packed_head"].packed = torch.ops.mkldnn._reorder_linear_weight(rows, None)
 
 
-def prepack_model(model: nn.Module) -> int:
+def prepack_model(model: nn.Module, min_elements: int | None = None) -> int:
     """Replace every ``nn.Linear`` of ``model`` (in place) by a ``PrepackedLinear``, and score ``model.logits``
     (rebound on the instance, when the model has one) through a prepacked head: its own ``lm_head``, or a reordered
-    copy of a tied embedding's first ``vocab_size`` rows.
+    copy of a tied embedding's first ``vocab_size`` rows. Layers (and a tied head) whose weight has fewer than
+    ``min_elements`` entries keep ``F.linear`` (module docstring).
 
     Args:
         model: a loaded eval-mode model with float32 weights on a CPU (``available``).
+        min_elements: the smallest weight prepacked (0: every layer; None: ``MIN_WEIGHT_ELEMENTS``).
     Returns:
         the number of linear layers replaced, the head included.
     Raises:
         ValueError: a weight that is not float32 on a CPU, or a PyTorch without oneDNN.
     """
+    min_elements = MIN_WEIGHT_ELEMENTS if min_elements is None else min_elements
     first = next(model.parameters())
     if not available(first.device, first.dtype):
         raise ValueError(f"prepacked linears need float32 weights on a CPU with oneDNN; the model has {first.dtype} "
@@ -123,7 +133,7 @@ def prepack_model(model: nn.Module) -> int:
     # scale or cap the logits): elsewhere ``lm_head`` stays an nn.Linear, as that family's ``logits`` reads it
     plain_head = getattr(type(model), "logits", None) is TransformerLM.logits
     targets = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.Linear)
-               and (plain_head or name != "lm_head")]
+               and (plain_head or name != "lm_head") and m.weight.numel() >= min_elements]
     for name, linear in targets:
         parent = model.get_submodule(name.rpartition(".")[0]) if "." in name else model
         setattr(parent, name.rpartition(".")[2], PrepackedLinear(linear))
@@ -131,13 +141,15 @@ def prepack_model(model: nn.Module) -> int:
         head = getattr(model, "lm_head", None)
         if head is None:  # tied: a reordered copy of the rows scores, the table embeds
             rows = model.embed_tokens.weight[: model.vocab_size].detach()
+            if rows.numel() < min_elements:
+                return len(targets)
             tied = nn.Linear(rows.shape[1], rows.shape[0], bias=False, device="meta")
             tied.weight = nn.Parameter(rows, requires_grad=False)
             head = PrepackedLinear(tied)
             targets.append(("lm_head (tied)", tied))
             model.register_load_state_dict_post_hook(_repack_tied_head)
-        elif head.out_features != model.vocab_size:  # a padded head: logits reads its rows (rebuilt per call)
-            return len(targets)
+        elif not isinstance(head, PrepackedLinear) or head.out_features != model.vocab_size:
+            return len(targets)  # a small head, or a padded one (logits reads its rows, rebuilt per call)
         model.__dict__["_celeris_packed_head"] = head
         model.logits = types.MethodType(_packed_logits, model)
     return len(targets)

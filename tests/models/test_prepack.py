@@ -52,7 +52,7 @@ def test_a_tied_model_keeps_its_embedding_and_scores_through_a_packed_copy():
     with torch.no_grad():
         before = model(ids)
         table = model.embed_tokens.weight.clone()
-        replaced = prepack_model(model)
+        replaced = prepack_model(model, min_elements=0)
         after = model(ids)
     assert resident_weight_bytes(model) == bytes_before + 80 * model.config.hidden_size * 4  # the head's copy
     assert sum(t.numel() for t in weight_tensors(model)) == count_before  # what a parameter count reports
@@ -67,7 +67,7 @@ def test_a_tied_model_keeps_its_embedding_and_scores_through_a_packed_copy():
 def test_prepack_refuses_what_onednn_does_not_take():
     model = tiny_model(seed=3).to(torch.bfloat16)
     with pytest.raises(ValueError, match="float32 weights on a CPU"):
-        prepack_model(model)
+        prepack_model(model, min_elements=0)
     assert not prepack.available("cpu", torch.bfloat16) and not prepack.available("meta", torch.float32)
 
 
@@ -78,6 +78,7 @@ def test_llm_prepacks_by_default_and_onednn_false_keeps_the_plain_matmul(tmp_pat
     from tests.models.conftest_gguf import tiny_checkpoint, write_gguf
 
     monkeypatch.setenv("CELERIS_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(prepack, "MIN_WEIGHT_ELEMENTS", 0)  # the tiny layers are below the default
     path = write_gguf(tmp_path / f"{arch}.gguf", tiny_checkpoint(arch, tie=tie))
     fast, plain = LLM(str(path), device="cpu"), LLM(str(path), device="cpu", onednn=False)
     assert fast.prepacked > 0 and plain.prepacked == 0
@@ -91,6 +92,23 @@ def test_llm_prepacks_by_default_and_onednn_false_keeps_the_plain_matmul(tmp_pat
     assert fast.generate(["the theme"], params)[0].token_ids == plain.generate(["the theme"], params)[0].token_ids
 
 
+def test_layers_below_the_size_floor_keep_f_linear():
+    """Only weights of at least ``min_elements`` entries are prepacked (oneDNN's fixed cost per call outweighs the
+    layout below); a small tied head keeps ``TransformerLM.logits``; the logits stay the plain model's."""
+    plain = tiny_model(seed=6, vocab_size=80)
+    model = tiny_model(seed=6, vocab_size=80)
+    sizes = {n: m.weight.numel() for n, m in model.named_modules() if isinstance(m, nn.Linear)}
+    floor = sorted(set(sizes.values()))[-1]  # the largest layers only
+    replaced = prepack_model(model, min_elements=floor)
+    packed = {n for n, m in model.named_modules() if isinstance(m, PrepackedLinear)}
+    assert packed == {n for n, size in sizes.items() if size >= floor} and replaced == len(packed) > 0
+    assert "logits" not in model.__dict__  # the tied 80 x 32 head is below the floor
+    assert prepack_model(tiny_model(seed=6, vocab_size=80)) == 0  # the default floor: nothing this small
+    ids = torch.randint(3, 80, (2, 7))
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids), plain(ids), rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.parametrize("arch,tie", [("llama", True), ("qwen2", False)])
 def test_a_quantized_model_scores_through_a_prepacked_float_head(tmp_path, monkeypatch, arch, tie):
     """int8/int4 leave the head in float32 (without ``quantize_lm_head``): that head alone is prepacked, and the
@@ -99,6 +117,7 @@ def test_a_quantized_model_scores_through_a_prepacked_float_head(tmp_path, monke
     from tests.models.conftest_gguf import tiny_checkpoint, write_gguf
 
     monkeypatch.setenv("CELERIS_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(prepack, "MIN_WEIGHT_ELEMENTS", 0)
     path = write_gguf(tmp_path / f"{arch}.gguf", tiny_checkpoint(arch, tie=tie))
     ids = torch.tensor([[5, 9, 14, 3, 22, 7]])
     for method in ("int8", "int4"):
@@ -125,7 +144,7 @@ def test_a_prepacked_model_copies_saves_and_loads_as_the_plain_one():
     plain = tiny_model(seed=5, vocab_size=80)
     model = tiny_model(seed=5, vocab_size=80)
     want = plain.state_dict()
-    prepack_model(model)
+    prepack_model(model, min_elements=0)
     got = model.state_dict()
     assert list(got) == list(want)
     for name in want:
