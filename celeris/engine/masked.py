@@ -6,7 +6,8 @@ most two passes (plus CFG rows inside them):
 
 - a full pass for the requests that need one: no cache, a cache to fill (a
   new request) or to refresh (``prefix``/``dual`` at a block's first step,
-  ``delayed``/``dual_delayed`` only as ``cache_refresh`` says).
+  ``delayed``/``dual_delayed`` only as ``cache_refresh`` says). A causal model's full pass stops at its block
+  (the columns right of it change nothing left of them).
   Rows are padded so every request's block starts at the same column
   ("block-aligned"), with an attention mask, so padding is never attended
   and positions count real tokens only. The keys/values are stored in the
@@ -214,7 +215,11 @@ class MaskedPath:
     def _full_pass(self, requests: list[Request], block_width: int) -> tuple[torch.Tensor, torch.Tensor]:
         spans = [r.block_span for r in requests]
         align = max(s for s, _ in spans)  # every row's block starts at this column
-        total = align + max(max(r.num_tokens - s for r, (s, _) in zip(requests, spans, strict=True)), block_width)
+        # a causal model's columns right of the block change nothing left of them (nor their keys/values): its full
+        # pass stops at the block, the answer's later columns are computed a step at a time (window passes)
+        right = block_width if self.next_token else max(r.num_tokens - s for r, (s, _) in zip(requests, spans,
+                                                                                                 strict=True))
+        total = align + max(right, block_width)
         total = -(-total // self.runner.length_bucket) * self.runner.length_bucket  # right padding up to a bucket
         offsets = [align - s for s, _ in spans]
         b = len(requests)
@@ -222,7 +227,7 @@ class MaskedPath:
         attn = torch.zeros((b, total), dtype=torch.bool)
         is_answer = torch.zeros((b, total), dtype=torch.bool)
         for i, (r, off) in enumerate(zip(requests, offsets, strict=True)):
-            canvas[i, off : off + r.num_tokens] = r.canvas
+            canvas[i, off : off + r.num_tokens] = r.canvas[: total - off]
             attn[i, off : off + r.visible_end] = True  # the rest of the canvas: past the suffix window
             is_answer[i, off + r.answer_start : off + r.answer_start + r.params.max_tokens] = True
         uncond_rows = [i for i, r in enumerate(requests) if r.params.cfg_scale > 0]
@@ -237,9 +242,10 @@ class MaskedPath:
             sources = [(r, "cond") for r in requests] + [(requests[i], "uncond") for i in uncond_rows]
             for row, ((r, kind), off) in enumerate(zip(sources, offsets + [offsets[i] for i in uncond_rows], strict=True)):
                 if r.params.cache != "none":
-                    cols = slice(off, off + r.num_tokens)
+                    cols = slice(off, off + r.num_tokens)  # a causal model's: up to its block (the rest later)
                     self.runner.pool.store(r, kind, [k[row, :, cols] for k in cache.keys],
                                            [v[row, :, cols] for v in cache.values])
+                    self.runner.pool.reserve(r, kind, r.num_tokens)  # window passes see the whole canvas
         logits = self._guide(requests, logits, list(range(b)), list(range(b, b + len(uncond_rows))))
         widths = [e - s for s, e in spans]
         return logits, self._block_tokens(canvas, [align] * b, widths, block_width).to(self.runner.device)

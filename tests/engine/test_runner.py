@@ -79,8 +79,9 @@ def test_compiled_runner_gives_the_eager_tokens():
 
 def test_a_causal_models_decoding_step_computes_one_column():
     """The masked path of a causal model (``block_length`` 1, ``delayed``) scores token t from the hidden state at
-    t - 1 and never computes the mask column t: every window pass of a lone request computes one column, and a
-    batch of three ragged prompts gets the reference samplers' tokens (the masked loop, which computes both, and
+    t - 1 and never computes the mask column t: every window pass of a lone request computes one column, the full
+    pass that fills the cache stops at the first answer column (not the whole canvas of masks), and a batch of
+    three ragged prompts gets the reference samplers' tokens (the masked loop, which computes every column, and
     the plain next-token loop)."""
     from celeris.reference.autoregressive import generate_autoregressive
 
@@ -102,8 +103,12 @@ def test_a_causal_models_decoding_step_computes_one_column():
     assert widths == [1] * (params.max_tokens - 1)  # the first token comes from the full pass that fills the cache
     want_masked = generate(model, [prompts[0]], params).answer_ids[0]
     assert torch.equal(alone.answer, want_masked)
-    requests = [engine.add_request(p, params) for p in prompts]
-    run_to_end(engine)
+    exact = Engine(model, EngineConfig(max_num_seqs=4, length_bucket=1))  # full passes of unpadded widths
+    full: list[int] = []
+    model.register_forward_pre_hook(lambda m, args: full.append(args[0].shape[1]))  # the full passes' canvases
+    requests = [exact.add_request(p, params) for p in prompts]
+    run_to_end(exact)
+    assert full == [max(map(len, prompts)) + 1]  # the prompts (aligned) and the first answer column, no more
     for p, r in zip(prompts, requests, strict=True):
         assert torch.equal(r.answer, generate(model, [p], params).answer_ids[0])
         assert r.answer.tolist() == generate_autoregressive(model, [p], params).token_ids[0]
