@@ -141,12 +141,14 @@ def _quantization_overrides(args: argparse.Namespace) -> dict[str, object]:
         raise UsageError("--quantize-lm-head needs --quantization (e.g. --quantization int8)")
     if method is None:
         return {}
+    bench = getattr(args, "command", None) == "bench"
+    if bench:  # the bench's width names: bfloat16 too, and int4+lm_head is int4 (celeris.bench.quantized)
+        from celeris.bench.quantized import base_width
     for name in method.split(","):
-        bench = getattr(args, "command", None) == "bench"
         if name == "bfloat16" and bench:
-            continue  # the bench's list may hold the bfloat16 width too (celeris.bench.quantized.BENCH_WIDTHS)
+            continue
         try:
-            check_quantization(name.removesuffix("+lm_head") if bench else name)  # celeris.bench.quantized.HEAD_SUFFIX
+            check_quantization(base_width(name) if bench else name)
         except ValueError as exc:
             raise UsageError(f"--quantization: {exc}") from None
     return {"quantization": method, "quantize_lm_head": head}

@@ -39,6 +39,11 @@ from celeris.models.layers import TransformerLM
 MIN_WEIGHT_ELEMENTS = 1 << 17  # a smaller linear keeps F.linear (module docstring)
 
 
+def reordered(weight: torch.Tensor) -> torch.Tensor:
+    """A plain (out, in) weight in oneDNN's layout for ``_linear_pointwise`` (an opaque float32 mkldnn tensor)."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach().float().contiguous(), None)
+
+
 def available(device: torch.device | str, dtype: torch.dtype) -> bool:
     """Whether prepacking applies: float32 weights on a CPU whose PyTorch build has oneDNN (mkldnn)."""
     return torch.device(device).type == "cpu" and dtype == torch.float32 and torch.backends.mkldnn.is_available()
@@ -55,7 +60,7 @@ class PrepackedLinear(nn.Module):
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach().float().contiguous(), None)
+        self.packed = reordered(linear.weight)
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().float(), requires_grad=False)
 
     @property
@@ -84,7 +89,7 @@ class PrepackedLinear(nn.Module):
                 error_msgs.append(f"size mismatch for {key}: copying a param with shape {tuple(weight.shape)}, the "
                                   f"shape in current model is {(self.out_features, self.in_features)}")
             else:
-                self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().float().contiguous(), None)
+                self.packed = reordered(weight)
         elif strict:
             missing_keys.append(key)
         rest = {k: v for k, v in state_dict.items() if k != key}
@@ -106,8 +111,7 @@ def _packed_logits(self: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
 
 def _repack_tied_head(model: nn.Module, incompatible_keys: object) -> None:
     """After ``load_state_dict``: the tied head's reordered copy from the embedding rows just loaded."""
-    rows = model.embed_tokens.weight[: model.vocab_size].detach().float().contiguous()
-    model.__dict__["_celeris_packed_head"].packed = torch.ops.mkldnn._reorder_linear_weight(rows, None)
+    model.__dict__["_celeris_packed_head"].packed = reordered(model.embed_tokens.weight[: model.vocab_size])
 
 
 def prepack_model(model: nn.Module, min_elements: int | None = None) -> int:

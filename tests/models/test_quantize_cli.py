@@ -50,6 +50,16 @@ def test_bench_refuses_an_unknown_width_in_one_line(capsys, tmp_path):
     assert code == 2 and "unknown quantization 'fp3'" in err and err.count("\n") == 1, err
 
 
+def test_a_head_width_is_a_bench_name_only(capsys, tmp_path):
+    """``int4+lm_head`` is checked as int4 by the bench (it gets past the method check to the bench's own), and is
+    no method for the other commands."""
+    code, out, err = run_cli(capsys, "bench", "--model", "celeris-code-6m", "--quantization", "int4+lm_head,fp3",
+                             "--out", str(tmp_path))
+    assert code == 2 and "unknown quantization 'fp3'" in err and err.count("\n") == 1, err
+    code, out, err = run_cli(capsys, "generate", "x", "--model", "celeris-code-6m", "--quantization", "int4+lm_head")
+    assert code == 2 and "int4+lm_head" in err and err.count("\n") == 1, err
+
+
 def test_bench_prints_each_width_and_its_warning(capsys, tiny_checkpoint, tmp_path):
     from tests.bench.test_run import write_prompts
 
