@@ -31,11 +31,18 @@ from celeris.models.dflash import DFlashConfig, DFlashDraftModel, save_dflash
 
 @dataclass
 class Row:
-    """One training sequence: ``ids`` (L,) int64 prompt + answer, ``prompt_len`` P, ``feats`` (L - 1, n * d) float16."""
+    """One training sequence: ``ids`` (L,) int64 prompt + answer, ``prompt_len`` P, ``feats`` (L - 1, n * d) float16,
+    ``labels`` (L,) int64: the target's greedy token at each position given the ids before it (``ids`` itself where
+    the answer is the target's own greedy text; position 0 is never a label)."""
 
     ids: torch.Tensor
     prompt_len: int
     feats: torch.Tensor
+    labels: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        if self.labels is None:
+            self.labels = self.ids
 
 
 def load_rows(folder: Path, layer_ids: list[int], stored: list[int], max_rows: int = 0) -> list[Row]:
@@ -55,7 +62,11 @@ def load_rows(folder: Path, layer_ids: list[int], stored: list[int], max_rows: i
         feats = shard[f"feat_{line['row']}"]
         d = feats.shape[1] // len(stored)
         parts = [feats[:, stored.index(i) * d:(stored.index(i) + 1) * d] for i in layer_ids]
-        rows.append(Row(shard[f"ids_{line['row']}"].long(), line["prompt_len"], torch.cat(parts, -1)))
+        ids = shard[f"ids_{line['row']}"].long()
+        labels = ids.clone()
+        if f"lab_{line['row']}" in shard:  # answers another engine wrote: the target's own next token after each prefix
+            labels[1:] = shard[f"lab_{line['row']}"].long()
+        rows.append(Row(ids, line["prompt_len"], torch.cat(parts, -1), labels))
     return rows
 
 
@@ -83,7 +94,8 @@ def anchor_layout(length: int, anchors: torch.Tensor, block_size: int) -> tuple[
 
 
 def batch_tensors(rows: list[Row], anchors_per_row: int, block_size: int, mask_id: int, generator: torch.Generator):
-    """Pad a batch and draw its anchors: (ids (B, L), feats (B, L, n*d), anchors (B, A), valid (B, A) bool).
+    """Pad a batch and draw its anchors: (ids (B, L), labels (B, L), feats (B, L, n*d), anchors (B, A), valid (B, A)
+    bool).
 
     Anchors are answer positions a in [P, L - 2] (the block's first token is known, at least one later token is a
     label), drawn without replacement; rows with fewer candidates repeat some (``valid`` False for the repeats).
@@ -91,28 +103,30 @@ def batch_tensors(rows: list[Row], anchors_per_row: int, block_size: int, mask_i
     length = max(len(r.ids) for r in rows)
     b, d = len(rows), rows[0].feats.shape[1]
     ids = torch.full((b, length), mask_id, dtype=torch.long)
+    labels = ids.clone()
     feats = torch.zeros(b, length, d, dtype=torch.float16)
     anchors = torch.zeros(b, anchors_per_row, dtype=torch.long)
     valid = torch.zeros(b, anchors_per_row, dtype=torch.bool)
     for i, r in enumerate(rows):
-        ids[i, : len(r.ids)] = r.ids
+        ids[i, : len(r.ids)], labels[i, : len(r.ids)] = r.ids, r.labels
         feats[i, : len(r.feats)] = r.feats
         cand = torch.arange(r.prompt_len, len(r.ids) - 1)
         pick = cand[torch.randperm(len(cand), generator=generator)[:anchors_per_row]]
         anchors[i, : len(pick)], valid[i, : len(pick)] = pick, True
         if 0 < len(pick) < anchors_per_row:
             anchors[i, len(pick):] = pick[0]
-    return ids, feats, anchors, valid
+    return ids, labels, feats, anchors, valid
 
 
 def dflash_loss(model: DFlashDraftModel, embed: torch.Tensor, ids: torch.Tensor, feats: torch.Tensor,
                 anchors: torch.Tensor, valid: torch.Tensor, lengths: torch.Tensor, gamma: float,
-                t2d: torch.Tensor | None) -> tuple[torch.Tensor, dict]:
+                t2d: torch.Tensor | None, targets: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
     """DFlash's weighted cross-entropy over every drafted position of every anchor.
 
     Args:
         embed: the target's (V, d) embedding matrix (also its head: SmolLM2 ties them).
         ids (B, L), feats (B, L, n*d), anchors/valid (B, A), lengths (B,): real tokens per row.
+        targets: (B, L) the target's greedy token at each position (``Row.labels``); None: ``ids``.
         t2d: (V,) int64 target id -> draft-vocabulary row, -1 outside it (None: the full vocabulary).
     Returns:
         (loss, stats): stats holds ``acc@k`` (top-1 accuracy at block position k) and the label coverage.
@@ -123,7 +137,8 @@ def dflash_loss(model: DFlashDraftModel, embed: torch.Tensor, ids: torch.Tensor,
     block[:, :, 0] = ids.gather(1, anchors)
     label_pos = anchors[:, :, None] + torch.arange(1, bs)  # (B, A, bs-1)
     in_row = label_pos < lengths[:, None, None]
-    labels = ids.gather(1, label_pos.clamp(max=ids.shape[1] - 1).reshape(b, -1)).reshape(b, a, bs - 1)
+    targets = ids if targets is None else targets
+    labels = targets.gather(1, label_pos.clamp(max=ids.shape[1] - 1).reshape(b, -1)).reshape(b, a, bs - 1)
     positions, mask = anchor_layout(ids.shape[1], anchors, bs)
     hidden = model(F.embedding(block.reshape(b, a * bs), embed), feats, positions, attn_mask=mask)
     hidden = hidden.reshape(b, a, bs, -1)[:, :, 1:]  # (B, A, bs-1, d)
@@ -172,7 +187,7 @@ def acceptance(model: DFlashDraftModel, embed: torch.Tensor, rows: list[Row], nu
         s = r.prompt_len
         while s < length - 1:
             row = drafts[s - r.prompt_len]
-            truth = r.ids[s + 1: s + 1 + num_drafts]
+            truth = r.labels[s + 1: s + 1 + num_drafts]
             eq = (row[: len(truth)] == truth).long().cumprod(0)
             accepted = int(eq.sum())
             reach[:accepted] += 1
@@ -330,12 +345,12 @@ def main(argv: list[str] | None = None) -> None:
         gen = torch.Generator().manual_seed(args.seed * 1_000_003 + step)  # batches: a function of (seed, step)
         pick = torch.randint(len(rows), (args.batch_size,), generator=gen).tolist()
         batch = [rows[i] for i in pick]
-        ids, feats, anchors, valid = batch_tensors(batch, args.anchors, args.block_size, args.mask_token_id, gen)
+        ids, labels, feats, anchors, valid = batch_tensors(batch, args.anchors, args.block_size, args.mask_token_id, gen)
         lengths = torch.tensor([len(r.ids) for r in batch])
         lr = args.lr * min(1.0, (step + 1) / args.warmup) * 0.5 * (1 + math.cos(math.pi * step / args.max_steps))
         for g in opt.param_groups:
             g["lr"] = lr
-        loss, stats = dflash_loss(model, embed, ids, feats.float(), anchors, valid, lengths, args.gamma, t2d)
+        loss, stats = dflash_loss(model, embed, ids, feats.float(), anchors, valid, lengths, args.gamma, t2d, labels)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)

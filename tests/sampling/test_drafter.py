@@ -73,9 +73,9 @@ def trained(target):
     embed = target.embed_tokens.weight.detach()
     for _ in range(300):
         batch = [rows[int(i)] for i in torch.randint(0, len(rows), (8,), generator=gen)]
-        ids, feats, anchors, valid = batch_tensors(batch, 4, BLOCK, target.config.mask_token_id, gen)
+        ids, labels, feats, anchors, valid = batch_tensors(batch, 4, BLOCK, target.config.mask_token_id, gen)
         lengths = torch.tensor([len(r.ids) for r in batch])
-        loss, _ = dflash_loss(drafter, embed, ids, feats.float(), anchors, valid, lengths, 4.0, None)
+        loss, _ = dflash_loss(drafter, embed, ids, feats.float(), anchors, valid, lengths, 4.0, None, labels)
         opt.zero_grad()
         loss.backward()
         opt.step()

@@ -13,14 +13,17 @@ from tests.models.test_dflash import full_pass, tiny
 
 
 def test_the_loss_is_the_decayed_cross_entropy_of_every_block_position():
+    """Against a per-block loop; the second row's labels (the target's own greedy tokens after each prefix, where
+    another engine wrote the answer) differ from its ids, and the loss trains toward the labels."""
     model = tiny(block_size=4)
     embed = torch.randn(50, 32)
     rows = [Row(torch.randint(0, 50, (14,)), 5, torch.randn(13, 64)),
-            Row(torch.randint(0, 50, (10,)), 6, torch.randn(9, 64))]
+            Row(torch.randint(0, 50, (10,)), 6, torch.randn(9, 64), torch.randint(0, 50, (10,)))]
     gen = torch.Generator().manual_seed(0)
-    ids, feats, anchors, valid = batch_tensors(rows, 3, 4, 3, gen)
+    ids, labels, feats, anchors, valid = batch_tensors(rows, 3, 4, 3, gen)
+    assert torch.equal(labels[1, :10], rows[1].labels) and torch.equal(labels[0, :14], rows[0].ids)
     lengths = torch.tensor([14, 10])
-    loss, _ = dflash_loss(model, embed, ids, feats.float(), anchors, valid, lengths, 2.0, None)
+    loss, _ = dflash_loss(model, embed, ids, feats.float(), anchors, valid, lengths, 2.0, None, labels)
     num = den = 0.0
     for b, r in enumerate(rows):
         for a, ok in zip(anchors[b].tolist(), valid[b].tolist(), strict=True):
@@ -31,7 +34,7 @@ def test_the_loss_is_the_decayed_cross_entropy_of_every_block_position():
             for k in range(1, 4):
                 if a + k < len(r.ids):
                     w = math.exp(-(k - 1) / 2.0)
-                    num += w * float(F.cross_entropy((hidden[k] @ embed.T)[None], r.ids[a + k][None]))
+                    num += w * float(F.cross_entropy((hidden[k] @ embed.T)[None], r.labels[a + k][None]))
                     den += w
     assert abs(float(loss) - num / den) < 1e-4
 
