@@ -173,7 +173,8 @@ def run_chat_bench(cfg: ChatBenchConfig) -> dict:
         results["widths"] = {}
         for width, other in widths.items():
             report, warning = width_report(llm, other, width, prompts, plain, lambda m: {
-                f"batch {b}": pass_cost_ms(m.model, (1, 2, 4, 8, 16), repeats=10, batch=b) for b in (1, 8)})
+                f"batch {b}": pass_cost_ms(m.model, (1, 2, 4, 8, 16), repeats=10, batch=b, runner=m.engine.runner)
+                for b in (1, 8)})
             results["widths"][width] = report
             if warning:
                 results["notes"].append(warning)

@@ -20,16 +20,21 @@ from celeris.params import SamplingParams
 
 BENCH_WIDTHS = ("bfloat16", *QUANTIZATION_METHODS)  # what the bench's --quantization list may name
 HEAD_SUFFIX = "+lm_head"  # a width with its head quantized too (--quantize-lm-head for that width alone)
+COMPILE_SUFFIX = "+compile"  # a width whose model runs under torch.compile (--compile for that width alone)
+COMPILED_BASELINE = "float32" + COMPILE_SUFFIX  # the unquantized model compiled, beside the eager one
 
 
 def base_width(name: str) -> str:
-    """The method of a bench width name: ``int4+lm_head`` -> ``int4`` (other names unchanged)."""
-    return name.removesuffix(HEAD_SUFFIX)
+    """The method of a bench width name: ``int4+lm_head+compile`` -> ``int4`` (``float32+compile``: ``float32``,
+    the unquantized model; other names unchanged)."""
+    return name.removesuffix(COMPILE_SUFFIX).removesuffix(HEAD_SUFFIX)
 
 
 def parse_widths(text: str | None) -> list[str]:
-    """The bench's ``--quantization`` list (comma-separated) as names: ``BENCH_WIDTHS``, and an int8/int4 method
-    with ``+lm_head`` (its head quantized too, beside the same method with a float head in one run).
+    """The bench's ``--quantization`` list (comma-separated) as names: ``BENCH_WIDTHS``, an int8/int4 method
+    with ``+lm_head`` (its head quantized too, beside the same method with a float head in one run), any of these
+    with ``+compile`` last (its model under ``torch.compile``), and ``float32+compile`` (the unquantized model
+    compiled, beside the eager baseline).
 
     Raises:
         ValueError: a name not in ``BENCH_WIDTHS`` (or ``+lm_head`` on bfloat16 or gguf), or a repeated one.
@@ -37,11 +42,13 @@ def parse_widths(text: str | None) -> list[str]:
     if not text:
         return []
     names = [n.strip() for n in text.split(",") if n.strip()]
-    unknown = [n for n in names if base_width(n) not in BENCH_WIDTHS
-               or (n.endswith(HEAD_SUFFIX) and base_width(n) in ("bfloat16", "gguf"))]
+    unknown = [n for n in names if n != COMPILED_BASELINE and (
+        base_width(n) not in BENCH_WIDTHS
+        or (n.removesuffix(COMPILE_SUFFIX).endswith(HEAD_SUFFIX) and base_width(n) in ("bfloat16", "gguf")))]
     if unknown:
         raise ValueError(f"--quantization: unknown width(s) {', '.join(unknown)}; the bench takes "
-                         f"{', '.join(BENCH_WIDTHS)}, and an int8/int4 method with {HEAD_SUFFIX}")
+                         f"{', '.join(BENCH_WIDTHS)}, an int8/int4 method with {HEAD_SUFFIX}, any of them with "
+                         f"{COMPILE_SUFFIX}, and {COMPILED_BASELINE}")
     if len(set(names)) != len(names):
         raise ValueError(f"--quantization names a width twice: {text}")
     return names
@@ -49,16 +56,23 @@ def parse_widths(text: str | None) -> list[str]:
 
 def load_width(width: str, load: Callable[..., LLM], quantize_lm_head: bool = False) -> LLM:
     """The checkpoint at ``width``: ``load(**options)`` with ``dtype="bfloat16"`` or ``quantization=width`` (its
-    head quantized with ``quantize_lm_head`` or a ``+lm_head`` name)."""
-    if width == "bfloat16":
-        return load(dtype="bfloat16")
-    return load(quantization=base_width(width), quantize_lm_head=quantize_lm_head or width.endswith(HEAD_SUFFIX))
+    head quantized with ``quantize_lm_head`` or a ``+lm_head`` name), and ``enforce_eager=False`` for a
+    ``+compile`` name (``float32+compile``: no other option)."""
+    compiled = {"enforce_eager": False} if width.endswith(COMPILE_SUFFIX) else {}
+    base = base_width(width)
+    if base == "float32":
+        return load(**compiled)
+    if base == "bfloat16":
+        return load(dtype="bfloat16", **compiled)
+    head = quantize_lm_head or width.removesuffix(COMPILE_SUFFIX).endswith(HEAD_SUFFIX)
+    return load(quantization=base, quantize_lm_head=head, **compiled)
 
 
 def width_report(reference: LLM, candidate: LLM, width: str, prompts: list[list[int]], params: SamplingParams,
                  pass_cost: Callable[[LLM], dict]) -> tuple[dict, str | None]:
     """Quality, pass cost and resident bytes of ``candidate`` (``width``) against ``reference``; the floor warning
-    (None when met; bfloat16 is held to int8's floor)."""
+    (None when met; bfloat16 and float32+compile are held to int8's floor). Quality is teacher-forced through the
+    models' eager forward, compiled widths included; their pass cost goes through the engine's compiled entries."""
     divergence = measure_divergence(reference, candidate, prompts, params)
     report = {"width": width, "quality": divergence.to_json(), "pass_cost_ms_by_width": pass_cost(candidate),
               "resident_weight_bytes": resident_weight_bytes(candidate.model),
@@ -66,6 +80,6 @@ def width_report(reference: LLM, candidate: LLM, width: str, prompts: list[list[
               "quality_conditions": "teacher-forced on the unquantized model's greedy answers "
                                     f"(max_tokens {params.max_tokens}, decoding {params.decoding}, "
                                     f"{len(prompts)} prompts)"}
-    warning = floor_warning(width, divergence, "int8" if width == "bfloat16" else None)
+    warning = floor_warning(width, divergence, "int8" if base_width(width) in ("bfloat16", "float32") else None)
     report["floor_met"] = warning is None
     return report, warning

@@ -178,21 +178,24 @@ def run_system(name: str, decode, batches: list[list[int]], warmup: int) -> dict
 
 @torch.no_grad()
 def pass_cost_ms(model: torch.nn.Module, widths: tuple[int, ...] = (1, 4, 8, 16), prefix: int = 128,
-                 repeats: int = 20, batch: int = 1) -> dict[str, float]:
+                 repeats: int = 20, batch: int = 1, runner: object | None = None) -> dict[str, float]:
     """Median milliseconds of one cached forward pass (logits included) of ``w`` new columns after a
     ``prefix``-token KV cache, per width: what a decoding step costs against how many columns it computes
-    (a next-token step computes 1; a verified step 1 + drafts + mask slots), for ``batch`` rows."""
+    (a next-token step computes 1; a verified step 1 + drafts + mask slots), for ``batch`` rows. With ``runner``
+    (an engine's ``ModelRunner``) the passes go through its entries: compiled ones when the engine compiles."""
     device = next(model.parameters()).device
+    hidden_states = model.hidden_states if runner is None else runner.hidden_states
+    logits = model.logits if runner is None else runner.logits
     length = prefix + max(widths)
     ids = torch.randint(3, model.config.vocab_size, (batch, length), device=device)
     cache = KVCache()
-    model.hidden_states(ids, None, cache)  # fills the cache for every column
+    hidden_states(ids, None, cache)  # fills the cache for every column
     out = {}
     for w in widths:
         times = []
         for _ in range(repeats + 2):
             start = time.perf_counter()
-            model.logits(model.hidden_states(ids, None, cache, (prefix, prefix + w)))
+            logits(hidden_states(ids, None, cache, (prefix, prefix + w)))
             times.append(time.perf_counter() - start)
         out[str(w)] = round(1000 * statistics.median(times[2:]), 3)
     return out
@@ -359,7 +362,7 @@ def add_width_reports(results: dict, llm: LLM, widths: dict[str, LLM], cfg: Benc
     results["widths"] = {}
     for width, other in widths.items():
         report, warning = width_report(llm, other, width, quality_prompts, fast_quality_params(llm, cfg, hybrid),
-                                       lambda m: pass_cost_ms(m.model))
+                                       lambda m: pass_cost_ms(m.model, runner=m.engine.runner))
         results["widths"][width] = report
         if warning:
             results["notes"].append(warning)

@@ -142,10 +142,10 @@ def _quantization_overrides(args: argparse.Namespace) -> dict[str, object]:
     if method is None:
         return {}
     bench = getattr(args, "command", None) == "bench"
-    if bench:  # the bench's width names: bfloat16 too, and int4+lm_head is int4 (celeris.bench.quantized)
+    if bench:  # the bench's width names: bfloat16 and float32 too, int4+lm_head+compile is int4 (bench.quantized)
         from celeris.bench.quantized import base_width
     for name in method.split(","):
-        if name == "bfloat16" and bench:
+        if bench and base_width(name) in ("bfloat16", "float32"):
             continue
         try:
             check_quantization(base_width(name) if bench else name)

@@ -17,7 +17,10 @@ from tests.bench.test_run import write_prompts
 def test_width_lists_are_checked():
     assert parse_widths("bfloat16, int8,int4") == ["bfloat16", "int8", "int4"]
     assert parse_widths("int4,int4+lm_head") == ["int4", "int4+lm_head"]
-    for bad in ("int8,fp3", "gguf+lm_head", "bfloat16+lm_head", "fp3+lm_head"):
+    assert parse_widths("float32+compile,int4+lm_head+compile,gguf+compile") == [
+        "float32+compile", "int4+lm_head+compile", "gguf+compile"]
+    for bad in ("int8,fp3", "gguf+lm_head", "bfloat16+lm_head", "fp3+lm_head", "float32", "int4+compile+lm_head",
+                "float32+lm_head+compile", "bfloat16+lm_head+compile"):
         with pytest.raises(ValueError, match="unknown width"):
             parse_widths(bad)
     with pytest.raises(ValueError, match="twice"):
@@ -29,10 +32,12 @@ def test_a_width_with_its_head_loads_the_method_with_the_head_quantized():
 
     calls = []
     load = lambda **options: calls.append(options)  # noqa: E731
-    for width in ("int4", "int4+lm_head", "bfloat16"):
+    for width in ("int4", "int4+lm_head", "bfloat16", "int4+lm_head+compile", "float32+compile"):
         load_width(width, load)
     assert calls == [{"quantization": "int4", "quantize_lm_head": False},
-                     {"quantization": "int4", "quantize_lm_head": True}, {"dtype": "bfloat16"}]
+                     {"quantization": "int4", "quantize_lm_head": True}, {"dtype": "bfloat16"},
+                     {"quantization": "int4", "quantize_lm_head": True, "enforce_eager": False},
+                     {"enforce_eager": False}]
 
 
 def check_widths(results: dict, widths: list[str]) -> None:
