@@ -12,9 +12,9 @@ with other instructions than summarising, docstrings of Python's standard librar
 
     OMP_NUM_THREADS=1 python scripts/drafter_data.py --shared ../shared --out runs/drafter-data
 
-With ``--generator llamacpp`` (``llama-cpp-python`` installed) llama.cpp writes the answers on the same GGUF, about
-four times faster than ``transformers``' ``generate`` here, and one ``transformers`` prefill per batch gives the
-features and the float32 target's own greedy token after every prefix (``lab_j``; 98.6-99.2% equal to llama.cpp's
+With ``--generator llamacpp`` (``llama-cpp-python`` installed) llama.cpp writes the answers on the same GGUF (its
+own kernels; about 5 rows a minute at one thread here, prefill included), and one ``transformers`` prefill per
+batch gives the features and the float32 target's own greedy token after every prefix (``lab_j``; 98.6-99.2% equal to llama.cpp's
 token on the first four rows tried): the drafter trains toward the target's choice where the two engines part.
 
 Besides the text it stores, per batch, a safetensors shard with each row's token ids (prompt + answer, as the target

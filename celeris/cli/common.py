@@ -122,8 +122,9 @@ def _quantization_args(p: argparse.ArgumentParser) -> None:
     from celeris.config import QUANTIZATION_METHODS
 
     bench = {"metavar": "METHOD,...", "help": "comma-separated weight-only quantizations to bench beside the "
-             "unquantized model: " + ", ".join(QUANTIZATION_METHODS) + " (int4: groups of 32 input columns; the KV "
-             "cache stays in --dtype; docs/quantization.md)"}
+             "unquantized model: bfloat16, " + ", ".join(QUANTIZATION_METHODS) + " (int4: groups of 32 input "
+             "columns; the KV cache stays in --dtype); +lm_head after int8/int4 quantizes that width's head too, "
+             "+compile last compiles that width, float32+compile the unquantized model (docs/quantization.md)"}
     _engine_args(p, "quantization", "quantize_lm_head", "onednn", **({"quantization": bench}
                                                                      if p.prog.split()[-1] == "bench" else {}))
 
