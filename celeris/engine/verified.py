@@ -326,7 +326,9 @@ class VerifiedDecoder:
         pending = base + len(new) - 1  # its keys/values are computed by the next pass
         policy = row.params.draft_source
         slots_valid = a == m  # every draft held: the slots saw the right prefix and drafted pending + 1 ..
-        lookup = lookup_drafts(row.prompt_ids + row.answer, k) if policy in ("lookup_first", "lookup") else []
+        look = policy == "lookup" or policy == "lookup_first" and (self.proposer is None or
+                                                                self.proposer.lookup_enabled(len(self.rows)))
+        lookup = lookup_drafts(row.prompt_ids + row.answer, k) if look else []
         if row.constraint is not None:
             lookup = grammar_lookup_drafts(row.constraint, lookup)
         if lookup:

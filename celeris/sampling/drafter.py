@@ -32,13 +32,16 @@ class SpeculativeConfig:
     """What ``--speculative-config`` / ``LLM(speculative_config=...)`` name: the method, the drafter folder, the
     drafts per pass (None: the drafter's ``block_size - 1``) and ``disable_by_batch_size`` (vLLM's key: with at
     least this many requests running, passes of the default draft source ``lookup_first`` skip the drafter and
-    verify prompt-lookup drafts only; None: never; an explicit ``draft_source`` ``dflash`` always drafts).
+    verify prompt-lookup drafts only; None: never; an explicit ``draft_source`` ``dflash`` always drafts) and
+    ``lookup_disable_by_batch_size`` (a Celeris key: with at least this many requests running, ``lookup_first``
+    passes skip prompt lookup too and decode next-token; None: never; ``draft_source`` ``lookup`` always looks up).
     """
 
     method: str
     model: str
     num_speculative_tokens: int | None = None
     disable_by_batch_size: int | None = None
+    lookup_disable_by_batch_size: int | None = None
 
     @classmethod
     def parse(cls, raw: str | dict | SpeculativeConfig | None) -> SpeculativeConfig | None:
@@ -68,11 +71,12 @@ class SpeculativeConfig:
                              "; prompt lookup is draft_source 'lookup')")
         if not isinstance(raw.get("model"), str) or not raw["model"]:
             raise ValueError("speculative_config needs 'model': the drafter's folder")
-        for key in ("num_speculative_tokens", "disable_by_batch_size"):
+        for key in ("num_speculative_tokens", "disable_by_batch_size", "lookup_disable_by_batch_size"):
             v = raw.get(key)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
                 raise ValueError(f"speculative_config {key} must be a positive integer, got {v!r}")
-        return cls(method, raw["model"], raw.get("num_speculative_tokens"), raw.get("disable_by_batch_size"))
+        return cls(method, raw["model"], raw.get("num_speculative_tokens"), raw.get("disable_by_batch_size"),
+                   raw.get("lookup_disable_by_batch_size"))
 
     def to_json(self) -> str:
         """The JSON string ``parse`` reads back (what crosses process boundaries: Ray workers, the CLI)."""
@@ -134,22 +138,30 @@ class DFlashProposer:
         num_speculative_tokens: drafts per pass (default ``block_size - 1``).
         name: how errors name the drafter (its folder).
         disable_by_batch_size: with at least this many rows running, skip the drafter (None: never).
+        lookup_disable_by_batch_size: with at least this many rows running, ``lookup_first`` skips prompt lookup too
+            (None: never).
     """
 
     def __init__(self, drafter: DFlashDraftModel, target: torch.nn.Module, num_speculative_tokens: int | None = None,
-                 name: str = "the drafter", disable_by_batch_size: int | None = None) -> None:
+                 name: str = "the drafter", disable_by_batch_size: int | None = None,
+                 lookup_disable_by_batch_size: int | None = None) -> None:
         check_drafter(drafter, target, name, num_speculative_tokens)
         self.drafter, self.target, self.name = drafter, target, name
         self.block_size = drafter.config.block_size
         self.layer_ids = list(drafter.config.target_layer_ids)
         self.k = num_speculative_tokens or self.block_size - 1
         self.disable_by_batch_size = disable_by_batch_size
+        self.lookup_disable_by_batch_size = lookup_disable_by_batch_size
         self.calls = 0  # drafter passes, all rows (a call drafts one row)
         self._draft_head: torch.Tensor | None = None
 
     def enabled(self, running: int) -> bool:
         """Whether passes with ``running`` rows draft with the drafter (``disable_by_batch_size``)."""
         return self.disable_by_batch_size is None or running < self.disable_by_batch_size
+
+    def lookup_enabled(self, running: int) -> bool:
+        """Whether ``lookup_first`` passes with ``running`` rows try prompt lookup (``lookup_disable_by_batch_size``)."""
+        return self.lookup_disable_by_batch_size is None or running < self.lookup_disable_by_batch_size
 
     def capture(self) -> dict[int, torch.Tensor | None]:
         """The ``capture`` argument of a target pass: the layers whose outputs the drafter reads."""
@@ -221,7 +233,8 @@ def load_proposer(config: SpeculativeConfig, target: torch.nn.Module) -> DFlashP
         raise ValueError(f"drafter folder '{folder}' does not exist")
     drafter = load_dflash(folder, device=p.device, dtype=p.dtype)
     return DFlashProposer(drafter, target, config.num_speculative_tokens, name=f"drafter '{folder.name}'",
-                          disable_by_batch_size=config.disable_by_batch_size)
+                          disable_by_batch_size=config.disable_by_batch_size,
+                          lookup_disable_by_batch_size=config.lookup_disable_by_batch_size)
 
 
 def attach(target: torch.nn.Module, proposer: DFlashProposer | None) -> None:

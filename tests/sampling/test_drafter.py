@@ -235,3 +235,28 @@ def test_the_prefix_cache_keeps_the_drafters_context_features(target, trained):
     _, plain_answers, plain_lengths = run(0)
     assert answers == plain_answers == [greedy(target, p, 16) for p in prompts]
     assert lengths == plain_lengths
+
+
+def test_lookup_first_skips_prompt_lookup_from_its_batch_size_on(target):
+    """``lookup_disable_by_batch_size``: with that many rows running, ``lookup_first`` passes neither look up nor
+    draft (the drafter is off too: ``disable_by_batch_size`` 1) and decode next-token; fewer rows look up."""
+    loop = [4, 5, 6, 7] * 6  # prompts that repeat themselves: prompt lookup always finds a draft
+    prompts = [loop + [8], loop + [9]]
+    params = SamplingParams(max_tokens=12, early_exit=False, decoding="verified", draft_source="lookup_first")
+
+    def run(rows, threshold):
+        proposer = DFlashProposer(drafter_for(target), target, 3, disable_by_batch_size=1,
+                                  lookup_disable_by_batch_size=threshold)
+        dec = VerifiedDecoder(target, len(rows), 64, proposer=proposer)
+        added = [dec.add(p, params) for p in rows]
+        while not all(r.finished for r in added):
+            dec.step()
+        assert proposer.calls == 0
+        return sum(dec.drafted), [r.answer[:12] for r in added]
+
+    together, answers = run(prompts, 2)  # both rows run every pass (same length): never a draft
+    assert together == 0 and answers == [greedy(target, p, 12) for p in prompts]
+    alone, answer = run(prompts[:1], 2)
+    assert alone > 0 and answer == [greedy(target, prompts[0], 12)]
+    assert run(prompts, None)[0] > 0
+    assert SpeculativeConfig.parse('{"model": "d", "lookup_disable_by_batch_size": 2}').lookup_disable_by_batch_size == 2
