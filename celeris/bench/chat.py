@@ -12,7 +12,9 @@ Systems, each on the same prompts, output length and batch size, all at temperat
 - ``target-lookup``: verified decoding with prompt-lookup drafts only;
 - ``dflash`` and ``dflash-lookup-first`` (with a DFlash drafter, ``--speculative-config`` or a drafter folder):
   verified decoding with the drafter's drafts, with and without prompt lookup first, the drafter on at every
-  batch size; ``default`` when the drafter's ``disable_by_batch_size`` switches it off at some batch size;
+  batch size (prompt lookup too); ``default`` when the drafter's ``disable_by_batch_size`` or
+  ``lookup_disable_by_batch_size`` switches the drafter or prompt lookup off at some batch size (the default model's
+  own policy);
 - ``transformers``: SmolLM2 through transformers' ``generate`` on the same weights (SmolLM2 targets only);
 - ``llama.cpp``: llama-cpp-python on the same ``.gguf`` file when it is installed (``celeris.bench.llamacpp``: the
   same prompt ids, greedy, its own quantized kernels; a batch's prompts run one after another), else a note.
@@ -97,17 +99,21 @@ def mismatches(llm: LLM, prompts: list[list[int]], outputs: list[list[int]], ref
     return found
 
 
-def systems(llm: LLM, max_tokens: int) -> list[tuple[str, SamplingParams | None, int | None]]:
-    """(name, params, the drafter's disable_by_batch_size during it) per system; params None: transformers."""
+Policy = tuple[int | None, int | None]  # the proposer's (disable_by_batch_size, lookup_disable_by_batch_size)
+
+
+def systems(llm: LLM, max_tokens: int) -> list[tuple[str, SamplingParams | None, Policy | None]]:
+    """(name, params, the proposer's policy during it: (disable_by_batch_size, lookup_disable_by_batch_size), None
+    for both off) per system; params None: transformers."""
     base = llm.default_params(max_tokens=max_tokens, temperature=0.0)
     plain = replace(base, decoding=SamplingParams.__dataclass_fields__["decoding"].default)
     verified = replace(base, decoding="verified")
     out = [("target-next-token", plain, None), ("target-lookup", replace(verified, draft_source="lookup"), None)]
     if llm.proposer is not None:
-        policy = llm.proposer.disable_by_batch_size
+        policy = (llm.proposer.disable_by_batch_size, llm.proposer.lookup_disable_by_batch_size)
         out += [("dflash", replace(verified, draft_source="dflash"), None),
                 ("dflash-lookup-first", replace(verified, draft_source="lookup_first"), None)]
-        if policy is not None:
+        if policy != (None, None):
             out.append(("default", replace(verified, draft_source="lookup_first"), policy))
     return out
 
@@ -193,14 +199,15 @@ def load_llamacpp(cfg: ChatBenchConfig, llm: LLM, prompts: list[list[int]], note
     return llamacpp.load(llm.gguf_path, min(llm.context_length, max(map(len, prompts)) + cfg.max_tokens))
 
 
-def run_one(llm: LLM, other, system: str, params: SamplingParams | None, policy: int | None,  # noqa: ANN001
+def run_one(llm: LLM, other, system: str, params: SamplingParams | None, policy: Policy | None,  # noqa: ANN001
             batches: list[list[list[int]]], cfg: ChatBenchConfig, reference: list[list[int]] | None) -> dict:
     """One system over every batch: run_system's timings plus drafter passes, acceptance and answer quality.
     ``params`` None: a system outside the engine, ``other`` its model (``transformers``: SmolLM2's (model,
     tokenizer); ``llama.cpp``: a ``llama_cpp.Llama``)."""
     proposer = llm.proposer
     if proposer is not None:
-        saved, proposer.disable_by_batch_size = proposer.disable_by_batch_size, policy
+        saved = (proposer.disable_by_batch_size, proposer.lookup_disable_by_batch_size)
+        proposer.disable_by_batch_size, proposer.lookup_disable_by_batch_size = policy or (None, None)
     calls, before = (proposer.calls if proposer else 0), draft_counts(llm)
 
     def decode(batch):
@@ -220,7 +227,7 @@ def run_one(llm: LLM, other, system: str, params: SamplingParams | None, policy:
         run = run_system(system, decode, batches, cfg.warmup)
     finally:
         if proposer is not None:
-            proposer.disable_by_batch_size = saved
+            proposer.disable_by_batch_size, proposer.lookup_disable_by_batch_size = saved
     after = draft_counts(llm)
     before = before or [(0, 0)] * len(after)
     run["drafter_passes"] = (proposer.calls - calls) if proposer else 0

@@ -31,7 +31,8 @@ def test_a_tiny_chat_bench_runs_every_system_resumes_and_finds_no_mismatch(tiny_
     save_checkpoint(target, tmp_path / "target", tokenizer_dir, AR_GENERATION)
     save_dflash(drafter_for(target), tmp_path / "drafter", dtype=torch.float32)
     monkeypatch.setitem(celeris.bench.chat.PROMPT_SETS, "mt-bench", lambda: ["a b", "c d e", "f"])
-    spec = json.dumps({"model": str(tmp_path / "drafter"), "num_speculative_tokens": 3, "disable_by_batch_size": 2})
+    spec = json.dumps({"model": str(tmp_path / "drafter"), "num_speculative_tokens": 3, "disable_by_batch_size": 2,
+                       "lookup_disable_by_batch_size": 2})
     cfg = ChatBenchConfig(model=str(tmp_path / "target"), prompt_sets=["mt-bench"], max_tokens=8, batch_sizes=[1, 2],
                           num_prompts=3, warmup=0, out_dir=str(tmp_path / "out"), smollm2=False,
                           speculative_config=spec)
