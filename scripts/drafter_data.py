@@ -14,8 +14,9 @@ with other instructions than summarising, docstrings of Python's standard librar
 
 With ``--generator llamacpp`` (``llama-cpp-python`` installed) llama.cpp writes the answers on the same GGUF (its
 own kernels; about 5 rows a minute at one thread here, prefill included), and one ``transformers`` prefill per
-batch gives the features and the float32 target's own greedy token after every prefix (``lab_j``; 98.6-99.2% equal to llama.cpp's
-token on the first four rows tried): the drafter trains toward the target's choice where the two engines part.
+batch gives the features and the float32 target's own greedy token after every prefix (``lab_j``; 98.6-99.2%
+equal to llama.cpp's token on the first four rows tried): the drafter trains toward the target's choice where the
+two engines part.
 
 Besides the text it stores, per batch, a safetensors shard with each row's token ids (prompt + answer, as the target
 generated them) and the target's hidden states at ``LAYER_IDS`` (float16), which a DFlash drafter trains on.
