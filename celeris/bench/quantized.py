@@ -30,6 +30,11 @@ def base_width(name: str) -> str:
     return name.removesuffix(COMPILE_SUFFIX).removesuffix(HEAD_SUFFIX)
 
 
+def has_head(name: str) -> bool:
+    """Whether a bench width name quantizes its head too (``int4+lm_head``, ``int4+lm_head+compile``)."""
+    return name.removesuffix(COMPILE_SUFFIX).endswith(HEAD_SUFFIX)
+
+
 def parse_widths(text: str | None) -> list[str]:
     """The bench's ``--quantization`` list (comma-separated) as names: ``BENCH_WIDTHS``, an int8/int4 method
     with ``+lm_head`` (its head quantized too, beside the same method with a float head in one run), any of these
@@ -44,7 +49,7 @@ def parse_widths(text: str | None) -> list[str]:
     names = [n.strip() for n in text.split(",") if n.strip()]
     unknown = [n for n in names if n != COMPILED_BASELINE and (
         base_width(n) not in BENCH_WIDTHS
-        or (n.removesuffix(COMPILE_SUFFIX).endswith(HEAD_SUFFIX) and base_width(n) in ("bfloat16", "gguf")))]
+        or (has_head(n) and base_width(n) in ("bfloat16", "gguf")))]
     if unknown:
         raise ValueError(f"--quantization: unknown width(s) {', '.join(unknown)}; the bench takes "
                          f"{', '.join(BENCH_WIDTHS)}, an int8/int4 method with {HEAD_SUFFIX}, any of them with "
@@ -64,7 +69,7 @@ def load_width(width: str, load: Callable[..., LLM], quantize_lm_head: bool = Fa
         return load(**compiled)
     if base == "bfloat16":
         return load(dtype="bfloat16", **compiled)
-    head = quantize_lm_head or width.removesuffix(COMPILE_SUFFIX).endswith(HEAD_SUFFIX)
+    head = quantize_lm_head or has_head(width)
     return load(quantization=base, quantize_lm_head=head, **compiled)
 
 

@@ -431,8 +431,9 @@ def _quantize_head(model: nn.Module, method: Method, act: torch.dtype, embedding
         rows = model.embed_tokens.weight[: model.vocab_size]
         copy = nn.Linear(rows.shape[1], rows.shape[0], bias=False, device="meta")
         copy.weight = nn.Parameter(rows.detach(), requires_grad=False)
-        check_shape(head_method(method), "lm_head (tied to embed_tokens)", copy)
-        head = quantize_linear(copy, head_method(method), act)
+        stored_as = head_method(method)
+        check_shape(stored_as, "lm_head (tied to embed_tokens)", copy)
+        head = quantize_linear(copy, stored_as, act)
         added += sum(b.numel() * b.element_size() for b in head.buffers())
     bind_head(model, act, head)
     return added

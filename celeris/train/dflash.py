@@ -63,9 +63,9 @@ def load_rows(folder: Path, layer_ids: list[int], stored: list[int], max_rows: i
         d = feats.shape[1] // len(stored)
         parts = [feats[:, stored.index(i) * d:(stored.index(i) + 1) * d] for i in layer_ids]
         ids = shard[f"ids_{line['row']}"].long()
-        labels = ids.clone()
+        labels = None  # Row: the ids themselves
         if f"lab_{line['row']}" in shard:  # answers another engine wrote: the target's own next token after each prefix
-            labels[1:] = shard[f"lab_{line['row']}"].long()
+            labels = torch.cat([ids[:1], shard[f"lab_{line['row']}"].long()])
         rows.append(Row(ids, line["prompt_len"], torch.cat(parts, -1), labels))
     return rows
 
