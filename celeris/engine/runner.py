@@ -8,6 +8,7 @@ import torch
 
 from celeris.engine.kv import ROW_SLACK, KVPool, KVStore
 from celeris.engine.request import Request
+from celeris.models.layers import TransformerLM, scored_logits
 
 
 def _entry(model: torch.nn.Module, name: str, eager: bool) -> Callable | None:
@@ -19,6 +20,25 @@ def _entry(model: torch.nn.Module, name: str, eager: bool) -> Callable | None:
     if eager:
         return lambda *args, **kwargs: getattr(model, name)(*args, **kwargs)
     return torch.compile(method, dynamic=True)
+
+
+class CompiledForward:
+    """``TransformerLM.forward`` with its Python run eagerly around the model's compiled ``hidden_states`` and
+    ``logits``. Compiling the whole forward made dynamo guard on the Python ints of ``logits_slice`` (the masked
+    path's prefill passes ``slice(prompt_len, prompt_len + block)``), so every new prompt length recompiled (guard
+    ``logits_slice.start == 43``; docs/quantization.md). Here those ints only pick rows of the compiled pass's
+    (B, T, d) hidden states, and the two compiled calls see tensors only (``dynamic=True``: their sizes are symbolic).
+
+    Called as ``TransformerLM.forward`` without ``return_hidden``; returns (B, L', vocab_size) float32 logits.
+    """
+
+    def __init__(self, model: TransformerLM, hidden_states: Callable, logits: Callable) -> None:
+        self.hidden_states, self.logits, self.logits_shift = hidden_states, logits, model.logits_shift
+
+    def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                 logits_slice: slice | None = None, cache: object = None, window: object = None,
+                 logits_index: torch.Tensor | None = None) -> torch.Tensor:
+        return scored_logits(self, input_ids, attention_mask, logits_slice, cache, window, logits_index)
 
 
 class ModelRunner:
@@ -37,12 +57,17 @@ class ModelRunner:
 
     def __init__(self, model: torch.nn.Module, enforce_eager: bool = True, length_bucket: int = 1,
                  kv_rows: int = 8, max_model_len: int | None = None) -> None:
-        # speed features are transforms applied here, never inside the model file
-        self.model = model if enforce_eager else torch.compile(model, dynamic=True)
-        # the block and verified paths' entries into the same model, compiled the same way (shapes are dynamic)
+        # speed features are transforms applied here, never inside the model file; the entries into the model
+        # (the block and verified paths', and the masked path's forward) are compiled the same way (dynamic shapes)
         self.hidden_states = _entry(model, "hidden_states", enforce_eager)
         self.layout_hidden_states = _entry(model, "layout_hidden_states", enforce_eager)
         self.logits = _entry(model, "logits", enforce_eager)
+        if enforce_eager:
+            self.model = model
+        elif type(model).forward is TransformerLM.forward:  # compiled passes, the slice's Python outside them
+            self.model = CompiledForward(model, self.hidden_states, self.logits)
+        else:  # another forward (a remote-code model's) is compiled whole
+            self.model = torch.compile(model, dynamic=True)
         self.length_bucket = length_bucket
         self.device = next(model.parameters()).device
         self.mask_id = model.config.mask_token_id

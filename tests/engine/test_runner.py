@@ -112,3 +112,26 @@ def test_a_causal_models_decoding_step_computes_one_column():
     for p, r in zip(prompts, requests, strict=True):
         assert torch.equal(r.answer, generate(model, [p], params).answer_ids[0])
         assert r.answer.tolist() == generate_autoregressive(model, [p], params).token_ids[0]
+
+
+@pytest.mark.slow
+def test_compiled_runner_does_not_recompile_for_a_new_prompt_length():
+    """The masked path's prefill passes ``logits_slice=slice(prompt_len, ...)``; compiled whole, the forward was
+    guarded on those ints and recompiled for every prompt length (``CompiledForward``). Prompts of four lengths,
+    one after another: the compiled graphs counted after the second equal those after the fourth, and every answer
+    equals the eager runner's."""
+    from torch._dynamo.utils import counters
+
+    model = tiny_model(seed=4, is_causal=True)
+    params = SamplingParams(max_tokens=6, steps=6, block_length=1, cache="delayed", early_exit=False)
+    prompts = [[5, 6, 7], [9, 3, 11, 12, 4, 8], [13, 14, 15, 16, 17, 18, 19, 20, 21], [22, 23, 24, 25, 26]]
+    eager = Engine(model, EngineConfig(length_bucket=1))
+    compiled = Engine(model, EngineConfig(length_bucket=1, enforce_eager=False))
+    graphs = []
+    for prompt in prompts:
+        want, got = eager.add_request(prompt, params), compiled.add_request(prompt, params)
+        run_to_end(eager)
+        run_to_end(compiled)
+        assert torch.equal(got.answer, want.answer)
+        graphs.append(counters["stats"]["unique_graphs"])
+    assert graphs[1] == graphs[3], graphs
