@@ -36,7 +36,7 @@ import torch
 
 from celeris.bench import llamacpp, smollm2
 from celeris.bench.quality import max_repeat_run
-from celeris.bench.quantized import load_width, parse_widths, width_report
+from celeris.bench.quantized import load_width, parse_widths, speed_floor, width_report
 from celeris.bench.run import conditions, draft_counts, pass_cost_ms, run_system, write_json
 from celeris.data import gsm8k_questions, mt_bench_questions, summarisation_prompts
 from celeris.llm import LLM
@@ -184,6 +184,8 @@ def run_chat_bench(cfg: ChatBenchConfig) -> dict:
             results["widths"][width] = report
             if warning:
                 results["notes"].append(warning)
+        if warning := speed_floor(results["runs"], results["widths"]):
+            results["notes"].append(warning)
     write_json(results, out)
     return results
 

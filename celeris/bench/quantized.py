@@ -88,3 +88,35 @@ def width_report(reference: LLM, candidate: LLM, width: str, prompts: list[list[
     warning = floor_warning(width, divergence, "int8" if base_width(width) in ("bfloat16", "float32") else None)
     report["floor_met"] = warning is None
     return report, warning
+
+
+SPEED_FLOOR = 1.8  # int8 or int4 at its quality floor against the eager float32 model, batch 1, in the same run
+
+
+def speed_floor(runs: list[dict], reports: dict[str, dict], baseline: str = "target-next-token") -> str | None:
+    """Each int8/int4 width's batch-1 speed-up over the unquantized model, stored in its report as
+    ``speedup_batch1`` (its ``f"{baseline}@{width}"`` runs' tokens/s over ``baseline``'s, each averaged over the
+    prompt sets run at batch 1); returns the warning line when no width at its quality floor (``floor_met``)
+    reaches ``SPEED_FLOOR``, else None. None too when the run has no int8/int4 width or no batch-1 runs."""
+
+    def tokens_per_s(system: str) -> float | None:
+        found = [r["tokens_per_s"] for r in runs if r.get("system") == system and r.get("batch_size") == 1
+                 and r.get("tokens_per_s")]
+        return sum(found) / len(found) if found else None
+
+    base = tokens_per_s(baseline)
+    quantized = [w for w in reports if base_width(w) in QUANTIZATION_METHODS and base_width(w) != "gguf"]
+    if base is None or not quantized:
+        return None
+    best = None
+    for width in quantized:
+        speed = tokens_per_s(f"{baseline}@{width}")
+        if speed is None:
+            continue
+        reports[width]["speedup_batch1"] = round(speed / base, 3)
+        if reports[width].get("floor_met") and (best is None or speed / base > best[1]):
+            best = (width, speed / base)
+    if best is not None and best[1] >= SPEED_FLOOR:
+        return None
+    held = f"the fastest at its quality floor is {best[0]} at {best[1]:.2f}x" if best else "none meets its quality floor"
+    return (f"warning: no int8/int4 width reaches {SPEED_FLOOR}x float32's batch-1 tokens/s ({base:.2f}); {held}")

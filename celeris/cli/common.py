@@ -142,16 +142,15 @@ def _quantization_overrides(args: argparse.Namespace) -> dict[str, object]:
         raise UsageError("--quantize-lm-head needs --quantization (e.g. --quantization int8)")
     if method is None:
         return {}
-    bench = getattr(args, "command", None) == "bench"
-    if bench:  # the bench's width names: bfloat16 and float32 too, int4+lm_head+compile is int4 (bench.quantized)
-        from celeris.bench.quantized import base_width
-    for name in method.split(","):
-        if bench and base_width(name) in ("bfloat16", "float32"):
-            continue
-        try:
-            check_quantization(base_width(name) if bench else name)
-        except ValueError as exc:
-            raise UsageError(f"--quantization: {exc}") from None
+    try:
+        if getattr(args, "command", None) == "bench":  # a list of width names (bfloat16, int4+lm_head+compile, ...)
+            from celeris.bench.quantized import parse_widths
+
+            parse_widths(method)
+        else:
+            check_quantization(method)
+    except ValueError as exc:
+        raise UsageError(str(exc) if str(exc).startswith("--quantization") else f"--quantization: {exc}") from None
     return {"quantization": method, "quantize_lm_head": head}
 
 

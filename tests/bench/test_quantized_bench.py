@@ -101,3 +101,27 @@ def test_the_chat_bench_quantizes_the_drafter_too(tiny_checkpoint, tokenizer_dir
     assert seen and all(seen)
     check_widths(results, ["int8"])
     assert set(results["widths"]["int8"]["pass_cost_ms_by_width"]) == {"batch 1", "batch 8"}
+
+
+def test_the_speed_floor_counts_only_int8_or_int4_widths_at_their_quality_floor():
+    """``speed_floor``: each int8/int4 width's batch-1 tokens/s over float32's (averaged over prompt sets) goes in
+    its report; the warning names the fastest width at its quality floor, and is None once one reaches 1.8x."""
+    from celeris.bench.quantized import SPEED_FLOOR, speed_floor
+
+    def run(system, tps, batch=1, prompt_set="mt-bench"):  # noqa: ANN001, ANN202
+        return {"system": system, "tokens_per_s": tps, "batch_size": batch, "prompt_set": prompt_set}
+
+    runs = [run("target-next-token", 10.0), run("target-next-token", 20.0, prompt_set="gsm8k"),
+            run("target-next-token@int8", 40.0), run("target-next-token@int8", 40.0, prompt_set="gsm8k"),
+            run("target-next-token@int4+lm_head+compile", 25.0), run("target-next-token@int4", 99.0, batch=8),
+            run("target-next-token@bfloat16", 90.0), run("target-next-token@gguf", 90.0)]
+    reports = {"int8": {"floor_met": False}, "int4+lm_head+compile": {"floor_met": True}, "int4": {"floor_met": True},
+               "bfloat16": {"floor_met": True}, "gguf": {"floor_met": True}}
+    warning = speed_floor(runs, reports)
+    assert reports["int8"]["speedup_batch1"] == round(40 / 15, 3)  # measured, though its quality misses the floor
+    assert reports["int4+lm_head+compile"]["speedup_batch1"] == round(25 / 15, 3)
+    assert "speedup_batch1" not in reports["int4"] and "speedup_batch1" not in reports["bfloat16"]
+    assert warning is not None and "int4+lm_head+compile at 1.67x" in warning and "(15.00)" in warning
+    runs.append(run("target-next-token@int4+lm_head+compile", 2 * SPEED_FLOOR * 15.0 - 25.0, prompt_set="gsm8k"))
+    assert speed_floor(runs, reports) is None  # the mean of 25 and 29 over 15: 1.8x
+    assert speed_floor(runs, {"bfloat16": {"floor_met": True}}) is None  # nothing int8/int4 to hold to it
