@@ -20,7 +20,12 @@ free-running answers: faster) the absmax int8 weights with float32 activations i
 (each linear kind, then each block), and column-scaled int8 (``w / c`` quantized per row, ``c`` = column absmax to
 the power 0.25, 0.5, 1; activations float32).
 
-Run: ``OMP_NUM_THREADS=1 PYTHONPATH=. python scripts/int8_floor.py [variant ... | --sweep]``. Deterministic:
+``--awq`` scores (teacher-forced, as ``--sweep``) activation-aware int8 as AWQ (arXiv:2306.00978, eq. 4-5) scales
+weights before rounding: ``w * s`` quantized per row and divided by ``s`` again, ``s`` = each input channel's mean
+absolute activation to the power alpha, the activations recorded on calibration rows that are not the evaluated
+questions (the first 16 training rows of ``train-data/dflash-smollm2.jsonl``: prompt and answer ids).
+
+Run: ``OMP_NUM_THREADS=1 PYTHONPATH=. python scripts/int8_floor.py [variant ... | --sweep | --awq]``. Deterministic:
 machine load changes the time taken, not the numbers.
 """
 
@@ -149,6 +154,62 @@ def sweep(reference: LLM, candidate: LLM, prompts: list[list[int]], params) -> N
         score(f"column-scaled a={alpha}", lambda n: True, lambda w, alpha=alpha: column_scaled(w, alpha))
 
 
+def activation_scales(model: nn.Module, rows: list[list[int]]) -> dict[str, torch.Tensor]:
+    """Each linear's mean absolute input per input channel (shape ``(in_features,)``, float32) over ``rows``."""
+    sums: dict[str, torch.Tensor] = {}
+    counts: dict[str, int] = {}
+    hooks = []
+    for name, m in model.named_modules():
+        if isinstance(m, nn.Linear) and not name.endswith("lm_head"):
+            def hook(_m, args, _out, name=name) -> None:  # noqa: ANN001
+                x = args[0].detach().float().reshape(-1, args[0].shape[-1])
+                sums[name] = sums.get(name, 0) + x.abs().sum(0)
+                counts[name] = counts.get(name, 0) + x.shape[0]
+            hooks.append(m.register_forward_hook(hook))
+    with torch.no_grad():
+        for ids in rows:
+            model(torch.tensor([ids]))
+    for h in hooks:
+        h.remove()
+    return {n: sums[n] / counts[n] for n in sums}
+
+
+def awq_weight(w: torch.Tensor, act: torch.Tensor, alpha: float) -> torch.Tensor:
+    """int8 rows of ``w * s`` divided by ``s`` after dequantizing, ``s = act ** alpha`` normalised to mean 1."""
+    s = act.clamp(min=1e-6) ** alpha
+    s = s / s.mean()
+    q, scale = int8_rows(w * s)
+    return q.float() * scale[:, None] / s
+
+
+def awq(reference: LLM, candidate: LLM, prompts: list[list[int]], params) -> None:  # noqa: ANN001
+    """Teacher-forced top-1 / KL of AWQ-scaled int8 weights (float32 activations) for several alphas."""
+    import json
+    from pathlib import Path
+
+    lines = Path("train-data/dflash-smollm2.jsonl").read_text().splitlines()[:16]
+    rows = [json.loads(line)["ids"][:512] for line in lines]  # each row's prompt (chat template) and answer ids
+    acts = activation_scales(candidate.model, rows)
+    model = candidate.model
+    answers = [reference.generate([p], params)[0].token_ids for p in prompts]
+    ref = [reference.model(torch.tensor([p + a]))[0, -len(a):] for p, a in zip(prompts, answers, strict=True)]
+    for alpha in (0.0, 0.25, 0.5, 0.75, 1.0):
+        undo = []
+        for n, m in list(model.named_modules()):
+            if n in acts:
+                parent, attr = model.get_submodule(n.rpartition(".")[0]), n.rpartition(".")[2]
+                setattr(parent, attr, Probe(awq_weight(m.weight.detach().float(), acts[n], alpha), m.bias, False, False))
+                undo.append((parent, attr, m))
+        with torch.no_grad():
+            out = [_kl_and_agreement(r, model(torch.tensor([p + a]))[0, -len(a):])
+                   for (p, a), r in zip(zip(prompts, answers, strict=True), ref, strict=True)]
+        for parent, attr, m in undo:
+            setattr(parent, attr, m)
+        agree = torch.cat([o[1] for o in out])
+        print(f"awq alpha={alpha:<5} rows {len(rows)} tokens {agree.numel()} top1 {agree.float().mean():.4f} "
+              f"kl {torch.cat([o[0] for o in out]).mean():.6f} flips {int((~agree).sum())}", flush=True)
+
+
 def main(names: list[str]) -> None:
     torch.set_num_threads(1)
     reference = LLM(ALIAS, device="cpu", dtype="float32")
@@ -157,6 +218,9 @@ def main(names: list[str]) -> None:
     candidate = LLM(ALIAS, device="cpu", dtype="float32")
     if names == ["--sweep"]:
         sweep(reference, candidate, prompts, params)
+        return
+    if names == ["--awq"]:
+        awq(reference, candidate, prompts, params)
         return
     for name in names or [*VARIANTS, "product_int8", "product_int8_head"]:
         t = time.perf_counter()
