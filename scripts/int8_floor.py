@@ -190,6 +190,8 @@ def awq(reference: LLM, candidate: LLM, prompts: list[list[int]], params) -> Non
     lines = Path("train-data/dflash-smollm2.jsonl").read_text().splitlines()[:16]
     rows = [json.loads(line)["ids"][:512] for line in lines]  # each row's prompt (chat template) and answer ids
     acts = activation_scales(candidate.model, rows)
+    if not acts:
+        raise SystemExit("no nn.Linear layers to patch (oneDNN's prepacked layers replace them)")
     model = candidate.model
     answers = [reference.generate([p], params)[0].token_ids for p in prompts]
     ref = [reference.model(torch.tensor([p + a]))[0, -len(a):] for p, a in zip(prompts, answers, strict=True)]
@@ -215,7 +217,7 @@ def main(names: list[str]) -> None:
     reference = LLM(ALIAS, device="cpu", dtype="float32")
     prompts = [reference.tokenizer.encode_chat([{"role": "user", "content": q}]) for q in QUESTIONS]
     params = reference.default_params(max_tokens=32)
-    candidate = LLM(ALIAS, device="cpu", dtype="float32")
+    candidate = LLM(ALIAS, device="cpu", dtype="float32", onednn=False)  # plain nn.Linear layers to patch
     if names == ["--sweep"]:
         sweep(reference, candidate, prompts, params)
         return
