@@ -65,21 +65,26 @@ def pass_mask(columns: torch.Tensor, slot_start: torch.Tensor, slots: torch.Tens
 
 def forward(model: object, ids: torch.Tensor, cache: KVCache, columns: torch.Tensor,
              mask: torch.Tensor, first: list[int] | None = None,
-             capture: dict[int, torch.Tensor | None] | None = None) -> torch.Tensor:
+             capture: dict[int, torch.Tensor | None] | None = None, last: list[int] | None = None) -> torch.Tensor:
     """Logits (B, Lw, V) float32 of token ``ids`` (B, Lw) at ``columns`` (B, Lw, also their RoPE positions),
     reading and writing ``cache`` (per layer (B, H_kv, T, D)) at those columns. ``first``: per row, the first of
-    its (left-aligned) columns whose logits are wanted; the earlier ones are left unset (uninitialised).
-    ``capture``: layer outputs to keep (``layout_hidden_states``), for a DFlash drafter."""
+    its (left-aligned) columns whose logits are wanted; the earlier ones are left unset (any values). ``last``: per
+    row, its last real column (the rest repeat it, as ``_run`` pads rows; default: ``Lw - 1``): the head then runs
+    on columns ``first .. last`` of each row only, and a padded column gets its row's ``last`` logits (a repeated
+    column has the same token, position and mask row, so the same logits). ``capture``: layer outputs to keep
+    (``layout_hidden_states``), for a DFlash drafter."""
     hidden = model.layout_hidden_states(ids, columns, mask, cache, columns, capture=capture)  # (B, Lw, d)
     if first is None:
         return model.logits(hidden)
     b, width, d = hidden.shape
     start = torch.tensor(first, device=hidden.device)  # (B,)
-    span = width - min(first)
-    index = (start[:, None] + torch.arange(span, device=hidden.device)[None]).clamp(max=width - 1)  # (B, span)
+    end = torch.tensor([width - 1] * b if last is None else last, device=hidden.device)  # (B,)
+    span = int((end - start).max()) + 1  # a prefill of ragged prompts: 1 + slots, not the longest prompt
+    index = torch.minimum(start[:, None] + torch.arange(span, device=hidden.device)[None], end[:, None])  # (B, span)
     part = model.logits(hidden.gather(1, index[..., None].expand(b, span, d)))  # (B, span, V)
-    out = torch.empty((b, width, part.shape[-1]), dtype=part.dtype, device=part.device)  # (B, Lw, V)
-    return out.scatter_(1, index[..., None].expand_as(part), part)
+    at = torch.arange(width, device=hidden.device)[None]  # (1, Lw): column p of a row reads part[p - first]
+    pick = (torch.minimum(at, end[:, None]) - start[:, None]).clamp(min=0)  # (B, Lw)
+    return part.gather(1, pick[..., None].expand(b, width, part.shape[-1]))
 
 
 @dataclass(eq=False)

@@ -203,7 +203,7 @@ class VerifiedDecoder:
         first = [min(len(r.prompt_ids) - 1 - r.num_cached, len(r.columns) - 1) for r in rows] if fresh else None
         capture = self.proposer.capture() if self.proposer else None
         logits = forward(self.entry, self.tokens[lo:hi].gather(1, columns), cache, columns, mask, first,
-                          capture).float()
+                          capture, [len(c) - 1 for c in cols] if fresh else None).float()
         feats = DFlashProposer.features(capture) if capture else None  # (hi - lo, Lw, n * d)
         if fresh:
             for pool, new in zip((*self.keys, *self.values), (*cache.keys, *cache.values), strict=True):
