@@ -25,7 +25,12 @@ weights before rounding: ``w * s`` quantized per row and divided by ``s`` again,
 absolute activation to the power alpha, the activations recorded on calibration rows that are not the evaluated
 questions (the first 16 training rows of ``train-data/dflash-smollm2.jsonl``: prompt and answer ids).
 
-Run: ``OMP_NUM_THREADS=1 PYTHONPATH=. python scripts/int8_floor.py [variant ... | --sweep | --awq]``. Deterministic:
+``--gptq`` scores (the same way) int8 per-channel weights rounded by GPTQ (arXiv:2210.17323, Algorithm 1, one
+column at a time without lazy batches): each column's rounding error is spread over the columns not yet rounded
+through the inverse Hessian ``H = X^T X`` of the layer's float inputs on the same calibration rows (dampened by 1% of
+its mean diagonal); scales are each row's absmax, as the product's.
+
+Run: ``OMP_NUM_THREADS=1 PYTHONPATH=. python scripts/int8_floor.py [variant ... | --sweep | --awq | --gptq]``. Deterministic:
 machine load changes the time taken, not the numbers.
 """
 
@@ -174,6 +179,45 @@ def activation_scales(model: nn.Module, rows: list[list[int]]) -> dict[str, torc
     return {n: sums[n] / counts[n] for n in sums}
 
 
+def input_hessians(model: nn.Module, rows: list[list[int]]) -> dict[str, torch.Tensor]:
+    """Each linear's ``X^T X / n`` over its inputs on ``rows`` (in_features, in_features), float64."""
+    sums: dict[str, torch.Tensor] = {}
+    counts: dict[str, int] = {}
+    hooks = []
+    for name, m in model.named_modules():
+        if isinstance(m, nn.Linear) and not name.endswith("lm_head"):
+            def hook(_m, args, _out, name=name) -> None:  # noqa: ANN001
+                x = args[0].detach().double().reshape(-1, args[0].shape[-1])
+                sums[name] = sums.get(name, 0) + x.T @ x
+                counts[name] = counts.get(name, 0) + x.shape[0]
+            hooks.append(m.register_forward_hook(hook))
+    with torch.no_grad():
+        for ids in rows:
+            model(torch.tensor([ids]))
+    for h in hooks:
+        h.remove()
+    return {n: sums[n] / counts[n] for n in sums}
+
+
+def gptq_weight(w: torch.Tensor, hessian: torch.Tensor, damp: float = 0.01) -> torch.Tensor:
+    """int8 per-row weights (absmax scales) rounded column by column by GPTQ, dequantized (float32)."""
+    w = w.double().clone()
+    scale = (w.abs().amax(1) / 127).clamp(min=1e-12)  # (out,)
+    h = hessian.clone()
+    dead = torch.diag(h) == 0
+    h[dead, dead] = 1
+    w[:, dead] = 0
+    h += damp * torch.diag(h).mean() * torch.eye(h.shape[0], dtype=h.dtype)
+    hinv = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(h)), upper=True)
+    q = torch.empty_like(w)
+    for i in range(w.shape[1]):
+        col = w[:, i]
+        q[:, i] = torch.clamp(torch.round(col / scale), -127, 127) * scale
+        err = (col - q[:, i]) / hinv[i, i]
+        w[:, i + 1:] -= err[:, None] * hinv[i, i + 1:][None]
+    return q.float()
+
+
 def awq_weight(w: torch.Tensor, act: torch.Tensor, alpha: float) -> torch.Tensor:
     """int8 rows of ``w * s`` divided by ``s`` after dequantizing, ``s = act ** alpha`` normalised to mean 1."""
     s = act.clamp(min=1e-6) ** alpha
@@ -182,8 +226,9 @@ def awq_weight(w: torch.Tensor, act: torch.Tensor, alpha: float) -> torch.Tensor
     return q.float() * scale[:, None] / s
 
 
-def awq(reference: LLM, candidate: LLM, prompts: list[list[int]], params) -> None:  # noqa: ANN001
-    """Teacher-forced top-1 / KL of AWQ-scaled int8 weights (float32 activations) for several alphas."""
+def awq(reference: LLM, candidate: LLM, prompts: list[list[int]], params, gptq: bool = False) -> None:  # noqa: ANN001
+    """Teacher-forced top-1 / KL of AWQ-scaled int8 weights (float32 activations) for several alphas, or (``gptq``)
+    of GPTQ-rounded int8 weights."""
     import json
     from pathlib import Path
 
@@ -195,12 +240,18 @@ def awq(reference: LLM, candidate: LLM, prompts: list[list[int]], params) -> Non
     model = candidate.model
     answers = [reference.generate([p], params)[0].token_ids for p in prompts]
     ref = [reference.model(torch.tensor([p + a]))[0, -len(a):] for p, a in zip(prompts, answers, strict=True)]
-    for alpha in (0.0, 0.25, 0.5, 0.75, 1.0):
+    variants: list[tuple[str, object]] = [(f"awq alpha={a:<5}", a) for a in (0.0, 0.25, 0.5, 0.75, 1.0)]
+    if gptq:
+        hessians = input_hessians(model, rows)
+        variants = [("gptq         ", None)]
+    for label, alpha in variants:
         undo = []
         for n, m in list(model.named_modules()):
             if n in acts:
                 parent, attr = model.get_submodule(n.rpartition(".")[0]), n.rpartition(".")[2]
-                setattr(parent, attr, Probe(awq_weight(m.weight.detach().float(), acts[n], alpha), m.bias, False, False))
+                w = m.weight.detach().float()
+                new = gptq_weight(w, hessians[n]) if gptq else awq_weight(w, acts[n], alpha)
+                setattr(parent, attr, Probe(new, m.bias, False, False))
                 undo.append((parent, attr, m))
         with torch.no_grad():
             out = [_kl_and_agreement(r, model(torch.tensor([p + a]))[0, -len(a):])
@@ -208,7 +259,7 @@ def awq(reference: LLM, candidate: LLM, prompts: list[list[int]], params) -> Non
         for parent, attr, m in undo:
             setattr(parent, attr, m)
         agree = torch.cat([o[1] for o in out])
-        print(f"awq alpha={alpha:<5} rows {len(rows)} tokens {agree.numel()} top1 {agree.float().mean():.4f} "
+        print(f"{label} rows {len(rows)} tokens {agree.numel()} top1 {agree.float().mean():.4f} "
               f"kl {torch.cat([o[0] for o in out]).mean():.6f} flips {int((~agree).sum())}", flush=True)
 
 
@@ -221,8 +272,8 @@ def main(names: list[str]) -> None:
     if names == ["--sweep"]:
         sweep(reference, candidate, prompts, params)
         return
-    if names == ["--awq"]:
-        awq(reference, candidate, prompts, params)
+    if names in (["--awq"], ["--gptq"]):
+        awq(reference, candidate, prompts, params, gptq=names == ["--gptq"])
         return
     for name in names or [*VARIANTS, "product_int8", "product_int8_head"]:
         t = time.perf_counter()
