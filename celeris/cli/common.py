@@ -142,15 +142,16 @@ def _quantization_overrides(args: argparse.Namespace) -> dict[str, object]:
         raise UsageError("--quantize-lm-head needs --quantization (e.g. --quantization int8)")
     if method is None:
         return {}
+    bench = getattr(args, "command", None) == "bench"
     try:
-        if getattr(args, "command", None) == "bench":  # a list of width names (bfloat16, int4+lm_head+compile, ...)
+        if bench:  # a list of width names (bfloat16, int4+lm_head+compile, ...)
             from celeris.bench.quantized import parse_widths
 
             parse_widths(method)
         else:
             check_quantization(method)
-    except ValueError as exc:
-        raise UsageError(str(exc) if str(exc).startswith("--quantization") else f"--quantization: {exc}") from None
+    except ValueError as exc:  # parse_widths's lines name --quantization themselves
+        raise UsageError(f"{'' if bench else '--quantization: '}{exc}") from None
     return {"quantization": method, "quantize_lm_head": head}
 
 
