@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import sys
 import time
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -123,24 +124,35 @@ def column_scaled(w: torch.Tensor, alpha: float) -> torch.Tensor:
     return q.float() * scale[:, None] * c
 
 
-@torch.no_grad()
-def sweep(reference: LLM, candidate: LLM, prompts: list[list[int]], params) -> None:  # noqa: ANN001
-    """Teacher-forced top-1 / KL of int8 weights (float32 activations) in one part of the model at a time."""
-    answers = [reference.generate([p], params)[0].token_ids for p in prompts]
-    model = candidate.model
-    ref = [reference.model(torch.tensor([p + a]))[0, -len(a):] for p, a in zip(prompts, answers, strict=True)]
-    linears = {n: m for n, m in model.named_modules() if isinstance(m, nn.Linear) and not n.endswith("lm_head")}
+class Scorer:
+    """Teacher-forced top-1 / KL of ``candidate`` (float32 activations) against ``reference`` on the reference's own
+    greedy answers to ``prompts``, with some ``nn.Linear`` weights replaced for one measurement at a time."""
 
-    def score(name: str, chosen, weight) -> None:  # noqa: ANN001
+    @torch.no_grad()
+    def __init__(self, reference: LLM, candidate: LLM, prompts: list[list[int]], params) -> None:  # noqa: ANN001
+        self.model, self.prompts = candidate.model, prompts
+        self.answers = [reference.generate([p], params)[0].token_ids for p in prompts]
+        self.ref = [reference.model(torch.tensor([p + a]))[0, -len(a):] for p, a in zip(prompts, self.answers,
+                                                                                         strict=True)]
+        self.linears = {n: m for n, m in self.model.named_modules()
+                        if isinstance(m, nn.Linear) and not n.endswith("lm_head")}
+        if not self.linears:
+            raise SystemExit("no nn.Linear layers to patch (oneDNN's prepacked layers replace them)")
+
+    @torch.no_grad()
+    def score(self, name: str, weight: Callable[[str, torch.Tensor], torch.Tensor | None]) -> None:
+        """Print top-1, mean KL and flips with each linear ``n``'s float32 weight ``w`` replaced by ``weight(n, w)``
+        (None: left as it is); the model is restored after."""
         undo = []
-        for n, m in linears.items():
-            if chosen(n):
-                parent, attr = model.get_submodule(n.rpartition(".")[0]), n.rpartition(".")[2]
-                setattr(parent, attr, Probe(weight(m.weight.detach().float()), m.bias, False, False))
+        for n, m in self.linears.items():
+            new = weight(n, m.weight.detach().float())
+            if new is not None:
+                parent, attr = self.model.get_submodule(n.rpartition(".")[0]), n.rpartition(".")[2]
+                setattr(parent, attr, Probe(new, m.bias, False, False))
                 undo.append((parent, attr, m))
         kls, same = [], []
-        for (p, a), r in zip(zip(prompts, answers, strict=True), ref, strict=True):
-            kl, agree = _kl_and_agreement(r, model(torch.tensor([p + a]))[0, -len(a):])
+        for (p, a), r in zip(zip(self.prompts, self.answers, strict=True), self.ref, strict=True):
+            kl, agree = _kl_and_agreement(r, self.model(torch.tensor([p + a]))[0, -len(a):])
             kls.append(kl)
             same.append(agree)
         for parent, attr, m in undo:
@@ -149,38 +161,26 @@ def sweep(reference: LLM, candidate: LLM, prompts: list[list[int]], params) -> N
         print(f"{name:22s} tokens {agree_all.numel()} top1 {agree_all.float().mean():.4f} "
               f"kl {torch.cat(kls).mean():.6f} flips {int((~agree_all).sum())}", flush=True)
 
+
+def sweep(scorer: Scorer) -> None:
+    """int8 weights (float32 activations) in one part of the model at a time, then column-scaled int8 everywhere."""
+
+    def only(chosen: Callable[[str], bool], weight: Callable[[torch.Tensor], torch.Tensor]) -> Callable:
+        return lambda n, w: weight(w) if chosen(n) else None
+
     absmax = lambda w: weight_of(w, "absmax")  # noqa: E731
-    score("all linears", lambda n: True, absmax)
-    for kind in sorted({n.rpartition(".")[2] for n in linears}):
-        score(f"only {kind}", lambda n, kind=kind: n.endswith(kind), absmax)
-    for i in range(len(model.layers)):
-        score(f"only block {i}", lambda n, i=i: n.startswith(f"layers.{i}."), absmax)
+    scorer.score("all linears", only(lambda n: True, absmax))
+    for kind in sorted({n.rpartition(".")[2] for n in scorer.linears}):
+        scorer.score(f"only {kind}", only(lambda n, kind=kind: n.endswith(kind), absmax))
+    for i in range(len(scorer.model.layers)):
+        scorer.score(f"only block {i}", only(lambda n, i=i: n.startswith(f"layers.{i}."), absmax))
     for alpha in (0.25, 0.5, 1.0):
-        score(f"column-scaled a={alpha}", lambda n: True, lambda w, alpha=alpha: column_scaled(w, alpha))
+        scorer.score(f"column-scaled a={alpha}", only(lambda n: True, lambda w, alpha=alpha: column_scaled(w, alpha)))
 
 
-def activation_scales(model: nn.Module, rows: list[list[int]]) -> dict[str, torch.Tensor]:
-    """Each linear's mean absolute input per input channel (shape ``(in_features,)``, float32) over ``rows``."""
-    sums: dict[str, torch.Tensor] = {}
-    counts: dict[str, int] = {}
-    hooks = []
-    for name, m in model.named_modules():
-        if isinstance(m, nn.Linear) and not name.endswith("lm_head"):
-            def hook(_m, args, _out, name=name) -> None:  # noqa: ANN001
-                x = args[0].detach().float().reshape(-1, args[0].shape[-1])
-                sums[name] = sums.get(name, 0) + x.abs().sum(0)
-                counts[name] = counts.get(name, 0) + x.shape[0]
-            hooks.append(m.register_forward_hook(hook))
-    with torch.no_grad():
-        for ids in rows:
-            model(torch.tensor([ids]))
-    for h in hooks:
-        h.remove()
-    return {n: sums[n] / counts[n] for n in sums}
-
-
-def input_hessians(model: nn.Module, rows: list[list[int]]) -> dict[str, torch.Tensor]:
-    """Each linear's ``X^T X / n`` over its inputs on ``rows`` (in_features, in_features), float64."""
+def input_stats(model: nn.Module, rows: list[list[int]],
+                stat: Callable[[torch.Tensor], torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Each linear's ``stat(x)`` summed over its (n, in_features) float64 inputs on ``rows``, divided by n."""
     sums: dict[str, torch.Tensor] = {}
     counts: dict[str, int] = {}
     hooks = []
@@ -188,7 +188,7 @@ def input_hessians(model: nn.Module, rows: list[list[int]]) -> dict[str, torch.T
         if isinstance(m, nn.Linear) and not name.endswith("lm_head"):
             def hook(_m, args, _out, name=name) -> None:  # noqa: ANN001
                 x = args[0].detach().double().reshape(-1, args[0].shape[-1])
-                sums[name] = sums.get(name, 0) + x.T @ x
+                sums[name] = sums.get(name, 0) + stat(x)
                 counts[name] = counts.get(name, 0) + x.shape[0]
             hooks.append(m.register_forward_hook(hook))
     with torch.no_grad():
@@ -197,6 +197,16 @@ def input_hessians(model: nn.Module, rows: list[list[int]]) -> dict[str, torch.T
     for h in hooks:
         h.remove()
     return {n: sums[n] / counts[n] for n in sums}
+
+
+def mean_abs(x: torch.Tensor) -> torch.Tensor:
+    """Per input channel: sum of |x| (AWQ's activation magnitude once divided by n)."""
+    return x.abs().sum(0)
+
+
+def hessian(x: torch.Tensor) -> torch.Tensor:
+    """``X^T X`` (GPTQ's layer Hessian once divided by n)."""
+    return x.T @ x
 
 
 def gptq_weight(w: torch.Tensor, hessian: torch.Tensor, damp: float = 0.01) -> torch.Tensor:
@@ -226,41 +236,21 @@ def awq_weight(w: torch.Tensor, act: torch.Tensor, alpha: float) -> torch.Tensor
     return q.float() * scale[:, None] / s
 
 
-def awq(reference: LLM, candidate: LLM, prompts: list[list[int]], params, gptq: bool = False) -> None:  # noqa: ANN001
-    """Teacher-forced top-1 / KL of AWQ-scaled int8 weights (float32 activations) for several alphas, or (``gptq``)
-    of GPTQ-rounded int8 weights."""
+def calibrated(scorer: Scorer, gptq: bool) -> None:
+    """AWQ-scaled int8 weights for several alphas, or (``gptq``) GPTQ-rounded int8 weights, with statistics of 16
+    training rows of ``train-data/dflash-smollm2.jsonl`` (not the evaluated questions)."""
     import json
     from pathlib import Path
 
     lines = Path("train-data/dflash-smollm2.jsonl").read_text().splitlines()[:16]
     rows = [json.loads(line)["ids"][:512] for line in lines]  # each row's prompt (chat template) and answer ids
-    acts = activation_scales(candidate.model, rows)
-    if not acts:
-        raise SystemExit("no nn.Linear layers to patch (oneDNN's prepacked layers replace them)")
-    model = candidate.model
-    answers = [reference.generate([p], params)[0].token_ids for p in prompts]
-    ref = [reference.model(torch.tensor([p + a]))[0, -len(a):] for p, a in zip(prompts, answers, strict=True)]
-    variants: list[tuple[str, object]] = [(f"awq alpha={a:<5}", a) for a in (0.0, 0.25, 0.5, 0.75, 1.0)]
     if gptq:
-        hessians = input_hessians(model, rows)
-        variants = [("gptq         ", None)]
-    for label, alpha in variants:
-        undo = []
-        for n, m in list(model.named_modules()):
-            if n in acts:
-                parent, attr = model.get_submodule(n.rpartition(".")[0]), n.rpartition(".")[2]
-                w = m.weight.detach().float()
-                new = gptq_weight(w, hessians[n]) if gptq else awq_weight(w, acts[n], alpha)
-                setattr(parent, attr, Probe(new, m.bias, False, False))
-                undo.append((parent, attr, m))
-        with torch.no_grad():
-            out = [_kl_and_agreement(r, model(torch.tensor([p + a]))[0, -len(a):])
-                   for (p, a), r in zip(zip(prompts, answers, strict=True), ref, strict=True)]
-        for parent, attr, m in undo:
-            setattr(parent, attr, m)
-        agree = torch.cat([o[1] for o in out])
-        print(f"{label} rows {len(rows)} tokens {agree.numel()} top1 {agree.float().mean():.4f} "
-              f"kl {torch.cat([o[0] for o in out]).mean():.6f} flips {int((~agree).sum())}", flush=True)
+        h = input_stats(scorer.model, rows, hessian)
+        scorer.score(f"gptq ({len(rows)} rows)", lambda n, w: gptq_weight(w, h[n]))
+        return
+    acts = {n: a.float() for n, a in input_stats(scorer.model, rows, mean_abs).items()}
+    for alpha in (0.0, 0.25, 0.5, 0.75, 1.0):
+        scorer.score(f"awq alpha={alpha} ({len(rows)} rows)", lambda n, w, alpha=alpha: awq_weight(w, acts[n], alpha))
 
 
 def main(names: list[str]) -> None:
@@ -270,10 +260,10 @@ def main(names: list[str]) -> None:
     params = reference.default_params(max_tokens=32)
     candidate = LLM(ALIAS, device="cpu", dtype="float32", onednn=False)  # plain nn.Linear layers to patch
     if names == ["--sweep"]:
-        sweep(reference, candidate, prompts, params)
+        sweep(Scorer(reference, candidate, prompts, params))
         return
     if names in (["--awq"], ["--gptq"]):
-        awq(reference, candidate, prompts, params, gptq=names == ["--gptq"])
+        calibrated(Scorer(reference, candidate, prompts, params), gptq=names == ["--gptq"])
         return
     for name in names or [*VARIANTS, "product_int8", "product_int8_head"]:
         t = time.perf_counter()
