@@ -229,8 +229,10 @@ class LLM:
         self.proposer = load_proposer(spec, self.model) if spec is not None else None
         if quantization not in (None, "gguf"):  # a transform after load, never inside a model file (gpt-fast's way)
             self.quantization = quantize_model(self.model, quantization, config.quantize_lm_head)
-        if self.proposer is not None and quantization is not None:  # the drafter's float weights: int8 under gguf
-            quantize_model(self.proposer.drafter, "int8" if quantization == "gguf" else quantization)
+        drafter_method = spec.quantization if spec is not None and spec.quantization else (
+            "int8" if quantization == "gguf" else quantization)  # the drafter's float weights: int8 under gguf
+        if self.proposer is not None and drafter_method is not None:
+            quantize_model(self.proposer.drafter, drafter_method)
         # float32 linears through oneDNN, weights reordered once (compiled models get inductor's own packing); under
         # int8/int4 without --quantize-lm-head that is the float head alone (a quantized head or gguf's stays as is)
         self.prepacked = 0  # linear layers replaced, the drafter's and the head included

@@ -264,7 +264,8 @@ class VerifiedDecoder:
 
     def dflash_drafts(self, i: int, last_token: int, start: int, vocab: int) -> tuple[list[int], list]:
         """Row i's drafter drafts after ``last_token`` at column ``start``: its argmax at every temperature (checked
-        against the grammar's copy when the row has one), with one-hot draft distributions when sampling. The
+        against the grammar's copy when the row has one; only the leading ones the drafter is sure of with a
+        ``draft_confidence_threshold``), with one-hot draft distributions when sampling. The
         drafter's keys/values live in the row's drafter layers of the KV store (bound before each call: rows move),
         unless the store holds another drafter's (it was allocated before this one was attached): then in the
         row's ``DraftState`` alone."""
@@ -278,6 +279,7 @@ class VerifiedDecoder:
             drafts, _ = grammar_slot_drafts(row.constraint, logits, greedy, row.generator)
         else:
             drafts = logits.argmax(-1).tolist()
+        drafts = self.proposer.confident(logits, drafts)
         probs = [] if row.params.temperature == 0 else [
             torch.nn.functional.one_hot(torch.tensor(t), vocab).double() for t in drafts]
         return drafts, probs

@@ -283,8 +283,12 @@ class DFlashDraftModel(nn.Module):
         return ([torch.zeros(shape, dtype=w.dtype, device=w.device) for _ in self.layers],
                 [torch.zeros(shape, dtype=w.dtype, device=w.device) for _ in self.layers])
 
-    def draft_logits(self, hidden: torch.Tensor, head_weight: torch.Tensor) -> torch.Tensor:
-        """Scores over the draft vocabulary: hidden (B, L, d) -> (B, L, V_draft) float32 (row j: target id d2t[j])."""
+    def draft_logits(self, hidden: torch.Tensor, head_weight: torch.Tensor | nn.Module) -> torch.Tensor:
+        """Scores over the draft vocabulary: hidden (B, L, d) -> (B, L, V_draft) float32 (row j: target id d2t[j]).
+        ``head_weight``: the target's head rows (V or V_draft, d), or a module scoring the V_draft rows (a quantized
+        head: ``celeris.sampling.drafter.DFlashProposer.draft_head``)."""
+        if isinstance(head_weight, nn.Module):
+            return head_weight(hidden).float()
         weight = head_weight if self.d2t.numel() == head_weight.shape[0] else head_weight[self.d2t]
         return (hidden @ weight.to(hidden.dtype).T).float()
 

@@ -21,7 +21,17 @@ from pathlib import Path
 
 import torch
 
+from celeris.config import QUANTIZATION_METHODS
 from celeris.models.dflash import DFlashDraftModel, DraftKVCache, load_dflash
+from celeris.models.quantize import (
+    Method,
+    QuantizedLinear,
+    activation_dtype,
+    head_method,
+    parse_method,
+    quantization_of,
+    quantize_linear,
+)
 from celeris.sampling.select import NEG_INF
 
 METHODS = ("dflash",)
@@ -34,7 +44,13 @@ class SpeculativeConfig:
     least this many requests running, passes of the default draft source ``lookup_first`` skip the drafter and
     verify prompt-lookup drafts only; None: never; an explicit ``draft_source`` ``dflash`` always drafts) and
     ``lookup_disable_by_batch_size`` (a Celeris key: with at least this many requests running, ``lookup_first``
-    passes skip prompt lookup too and decode next-token; None: never; ``draft_source`` ``lookup`` always looks up).
+    passes skip prompt lookup too and decode next-token; None: never; ``draft_source`` ``lookup`` always looks up)
+    and ``quantization`` (vLLM's key, here the weight-only method the drafter's float weights are quantized with at
+    load: its linear layers and its draft head, whatever the target's width; None: the target's ``--quantization``,
+    int8 under gguf). A quantized drafter changes the drafts, never the answer: the target verifies every draft.
+    ``draft_confidence_threshold`` (a Celeris key, after transformers' ``assistant_confidence_threshold``): a pass
+    verifies the drafter's leading drafts whose probability under the drafter is at least this (0 to
+    ``num_speculative_tokens`` of them), so an unsure drafter costs a narrower target pass; None: all k.
     """
 
     method: str
@@ -42,6 +58,8 @@ class SpeculativeConfig:
     num_speculative_tokens: int | None = None
     disable_by_batch_size: int | None = None
     lookup_disable_by_batch_size: int | None = None
+    quantization: str | None = None
+    draft_confidence_threshold: float | None = None
 
     @classmethod
     def parse(cls, raw: str | dict | SpeculativeConfig | None) -> SpeculativeConfig | None:
@@ -75,8 +93,19 @@ class SpeculativeConfig:
             v = raw.get(key)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
                 raise ValueError(f"speculative_config {key} must be a positive integer, got {v!r}")
+        quantization = raw.get("quantization")
+        drafter_methods = [m for m in QUANTIZATION_METHODS if m != "gguf"]  # a drafter folder holds float weights
+        if quantization is not None and quantization not in drafter_methods:
+            raise ValueError(f"speculative_config quantization {quantization!r} is not one for a drafter's float "
+                             f"weights ({', '.join(drafter_methods)})")
+        threshold = raw.get("draft_confidence_threshold")
+        if threshold is not None and (isinstance(threshold, bool) or not isinstance(threshold, int | float)
+                                      or not 0 < threshold < 1):
+            raise ValueError(f"speculative_config draft_confidence_threshold must be a probability in (0, 1), got "
+                             f"{threshold!r}")
         return cls(method, raw["model"], raw.get("num_speculative_tokens"), raw.get("disable_by_batch_size"),
-                   raw.get("lookup_disable_by_batch_size"))
+                   raw.get("lookup_disable_by_batch_size"), quantization,
+                   None if threshold is None else float(threshold))
 
     def to_json(self) -> str:
         """The JSON string ``parse`` reads back (what crosses process boundaries: Ray workers, the CLI)."""
@@ -140,11 +169,14 @@ class DFlashProposer:
         disable_by_batch_size: with at least this many rows running, skip the drafter (None: never).
         lookup_disable_by_batch_size: with at least this many rows running, ``lookup_first`` skips prompt lookup too
             (None: never).
+        draft_confidence_threshold: verify only the leading drafts the drafter gives at least this probability
+            (``confident``; None: all of them).
     """
 
     def __init__(self, drafter: DFlashDraftModel, target: torch.nn.Module, num_speculative_tokens: int | None = None,
                  name: str = "the drafter", disable_by_batch_size: int | None = None,
-                 lookup_disable_by_batch_size: int | None = None) -> None:
+                 lookup_disable_by_batch_size: int | None = None,
+                 draft_confidence_threshold: float | None = None) -> None:
         check_drafter(drafter, target, name, num_speculative_tokens)
         self.drafter, self.target, self.name = drafter, target, name
         self.block_size = drafter.config.block_size
@@ -152,8 +184,9 @@ class DFlashProposer:
         self.k = num_speculative_tokens or self.block_size - 1
         self.disable_by_batch_size = disable_by_batch_size
         self.lookup_disable_by_batch_size = lookup_disable_by_batch_size
+        self.draft_confidence_threshold = draft_confidence_threshold
         self.calls = 0  # drafter passes, all rows (a call drafts one row)
-        self._draft_head: torch.Tensor | None = None
+        self._draft_head: torch.Tensor | QuantizedLinear | None = None
 
     def enabled(self, running: int) -> bool:
         """Whether passes with ``running`` rows draft with the drafter (``disable_by_batch_size``)."""
@@ -162,6 +195,16 @@ class DFlashProposer:
     def lookup_enabled(self, running: int) -> bool:
         """Whether ``lookup_first`` passes with ``running`` rows try prompt lookup (``lookup_disable_by_batch_size``)."""
         return self.lookup_disable_by_batch_size is None or running < self.lookup_disable_by_batch_size
+
+    def confident(self, logits: torch.Tensor, drafts: list[int]) -> list[int]:
+        """The leading ``drafts`` whose probability under the drafter's ``logits`` (k, V) is at least
+        ``draft_confidence_threshold`` (all of them without one): transformers' assisted generation stops its
+        assistant the same way (``assistant_confidence_threshold``). The target still verifies what is kept."""
+        if self.draft_confidence_threshold is None or not drafts:
+            return drafts
+        probs = logits[: len(drafts)].float().softmax(-1)
+        chosen = probs.gather(1, torch.tensor(drafts, device=probs.device)[:, None])[:, 0]  # (k,)
+        return drafts[: int((chosen >= self.draft_confidence_threshold).long().cumprod(0).sum())]
 
     def capture(self) -> dict[int, torch.Tensor | None]:
         """The ``capture`` argument of a target pass: the layers whose outputs the drafter reads."""
@@ -177,15 +220,19 @@ class DFlashProposer:
         state.queued.append(feats)
 
     @torch.no_grad()
-    def draft_head(self) -> torch.Tensor:
+    def draft_head(self) -> torch.Tensor | QuantizedLinear:
         """(V_draft, d) rows of the target's head for the drafter's pruned vocabulary (``d2t``), in the head's
         dtype, gathered once and kept: every call of ``propose`` scores with them (gathering them per call, or
-        dequantizing them from an int8 table per call, cost as much as the drafter's own layers)."""
+        dequantizing them from an int8 table per call, cost as much as the drafter's own layers). When the drafter
+        is quantized (``quantization_of``), the rows are kept as that method's head (int8 per channel:
+        ``head_method``) and score through its kernel: the float rows were a third of a float32 drafter call."""
         if self._draft_head is None:
             target, d2t = self.target, self.drafter.d2t
             head = target.embed_tokens if target.lm_head is None else target.lm_head
             # a quantized table (celeris.models.quantize.Int8Embedding) dequantizes the draft rows, never the whole table
-            self._draft_head = (head.rows(d2t) if hasattr(head, "rows") else head.weight[d2t]).detach().clone()
+            rows = (head.rows(d2t) if hasattr(head, "rows") else head.weight[d2t]).detach().clone()
+            method = quantization_of(self.drafter)
+            self._draft_head = rows if method is None else quantize_head_rows(rows, parse_method(method))
         return self._draft_head
 
     @torch.no_grad()
@@ -221,6 +268,13 @@ class DFlashProposer:
         return full.index_copy_(1, d2t, pruned)
 
 
+def quantize_head_rows(rows: torch.Tensor, method: Method) -> QuantizedLinear:
+    """Head rows (V, d) as ``head_method(method)``'s quantized linear, activations in the kernels' dtype."""
+    linear = torch.nn.Linear(rows.shape[1], rows.shape[0], bias=False, device="meta")
+    linear.weight = torch.nn.Parameter(rows, requires_grad=False)
+    return quantize_linear(linear, head_method(method), activation_dtype(rows.device, rows.dtype))
+
+
 def load_proposer(config: SpeculativeConfig, target: torch.nn.Module) -> DFlashProposer:
     """Load ``config.model`` as a DFlash drafter on the target's device and dtype and check it.
 
@@ -234,7 +288,8 @@ def load_proposer(config: SpeculativeConfig, target: torch.nn.Module) -> DFlashP
     drafter = load_dflash(folder, device=p.device, dtype=p.dtype)
     return DFlashProposer(drafter, target, config.num_speculative_tokens, name=f"drafter '{folder.name}'",
                           disable_by_batch_size=config.disable_by_batch_size,
-                          lookup_disable_by_batch_size=config.lookup_disable_by_batch_size)
+                          lookup_disable_by_batch_size=config.lookup_disable_by_batch_size,
+                          draft_confidence_threshold=config.draft_confidence_threshold)
 
 
 def attach(target: torch.nn.Module, proposer: DFlashProposer | None) -> None:

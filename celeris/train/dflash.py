@@ -157,14 +157,55 @@ def dflash_loss(model: DFlashDraftModel, embed: torch.Tensor, ids: torch.Tensor,
 
 
 @torch.no_grad()
+@torch.no_grad()
+def row_drafts(model: DFlashDraftModel, embed: torch.Tensor, row: Row, num_drafts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The drafter's greedy drafts at every start of ``row``'s answer, from masked passes of 64 blocks each
+    (``anchor_layout``): for start s (``row.prompt_len`` <= s < L - 1) the block ``[ids[s], mask ...]`` with the
+    context features of positions before s.
+
+    Returns:
+        drafts (L - 1 - P, num_drafts) int64 target ids and their probabilities (same shape, float32): the softmax
+        over the draft vocabulary at each block position (the drafter's confidence in its argmax).
+    """
+    length = len(row.ids)
+    starts = torch.arange(row.prompt_len, length - 1)
+    drafts, confidence = [], []
+    for chunk in starts.split(64):  # bounded memory: 64 blocks per pass
+        positions, mask = anchor_layout(length - 1, chunk[None], model.config.block_size)
+        block = torch.full((1, len(chunk), model.config.block_size), model.config.mask_token_id)
+        block[:, :, 0] = row.ids[chunk]
+        hidden = model(F.embedding(block.reshape(1, -1), embed), row.feats[None], positions, attn_mask=mask)
+        hidden = hidden.reshape(1, len(chunk), model.config.block_size, -1)[0, :, 1:1 + num_drafts]
+        probs, best = model.draft_logits(hidden, embed).softmax(-1).max(-1)
+        drafts.append(model.d2t[best])
+        confidence.append(probs)
+    return torch.cat(drafts), torch.cat(confidence)
+
+
+def walk(row: Row, drafts: torch.Tensor, keep: torch.Tensor | None = None) -> list[tuple[int, int, int]]:
+    """The passes of DFlash's decoding loop at temperature 0 along ``row``'s greedy answer: (drafts verified,
+    accepted, tokens committed) per pass. A pass starting at s verifies ``drafts[s - P]`` (all of them, or its
+    first ``keep[s - P]``) and the target keeps the longest prefix equal to its tokens plus one of its own, so the
+    next starts at s + accepted + 1."""
+    length, out, s = len(row.ids), [], row.prompt_len
+    while s < length - 1:
+        n = drafts.shape[1] if keep is None else int(keep[s - row.prompt_len])
+        truth = row.labels[s + 1: s + 1 + n]
+        accepted = int((drafts[s - row.prompt_len, : len(truth)] == truth).long().cumprod(0).sum())
+        step = min(accepted + 1, length - s)
+        out.append((n, accepted, step))
+        s += step
+    return out
+
+
 def acceptance(model: DFlashDraftModel, embed: torch.Tensor, rows: list[Row], num_drafts: int) -> dict:
     """Acceptance along the target's greedy path, as DFlash's decoding loop would see it at temperature 0.
 
     For a held-out row (the target's own greedy answer), a verified pass starting at s drafts positions s+1..s+k
     from the context [0, s); the target accepts the longest prefix equal to its tokens plus one of its own, so the
-    next pass starts at s + accepted + 1. The drafts at every s come from one masked pass (``anchor_layout``), and
-    walking the path gives each pass's acceptance length; the real loop computes the same (its drafter cache holds
-    exactly the context before s) up to the float noise of incremental hidden states.
+    next pass starts at s + accepted + 1. The drafts at every s come from one masked pass (``row_drafts``), and
+    walking the path (``walk``) gives each pass's acceptance length; the real loop computes the same (its drafter
+    cache holds exactly the context before s) up to the float noise of incremental hidden states.
 
     Returns:
         {"tau": mean tokens per target pass, "passes": n, "tokens": n, "per_position": acceptance rate at draft k}.
@@ -172,29 +213,10 @@ def acceptance(model: DFlashDraftModel, embed: torch.Tensor, rows: list[Row], nu
     passes = tokens = 0
     reach = torch.zeros(num_drafts)
     for r in rows:
-        length = len(r.ids)
-        starts = torch.arange(r.prompt_len, length - 1)
-        drafts = []
-        for chunk in starts.split(64):  # bounded memory: 64 blocks per pass
-            anchors = chunk[None]
-            positions, mask = anchor_layout(length - 1, anchors, model.config.block_size)
-            block = torch.full((1, len(chunk), model.config.block_size), model.config.mask_token_id)
-            block[:, :, 0] = r.ids[chunk]
-            hidden = model(F.embedding(block.reshape(1, -1), embed), r.feats[None], positions, attn_mask=mask)
-            hidden = hidden.reshape(1, len(chunk), model.config.block_size, -1)[0, :, 1:1 + num_drafts]
-            drafts.append(model.d2t[model.draft_logits(hidden, embed).argmax(-1)])
-        drafts = torch.cat(drafts)  # (len(starts), k)
-        s = r.prompt_len
-        while s < length - 1:
-            row = drafts[s - r.prompt_len]
-            truth = r.labels[s + 1: s + 1 + num_drafts]
-            eq = (row[: len(truth)] == truth).long().cumprod(0)
-            accepted = int(eq.sum())
+        for _, accepted, step in walk(r, row_drafts(model, embed, r, num_drafts)[0]):
             reach[:accepted] += 1
             passes += 1
-            step = min(accepted + 1, length - s)
             tokens += step
-            s += step
     return {"tau": round(tokens / max(passes, 1), 3), "passes": passes, "tokens": tokens,
             "per_position": [round(float(x) / max(passes, 1), 3) for x in reach]}
 

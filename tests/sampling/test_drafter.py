@@ -207,11 +207,64 @@ def test_settings_the_drafter_cannot_run_are_refused(target, make_model):
     ("{nope", "not JSON"), ('["dflash"]', "JSON object"), ('{"method": "eagle3", "model": "x"}', "eagle3"),
     ('{"method": "dflash"}', "needs 'model'"), ('{"model": "x", "num_speculative_tokens": 0}', "positive integer"),
     ('{"model": "x", "draft": 1}', "unknown key"),
+    ('{"model": "x", "quantization": "gguf"}', r"quantization 'gguf' is not one for a drafter's float weights \(int8"),
+    ('{"model": "x", "quantization": "fp4"}', "quantization 'fp4' is not one"),
+    ('{"model": "x", "draft_confidence_threshold": 1}', r"a probability in \(0, 1\), got 1"),
+    ('{"model": "x", "draft_confidence_threshold": "high"}', "a probability"),
 ])
 def test_bad_speculative_configs_are_one_clear_line(raw, words):
     with pytest.raises(ValueError, match=words):
         SpeculativeConfig.parse(raw)
     assert SpeculativeConfig.parse('{"model": "d", "num_speculative_tokens": 3}') == SpeculativeConfig("dflash", "d", 3)
+    spec = SpeculativeConfig.parse('{"model": "d", "quantization": "int8", "draft_confidence_threshold": 0.3}')
+    assert spec.quantization == "int8" and spec.draft_confidence_threshold == 0.3
+    assert SpeculativeConfig.parse(spec.to_json()) == spec
+
+
+def test_a_confidence_threshold_verifies_only_the_drafts_the_drafter_is_sure_of(target, trained):
+    """``draft_confidence_threshold``: the leading drafts at or above it are kept (none when the first is below);
+    the decoding stays the target's own greedy text and verifies fewer drafts than all k."""
+    proposer = DFlashProposer(trained, target, 4, draft_confidence_threshold=0.5)
+    logits = torch.log(torch.tensor([[0.6, 0.3, 0.1], [0.2, 0.7, 0.1], [0.4, 0.35, 0.25], [0.9, 0.05, 0.05]]))
+    assert proposer.confident(logits, [0, 1, 0, 0]) == [0, 1]  # the third is at 0.4: it and what follows go
+    assert proposer.confident(logits[1:], [0, 1, 0]) == []
+    assert DFlashProposer(trained, target, 4).confident(logits, [0, 1, 0, 0]) == [0, 1, 0, 0]
+    params = SamplingParams(max_tokens=16, early_exit=False, decoding="verified", draft_source="dflash")
+    counts = []
+    for p in (None, proposer):
+        dec = VerifiedDecoder(target, len(PROMPTS), 64, proposer=p or DFlashProposer(trained, target, 4))
+        rows = [dec.add(x, params) for x in PROMPTS]
+        while not all(r.finished for r in rows):
+            dec.step()
+        assert [r.answer[:16] for r in rows] == [greedy(target, x, 16) for x in PROMPTS]
+        counts.append((sum(dec.drafted), sum(r.passes for r in rows)))
+    (all_k, passes_all), (kept, passes) = counts
+    assert all_k == 4 * passes_all - 4 * len(PROMPTS)  # every pass but each row's first (its prefill) drafts 4
+    assert 0 < kept < 4 * passes
+
+
+def test_a_quantized_drafter_scores_its_draft_vocabulary_through_an_int8_head_and_stays_lossless(target):
+    """A drafter quantized at load (``speculative_config`` ``quantization``) keeps its pruned vocabulary's head rows
+    as int8 (the float rows were a third of a drafter call on SmolLM2); the drafts change, the answers do not."""
+    from celeris.models.quantize import Int8Linear, quantize_model, reference_linear
+
+    drafter = drafter_for(target, draft_vocab=32)
+    drafter.d2t = torch.arange(0, 64, 2)  # every other target id
+    quantize_model(drafter, "int8")
+    proposer = DFlashProposer(drafter, target, 3)
+    head = proposer.draft_head()
+    rows = target.embed_tokens.weight.detach()[drafter.d2t]  # the tiny target's head is tied
+    assert isinstance(head, Int8Linear) and head.out_features == 32
+    torch.testing.assert_close(head.dequantize(), rows, atol=float(rows.abs().max()) / 127, rtol=0)
+    hidden = torch.randn(1, 3, rows.shape[1])
+    torch.testing.assert_close(drafter.draft_logits(hidden, head), reference_linear(hidden, head), atol=0.05, rtol=0.02)
+    dec = VerifiedDecoder(target, len(PROMPTS), 64, proposer=proposer)
+    params = SamplingParams(max_tokens=12, early_exit=False, decoding="verified", draft_source="dflash")
+    rows_ = [dec.add(p, params) for p in PROMPTS]
+    while not all(r.finished for r in rows_):
+        dec.step()
+    assert proposer.calls > 0 and sum(dec.drafted) > 0
+    assert [r.answer[:12] for r in rows_] == [greedy(target, p, 12) for p in PROMPTS]
 
 
 def test_the_prefix_cache_keeps_the_drafters_context_features(target, trained):

@@ -54,6 +54,11 @@ def test_train_dflash_checkpoints_resumes_and_exports_a_drafter_that_loads(tmp_p
     out = llm.generate([prompt], params)[0]
     want = generate_autoregressive(llm.model, [prompt], llm.default_params(max_tokens=10, decoding="fixed"))
     assert out.token_ids == want.token_ids[0] and llm.proposer.calls > 0
+    from celeris.models.quantize import quantization_of
+
+    q = LLM(str(tmp_path / "target"), speculative_config={"model": str(tmp_path / "drafter"), "quantization": "int8"})
+    assert quantization_of(q.proposer.drafter) == "int8" and quantization_of(q.model) is None  # the drafter alone
+    assert q.generate([prompt], params)[0].token_ids == want.token_ids[0] and q.proposer.calls > 0
 
 
 @pytest.mark.parametrize("given, expected", [
