@@ -13,7 +13,14 @@ head stays float32, as the product's default does):
 - ``w8_bf16scale``: the same with the scales rounded to bfloat16 (as the product stores them);
 - ``w8mse_f32``: int8 weights whose per-channel scale is the MSE-optimal clipping found by a grid search;
 - ``int8_emulated``: int8 weights, bfloat16 scales, input and output rounded to bfloat16 (the product's arithmetic);
-- ``product_int8`` / ``product_int8_head``: ``LLM(..., quantization="int8")`` as shipped (head float32 / quantized).
+- ``product_int8`` / ``product_int8_head``: ``LLM(..., quantization="int8")`` as shipped (head float32 / quantized);
+- ``w8g32_sym`` / ``w8g32_asym``: int8 with one scale per group of 32 input columns (symmetric as llama.cpp's Q8_0;
+  asymmetric ``w = lo + s * q``, q in [0, 255], which holds a Q4_1 block's 16 levels exactly since 255 = 15 * 17),
+  float32 activations (dequantized weights, plain matmul: diagnostics);
+- ``kernel_int8_g32``: asymmetric group-32 int8 through PyTorch's int4 kernel at the product's bfloat16
+  activations: the codes split into two nibble planes, ``q = 16 * hi + lo``, one ``_weight_int4pack_mm_for_cpu``
+  call over ``[x, x]`` (2x the input columns) whose groups scale the high plane by ``16 s`` and the low one by ``s``
+  (``GroupInt8Probe``; a prototype measured here, not product code).
 
 ``--sweep`` instead scores teacher-forced only (the same top-1 and KL as ``measure_divergence``, without the
 free-running answers: faster) the absmax int8 weights with float32 activations in one part of the model at a time
@@ -30,7 +37,9 @@ column at a time without lazy batches): each column's rounding error is spread o
 through the inverse Hessian ``H = X^T X`` of the layer's float inputs on the same calibration rows (dampened by 1% of
 its mean diagonal); scales are each row's absmax, as the product's.
 
-Run: ``OMP_NUM_THREADS=1 PYTHONPATH=. python scripts/int8_floor.py [variant ... | --sweep | --awq | --gptq]``. Deterministic:
+Run: ``OMP_NUM_THREADS=1 PYTHONPATH=. python scripts/int8_floor.py [variant ... | --sweep | --awq | --gptq]``
+(``--mt-bench`` beside variants: the bench's quality set, 8 MT-Bench first turns x 64 tokens, instead;
+``--times``: the group int8 kernel's time per call against per-channel int8 and float32, ``kernel_times``). Deterministic:
 machine load changes the time taken, not the numbers.
 """
 
@@ -83,10 +92,51 @@ def int8_mse_rows(w: torch.Tensor, grid: int = 40, low: float = 0.6) -> tuple[to
     return torch.round(w / best_scale[:, None]).clamp(-127, 127).to(torch.int8), best_scale
 
 
+def int8_groups(w: torch.Tensor, group: int, asym: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Group-wise int8 of w (out, in): codes q (out, in) int32, scale s and offset lo (out, in / group) float32 with
+    ``w ~= lo + s * q`` per group (asym: q in [0, 255]; else lo = 0, q in [-128, 127], s = absmax / 127)."""
+    n, k = w.shape
+    g = w.reshape(n, k // group, group)
+    if asym:
+        lo = g.amin(-1)
+        s = ((g.amax(-1) - lo) / 255).clamp(min=1e-8)
+        return torch.round((g - lo[..., None]) / s[..., None]).clamp(0, 255).int().reshape(n, k), s, lo
+    s = (g.abs().amax(-1) / 127).clamp(min=1e-8)
+    return torch.round(g / s[..., None]).clamp(-128, 127).int().reshape(n, k), s, torch.zeros_like(s)
+
+
+class GroupInt8Probe(nn.Module):
+    """Asymmetric group-32 int8 through ``torch._weight_int4pack_mm_for_cpu`` (bfloat16 activations): planes
+    ``hi = q >> 4`` and ``lo = q & 15`` side by side as 2 * in columns; the kernel reads ``(c - 8) * scale + zero``
+    per group, so the high plane gets scale ``16 s`` and zero 0, the low one scale ``s`` and zero ``lo + 136 s``
+    (split into its bfloat16 part and the rest over the two planes, so the sum keeps float32's precision)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, group: int = 32) -> None:
+        super().__init__()
+        from celeris.models.quantize import int4_scales_and_zeros
+
+        q, s, lo = int8_groups(weight, group, asym=True)
+        zero = lo + 136 * s
+        zero_hi = zero.bfloat16().float()
+        self.group, self.bias = group, bias
+        self.packed = torch._convert_weight_to_int4pack_for_cpu(torch.cat([q >> 4, q & 15], 1).contiguous(), 1)
+        self.table = int4_scales_and_zeros(torch.cat([16 * s, s], 1), torch.cat([zero_hi, zero - zero_hi], 1),
+                                           torch.bfloat16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1]).bfloat16()
+        y = torch._weight_int4pack_mm_for_cpu(torch.cat([flat, flat], 1), self.packed, self.group, self.table)
+        y = y.reshape(*x.shape[:-1], -1).to(x.dtype)
+        return y if self.bias is None else y + self.bias
+
+
 def weight_of(w: torch.Tensor, kind: str) -> torch.Tensor:
     """The weight a variant computes with: float32, or int8 dequantized (``absmax``/``mse``, scale f32 or bf16)."""
     if kind == "f32":
         return w
+    if kind.startswith("g32"):
+        q, scale, lo = int8_groups(w, 32, asym=kind.endswith("asym"))
+        return (lo[..., None] + scale[..., None] * q.float().reshape(*scale.shape, 32)).reshape(w.shape)
     q, scale = int8_mse_rows(w) if kind.startswith("mse") else int8_rows(w)
     if kind.endswith("bf16scale"):
         scale = scale.bfloat16().float()
@@ -102,6 +152,9 @@ VARIANTS = {  # name -> (weight kind, round input, round output)
     "w8_bf16scale": ("absmax_bf16scale", False, False),
     "w8mse_f32": ("mse", False, False),
     "int8_emulated": ("absmax_bf16scale", True, True),
+    "w8g32_sym": ("g32_sym", False, False),
+    "w8g32_asym": ("g32_asym", False, False),
+    "kernel_int8_g32": ("group_int8_kernel", True, True),
 }
 
 
@@ -112,7 +165,9 @@ def patch(model: nn.Module, kind: str, round_in: bool, round_out: bool) -> list[
         if isinstance(m, nn.Linear) and name.split(".")[-1] != "lm_head":
             parent = model.get_submodule(name.rpartition(".")[0]) if "." in name else model
             w = m.weight.detach().float()
-            setattr(parent, name.rpartition(".")[2], Probe(weight_of(w, kind), m.bias, round_in, round_out))
+            probe = GroupInt8Probe(w, m.bias) if kind == "group_int8_kernel" else Probe(weight_of(w, kind), m.bias,
+                                                                                        round_in, round_out)
+            setattr(parent, name.rpartition(".")[2], probe)
             undo.append((parent, name.rpartition(".")[2], m))
     return undo
 
@@ -253,11 +308,45 @@ def calibrated(scorer: Scorer, gptq: bool) -> None:
         scorer.score(f"awq alpha={alpha} ({len(rows)} rows)", lambda n, w, alpha=alpha: awq_weight(w, acts[n], alpha))
 
 
+def kernel_times(ring: int = 30, repeats: int = 100) -> None:
+    """Milliseconds of one batch-1 call at SmolLM2's three linear shapes (medians over a ring of ``ring`` random
+    weights, so that they are not cache-resident): the two-plane group int8 (``GroupInt8Probe``), per-channel int8
+    (the product's ``Int8Linear``) and a float32 matmul."""
+    import statistics
+
+    from celeris.models.quantize import Int8Linear
+
+    for out_features, in_features in ((960, 576), (3072, 576), (576, 1536)):
+        layers = [nn.Linear(in_features, out_features, bias=False) for _ in range(ring)]
+        kinds = {"group int8 (two planes)": [GroupInt8Probe(m.weight.detach(), None) for m in layers],
+                 "per-channel int8": [Int8Linear(m, torch.bfloat16) for m in layers], "float32": layers}
+        x = torch.randn(1, in_features)
+        line = []
+        for kind, mods in kinds.items():
+            times = []
+            with torch.no_grad():
+                for i in range(repeats + ring):
+                    start = time.perf_counter()
+                    mods[i % ring](x)
+                    times.append(time.perf_counter() - start)
+            line.append(f"{kind} {1000 * statistics.median(times[ring:]):.3f}")
+        print(f"{out_features}x{in_features}: " + ", ".join(line) + " ms", flush=True)
+
+
 def main(names: list[str]) -> None:
     torch.set_num_threads(1)
+    if names == ["--times"]:
+        kernel_times()
+        return
     reference = LLM(ALIAS, device="cpu", dtype="float32")
-    prompts = [reference.tokenizer.encode_chat([{"role": "user", "content": q}]) for q in QUESTIONS]
-    params = reference.default_params(max_tokens=32)
+    questions, tokens = QUESTIONS, 32
+    if "--mt-bench" in names:  # the bench's quality set instead: 8 MT-Bench first turns, 64 tokens
+        from celeris.bench.chat import PROMPT_SETS
+
+        names = [n for n in names if n != "--mt-bench"]
+        questions, tokens = PROMPT_SETS["mt-bench"]()[:8], 64
+    prompts = [reference.tokenizer.encode_chat([{"role": "user", "content": q}]) for q in questions]
+    params = reference.default_params(max_tokens=tokens)
     candidate = LLM(ALIAS, device="cpu", dtype="float32", onednn=False)  # plain nn.Linear layers to patch
     if names == ["--sweep"]:
         sweep(Scorer(reference, candidate, prompts, params))
