@@ -15,7 +15,7 @@ measured widths), d one drafter call, timed here against the target's one-column
 (alternating, medians), so load on the machine scales both. An estimate, not a bench: ``celeris bench`` measures.
 
     OMP_NUM_THREADS=1 PYTHONPATH=. python scripts/draft_length.py --drafter runs/exp-v3/export \\
-        --heldout runs/drafter-heldout --costs docs/bench/chat-default/bench.json
+        --heldout runs/drafter-heldout --costs docs/bench/chat-default/bench.json [--quantization int8]
 """
 
 from __future__ import annotations
@@ -29,6 +29,8 @@ from pathlib import Path
 import torch
 
 from celeris.models.dflash import DraftKVCache, load_dflash
+from celeris.models.quantize import parse_method, quantize_model
+from celeris.sampling.drafter import quantize_head_rows
 from celeris.train.dflash import load_rows, row_drafts, walk
 
 THRESHOLDS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
@@ -43,7 +45,8 @@ def cost_at(costs: dict[str, float], width: float) -> float:
     return points[-1][1]
 
 
-def drafter_ratio(drafter: torch.nn.Module, embed: torch.Tensor, context: int = 128, repeats: int = 30) -> float:
+def drafter_ratio(drafter: torch.nn.Module, embed: torch.Tensor, head: torch.Tensor | torch.nn.Module,
+                  context: int = 128, repeats: int = 30) -> float:
     """One drafter call (a block after ``context`` cached context features, scored over its draft vocabulary)
     over one target next-token pass after ``context`` cached tokens: medians of alternating timings."""
     from celeris.bench.run import pass_cost_ms
@@ -52,7 +55,6 @@ def drafter_ratio(drafter: torch.nn.Module, embed: torch.Tensor, context: int = 
     target = LLM("smollm2-135m-instruct", device="cpu", dtype="float32").model
     cfg = drafter.config
     feats = torch.randn(1, context, len(cfg.target_layer_ids) * cfg.hidden_size)
-    head = embed[drafter.d2t] if drafter.d2t.numel() < embed.shape[0] else embed
     draft, tgt = [], []
     for _ in range(repeats):
         cache = DraftKVCache()
@@ -77,6 +79,8 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=24)
     ap.add_argument("--costs", type=Path, required=True, help="a bench JSON with pass_cost_ms_by_width")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--quantization", help="the drafter's weight-only method (its layers and draft head), as "
+                                           "speculative_config's quantization")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     from safetensors.torch import load_file
@@ -85,13 +89,17 @@ def main() -> None:
 
     embed = load_file(hf_folder() / "model.safetensors")["model.embed_tokens.weight"].float()
     drafter = load_dflash(args.drafter).eval()
+    head = embed[drafter.d2t] if drafter.d2t.numel() < embed.shape[0] else embed  # the draft vocabulary's rows
+    if args.quantization:
+        quantize_model(drafter, args.quantization)
+        head = quantize_head_rows(head, parse_method(args.quantization))
     k = drafter.config.block_size - 1
     rows = load_rows(args.heldout, list(drafter.config.target_layer_ids), [1, 15, 27], args.rows)
-    drawn = [row_drafts(drafter, embed, r, k) for r in rows]
+    drawn = [row_drafts(drafter, embed, r, k, head) for r in rows]
     costs = json.loads(args.costs.read_text())["pass_cost_ms_by_width"]["batch 1"]
-    ratio = drafter_ratio(drafter, embed)
-    print(f"{len(rows)} held-out rows; drafter call / target one-column pass = {ratio:.3f} "
-          f"({args.threads} thread(s)); pass costs (ms, batch 1) {costs} from {args.costs}")
+    ratio = drafter_ratio(drafter, embed, head)
+    print(f"{len(rows)} held-out rows; drafter ({args.quantization or 'float32'}) call / target one-column pass = "
+          f"{ratio:.3f} ({args.threads} thread(s)); pass costs (ms, batch 1) {costs} from {args.costs}")
     policies = {f"k={n}": lambda d, c, n=n: torch.full((d.shape[0],), n) for n in range(k + 1)}
     policies |= {f"p>={t}": lambda d, c, t=t: (c >= t).long().cumprod(1).sum(1) for t in THRESHOLDS}
     print(f"{'policy':8s} {'tau':>6s} {'drafts/pass':>11s} {'est. speed-up':>13s}")

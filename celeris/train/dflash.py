@@ -158,10 +158,12 @@ def dflash_loss(model: DFlashDraftModel, embed: torch.Tensor, ids: torch.Tensor,
 
 @torch.no_grad()
 @torch.no_grad()
-def row_drafts(model: DFlashDraftModel, embed: torch.Tensor, row: Row, num_drafts: int) -> tuple[torch.Tensor, torch.Tensor]:
+def row_drafts(model: DFlashDraftModel, embed: torch.Tensor, row: Row, num_drafts: int,
+               head: torch.Tensor | torch.nn.Module | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The drafter's greedy drafts at every start of ``row``'s answer, from masked passes of 64 blocks each
     (``anchor_layout``): for start s (``row.prompt_len`` <= s < L - 1) the block ``[ids[s], mask ...]`` with the
-    context features of positions before s.
+    context features of positions before s, scored by ``head`` (``DFlashDraftModel.draft_logits``; default: the
+    tied table ``embed``).
 
     Returns:
         drafts (L - 1 - P, num_drafts) int64 target ids and their probabilities (same shape, float32): the softmax
@@ -176,7 +178,7 @@ def row_drafts(model: DFlashDraftModel, embed: torch.Tensor, row: Row, num_draft
         block[:, :, 0] = row.ids[chunk]
         hidden = model(F.embedding(block.reshape(1, -1), embed), row.feats[None], positions, attn_mask=mask)
         hidden = hidden.reshape(1, len(chunk), model.config.block_size, -1)[0, :, 1:1 + num_drafts]
-        probs, best = model.draft_logits(hidden, embed).softmax(-1).max(-1)
+        probs, best = model.draft_logits(hidden, embed if head is None else head).softmax(-1).max(-1)
         drafts.append(model.d2t[best])
         confidence.append(probs)
     return torch.cat(drafts), torch.cat(confidence)
