@@ -232,7 +232,13 @@ class LLM:
         drafter_method = spec.quantization if spec is not None and spec.quantization else (
             "int8" if quantization == "gguf" else quantization)  # the drafter's float weights: int8 under gguf
         if self.proposer is not None and drafter_method is not None:
-            quantize_model(self.proposer.drafter, drafter_method)
+            try:
+                quantize_model(self.proposer.drafter, drafter_method)
+            except QuantizationError as exc:  # name the setting that asked for it
+                if spec is None or not spec.quantization:
+                    raise
+                raise QuantizationError(f"speculative_config quantization {spec.quantization!r} (the drafter): "
+                                        f"{exc}") from None
         # float32 linears through oneDNN, weights reordered once (compiled models get inductor's own packing); under
         # int8/int4 without --quantize-lm-head that is the float head alone (a quantized head or gguf's stays as is)
         self.prepacked = 0  # linear layers replaced, the drafter's and the head included

@@ -28,6 +28,7 @@ from pathlib import Path
 
 import torch
 
+from celeris.models import prepack
 from celeris.models.dflash import DraftKVCache, load_dflash
 from celeris.models.quantize import parse_method, quantize_model
 from celeris.sampling.drafter import quantize_head_rows
@@ -93,6 +94,8 @@ def main() -> None:
     if args.quantization:
         quantize_model(drafter, args.quantization)
         head = quantize_head_rows(head, parse_method(args.quantization))
+    elif prepack.available(torch.device("cpu"), torch.float32):
+        prepack.prepack_model(drafter)  # float32 linears through oneDNN, as LLM runs a float drafter (and the target)
     k = drafter.config.block_size - 1
     rows = load_rows(args.heldout, list(drafter.config.target_layer_ids), [1, 15, 27], args.rows)
     drawn = [row_drafts(drafter, embed, r, k, head) for r in rows]

@@ -157,7 +157,6 @@ def dflash_loss(model: DFlashDraftModel, embed: torch.Tensor, ids: torch.Tensor,
 
 
 @torch.no_grad()
-@torch.no_grad()
 def row_drafts(model: DFlashDraftModel, embed: torch.Tensor, row: Row, num_drafts: int,
                head: torch.Tensor | torch.nn.Module | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The drafter's greedy drafts at every start of ``row``'s answer, from masked passes of 64 blocks each
@@ -200,6 +199,7 @@ def walk(row: Row, drafts: torch.Tensor, keep: torch.Tensor | None = None) -> li
     return out
 
 
+@torch.no_grad()
 def acceptance(model: DFlashDraftModel, embed: torch.Tensor, rows: list[Row], num_drafts: int) -> dict:
     """Acceptance along the target's greedy path, as DFlash's decoding loop would see it at temperature 0.
 
