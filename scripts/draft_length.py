@@ -30,8 +30,7 @@ import torch
 
 from celeris.models import prepack
 from celeris.models.dflash import DraftKVCache, load_dflash
-from celeris.models.quantize import parse_method, quantize_model
-from celeris.sampling.drafter import quantize_head_rows
+from celeris.models.quantize import parse_method, quantize_head_rows, quantize_model
 from celeris.train.dflash import load_rows, row_drafts, walk
 
 THRESHOLDS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
@@ -93,7 +92,7 @@ def main() -> None:
     head = embed[drafter.d2t] if drafter.d2t.numel() < embed.shape[0] else embed  # the draft vocabulary's rows
     if args.quantization:
         quantize_model(drafter, args.quantization)
-        head = quantize_head_rows(head, parse_method(args.quantization))
+        head = quantize_head_rows(head, parse_method(args.quantization), torch.bfloat16, "the drafter's head rows")
     elif prepack.available(torch.device("cpu"), torch.float32):
         prepack.prepack_model(drafter)  # float32 linears through oneDNN, as LLM runs a float drafter (and the target)
     k = drafter.config.block_size - 1

@@ -418,6 +418,20 @@ def quantize_model(model: nn.Module, method: str | Method, quantize_lm_head: boo
     return {"method": method.name, "layers": len(targets), "weight_bytes_before": before, "weight_bytes_after": after}
 
 
+def quantize_head_rows(rows: torch.Tensor, method: Method, act: torch.dtype, name: str) -> QuantizedLinear:
+    """Head rows (V, d) (a tied table's, or a drafter's draft vocabulary's) as a quantized linear stored as
+    ``head_method(method)`` says, activations in ``act``.
+
+    Raises:
+        QuantizationError: the stored method's kernel cannot take the rows' shape (``name`` names them).
+    """
+    copy = nn.Linear(rows.shape[1], rows.shape[0], bias=False, device="meta")
+    copy.weight = nn.Parameter(rows.detach(), requires_grad=False)
+    stored_as = head_method(method)
+    check_shape(stored_as, name, copy)
+    return quantize_linear(copy, stored_as, act)
+
+
 def _quantize_head(model: nn.Module, method: Method, act: torch.dtype, embedding: bool) -> int:
     """Score ``model.logits`` through a quantized head (and, with ``embedding``, keep the table as int8 rows);
     returns the new bytes beyond the linears already counted."""
@@ -428,12 +442,8 @@ def _quantize_head(model: nn.Module, method: Method, act: torch.dtype, embedding
         added += sum(b.numel() * b.element_size() for b in table.buffers())
     head = None
     if model.lm_head is None and not embedding:  # tied: a quantized copy of the rows scores, the float table embeds
-        rows = model.embed_tokens.weight[: model.vocab_size]
-        copy = nn.Linear(rows.shape[1], rows.shape[0], bias=False, device="meta")
-        copy.weight = nn.Parameter(rows.detach(), requires_grad=False)
-        stored_as = head_method(method)
-        check_shape(stored_as, "lm_head (tied to embed_tokens)", copy)
-        head = quantize_linear(copy, stored_as, act)
+        head = quantize_head_rows(model.embed_tokens.weight[: model.vocab_size], method, act,
+                                  "lm_head (tied to embed_tokens)")
         added += sum(b.numel() * b.element_size() for b in head.buffers())
     bind_head(model, act, head)
     return added

@@ -23,15 +23,7 @@ import torch
 
 from celeris.config import QUANTIZATION_METHODS
 from celeris.models.dflash import DFlashDraftModel, DraftKVCache, load_dflash
-from celeris.models.quantize import (
-    Method,
-    QuantizedLinear,
-    activation_dtype,
-    head_method,
-    parse_method,
-    quantization_of,
-    quantize_linear,
-)
+from celeris.models.quantize import QuantizedLinear, activation_dtype, parse_method, quantization_of, quantize_head_rows
 from celeris.sampling.select import NEG_INF
 
 METHODS = ("dflash",)
@@ -232,7 +224,8 @@ class DFlashProposer:
             # a quantized table (celeris.models.quantize.Int8Embedding) dequantizes the draft rows, never the whole table
             rows = (head.rows(d2t) if hasattr(head, "rows") else head.weight[d2t]).detach().clone()
             method = quantization_of(self.drafter)
-            self._draft_head = rows if method is None else quantize_head_rows(rows, parse_method(method))
+            self._draft_head = rows if method is None else quantize_head_rows(
+                rows, parse_method(method), activation_dtype(rows.device, rows.dtype), "the drafter's head rows")
         return self._draft_head
 
     @torch.no_grad()
@@ -266,13 +259,6 @@ class DFlashProposer:
         pruned = self.drafter.draft_logits(out[None], self.draft_head())[0]  # (k, V_draft)
         full = torch.full((k, target.config.vocab_size), NEG_INF, device=out.device)
         return full.index_copy_(1, d2t, pruned)
-
-
-def quantize_head_rows(rows: torch.Tensor, method: Method) -> QuantizedLinear:
-    """Head rows (V, d) as ``head_method(method)``'s quantized linear, activations in the kernels' dtype."""
-    linear = torch.nn.Linear(rows.shape[1], rows.shape[0], bias=False, device="meta")
-    linear.weight = torch.nn.Parameter(rows, requires_grad=False)
-    return quantize_linear(linear, head_method(method), activation_dtype(rows.device, rows.dtype))
 
 
 def load_proposer(config: SpeculativeConfig, target: torch.nn.Module) -> DFlashProposer:
