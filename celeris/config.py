@@ -46,7 +46,8 @@ class EngineConfig:
         enforce_eager: True runs the model eagerly; False wraps it in
             ``torch.compile`` (the runner pads canvases to buckets of
             ``length_bucket`` tokens so few shapes are compiled).
-        length_bucket: canvas lengths are padded up to a multiple of this.
+        length_bucket: with ``enforce_eager`` False, canvas lengths are padded up to a multiple of this (eager
+            passes are never padded: padding only saves compiles).
         enable_prefix_caching: verified decoding reuses the keys/values of prompt prefixes other requests
             prefilled (automatic prefix caching, vLLM's name; ``celeris.engine.kv``).
         max_model_len: most tokens (prompt + answer) one request may hold (vLLM's name); the KV store is sized
@@ -76,7 +77,8 @@ class EngineConfig:
     device: str | None = _knob(None, "cpu, cuda, cuda:1 ... (default: cuda when available)")
     dtype: str | None = _knob(None, "weight dtype (default: bfloat16 on CUDA, float32 on CPU)", choices=tuple(DTYPES))
     enforce_eager: bool = _knob(True, "torch.compile the model (slow first request)", flag="--compile", invert=True)
-    length_bucket: int = _knob(32, "canvas lengths are padded up to a multiple of this (few compiled shapes)")
+    length_bucket: int = _knob(32, "with --compile: canvas lengths are padded up to a multiple of this (few "
+                                "compiled shapes; eager passes are never padded)")
     enable_prefix_caching: bool = _knob(True, "verified decoding recomputes every prompt (no reuse of shared "
                                         "prompt prefixes' keys/values)", flag="--no-enable-prefix-caching",
                                         invert=True)

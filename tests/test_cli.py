@@ -99,6 +99,8 @@ BAD_INPUTS = {
     "bench batch sizes not integers": ["bench", "--batch-sizes", "1,two"],
     "bench batch size 0": ["bench", "--batch-sizes", "0"],
     "bench missing ar model": ["bench", "--ar-model", "no/such/folder"],
+    "bench rounds 0": ["bench", "--prompt-set", "mt-bench", "--lengths", "8", "--rounds", "0"],
+    "bench rounds on humaneval": ["bench", "--prompt-set", "humaneval", "--rounds", "2"],
 }
 
 

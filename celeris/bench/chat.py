@@ -23,12 +23,16 @@ Per system: tokens/s, TTFT, p50/p95 latency, tokens per target pass, drafter pas
 peak RSS, the answers' repetition share (a run of one token longer than 8) and distinct-2, and every greedy text
 that differs from ``target-next-token``'s with the float32 top-2 logit gap of the target at its first differing
 position (a gap below 1e-4 is a tie). The results resume per (system, prompt set, batch size) from ``bench.json``.
+With ``rounds`` above 1 (``--rounds``) every system runs again over the same batches, the order rotated each round,
+and its tokens/s is the median over rounds: on these shared 2-core machines one system measured twice in one run
+differed by up to 28% (``docs/benchmarks.md``), so a single pass in a fixed order can rank systems by when they ran.
 The target's pass cost by width (1, 2, 4, 8, 16 columns after 128 cached tokens) at batch 1 and 8 is recorded.
 """
 
 from __future__ import annotations
 
 import json
+import statistics
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
@@ -67,14 +71,18 @@ class ChatBenchConfig:
     quantization: str | None = None
     quantize_lm_head: bool = False
     quality_prompts: int = 8  # first prompts of the first set the widths' quality is measured on
+    # times every system runs over the same batches, in a rotated order each round, so that a drift of the
+    # machine's speed (clock, other jobs, warming caches) does not favour the systems that run last; tokens_per_s
+    # is the median over rounds (``tokens_per_s_rounds`` holds each)
+    rounds: int = 1
 
     def __post_init__(self) -> None:
         parse_widths(self.quantization)
         unknown = [s for s in self.prompt_sets if s not in PROMPT_SETS]
         if unknown:
             raise ValueError(f"unknown prompt set(s) {', '.join(unknown)} (known: humaneval, {', '.join(PROMPT_SETS)})")
-        if not self.batch_sizes or min(self.batch_sizes) < 1 or self.num_prompts < 1 or self.max_tokens < 1:
-            raise ValueError("batch sizes, num_prompts and max_tokens must be >= 1")
+        if not self.batch_sizes or min(self.batch_sizes) < 1 or min(self.num_prompts, self.max_tokens, self.rounds) < 1:
+            raise ValueError("batch sizes, num_prompts, max_tokens and rounds must be >= 1")
 
 
 def distinct_2(outputs: list[list[int]]) -> float:
@@ -163,10 +171,21 @@ def run_chat_bench(cfg: ChatBenchConfig) -> dict:
                     continue
                 results["runs"].append(run_one(owner, smol if system == "transformers" else llama, system, params,
                                                policy, batches, cfg, reference))
-                results["runs"][-1].update(prompt_set=name, batch_size=batch_size)
+                results["runs"][-1].update(prompt_set=name, batch_size=batch_size,
+                                           tokens_per_s_rounds=[results["runs"][-1]["tokens_per_s"]])
                 if system == "target-next-token":
                     reference = results["runs"][-1]["outputs"]
                 write_json(results, out)
+            for turn in range(1, cfg.rounds):  # the same systems again, in a rotated order
+                for owner, system, params, policy in plan[turn % len(plan):] + plan[: turn % len(plan)]:
+                    run = next(r for r in results["runs"] if (r["system"], r["prompt_set"], r["batch_size"]) ==
+                               (system, name, batch_size))
+                    if len(run["tokens_per_s_rounds"]) > turn:  # resumed
+                        continue
+                    again = run_one(owner, smol if system == "transformers" else llama, system, params, policy,
+                                    batches, cfg, None)
+                    add_round(run, again)
+                    write_json(results, out)
     if "pass_cost_ms_by_width" not in previous or not same:
         results["pass_cost_ms_by_width"] = {f"batch {b}": pass_cost_ms(llm.model, (1, 2, 4, 8, 16), repeats=10, batch=b)
                                             for b in (1, 8)}
@@ -245,6 +264,15 @@ def run_one(llm: LLM, other, system: str, params: SamplingParams | None, policy:
     if system == "llama.cpp":
         run["note"] = llamacpp.NOTE
     return run
+
+
+def add_round(run: dict, again: dict) -> None:
+    """Fold a later round's timing of the same system (``again``) into ``run``: ``tokens_per_s_rounds`` gets its
+    tokens/s and ``tokens_per_s`` becomes their median (the other timings stay the first round's); a round whose
+    answers differ from the first's is counted in ``unstable_rounds`` (greedy decoding should not differ)."""
+    run["tokens_per_s_rounds"].append(again["tokens_per_s"])
+    run["tokens_per_s"] = round(statistics.median(run["tokens_per_s_rounds"]), 2)
+    run["unstable_rounds"] = run.get("unstable_rounds", 0) + (again["outputs"] != run["outputs"])
 
 
 def format_chat_table(results: dict) -> str:

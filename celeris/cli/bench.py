@@ -30,6 +30,8 @@ def add_parsers(sub) -> None:  # noqa: ANN001 - argparse's subparsers action
                    "template: mt-bench, gsm8k, summarisation (celeris.bench.chat; one --lengths value). Default: "
                    "all three for a model with a drafter (the default model), else humaneval")
     b.add_argument("--warmup", type=int, default=1, help="untimed batches per system and length")
+    b.add_argument("--rounds", type=int, default=1, help="chat sets: run every system this many times, the order "
+                   "rotated each round, and report the median tokens/s (a drifting machine then favours no system)")
     b.add_argument("--prompts", help="HumanEval JSONL(.gz) file (default: the HumanEval set shipped in celeris/data)")
     b.add_argument("--out", default="bench-results", help="folder for bench.json and tokens_per_s.png")
     b.add_argument("--no-smollm2", action="store_true", help="leave SmolLM2-135M out even when installed")
@@ -79,7 +81,7 @@ def _chat_bench(args: argparse.Namespace) -> int:
     cfg = ChatBenchConfig(model=args.model, prompt_sets=args.prompt_set.split(","), max_tokens=int(lengths[0]),
                           batch_sizes=sizes, num_prompts=args.num_prompts, warmup=args.warmup, out_dir=args.out,
                           smollm2=not args.no_smollm2, llamacpp=not args.no_llamacpp, dtype=args.dtype,
-                          max_model_len=args.max_model_len,
+                          max_model_len=args.max_model_len, rounds=args.rounds,
                           **_tokenizer_overrides(args))
     results = run_chat_bench(cfg)
     print(format_chat_table(results))
@@ -116,6 +118,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         args.prompt_set = "mt-bench,gsm8k,summarisation" if drafter else "humaneval"
     if args.prompt_set != "humaneval":
         return _chat_bench(args)
+    if args.rounds != 1:
+        raise UsageError("--rounds applies to the chat prompt sets (--prompt-set mt-bench,gsm8k,summarisation)")
     ar_model = bench_ar_model(args.model, args.ar_model)
     overrides = _tokenizer_overrides(args)
 

@@ -50,3 +50,44 @@ def test_a_tiny_chat_bench_runs_every_system_resumes_and_finds_no_mismatch(tiny_
     assert set(results["pass_cost_ms_by_width"]) == {"batch 1", "batch 8"}
     again = run_chat_bench(cfg)  # everything is there already: nothing runs again
     assert [r["seconds"] for r in again["runs"]] == [r["seconds"] for r in results["runs"]]
+
+
+def test_add_round_keeps_the_median_and_counts_rounds_whose_answers_differ():
+    from celeris.bench.chat import add_round
+
+    run = {"tokens_per_s": 10.0, "tokens_per_s_rounds": [10.0], "outputs": [[1, 2]]}
+    add_round(run, {"tokens_per_s": 30.0, "outputs": [[1, 2]]})
+    assert run["tokens_per_s"] == 20.0 and run["unstable_rounds"] == 0
+    add_round(run, {"tokens_per_s": 12.0, "outputs": [[1, 3]]})
+    assert run["tokens_per_s_rounds"] == [10.0, 30.0, 12.0] and run["tokens_per_s"] == 12.0
+    assert run["unstable_rounds"] == 1 and run["outputs"] == [[1, 2]]  # the first round's answers stay
+
+
+def test_rounds_rerun_every_system_in_a_rotated_order_and_resume(tiny_checkpoint, tokenizer_dir, tmp_path,
+                                                                 monkeypatch):
+    import statistics
+
+    import celeris.bench.chat
+    from celeris.models.loader import save_checkpoint
+    from celeris.train.loop import AR_GENERATION
+    from tests.conftest import TINY, tiny_model
+
+    config = json.loads((tiny_checkpoint / "config.json").read_text())
+    special = {k: config[k] for k in ("vocab_size", "eos_token_id", "mask_token_id", "pad_token_id")}
+    target = tiny_model(seed=1, **{**{k: config[k] for k in TINY if k in config}, **special, "is_causal": True})
+    save_checkpoint(target, tmp_path / "target", tokenizer_dir, AR_GENERATION)
+    monkeypatch.setitem(celeris.bench.chat.PROMPT_SETS, "mt-bench", lambda: ["a b", "c d e"])
+    order = []
+    real = celeris.bench.chat.run_one
+    monkeypatch.setattr(celeris.bench.chat, "run_one", lambda *a: order.append(a[2]) or real(*a))
+    cfg = ChatBenchConfig(model=str(tmp_path / "target"), prompt_sets=["mt-bench"], max_tokens=6, batch_sizes=[1],
+                          num_prompts=2, warmup=0, out_dir=str(tmp_path / "out"), smollm2=False, llamacpp=False,
+                          rounds=3)
+    results = run_chat_bench(cfg)
+    names = ["target-next-token", "target-lookup"]
+    assert order == names + names[1:] + names[:1] + names  # round 2 starts with the second system
+    for r in results["runs"]:
+        assert len(r["tokens_per_s_rounds"]) == 3 and r["unstable_rounds"] == 0
+        assert r["tokens_per_s"] == round(statistics.median(r["tokens_per_s_rounds"]), 2)
+    order.clear()
+    assert run_chat_bench(cfg)["runs"] == results["runs"] and order == []  # all rounds there: nothing runs again
