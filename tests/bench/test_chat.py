@@ -10,6 +10,19 @@ import torch
 from celeris.bench.chat import ChatBenchConfig, distinct_2, run_chat_bench
 
 
+def save_tiny_causal_target(tiny_checkpoint, tokenizer_dir, folder):  # noqa: ANN001, ANN201 - test helper
+    """A tiny causal target with the tiny checkpoint's vocabulary and special ids, saved to ``folder``; returns it."""
+    from celeris.models.loader import save_checkpoint
+    from celeris.train.loop import AR_GENERATION
+    from tests.conftest import TINY, tiny_model
+
+    config = json.loads((tiny_checkpoint / "config.json").read_text())
+    special = {k: config[k] for k in ("vocab_size", "eos_token_id", "mask_token_id", "pad_token_id")}
+    target = tiny_model(seed=1, **{**{k: config[k] for k in TINY if k in config}, **special, "is_causal": True})
+    save_checkpoint(target, folder, tokenizer_dir, AR_GENERATION)
+    return target
+
+
 def test_distinct_2_counts_distinct_bigrams_over_all():
     assert distinct_2([[1, 2, 3, 1, 2]]) == 0.75  # (1,2) (2,3) (3,1) (1,2): 3 distinct of 4
     assert distinct_2([[5, 5, 5, 5]]) == round(1 / 3, 4)
@@ -20,15 +33,9 @@ def test_a_tiny_chat_bench_runs_every_system_resumes_and_finds_no_mismatch(tiny_
                                                                           monkeypatch):
     import celeris.bench.chat
     from celeris.models.dflash import save_dflash
-    from celeris.models.loader import save_checkpoint
-    from celeris.train.loop import AR_GENERATION
-    from tests.conftest import TINY, tiny_model
     from tests.sampling.test_drafter import drafter_for
 
-    config = json.loads((tiny_checkpoint / "config.json").read_text())
-    special = {k: config[k] for k in ("vocab_size", "eos_token_id", "mask_token_id", "pad_token_id")}
-    target = tiny_model(seed=1, **{**{k: config[k] for k in TINY if k in config}, **special, "is_causal": True})
-    save_checkpoint(target, tmp_path / "target", tokenizer_dir, AR_GENERATION)
+    target = save_tiny_causal_target(tiny_checkpoint, tokenizer_dir, tmp_path / "target")
     save_dflash(drafter_for(target), tmp_path / "drafter", dtype=torch.float32)
     monkeypatch.setitem(celeris.bench.chat.PROMPT_SETS, "mt-bench", lambda: ["a b", "c d e", "f"])
     spec = json.dumps({"model": str(tmp_path / "drafter"), "num_speculative_tokens": 3, "disable_by_batch_size": 2,
@@ -68,14 +75,8 @@ def test_rounds_rerun_every_system_in_a_rotated_order_and_resume(tiny_checkpoint
     import statistics
 
     import celeris.bench.chat
-    from celeris.models.loader import save_checkpoint
-    from celeris.train.loop import AR_GENERATION
-    from tests.conftest import TINY, tiny_model
 
-    config = json.loads((tiny_checkpoint / "config.json").read_text())
-    special = {k: config[k] for k in ("vocab_size", "eos_token_id", "mask_token_id", "pad_token_id")}
-    target = tiny_model(seed=1, **{**{k: config[k] for k in TINY if k in config}, **special, "is_causal": True})
-    save_checkpoint(target, tmp_path / "target", tokenizer_dir, AR_GENERATION)
+    save_tiny_causal_target(tiny_checkpoint, tokenizer_dir, tmp_path / "target")
     monkeypatch.setitem(celeris.bench.chat.PROMPT_SETS, "mt-bench", lambda: ["a b", "c d e"])
     order = []
     real = celeris.bench.chat.run_one
