@@ -114,6 +114,24 @@ def test_a_causal_models_decoding_step_computes_one_column():
         assert r.answer.tolist() == generate_autoregressive(model, [p], params).token_ids[0]
 
 
+def test_eager_passes_are_not_padded_to_the_length_bucket():
+    """``length_bucket`` pads canvases only for compiled passes (few shapes): an eager engine with the default bucket
+    (32) runs its causal prefill at the prompts' own width, a compiled one keeps the bucket."""
+    model = tiny_model(seed=4, is_causal=True)
+    params = SamplingParams(max_tokens=4, steps=4, block_length=1, cache="delayed", early_exit=False)
+    eager = Engine(model, EngineConfig(max_num_seqs=2))
+    assert EngineConfig().length_bucket == 32 and eager.runner.length_bucket == 1
+    assert Engine(model, EngineConfig(enforce_eager=False)).runner.length_bucket == 32
+    widths: list[int] = []
+    model.register_forward_pre_hook(lambda m, args: widths.append(args[0].shape[1]))
+    prompts = [[5, 6, 7], [9, 3, 11, 12, 4]]
+    requests = [eager.add_request(p, params) for p in prompts]
+    run_to_end(eager)
+    assert widths == [max(map(len, prompts)) + 1]  # 6 columns, not 32
+    for p, r in zip(prompts, requests, strict=True):
+        assert torch.equal(r.answer, generate(model, [p], params).answer_ids[0])
+
+
 @pytest.mark.slow
 def test_compiled_runner_does_not_recompile_for_a_new_prompt_length():
     """The masked path's prefill passes ``logits_slice=slice(prompt_len, ...)``; compiled whole, the forward was
