@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import inspect
+import itertools
 import json
 import random
 from pathlib import Path
@@ -50,12 +51,32 @@ TOPICS = ["inviting a friend to dinner", "about saving money", "about how rain f
           "for planning a birthday party", "asking a teacher for help", "about learning to cook", "about sleep",
           "for a trip to the mountains", "about why exercise matters", "thanking a colleague", "about recycling",
           "for studying for an exam", "about the moon", "apologising for being late", "about growing tomatoes"]
+# Questions the target writes itself (``--write-questions``): kinds of request like MT-Bench's eight categories
+# (writing, roleplay, reasoning, math, coding, extraction, STEM, humanities) crossed with everyday subjects; MT-Bench's
+# own questions are never shown to the target, and any written question equal to one of them is dropped.
+QUESTION_KINDS = ["asks for a piece of writing (a blog post, a letter or a speech)", "asks the assistant to play a role",
+                  "is a logic puzzle or a reasoning question", "is a math word problem with numbers",
+                  "asks for a short Python program", "gives a short text and asks to pull facts out of it",
+                  "asks to explain a science idea", "asks about history, art or society",
+                  "asks for advice", "asks to compare two things"]
+SUBJECTS = ["travel", "cooking", "a small business", "school", "the weather", "sports", "music", "a city park",
+            "pets", "a library", "trains", "gardening", "the human body", "space", "electricity", "money",
+            "a job interview", "friendship", "a museum", "the ocean", "computers", "a birthday", "farming", "books",
+            "a hospital", "movies", "a family trip", "the internet", "ancient Rome", "climate", "a bakery",
+            "mountains", "chess", "a new phone", "recycling", "a hotel", "languages", "a wedding", "bicycles",
+            "a science fair", "the stock market", "volcanoes", "a restaurant review", "social media", "bees",
+            "a board game", "painting", "a train timetable", "vitamins", "a football team"]
+ASK_TEMPLATES = ["Write one question that a user might ask an AI assistant about {subject}. The question {kind}. "
+                 "Reply with the question only.",  # of 15 tried: 9 gave a question (varied); 15 (plainer)
+                 "Make up a question about {subject} that {kind}. Write only the question, nothing else."]
 MODULES = ["os", "os.path", "json", "re", "math", "itertools", "functools", "collections", "string", "textwrap",
            "statistics", "random", "shutil", "pathlib", "datetime", "heapq", "bisect", "csv", "glob", "fnmatch"]
 
 
-def prompts(shared: Path, holdout_gsm8k: int, holdout_stories: int, seed: int) -> list[dict]:
-    """Training prompts as {"id", "source", "messages"} dicts, shuffled with ``seed``."""
+def prompts(shared: Path, holdout_gsm8k: int, holdout_stories: int, seed: int,
+            questions: Path | None = None) -> list[dict]:
+    """Training prompts as {"id", "source", "messages"} dicts, shuffled with ``seed``; with ``questions`` (a
+    ``--write-questions`` file) also the target's own questions (empty ones and MT-Bench's turns left out)."""
     out: list[dict] = []
     lines = (shared / "data/gsm8k/test.jsonl").read_text().splitlines()
     for i, line in enumerate(lines[holdout_gsm8k:], start=holdout_gsm8k):
@@ -79,8 +100,63 @@ def prompts(shared: Path, holdout_gsm8k: int, holdout_stories: int, seed: int) -
         for topic in TOPICS:
             out.append({"id": f"write-{i}-{topic}", "source": "writing", "messages": [
                 {"role": "user", "content": t.format(topic)}]})
+    if questions is not None and questions.is_file():
+        written = [json.loads(x) for x in questions.read_text().splitlines() if x.strip()]
+        shared_questions = mt_bench_questions(shared)
+        out += [{"id": q["id"], "source": "self", "messages": [{"role": "user", "content": q["question"]}]}
+                for q in written if q["question"] and q["question"] not in shared_questions]
     random.Random(seed).shuffle(out)
     return out
+
+
+def mt_bench_questions(shared: Path) -> set[str]:
+    """Every MT-Bench turn (never a training prompt)."""
+    lines = (shared / "data/mt_bench/question.jsonl").read_text().splitlines()
+    return {t.strip() for x in lines for t in json.loads(x)["turns"]}
+
+
+def clean_question(text: str) -> str:
+    """The question inside the target's reply (after a 'A user might ask:' lead-in, without quotes), or '' when the
+    reply holds no question of its own (no '?', or the model offering help instead)."""
+    text = text.strip()
+    if ":" in text.split("\n")[0][:40]:
+        text = text.split(":", 1)[1]
+    text = text.strip().strip('"').strip()
+    refusal = text.startswith(("I'm", "I am", "What a ", "Sure", "Of course")) or "AI assistant" in text
+    return "" if refusal or "?" not in text else text
+
+
+def write_questions(llama, tokenizer, shared: Path, out: Path) -> int:  # noqa: ANN001 - llama_cpp.Llama
+    """The target writes one question per (template, kind, subject), greedily, through llama.cpp on the same GGUF.
+
+    Appends ``{"id", "kind", "subject", "question"}`` lines to ``out`` (resumable: written ids are skipped); a
+    question that is empty, longer than 600 characters, already written or one of MT-Bench's turns is dropped.
+    Returns the number of questions in ``out``."""
+    from celeris.bench import llamacpp
+
+    done = [json.loads(x) for x in out.read_text().splitlines() if x.strip()] if out.is_file() else []
+    seen_ids, seen = {q["id"] for q in done}, {q["question"] for q in done} | mt_bench_questions(shared)
+    kept = sum(1 for q in done if q["question"])
+    for (t, template), (k, kind), subject in itertools.product(enumerate(ASK_TEMPLATES), enumerate(QUESTION_KINDS),
+                                                               SUBJECTS):
+        qid = f"self-{t}-{k}-{subject.replace(' ', '_')}"
+        if qid in seen_ids:
+            continue
+        ask = template.format(subject=subject, kind=kind)
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": ask}], tokenize=True,
+                                            add_generation_prompt=True)
+        ids = list(ids["input_ids"]) if hasattr(ids, "keys") else list(ids)
+        answer, _, _ = llamacpp.generate(llama, [ids], 160, end_ids=[tokenizer.eos_token_id])
+        question = clean_question(tokenizer.decode(answer[0], skip_special_tokens=True))
+        ok = 0 < len(question) <= 600 and question not in seen
+        with out.open("a") as f:  # a dropped one is stored with an empty question, so a resume skips it
+            f.write(json.dumps({"id": qid, "kind": kind, "subject": subject, "question": question if ok else ""})
+                    + "\n")
+        seen_ids.add(qid)
+        if ok:
+            seen.add(question)
+            kept += 1
+    return kept
 
 
 LAYER_IDS = (1, 15, 27)  # target decoder layers whose outputs are stored (DFlash's target_layer_ids candidates)
@@ -240,6 +316,9 @@ def main() -> None:
     ap.add_argument("--generator", choices=("transformers", "llamacpp"), default="transformers",
                     help="who writes the answers: transformers' generate, or llama.cpp on the same GGUF (faster; "
                          "the target's own greedy token after each prefix is stored beside it)")
+    ap.add_argument("--write-questions", action="store_true",
+                    help="first let the target write questions (llama.cpp) into OUT/questions.jsonl; they are then "
+                         "answered like the other prompts")
     args = ap.parse_args()
     if args.export:
         print(f"{export_rows(args.export, args.out)} rows written to {args.out}")
@@ -250,21 +329,23 @@ def main() -> None:
 
     from celeris.bench.smollm2 import load_smollm2
 
-    todo = (heldout_prompts(args.shared, args.heldout) if args.heldout
-            else prompts(args.shared, args.holdout_gsm8k, args.holdout_stories, args.seed))
-    todo = todo[: args.limit] if args.limit else todo
-    args.out.mkdir(parents=True, exist_ok=True)
-    index = args.out / "answers.jsonl"
-    done = {json.loads(line)["id"] for line in index.read_text().splitlines() if line.strip()} if index.is_file() else set()
-    todo = [p for p in todo if p["id"] not in done]
-    print(f"{len(done)} answered, {len(todo)} to go", flush=True)
     model, tokenizer = load_smollm2()
     llama = None
-    if args.generator == "llamacpp":
+    if args.generator == "llamacpp" or args.write_questions:
         from celeris.bench import llamacpp
         from celeris.models.catalog import alias_path
 
         llama = llamacpp.load(alias_path("smollm2-135m-instruct"), 2048)
+    args.out.mkdir(parents=True, exist_ok=True)
+    if args.write_questions:
+        print(f"{write_questions(llama, tokenizer, args.shared, args.out / 'questions.jsonl')} questions", flush=True)
+    todo = (heldout_prompts(args.shared, args.heldout) if args.heldout
+            else prompts(args.shared, args.holdout_gsm8k, args.holdout_stories, args.seed, args.out / "questions.jsonl"))
+    todo = todo[: args.limit] if args.limit else todo
+    index = args.out / "answers.jsonl"
+    done = {json.loads(line)["id"] for line in index.read_text().splitlines() if line.strip()} if index.is_file() else set()
+    todo = [p for p in todo if p["id"] not in done]
+    print(f"{len(done)} answered, {len(todo)} to go", flush=True)
     for start in range(0, len(todo), 64):  # similar lengths in one batch (less padding), order still shuffled
         chunk = sorted(todo[start:start + 64], key=lambda p: len(p["messages"][0]["content"]))
         for b in range(0, len(chunk), args.batch_size):

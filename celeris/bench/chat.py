@@ -12,9 +12,9 @@ Systems, each on the same prompts, output length and batch size, all at temperat
 - ``target-lookup``: verified decoding with prompt-lookup drafts only;
 - ``dflash`` and ``dflash-lookup-first`` (with a DFlash drafter, ``--speculative-config`` or a drafter folder):
   verified decoding with the drafter's drafts, with and without prompt lookup first, the drafter on at every
-  batch size (prompt lookup too); ``default`` when the drafter's ``disable_by_batch_size`` or
-  ``lookup_disable_by_batch_size`` switches the drafter or prompt lookup off at some batch size (the default model's
-  own policy);
+  batch size (prompt lookup too) and on every lookup miss; ``default`` when the drafter's ``disable_by_batch_size``,
+  ``lookup_disable_by_batch_size`` or ``draft_min_gain`` switches the drafter or prompt lookup off at some batch size
+  or for a request it does not pay on (the default model's own policy);
 - ``transformers``: SmolLM2 through transformers' ``generate`` on the same weights (SmolLM2 targets only);
 - ``llama.cpp``: llama-cpp-python on the same ``.gguf`` file when it is installed (``celeris.bench.llamacpp``: the
   same prompt ids, greedy, its own quantized kernels; a batch's prompts run one after another), else a note.
@@ -107,21 +107,23 @@ def mismatches(llm: LLM, prompts: list[list[int]], outputs: list[list[int]], ref
     return found
 
 
-Policy = tuple[int | None, int | None]  # the proposer's (disable_by_batch_size, lookup_disable_by_batch_size)
+Policy = tuple[int | None, int | None, float | None]  # the proposer's (disable_by_batch_size,
+# lookup_disable_by_batch_size, draft_min_gain): when it skips the drafter or prompt lookup
+POLICY = ("disable_by_batch_size", "lookup_disable_by_batch_size", "draft_min_gain")
 
 
 def systems(llm: LLM, max_tokens: int) -> list[tuple[str, SamplingParams | None, Policy | None]]:
-    """(name, params, the proposer's policy during it: (disable_by_batch_size, lookup_disable_by_batch_size), None
-    for both off) per system; params None: transformers."""
+    """(name, params, the proposer's policy during it (``POLICY``'s values; None: all off) per system; params
+    None: transformers."""
     base = llm.default_params(max_tokens=max_tokens, temperature=0.0)
     plain = replace(base, decoding=SamplingParams.__dataclass_fields__["decoding"].default)
     verified = replace(base, decoding="verified")
     out = [("target-next-token", plain, None), ("target-lookup", replace(verified, draft_source="lookup"), None)]
     if llm.proposer is not None:
-        policy = (llm.proposer.disable_by_batch_size, llm.proposer.lookup_disable_by_batch_size)
+        policy = tuple(getattr(llm.proposer, k) for k in POLICY)
         out += [("dflash", replace(verified, draft_source="dflash"), None),
                 ("dflash-lookup-first", replace(verified, draft_source="lookup_first"), None)]
-        if policy != (None, None):
+        if policy != (None,) * len(POLICY):
             out.append(("default", replace(verified, draft_source="lookup_first"), policy))
     return out
 
@@ -227,8 +229,9 @@ def run_one(llm: LLM, other, system: str, params: SamplingParams | None, policy:
     tokenizer); ``llama.cpp``: a ``llama_cpp.Llama``)."""
     proposer = llm.proposer
     if proposer is not None:
-        saved = (proposer.disable_by_batch_size, proposer.lookup_disable_by_batch_size)
-        proposer.disable_by_batch_size, proposer.lookup_disable_by_batch_size = policy or (None, None)
+        saved = tuple(getattr(proposer, k) for k in POLICY)
+        for k, v in zip(POLICY, policy or (None,) * len(POLICY), strict=True):
+            setattr(proposer, k, v)
     calls, before = (proposer.calls if proposer else 0), draft_counts(llm)
 
     def decode(batch):
@@ -248,7 +251,8 @@ def run_one(llm: LLM, other, system: str, params: SamplingParams | None, policy:
         run = run_system(system, decode, batches, cfg.warmup)
     finally:
         if proposer is not None:
-            proposer.disable_by_batch_size, proposer.lookup_disable_by_batch_size = saved
+            for k, v in zip(POLICY, saved, strict=True):
+                setattr(proposer, k, v)
     after = draft_counts(llm)
     before = before or [(0, 0)] * len(after)
     run["drafter_passes"] = (proposer.calls - calls) if proposer else 0

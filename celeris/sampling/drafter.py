@@ -43,6 +43,10 @@ class SpeculativeConfig:
     ``draft_confidence_threshold`` (a Celeris key, after transformers' ``assistant_confidence_threshold``): a pass
     verifies the drafter's leading drafts whose probability under the drafter is at least this (0 to
     ``num_speculative_tokens`` of them), so an unsure drafter costs a narrower target pass; None: all k.
+    ``draft_min_gain`` (a Celeris key): ``lookup_first`` passes skip the drafter for a row while the row's running
+    mean of drafter tokens accepted per drafter call is below this, probing it again every ``PROBE_EVERY`` passes
+    (``DFlashProposer.worth_calling``); a call costs a drafter pass and a wider target pass, so a drafter that is
+    rarely accepted on a request slows it down; None: every lookup miss calls the drafter.
     """
 
     method: str
@@ -52,6 +56,7 @@ class SpeculativeConfig:
     lookup_disable_by_batch_size: int | None = None
     quantization: str | None = None
     draft_confidence_threshold: float | None = None
+    draft_min_gain: float | None = None
 
     @classmethod
     def parse(cls, raw: str | dict | SpeculativeConfig | None) -> SpeculativeConfig | None:
@@ -95,9 +100,12 @@ class SpeculativeConfig:
                                       or not 0 < threshold < 1):
             raise ValueError(f"speculative_config draft_confidence_threshold must be a probability in (0, 1), got "
                              f"{threshold!r}")
+        gain = raw.get("draft_min_gain")
+        if gain is not None and (isinstance(gain, bool) or not isinstance(gain, int | float) or not 0 <= gain < 64):
+            raise ValueError(f"speculative_config draft_min_gain must be a number of tokens in [0, 64), got {gain!r}")
         return cls(method, raw["model"], raw.get("num_speculative_tokens"), raw.get("disable_by_batch_size"),
                    raw.get("lookup_disable_by_batch_size"), quantization,
-                   None if threshold is None else float(threshold))
+                   None if threshold is None else float(threshold), None if gain is None else float(gain))
 
     def to_json(self) -> str:
         """The JSON string ``parse`` reads back (what crosses process boundaries: Ray workers, the CLI)."""
@@ -148,6 +156,13 @@ class DraftState:
     cache: DraftKVCache = field(default_factory=DraftKVCache)
     queued: list[torch.Tensor] = field(default_factory=list)
     calls: int = 0
+    gain: float = 1.0  # running mean of drafter tokens accepted per call (``draft_min_gain``), starting hopeful
+    skipped: int = 0  # passes the row skipped the drafter since its last call
+    drafted: bool = False  # the row's pending drafts came from the drafter
+
+
+PROBE_EVERY = 8  # with draft_min_gain: a row whose gain is low still calls the drafter every this many passes
+GAIN_WEIGHT = 0.25  # weight of the newest call in a row's running gain (an exponential moving average)
 
 
 class DFlashProposer:
@@ -163,12 +178,14 @@ class DFlashProposer:
             (None: never).
         draft_confidence_threshold: verify only the leading drafts the drafter gives at least this probability
             (``confident``; None: all of them).
+        draft_min_gain: ``lookup_first`` skips the drafter for a row while its running gain is below this
+            (``worth_calling``; None: never).
     """
 
     def __init__(self, drafter: DFlashDraftModel, target: torch.nn.Module, num_speculative_tokens: int | None = None,
                  name: str = "the drafter", disable_by_batch_size: int | None = None,
                  lookup_disable_by_batch_size: int | None = None,
-                 draft_confidence_threshold: float | None = None) -> None:
+                 draft_confidence_threshold: float | None = None, draft_min_gain: float | None = None) -> None:
         check_drafter(drafter, target, name, num_speculative_tokens)
         self.drafter, self.target, self.name = drafter, target, name
         self.block_size = drafter.config.block_size
@@ -177,6 +194,7 @@ class DFlashProposer:
         self.disable_by_batch_size = disable_by_batch_size
         self.lookup_disable_by_batch_size = lookup_disable_by_batch_size
         self.draft_confidence_threshold = draft_confidence_threshold
+        self.draft_min_gain = draft_min_gain
         self.calls = 0  # drafter passes, all rows (a call drafts one row)
         self._draft_head: torch.Tensor | QuantizedLinear | None = None
 
@@ -187,6 +205,22 @@ class DFlashProposer:
     def lookup_enabled(self, running: int) -> bool:
         """Whether ``lookup_first`` passes with ``running`` rows try prompt lookup (``lookup_disable_by_batch_size``)."""
         return self.lookup_disable_by_batch_size is None or running < self.lookup_disable_by_batch_size
+
+    def worth_calling(self, state: DraftState) -> bool:
+        """Whether a ``lookup_first`` pass of the row with ``state`` calls the drafter (``draft_min_gain``): while
+        the row's running gain (drafter tokens accepted per call, ``record``) is below it, the row decodes
+        next-token and calls again only every ``PROBE_EVERY`` passes, to notice when its text turns predictable.
+        Like vLLM's ``disable_by_batch_size`` it changes the cost, never the answer: the target verifies."""
+        if self.draft_min_gain is None or state.gain >= self.draft_min_gain or state.skipped + 1 >= PROBE_EVERY:
+            state.skipped = 0
+            return True
+        state.skipped += 1
+        return False
+
+    @staticmethod
+    def record(state: DraftState, accepted: int) -> None:
+        """Fold one drafter call's accepted drafts (0 when it drafted none it was sure of) into the row's gain."""
+        state.gain += GAIN_WEIGHT * (accepted - state.gain)
 
     def confident(self, logits: torch.Tensor, drafts: list[int]) -> list[int]:
         """The leading ``drafts`` whose probability under the drafter's ``logits`` (k, V) is at least
@@ -275,7 +309,8 @@ def load_proposer(config: SpeculativeConfig, target: torch.nn.Module) -> DFlashP
     return DFlashProposer(drafter, target, config.num_speculative_tokens, name=f"drafter '{folder.name}'",
                           disable_by_batch_size=config.disable_by_batch_size,
                           lookup_disable_by_batch_size=config.lookup_disable_by_batch_size,
-                          draft_confidence_threshold=config.draft_confidence_threshold)
+                          draft_confidence_threshold=config.draft_confidence_threshold,
+                          draft_min_gain=config.draft_min_gain)
 
 
 def attach(target: torch.nn.Module, proposer: DFlashProposer | None) -> None:

@@ -211,6 +211,7 @@ def test_settings_the_drafter_cannot_run_are_refused(target, make_model):
     ('{"model": "x", "quantization": "fp4"}', "quantization 'fp4' is not one"),
     ('{"model": "x", "draft_confidence_threshold": 1}', r"a probability in \(0, 1\), got 1"),
     ('{"model": "x", "draft_confidence_threshold": "high"}', "a probability"),
+    ('{"model": "x", "draft_min_gain": -1}', r"draft_min_gain must be a number of tokens in \[0, 64\), got -1"),
 ])
 def test_bad_speculative_configs_are_one_clear_line(raw, words):
     with pytest.raises(ValueError, match=words):
@@ -313,3 +314,50 @@ def test_lookup_first_skips_prompt_lookup_from_its_batch_size_on(target):
     assert alone > 0 and answer == [greedy(target, prompts[0], 12)]
     assert run(prompts, None)[0] > 0
     assert SpeculativeConfig.parse('{"model": "d", "lookup_disable_by_batch_size": 2}').lookup_disable_by_batch_size == 2
+
+
+def test_draft_min_gain_probes_a_drafter_that_does_not_pay_every_probe_every_passes(target):
+    """``worth_calling`` / ``record``: a row's gain is a running mean of drafter tokens accepted per call; below
+    ``draft_min_gain`` the row calls the drafter only every ``PROBE_EVERY`` passes, and calls every pass again once
+    its gain is back above."""
+    from celeris.sampling.drafter import GAIN_WEIGHT, PROBE_EVERY, DraftState
+
+    proposer = DFlashProposer(drafter_for(target), target, 3, draft_min_gain=0.5)
+    state = DraftState()
+    assert state.gain == 1.0 and proposer.worth_calling(state)  # a new row is trusted
+    proposer.record(state, 0)
+    assert state.gain == pytest.approx(1.0 - GAIN_WEIGHT)
+    while state.gain >= 0.5:
+        proposer.record(state, 0)
+    calls = [proposer.worth_calling(state) for _ in range(2 * PROBE_EVERY)]
+    assert calls == ([False] * (PROBE_EVERY - 1) + [True]) * 2
+    for _ in range(8):
+        proposer.record(state, 3)  # the text turned predictable: the probes were accepted
+    assert all(proposer.worth_calling(state) for _ in range(PROBE_EVERY))
+    assert all(DFlashProposer(drafter_for(target), target, 3).worth_calling(DraftState()) for _ in range(3))
+
+
+def test_draft_min_gain_skips_the_drafter_on_rows_it_does_not_pay_and_keeps_the_answers(target, trained):
+    """With ``draft_min_gain`` above what a drafter is ever accepted, ``lookup_first`` rows call it about once every
+    ``PROBE_EVERY`` passes and decode the target's own greedy text; at 0
+    it is called on every lookup miss, as without it."""
+    from celeris.sampling.drafter import PROBE_EVERY
+
+    params = SamplingParams(max_tokens=40, early_exit=False, decoding="verified", draft_source="lookup_first")
+
+    def run(gain):
+        proposer = DFlashProposer(drafter_for(target, seed=2), target, 3, draft_min_gain=gain)
+        dec = VerifiedDecoder(target, len(PROMPTS), 96, proposer=proposer)
+        rows = [dec.add(p, params) for p in PROMPTS]
+        while not all(r.finished for r in rows):
+            dec.step()
+        assert [r.answer[: len(g)] for r, g in zip(rows, reference, strict=True)] == reference  # up to its end id
+        return proposer.calls, sum(r.passes for r in rows)
+
+    reference = generate_autoregressive(target, PROMPTS, SamplingParams(max_tokens=40, steps=40,
+                                                                        early_exit=False)).token_ids
+
+    (always, passes_always), (zero, _), (probing, passes) = run(None), run(0.0), run(63.0)
+    assert zero == always > passes_always // 2  # every lookup miss calls the drafter
+    assert 0 < probing <= passes // PROBE_EVERY + len(PROMPTS) < always
+    assert SpeculativeConfig.parse('{"model": "d", "draft_min_gain": 0.25}').draft_min_gain == 0.25
