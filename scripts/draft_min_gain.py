@@ -1,12 +1,17 @@
 """How ``draft_min_gain`` changes the default's work at batch 1: target passes, drafter calls and seconds per gain.
 
-For each value (``none``: the drafter on every prompt-lookup miss), the default model decodes the first
-``--num-prompts`` prompts of each chat prompt set one at a time, greedily, and this prints per set: target passes,
-drafter calls, tokens per target pass, drafter tokens accepted per call, wall seconds, and whether the answers equal
-the first value's (they must: the target verifies every draft). Values run in a rotated order per round so load
+For each value (``none``: the drafter on every prompt-lookup miss) and each probe interval (``PROBE_EVERY``), the
+default model decodes the first ``--num-prompts`` prompts of each chat prompt set one at a time, greedily, and this
+prints per set: target passes, drafter calls, drafts verified, tokens per target pass, wall seconds, whether the
+answers equal the first value's (they must: the target verifies every draft), and an estimated speed-up over
+next-token decoding from counts alone (load-free): ``tokens * c(1) / (passes * c(1) + drafts * slope + calls * d)``,
+with c(1) and the slope per extra column from a bench JSON's ``pass_cost_ms_by_width`` (batch 1, widths 1 and 8)
+and d = ``--call-cost`` target one-column passes per drafter call (0.132 for the default's int8 drafter,
+``scripts/draft_length.py``). Values run in a rotated order per round so load
 drifts hit each alike. A development measurement, not a bench: ``celeris bench --rounds`` measures the systems.
 
-    OMP_NUM_THREADS=1 PYTHONPATH=. python scripts/draft_min_gain.py --gains none,0.15,0.25,0.4 --num-prompts 8
+    OMP_NUM_THREADS=1 PYTHONPATH=. python scripts/draft_min_gain.py --gains none,0.15,0.25 --probe-every 4,8 \
+        --costs docs/bench/chat-gain/bench.json
 """
 
 from __future__ import annotations
@@ -16,11 +21,14 @@ import json
 import statistics
 import time
 from dataclasses import replace
+from pathlib import Path
 
 import torch
 
 from celeris.bench.chat import PROMPT_SETS
+from celeris.bench.run import draft_counts
 from celeris.llm import DEFAULT_MODEL, LLM
+from celeris.sampling import drafter as drafter_module
 
 
 def run(llm: LLM, prompts: list[list[int]], max_tokens: int) -> dict:
@@ -29,6 +37,7 @@ def run(llm: LLM, prompts: list[list[int]], max_tokens: int) -> dict:
     calls = proposer.calls
     params = replace(llm.default_params(max_tokens=max_tokens, temperature=0.0), decoding="verified",
                      draft_source="lookup_first")
+    before = sum(d for d, _ in draft_counts(llm))
     passes, answers, start = 0, [], time.perf_counter()
     for p in prompts:
         req = llm.engine.add_request(p, llm.fit_max_tokens(params, len(p)))
@@ -39,6 +48,7 @@ def run(llm: LLM, prompts: list[list[int]], max_tokens: int) -> dict:
         answers.append(out.token_ids)
     tokens = sum(len(a) for a in answers)
     return {"passes": passes, "calls": proposer.calls - calls, "tokens": tokens,
+            "drafts": sum(d for d, _ in draft_counts(llm)) - before,
             "seconds": time.perf_counter() - start, "answers": answers}
 
 
@@ -50,8 +60,15 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--drafter", help="another drafter folder in the default's speculative_config")
+    ap.add_argument("--probe-every", default=str(drafter_module.PROBE_EVERY))
+    ap.add_argument("--costs", type=Path, required=True, help="a chat bench's bench.json (pass_cost_ms_by_width)")
+    ap.add_argument("--call-cost", type=float, default=0.132)
     args = ap.parse_args()
-    gains = [None if g == "none" else float(g) for g in args.gains.split(",")]
+    configs = [(None if g == "none" else float(g), int(e)) for g in args.gains.split(",")
+               for e in args.probe_every.split(",")]
+    configs = [c for i, c in enumerate(configs) if c[0] is not None or i == 0]  # none once
+    cost = json.loads(args.costs.read_text())["pass_cost_ms_by_width"]["batch 1"]
+    c1, slope = cost["1"], (cost["8"] - cost["1"]) / 7
     spec = None
     if args.drafter:  # the default's pairing with another drafter folder
         pairing = json.loads((DEFAULT_MODEL / "celeris.json").read_text())["speculative_config"]
@@ -61,19 +78,19 @@ def main() -> None:
     for name in args.prompt_sets.split(","):
         prompts = [llm.tokenizer.encode_chat([{"role": "user", "content": t}])
                    for t in PROMPT_SETS[name]()[: args.num_prompts]]
-        runs: dict = {g: [] for g in gains}
+        runs: dict = {c: [] for c in configs}
         for r in range(args.rounds):
-            for g in gains[r % len(gains):] + gains[: r % len(gains)]:
-                llm.proposer.draft_min_gain = g
-                runs[g].append(run(llm, prompts, args.max_tokens))
-        first = runs[gains[0]][0]["answers"]
-        for g in gains:
-            x = runs[g][0]
-            accepted = x["tokens"] - x["passes"]  # every pass gives one token of the target's own
-            secs = statistics.median(y["seconds"] for y in runs[g])
-            print(f"{name} gain {g}: passes {x['passes']} calls {x['calls']} tokens/pass "
-                  f"{x['tokens'] / x['passes']:.3f} accepted/call {accepted / max(x['calls'], 1):.3f} "
-                  f"seconds {secs:.1f} tokens/s {x['tokens'] / secs:.2f} same answers {x['answers'] == first}",
+            for c in configs[r % len(configs):] + configs[: r % len(configs)]:
+                llm.proposer.draft_min_gain, drafter_module.PROBE_EVERY = c
+                runs[c].append(run(llm, prompts, args.max_tokens))
+        first = runs[configs[0]][0]["answers"]
+        for c in configs:
+            x = runs[c][0]
+            secs = statistics.median(y["seconds"] for y in runs[c])
+            estimate = x["tokens"] * c1 / (x["passes"] * c1 + x["drafts"] * slope + x["calls"] * args.call_cost * c1)
+            print(f"{name} gain {c[0]} probe every {c[1]}: passes {x['passes']} calls {x['calls']} drafts "
+                  f"{x['drafts']} tokens/pass {x['tokens'] / x['passes']:.3f} estimate {estimate:.3f}x next-token, "
+                  f"seconds {secs:.1f} ({x['tokens'] / secs:.2f} tokens/s) same answers {x['answers'] == first}",
                   flush=True)
 
 

@@ -161,7 +161,7 @@ class DraftState:
     drafted: bool = False  # the row's pending drafts came from the drafter
 
 
-PROBE_EVERY = 8  # with draft_min_gain: a row whose gain is low still calls the drafter every this many passes
+PROBE_EVERY = 4  # with draft_min_gain: a row whose gain is low still calls the drafter every this many passes
 GAIN_WEIGHT = 0.25  # weight of the newest call in a row's running gain (an exponential moving average)
 
 
