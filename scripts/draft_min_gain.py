@@ -1,6 +1,6 @@
 """How ``draft_min_gain`` changes the default's work at batch 1: target passes, drafter calls and seconds per gain.
 
-For each value (``none``: the drafter on every prompt-lookup miss) and each probe interval (``PROBE_EVERY``), the
+For each value (``none``: the drafter on every prompt-lookup miss) and each probe interval (``probe_every``), the
 default model decodes the first ``--num-prompts`` prompts of each chat prompt set one at a time, greedily, and this
 prints per set: target passes, drafter calls, drafts verified, tokens per target pass, wall seconds, whether the
 answers equal the first value's (they must: the target verifies every draft), and an estimated speed-up over
@@ -28,7 +28,7 @@ import torch
 from celeris.bench.chat import PROMPT_SETS
 from celeris.bench.run import draft_counts
 from celeris.llm import DEFAULT_MODEL, LLM
-from celeris.sampling import drafter as drafter_module
+from celeris.sampling.drafter import PROBE_EVERY
 
 
 def run(llm: LLM, prompts: list[list[int]], max_tokens: int) -> dict:
@@ -60,13 +60,14 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--drafter", help="another drafter folder in the default's speculative_config")
-    ap.add_argument("--probe-every", default=str(drafter_module.PROBE_EVERY))
+    ap.add_argument("--probe-every", default=str(PROBE_EVERY))
     ap.add_argument("--costs", type=Path, required=True, help="a chat bench's bench.json (pass_cost_ms_by_width)")
     ap.add_argument("--call-cost", type=float, default=0.132)
     args = ap.parse_args()
-    configs = [(None if g == "none" else float(g), int(e)) for g in args.gains.split(",")
-               for e in args.probe_every.split(",")]
-    configs = [c for i, c in enumerate(configs) if c[0] is not None or i == 0]  # none once
+    probes = [int(e) for e in args.probe_every.split(",")]
+    # without a gain the probe interval does nothing: "none" runs once
+    configs = [(None, probes[0]) if g == "none" else (float(g), e) for g in args.gains.split(",")
+               for e in (probes[:1] if g == "none" else probes)]
     cost = json.loads(args.costs.read_text())["pass_cost_ms_by_width"]["batch 1"]
     c1, slope = cost["1"], (cost["8"] - cost["1"]) / 7
     spec = None
@@ -81,7 +82,7 @@ def main() -> None:
         runs: dict = {c: [] for c in configs}
         for r in range(args.rounds):
             for c in configs[r % len(configs):] + configs[: r % len(configs)]:
-                llm.proposer.draft_min_gain, drafter_module.PROBE_EVERY = c
+                llm.proposer.draft_min_gain, llm.proposer.probe_every = c
                 runs[c].append(run(llm, prompts, args.max_tokens))
         first = runs[configs[0]][0]["answers"]
         for c in configs:

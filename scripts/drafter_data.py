@@ -102,17 +102,18 @@ def prompts(shared: Path, holdout_gsm8k: int, holdout_stories: int, seed: int,
                 {"role": "user", "content": t.format(topic)}]})
     if questions is not None and questions.is_file():
         written = [json.loads(x) for x in questions.read_text().splitlines() if x.strip()]
-        shared_questions = mt_bench_questions(shared)
+        held_out = mt_bench_turns()
         out += [{"id": q["id"], "source": "self", "messages": [{"role": "user", "content": q["question"]}]}
-                for q in written if q["question"] and q["question"] not in shared_questions]
+                for q in written if q["question"] and q["question"] not in held_out]
     random.Random(seed).shuffle(out)
     return out
 
 
-def mt_bench_questions(shared: Path) -> set[str]:
-    """Every MT-Bench turn (never a training prompt)."""
-    lines = (shared / "data/mt_bench/question.jsonl").read_text().splitlines()
-    return {t.strip() for x in lines for t in json.loads(x)["turns"]}
+def mt_bench_turns() -> set[str]:
+    """Every turn of the MT-Bench copy the bench reads (``celeris.data.MT_BENCH``): never a training prompt."""
+    from celeris.data import MT_BENCH, read_jsonl
+
+    return {t.strip() for r in read_jsonl(MT_BENCH) for t in r["turns"]}
 
 
 def clean_question(text: str) -> str:
@@ -126,7 +127,7 @@ def clean_question(text: str) -> str:
     return "" if refusal or "?" not in text else text
 
 
-def write_questions(llama, tokenizer, shared: Path, out: Path) -> int:  # noqa: ANN001 - llama_cpp.Llama
+def write_questions(llama, tokenizer, out: Path) -> int:  # noqa: ANN001 - llama_cpp.Llama
     """The target writes one question per (template, kind, subject), greedily, through llama.cpp on the same GGUF.
 
     Appends ``{"id", "kind", "subject", "question"}`` lines to ``out`` (resumable: written ids are skipped); a
@@ -135,7 +136,7 @@ def write_questions(llama, tokenizer, shared: Path, out: Path) -> int:  # noqa: 
     from celeris.bench import llamacpp
 
     done = [json.loads(x) for x in out.read_text().splitlines() if x.strip()] if out.is_file() else []
-    seen_ids, seen = {q["id"] for q in done}, {q["question"] for q in done} | mt_bench_questions(shared)
+    seen_ids, seen = {q["id"] for q in done}, {q["question"] for q in done} | mt_bench_turns()
     kept = sum(1 for q in done if q["question"])
     for (t, template), (k, kind), subject in itertools.product(enumerate(ASK_TEMPLATES), enumerate(QUESTION_KINDS),
                                                                SUBJECTS):
@@ -338,7 +339,7 @@ def main() -> None:
         llama = llamacpp.load(alias_path("smollm2-135m-instruct"), 2048)
     args.out.mkdir(parents=True, exist_ok=True)
     if args.write_questions:
-        print(f"{write_questions(llama, tokenizer, args.shared, args.out / 'questions.jsonl')} questions", flush=True)
+        print(f"{write_questions(llama, tokenizer, args.out / 'questions.jsonl')} questions", flush=True)
     todo = (heldout_prompts(args.shared, args.heldout) if args.heldout
             else prompts(args.shared, args.holdout_gsm8k, args.holdout_stories, args.seed, args.out / "questions.jsonl"))
     todo = todo[: args.limit] if args.limit else todo

@@ -309,9 +309,9 @@ class VerifiedDecoder:
             self.accepted[j] += j < a
         if m:
             row.acceptance_lengths.append(a)
-        if row.draft_state is not None and row.draft_state.drafted:  # what the drafter's call brought (draft_min_gain)
+        if row.draft_state is not None and row.draft_state.from_drafter:  # what its call brought (draft_min_gain)
             self.proposer.record(row.draft_state, a)
-            row.draft_state.drafted = False
+            row.draft_state.from_drafter = False
         hit = next((j for j, t in enumerate(new) if t in row.end_ids), None)
         if row.params.early_exit and hit is not None:
             new = new[: hit + 1]
@@ -344,7 +344,7 @@ class VerifiedDecoder:
                                             self.proposer.enabled(len(self.rows)) and
                                             self.proposer.worth_calling(row.draft_state)):
             row.drafts, row.draft_probs = self.dflash_drafts(i, new[-1], pending, logits.shape[-1])
-            row.draft_state.drafted = True
+            row.draft_state.from_drafter = True
         elif slots_valid and row.num_slots:
             s = cols.index(row.slot_start)
             row.drafts, row.draft_probs = self.draft(row, logits[s : s + row.num_slots])

@@ -158,10 +158,11 @@ class DraftState:
     calls: int = 0
     gain: float = 1.0  # running mean of drafter tokens accepted per call (``draft_min_gain``), starting hopeful
     skipped: int = 0  # passes the row skipped the drafter since its last call
-    drafted: bool = False  # the row's pending drafts came from the drafter
+    from_drafter: bool = False  # the row's pending drafts came from the drafter (not prompt lookup)
 
 
 PROBE_EVERY = 4  # with draft_min_gain: a row whose gain is low still calls the drafter every this many passes
+# (the default of ``DFlashProposer.probe_every``)
 GAIN_WEIGHT = 0.25  # weight of the newest call in a row's running gain (an exponential moving average)
 
 
@@ -195,6 +196,7 @@ class DFlashProposer:
         self.lookup_disable_by_batch_size = lookup_disable_by_batch_size
         self.draft_confidence_threshold = draft_confidence_threshold
         self.draft_min_gain = draft_min_gain
+        self.probe_every = PROBE_EVERY  # passes between a low-gain row's drafter calls (``worth_calling``)
         self.calls = 0  # drafter passes, all rows (a call drafts one row)
         self._draft_head: torch.Tensor | QuantizedLinear | None = None
 
@@ -209,9 +211,9 @@ class DFlashProposer:
     def worth_calling(self, state: DraftState) -> bool:
         """Whether a ``lookup_first`` pass of the row with ``state`` calls the drafter (``draft_min_gain``): while
         the row's running gain (drafter tokens accepted per call, ``record``) is below it, the row decodes
-        next-token and calls again only every ``PROBE_EVERY`` passes, to notice when its text turns predictable.
+        next-token and calls again only every ``probe_every`` passes, to notice when its text turns predictable.
         Like vLLM's ``disable_by_batch_size`` it changes the cost, never the answer: the target verifies."""
-        if self.draft_min_gain is None or state.gain >= self.draft_min_gain or state.skipped + 1 >= PROBE_EVERY:
+        if self.draft_min_gain is None or state.gain >= self.draft_min_gain or state.skipped + 1 >= self.probe_every:
             state.skipped = 0
             return True
         state.skipped += 1
