@@ -9,7 +9,7 @@ import torch
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # weight-only quantization methods (EngineConfig.quantization, vLLM's --quantization; celeris.models.quantize)
-QUANTIZATION_METHODS = ("int8", "int4", "int4-g64", "int4-g128", "gguf")
+QUANTIZATION_METHODS = ("int8", "int4", "int4-g64", "int4-g128", "fp8", "gguf")
 LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")  # EngineConfig.logprobs_mode (celeris.sampling.logprobs)
 CPU_MAX_MODEL_LEN = 4096  # default cap of max_model_len on a CPU: the KV store of 8 rows stays a few hundred MiB
 
@@ -85,7 +85,7 @@ class EngineConfig:
     max_model_len: int | None = _knob(None, "most tokens (prompt + answer) one request may hold; sizes the KV "
                                       f"store (default: the model's context window, at most {CPU_MAX_MODEL_LEN} "
                                       "on a CPU)")
-    quantization: str | None = _knob(None, "weight-only quantization of every linear layer after load: "
+    quantization: str | None = _knob(None, "quantization of every linear layer after load (weight-only; fp8: W8A8): "
                                      + ", ".join(QUANTIZATION_METHODS) + " (int4: groups of 32 input columns; "
                                      "the KV cache stays in --dtype; docs/quantization.md)", metavar="METHOD")
     quantize_lm_head: bool = _knob(False, "with --quantization: quantize the output head too (default: kept in "

@@ -196,6 +196,8 @@ def pass_cost_ms(model: torch.nn.Module, widths: tuple[int, ...] = (1, 4, 8, 16)
         for _ in range(repeats + 2):
             start = time.perf_counter()
             logits(hidden_states(ids, None, cache, (prefix, prefix + w)))
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)  # the pass has run, not only been queued
             times.append(time.perf_counter() - start)
         out[str(w)] = round(1000 * statistics.median(times[2:]), 3)
     return out

@@ -1,22 +1,25 @@
-"""Weight-only quantization (vLLM's ``--quantization``): a transform applied to a loaded model, never inside a model file.
+"""Quantization (vLLM's ``--quantization``): a transform applied to a loaded model, never inside a model file.
 
-``quantize_model(model, "int8" | "int4" | "int4-g64" | "int4-g128" | "gguf")`` replaces every ``nn.Linear`` of the
-model (the transformer's projections, a DFlash drafter's too) by a module that keeps the weight quantized and calls
-PyTorch's own weight-only kernels, as gpt-fast does after load:
+``quantize_model(model, "int8" | "int4" | "int4-g64" | "int4-g128" | "fp8" | "gguf")`` replaces every ``nn.Linear``
+of the model (the transformer's projections, a DFlash drafter's too) by a layer of ``celeris.models.qlinear`` that
+keeps the weight quantized and calls PyTorch's own kernels, as gpt-fast does after load:
 
 - ``int8``: symmetric per-output-channel int8, ``w = q * scale`` (q in [-127, 127]); ``torch._weight_int8pack_mm``
   (CPU and CUDA).
 - ``int4`` (groups of 32 input columns; ``int4-g64``/``int4-g128`` for 64/128): asymmetric group-wise 4-bit,
   ``w = (q - 8) * scale + zero`` per group, q in [0, 15] (gpt-fast's ``group_quantize_tensor``);
-  ``torch._convert_weight_to_int4pack_for_cpu`` + ``torch._weight_int4pack_mm_for_cpu`` (CPU only in torch 2.13).
+  ``torch._weight_int4pack_mm_for_cpu`` on a CPU, ``torch._weight_int4pack_mm`` on CUDA.
+- ``fp8``: W8A8 as vLLM serves it on H100/H200: float8 e4m3 weights per output channel, activations quantized per
+  token on the fly (dynamic scales); ``torch._scaled_mm`` (CUDA from compute capability 8.9; this torch's CPU build
+  runs it too, without a fast path).
 
-The activations are cast to bfloat16 around the kernel: measured here (``scripts/quant_kernels.py``), both kernels
-take a fast path for bfloat16 activations only and are several times slower than a float32 matmul with float32
-ones. Everything else (norms, attention, the KV cache, the residual stream) stays in the model's dtype. The output
-head (tied or not) stays as loaded unless ``quantize_lm_head``; then ``model.logits`` uses a quantized copy of the
-head while a tied embedding keeps its float rows (``gguf``: see ``quantize_model``). ``torch._dyn_quant_matmul_4bit``
-refused the calls tried here ("Expected bias length to match output dimension", with and without a bias), so it
-was not pursued.
+The activations are cast to bfloat16 around the kernel: measured here (``scripts/quant_kernels.py``), the
+weight-only kernels take a fast path for bfloat16 activations only and are several times slower than a float32
+matmul with float32 ones. Everything else (norms, attention, the KV cache, the residual stream) stays in the
+model's dtype. The output head (tied or not) stays as loaded unless ``quantize_lm_head``; then ``model.logits``
+uses a quantized copy of the head while a tied embedding keeps its float rows (``gguf``: see ``quantize_model``).
+``torch._dyn_quant_matmul_4bit`` refused the calls tried here ("Expected bias length to match output dimension",
+with and without a bias), so it was not pursued.
 """
 
 from __future__ import annotations
@@ -26,16 +29,35 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from celeris.config import QUANTIZATION_METHODS
 from celeris.models.prepack import PrepackedLinear
+from celeris.models.qlinear import (
+    Fp8Linear,
+    Int4Linear,
+    Int8Embedding,
+    Int8Linear,
+    QuantizedLinear,
+    fp8_rows,
+    int4_group_quantize,
+    int4_scales_and_zeros,
+    int8_rows,
+    pack_nibbles,
+    reference_linear,
+    unpack_nibbles,
+)
+
+__all__ = ["Fp8Linear", "Int4Linear", "Int8Embedding", "Int8Linear", "QuantizedLinear", "int4_group_quantize",
+           "int4_scales_and_zeros", "int8_rows", "pack_nibbles", "reference_linear", "unpack_nibbles"]
 
 INT4_GROUPS = {"int4": 32, "int4-g64": 64, "int4-g128": 128}
-METHODS = QUANTIZATION_METHODS  # "int8", the INT4_GROUPS names and "gguf"
-KERNELS = {"int8": "_weight_int8pack_mm", "int4": "_weight_int4pack_mm_for_cpu"}
-KERNEL_DEVICES = {"int8": ("cpu", "cuda"), "int4": ("cpu",)}
+METHODS = QUANTIZATION_METHODS  # "int8", the INT4_GROUPS names, "fp8" and "gguf"
+# kernel family -> device type -> the torch function its layers call
+KERNELS = {"int8": {"cpu": "_weight_int8pack_mm", "cuda": "_weight_int8pack_mm"},
+           "int4": {"cpu": "_weight_int4pack_mm_for_cpu", "cuda": "_weight_int4pack_mm"},
+           "fp8": {"cpu": "_scaled_mm", "cuda": "_scaled_mm"}}
+FP8_CUDA_CAPABILITY = (8, 9)  # float8 tensor cores: Ada and Hopper on
 
 
 class QuantizationError(ValueError):
@@ -51,8 +73,9 @@ class Method:
     group: int = 0
 
     @property
-    def kernel(self) -> str:
-        return KERNELS["int8" if self.bits == 8 else "int4"]
+    def family(self) -> str:
+        """The kernel family: ``int8``, ``int4`` or ``fp8`` (``gguf`` layers are int8 or int4 each)."""
+        return "fp8" if self.name == "fp8" else "int8" if self.bits == 8 else "int4"
 
 
 def parse_method(name: str) -> Method:
@@ -65,6 +88,8 @@ def parse_method(name: str) -> Method:
         return Method("gguf", 0, 32)
     if name == "int8":
         return Method("int8", 8)
+    if name == "fp8":
+        return Method("fp8", 8)
     if name in INT4_GROUPS:
         return Method(name, 4, INT4_GROUPS[name])
     raise QuantizationError(f"unknown quantization '{name}'; Celeris has {', '.join(METHODS)}")
@@ -74,218 +99,45 @@ def check_device(method: Method, device: torch.device | str) -> None:
     """Refuse a device this build of torch has no kernel for (one line naming the kernel and the device).
 
     Raises:
-        QuantizationError: the kernel is missing from torch, or does not run on ``device``'s type.
+        QuantizationError: the kernel is missing from torch, does not run on ``device``'s type, or (``fp8``) the
+            CUDA device is older than compute capability 8.9.
     """
     device = torch.device(device)
-    for family in ("int8", "int4") if method.bits == 0 else ("int8" if method.bits == 8 else "int4",):
-        kernel = KERNELS[family]
+    for family in ("int8", "int4") if method.bits == 0 else (method.family,):
+        kernels = KERNELS[family]
+        if device.type not in kernels:
+            raise QuantizationError(f"--quantization {method.name} has no {device.type} kernel (it runs on "
+                                    f"{', '.join(kernels)})")
+        kernel = kernels[device.type]
         if not hasattr(torch, kernel):
             raise QuantizationError(f"--quantization {method.name} needs torch.{kernel}, which this torch "
                                     f"{torch.__version__} does not have")
-        if device.type not in KERNEL_DEVICES[family]:
-            raise QuantizationError(f"--quantization {method.name} runs torch.{kernel}, which has no "
-                                    f"{device.type} kernel (it runs on {', '.join(KERNEL_DEVICES[family])})")
+        if family == "fp8" and device.type == "cuda":
+            capability = torch.cuda.get_device_capability(device)
+            if capability < FP8_CUDA_CAPABILITY:
+                raise QuantizationError(f"--quantization fp8 needs a GPU of compute capability 8.9 or later for "
+                                        f"torch.{kernel}; this one has {capability[0]}.{capability[1]}")
 
 
 def activation_dtype(device: torch.device, dtype: torch.dtype) -> torch.dtype:
-    """bfloat16 on a CPU (the kernels' fast path); the model's half dtype, else bfloat16, on CUDA."""
+    """bfloat16 on a CPU (the kernels' fast path); the model's half dtype, else bfloat16, on CUDA (the int4 and fp8
+    layers use bfloat16 whatever this says)."""
     return dtype if device.type == "cuda" and dtype in (torch.bfloat16, torch.float16) else torch.bfloat16
 
 
-class QuantizedLinear(nn.Module):
-    """Common part of the weight-only linears: ``forward`` (..., in) -> (..., out) in the input's dtype."""
-
-    in_features: int
-    out_features: int
-    bias: torch.Tensor | None
-
-    def _matmul(self, x: torch.Tensor) -> torch.Tensor:  # (M, in) in the activation dtype -> (M, out)
-        raise NotImplementedError
-
-    def dequantize(self) -> torch.Tensor:
-        """The weight as the kernel sees it: (out, in) float32."""
-        raise NotImplementedError
-
-    @property
-    def weight(self) -> torch.Tensor:
-        """The dequantized weight (out, in) in the activation dtype, built on every read: for the rare code that
-        reads a head's weight (a pruned drafter's vocabulary), never on the decoding path."""
-        return self.dequantize().to(self.act_dtype)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, self.in_features).to(self.act_dtype)
-        if flat.shape[0] == 0:
-            out = flat.new_zeros((0, self.out_features))
-        else:
-            out = self._matmul(flat.contiguous())
-        if self.bias is not None:
-            out = out + self.bias
-        return out.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
-
-    def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
-
-
-def int8_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric int8 per row of w (rows, cols) float32: q (rows, cols) int8 in [-127, 127] and scale (rows,)
-    float32 with ``w ~= q * scale``."""
-    scale = (w.abs().amax(dim=1) / 127).clamp(min=torch.finfo(torch.float32).tiny)
-    return torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8), scale
-
-
-class Int8Linear(QuantizedLinear):
-    """Per-output-channel symmetric int8 weight (out, in) with (out,) scales: ``w = q * scale``."""
-
-    def __init__(self, linear: nn.Linear, act_dtype: torch.dtype) -> None:
-        super().__init__()
-        q, scale = int8_rows(linear.weight.detach().float())
-        self._fill(q, scale, None if linear.bias is None else linear.bias.detach(), act_dtype)
-
-    @classmethod
-    def from_quantized(cls, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None,
-                       act_dtype: torch.dtype) -> Int8Linear:
-        """The layer from its stored form: qweight (out, in) int8, scales (out,) and bias (out,) or None (any float
-        dtype, cast to ``act_dtype``); the tensors are kept, not copied, where no cast is needed."""
-        module = cls.__new__(cls)
-        QuantizedLinear.__init__(module)
-        module._fill(qweight, scales, bias, act_dtype)
-        return module
-
-    def _fill(self, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None,
-              act_dtype: torch.dtype) -> None:
-        self.out_features, self.in_features = qweight.shape
-        self.act_dtype = act_dtype
-        self.register_buffer("qweight", qweight)
-        self.register_buffer("scales", scales.to(act_dtype))
-        self.register_buffer("bias", None if bias is None else bias.to(act_dtype))
-
-    def _matmul(self, x: torch.Tensor) -> torch.Tensor:
-        return torch._weight_int8pack_mm(x, self.qweight, self.scales)
-
-    def dequantize(self) -> torch.Tensor:
-        return self.qweight.float() * self.scales.float()[:, None]
-
-
-class Int8Embedding(nn.Module):
-    """An embedding table kept as int8 rows with one float32 scale each; rows are dequantized when gathered.
-    ``rows(ids)`` gathers dequantized rows (ids (...,) -> (..., dim)); ``head()`` is an ``Int8Linear`` over the same
-    int8 storage (a tied output head)."""
-
-    def __init__(self, embedding: nn.Embedding, dtype: torch.dtype) -> None:
-        super().__init__()
-        self._fill(*int8_rows(embedding.weight.detach().float()), dtype)
-
-    @classmethod
-    def from_quantized(cls, qweight: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> Int8Embedding:
-        """The table from its stored form: qweight (V, dim) int8, scales (V,) float32; rows come out in ``dtype``."""
-        module = cls.__new__(cls)
-        nn.Module.__init__(module)
-        module._fill(qweight, scales, dtype)
-        return module
-
-    def _fill(self, qweight: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> None:
-        self.num_embeddings, self.embedding_dim, self.dtype = qweight.shape[0], qweight.shape[1], dtype
-        self.register_buffer("qweight", qweight)
-        self.register_buffer("scales", scales.float())
-
-    def rows(self, ids: torch.Tensor) -> torch.Tensor:
-        return (self.qweight[ids].float() * self.scales[ids, None]).to(self.dtype)
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.rows(ids)
-
-    @property
-    def weight(self) -> torch.Tensor:
-        """The whole table dequantized (V, dim), built on every read: for rare readers only."""
-        return self.rows(torch.arange(self.num_embeddings, device=self.qweight.device))
-
-    def head(self, rows: int, act_dtype: torch.dtype) -> Int8Linear:
-        """An ``Int8Linear`` scoring the first ``rows`` rows, sharing this table's int8 storage."""
-        return Int8Linear.from_quantized(self.qweight[:rows], self.scales[:rows], None, act_dtype)
-
-
-def int4_group_quantize(w: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """gpt-fast's asymmetric group quantization of w (out, in) float32, ``in % group == 0``.
-
-    Returns:
-        q (out, in) int32 in [0, 15], scales (out, in / group) and zeros (out, in / group) float32 with
-        ``w ~= (q - 8) * scale + zero`` per group.
-    """
-    n, k = w.shape
-    g = w.reshape(n, k // group, group)
-    lo, hi = g.amin(-1), g.amax(-1)
-    scale = ((hi - lo) / 15).clamp(min=1e-6)
-    q = torch.round((g - lo[..., None]) / scale[..., None]).clamp(0, 15).to(torch.int32).reshape(n, k)
-    return q, scale, lo + 8 * scale
-
-
-def int4_scales_and_zeros(scale: torch.Tensor, zero: torch.Tensor, act_dtype: torch.dtype) -> torch.Tensor:
-    """The int4 kernel's (in / group, out, 2) table in ``act_dtype`` from scale and zero (out, in / group)."""
-    return torch.stack([scale, zero], -1).transpose(0, 1).contiguous().to(act_dtype)
-
-
-def pack_nibbles(q: torch.Tensor) -> torch.Tensor:
-    """int4 codes (out, in) in [0, 15] (any integer dtype, ``in`` even) as (out, in / 2) uint8, column 2j in the
-    low nibble and 2j + 1 in the high one: a stored form that, unlike the kernel's packing (which depends on the
-    CPU's vector width), reads back the same on every machine."""
-    q = q.to(torch.uint8)
-    return q[:, 0::2] | (q[:, 1::2] << 4)
-
-
-def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
-    """``pack_nibbles`` undone: (out, in / 2) uint8 -> (out, in) int32 codes in [0, 15]."""
-    codes = torch.stack([packed & 15, packed >> 4], dim=-1)  # (out, in / 2, 2)
-    return codes.reshape(packed.shape[0], -1).to(torch.int32)
-
-
-class Int4Linear(QuantizedLinear):
-    """Group-wise 4-bit weight packed for ``torch._weight_int4pack_mm_for_cpu``: (out, in / 2) uint8 plus
-    (in / group, out, 2) scales and zeros (``w = (q - 8) * scale + zero``)."""
-
-    def __init__(self, linear: nn.Linear, group: int, act_dtype: torch.dtype,
-                 qsz: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> None:
-        super().__init__()
-        w = linear.weight.detach().float().cpu()
-        q, scale, zero = qsz if qsz is not None else int4_group_quantize(w, group)
-        bias = None if linear.bias is None else linear.bias.detach()
-        self._fill(q, int4_scales_and_zeros(scale, zero, act_dtype), bias, group, act_dtype, linear.weight.device)
-
-    @classmethod
-    def from_codes(cls, codes: torch.Tensor, scales_and_zeros: torch.Tensor, bias: torch.Tensor | None,
-                   group: int, act_dtype: torch.dtype) -> Int4Linear:
-        """The layer from its stored form (CPU tensors): codes (out, in / 2) uint8 (``pack_nibbles``),
-        scales_and_zeros (in / group, out, 2) and bias (out,) or None in any float dtype (cast to ``act_dtype``).
-        The codes are repacked for this machine's kernel (``torch._convert_weight_to_int4pack_for_cpu``)."""
-        module = cls.__new__(cls)
-        QuantizedLinear.__init__(module)
-        module._fill(unpack_nibbles(codes), scales_and_zeros.to(act_dtype), bias, group, act_dtype, codes.device)
-        return module
-
-    def _fill(self, q: torch.Tensor, scales_and_zeros: torch.Tensor, bias: torch.Tensor | None, group: int,
-              act_dtype: torch.dtype, device: torch.device) -> None:
-        self.out_features, self.in_features = q.shape
-        self.act_dtype, self.group = act_dtype, group
-        self.register_buffer("qweight", torch._convert_weight_to_int4pack_for_cpu(q.contiguous(), 1).to(device))
-        self.register_buffer("scales_and_zeros", scales_and_zeros.to(device))
-        self.register_buffer("bias", None if bias is None else bias.to(act_dtype))
-
-    def _matmul(self, x: torch.Tensor) -> torch.Tensor:
-        return torch._weight_int4pack_mm_for_cpu(x, self.qweight, self.group, self.scales_and_zeros)
-
-    def dequantize(self) -> torch.Tensor:
-        eye = torch.eye(self.in_features, dtype=self.act_dtype, device=self.qweight.device)
-        return self._matmul(eye).float().T.contiguous()  # the kernel's own reading of the packed weight
-
-
 def check_shape(method: Method, name: str, linear: nn.Linear) -> None:
-    """Refuse a linear the int4 kernel cannot take: output rows not a multiple of 16, or an input width the group
-    does not divide (whole groups only).
+    """Refuse a linear the kernel cannot take: int4 with output rows not a multiple of 16, or an input width the
+    group does not divide (whole groups only); fp8 with a width not a multiple of 16.
 
     Raises:
         QuantizationError: naming the module, its shape and the group.
     """
     if method.bits == 0:
         return  # gguf: each layer's own width (quantize_model checks the int4 ones)
+    if method.family == "fp8" and (linear.in_features % 16 or linear.out_features % 16):
+        raise QuantizationError(f"--quantization fp8: layer '{name}' is {linear.out_features} x "
+                                f"{linear.in_features}; torch._scaled_mm takes widths that are multiples of 16; "
+                                "use int8")
     if method.bits == 4 and linear.out_features % 16:
         raise QuantizationError(f"--quantization {method.name}: layer '{name}' has {linear.out_features} output "
                                 "rows, not a multiple of 16 (torch._convert_weight_to_int4pack_for_cpu packs 16 "
@@ -303,6 +155,9 @@ def stored_weight(w: torch.Tensor, method: Method, act_dtype: torch.dtype) -> di
     """The stored form of a weight w (out, in) float32 (``stored_linear`` without the bias). Every tensor of it is
     computed row by row, so the forms of row blocks joined along ``STORED_ROW_DIMS`` are the form of the stacked
     rows, bit for bit (a fused projection's parts quantized one at a time)."""
+    if method.family == "fp8":
+        q, scale = fp8_rows(w)
+        return {"qweight": q, "scales": scale}
     if method.bits == 8:
         q, scale = int8_rows(w)
         return {"qweight": q, "scales": scale.to(act_dtype)}
@@ -312,7 +167,8 @@ def stored_weight(w: torch.Tensor, method: Method, act_dtype: torch.dtype) -> di
 
 def stored_linear(linear: nn.Linear, method: Method, act_dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """The stored form of ``linear`` quantized by ``method`` (what the GGUF cache entry keeps): int8 ``qweight``
-    (out, in) int8 and ``scales`` (out,); int4 ``codes`` (out, in / 2) uint8 (``pack_nibbles``, on the CPU) and
+    (out, in) int8 and ``scales`` (out,); fp8 ``qweight`` (out, in) float8_e4m3fn and ``scales`` (out,) float32;
+    int4 ``codes`` (out, in / 2) uint8 (``pack_nibbles``, on the CPU) and
     ``scales_and_zeros`` (in / group, out, 2); ``bias`` (out,) when the layer has one; floats in ``act_dtype``."""
     stored = stored_weight(linear.weight.detach().float(), method, act_dtype)
     if linear.bias is not None:
@@ -320,16 +176,20 @@ def stored_linear(linear: nn.Linear, method: Method, act_dtype: torch.dtype) -> 
     return stored
 
 
-def linear_from_stored(stored: dict[str, torch.Tensor], method: Method, act_dtype: torch.dtype) -> QuantizedLinear:
-    """The quantized layer a ``stored_linear`` form describes (its tensors kept where no cast is needed).
+def linear_from_stored(stored: dict[str, torch.Tensor], method: Method, act_dtype: torch.dtype,
+                       device: torch.device | None = None) -> QuantizedLinear:
+    """The quantized layer a ``stored_linear`` form describes (its tensors kept where no cast is needed); an int4
+    layer's codes are packed for ``device``'s kernel (default: where the codes are).
 
     Raises:
         KeyError: a tensor of the form is missing.
     """
+    if method.family == "fp8":
+        return Fp8Linear.from_quantized(stored["qweight"], stored["scales"], stored.get("bias"))
     if method.bits == 8:
         return Int8Linear.from_quantized(stored["qweight"], stored["scales"], stored.get("bias"), act_dtype)
     return Int4Linear.from_codes(stored["codes"], stored["scales_and_zeros"], stored.get("bias"), method.group,
-                                 act_dtype)
+                                 act_dtype, device)
 
 
 def quantize_linear(linear: nn.Linear, method: Method, act_dtype: torch.dtype,
@@ -339,7 +199,7 @@ def quantize_linear(linear: nn.Linear, method: Method, act_dtype: torch.dtype,
     form = stored_linear(linear, method, act_dtype)
     if stored is not None:
         stored.update(form)
-    return linear_from_stored(form, method, act_dtype)
+    return linear_from_stored(form, method, act_dtype, linear.weight.device)
 
 
 def head_method(method: Method) -> Method:
@@ -501,10 +361,3 @@ def resident_weight_bytes(model: nn.Module) -> int:
             total += t.untyped_storage().nbytes()
     packed = {id(m): m for m in [*model.modules(), model.__dict__.get("_celeris_packed_head")] if hasattr(m, "packed")}
     return total + sum(m.packed.numel() * m.packed.element_size() for m in packed.values())
-
-
-def reference_linear(x: torch.Tensor, module: QuantizedLinear) -> torch.Tensor:
-    """The slow obvious reading of a quantized linear: ``x @ dequantize().T`` in float32 (tests compare the kernels
-    with it)."""
-    bias = None if module.bias is None else module.bias.float()
-    return F.linear(x.float(), module.dequantize(), bias)

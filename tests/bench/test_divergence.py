@@ -58,7 +58,7 @@ _KEPT: dict[str, KeptAnswers] = {}
 SLOW_MODES = {"masked", "block"}
 
 
-@pytest.mark.parametrize("method", ["int8", "int4"])
+@pytest.mark.parametrize("method", ["int8", "int4", "fp8"])
 @pytest.mark.parametrize("mode", [pytest.param(m, marks=pytest.mark.slow) if m in SLOW_MODES else m for m in MODES])
 def test_quantized_models_meet_the_floors_in_every_mode(mode, method):
     model, settings = MODES[mode]

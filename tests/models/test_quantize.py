@@ -143,9 +143,11 @@ def test_unknown_methods_shapes_and_devices_are_refused_in_one_line():
     assert all(isinstance(mod, nn.Linear) for n, mod in m.named_modules() if n.endswith("proj"))  # nothing replaced
     with pytest.raises(QuantizationError, match="layer 'x' has 40 output rows, not a multiple of 16"):
         check_shape(parse_method("int4"), "x", linear(40, 64))
-    with pytest.raises(QuantizationError, match="int4 runs torch._weight_int4pack_mm_for_cpu, which has no cuda "
-                                                "kernel"):
-        check_device(parse_method("int4"), "cuda")
+    with pytest.raises(QuantizationError, match=r"fp8: layer 'x' is 40 x 64; torch._scaled_mm takes widths that "
+                                                r"are multiples of 16; use int8"):
+        check_shape(parse_method("fp8"), "x", linear(40, 64))
+    with pytest.raises(QuantizationError, match=r"--quantization int4 has no mps kernel \(it runs on cpu, cuda\)"):
+        check_device(parse_method("int4"), "mps")
     with pytest.raises(QuantizationError, match="no meta kernel"):
         check_device(parse_method("int8"), "meta")
 
