@@ -384,6 +384,11 @@ class LLM:
         return [self.to_output(p if isinstance(p, str) else self.tokenizer.decode(p), r)
                 for p, r in zip(prompts, requests, strict=True)]
 
+    def reset_prefix_cache(self) -> bool:
+        """Empty the engine's prefix caches, as vLLM's ``LLM.reset_prefix_cache`` does (benchmarks call it so that
+        a prompt seen before is not timed from its cached keys/values). Returns True."""
+        return self.engine.reset_prefix_cache()
+
     def to_output(self, prompt: str, request: Request) -> RequestOutput:
         """Decode a finished request into a RequestOutput (stop strings applied)."""
         ids = request.final_prefix()

@@ -19,6 +19,11 @@ Systems, each on the same prompts, output length and batch size, all at temperat
 - ``llama.cpp``: llama-cpp-python on the same ``.gguf`` file when it is installed (``celeris.bench.llamacpp``: the
   same prompt ids, greedy, its own quantized kernels; a batch's prompts run one after another), else a note.
 
+Each engine system's timed calls start with the prefix cache emptied (``LLM.reset_prefix_cache``, after the
+warm-up): next-token decoding and llama.cpp prefill every prompt, so a verified system must not take a prompt it saw
+in the warm-up, a previous system or round from the cache (blocks its own earlier prompts share, the chat
+template's system prompt, still count: ``prefix_cache_hit_tokens``).
+
 Per system: tokens/s, TTFT, p50/p95 latency, tokens per target pass, drafter passes, acceptance per draft position,
 peak RSS, the answers' repetition share (a run of one token longer than 8) and distinct-2, and every greedy text
 that differs from ``target-next-token``'s with the float32 top-2 logit gap of the target at its first differing
@@ -247,8 +252,14 @@ def run_one(llm: LLM, other, system: str, params: SamplingParams | None, policy:
         outs = [llm.to_output("", r) for r in reqs]
         return [o.token_ids for o in outs], [o.nfe for o in outs], [o.ttft_s for o in outs]
 
+    hits: list[int] = []  # the prefix cache's hit tokens when the timed calls start
+
+    def reset() -> None:
+        llm.reset_prefix_cache()
+        hits.append(llm.engine.stats().prefix_cache_hits)
+
     try:
-        run = run_system(system, decode, batches, cfg.warmup)
+        run = run_system(system, decode, batches, cfg.warmup, reset if params is not None else None)
     finally:
         if proposer is not None:
             for k, v in zip(POLICY, saved, strict=True):
@@ -256,6 +267,8 @@ def run_one(llm: LLM, other, system: str, params: SamplingParams | None, policy:
     after = draft_counts(llm)
     before = before or [(0, 0)] * len(after)
     run["drafter_passes"] = (proposer.calls - calls) if proposer else 0
+    # prompt tokens the timed calls took from the prefix cache (blocks the run's own prompts share); None outside
+    run["prefix_cache_hit_tokens"] = llm.engine.stats().prefix_cache_hits - hits[0] if hits else None
     run["draft_acceptance"] = [round((a - a0) / (d - d0), 4) if d > d0 else None
                                for (d0, a0), (d, a) in zip(before, after, strict=False)]
     outputs = run["outputs"]

@@ -141,10 +141,15 @@ def conditions(cfg: BenchConfig, llm: LLM, prompt_lengths: list[int]) -> dict:
     }
 
 
-def run_system(name: str, decode, batches: list[list[int]], warmup: int) -> dict:
+def run_system(name: str, decode, batches: list[list[int]], warmup: int,
+               before_timed: Callable[[], object] | None = None) -> dict:
     """Time ``decode(batch) -> (token_id lists, nfe per request, ttft per request)`` over all batches.
 
     The first warm-up call is timed on its own (``first_request_s``: caches and allocations are cold).
+    ``before_timed`` runs after the warm-up, before the timed calls (the engine's ``reset_prefix_cache``: the
+    warm-up's prompts, and a previous system's or round's, must not be timed from cached keys/values, which the
+    next-token path and llama.cpp never have; prompts of earlier batches in the timed run may still share blocks,
+    e.g. a chat template's system prompt, as in serving).
     ``peak_rss_mb`` is the process's peak over this system's calls where it can be reset (``reset_peak_rss``):
     the models already loaded plus what this system allocates; else the process's peak since start.
     """
@@ -154,6 +159,8 @@ def run_system(name: str, decode, batches: list[list[int]], warmup: int) -> dict
         start = time.perf_counter()
         decode(batch)
         first_s = first_s if first_s is not None else time.perf_counter() - start
+    if before_timed is not None:
+        before_timed()
     outputs, latencies, ttfts, nfes = [], [], [], []
     for batch in batches:
         start = time.perf_counter()
@@ -346,7 +353,7 @@ def run_systems(systems: list, batches: list, llm: LLM, warmup: int) -> list[dic
     runs = []
     for name, fn in systems:
         before = draft_counts(llm)
-        runs.append(run_system(name, fn, batches, warmup))
+        runs.append(run_system(name, fn, batches, warmup, llm.reset_prefix_cache))
         if name == "hybrid-verified":  # acceptance per draft position over this system's calls
             after = draft_counts(llm)
             before = before or [(0, 0)] * len(after)  # the drafter was made by this system's first call

@@ -151,6 +151,13 @@ class Engine:
         path = self.paths.get("verified")
         return path.decoder if isinstance(path, VerifiedPath) else None
 
+    def reset_prefix_cache(self) -> bool:
+        """Empty the prefix caches (vLLM's ``reset_prefix_cache``): the next prompts are prefilled in full. Running
+        requests are unaffected (a row copies the cached keys/values it uses). Returns True."""
+        if self.drafter is not None:
+            self.drafter.reset_prefix_cache()
+        return True
+
     @property
     def block_decoder(self) -> BlockDecoder | None:
         """The block path (made at the first block request), else None."""

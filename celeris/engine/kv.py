@@ -70,6 +70,10 @@ class PrefixCache:
         self.hit_tokens += n
         return n, torch.cat([self.blocks[key] for key in found], dim=2)  # (2 * layers, H, n, D)
 
+    def clear(self) -> None:
+        """Drop every stored block (the counters stay: they count lookups since the cache was made)."""
+        self.blocks.clear()
+
     def insert(self, prompt_ids: list[int], kv: torch.Tensor, start: int = 0) -> None:
         """Store the full blocks of ``prompt_ids`` from column ``start`` on (a multiple of ``BLOCK_SIZE``).
 

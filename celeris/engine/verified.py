@@ -159,6 +159,12 @@ class VerifiedDecoder:
         self.rows.append(row)
         return row
 
+    def reset_prefix_cache(self) -> None:
+        """Empty the prefix cache and the drafter's feature cache (rows already running keep what they copied)."""
+        for cache in (self.prefix_cache, self.feature_cache):
+            if cache is not None:
+                cache.clear()
+
     def remove(self, row: DraftRow) -> None:
         """Free a row's pool slot (the last row moves into it, its drafter's layers too)."""
         i, last = self.rows.index(row), len(self.rows) - 1

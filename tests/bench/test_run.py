@@ -201,3 +201,17 @@ def test_bench_refuses_fast_flags_a_block_model_would_ignore(tmp_path, capsys):
     err = capsys.readouterr().err
     assert rc == 2 and "--fast-tokens-per-step and --fast-suffix-window" in err and "Traceback" not in err
     assert not (tmp_path / "out" / "bench.json").exists()
+
+
+def test_run_system_calls_before_timed_between_the_warm_up_and_the_timed_batches():
+    from celeris.bench.run import run_system
+
+    calls = []
+
+    def decode(batch):
+        calls.append(tuple(batch[0]))
+        return [[1, 2]] * len(batch), [2] * len(batch), [0.01] * len(batch)
+
+    run = run_system("x", decode, [[[5]], [[6]]], warmup=1, before_timed=lambda: calls.append("reset"))
+    assert calls == [(5,), "reset", (5,), (6,)]
+    assert run["output_tokens"] == 4
