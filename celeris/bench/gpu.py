@@ -41,6 +41,18 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def open_device(name: str, prog: str) -> torch.device | None:
+    """The device a check runs on, its first JSON line printed (torch's version, the device's name); None, with one
+    error line naming ``prog``, when CUDA is asked for and there is none."""
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        print(f"{prog}: error: no CUDA device (use --device cpu --smoke for a CPU run)", file=sys.stderr)
+        return None
+    print(json.dumps({"torch": torch.__version__, "device": torch.cuda.get_device_name(device)
+                      if device.type == "cuda" else "cpu"}), flush=True)
+    return device
+
+
 def peak_memory_gb(device: torch.device) -> float | None:
     return round(torch.cuda.max_memory_allocated(device) / 2**30, 2) if device.type == "cuda" else None
 
@@ -252,12 +264,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-shipped", action="store_true", help="skip the shipped model's bench (its weights are not "
                    "on the device)")
     args = p.parse_args(argv)
-    device = torch.device(args.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        print("gpu: error: no CUDA device (use --device cpu --smoke for a CPU run)", file=sys.stderr)
+    device = open_device(args.device, "gpu")
+    if device is None:
         return 2
-    print(json.dumps({"torch": torch.__version__, "device": torch.cuda.get_device_name(device)
-                      if device.type == "cuda" else "cpu"}), flush=True)
     correctness = check_correctness(device)
     print(json.dumps(correctness), flush=True)
     for row in llada_shape_speed(device, args.smoke):

@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -33,7 +32,7 @@ import torch
 from torch import nn
 
 from celeris.bench.divergence import floor_of, floor_warning, measure_divergence
-from celeris.bench.gpu import peak_memory_gb, sync, timed_engine_run
+from celeris.bench.gpu import open_device, peak_memory_gb, sync, timed_engine_run
 from celeris.bench.run import pass_cost_ms
 from celeris.models.qlinear import fp8_tokens
 from celeris.models.quantize import Int4Linear, parse_method, quantize_linear, quantize_model, reference_linear
@@ -225,12 +224,9 @@ def main(argv: list[str] | None = None) -> int:
                    help=f"comma-separated widths the speed part times, of {', '.join(SPEED_WIDTHS)}")
     p.add_argument("--parts", default="kernels,quality,modes,speed", help="comma-separated parts to run")
     args = p.parse_args(argv)
-    device = torch.device(args.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        print("gpu_quant: error: no CUDA device (use --device cpu --smoke for a CPU run)", file=sys.stderr)
+    device = open_device(args.device, "gpu_quant")
+    if device is None:
         return 2
-    print(json.dumps({"torch": torch.__version__, "device": torch.cuda.get_device_name(device)
-                      if device.type == "cuda" else "cpu"}), flush=True)
     parts = {"kernels": lambda: kernel_check(device, args.smoke), "quality": lambda: quality(device, args.smoke),
              "modes": lambda: drafter_modes(device), "speed": lambda: speed(device, args.smoke, args.widths.split(","))}
     ok = True

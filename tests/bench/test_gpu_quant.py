@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from celeris.bench import gpu_quant
 
 
@@ -33,3 +35,10 @@ def test_a_failing_part_is_reported_and_fails_the_run(capsys, monkeypatch):
     assert gpu_quant.main(["--device", "cpu", "--smoke", "--parts", "kernels"]) == 1
     rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert {"check": "kernels", "error": "RuntimeError: no kernel"} in rows
+
+
+def test_gpu_quant_without_cuda_says_so(capsys):
+    if gpu_quant.torch.cuda.is_available():
+        pytest.skip("a CUDA device is present")
+    assert gpu_quant.main([]) == 2
+    assert "gpu_quant: error: no CUDA device" in capsys.readouterr().err
