@@ -348,12 +348,20 @@ def score_run(r: dict, llm: LLM, smol: tuple | None, ar: LLM | None, texts: list
         r["judge_perplexity"] = perplexity(ar, prompt_ids, r["outputs"]) if ar and own_tokens else None
 
 
-def run_systems(systems: list, batches: list, llm: LLM, warmup: int) -> list[dict]:
-    """Each system over the batches (``run_system``), with the draft acceptance per position of hybrid-verified."""
+def run_systems(systems: list, batches: list, llm: LLM, warmup: int, engines: list[LLM] | None = None) -> list[dict]:
+    """Each system over the batches (``run_system``), with the draft acceptance per position of hybrid-verified.
+    Every engine the systems run on (``llm`` and ``engines``: the other widths', the twin's) has its prefix cache
+    emptied after each system's warm-up."""
     runs = []
+    owners = [llm, *(engines or [])]
+
+    def reset() -> None:
+        for owner in owners:
+            owner.reset_prefix_cache()
+
     for name, fn in systems:
         before = draft_counts(llm)
-        runs.append(run_system(name, fn, batches, warmup, llm.reset_prefix_cache))
+        runs.append(run_system(name, fn, batches, warmup, reset))
         if name == "hybrid-verified":  # acceptance per draft position over this system's calls
             after = draft_counts(llm)
             before = before or [(0, 0)] * len(after)  # the drafter was made by this system's first call
@@ -423,7 +431,7 @@ def run_bench(cfg: BenchConfig) -> dict:
                 systems.append(("ar-twin-lookup", engine_system(lookup, ar)))
         if smol is not None:
             systems.append(("smollm2-135m", smollm2_system(smol, llm, length)))
-        runs = run_systems(systems, batches, llm, cfg.warmup)
+        runs = run_systems(systems, batches, llm, cfg.warmup, [*widths.values(), *([ar] if ar is not None else [])])
         for r in runs:
             r["load_s"] = round(load_s, 3)
             score_run(r, llm, smol, ar, texts, prompt_ids, runs[0]["outputs"])

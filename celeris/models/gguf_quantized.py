@@ -335,16 +335,18 @@ def load(path: Path, device: torch.device | str = "cpu", dtype: torch.dtype = to
 
     Args:
         path: the ``.gguf`` file.
-        device: checked to have the kernels (the int4 one runs on CPUs only); the model is built on the CPU.
+        device: the CPU (the model is built there; on CUDA use ``int8`` / ``int4`` on a float checkpoint).
         dtype: the dtype of the float tensors (norms) and of the embedding's dequantized rows.
         max_model_len / max_num_seqs: the engine's KV store, counted in the memory check (0 rows: weights only).
 
     Raises:
-        QuantizationError: a device without the kernels (the int4 one runs on CPUs only), or a layer shape they
-            cannot take.
+        QuantizationError: a device other than the CPU, or a layer shape the kernels cannot take.
         GGUFError: the file is unusable (``celeris.models.gguf.convert``).
         CheckpointError: not enough memory.
     """
+    if torch.device(device).type != "cpu":
+        raise QuantizationError(f"--quantization gguf builds its model on the CPU, not {torch.device(device).type}; "
+                                "use --device cpu, or --quantization int8 / int4 on CUDA")
     check_device(parse_method("gguf"), device)
     folder = cache.read_entry("gguf", path, VARIANT)
     if folder is not None and read_layout(folder).get("version") != LAYOUT_VERSION:  # written by another Celeris

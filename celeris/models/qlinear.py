@@ -189,7 +189,7 @@ class Int4Linear(QuantizedLinear):
         w = linear.weight.detach().float().cpu()
         q, scale, zero = qsz if qsz is not None else int4_group_quantize(w, group)
         bias = None if linear.bias is None else linear.bias.detach()
-        self._fill(q, int4_scales_and_zeros(scale, zero, act_dtype), bias, group, act_dtype, linear.weight.device)
+        self._fill(q, int4_scales_and_zeros(scale, zero, torch.float32), bias, group, act_dtype, linear.weight.device)
 
     @classmethod
     def from_codes(cls, codes: torch.Tensor, scales_and_zeros: torch.Tensor, bias: torch.Tensor | None,
@@ -206,8 +206,8 @@ class Int4Linear(QuantizedLinear):
     def _fill(self, q: torch.Tensor, scales_and_zeros: torch.Tensor, bias: torch.Tensor | None, group: int,
               act_dtype: torch.dtype, device: torch.device) -> None:
         self.out_features, self.in_features = q.shape
-        self.group, self.cuda = group, torch.device(device).type == "cuda"
-        if self.cuda:  # gpt-fast's packing for the CUDA kernel: even columns in the high nibble
+        self.group, self.cuda_kernel = group, torch.device(device).type == "cuda"
+        if self.cuda_kernel:  # gpt-fast's packing for the CUDA kernel: even columns in the high nibble
             self.act_dtype = torch.bfloat16
             packed = (q[:, 0::2] << 4 | q[:, 1::2]).to(torch.uint8).to(device)
             qweight = torch._convert_weight_to_int4pack(packed.contiguous(), inner_k_tiles(self.in_features))
@@ -219,7 +219,7 @@ class Int4Linear(QuantizedLinear):
         self.register_buffer("bias", None if bias is None else bias.to(device, self.act_dtype))
 
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
-        if self.cuda:
+        if self.cuda_kernel:
             return torch._weight_int4pack_mm(x, self.qweight, self.group, self.scales_and_zeros)
         return torch._weight_int4pack_mm_for_cpu(x, self.qweight, self.group, self.scales_and_zeros)
 

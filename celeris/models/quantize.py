@@ -161,8 +161,8 @@ def stored_weight(w: torch.Tensor, method: Method, act_dtype: torch.dtype) -> di
     if method.bits == 8:
         q, scale = int8_rows(w)
         return {"qweight": q, "scales": scale.to(act_dtype)}
-    q, scale, zero = int4_group_quantize(w.cpu(), method.group)
-    return {"codes": pack_nibbles(q), "scales_and_zeros": int4_scales_and_zeros(scale, zero, act_dtype)}
+    q, scale, zero = int4_group_quantize(w.cpu(), method.group)  # bfloat16 tables: what both int4 kernels read
+    return {"codes": pack_nibbles(q), "scales_and_zeros": int4_scales_and_zeros(scale, zero, torch.bfloat16)}
 
 
 def stored_linear(linear: nn.Linear, method: Method, act_dtype: torch.dtype) -> dict[str, torch.Tensor]:

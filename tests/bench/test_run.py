@@ -131,17 +131,25 @@ def test_hf_generate_cuts_at_end_of_text_and_judge_scores(tokenizer_dir):
 @pytest.mark.skipif(not os.access("/proc/self/clear_refs", os.W_OK), reason="needs Linux /proc/self/clear_refs")
 def test_peak_rss_is_reset_between_systems():
     """A system's peak RSS must not carry the peak of an earlier, larger one (the process-wide ru_maxrss does)."""
-    big = torch.ones(64 * 2**20, dtype=torch.uint8)  # 64 MiB, touched
+    import mmap
+
+    def touched(mib: int) -> mmap.mmap:
+        """Fresh anonymous pages, every one written: resident for sure (a malloc'd block may reuse heap memory an
+        earlier test freed, resident already, which depends on the tests that ran before)."""
+        m = mmap.mmap(-1, mib * 2**20)
+        for i in range(0, len(m), mmap.PAGESIZE):
+            m[i] = 1
+        return m
+
+    big = touched(64)
     peak_with_big = peak_rss_mb()
-    del big
+    big.close()
     assert reset_peak_rss()
     after = peak_rss_mb()
     assert after < peak_with_big - 32
-    # a later allocation shows up again: 48 MiB is past glibc's largest mmap threshold (32 MiB), so it is always
-    # fresh pages (a smaller block may come from heap memory an earlier test freed, resident already)
-    small = torch.ones(48 * 2**20, dtype=torch.uint8)
+    small = touched(48)  # a later allocation shows up again
     assert peak_rss_mb() >= after + 32
-    del small
+    small.close()
 
 
 def test_bench_of_a_hybrid_model_runs_verified_against_its_own_next_token_decoding(tokenizer_dir, tmp_path):

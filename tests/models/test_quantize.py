@@ -150,6 +150,10 @@ def test_unknown_methods_shapes_and_devices_are_refused_in_one_line():
         check_device(parse_method("int4"), "mps")
     with pytest.raises(QuantizationError, match="no meta kernel"):
         check_device(parse_method("int8"), "meta")
+    from celeris.models import gguf_quantized
+
+    with pytest.raises(QuantizationError, match="gguf builds its model on the CPU, not cuda"):
+        gguf_quantized.load(EMBEDDED / "no-such.gguf", device="cuda")  # refused before the file is read
 
 
 @pytest.mark.parametrize(("config", "method"), [({"quant_method": "awq", "bits": 4}, "awq"),
