@@ -30,6 +30,24 @@ FLOORS = {"int8": (0.99, 0.01), "int4": (0.90, 0.1),
           # fp8 (W8A8; the issue sets no floor): between int8's and int4's, set after measuring the embedded 6M
           # models on a CPU (top-1 0.984-0.996, KL 0.0010-0.0021 nats in the three modes; docs/quantization.md)
           "fp8": (0.97, 0.01)}
+# the embedded 6M models' quality set (tests/bench/test_divergence.py's floors, celeris.bench.gpu_quant on a device):
+# decoding mode -> (model, settings); prompts: ``humaneval_prompts``
+EMBEDDED_MODES = {
+    "masked": ("celeris-code-6m", {"max_tokens": 32, "steps": 32, "block_length": 32, "cache": "none"}),
+    "block": ("celeris-code-6m", {"max_tokens": 32, "steps": 32, "block_length": 8}),
+    "verified": ("celeris-code-6m-hybrid", {"max_tokens": 32, "decoding": "verified"}),
+}
+PROMPT_TOKENS = 64  # each quality prompt's last 64 tokens: keeps the masked mode's 32 passes per prompt short
+
+
+def humaneval_prompts(llm: LLM, n: int = 8) -> list[list[int]]:
+    """The bench's first ``n`` HumanEval prompts (healed as the bench does), each cut to its last ``PROMPT_TOKENS``
+    token ids of ``llm``'s tokenizer."""
+    from celeris.bench.quality import heal_prompt, load_humaneval
+
+    return [llm.tokenizer.encode(heal_prompt(p["prompt"]))[-PROMPT_TOKENS:] for p in load_humaneval()[:n]]
+
+
 # the chat questions the SmolLM2 quality floors are measured on (tests/models/test_quantize_smollm2.py,
 # scripts/int8_floor.py): short requests of several kinds, through the chat template
 CHAT_QUESTIONS = ["Write a short email inviting the team to a product demo on Friday afternoon.",

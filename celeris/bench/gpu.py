@@ -25,6 +25,7 @@ import argparse
 import json
 import sys
 import time
+from dataclasses import replace
 
 import torch
 
@@ -158,8 +159,6 @@ def timed_engine_run(model: torch.nn.Module, prompts: list[list[int]], params: S
     """Decode ``prompts`` through a fresh ``Engine`` (``batch`` rows at a time; ``config``'s other settings),
     timed between device syncs: answer tokens (up to the first end id), seconds, tokens/s and the largest
     per-request NFE."""
-    from dataclasses import replace
-
     engine = Engine(model, replace(config or EngineConfig(), max_num_seqs=batch))
     sync(device)
     start = time.perf_counter()

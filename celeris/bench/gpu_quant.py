@@ -4,7 +4,7 @@ quality cost and their speed. Under 5 minutes on one H200; one JSON object per l
     python -m celeris.bench.gpu_quant                       # on a CUDA machine
     python -m celeris.bench.gpu_quant --device cpu --smoke  # the same code on CPU with small shapes (CI-sized)
 
-1. Kernels: each method's layer on the device against the slow obvious matmul (``reference_linear``, and for fp8
+1. Kernels: each method's layer on the device against the slow obvious matmul (``reference_linear``: for fp8 with
    the per-token activation quantization written out), at 1, 8 and 64 rows, on SmolLM2-135M's MLP shapes; the
    weights the device's int4 packing holds against the CPU packing's (the two kernels pack the same codes in
    different orders, so a wrong packing shows here).
@@ -31,10 +31,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from celeris.bench.divergence import floor_of, floor_warning, measure_divergence
+from celeris.bench.divergence import EMBEDDED_MODES, floor_of, floor_warning, humaneval_prompts, measure_divergence
 from celeris.bench.gpu import open_device, peak_memory_gb, sync, timed_engine_run
 from celeris.bench.run import pass_cost_ms
-from celeris.models.qlinear import fp8_tokens
 from celeris.models.quantize import Int4Linear, parse_method, quantize_linear, quantize_model, reference_linear
 from celeris.params import SamplingParams
 
@@ -47,11 +46,6 @@ SMOLLM2 = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden
            "tie_word_embeddings": True, "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 2}
 SMOKE = {**SMOLLM2, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
          "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 512, "max_position_embeddings": 1024}
-QUALITY_MODES = {  # decoding mode -> (embedded model, settings): tests/bench/test_divergence.py's
-    "masked": ("celeris-code-6m", {"max_tokens": 32, "steps": 32, "block_length": 32, "cache": "none"}),
-    "block": ("celeris-code-6m", {"max_tokens": 32, "steps": 32, "block_length": 8}),
-    "verified": ("celeris-code-6m-hybrid", {"max_tokens": 32, "decoding": "verified"}),
-}
 
 
 def kernel_check(device: torch.device, smoke: bool) -> list[dict]:
@@ -69,12 +63,7 @@ def kernel_check(device: torch.device, smoke: bool) -> list[dict]:
             worst = 0.0
             for m in (1, 8, 64):
                 x = torch.randn(m, k, device=device)
-                xb = x.bfloat16()
-                if method == "fp8":
-                    xq, scale = fp8_tokens(xb)
-                    ref = (xq.float() * scale) @ layer.dequantize().T + layer.bias.float()
-                else:
-                    ref = reference_linear(xb, layer)
+                ref = reference_linear(x.bfloat16(), layer)  # the layers round their input to bfloat16 first
                 worst = max(worst, float((layer(x).float() - ref).abs().max() / ref.abs().max()))
             row = {"check": "kernel", "method": method, "shape": [n, k], "kernel": type(layer).__name__,
                    "max_rel_error": round(worst, 5),
@@ -92,23 +81,27 @@ def kernel_check(device: torch.device, smoke: bool) -> list[dict]:
 
 def quality(device: torch.device, smoke: bool) -> list[dict]:
     """Top-1 agreement and mean KL against float32 on the device, per mode and width (the floors of issue 29)."""
-    from celeris.bench.quality import heal_prompt, load_humaneval
     from celeris.llm import LLM
 
-    prompts_text = [heal_prompt(p["prompt"]) for p in load_humaneval()[: 2 if smoke else 8]]
+    loaded: dict[tuple[str, str], LLM] = {}  # the masked and block modes share their model's loads
+
+    def load(model: str, width: str) -> LLM:  # float32 unless bfloat16: CUDA's default dtype is bfloat16
+        if (model, width) not in loaded:
+            loaded[model, width] = LLM(model, device=str(device), dtype="bfloat16" if width == "bfloat16" else
+                                       "float32", quantization=None if width in ("float32", "bfloat16") else width)
+        return loaded[model, width]
+
     rows = []
-    for mode, (model, settings) in QUALITY_MODES.items():
+    for mode, (model, settings) in EMBEDDED_MODES.items():
         if smoke:
             settings = {**settings, "max_tokens": 8, "steps": 8} if "steps" in settings else {**settings,
                                                                                                "max_tokens": 8}
-        ref = LLM(model, device=str(device), dtype="float32")  # CUDA's default dtype is bfloat16
-        prompts = [ref.tokenizer.encode(p)[-64:] for p in prompts_text]
+        ref = load(model, "float32")
+        prompts = humaneval_prompts(ref, 2 if smoke else 8)
         params = ref.default_params(**settings)
         for width in ("bfloat16", *METHODS):
             start = time.perf_counter()
-            cand = LLM(model, device=str(device), dtype="bfloat16" if width == "bfloat16" else "float32",
-                       quantization=None if width == "bfloat16" else width)
-            d = measure_divergence(ref, cand, prompts, params)
+            d = measure_divergence(ref, load(model, width), prompts, params)
             floor = "int8" if width == "bfloat16" else width
             rows.append({"check": "quality", "mode": mode, "model": model, "width": width, **d.to_json(),
                          "floor": list(floor_of(floor)), "warning": floor_warning(width, d, floor),

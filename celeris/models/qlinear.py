@@ -247,20 +247,10 @@ class Fp8Linear(QuantizedLinear):
     every call (``fp8_tokens``); ``torch._scaled_mm`` multiplies the two and applies both scales (row-wise), in
     bfloat16. Input and output widths must be multiples of 16 (the kernel's constraint)."""
 
-    def __init__(self, linear: nn.Linear, act_dtype: torch.dtype) -> None:
+    def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None) -> None:
+        """The layer from its stored form (``celeris.models.quantize.stored_weight``): qweight (out, in)
+        float8_e4m3fn (``fp8_rows``), scales (out,), bias (out,) or None."""
         super().__init__()
-        q, scale = fp8_rows(linear.weight.detach().float())
-        self._fill(q, scale, None if linear.bias is None else linear.bias.detach())
-
-    @classmethod
-    def from_quantized(cls, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None) -> Fp8Linear:
-        """The layer from its stored form: qweight (out, in) float8_e4m3fn, scales (out,), bias (out,) or None."""
-        module = cls.__new__(cls)
-        QuantizedLinear.__init__(module)
-        module._fill(qweight, scales, bias)
-        return module
-
-    def _fill(self, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None) -> None:
         self.out_features, self.in_features = qweight.shape
         self.act_dtype = torch.bfloat16  # the row-wise scaled matmul's output dtype
         self.register_buffer("qweight", qweight)
@@ -278,6 +268,9 @@ class Fp8Linear(QuantizedLinear):
 
 def reference_linear(x: torch.Tensor, module: QuantizedLinear) -> torch.Tensor:
     """The slow obvious reading of a quantized linear: ``x @ dequantize().T`` in float32 (tests compare the kernels
-    with it)."""
+    with it); an ``Fp8Linear`` reads ``x`` as its per-token float8 form (``fp8_tokens``), as its kernel does."""
     bias = None if module.bias is None else module.bias.float()
+    if isinstance(module, Fp8Linear):
+        q, scale = fp8_tokens(x.reshape(-1, module.in_features))
+        x = (q.float() * scale).reshape(x.shape)
     return F.linear(x.float(), module.dequantize(), bias)

@@ -185,7 +185,7 @@ def linear_from_stored(stored: dict[str, torch.Tensor], method: Method, act_dtyp
         KeyError: a tensor of the form is missing.
     """
     if method.family == "fp8":
-        return Fp8Linear.from_quantized(stored["qweight"], stored["scales"], stored.get("bias"))
+        return Fp8Linear(stored["qweight"], stored["scales"], stored.get("bias"))
     if method.bits == 8:
         return Int8Linear.from_quantized(stored["qweight"], stored["scales"], stored.get("bias"), act_dtype)
     return Int4Linear.from_codes(stored["codes"], stored["scales_and_zeros"], stored.get("bias"), method.group,

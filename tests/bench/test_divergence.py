@@ -7,19 +7,18 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from celeris.bench.divergence import Divergence, floor_of, floor_warning, measure_divergence
-from celeris.bench.quality import heal_prompt, load_humaneval
+from celeris.bench.divergence import (
+    EMBEDDED_MODES,
+    Divergence,
+    floor_of,
+    floor_warning,
+    humaneval_prompts,
+    measure_divergence,
+)
 from celeris.llm import LLM
 
-# the fixed prompt set: the bench's first 8 HumanEval prompts (healed as the bench does), each cut to its last 64
-# tokens to keep the masked mode's 32 passes per prompt short; 32 answer tokens each
-PROMPTS = [heal_prompt(p["prompt"]) for p in load_humaneval()[:8]]
-PROMPT_TOKENS = 64
-MODES = {  # decoding mode -> (model, settings)
-    "masked": ("celeris-code-6m", {"max_tokens": 32, "steps": 32, "block_length": 32, "cache": "none"}),
-    "block": ("celeris-code-6m", {"max_tokens": 32, "steps": 32, "block_length": 8}),
-    "verified": ("celeris-code-6m-hybrid", {"max_tokens": 32, "decoding": "verified"}),
-}
+# the fixed prompt set: the bench's first 8 HumanEval prompts, each its last 64 tokens; 32 answer tokens each
+NUM_PROMPTS = 8
 _LOADED: dict[tuple[str, str | None], LLM] = {}
 
 
@@ -59,25 +58,25 @@ SLOW_MODES = {"masked", "block"}
 
 
 @pytest.mark.parametrize("method", ["int8", "int4", "fp8"])
-@pytest.mark.parametrize("mode", [pytest.param(m, marks=pytest.mark.slow) if m in SLOW_MODES else m for m in MODES])
+@pytest.mark.parametrize("mode", [pytest.param(m, marks=pytest.mark.slow) if m in SLOW_MODES else m for m in EMBEDDED_MODES])
 def test_quantized_models_meet_the_floors_in_every_mode(mode, method):
-    model, settings = MODES[mode]
+    model, settings = EMBEDDED_MODES[mode]
     ref = _KEPT.setdefault(model, KeptAnswers(loaded(model)))
-    prompts = [ref.tokenizer.encode(p)[-PROMPT_TOKENS:] for p in PROMPTS]
+    prompts = humaneval_prompts(ref, NUM_PROMPTS)
     d = measure_divergence(ref, loaded(model, method), prompts, ref.default_params(**settings))
     top1, kl = floor_of(method)
     assert d.tokens >= 150  # answers may end early, most run their 32 tokens
     assert d.top1_agreement >= top1, d
     assert d.mean_kl <= kl, d
     assert floor_warning(method, d) is None
-    assert len(d.first_divergence) == len(PROMPTS)
+    assert len(d.first_divergence) == NUM_PROMPTS
 
 
 def test_the_reference_against_itself_agrees_everywhere():
     ref = loaded("celeris-code-6m")
-    prompt = ref.tokenizer.encode(PROMPTS[0])[-PROMPT_TOKENS:]  # cut as the floors' prompts (halves the passes' width)
+    prompt = humaneval_prompts(ref, 1)[0]  # cut as the floors' prompts (halves the passes' width)
     # the block mode's settings over two blocks of 8 (16 tokens, not 32): the trajectory is scored canvas by canvas
-    block = {**MODES["block"][1], "max_tokens": 16, "steps": 16}
+    block = {**EMBEDDED_MODES["block"][1], "max_tokens": 16, "steps": 16}
     d = measure_divergence(ref, ref, [prompt], ref.default_params(**block))
     assert d.tokens > 0 and d.top1_agreement == 1.0 and d.mean_kl == pytest.approx(0.0, abs=1e-7)
     assert d.first_divergence == [None]
@@ -88,7 +87,7 @@ def test_the_causal_measure_is_the_teacher_forced_kl_written_out():
     ref, cand = loaded("celeris-code-6m-hybrid"), loaded("celeris-code-6m-hybrid", "int4")
     params = ref.default_params(max_tokens=16, decoding="verified", temperature=0.0)
     kls, same = [], []
-    prompts = [ref.tokenizer.encode(p)[-PROMPT_TOKENS:] for p in PROMPTS[:3]]  # cut as the floors' prompts
+    prompts = humaneval_prompts(ref, 3)  # cut as the floors' prompts
     for ids in prompts:
         answer = ref.generate([ids], params)[0].token_ids
         canvas = torch.tensor([ids + answer])
