@@ -17,6 +17,10 @@ head stays float32, as the product's default does):
 - ``w8g32_sym`` / ``w8g32_asym``: int8 with one scale per group of 32 input columns (symmetric as llama.cpp's Q8_0;
   asymmetric ``w = lo + s * q``, q in [0, 255], which holds a Q4_1 block's 16 levels exactly since 255 = 15 * 17),
   float32 activations (dequantized weights, plain matmul: diagnostics);
+- ``wfp8_f32`` / ``act_fp8`` / ``fp8_emulated``: ``--quantization fp8``'s two roundings apart: float8 e4m3
+  weights per output channel (``fp8_rows``) with float32 activations; float32 weights with each linear's input
+  rounded per token to e4m3 (``fp8_tokens``); both, with the output rounded to bfloat16 (the product's arithmetic;
+  ``product_fp8`` runs the product's layers);
 - ``kernel_int8_g32``: asymmetric group-32 int8 through PyTorch's int4 kernel at the product's bfloat16
   activations: the codes split into two nibble planes, ``q = 16 * hi + lo``, one ``_weight_int4pack_mm_for_cpu``
   call over ``[x, x]`` (2x the input columns) whose groups scale the high plane by ``16 s`` and the low one by ``s``
@@ -56,21 +60,27 @@ from torch import nn
 from celeris.bench.divergence import CHAT_QUESTIONS as QUESTIONS
 from celeris.bench.divergence import _kl_and_agreement, measure_divergence
 from celeris.llm import LLM
+from celeris.models.qlinear import fp8_rows, fp8_tokens
 from celeris.models.quantize import int8_rows
 
 ALIAS = "smollm2-135m-instruct"
 
 
 class Probe(nn.Module):
-    """A float32 linear with an optional bfloat16 rounding of its input and/or output."""
+    """A float32 linear with an optional rounding of its input (to bfloat16, or ``"fp8"``: per token to float8
+    e4m3) and/or of its output (to bfloat16)."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, round_in: bool, round_out: bool) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, round_in: bool | str,
+                 round_out: bool) -> None:
         super().__init__()
         self.weight, self.bias, self.round_in, self.round_out = weight, bias, round_in, round_out
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = x.float()
-        if self.round_in:
+        if self.round_in == "fp8":
+            q, scale = fp8_tokens(h.reshape(-1, h.shape[-1]))
+            h = (q.float() * scale).reshape(h.shape)
+        elif self.round_in:
             h = h.bfloat16().float()
         y = F.linear(h, self.weight, self.bias)
         if self.round_out:
@@ -134,6 +144,9 @@ def weight_of(w: torch.Tensor, kind: str) -> torch.Tensor:
     """The weight a variant computes with: float32, or int8 dequantized (``absmax``/``mse``, scale f32 or bf16)."""
     if kind == "f32":
         return w
+    if kind == "fp8":
+        q, scale = fp8_rows(w)
+        return q.float() * scale[:, None]
     if kind.startswith("g32"):
         q, scale, lo = int8_groups(w, 32, asym=kind.endswith("asym"))
         return (lo[..., None] + scale[..., None] * q.float().reshape(*scale.shape, 32)).reshape(w.shape)
@@ -143,7 +156,7 @@ def weight_of(w: torch.Tensor, kind: str) -> torch.Tensor:
     return q.float() * scale[:, None]
 
 
-VARIANTS = {  # name -> (weight kind, round input, round output)
+VARIANTS: dict[str, tuple[str, bool | str, bool]] = {  # name -> (weight kind, round input, round output)
     "fp32": ("f32", False, False),
     "act_in_bf16": ("f32", True, False),
     "act_out_bf16": ("f32", False, True),
@@ -155,10 +168,13 @@ VARIANTS = {  # name -> (weight kind, round input, round output)
     "w8g32_sym": ("g32_sym", False, False),
     "w8g32_asym": ("g32_asym", False, False),
     "kernel_int8_g32": ("group_int8_kernel", True, True),
+    "wfp8_f32": ("fp8", False, False),
+    "act_fp8": ("f32", "fp8", False),
+    "fp8_emulated": ("fp8", "fp8", True),
 }
 
 
-def patch(model: nn.Module, kind: str, round_in: bool, round_out: bool) -> list[tuple[nn.Module, str, nn.Module]]:
+def patch(model: nn.Module, kind: str, round_in: bool | str, round_out: bool) -> list[tuple[nn.Module, str, nn.Module]]:
     """Replace every ``nn.Linear`` of ``model`` by a ``Probe``; returns what to put back."""
     undo = []
     for name, m in list(model.named_modules()):
