@@ -65,7 +65,16 @@ SUBJECTS = ["travel", "cooking", "a small business", "school", "the weather", "s
             "a hospital", "movies", "a family trip", "the internet", "ancient Rome", "climate", "a bakery",
             "mountains", "chess", "a new phone", "recycling", "a hotel", "languages", "a wedding", "bicycles",
             "a science fair", "the stock market", "volcanoes", "a restaurant review", "social media", "bees",
-            "a board game", "painting", "a train timetable", "vitamins", "a football team"]
+            "a board game", "painting", "a train timetable", "vitamins", "a football team",
+            # added 2026-12-04 (third session): 50 more subjects, another 1,000 questions
+            "a dentist visit", "photography", "rivers", "a camping trip", "insurance", "a coffee shop", "robots",
+            "a rainy day", "airports", "a flower shop", "a marathon", "newspapers", "a piano lesson", "deserts",
+            "a moving day", "a car repair", "birds", "a school play", "taxes", "a farmers market", "the moon",
+            "a power outage", "knitting", "a city council", "dinosaurs", "a summer job", "a zoo", "poetry",
+            "a video game", "bridges", "a first aid kit", "a neighbour", "the post office", "a fitness plan",
+            "a storm", "coral reefs", "a budget", "a pizza", "the Olympics", "a lighthouse", "an online course",
+            "a classroom rule", "electric cars", "a picnic", "honey", "a magic trick", "a podcast", "forests",
+            "a lost wallet", "a team meeting"]
 ASK_TEMPLATES = ["Write one question that a user might ask an AI assistant about {subject}. The question {kind}. "
                  "Reply with the question only.",  # of 15 tried: 9 gave a question (varied); 15 (plainer)
                  "Make up a question about {subject} that {kind}. Write only the question, nothing else."]

@@ -157,19 +157,24 @@ def llada_shape_speed(device: torch.device, smoke: bool) -> list[dict]:
 def timed_engine_run(model: torch.nn.Module, prompts: list[list[int]], params: SamplingParams, batch: int,
                      device: torch.device, eos_id: int, config: EngineConfig | None = None) -> dict:
     """Decode ``prompts`` through a fresh ``Engine`` (``batch`` rows at a time; ``config``'s other settings),
-    timed between device syncs: answer tokens (up to the first end id), seconds, tokens/s and the largest
+    timed between device syncs: answer tokens (up to the first end id), seconds, tokens/s, the first engine step's
+    seconds (the prefill pass with it: a slow prefill kernel shows there, not in the per-step passes) and the largest
     per-request NFE."""
     engine = Engine(model, replace(config or EngineConfig(), max_num_seqs=batch))
     sync(device)
     start = time.perf_counter()
     requests = [engine.add_request(p, params) for p in prompts]
+    first_step = None
     while engine.has_unfinished():
         engine.step()
+        if first_step is None:
+            sync(device)
+            first_step = time.perf_counter() - start
     sync(device)
     seconds = time.perf_counter() - start
     tokens = sum(len(r.final_prefix(eos_id)) for r in requests)
     return {"answer_tokens": tokens, "seconds": round(seconds, 3), "tokens_per_s": round(tokens / seconds, 1),
-            "nfe": max(r.nfe for r in requests)}
+            "first_step_s": round(first_step or 0.0, 4), "nfe": max(r.nfe for r in requests)}
 
 
 def sdar_shape(smoke: bool) -> SDARConfig:

@@ -25,6 +25,7 @@ def test_gpu_quant_check_smoke_on_cpu(capsys):
                                                          for b in (1, 8)]
     assert all(r["answer_tokens"] == 16 * r["batch"] and set(r["pass_cost_ms_by_width"]) == {"1", "2", "4", "8", "16"}
                for r in speed)
+    assert all(0 < r["first_step_s"] < r["seconds"] for r in speed)  # the prefill step, timed inside the run
 
 
 def test_a_failing_part_is_reported_and_fails_the_run(capsys, monkeypatch):
