@@ -29,7 +29,8 @@ def add_parsers(sub) -> None:  # noqa: ANN001 - argparse's subparsers action
     t.add_argument("--mask-token-id", type=int, default=16, help="dflash: the block's mask id (a target id)")
     t.add_argument("--draft-vocab", type=int, default=0, help="dflash: a pruned draft vocabulary of this many "
                    "ids (0: the target's whole vocabulary)")
-    t.add_argument("--init", help="hybrid: causal checkpoint to start from (name or folder), e.g. celeris-code-6m-ar")
+    t.add_argument("--init", help="hybrid: causal checkpoint to start from (name or folder), e.g. celeris-code-6m-ar; "
+                   "dflash: a trained drafter (folder or a run's last.pt) to start from")
     t.add_argument("--block-size", type=int, help="hybrid: drafting block length in tokens (default 4); dflash: "
                    "the drafter's block_size (default 8)")
     t.add_argument("--full-mask-prob", type=float, default=0.5, help="hybrid: share of fully masked noisy blocks")
@@ -83,6 +84,10 @@ def _train_dflash(args: argparse.Namespace) -> int:
             "--draft-vocab", str(args.draft_vocab), "--lr", str(args.lr), "--max-steps", str(args.max_steps),
             "--batch-size", str(args.batch_size), "--seed", str(args.seed),
             "--threads", str(args.threads or 1), "--eval-every", str(args.eval_every)]
+    if args.init:
+        if not Path(args.init).exists():
+            raise UsageError(f"--init {args.init}: no drafter folder or last.pt there")
+        argv += ["--init", args.init]
     dflash.main(argv)
     if args.export:
         import shutil

@@ -278,6 +278,39 @@ def init_from_target(model: DFlashDraftModel, target_state: dict[str, torch.Tens
     model.norm.weight.data.copy_(target_state["model.norm.weight"])
 
 
+def init_from_drafter(model: DFlashDraftModel, source: Path) -> int:
+    """Start ``model`` from a trained drafter (a fine-tune, or a deeper drafter grown from a shallower one): every
+    parameter whose name and shape match one of ``source``'s is copied; the rest keep their start
+    (``init_from_target``). ``source`` is an exported drafter folder (``save_dflash``: bfloat16 weights) or a run's
+    ``last.pt`` (float32, the optimiser's state is not taken: the new run starts its own schedule).
+
+    Returns:
+        the number of tensors copied.
+
+    Raises:
+        ValueError: ``source`` is neither a drafter folder nor a checkpoint file, or its hidden size is not
+            ``model``'s.
+    """
+    from celeris.models.dflash import load_dflash
+
+    if source.is_file():
+        state = torch.load(source, weights_only=False, map_location="cpu").get("model", {})
+    elif source.is_dir():
+        state = load_dflash(source).state_dict()
+    else:
+        raise ValueError(f"--init {source}: no drafter folder or last.pt there")
+    own = model.state_dict()
+    width = tuple(state["norm.weight"].shape) if "norm.weight" in state else None  # (hidden size,)
+    if width != tuple(own["norm.weight"].shape):
+        raise ValueError(f"--init {source}: its hidden size {width[0] if width else '(none)'} does not fit this "
+                         f"drafter's {model.config.hidden_size}")
+    shared = {k: v for k, v in state.items() if k in own and v.shape == own[k].shape}
+    with torch.no_grad():
+        for k, v in shared.items():
+            own[k].copy_(v.to(own[k].dtype))
+    return len(shared)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The command line of ``python -m celeris.train.dflash`` (``celeris train --objective dflash`` wraps it)."""
     ap = argparse.ArgumentParser(description="Train a DFlash drafter on a frozen target's own answers.")
@@ -302,6 +335,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--eval-rows", type=int, default=24)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--init", type=Path, help="start from this trained drafter (folder or last.pt; "
+                    "init_from_drafter) instead of the target's last layers alone; ignored when the run resumes")
     return ap
 
 
@@ -357,6 +392,9 @@ def main(argv: list[str] | None = None) -> None:
         step = ckpt["step"]
         opt.load_state_dict(ckpt["optimizer"])  # the draft vocabulary is picked again from today's rows (above)
         print(f"resumed at step {step}", flush=True)
+    elif args.init is not None:
+        print(f"initialised {init_from_drafter(model, args.init)} of {len(model.state_dict())} tensors from "
+              f"{args.init}", flush=True)
     log = (args.out / "history.jsonl").open("a")
     if step == 0:
         start = {"step": 0, **acceptance(model.eval(), embed, held, args.block_size - 1)}

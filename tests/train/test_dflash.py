@@ -90,3 +90,35 @@ def test_the_warm_start_feeds_the_context_to_the_first_layer_as_the_target_layer
     before = other.fc.weight.clone()
     init_from_target(other, state | {k.replace("layers.5.", "layers.4."): v for k, v in state.items()}, [4, 5])
     assert torch.equal(other.fc.weight, before)
+
+
+def test_a_drafter_starts_from_a_trained_one_where_names_and_shapes_match(tmp_path):
+    """``--init``: a 3-layer drafter grown from a 2-layer one takes its two layers, fc and norms (bfloat16 from an
+    exported folder, exactly from a run's last.pt); its third layer keeps its own start; another width is refused."""
+    from dataclasses import replace
+
+    import pytest
+
+    from celeris.models.dflash import DFlashDraftModel, save_dflash
+    from celeris.train.dflash import init_from_drafter
+
+    source = tiny()
+    with torch.no_grad():
+        for p in source.parameters():
+            p.normal_()
+    save_dflash(source, tmp_path / "export")
+    torch.save({"model": source.state_dict(), "step": 7}, tmp_path / "last.pt")
+    torch.manual_seed(1)
+    deeper = DFlashDraftModel(replace(source.config, num_hidden_layers=3))
+    third = {k: v.clone() for k, v in deeper.state_dict().items() if k.startswith("layers.2.")}
+    assert init_from_drafter(deeper, tmp_path / "last.pt") == len(source.state_dict())
+    got = deeper.state_dict()
+    assert all(torch.equal(got[k], v) for k, v in source.state_dict().items())
+    assert all(torch.equal(got[k], v) for k, v in third.items())
+    init_from_drafter(deeper, tmp_path / "export")
+    assert torch.equal(deeper.state_dict()["fc.weight"], source.fc.weight.detach().to(torch.bfloat16).float())
+    wider = DFlashDraftModel(replace(source.config, hidden_size=48, num_attention_heads=6))
+    with pytest.raises(ValueError, match="hidden size 32 does not fit this drafter.s 48"):
+        init_from_drafter(wider, tmp_path / "last.pt")
+    with pytest.raises(ValueError, match="no drafter folder or last.pt"):
+        init_from_drafter(deeper, tmp_path / "missing")

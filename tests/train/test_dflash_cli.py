@@ -93,3 +93,17 @@ def test_the_other_objectives_keep_their_defaults(monkeypatch, tmp_path):
     monkeypatch.setattr(loop, "train", lambda cfg: seen.append(cfg) or {})
     assert main(["train", "--data", str(tmp_path / "data"), "--out", str(tmp_path / "run")]) == 0
     assert (seen[0].lr, seen[0].batch_size, seen[0].block_size) == (1.5e-3, 8, 4)
+
+
+def test_a_missing_init_drafter_is_one_line_and_exit_2(tmp_path, capsys):
+    for name in ("data", "held"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "answers.jsonl").write_text(json.dumps({"id": "r0", "layer_ids": [1]}) + "\n")
+    (tmp_path / "target").mkdir()
+    for name in ("config.json", "model.safetensors"):
+        (tmp_path / "target" / name).write_text("{}")
+    assert main(["train", "--objective", "dflash", "--data", str(tmp_path / "data"), "--heldout", str(tmp_path / "held"),
+                 "--target", str(tmp_path / "target"), "--out", str(tmp_path / "run"), "--init",
+                 str(tmp_path / "nothing")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "--init" in err and "no drafter folder or last.pt" in err
