@@ -61,6 +61,16 @@ def test_train_dflash_checkpoints_resumes_and_exports_a_drafter_that_loads(tmp_p
     assert q.generate([prompt], params)[0].token_ids == want.token_ids[0] and q.proposer.calls > 0
 
 
+def stub_folders(tmp_path) -> None:
+    """Data, held-out and target folders that pass the CLI's checks (their contents are never read)."""
+    for name in ("data", "held"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "answers.jsonl").write_text(json.dumps({"id": "r0", "layer_ids": [1]}) + "\n")
+    (tmp_path / "target").mkdir()
+    for name in ("config.json", "model.safetensors"):
+        (tmp_path / "target" / name).write_text("{}")
+
+
 @pytest.mark.parametrize("given, expected", [
     ([], {"--lr": "0.001", "--batch-size": "4", "--block-size": "8"}),  # DFlash's own defaults
     (["--lr", "1.5e-3", "--batch-size", "8", "--block-size", "4"],  # the other objectives' defaults, given: they count
@@ -69,12 +79,7 @@ def test_train_dflash_checkpoints_resumes_and_exports_a_drafter_that_loads(tmp_p
 def test_a_flag_the_caller_gives_counts_even_at_another_objectives_default(tmp_path, monkeypatch, given, expected):
     from celeris.train import dflash
 
-    for name in ("data", "held"):
-        (tmp_path / name).mkdir()
-        (tmp_path / name / "answers.jsonl").write_text(json.dumps({"id": "r0", "layer_ids": [1]}) + "\n")
-    (tmp_path / "target").mkdir()
-    for name in ("config.json", "model.safetensors"):
-        (tmp_path / "target" / name).write_text("{}")
+    stub_folders(tmp_path)
     seen: list[list[str]] = []
     monkeypatch.setattr(dflash, "main", seen.append)
     assert main(["train", "--objective", "dflash", "--data", str(tmp_path / "data"), "--heldout",
@@ -96,12 +101,7 @@ def test_the_other_objectives_keep_their_defaults(monkeypatch, tmp_path):
 
 
 def test_a_missing_init_drafter_is_one_line_and_exit_2(tmp_path, capsys):
-    for name in ("data", "held"):
-        (tmp_path / name).mkdir()
-        (tmp_path / name / "answers.jsonl").write_text(json.dumps({"id": "r0", "layer_ids": [1]}) + "\n")
-    (tmp_path / "target").mkdir()
-    for name in ("config.json", "model.safetensors"):
-        (tmp_path / "target" / name).write_text("{}")
+    stub_folders(tmp_path)
     assert main(["train", "--objective", "dflash", "--data", str(tmp_path / "data"), "--heldout", str(tmp_path / "held"),
                  "--target", str(tmp_path / "target"), "--out", str(tmp_path / "run"), "--init",
                  str(tmp_path / "nothing")]) == 2
