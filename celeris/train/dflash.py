@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import pickle
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -288,13 +289,19 @@ def init_from_drafter(model: DFlashDraftModel, source: Path) -> int:
         the number of tensors copied.
 
     Raises:
-        ValueError: ``source`` is neither a drafter folder nor a checkpoint file, or its hidden size is not
-            ``model``'s.
+        ValueError: ``source`` is neither a drafter folder nor a training checkpoint (``last.pt``), or its hidden
+            size is not ``model``'s.
     """
     from celeris.models.dflash import load_dflash
 
     if source.is_file():
-        state = torch.load(source, weights_only=False, map_location="cpu").get("model", {})
+        try:
+            ckpt = torch.load(source, weights_only=False, map_location="cpu")
+        except (RuntimeError, EOFError, pickle.UnpicklingError) as exc:
+            raise ValueError(f"--init {source}: not a training checkpoint ({exc})") from exc
+        if not isinstance(ckpt, dict) or not isinstance(ckpt.get("model"), dict):
+            raise ValueError(f"--init {source}: not a training checkpoint (no 'model' state in it)")
+        state = ckpt["model"]
     elif source.is_dir():
         state = load_dflash(source).state_dict()
     else:

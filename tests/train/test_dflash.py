@@ -122,3 +122,8 @@ def test_a_drafter_starts_from_a_trained_one_where_names_and_shapes_match(tmp_pa
         init_from_drafter(wider, tmp_path / "last.pt")
     with pytest.raises(ValueError, match="no drafter folder or last.pt"):
         init_from_drafter(deeper, tmp_path / "missing")
+    (tmp_path / "notes.txt").write_text("not a checkpoint")
+    torch.save([1, 2], tmp_path / "list.pt")
+    for bad in ("notes.txt", "list.pt"):
+        with pytest.raises(ValueError, match="not a training checkpoint"):
+            init_from_drafter(deeper, tmp_path / bad)
