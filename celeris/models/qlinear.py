@@ -26,6 +26,16 @@ from torch import nn
 FP8_MAX = 448.0  # the largest finite float8 e4m3fn value
 
 
+KERNEL_ALIGNMENT = 64  # bytes: PyTorch's CPU allocator's alignment, which its packed kernels may assume
+
+
+def aligned(t: torch.Tensor) -> torch.Tensor:
+    """``t`` itself when its data starts on a 64-byte boundary, else a copy that does: a tensor read from a
+    safetensors file (8-byte aligned) reached ``torch._weight_int8pack_mm`` misaligned, and its AVX512-BF16 path
+    (torch 2.13, bfloat16 activations) crashed the process with a segmentation fault on such a weight or scale."""
+    return t if t.data_ptr() % KERNEL_ALIGNMENT == 0 else t.clone(memory_format=torch.contiguous_format)
+
+
 class QuantizedLinear(nn.Module):
     """Common part of the weight-only linears: ``forward`` (..., in) -> (..., out) in the input's dtype."""
 
@@ -79,7 +89,8 @@ class Int8Linear(QuantizedLinear):
     def from_quantized(cls, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None,
                        act_dtype: torch.dtype) -> Int8Linear:
         """The layer from its stored form: qweight (out, in) int8, scales (out,) and bias (out,) or None (any float
-        dtype, cast to ``act_dtype``); the tensors are kept, not copied, where no cast is needed."""
+        dtype, cast to ``act_dtype``); the tensors are kept, not copied, where no cast is needed and they are
+        64-byte aligned (``aligned``)."""
         module = cls.__new__(cls)
         QuantizedLinear.__init__(module)
         module._fill(qweight, scales, bias, act_dtype)
@@ -89,8 +100,8 @@ class Int8Linear(QuantizedLinear):
               act_dtype: torch.dtype) -> None:
         self.out_features, self.in_features = qweight.shape
         self.act_dtype = act_dtype
-        self.register_buffer("qweight", qweight)
-        self.register_buffer("scales", scales.to(act_dtype))
+        self.register_buffer("qweight", aligned(qweight))
+        self.register_buffer("scales", aligned(scales.to(act_dtype)))
         self.register_buffer("bias", None if bias is None else bias.to(act_dtype))
 
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
@@ -119,7 +130,7 @@ class Int8Embedding(nn.Module):
 
     def _fill(self, qweight: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> None:
         self.num_embeddings, self.embedding_dim, self.dtype = qweight.shape[0], qweight.shape[1], dtype
-        self.register_buffer("qweight", qweight)
+        self.register_buffer("qweight", aligned(qweight))  # shared by ``head()``'s kernel
         self.register_buffer("scales", scales.float())
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:

@@ -65,6 +65,21 @@ def test_int8_kernel_equals_the_dequantized_matmul(m):
     torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)  # bfloat16 accumulation of the kernel
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_int8_kernel_takes_a_weight_and_scales_read_at_any_offset(dtype):
+    """Stored layers come from safetensors files, whose tensors start on 8-byte boundaries: the kernel (whose
+    AVX512-BF16 path crashed the process on such a weight) gets 64-byte aligned copies and the same product."""
+    lin = linear(64, 64, seed=2)
+    ref = Int8Linear(lin, dtype)
+    weight_buf, scale_buf = torch.zeros(64 * 64 + 8, dtype=torch.int8), torch.zeros(64 + 4, dtype=dtype)
+    weight_buf[8:] = ref.qweight.flatten()
+    scale_buf[4:] = ref.scales
+    layer = Int8Linear.from_quantized(weight_buf[8:].view(64, 64), scale_buf[4:], None, dtype)
+    assert layer.qweight.data_ptr() % 64 == 0 and layer.scales.data_ptr() % 64 == 0
+    x = torch.randn(5, 64)
+    assert torch.equal(layer(x), ref(x))
+
+
 @pytest.mark.parametrize("group", [32, 64])
 def test_int4_kernel_equals_the_dequantized_matmul(group):
     lin = linear(48, 128, seed=1)
