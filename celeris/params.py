@@ -139,8 +139,8 @@ class SamplingParams:
                                help="classifier-free guidance scale (LLaDA Eq. 16; 0 = off; not with decoding "
                                "'verified')")
     repetition_penalty: float = setting(1.0, low=0.01, high=100.0, per_row=True,
-                                        help="CTRL repetition penalty (arXiv:1909.05858; 1 = off; not with decoding "
-                                        "'verified')")
+                                        help="CTRL repetition penalty (arXiv:1909.05858; 1 = off): the logits of tokens "
+                                        "already in the prompt or answer divided by it (multiplied when negative)")
     seed: int | None = setting(None, low=0, high=MAX_SEED, per_row=True, http=False,
                                help="per-request RNG seed (None: a fresh one)")
     stop: list[str] = setting(default_factory=list, per_row=True, http=False, cli={"action": "append"},

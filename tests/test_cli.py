@@ -379,15 +379,15 @@ def help_text(capsys, *argv: str) -> str:
 
 def test_help_texts_say_what_the_code_does(capsys):
     """--stop is taken literally (bash passes "\\ndef " as a backslash and an n: $'\\ndef ' is a newline); the
-    settings verified decoding refuses say so; --plot needs the report extra; chat warns that the embedded code
-    models answer in comment lines."""
+    setting verified decoding refuses says so, the repetition penalty what it penalizes; --plot needs the report
+    extra; chat warns that the embedded code models answer in comment lines."""
     from celeris.cli import build_parser
 
     assert build_parser().parse_args(["generate", "x", "--stop", "\\ndef "]).stop == ["\\ndef "]  # no unescaping
     generate = help_text(capsys, "generate")
     assert "--stop $'\\ndef '" in generate and "a backslash and an n" in generate
-    for flag in ("--repetition-penalty", "--cfg-scale"):
-        assert "not with decoding 'verified'" in generate.split(flag + " ")[-1].split(" --")[0], flag
+    assert "not with decoding 'verified'" in generate.split("--cfg-scale ")[-1].split(" --")[0]
+    assert "already in the prompt or answer" in generate.split("--repetition-penalty ")[-1].split(" --")[0]
     assert "pip install 'celeris[report]'" in help_text(capsys, "batch", "report")
     assert "answer in '#' comment lines" in help_text(capsys)
 

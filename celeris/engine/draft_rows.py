@@ -101,6 +101,7 @@ class DraftRow:
     end_ids: frozenset[int] = frozenset()  # ids that end the answer (with ``early_exit``)
     constraint: Constraint | None = None  # the grammar state (``celeris.structured``), advanced by committed tokens
     draft_state: DraftState | None = None  # its DFlash drafter's cache and queued features (with a drafter)
+    seen: torch.Tensor | None = None  # (V,) bool its prompt and answer tokens, with a repetition_penalty (else None)
     acceptance_lengths: list[int] = field(default_factory=list)  # drafts accepted, per pass that checked drafts
     answer: list[int] = field(default_factory=list)
     drafts: list[int] = field(default_factory=list)

@@ -21,7 +21,13 @@ from celeris.models.layers import KVCache
 from celeris.params import SamplingParams
 from celeris.sampling.drafter import DFlashProposer, DraftState, proposer_of
 from celeris.sampling.select import NEG_INF
-from celeris.sampling.step import banned_token_ids, check_prompts, make_generator
+from celeris.sampling.step import (
+    banned_token_ids,
+    check_prompts,
+    context_tokens,
+    make_generator,
+    penalize_repetition,
+)
 from celeris.sampling.verified import (
     LOOKUP_DRAFTS,
     MAX_DRAFTS,
@@ -31,6 +37,7 @@ from celeris.sampling.verified import (
     grammar_slot_drafts,
     lookup_drafts,
     mask_slots,
+    penalize_along,
     slot_drafts,
     verify_drafts,
     verify_under_grammar,
@@ -143,6 +150,10 @@ class VerifiedDecoder:
         row = DraftRow(list(prompt_ids), params, make_generator(params.seed), k, ends, constraint=constraint,
                        slot_start=len(prompt_ids), num_slots=slots,
                        draft_state=DraftState() if self.proposer else None)
+        if params.repetition_penalty != 1:  # the context CTRL's penalty reads (``penalize_along``)
+            config = self.model.config
+            row.seen = context_tokens([torch.tensor(prompt_ids)], config.vocab_size, config.mask_token_id,
+                                      self.device)[0]
         if self.prefix_cache is not None:  # copy the cached prefix's keys/values into the row's pool row
             row.num_cached, kv = self.prefix_cache.lookup(row.prompt_ids)
             if self.feature_cache is not None:  # the drafter's context for that prefix, as far as it reaches
@@ -262,6 +273,15 @@ class VerifiedDecoder:
             self.num_prefilled += 1
         return out
 
+    @staticmethod
+    def penalized(row: DraftRow, logits: torch.Tensor) -> torch.Tensor:
+        """A row's draft logits (k, V) with its repetition penalty over its context so far (as is, without one):
+        drafts are only guesses, so the drafts of one block do not penalize each other; verification does
+        (``penalize_along``)."""
+        if row.seen is None:
+            return logits
+        return penalize_repetition(logits[None], row.seen[None], row.params.repetition_penalty)[0]
+
     def draft(self, row: DraftRow, slot_logits: torch.Tensor) -> tuple[list[int], list]:
         """The next drafts of ``row`` from its mask slots' logits (slots, V), and their distributions (sampling)."""
         if row.constraint is not None:
@@ -279,7 +299,7 @@ class VerifiedDecoder:
         if self.segment.store.drafter is self.proposer.drafter:
             row.draft_state.cache.bind([k[i : i + 1] for k in self.segment.draft_keys],
                                        [v[i : i + 1] for v in self.segment.draft_values])
-        logits = self.proposer.propose(row.draft_state, last_token, start, row.k)  # (k, V)
+        logits = self.penalized(row, self.proposer.propose(row.draft_state, last_token, start, row.k))  # (k, V)
         if row.constraint is not None:
             greedy = replace(row.params, temperature=0.0)
             drafts, _ = grammar_slot_drafts(row.constraint, logits, greedy, row.generator)
@@ -289,6 +309,20 @@ class VerifiedDecoder:
         probs = [] if row.params.temperature == 0 else [
             torch.nn.functional.one_hot(torch.tensor(t), vocab).double() for t in drafts]
         return drafts, probs
+
+    @staticmethod
+    def verify(row: DraftRow, logits: torch.Tensor) -> tuple[int, list[int]]:
+        """Check ``row``'s m drafts with the target's next-token logits (m + 1, V) at its pending token and drafts
+        (penalized in place first, with a repetition penalty, as next-token decoding penalizes each position once
+        it is committed: ``penalize_along``): (drafts accepted, the tokens to commit, cut at ``max_tokens``)."""
+        left = row.params.max_tokens - len(row.answer)
+        if row.seen is not None:
+            logits[:] = penalize_along(logits, row.seen, row.drafts, row.params.repetition_penalty)
+        if row.constraint is not None:  # the grammar-masked head checks the drafts (verify_under_grammar)
+            return verify_under_grammar(row.constraint, logits, row.drafts, row.draft_probs, row.params,
+                                        row.generator, left)
+        a, token = verify_drafts(logits, row.drafts, row.draft_probs, row.params, row.generator)
+        return a, (row.drafts[:a] + [token])[:left]
 
     def _advance(self, i: int, logits: torch.Tensor, feats: torch.Tensor | None = None,
                  raw: torch.Tensor | None = None) -> list[int]:
@@ -301,12 +335,7 @@ class VerifiedDecoder:
         c0 = cols.index(row.pending if row.pending >= 0 else len(row.prompt_ids) - 1)
         m = len(row.drafts)
         n = row.params.max_tokens
-        if row.constraint is not None:  # the grammar-masked head checks the drafts (verify_under_grammar)
-            a, new = verify_under_grammar(row.constraint, logits[c0 : c0 + m + 1], row.drafts, row.draft_probs,
-                                          row.params, row.generator, n - len(row.answer))
-        else:
-            a, token = verify_drafts(logits[c0 : c0 + m + 1], row.drafts, row.draft_probs, row.params, row.generator)
-            new = (row.drafts[:a] + [token])[: n - len(row.answer)]
+        a, new = self.verify(row, logits[c0 : c0 + m + 1])
         if m > len(self.drafted):
             self.drafted += [0] * (m - len(self.drafted))
             self.accepted += [0] * (m - len(self.accepted))
@@ -329,6 +358,8 @@ class VerifiedDecoder:
         base = len(row.prompt_ids) + len(row.answer)  # column of the first new token
         self.tokens[i, base : base + len(new)] = torch.tensor(new, device=self.device)
         row.answer.extend(new)
+        if row.seen is not None:
+            row.seen[torch.tensor(new, device=self.device)] = True
         if row.constraint is not None and row.constraint.stopped:  # the grammar allows nothing more
             row.hit_eos = True
         if len(row.answer) >= n or row.hit_eos:
@@ -353,7 +384,7 @@ class VerifiedDecoder:
             row.draft_state.from_drafter = True
         elif slots_valid and row.num_slots:
             s = cols.index(row.slot_start)
-            row.drafts, row.draft_probs = self.draft(row, logits[s : s + row.num_slots])
+            row.drafts, row.draft_probs = self.draft(row, self.penalized(row, logits[s : s + row.num_slots]))
         else:
             row.drafts, row.draft_probs = [], []
         self.tokens[i, pending + 1 : pending + 1 + len(row.drafts)] = torch.tensor(row.drafts, dtype=torch.long,

@@ -111,11 +111,12 @@ def context_tokens(canvases: list[torch.Tensor], vocab_size: int, mask_id: int, 
     return seen[:, :vocab_size]
 
 
-def penalize_repetition(logits: torch.Tensor, seen: torch.Tensor, penalty: torch.Tensor) -> torch.Tensor:
-    """CTRL's repetition penalty (arXiv:1909.05858): logits (B, L, V) of tokens with ``seen`` (B, V)
-    divided by ``penalty`` (B, 1, 1) when positive, multiplied when negative."""
+def penalize_repetition(logits: torch.Tensor, seen: torch.Tensor, penalty: torch.Tensor | float) -> torch.Tensor:
+    """CTRL's repetition penalty (arXiv:1909.05858): logits (B, L, V) of tokens with ``seen`` (B, V), or (B, L, V)
+    where each position has its own context, divided by ``penalty`` (B, 1, 1) when positive, multiplied when
+    negative."""
     penalized = torch.where(logits > 0, logits / penalty, logits * penalty)
-    return torch.where(seen[:, None, :], penalized, logits)
+    return torch.where(seen[:, None, :] if seen.dim() == 2 else seen, penalized, logits)
 
 
 def filter_logits(logits: torch.Tensor, settings: RowSettings) -> torch.Tensor:

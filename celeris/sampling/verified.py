@@ -71,6 +71,7 @@ import torch
 from celeris.params import SamplingParams
 from celeris.sampling.drafter import DFlashProposer, check_num_drafts, proposer_of
 from celeris.sampling.select import NEG_INF, probs
+from celeris.sampling.step import penalize_repetition
 from celeris.structured.grammar import Constraint, _bits
 
 LOOKUP_DRAFTS = 4  # drafts per pass for a causal model without mask slots (prompt lookup only)
@@ -88,7 +89,7 @@ def check_verified_support(model: torch.nn.Module, params: SamplingParams, has_s
 
     Needs a causal model trained to draft (``draft_length`` > 0) or a DFlash drafter beside it
     (``celeris.sampling.drafter.attach``), except for prompt lookup; settings it does not implement
-    (``cfg_scale``, ``repetition_penalty``, infilling) are refused naming the setting.
+    (``cfg_scale``, infilling) are refused naming the setting.
     """
     if not getattr(model.config, "is_causal", False) or not getattr(model, "supports_kv_cache", False):
         raise ValueError("decoding 'verified' needs a causal model with a KV cache (a hybrid model for mask-slot "
@@ -97,8 +98,6 @@ def check_verified_support(model: torch.nn.Module, params: SamplingParams, has_s
     check_draft_source(params, proposer, mask_slots(model, proposer))
     if params.cfg_scale:
         raise ValueError("cfg_scale is not supported with decoding 'verified'")
-    if params.repetition_penalty != 1:
-        raise ValueError("repetition_penalty is not supported with decoding 'verified'")
     if has_suffix:
         raise ValueError("infilling (a suffix) is not supported with decoding 'verified'")
 
@@ -167,6 +166,26 @@ def verify_drafts(p_logits: torch.Tensor, drafts: list[int], q_probs: list[torch
         if residual is not None:
             return a, int(torch.multinomial(residual, 1, generator=gen))
     return len(drafts), int(torch.multinomial(p[len(drafts)], 1, generator=gen))
+
+
+def penalize_along(logits: torch.Tensor, seen: torch.Tensor, drafts: list[int], penalty: float) -> torch.Tensor:
+    """CTRL's repetition penalty (arXiv:1909.05858) at one row's m + 1 verify positions, each with its own context:
+    position j (the logits after d_j; j = 0: after the pending token) penalizes the row's tokens so far and the
+    drafts d_1 .. d_j, which is the context next-token decoding penalizes with once they are committed; a
+    position is only used where every draft before it was accepted, so the verified answer is exactly the
+    penalized next-token answer (temperature 0), or distributed as it (speculative sampling).
+
+    Args:
+        logits: (m + 1, V) float next-token logits. seen: (V,) bool, the row's prompt and answer tokens.
+        drafts: d_1 .. d_m. penalty: the row's ``repetition_penalty``.
+
+    Returns:
+        (m + 1, V) penalized logits (a new tensor).
+    """
+    context = seen.expand(logits.shape[0], -1).clone()  # (m + 1, V)
+    for j, token in enumerate(drafts[: logits.shape[0] - 1]):
+        context[j + 1 :, token] = True
+    return penalize_repetition(logits[None], context[None], penalty)[0]
 
 
 def slot_drafts(slot_logits: torch.Tensor, params: SamplingParams, gen: torch.Generator) -> tuple[list[int], list]:

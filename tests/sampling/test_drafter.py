@@ -147,6 +147,23 @@ def test_greedy_with_any_drafter_equals_next_token_decoding(target, trained):
         assert len(out.drafted) == 3
 
 
+def test_a_repetition_penalty_with_the_drafter_keeps_the_penalized_next_token_answer(target, trained):
+    """The drafter's drafts, scored with the row's penalty, verified against the penalized target: each row equals
+    next-token decoding with that penalty, and the drafter still has drafts accepted."""
+    attach(target, DFlashProposer(trained, target))
+    try:
+        params = SamplingParams(max_tokens=20, decoding="verified", draft_source="dflash", early_exit=False,
+                                repetition_penalty=1.8)
+        out = generate_verified(target, PROMPTS, params)
+    finally:
+        attach(target, None)
+    reference = generate_autoregressive(target, PROMPTS, SamplingParams(max_tokens=20, steps=20, early_exit=False,
+                                                                         repetition_penalty=1.8))
+    assert out.token_ids == reference.token_ids
+    assert out.token_ids != [greedy(target, p, 20) for p in PROMPTS]  # the penalty changed the answers
+    assert sum(out.accepted) > 0
+
+
 @pytest.mark.slow
 def test_speculative_sampling_with_one_hot_drafts_keeps_the_next_token_distribution(target, trained):
     """At temperature 1 the second answer token (the first a draft can give) follows the target's exact marginal

@@ -58,7 +58,7 @@ def test_each_model_and_request_takes_one_mode_and_passes_its_check(models, name
     ("causal", {"block_length": 2}, "block_length"),
     ("causal", {"decoding": "verified"}, "draft_source"),  # no mask slots: lookup only
     ("diffusion", {"decoding": "verified"}, "decoding"),  # not causal
-    ("hybrid", {"decoding": "verified", "repetition_penalty": 1.2}, "repetition_penalty"),
+    ("hybrid", {"decoding": "verified", "cfg_scale": 1.0}, "cfg_scale"),
 ])
 def test_what_the_mode_cannot_run_is_refused_naming_the_setting_first(models, name, settings, word):
     with pytest.raises(ValueError, match=f"^{word}"):

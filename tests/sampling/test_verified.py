@@ -104,23 +104,30 @@ def test_accept_draft_keeps_at_rate_min_one_p_over_q_else_returns_the_residual()
     assert accept_draft(p, p, 0, torch.Generator().manual_seed(0)) is None  # p == q: always kept
 
 
-@pytest.mark.slow  # 3.5 s; the fast tier keeps test_accept_draft_keeps_at_rate_min_one_p_over_q_else_returns_the_residual
-def test_speculative_sampling_keeps_the_next_token_distribution(hybrid):
+@pytest.mark.slow  # 3.5 s each; the fast tier has test_accept_draft_keeps_at_rate_min_one_p_over_q_else_returns_the_residual
+@pytest.mark.parametrize("penalty", [1.0, 2.0])
+def test_speculative_sampling_keeps_the_next_token_distribution(hybrid, penalty):
     """The second answer token is the first one that comes from a draft. Its frequency over 3,000 seeded
     rows must match the exact marginal sum_t1 p(t1) p(t2 | t1) of the next-token head (total variation
-    < 0.05, a bound about 3x the sampling noise here), while the drafts' own marginal is far from it."""
+    < 0.05, a bound about 3x the sampling noise here), while the drafts' own marginal is far from it; with a
+    repetition penalty, p is the penalized head (CTRL's rule over the prompt and t1, written out here)."""
     prompt = [5, 9, 11, 40]
     n_rows = 3000
     params = [SamplingParams(max_tokens=2, steps=2, temperature=1.0, seed=s, early_exit=False, decoding="verified",
-                             draft_source="slots")
+                             draft_source="slots", repetition_penalty=penalty)
               for s in range(n_rows)]
-    out = generate_verified(hybrid, [prompt] * n_rows, params)
-    counts = torch.bincount(torch.tensor([t[1] for t in out.token_ids]), minlength=64).double() / n_rows
+    dec = VerifiedDecoder(hybrid, n_rows, 16)
+    rows = [dec.add(prompt, p) for p in params]
+    while not all(r.finished for r in rows):
+        dec.step()  # rows' whole answers, end-of-text included (a penalty makes it a likely first token)
+    counts = torch.bincount(torch.tensor([r.answer[1] for r in rows]), minlength=64).double() / n_rows
     with torch.no_grad():
         banned = [hybrid.config.mask_token_id, hybrid.config.pad_token_id]
 
         def next_probs(ids):  # forward's row i scores token i (from the hidden state at i - 1): append a slot
             logits = hybrid(torch.tensor([ids + [0]]))[0, -1]
+            for t in set(ids):
+                logits[t] = logits[t] / penalty if logits[t] > 0 else logits[t] * penalty
             logits[banned] = float("-inf")
             return logits.double().softmax(-1)
 
@@ -128,7 +135,7 @@ def test_speculative_sampling_keeps_the_next_token_distribution(hybrid):
         exact = sum(p1[t] * next_probs(prompt + [t]) for t in range(64) if p1[t] > 0)
     tv = 0.5 * float((counts - exact).abs().sum())
     assert tv < 0.05, tv
-    assert 0 < sum(out.accepted) < sum(out.drafted)
+    assert 0 < sum(dec.accepted) < sum(dec.drafted)
     drafts_only = VerifiedDecoder(hybrid, 1, 16)  # what accepting every draft would give: the slots' marginal
     row = drafts_only.add(prompt, SamplingParams(max_tokens=2, steps=2))
     slot = drafts_only._run(0, 1, fresh=True)[0][0, len(prompt)].double().softmax(-1)
@@ -143,8 +150,6 @@ def test_refuses_models_and_settings_it_cannot_run(make_model, hybrid):
         check_verified_support(make_model(draft_block_size=4), SamplingParams())  # not causal
     with pytest.raises(ValueError, match="cfg_scale"):
         check_verified_support(hybrid, SamplingParams(cfg_scale=1.0))
-    with pytest.raises(ValueError, match="repetition_penalty"):
-        check_verified_support(hybrid, SamplingParams(repetition_penalty=1.2))
     with pytest.raises(ValueError, match="empty"):
         generate_verified(hybrid, [[]], SamplingParams())
 
@@ -215,3 +220,23 @@ def test_num_speculative_tokens_sets_the_drafts_per_pass_and_keeps_the_greedy_an
         SamplingParams(decoding="verified", num_speculative_tokens=17)
     with pytest.raises(ValueError, match="num_speculative_tokens"):
         SamplingParams(decoding="fixed", num_speculative_tokens=2)  # a setting of a rule not chosen
+
+
+@pytest.mark.parametrize("source", ["slots", "lookup_first"])
+def test_a_repetition_penalty_keeps_the_penalized_next_token_answer(hybrid, source):
+    """CTRL's penalty under verified decoding: each row (penalties 1, 1.5 and 3 in one batch) equals next-token
+    decoding with its own penalty; drafts are accepted in runs (so positions after an accepted draft are
+    penalized with that draft in their context), and the penalty changes the answers."""
+    n = 24
+    prompts = [[5, 9, 11, 40, 5, 9, 11, 40, 5, 9], PROMPTS[0], PROMPTS[2]]
+    penalties = [1.0, 1.5, 3.0]
+    params = [SamplingParams(max_tokens=n, steps=n, early_exit=False, decoding="verified", draft_source=source,
+                             repetition_penalty=r) for r in penalties]
+    out = generate_verified(hybrid, prompts * 3, [p for p in params for _ in prompts])
+    got = [out.token_ids[i : i + len(prompts)] for i in range(0, len(out.token_ids), len(prompts))]
+    for r, answers in zip(penalties, got, strict=True):
+        reference = generate_autoregressive(hybrid, prompts, SamplingParams(max_tokens=n, steps=n, early_exit=False,
+                                                                             repetition_penalty=r))
+        assert answers == reference.token_ids, r
+    assert got[0] != got[2]  # the penalty matters on these prompts
+    assert out.accepted[1] > 0  # second drafts were accepted: their positions' context held the first

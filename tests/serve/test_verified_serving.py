@@ -44,6 +44,11 @@ def test_verified_completion_equals_next_token_decoding_and_is_counted(hybrid_se
     one = client.completions.create(model="tiny-serve", prompt=prompt, max_tokens=12,
                                     extra_body={"num_speculative_tokens": 1, "draft_source": "slots"})
     assert one.choices[0].text == next_token  # vLLM's name for k: fewer drafts per pass, the same greedy text
+    penalized = llm.generate(prompt, llm.default_params(decoding="fixed", early_exit=True,
+                                                          repetition_penalty=2.0))[0].text
+    r = client.completions.create(model="tiny-serve", prompt=prompt, max_tokens=12,
+                                  extra_body={"repetition_penalty": 2.0})
+    assert r.choices[0].text == penalized != next_token  # verified decoding keeps the penalized next-token text
     metrics = httpx.get(f"{hybrid_server.url}/metrics").text
     drafted = [line for line in metrics.splitlines() if line.startswith("celeris_spec_decode_num_draft_tokens_total")]
     assert drafted and float(drafted[0].split()[-1]) > 0
@@ -56,8 +61,8 @@ def test_verified_completion_equals_next_token_decoding_and_is_counted(hybrid_se
 
 def test_verified_refuses_settings_it_cannot_honour(hybrid_server):
     r = httpx.post(f"{hybrid_server.url}/v1/completions",
-                   json={"prompt": "x = 1", "max_tokens": 4, "decoding": "verified", "repetition_penalty": 1.3})
-    assert r.status_code == 400 and "repetition_penalty" in r.json()["error"]["message"]
+                   json={"prompt": "x = 1", "max_tokens": 4, "decoding": "verified", "cfg_scale": 1.0})
+    assert r.status_code == 400 and "cfg_scale" in r.json()["error"]["message"]
     r = httpx.post(f"{hybrid_server.url}/v1/completions",
                    json={"prompt": "x = 1", "max_tokens": 4, "decoding": "verified", "draft_source": "slots",
                          "num_speculative_tokens": 4})  # the model drafts 3 mask slots
