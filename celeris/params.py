@@ -141,6 +141,12 @@ class SamplingParams:
     repetition_penalty: float = setting(1.0, low=0.01, high=100.0, per_row=True,
                                         help="CTRL repetition penalty (arXiv:1909.05858; 1 = off): the logits of tokens "
                                         "already in the prompt or answer divided by it (multiplied when negative)")
+    frequency_penalty: float = setting(0.0, low=-2.0, high=2.0, per_row=True,
+                                       help="OpenAI's frequency penalty (0 = off): each answer token's logit minus "
+                                       "this times how often the answer holds it so far (the prompt not counted)")
+    presence_penalty: float = setting(0.0, low=-2.0, high=2.0, per_row=True,
+                                      help="OpenAI's presence penalty (0 = off): the logit of every token the answer "
+                                      "holds so far minus this (the prompt not counted)")
     seed: int | None = setting(None, low=0, high=MAX_SEED, per_row=True, http=False,
                                help="per-request RNG seed (None: a fresh one)")
     stop: list[str] = setting(default_factory=list, per_row=True, http=False, cli={"action": "append"},

@@ -59,11 +59,11 @@ from celeris.sampling.block import (
 )
 from celeris.sampling.logprobs import committed_entries
 from celeris.sampling.step import (
+    History,
     RowSettings,
     banned_token_ids,
     commit_step,
     confidence_rule,
-    context_tokens,
 )
 
 
@@ -301,16 +301,15 @@ class BlockDecoder:
             force[i, 0] = pending[i]
         num_tokens = torch.tensor([1 if pending[i] else int(row.schedule[min(row.step_in_unit, row.block_steps - 1)])
                                    for i, row in enumerate(rows)], device=self.device)
-        seen = None
-        if any(p.repetition_penalty != 1 for p in params):
-            seen = context_tokens([row.request.canvas for row in rows], logits.shape[-1], self.mask_id, self.device)
+        history = History.of(params, [row.request.canvas for row in rows], [row.request.answer for row in rows],
+                             logits.shape[-1], self.mask_id, self.device)
         step = commit_step(logits, block.to(self.device), self.mask_id, self.eos_id, self.banned_ids, num_tokens,
-                           settings, [row.request.generator for row in rows], seen, widths, self.confidence_from,
+                           settings, [row.request.generator for row in rows], history, widths, self.confidence_from,
                            force=force.to(self.device) if force.any() else None)
         new, committed = step.block, step.committed
         if any(p.logprobs is not None for p in params):  # asking for nothing costs nothing
             entries = committed_entries(logits, new, committed, [p.logprobs for p in params], settings,
-                                        self.banned_ids, seen, None, self.logprobs_mode)
+                                        self.banned_ids, history, None, self.logprobs_mode)
             for row, found in zip(rows, entries, strict=True):
                 offset = row.unit[2] - row.request.answer_start
                 n = row.request.params.max_tokens

@@ -14,6 +14,7 @@ from celeris.params import SamplingParams
 from celeris.sampling.drafter import DraftState
 from celeris.sampling.logprobs import TokenLogprob, entries
 from celeris.sampling.select import top_p_filter
+from celeris.sampling.step import History, RowSettings
 from celeris.structured.grammar import Constraint
 
 
@@ -101,7 +102,8 @@ class DraftRow:
     end_ids: frozenset[int] = frozenset()  # ids that end the answer (with ``early_exit``)
     constraint: Constraint | None = None  # the grammar state (``celeris.structured``), advanced by committed tokens
     draft_state: DraftState | None = None  # its DFlash drafter's cache and queued features (with a drafter)
-    seen: torch.Tensor | None = None  # (V,) bool its prompt and answer tokens, with a repetition_penalty (else None)
+    history: History | None = None  # with a penalty: its tokens so far ((1, V) each; ``penalize_along``), else None
+    penalty_settings: RowSettings | None = None  # with a penalty: its settings as one row's tensors
     acceptance_lengths: list[int] = field(default_factory=list)  # drafts accepted, per pass that checked drafts
     answer: list[int] = field(default_factory=list)
     drafts: list[int] = field(default_factory=list)

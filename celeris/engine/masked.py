@@ -41,11 +41,11 @@ from celeris.models.layers import KVCache, column_window, gather_positions
 from celeris.sampling.cache import CACHE_MODES
 from celeris.sampling.logprobs import committed_entries
 from celeris.sampling.step import (
+    History,
     RowSettings,
     banned_token_ids,
     commit_step,
     confidence_rule,
-    context_tokens,
     guided,
 )
 
@@ -123,16 +123,15 @@ class MaskedPath:
                 return []
         settings = RowSettings.from_params([r.params for r in batch], logits.device)
         num_tokens = torch.tensor([r.tokens_this_step() for r in batch], device=logits.device)
-        seen = None
-        if any(r.params.repetition_penalty != 1 for r in batch):
-            seen = context_tokens([r.canvas for r in batch], logits.shape[-1], self.mask_id, logits.device)
+        history = History.of([r.params for r in batch], [r.canvas for r in batch], [r.answer for r in batch],
+                             logits.shape[-1], self.mask_id, logits.device)
         widths = [r.block_span[1] - r.block_span[0] for r in batch]
         step = commit_step(logits, block, self.mask_id, self.eos_id, self.banned_ids, num_tokens, settings,
-                           [r.generator for r in batch], seen, widths, self.confidence_from,
+                           [r.generator for r in batch], history, widths, self.confidence_from,
                            [r.constraint for r in batch],
                            [r.answer_start + r.params.max_tokens - r.block_span[0] for r in batch])
         if any(r.params.logprobs is not None for r in batch):  # asking for nothing costs nothing
-            self._record_logprobs(batch, logits, step.block, step.committed, settings, seen, step.allowed)
+            self._record_logprobs(batch, logits, step.block, step.committed, settings, history, step.allowed)
         new_block, committed, stalled = step.block.cpu(), step.committed.cpu(), step.stalled.tolist()
         for i, r in enumerate(batch):
             s, e = r.block_span
@@ -150,12 +149,12 @@ class MaskedPath:
         return batch
 
     def _record_logprobs(self, batch: list[Request], logits: torch.Tensor, new_block: torch.Tensor,
-                         committed: torch.Tensor, settings: RowSettings, seen: torch.Tensor | None,
+                         committed: torch.Tensor, settings: RowSettings, history: History | None,
                          allowed: torch.Tensor | None) -> None:
         """Store the log-probabilities of the tokens this step committed for the requests that ask
         (``celeris.sampling.logprobs.step_entries``, raw or processed as ``logprobs_mode`` says)."""
         rows = committed_entries(logits, new_block, committed, [r.params.logprobs for r in batch], settings,
-                                 self.banned_ids, seen, allowed, self.logprobs_mode)
+                                 self.banned_ids, history, allowed, self.logprobs_mode)
         for r, row in zip(batch, rows, strict=True):
             offset = r.block_span[0] - r.answer_start
             r.logprob_entries.update({offset + c: e for c, e in row.items() if offset + c < r.params.max_tokens})

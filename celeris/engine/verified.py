@@ -22,11 +22,12 @@ from celeris.params import SamplingParams
 from celeris.sampling.drafter import DFlashProposer, DraftState, proposer_of
 from celeris.sampling.select import NEG_INF
 from celeris.sampling.step import (
+    History,
+    RowSettings,
+    apply_penalties,
     banned_token_ids,
     check_prompts,
-    context_tokens,
     make_generator,
-    penalize_repetition,
 )
 from celeris.sampling.verified import (
     LOOKUP_DRAFTS,
@@ -150,10 +151,10 @@ class VerifiedDecoder:
         row = DraftRow(list(prompt_ids), params, make_generator(params.seed), k, ends, constraint=constraint,
                        slot_start=len(prompt_ids), num_slots=slots,
                        draft_state=DraftState() if self.proposer else None)
-        if params.repetition_penalty != 1:  # the context CTRL's penalty reads (``penalize_along``)
-            config = self.model.config
-            row.seen = context_tokens([torch.tensor(prompt_ids)], config.vocab_size, config.mask_token_id,
-                                      self.device)[0]
+        row.history = History.of([params], [torch.tensor(prompt_ids)], [torch.zeros(0, dtype=torch.long)],
+                                 self.model.config.vocab_size, self.model.config.mask_token_id, self.device)
+        if row.history is not None:  # what its penalties read (``penalize_along``)
+            row.penalty_settings = RowSettings.from_params([params], self.device)
         if self.prefix_cache is not None:  # copy the cached prefix's keys/values into the row's pool row
             row.num_cached, kv = self.prefix_cache.lookup(row.prompt_ids)
             if self.feature_cache is not None:  # the drafter's context for that prefix, as far as it reaches
@@ -275,12 +276,11 @@ class VerifiedDecoder:
 
     @staticmethod
     def penalized(row: DraftRow, logits: torch.Tensor) -> torch.Tensor:
-        """A row's draft logits (k, V) with its repetition penalty over its context so far (as is, without one):
-        drafts are only guesses, so the drafts of one block do not penalize each other; verification does
-        (``penalize_along``)."""
-        if row.seen is None:
+        """A row's draft logits (k, V) with its penalties over its tokens so far (as is, without one): drafts are
+        only guesses, so the drafts of one block do not penalize each other; verification does (``penalize_along``)."""
+        if row.history is None:
             return logits
-        return penalize_repetition(logits[None], row.seen[None], row.params.repetition_penalty)[0]
+        return apply_penalties(logits[None], row.penalty_settings, row.history)[0]
 
     def draft(self, row: DraftRow, slot_logits: torch.Tensor) -> tuple[list[int], list]:
         """The next drafts of ``row`` from its mask slots' logits (slots, V), and their distributions (sampling)."""
@@ -316,8 +316,8 @@ class VerifiedDecoder:
         (penalized in place first, with a repetition penalty, as next-token decoding penalizes each position once
         it is committed: ``penalize_along``): (drafts accepted, the tokens to commit, cut at ``max_tokens``)."""
         left = row.params.max_tokens - len(row.answer)
-        if row.seen is not None:
-            logits[:] = penalize_along(logits, row.seen, row.drafts, row.params.repetition_penalty)
+        if row.history is not None:
+            logits[:] = penalize_along(logits, row.history, row.drafts, row.penalty_settings)
         if row.constraint is not None:  # the grammar-masked head checks the drafts (verify_under_grammar)
             return verify_under_grammar(row.constraint, logits, row.drafts, row.draft_probs, row.params,
                                         row.generator, left)
@@ -358,8 +358,8 @@ class VerifiedDecoder:
         base = len(row.prompt_ids) + len(row.answer)  # column of the first new token
         self.tokens[i, base : base + len(new)] = torch.tensor(new, device=self.device)
         row.answer.extend(new)
-        if row.seen is not None:
-            row.seen[torch.tensor(new, device=self.device)] = True
+        if row.history is not None:
+            row.history.add(new)
         if row.constraint is not None and row.constraint.stopped:  # the grammar allows nothing more
             row.hit_eos = True
         if len(row.answer) >= n or row.hit_eos:

@@ -17,10 +17,10 @@ from celeris.params import SamplingParams
 from celeris.sampling.output import GenerationOutput, build_canvas, cut_at_eos
 from celeris.sampling.select import sample_tokens
 from celeris.sampling.step import (
+    History,
     RowSettings,
     banned_token_ids,
     check_prompts,
-    context_tokens,
     make_generator,
     prepare_logits,
 )
@@ -71,11 +71,10 @@ def generate_autoregressive(
         hidden = model.hidden_states(canvas, attn, cache, window)  # (B, T, d), or (B, 1, d) for the window
         logits = model.logits(hidden[:, t - 1 : t] if window is None else hidden)  # (B, 1, V): token t from h[t-1]
         nfe += 1
-        seen = None
-        if settings.any_penalty:  # the context so far: prompt and answer, not padding
-            seen = context_tokens([row[:t][a[:t]] for row, a in zip(canvas, attn, strict=True)], logits.shape[-1],
-                                  config.mask_token_id, device)
-        logits, _ = prepare_logits(logits, settings, banned, seen)
+        # the context so far (prompt and answer, not padding) and the answer so far
+        history = History.of(rows, [row[:t][a[:t]] for row, a in zip(canvas, attn, strict=True)],
+                             list(canvas[:, answer_start:t]), logits.shape[-1], config.mask_token_id, device)
+        logits, _ = prepare_logits(logits, settings, banned, history)
         canvas[:, t] = sample_tokens(logits, settings.temperature, generators)[:, 0]
         if t == answer_start:
             ttft_s = [time.perf_counter() - start] * len(prompt_ids)

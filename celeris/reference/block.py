@@ -29,12 +29,12 @@ from celeris.sampling.block import (
 )
 from celeris.sampling.output import GenerationOutput
 from celeris.sampling.step import (
+    History,
     NoProgressError,
     RowSettings,
     banned_token_ids,
     commit_step,
     confidence_rule,
-    context_tokens,
     make_generator,
 )
 
@@ -112,15 +112,13 @@ def generate_block(
                 hi = s + 1 if pending else t  # a pending first token is committed alone, before the sub-block
                 logits = _unit_logits(model, contract, canvas, unit, origin, hi - s)  # (1, L, V)
                 nfe += 1
-                seen = None
-                if sp.repetition_penalty != 1:
-                    seen = context_tokens([canvas], logits.shape[-1], mask_id, device)
+                history = History.of([sp], [canvas], [canvas[p : p + n]], logits.shape[-1], mask_id, device)
                 block = canvas[s:hi].clone()
                 k = torch.ones(1, dtype=torch.long, device=device) if pending else \
                     schedule[min(step, num_steps - 1)].reshape(1)
                 force = torch.ones((1, 1), dtype=torch.bool, device=device) if pending else None
                 step_commit = commit_step(logits, block[None], mask_id, cfg.eos_token_id, banned, k, settings,
-                                          [generator], seen, confidence_from=confidence_rule(model), force=force)
+                                          [generator], history, confidence_from=confidence_rule(model), force=force)
                 if bool(step_commit.stalled.any()):
                     raise NoProgressError(f"denoising step {step + 1} committed no token (the model's scores are "
                                           f"not finite numbers)")

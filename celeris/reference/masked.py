@@ -23,13 +23,13 @@ from celeris.sampling.modes import check_request, mode_of
 from celeris.sampling.output import GenerationOutput, answer_done, build_canvas, cut_at_eos
 from celeris.sampling.schedule import block_plan, num_transfer_tokens
 from celeris.sampling.step import (
+    History,
     NoProgressError,
     RowSettings,
     banned_token_ids,
     check_prompts,
     commit_step,
     confidence_rule,
-    context_tokens,
     guided,
     make_generator,
 )
@@ -193,11 +193,11 @@ def generate(
                                                     last_commit)
             logits, passes = _forward(model, canvas, step_attn, outputs, caches, window, is_prompt, settings)
             nfe += passes
-            seen = None
-            if any(r.repetition_penalty != 1 for r in rows):  # padding is not context
-                seen = context_tokens(list(torch.where(attn, canvas, mask_id)), logits.shape[-1], mask_id, device)
+            history = History.of(rows, list(torch.where(attn, canvas, mask_id)),  # padding is not context
+                                 list(canvas[:, answer_start : answer_start + first.max_tokens]), logits.shape[-1],
+                                 mask_id, device)
             step = commit_step(logits, canvas[:, span].clone(), mask_id, eos_id, banned,
-                               schedule[:, min(step_in_block, block_steps - 1)], settings, generators, seen,
+                               schedule[:, min(step_in_block, block_steps - 1)], settings, generators, history,
                                confidence_from=confidence_rule(model), constraints=constraints,
                                left=[first.max_tokens - s] * batch)
             canvas[:, span], committed = step.block, step.committed

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from celeris.config import LOGPROBS_MODES as LOGPROBS_MODES
-from celeris.sampling.step import RowSettings, prepare_logits
+from celeris.sampling.step import History, RowSettings, prepare_logits
 
 MAX_LOGPROBS = 20  # most alternatives one position may ask for (vLLM's max_logprobs, OpenAI's top_logprobs)
 FLOOR = -9999.0  # what -inf is reported as (vLLM's value)
@@ -118,16 +118,16 @@ def step_entries(logits: torch.Tensor, new: torch.Tensor, committed: torch.Tenso
 
 @torch.no_grad()
 def committed_entries(logits: torch.Tensor, new: torch.Tensor, committed: torch.Tensor, ks: list[int | None],
-                      settings: RowSettings, banned_ids: list[int], seen: torch.Tensor | None,
+                      settings: RowSettings, banned_ids: list[int], history: History | None,
                       allowed: torch.Tensor | None, mode: str) -> list[dict[int, TokenLogprob]]:
     """``step_entries`` of one denoising step, raw or (``mode`` "processed_logprobs") from the logits the step
-    sampled from (``prepare_logits`` with the step's settings, banned ids, seen tokens and grammar mask).
+    sampled from (``prepare_logits`` with the step's settings, banned ids, penalties' history and grammar mask).
 
     Shapes as ``step_entries``: logits (B, L, V), new / committed (B, L); returns B {block column: entry} dicts.
     """
     processed = None
     if mode == "processed_logprobs":
-        processed, _ = prepare_logits(logits, settings, banned_ids, seen, allowed)
+        processed, _ = prepare_logits(logits, settings, banned_ids, history, allowed)
     return step_entries(logits, new, committed, ks, processed, settings.temperature)
 
 

@@ -54,10 +54,10 @@ def make_generator(seed: int | None) -> torch.Generator:
 class RowSettings:
     """Per-row sampling settings as tensors, built for the rows of one step.
 
-    Shapes: ``temperature``/``top_p``/``min_p`` (B,), ``top_k`` (B,) int64; ``cfg_scale`` (B, 1); ``repetition_penalty``
-    (B, 1, 1). ``rule_values`` holds, for every numeric setting the rows' commit rules declare
-    (``CommitRule.params``: ``threshold``, ``factor``, ...), a (B, 1) float64 column that broadcasts against (B, L)
-    confidences (taken through float32, as every float setting).
+    Shapes: ``temperature``/``top_p``/``min_p`` (B,), ``top_k`` (B,) int64; ``cfg_scale`` (B, 1); ``repetition_penalty``,
+    ``frequency_penalty``, ``presence_penalty`` (B, 1, 1). ``rule_values`` holds, for every numeric setting the rows'
+    commit rules declare (``CommitRule.params``: ``threshold``, ``factor``, ...), a (B, 1) float64 column that
+    broadcasts against (B, L) confidences (taken through float32, as every float setting).
     """
 
     temperature: torch.Tensor
@@ -66,12 +66,15 @@ class RowSettings:
     min_p: torch.Tensor
     cfg_scale: torch.Tensor
     repetition_penalty: torch.Tensor
+    frequency_penalty: torch.Tensor
+    presence_penalty: torch.Tensor
     remasking: list[str]
     decoding: list[str]
     rule_values: dict[str, torch.Tensor]
     # which optional stages some row needs, decided from the Python settings (no device sync in the step)
     any_cfg: bool = False
     any_penalty: bool = False
+    any_count_penalty: bool = False  # some row has a frequency or presence penalty
     any_top_p: bool = False
     any_top_k: bool = False
     any_min_p: bool = False
@@ -90,11 +93,14 @@ class RowSettings:
             min_p=col("min_p"),
             cfg_scale=col("cfg_scale")[:, None],
             repetition_penalty=col("repetition_penalty")[:, None, None],
+            frequency_penalty=col("frequency_penalty")[:, None, None],
+            presence_penalty=col("presence_penalty")[:, None, None],
             remasking=[r.remasking for r in rows],
             decoding=[r.decoding for r in rows],
             rule_values={p: col(p)[:, None].double() for p in numeric},
             any_cfg=any(r.cfg_scale > 0 for r in rows),
             any_penalty=any(r.repetition_penalty != 1 for r in rows),
+            any_count_penalty=any(r.frequency_penalty != 0 or r.presence_penalty != 0 for r in rows),
             any_top_p=any(r.top_p < 1 for r in rows),
             any_top_k=any(r.top_k > 0 for r in rows),
             any_min_p=any(r.min_p > 0 for r in rows),
@@ -109,6 +115,65 @@ def context_tokens(canvases: list[torch.Tensor], vocab_size: int, mask_id: int, 
     seen.scatter_(1, padded, True)
     seen[:, mask_id] = False
     return seen[:, :vocab_size]
+
+
+def answer_counts(answers: list[torch.Tensor], vocab_size: int, mask_id: int, device: torch.device) -> torch.Tensor:
+    """(B, V) float32: how often each token occurs in each row's answer so far (1-D int64 each; the mask token,
+    which marks positions not committed yet, not counted)."""
+    padded = torch.nn.utils.rnn.pad_sequence(list(answers), batch_first=True, padding_value=mask_id).to(device)
+    counts = torch.zeros((padded.shape[0], max(vocab_size, mask_id + 1)), device=device)
+    counts.scatter_add_(1, padded, torch.ones(padded.shape, device=device))
+    counts[:, mask_id] = 0
+    return counts[:, :vocab_size]
+
+
+@dataclass(slots=True)
+class History:
+    """The tokens the penalties read, per row (each None when no row needs it):
+
+    - ``seen``: (B, V) bool, the tokens of the prompt and the answer so far (``context_tokens``; CTRL's repetition
+      penalty), or (B, L, V) where each position has its own (verified decoding's ``penalize_along``);
+    - ``counts``: (B, V) float32, each token's occurrences in the answer so far (``answer_counts``; OpenAI's
+      frequency and presence penalties, which, as in vLLM, do not count the prompt), or (B, L, V).
+    """
+
+    seen: torch.Tensor | None = None
+    counts: torch.Tensor | None = None
+
+    @classmethod
+    def of(cls, rows: list[SamplingParams], contexts: list[torch.Tensor], answers: list[torch.Tensor],
+           vocab_size: int, mask_id: int, device: torch.device) -> History | None:
+        """The history of rows whose prompt-and-answer tokens are ``contexts`` and answer tokens ``answers`` (1-D
+        int64 each, ``mask_id`` where not committed); None when no row has a penalty."""
+        repetition = any(r.repetition_penalty != 1 for r in rows)
+        counted = any(r.frequency_penalty != 0 or r.presence_penalty != 0 for r in rows)
+        if not (repetition or counted):
+            return None
+        return cls(context_tokens(contexts, vocab_size, mask_id, device) if repetition else None,
+                   answer_counts(answers, vocab_size, mask_id, device) if counted else None)
+
+    def add(self, tokens: list[int]) -> None:
+        """Count newly committed ``tokens`` into a one-row history (verified decoding's ``DraftRow``)."""
+        ids = torch.tensor(tokens, dtype=torch.long, device=(self.seen if self.counts is None else self.counts).device)
+        if self.seen is not None:
+            self.seen[0, ids] = True
+        if self.counts is not None:
+            self.counts[0].index_add_(0, ids, torch.ones(len(tokens), device=ids.device))
+
+
+def apply_penalties(logits: torch.Tensor, settings: RowSettings, history: History | None) -> torch.Tensor:
+    """The penalties in vLLM's order (``apply_penalties``): CTRL's repetition penalty (``penalize_repetition``), then
+    OpenAI's frequency and presence penalties, ``logit - frequency_penalty * count - presence_penalty * (count > 0)``
+    (OpenAI's API reference, "Frequency and presence penalties"). logits (B, L, V) float32; rows without a
+    penalty unchanged; a new tensor when some row has one."""
+    if history is None:
+        return logits
+    if history.seen is not None and settings.any_penalty:
+        logits = penalize_repetition(logits, history.seen, settings.repetition_penalty)
+    if history.counts is not None and settings.any_count_penalty:
+        counts = history.counts[:, None, :] if history.counts.dim() == 2 else history.counts
+        logits = logits - settings.frequency_penalty * counts - settings.presence_penalty * (counts > 0)
+    return logits
 
 
 def penalize_repetition(logits: torch.Tensor, seen: torch.Tensor, penalty: torch.Tensor | float) -> torch.Tensor:
@@ -132,12 +197,12 @@ def filter_logits(logits: torch.Tensor, settings: RowSettings) -> torch.Tensor:
 
 
 def prepare_logits(
-    logits: torch.Tensor, settings: RowSettings, banned_ids: list[int], seen: torch.Tensor | None = None,
+    logits: torch.Tensor, settings: RowSettings, banned_ids: list[int], history: History | None = None,
     allowed: torch.Tensor | None = None, keep_unfiltered: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The logits pipeline shared by the denoising step and next-token decoding (``generate_autoregressive``):
-    CTRL's repetition penalty (rows with one, given ``seen`` (B, V)), then the banned ids and the tokens a grammar
-    does not allow (``allowed`` (B, L, V) bool) to -inf, then top-p and top-k (``filter_logits``).
+    the penalties (rows with one, given their ``history``: ``apply_penalties``), then the banned ids and the tokens a
+    grammar does not allow (``allowed`` (B, L, V) bool) to -inf, then top-p and top-k (``filter_logits``).
 
     Args:
         logits: (B, L, V) float32; not modified.
@@ -147,9 +212,7 @@ def prepare_logits(
     Returns:
         (filtered (B, L, V), unfiltered (B, L, V) or None).
     """
-    logits = logits.clone()
-    if seen is not None and settings.any_penalty:
-        logits = penalize_repetition(logits, seen, settings.repetition_penalty)
+    logits = apply_penalties(logits.clone(), settings, history)
     unfiltered = logits.clone() if keep_unfiltered else None  # (B, L, V) before the ban
     logits[..., banned_ids] = NEG_INF
     if allowed is not None:
@@ -176,7 +239,7 @@ def denoise_step(
     num_tokens: torch.Tensor,
     settings: RowSettings,
     generators: list[torch.Generator],
-    seen: torch.Tensor | None = None,
+    history: History | None = None,
     lengths: list[int] | None = None,
     confidence_from: str = "filtered",
     allowed: torch.Tensor | None = None,
@@ -191,8 +254,8 @@ def denoise_step(
         banned_ids: ids never produced (the mask and padding tokens).
         num_tokens: (B,) int64 tokens to commit this step under ``fixed`` decoding.
         settings / generators: per-row settings and RNGs.
-        seen: (B, V) bool tokens already in each row's context (``context_tokens``),
-            needed when a row's ``repetition_penalty`` is not 1.
+        history: the tokens the rows' penalties read (``History.of``), needed when a row has a
+            ``repetition_penalty``, ``frequency_penalty`` or ``presence_penalty``.
         lengths: each row's own block width (<= L), so its random draws depend on its own block
             alone, not on the widest block sharing the step; None: every row is L wide.
         confidence_from: the distribution whose probabilities rank positions (``low_confidence``) and give
@@ -209,7 +272,7 @@ def denoise_step(
     Returns:
         (new block (B, L) int64, committed positions (B, L) bool).
     """
-    logits, unfiltered = prepare_logits(logits, settings, banned_ids, seen, allowed,
+    logits, unfiltered = prepare_logits(logits, settings, banned_ids, history, allowed,
                                         keep_unfiltered=confidence_from == "unfiltered")
     x0 = sample_tokens(logits, settings.temperature, generators, lengths)  # (B, L)
     probs = (logits if unfiltered is None else unfiltered).softmax(-1)  # (B, L, V)
@@ -261,7 +324,7 @@ def commit_step(
     num_tokens: torch.Tensor,
     settings: RowSettings,
     generators: list[torch.Generator],
-    seen: torch.Tensor | None = None,
+    history: History | None = None,
     lengths: list[int] | None = None,
     confidence_from: str = "filtered",
     constraints: list[Constraint | None] | None = None,
@@ -273,7 +336,7 @@ def commit_step(
     the engine and their reference samplers all commit through here, so they cannot drift apart.
 
     Args:
-        logits / block / mask_id / banned_ids / num_tokens / settings / generators / seen / lengths /
+        logits / block / mask_id / banned_ids / num_tokens / settings / generators / history / lengths /
             confidence_from: as ``denoise_step`` ((B, L, V) float32 logits, (B, L) int64 block, (B,) int64 counts).
         eos_id: the end-of-text id a row whose grammar has ended fills its open positions with.
         constraints: one ``Constraint`` or None per row (None: no row has a grammar).
@@ -290,7 +353,7 @@ def commit_step(
                            logits.device)
     if grammar.force is not None:
         force = grammar.force if force is None else force | grammar.force
-    new, committed = denoise_step(logits, block, mask_id, banned_ids, num_tokens, settings, generators, seen,
+    new, committed = denoise_step(logits, block, mask_id, banned_ids, num_tokens, settings, generators, history,
                                   lengths, confidence_from, grammar.allowed, force)
     new, committed = constrain_commits(rows, grammar, block, new, committed, mask_id, eos_id)
     stalled = (block == mask_id).any(-1) & ~committed.any(-1)  # (B,)

@@ -71,7 +71,7 @@ import torch
 from celeris.params import SamplingParams
 from celeris.sampling.drafter import DFlashProposer, check_num_drafts, proposer_of
 from celeris.sampling.select import NEG_INF, probs
-from celeris.sampling.step import penalize_repetition
+from celeris.sampling.step import History, RowSettings, apply_penalties
 from celeris.structured.grammar import Constraint, _bits
 
 LOOKUP_DRAFTS = 4  # drafts per pass for a causal model without mask slots (prompt lookup only)
@@ -168,24 +168,31 @@ def verify_drafts(p_logits: torch.Tensor, drafts: list[int], q_probs: list[torch
     return len(drafts), int(torch.multinomial(p[len(drafts)], 1, generator=gen))
 
 
-def penalize_along(logits: torch.Tensor, seen: torch.Tensor, drafts: list[int], penalty: float) -> torch.Tensor:
-    """CTRL's repetition penalty (arXiv:1909.05858) at one row's m + 1 verify positions, each with its own context:
-    position j (the logits after d_j; j = 0: after the pending token) penalizes the row's tokens so far and the
-    drafts d_1 .. d_j, which is the context next-token decoding penalizes with once they are committed; a
-    position is only used where every draft before it was accepted, so the verified answer is exactly the
-    penalized next-token answer (temperature 0), or distributed as it (speculative sampling).
+def penalize_along(logits: torch.Tensor, history: History, drafts: list[int], settings: RowSettings) -> torch.Tensor:
+    """The penalties (``apply_penalties``: CTRL's repetition penalty, OpenAI's frequency and presence penalties) at
+    one row's m + 1 verify positions, each with its own history: position j (the logits after d_j; j = 0: after the
+    pending token) reads the row's tokens so far plus the drafts d_1 .. d_j, the history next-token decoding
+    penalizes with once they are committed; a position is only used where every draft before it was accepted, so
+    the verified answer is exactly the penalized next-token answer (temperature 0), or distributed as it
+    (speculative sampling).
 
     Args:
-        logits: (m + 1, V) float next-token logits. seen: (V,) bool, the row's prompt and answer tokens.
-        drafts: d_1 .. d_m. penalty: the row's ``repetition_penalty``.
+        logits: (m + 1, V) float next-token logits. history: the row's, (1, V) tensors (``History.of``).
+        drafts: d_1 .. d_m. settings: the row's ``RowSettings``.
 
     Returns:
         (m + 1, V) penalized logits (a new tensor).
     """
-    context = seen.expand(logits.shape[0], -1).clone()  # (m + 1, V)
-    for j, token in enumerate(drafts[: logits.shape[0] - 1]):
-        context[j + 1 :, token] = True
-    return penalize_repetition(logits[None], context[None], penalty)[0]
+    width = logits.shape[0]
+    seen = None if history.seen is None else history.seen.expand(width, -1).clone()  # (m + 1, V)
+    counts = None if history.counts is None else history.counts.expand(width, -1).clone()
+    for j, token in enumerate(drafts[: width - 1]):
+        if seen is not None:
+            seen[j + 1 :, token] = True
+        if counts is not None:
+            counts[j + 1 :, token] += 1
+    along = History(None if seen is None else seen[None], None if counts is None else counts[None])
+    return apply_penalties(logits[None], settings, along)[0]
 
 
 def slot_drafts(slot_logits: torch.Tensor, params: SamplingParams, gen: torch.Generator) -> tuple[list[int], list]:

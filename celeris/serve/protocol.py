@@ -3,13 +3,14 @@ of a raw body into a request model: ``celeris.serve.errors``, whose names are re
 
 Request models are strict (a JSON string is not an integer, ``true`` is not ``1``) and forbid
 unknown fields, so a parameter is never silently ignored. OpenAI parameters Celeris cannot honour
-(``logit_bias``, presence and frequency penalties, the deprecated ``functions``, ...)
+(``logit_bias``, the deprecated ``functions``, ...)
 are declared so that their neutral values (null, 0, false, [])
 pass; ``unsupported_params`` names those set to anything else, and the serving layer answers 400.
 
 Celeris extensions (extra body fields of the ``openai`` client) are derived from ``SamplingParams``' declaration
 (every field whose ``Setting.http`` is set: ``steps``, ``block_length``, ``top_k``, ``remasking``, ``decoding``,
-``threshold``, ``cache``, ``repetition_penalty``, vLLM's ``stop_token_ids`` ... ; ``celeris.params``), plus
+``threshold``, ``cache``, ``repetition_penalty``, vLLM's ``stop_token_ids`` ... ; ``celeris.params``; OpenAI's own
+``frequency_penalty`` and ``presence_penalty`` come the same way), plus
 ``stream_mode`` (``"text"``, or ``"denoise"``: every chunk carries the whole answer canvas). None takes the model's
 ``generation_config.json`` value. Their ranges and choices (the registries' keys, read at call time) are checked
 by ``SamplingParams`` when the serving layer builds it, so Python, the CLI, HTTP and batch jobs refuse the same
@@ -180,8 +181,6 @@ class SamplingRequest(SamplingExtensions):
 
     # OpenAI parameters accepted only at their neutral values (see unsupported_params).
     logit_bias: Any = None
-    presence_penalty: Any = None
-    frequency_penalty: Any = None
 
     def sampling_fields(self) -> dict[str, object]:
         """The Celeris extension settings as SamplingParams keywords (None: the model's default)."""
@@ -194,11 +193,7 @@ class SamplingRequest(SamplingExtensions):
 
     def unsupported_params(self) -> list[str]:
         """Names of set parameters Celeris cannot honour (a neutral value such as null, 0 or false passes)."""
-        neutral = {
-            "logit_bias": (None, {}),
-            "presence_penalty": (None, 0),
-            "frequency_penalty": (None, 0),
-        }
+        neutral = {"logit_bias": (None, {})}
         return [name for name, ok in neutral.items() if not _is_neutral(getattr(self, name), ok)]
 
 

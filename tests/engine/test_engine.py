@@ -35,6 +35,8 @@ def run_to_end(engine: Engine, max_steps: int = 10_000) -> None:
     SamplingParams(max_tokens=20, steps=20, block_length=8, cache="dual", cfg_scale=1.0, early_exit=False),
     SamplingParams(max_tokens=20, steps=20, block_length=4, cache="delayed", early_exit=False),
     SamplingParams(max_tokens=20, steps=20, block_length=4, repetition_penalty=1.5, early_exit=False),
+    SamplingParams(max_tokens=20, steps=20, block_length=4, frequency_penalty=1.5, presence_penalty=0.5,
+                   early_exit=False),
     SamplingParams(max_tokens=20, steps=20, block_length=8, cache="delayed", decoding="threshold", threshold=0.3,
                    early_exit=False),
     SamplingParams(max_tokens=20, steps=20, block_length=8, cache="prefix", decoding="threshold", threshold=0.3,
@@ -151,12 +153,13 @@ def test_engine_decodes_a_causal_model_token_by_token(cache, refresh):
         assert r.nfe == 12
 
 
-def test_causal_model_with_repetition_penalty_matches_the_ar_decoder():
+@pytest.mark.parametrize("penalty", [{"repetition_penalty": 3.0}, {"frequency_penalty": 2.0},
+                                     {"presence_penalty": 2.0, "repetition_penalty": 1.2}])
+def test_causal_model_with_a_penalty_matches_the_ar_decoder(penalty):
     from celeris.reference.autoregressive import generate_autoregressive
 
     model = tiny_model(is_causal=True)
-    params = SamplingParams(max_tokens=12, steps=12, block_length=1, cache="delayed", repetition_penalty=3.0,
-                            early_exit=False)
+    params = SamplingParams(max_tokens=12, steps=12, block_length=1, cache="delayed", early_exit=False, **penalty)
     want = generate_autoregressive(model, PROMPTS, params).answer_ids
     plain = generate_autoregressive(model, PROMPTS, SamplingParams(max_tokens=12, early_exit=False)).answer_ids
     assert not torch.equal(want, plain)  # the penalty changes the answers: a real check

@@ -95,7 +95,7 @@ def test_low_confidence_is_probability_of_prediction():
 def test_repetition_penalty_matches_a_loop_and_moves_the_argmax():
     """CTRL penalty: seen tokens' positive logits divided by theta, negative ones multiplied; others unchanged."""
     from celeris.params import SamplingParams
-    from celeris.sampling.step import RowSettings, context_tokens, denoise_step, penalize_repetition
+    from celeris.sampling.step import History, RowSettings, context_tokens, denoise_step, penalize_repetition
 
     torch.manual_seed(0)
     logits = torch.randn(2, 3, 7)
@@ -113,12 +113,39 @@ def test_repetition_penalty_matches_a_loop_and_moves_the_argmax():
     block, mask_id = torch.tensor([[0]]), 0
     rows = [SamplingParams(repetition_penalty=2.0)]
     settings = RowSettings.from_params(rows, torch.device("cpu"))
-    seen1 = context_tokens([torch.tensor([1, 2])], 7, mask_id, torch.device("cpu"))
+    seen1 = History(seen=context_tokens([torch.tensor([1, 2])], 7, mask_id, torch.device("cpu")))
     new, _ = denoise_step(block_logits, block, mask_id, [mask_id], torch.tensor([1]), settings, [None], seen1)
     assert new.tolist() == [[3]]
     plain = RowSettings.from_params([SamplingParams()], torch.device("cpu"))
     new, _ = denoise_step(block_logits, block, mask_id, [mask_id], torch.tensor([1]), plain, [None], seen1)
     assert new.tolist() == [[1]]
+
+
+def test_frequency_and_presence_penalties_match_a_loop_over_the_answer_only():
+    """OpenAI's penalties: logit - frequency * count - presence * (count > 0), counts over the answer so far (not
+    the prompt, not uncommitted mask positions), after CTRL's penalty over prompt and answer (vLLM's order)."""
+    from celeris.params import SamplingParams
+    from celeris.sampling.step import History, RowSettings, apply_penalties
+
+    torch.manual_seed(1)
+    logits = torch.randn(2, 3, 7)
+    prompts = [[1, 2], [6]]
+    answers = [torch.tensor([3, 3, 5, 0, 0]), torch.tensor([2, 0, 0, 0, 0])]  # mask id 0: not committed yet
+    rows = [SamplingParams(frequency_penalty=0.5, presence_penalty=0.25, repetition_penalty=1.5),
+            SamplingParams(frequency_penalty=-1.0)]
+    cpu = torch.device("cpu")
+    history = History.of(rows, [torch.cat([torch.tensor(p), a]) for p, a in zip(prompts, answers, strict=True)],
+                         answers, 7, 0, cpu)
+    got = apply_penalties(logits, RowSettings.from_params(rows, cpu), history)
+    for b, pos, v in itertools.product(range(2), range(3), range(7)):
+        x, r = float(logits[b, pos, v]), rows[b]
+        if v in prompts[b] or v in answers[b][answers[b] != 0].tolist():
+            x = x / r.repetition_penalty if x > 0 else x * r.repetition_penalty
+        count = answers[b].tolist().count(v) if v != 0 else 0
+        x -= r.frequency_penalty * count + r.presence_penalty * (count > 0)
+        assert abs(float(got[b, pos, v]) - x) < 1e-6, (b, pos, v)
+    assert history.counts[0].tolist() == [0, 0, 0, 2, 0, 1, 0]  # the prompt's 1 and 2 not counted
+    assert History.of([SamplingParams()], [torch.tensor([1])], [torch.tensor([2])], 7, 0, cpu) is None
 
 
 # ---------------------------------------------------------------------------------------------

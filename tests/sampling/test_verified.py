@@ -222,21 +222,26 @@ def test_num_speculative_tokens_sets_the_drafts_per_pass_and_keeps_the_greedy_an
         SamplingParams(decoding="fixed", num_speculative_tokens=2)  # a setting of a rule not chosen
 
 
+PENALTIES = {"repetition_penalty": [1.0, 1.5, 3.0], "frequency_penalty": [0.0, 0.5, 2.0],
+             "presence_penalty": [0.0, 0.5, 2.0]}
+
+
+@pytest.mark.parametrize("name", list(PENALTIES))
 @pytest.mark.parametrize("source", ["slots", "lookup_first"])
-def test_a_repetition_penalty_keeps_the_penalized_next_token_answer(hybrid, source):
-    """CTRL's penalty under verified decoding: each row (penalties 1, 1.5 and 3 in one batch) equals next-token
-    decoding with its own penalty; drafts are accepted in runs (so positions after an accepted draft are
-    penalized with that draft in their context), and the penalty changes the answers."""
+def test_a_penalty_keeps_the_penalized_next_token_answer(hybrid, source, name):
+    """CTRL's and OpenAI's penalties under verified decoding: each row (off, mild and strong in one batch) equals
+    next-token decoding with its own penalty; drafts are accepted in runs (so positions after an accepted draft
+    are penalized with that draft in their history), and the penalty changes the answers."""
     n = 24
     prompts = [[5, 9, 11, 40, 5, 9, 11, 40, 5, 9], PROMPTS[0], PROMPTS[2]]
-    penalties = [1.0, 1.5, 3.0]
+    penalties = PENALTIES[name]
     params = [SamplingParams(max_tokens=n, steps=n, early_exit=False, decoding="verified", draft_source=source,
-                             repetition_penalty=r) for r in penalties]
+                             **{name: r}) for r in penalties]
     out = generate_verified(hybrid, prompts * 3, [p for p in params for _ in prompts])
     got = [out.token_ids[i : i + len(prompts)] for i in range(0, len(out.token_ids), len(prompts))]
     for r, answers in zip(penalties, got, strict=True):
         reference = generate_autoregressive(hybrid, prompts, SamplingParams(max_tokens=n, steps=n, early_exit=False,
-                                                                             repetition_penalty=r))
+                                                                             **{name: r}))
         assert answers == reference.token_ids, r
     assert got[0] != got[2]  # the penalty matters on these prompts
     assert out.accepted[1] > 0  # second drafts were accepted: their positions' context held the first

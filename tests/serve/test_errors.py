@@ -78,6 +78,8 @@ def test_wrong_content_type(server):
     ("/v1/completions", {"prompt": "x", "threshold": 2}, "threshold"),
     ("/v1/completions", {"prompt": "x", "cfg_scale": -1}, "cfg_scale"),
     ("/v1/completions", {"prompt": "x", "repetition_penalty": 0}, "repetition_penalty"),
+    ("/v1/completions", {"prompt": "x", "presence_penalty": 2.5}, "presence_penalty"),  # OpenAI's range [-2, 2]
+    ("/v1/chat/completions", {"messages": CHAT, "frequency_penalty": -3}, "frequency_penalty"),
     ("/v1/completions", {"prompt": "x", "cache": "bogus"}, "cache"),
     ("/v1/completions", {"prompt": "x", "cache_refresh": -1}, "cache_refresh"),
     ("/v1/completions", {"prompt": "x", "suffix_window": -1}, "suffix_window"),
@@ -94,8 +96,6 @@ def test_bad_parameters_are_400_naming_the_parameter(server, path, body, param):
     ("/v1/completions", {"prompt": "x", "top_logprobs": 2}, "top_logprobs"),
     ("/v1/completions", {"prompt": "x", "best_of": 3}, "best_of"),
     ("/v1/completions", {"prompt": "x", "logit_bias": {"5": 10}}, "logit_bias"),
-    ("/v1/completions", {"prompt": "x", "presence_penalty": 0.5}, "presence_penalty"),
-    ("/v1/chat/completions", {"messages": CHAT, "frequency_penalty": 1}, "frequency_penalty"),
     ("/v1/chat/completions", {"messages": CHAT, "functions": [{"name": "f"}]}, "functions"),
     ("/v1/chat/completions", {"messages": CHAT, "function_call": "auto"}, "function_call"),
 ])

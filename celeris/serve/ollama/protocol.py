@@ -66,11 +66,12 @@ class Options(CelerisOptions):
     """``options``: Ollama's model parameters (``docs/modelfile.md``) plus the Celeris settings.
 
     Mapped: ``num_predict`` (answer tokens; -1 or -2: as many as fit), ``temperature``, ``top_p``, ``top_k``,
-    ``min_p``, ``seed``, ``stop``, ``repeat_penalty`` (CTRL's, Celeris's ``repetition_penalty``) and ``num_ctx``
+    ``min_p``, ``seed``, ``stop``, ``repeat_penalty`` (CTRL's, Celeris's ``repetition_penalty``), ``presence_penalty``,
+    ``frequency_penalty`` and ``num_ctx``
     (checked: a window larger than the served context is a 400); Celeris's ``tool_choice`` (chat). Accepted and
     ignored (runtime knobs that do not change the answer): ``numa`` .. ``num_keep``, ``penalize_newline``,
     ``mirostat_tau``, ``mirostat_eta``. Refused unless neutral: ``mirostat`` (0), ``tfs_z`` and ``typical_p`` (1),
-    ``presence_penalty`` and ``frequency_penalty`` (0), ``repeat_last_n`` (null).
+    ``repeat_last_n`` (null).
     """
 
     num_predict: int | None = None
@@ -104,14 +105,11 @@ class Options(CelerisOptions):
     mirostat: int | None = None
     tfs_z: float | None = None
     typical_p: float | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
     repeat_last_n: int | None = None
 
     def unsupported(self) -> list[str]:
         """Names of set options Celeris cannot honour (``options.<name>``)."""
-        neutral = {"mirostat": (0,), "tfs_z": (1,), "typical_p": (1,), "presence_penalty": (0,),
-                   "frequency_penalty": (0,), "repeat_last_n": ()}
+        neutral = {"mirostat": (0,), "tfs_z": (1,), "typical_p": (1,), "repeat_last_n": ()}
         return [f"options.{name}" for name, ok in neutral.items() if getattr(self, name) not in (None, *ok)]
 
     def celeris_settings(self) -> dict[str, object]:

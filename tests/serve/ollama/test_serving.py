@@ -28,9 +28,11 @@ def options(**fields) -> Options:
 def test_options_map_onto_the_sampling_fields():
     body = sampling_body(options(num_predict=12, temperature=0.5, top_p=0.9, top_k=40, min_p=0.1, seed=3,
                                  stop=["\n\n"], repeat_penalty=1.1, num_ctx=64, steps=6, remasking="random",
-                                 num_gpu=1, num_thread=2, mirostat=0, penalize_newline=True), 128)
+                                 num_gpu=1, num_thread=2, mirostat=0, penalize_newline=True, frequency_penalty=0.5,
+                                 presence_penalty=0.25), 128)
     assert body == {"max_tokens": 12, "temperature": 0.5, "top_p": 0.9, "top_k": 40, "min_p": 0.1, "seed": 3,
-                    "stop": ["\n\n"], "repetition_penalty": 1.1, "steps": 6, "remasking": "random"}
+                    "stop": ["\n\n"], "repetition_penalty": 1.1, "steps": 6, "remasking": "random",
+                    "frequency_penalty": 0.5, "presence_penalty": 0.25}
     assert sampling_body(options(num_predict=-1, stop="END"), 128) == {"stop": ["END"]}
     assert sampling_body(options(num_predict=-2), 128) == {} and sampling_body(None, 128) == {}
 

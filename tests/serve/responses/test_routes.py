@@ -27,7 +27,7 @@ def error_of(response: httpx.Response, status: int) -> dict:
     ({"input": "hi", "tools": [{"type": "web_search_preview"}]}, "tools[0].type"),
     ({"input": "hi", "background": True}, "background"),
     ({"input": "hi", "conversation": {"id": "conv_1"}}, "conversation"),
-    ({"input": "hi", "frequency_penalty": 1}, "frequency_penalty"),
+    ({"input": "hi", "frequency_penalty": 3}, "frequency_penalty"),
     ({"input": "hi", "max_output_tokens": "8"}, "max_output_tokens"),
     ({"input": "hi", "tool_choice": "required"}, "tool_choice"),
     ({"input": "hi", "tools": [{"type": "function", "name": "f", "parameters": {"type": "string"}}]},
