@@ -90,6 +90,9 @@ class ChatBenchConfig:
             raise ValueError("batch sizes, num_prompts, max_tokens and rounds must be >= 1")
 
 
+PENALTIES = ("repetition_penalty", "frequency_penalty", "presence_penalty")
+
+
 def distinct_2(outputs: list[list[int]]) -> float:
     """Distinct bigrams over all bigrams of the answers (Li et al. 2016, "distinct-n"): 1.0 never repeats."""
     pairs = [(a, b) for o in outputs for a, b in zip(o, o[1:], strict=False)]
@@ -241,7 +244,9 @@ def run_one(llm: LLM, other, system: str, params: SamplingParams | None, policy:
 
     def decode(batch):
         if system == "llama.cpp":  # the same prompt ids, the engine's end-of-text and end-of-turn ids
-            return llamacpp.generate(other, batch, cfg.max_tokens, llm.end_token_ids)
+            base = llm.default_params()  # the model's penalties, as the Celeris systems decode with them
+            return llamacpp.generate(other, batch, cfg.max_tokens, llm.end_token_ids,
+                                     {k: getattr(base, k) for k in PENALTIES})
         if params is None:
             texts = [llm.tokenizer.decode(p, skip_special_tokens=False) for p in batch]
             ids, nfe, ttft = smollm2.generate_hf(*other, texts, cfg.max_tokens)

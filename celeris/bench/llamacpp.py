@@ -56,7 +56,8 @@ def load(gguf: Path, n_ctx: int):  # noqa: ANN201 - llama_cpp.Llama, an optional
 
 
 def generate(llama, prompts: Sequence[Sequence[int]], max_tokens: int,  # noqa: ANN001 - llama_cpp.Llama
-             end_ids: Iterable[int] = ()) -> tuple[list[list[int]], list[int], list[float]]:
+             end_ids: Iterable[int] = (), penalties: dict[str, float] | None = None,
+             ) -> tuple[list[list[int]], list[int], list[float]]:
     """Greedy answers to a batch of prompts, one prompt after another (llama-cpp-python decodes one sequence).
 
     Args:
@@ -64,6 +65,10 @@ def generate(llama, prompts: Sequence[Sequence[int]], max_tokens: int,  # noqa: 
         prompts: token ids per prompt, fed unchanged (no BOS added, no re-tokenizing).
         max_tokens: most new tokens per answer; capped so prompt + answer fit ``llama.n_ctx()``.
         end_ids: ids that end an answer besides ``llama.token_eos()`` (the Celeris model's end-of-turn ids).
+        penalties: the Celeris model's ``repetition_penalty``, ``frequency_penalty`` and ``presence_penalty``
+            (default 1, 0, 0), given to llama.cpp's penalties sampler under its names (``repeat_penalty``, ...),
+            which reads the last 64 tokens, prompt included, where Celeris (as vLLM) reads the whole context for
+            the first and the answer for the other two: the same settings, not the same rule.
 
     Returns:
         (new token ids per prompt, cut before the first end id; forward passes per prompt: one per sampled token,
@@ -74,6 +79,7 @@ def generate(llama, prompts: Sequence[Sequence[int]], max_tokens: int,  # noqa: 
         ValueError: a prompt leaves no room for one new token in the context.
     """
     stop = {llama.token_eos(), *end_ids}
+    pen = penalties or {}
     start = time.perf_counter()
     outputs, passes, ttfts = [], [], []
     for prompt in prompts:
@@ -84,7 +90,9 @@ def generate(llama, prompts: Sequence[Sequence[int]], max_tokens: int,  # noqa: 
         llama.reset()  # no reuse of the previous prompt's keys/values: every prompt is prefilled in full
         ids: list[int] = []
         sampled, first = 0, None
-        for token in llama.generate(list(prompt), top_k=1, temp=0.0, repeat_penalty=1.0, reset=True):
+        for token in llama.generate(list(prompt), top_k=1, temp=0.0, repeat_penalty=pen.get("repetition_penalty", 1.0),
+                                    frequency_penalty=pen.get("frequency_penalty", 0.0),
+                                    presence_penalty=pen.get("presence_penalty", 0.0), reset=True):
             first = first if first is not None else time.perf_counter() - start
             sampled += 1  # one forward pass made this token (the prefill the first)
             if token in stop:

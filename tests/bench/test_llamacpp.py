@@ -64,7 +64,8 @@ def test_prompt_ids_pass_unchanged_and_each_prompt_starts_from_an_empty_cache():
     ids, passes, ttft = llamacpp.generate(llama, prompts, max_tokens=8)
     assert llama.prompts == [[1, 2, 3], [4, 2], [1, 2, 3]] and prompts == [[1, 2, 3], [4, 2], [1, 2, 3]]
     assert llama.events == ["reset", "generate"] * 3  # no prefix of the previous prompt reused
-    assert all(s["top_k"] == 1 and s["temp"] == 0.0 and s["repeat_penalty"] == 1.0 for s in llama.sampling)
+    assert all(s["top_k"] == 1 and s["temp"] == 0.0 and s["repeat_penalty"] == 1.0 and s["frequency_penalty"] == 0
+               and s["presence_penalty"] == 0 for s in llama.sampling)
     assert ids == [[5, 6]] * 3 and passes == [3] * 3  # the end id's pass counts, the id does not
     assert len(ttft) == 3 and 0 <= ttft[0] <= ttft[1] <= ttft[2]  # from the batch's start: one prompt after another
 
@@ -77,6 +78,14 @@ def test_the_answer_ends_before_the_eos_or_an_end_id_and_at_max_tokens():
     assert ids == [[9] * 4] * 2 and passes == [4, 4] and endless.pulled == 8  # no pass past the cap
     first = FakeLlama(script=lambda p: chain([EOS], repeat(9)))
     assert llamacpp.generate(first, [[1]], max_tokens=4)[:2] == ([[]], [1])  # the prefill's pass alone
+
+
+def test_the_models_penalties_reach_llama_cpp_under_its_names():
+    llama = FakeLlama()
+    llamacpp.generate(llama, [[1]], max_tokens=4, penalties={"repetition_penalty": 1.1, "frequency_penalty": 0.2,
+                                                             "presence_penalty": 0.3})
+    assert llama.sampling[0] | {"reset": True} == {"top_k": 1, "temp": 0.0, "repeat_penalty": 1.1,
+                                                   "frequency_penalty": 0.2, "presence_penalty": 0.3, "reset": True}
 
 
 def test_answers_fit_llama_cpps_context():

@@ -137,7 +137,8 @@ def test_chat_holds_a_two_turn_conversation(celeris_llm, cache_env):
 def test_the_default_with_its_drafter_speaks_as_the_target_alone(celeris_llm):
     """The embedded default (``smollm2-135m-instruct-dflash``: the target with the shipped drafter, as its
     ``celeris.json`` configures it) at batch 1: verified decoding whose drafts come from prompt lookup or the drafter,
-    and whose greedy text is the target's own next-token text on the first four prompts (64 tokens each)."""
+    and whose greedy text is the target's own next-token text, under the default's frequency penalty, on the first
+    four prompts (64 tokens each)."""
     from dataclasses import replace
 
     from celeris.llm import LLM
@@ -145,9 +146,10 @@ def test_the_default_with_its_drafter_speaks_as_the_target_alone(celeris_llm):
     default = LLM(max_num_seqs=8)
     assert default.proposer is not None and default.proposer.enabled(1)  # the drafter drafts at batch 1
     params = default.default_params(max_tokens=NEW_TOKENS, temperature=0.0)
-    assert params.decoding == "verified" and params.draft_source == "lookup_first"
+    assert params.decoding == "verified" and params.draft_source == "lookup_first" and params.frequency_penalty > 0
     prompts = [celeris_llm.tokenizer.encode_chat([{"role": "user", "content": p}]) for p in PROMPTS[:4]]
-    plain = replace(celeris_llm.default_params(max_tokens=NEW_TOKENS, temperature=0.0), decoding="fixed")
+    plain = replace(celeris_llm.default_params(max_tokens=NEW_TOKENS, temperature=0.0), decoding="fixed",
+                    frequency_penalty=params.frequency_penalty)
     for ids in prompts:
         want = celeris_llm.generate([ids], plain)[0].token_ids
         assert default.generate([ids], params)[0].token_ids == want
