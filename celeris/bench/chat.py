@@ -249,7 +249,8 @@ def run_one(llm: LLM, other, system: str, params: SamplingParams | None, policy:
                                      {k: getattr(base, k) for k in PENALTIES})
         if params is None:
             texts = [llm.tokenizer.decode(p, skip_special_tokens=False) for p in batch]
-            ids, nfe, ttft = smollm2.generate_hf(*other, texts, cfg.max_tokens)
+            base = llm.default_params()  # the model's penalties, as the Celeris systems decode with them
+            ids, nfe, ttft = smollm2.generate_hf(*other, texts, cfg.max_tokens, {k: getattr(base, k) for k in PENALTIES})
             return ids, nfe, [ttft] * len(batch)
         reqs = [llm.engine.add_request(p, llm.fit_max_tokens(params, len(p))) for p in batch]
         while llm.engine.has_unfinished():

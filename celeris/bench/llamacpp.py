@@ -42,7 +42,8 @@ def unavailable_reason(gguf: Path | None) -> str | None:
 def load(gguf: Path, n_ctx: int):  # noqa: ANN201 - llama_cpp.Llama, an optional import
     """``llama_cpp.Llama`` on ``gguf`` with a context of ``n_ctx`` tokens (prompt + answer), as many threads as
     PyTorch uses (``torch.get_num_threads()``, for generation and prompt batches), prompt batches of 512 tokens,
-    seed 0, quiet.
+    seed 0, quiet, and a penalty window (``last_n_tokens_size``, 64 by default) of the whole context, so that its
+    penalties read every answer token, as Celeris's do (``generate``).
 
     Raises:
         ImportError: llama_cpp is not installed (see ``unavailable_reason``).
@@ -52,7 +53,7 @@ def load(gguf: Path, n_ctx: int):  # noqa: ANN201 - llama_cpp.Llama, an optional
 
     threads = torch.get_num_threads()
     return llama_cpp.Llama(model_path=str(gguf), n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads,
-                           n_batch=512, verbose=False, seed=0)
+                           n_batch=512, verbose=False, seed=0, last_n_tokens_size=n_ctx)
 
 
 def generate(llama, prompts: Sequence[Sequence[int]], max_tokens: int,  # noqa: ANN001 - llama_cpp.Llama
@@ -66,9 +67,11 @@ def generate(llama, prompts: Sequence[Sequence[int]], max_tokens: int,  # noqa: 
         max_tokens: most new tokens per answer; capped so prompt + answer fit ``llama.n_ctx()``.
         end_ids: ids that end an answer besides ``llama.token_eos()`` (the Celeris model's end-of-turn ids).
         penalties: the Celeris model's ``repetition_penalty``, ``frequency_penalty`` and ``presence_penalty``
-            (default 1, 0, 0), given to llama.cpp's penalties sampler under its names (``repeat_penalty``, ...),
-            which reads the last 64 tokens, prompt included, where Celeris (as vLLM) reads the whole context for
-            the first and the answer for the other two: the same settings, not the same rule.
+            (default 1, 0, 0), given to llama.cpp's penalties sampler under its names (``repeat_penalty``, ...).
+            llama-cpp-python's ``generate`` builds that sampler afresh for each answer and feeds it only the sampled
+            tokens, over a window of ``last_n_tokens_size`` (``load``: the whole context): the frequency and
+            presence penalties then read what Celeris's read (the answer so far), its repetition penalty does not
+            see the prompt, which Celeris's CTRL penalty does.
 
     Returns:
         (new token ids per prompt, cut before the first end id; forward passes per prompt: one per sampled token,

@@ -101,14 +101,32 @@ def is_smollm2(llm) -> bool:  # noqa: ANN001 - celeris.llm.LLM
 
 
 @torch.no_grad()
-def generate_hf(model, tokenizer, prompts: list[str], max_new_tokens: int) -> tuple[list[list[int]], list[int], float]:
-    """Greedy ``model.generate`` of a batch (left-padded).
+def answer_penalties(prompt_len: int, frequency: float, presence: float):  # noqa: ANN201 - a LogitsProcessor
+    """A transformers ``LogitsProcessor`` with OpenAI's frequency and presence penalties over the tokens generated
+    after the (left-padded) prompt's ``prompt_len`` columns, as Celeris applies them (``celeris.sampling.step.
+    apply_penalties``): transformers has a processor for CTRL's penalty only."""
+    from transformers import LogitsProcessor
+
+    class AnswerPenalties(LogitsProcessor):
+        def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+            answer = input_ids[:, prompt_len:]  # (B, new)
+            counts = torch.zeros_like(scores).scatter_add_(1, answer, torch.ones_like(answer, dtype=scores.dtype))
+            return scores - frequency * counts - presence * (counts > 0)
+
+    return AnswerPenalties()
+
+
+def generate_hf(model, tokenizer, prompts: list[str], max_new_tokens: int,
+                penalties: dict[str, float] | None = None) -> tuple[list[list[int]], list[int], float]:
+    """Greedy ``model.generate`` of a batch (left-padded), with the Celeris model's ``penalties``
+    (``repetition_penalty`` through transformers' own processor, ``frequency_penalty`` and ``presence_penalty``
+    through ``answer_penalties``; None: none).
 
     Returns:
         (output token ids per prompt, cut before the first end-of-text; forward passes
         (one per new token, the prefill included); seconds from the call to the first new token).
     """
-    from transformers import StoppingCriteria, StoppingCriteriaList
+    from transformers import LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
 
     class FirstToken(StoppingCriteria):
         at: float | None = None
@@ -123,8 +141,15 @@ def generate_hf(model, tokenizer, prompts: list[str], max_new_tokens: int) -> tu
     enc = tokenizer(prompts, return_tensors="pt", padding=True).to(model.device)
     first = FirstToken()
     start = time.perf_counter()
+    pen = penalties or {}
+    processors = []
+    if pen.get("frequency_penalty", 0) or pen.get("presence_penalty", 0):
+        processors.append(answer_penalties(enc["input_ids"].shape[1], pen.get("frequency_penalty", 0.0),
+                                           pen.get("presence_penalty", 0.0)))
     out = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id,
-                         stopping_criteria=StoppingCriteriaList([first]))
+                         stopping_criteria=StoppingCriteriaList([first]),
+                         repetition_penalty=pen.get("repetition_penalty", 1.0),
+                         logits_processor=LogitsProcessorList(processors))
     new = out[:, enc["input_ids"].shape[1] :].tolist()
     eos = tokenizer.eos_token_id
     ids = [row[: row.index(eos)] if eos in row else row for row in new]

@@ -104,6 +104,7 @@ class DraftRow:
     draft_state: DraftState | None = None  # its DFlash drafter's cache and queued features (with a drafter)
     history: History | None = None  # with a penalty: its tokens so far ((1, V) each; ``penalize_along``), else None
     penalty_settings: RowSettings | None = None  # with a penalty: its settings as one row's tensors
+    counting: bool = True  # its history still counts committed tokens (False once an end id came: ``History.add``)
     acceptance_lengths: list[int] = field(default_factory=list)  # drafts accepted, per pass that checked drafts
     answer: list[int] = field(default_factory=list)
     drafts: list[int] = field(default_factory=list)

@@ -313,7 +313,7 @@ class VerifiedDecoder:
     @staticmethod
     def verify(row: DraftRow, logits: torch.Tensor) -> tuple[int, list[int]]:
         """Check ``row``'s m drafts with the target's next-token logits (m + 1, V) at its pending token and drafts
-        (penalized in place first, with a repetition penalty, as next-token decoding penalizes each position once
+        (penalized in place first, when the row has a penalty, as next-token decoding penalizes each position once
         it is committed: ``penalize_along``): (drafts accepted, the tokens to commit, cut at ``max_tokens``)."""
         left = row.params.max_tokens - len(row.answer)
         if row.history is not None:
@@ -358,8 +358,10 @@ class VerifiedDecoder:
         base = len(row.prompt_ids) + len(row.answer)  # column of the first new token
         self.tokens[i, base : base + len(new)] = torch.tensor(new, device=self.device)
         row.answer.extend(new)
-        if row.history is not None:
-            row.history.add(new)
+        if row.history is not None and row.counting:  # up to its first end id (``answer_counts``)
+            text = new[: hit] if hit is not None else new
+            row.history.add(text)
+            row.counting = hit is None
         if row.constraint is not None and row.constraint.stopped:  # the grammar allows nothing more
             row.hit_eos = True
         if len(row.answer) >= n or row.hit_eos:

@@ -14,6 +14,7 @@ import torch
 
 from celeris.models.layers import KVCache
 from celeris.params import SamplingParams
+from celeris.sampling.block import answer_ends
 from celeris.sampling.output import GenerationOutput, build_canvas, cut_at_eos
 from celeris.sampling.select import sample_tokens
 from celeris.sampling.step import (
@@ -73,7 +74,8 @@ def generate_autoregressive(
         nfe += 1
         # the context so far (prompt and answer, not padding) and the answer so far
         history = History.of(rows, [row[:t][a[:t]] for row, a in zip(canvas, attn, strict=True)],
-                             list(canvas[:, answer_start:t]), logits.shape[-1], config.mask_token_id, device)
+                             list(canvas[:, answer_start:t]), logits.shape[-1], config.mask_token_id, device,
+                             [answer_ends(r, [config.eos_token_id]) for r in rows])
         logits, _ = prepare_logits(logits, settings, banned, history)
         canvas[:, t] = sample_tokens(logits, settings.temperature, generators)[:, 0]
         if t == answer_start:

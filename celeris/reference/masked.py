@@ -18,6 +18,7 @@ import torch
 from celeris.models.layers import KVCache, column_window
 from celeris.params import SamplingParams
 from celeris.reference.block import generate_block
+from celeris.sampling.block import answer_ends
 from celeris.sampling.cache import CACHE_MODES, cache_window, visible_end
 from celeris.sampling.modes import check_request, mode_of
 from celeris.sampling.output import GenerationOutput, answer_done, build_canvas, cut_at_eos
@@ -195,7 +196,7 @@ def generate(
             nfe += passes
             history = History.of(rows, list(torch.where(attn, canvas, mask_id)),  # padding is not context
                                  list(canvas[:, answer_start : answer_start + first.max_tokens]), logits.shape[-1],
-                                 mask_id, device)
+                                 mask_id, device, [answer_ends(r, [eos_id]) for r in rows])
             step = commit_step(logits, canvas[:, span].clone(), mask_id, eos_id, banned,
                                schedule[:, min(step_in_block, block_steps - 1)], settings, generators, history,
                                confidence_from=confidence_rule(model), constraints=constraints,

@@ -8,6 +8,7 @@ correction -> progress check that every masked and block path runs.
 from __future__ import annotations
 
 import random
+from collections.abc import Collection
 from dataclasses import dataclass
 
 import torch
@@ -117,9 +118,22 @@ def context_tokens(canvases: list[torch.Tensor], vocab_size: int, mask_id: int, 
     return seen[:, :vocab_size]
 
 
-def answer_counts(answers: list[torch.Tensor], vocab_size: int, mask_id: int, device: torch.device) -> torch.Tensor:
-    """(B, V) float32: how often each token occurs in each row's answer so far (1-D int64 each; the mask token,
-    which marks positions not committed yet, not counted)."""
+def before_end(answer: torch.Tensor, ends: Collection[int]) -> torch.Tensor:
+    """``answer`` (1-D int64) up to its first id in ``ends`` (excluded): what of it is the answer's text."""
+    if not ends:
+        return answer
+    hit = torch.isin(answer, torch.tensor(sorted(ends), device=answer.device)).nonzero()
+    return answer[: int(hit[0])] if hit.numel() else answer
+
+
+def answer_counts(answers: list[torch.Tensor], vocab_size: int, mask_id: int, device: torch.device,
+                  ends: list[Collection[int]] | None = None) -> torch.Tensor:
+    """(B, V) float32: how often each token occurs in each row's answer so far (1-D int64 each), counted up to the
+    row's first end id in ``ends`` (None: no end ids): neither the end-of-text a masked-diffusion answer is filled
+    with after its text nor anything after it counts (vLLM never counts past the end); the mask token, which marks
+    positions not committed yet, never counts."""
+    if ends is not None:
+        answers = [before_end(a, e) for a, e in zip(answers, ends, strict=True)]
     padded = torch.nn.utils.rnn.pad_sequence(list(answers), batch_first=True, padding_value=mask_id).to(device)
     counts = torch.zeros((padded.shape[0], max(vocab_size, mask_id + 1)), device=device)
     counts.scatter_add_(1, padded, torch.ones(padded.shape, device=device))
@@ -142,15 +156,17 @@ class History:
 
     @classmethod
     def of(cls, rows: list[SamplingParams], contexts: list[torch.Tensor], answers: list[torch.Tensor],
-           vocab_size: int, mask_id: int, device: torch.device) -> History | None:
+           vocab_size: int, mask_id: int, device: torch.device,
+           ends: list[Collection[int]] | None = None) -> History | None:
         """The history of rows whose prompt-and-answer tokens are ``contexts`` and answer tokens ``answers`` (1-D
-        int64 each, ``mask_id`` where not committed); None when no row has a penalty."""
+        int64 each, ``mask_id`` where not committed; counted up to each row's first id in ``ends``:
+        ``answer_counts``); None when no row has a penalty."""
         repetition = any(r.repetition_penalty != 1 for r in rows)
         counted = any(r.frequency_penalty != 0 or r.presence_penalty != 0 for r in rows)
         if not (repetition or counted):
             return None
         return cls(context_tokens(contexts, vocab_size, mask_id, device) if repetition else None,
-                   answer_counts(answers, vocab_size, mask_id, device) if counted else None)
+                   answer_counts(answers, vocab_size, mask_id, device, ends) if counted else None)
 
     def add(self, tokens: list[int]) -> None:
         """Count newly committed ``tokens`` into a one-row history (verified decoding's ``DraftRow``)."""

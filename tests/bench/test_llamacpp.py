@@ -100,7 +100,8 @@ def test_load_uses_torchs_threads_and_the_given_file(fake_llama_cpp, monkeypatch
     monkeypatch.setattr(torch, "get_num_threads", lambda: 3)
     llamacpp.load(tmp_path / "m.gguf", n_ctx=300)
     assert FakeLlama.made[0].kwargs == {"model_path": str(tmp_path / "m.gguf"), "n_ctx": 300, "n_threads": 3,
-                                        "n_threads_batch": 3, "n_batch": 512, "verbose": False, "seed": 0}
+                                        "n_threads_batch": 3, "n_batch": 512, "verbose": False, "seed": 0,
+                                        "last_n_tokens_size": 300}
 
 
 def test_unavailable_without_the_module_or_a_gguf_file(fake_llama_cpp, monkeypatch, tmp_path):

@@ -114,6 +114,38 @@ def test_bench_runs_in_the_dtype_asked_for(tiny_checkpoint, tmp_path):
     assert all(r["nfe_mean"] >= 1 for r in results["runs"])
 
 
+def test_hf_generate_takes_the_models_penalties_as_celeris_applies_them(tokenizer_dir):
+    """transformers' side of the bench decodes with the Celeris model's penalties: the frequency and presence
+    penalties (a processor of ours: transformers has CTRL's only) count the generated tokens alone, as
+    ``apply_penalties`` does; ``generate`` gets it and CTRL's penalty under transformers' own name."""
+    from celeris.params import SamplingParams
+    from celeris.sampling.step import History, RowSettings, apply_penalties
+
+    scores, ids = torch.randn(2, 50), torch.tensor([[3, 4, 7, 7, 9], [1, 1, 2, 5, 5]])  # prompt: 2 columns
+    got = smollm2.answer_penalties(2, 0.5, 0.25)(ids, scores)
+    rows = [SamplingParams(frequency_penalty=0.5, presence_penalty=0.25)] * 2
+    history = History.of(rows, list(ids), list(ids[:, 2:]), 50, 49, torch.device("cpu"))
+    want = apply_penalties(scores[:, None], RowSettings.from_params(rows, torch.device("cpu")), history)[:, 0]
+    torch.testing.assert_close(got, want)
+    model, tok = tiny_hf_causal_lm(tokenizer_dir)
+    calls, real = [], model.generate
+
+    def spy(**kwargs):
+        calls.append(kwargs)
+        return real(**kwargs)
+
+    model.generate = spy
+    smollm2.generate_hf(model, tok, ["def f(x):"], max_new_tokens=4)
+    smollm2.generate_hf(model, tok, ["def f(x):"], max_new_tokens=4, penalties={
+        "repetition_penalty": 1.3, "frequency_penalty": 2.0, "presence_penalty": 0.0})
+    assert calls[0]["repetition_penalty"] == 1.0 and len(calls[0]["logits_processor"]) == 0
+    assert calls[1]["repetition_penalty"] == 1.3 and len(calls[1]["logits_processor"]) == 1
+    prompt = calls[1]["input_ids"]  # (1, P): the processor counts from column P on
+    after = torch.cat([prompt, torch.tensor([[7, 7]])], dim=1)
+    flat = torch.zeros(1, len(tok))
+    assert calls[1]["logits_processor"][0](after, flat)[0, 7] == -4.0  # two 7s generated: 2.0 x 2
+
+
 def test_hf_generate_cuts_at_end_of_text_and_judge_scores(tokenizer_dir):
     model, tok = tiny_hf_causal_lm(tokenizer_dir)
     ids, nfe, ttft = smollm2.generate_hf(model, tok, ["def f(x):", "import os"], max_new_tokens=6)

@@ -251,3 +251,33 @@ def test_engine_out_of_phase_requests_match_reference_sampler(format_model, cach
     assert engine.runner.num_split_passes > 0
     for r, expected in zip(requests, alone, strict=True):
         assert torch.equal(r.answer, expected)
+
+
+def test_the_end_of_text_fill_does_not_count_for_the_frequency_penalty():
+    """A masked-diffusion answer whose text ends after three tokens, then the end-of-text fill (LLaDA's layout, the
+    fill committed first: it is the most confident). Counting the fill would push the end-of-text logit down by
+    frequency_penalty times its length and turn the model's end into a fourth token (vLLM never counts past the
+    end); the engine and the reference sampler both end after three tokens."""
+    from tests.conftest import ScriptedModel, tiny_config
+
+    cfg = tiny_config()
+    vocab, eos = cfg.vocab_size, cfg.eos_token_id
+
+    def table(position: int) -> torch.Tensor:
+        x, a = torch.zeros(vocab), position - 2  # a: the answer position
+        if 0 <= a <= 2:
+            x[10 + a] = 8.0
+        elif a == 3:
+            x[eos], x[13] = 4.0, 3.5  # the model ends here
+        elif a >= 4:
+            x[eos] = 10.0  # the end-of-text fill
+        return x
+
+    model = ScriptedModel(cfg, table)
+    for penalty in (0.0, 1.0):
+        params = SamplingParams(max_tokens=8, steps=8, block_length=8, early_exit=False, frequency_penalty=penalty)
+        assert generate(model, [[5, 6]], params).token_ids == [[10, 11, 12]], penalty
+        engine = Engine(model, EngineConfig(max_num_seqs=2))
+        request = engine.add_request([5, 6], params)
+        run_to_end(engine)
+        assert request.answer[:4].tolist() == [10, 11, 12, eos], penalty
