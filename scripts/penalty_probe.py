@@ -9,7 +9,8 @@ default's own value is overridden, so ``frequency_penalty=0`` measures the defau
   the answers go to ``--out`` (``penalty-<setting>.json``) to be read;
 - ``acceptance``: the bench's first 8 MT-Bench and GSM8K prompts through the chat template, 128 tokens, one prompt
   at a time (batch 1, where the default drafts): tokens per target pass (answer tokens / the target's forward
-  passes; counts, not seconds, so load on the machine does not change them) and the same quality counts.
+  passes; counts, not seconds, so load on the machine does not change them, though the thread count can by a few
+  near-ties: 1.280 / 2.179 at 2 threads, 1.282 / 2.184 at 1 for frequency 0.2) and the same quality counts.
 
     PYTHONPATH=. python scripts/penalty_probe.py frequency_penalty=0,frequency_penalty=0.2 --threads 2
 """
