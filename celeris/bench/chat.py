@@ -241,16 +241,15 @@ def run_one(llm: LLM, other, system: str, params: SamplingParams | None, policy:
         for k, v in zip(POLICY, policy or (None,) * len(POLICY), strict=True):
             setattr(proposer, k, v)
     calls, before = (proposer.calls if proposer else 0), draft_counts(llm)
+    base = llm.default_params()  # the model's penalties, given to the systems outside the engine too
+    penalties = {k: getattr(base, k) for k in PENALTIES}
 
     def decode(batch):
         if system == "llama.cpp":  # the same prompt ids, the engine's end-of-text and end-of-turn ids
-            base = llm.default_params()  # the model's penalties, as the Celeris systems decode with them
-            return llamacpp.generate(other, batch, cfg.max_tokens, llm.end_token_ids,
-                                     {k: getattr(base, k) for k in PENALTIES})
+            return llamacpp.generate(other, batch, cfg.max_tokens, llm.end_token_ids, penalties)
         if params is None:
             texts = [llm.tokenizer.decode(p, skip_special_tokens=False) for p in batch]
-            base = llm.default_params()  # the model's penalties, as the Celeris systems decode with them
-            ids, nfe, ttft = smollm2.generate_hf(*other, texts, cfg.max_tokens, {k: getattr(base, k) for k in PENALTIES})
+            ids, nfe, ttft = smollm2.generate_hf(*other, texts, cfg.max_tokens, penalties)
             return ids, nfe, [ttft] * len(batch)
         reqs = [llm.engine.add_request(p, llm.fit_max_tokens(params, len(p))) for p in batch]
         while llm.engine.has_unfinished():

@@ -301,7 +301,7 @@ class BlockDecoder:
             force[i, 0] = pending[i]
         num_tokens = torch.tensor([1 if pending[i] else int(row.schedule[min(row.step_in_unit, row.block_steps - 1)])
                                    for i, row in enumerate(rows)], device=self.device)
-        history = History.of(params, [row.request.canvas for row in rows], [row.request.answer for row in rows],
+        history = History.of(settings, [row.request.canvas for row in rows], [row.request.answer for row in rows],
                              logits.shape[-1], self.mask_id, self.device, [row.request.ends(self.eos_id) for row in rows])
         step = commit_step(logits, block.to(self.device), self.mask_id, self.eos_id, self.banned_ids, num_tokens,
                            settings, [row.request.generator for row in rows], history, widths, self.confidence_from,

@@ -123,7 +123,7 @@ class MaskedPath:
                 return []
         settings = RowSettings.from_params([r.params for r in batch], logits.device)
         num_tokens = torch.tensor([r.tokens_this_step() for r in batch], device=logits.device)
-        history = History.of([r.params for r in batch], [r.canvas for r in batch], [r.answer for r in batch],
+        history = History.of(settings, [r.canvas for r in batch], [r.answer for r in batch],
                              logits.shape[-1], self.mask_id, logits.device, [r.ends(self.eos_id) for r in batch])
         widths = [r.block_span[1] - r.block_span[0] for r in batch]
         step = commit_step(logits, block, self.mask_id, self.eos_id, self.banned_ids, num_tokens, settings,

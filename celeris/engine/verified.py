@@ -151,10 +151,11 @@ class VerifiedDecoder:
         row = DraftRow(list(prompt_ids), params, make_generator(params.seed), k, ends, constraint=constraint,
                        slot_start=len(prompt_ids), num_slots=slots,
                        draft_state=DraftState() if self.proposer else None)
-        row.history = History.of([params], [torch.tensor(prompt_ids)], [torch.zeros(0, dtype=torch.long)],
+        settings = RowSettings.from_params([params], self.device)
+        row.history = History.of(settings, [torch.tensor(prompt_ids)], [torch.zeros(0, dtype=torch.long)],
                                  self.model.config.vocab_size, self.model.config.mask_token_id, self.device)
         if row.history is not None:  # what its penalties read (``penalize_along``)
-            row.penalty_settings = RowSettings.from_params([params], self.device)
+            row.penalty_settings = settings
         if self.prefix_cache is not None:  # copy the cached prefix's keys/values into the row's pool row
             row.num_cached, kv = self.prefix_cache.lookup(row.prompt_ids)
             if self.feature_cache is not None:  # the drafter's context for that prefix, as far as it reaches

@@ -73,7 +73,7 @@ def generate_autoregressive(
         logits = model.logits(hidden[:, t - 1 : t] if window is None else hidden)  # (B, 1, V): token t from h[t-1]
         nfe += 1
         # the context so far (prompt and answer, not padding) and the answer so far
-        history = History.of(rows, [row[:t][a[:t]] for row, a in zip(canvas, attn, strict=True)],
+        history = History.of(settings, [row[:t][a[:t]] for row, a in zip(canvas, attn, strict=True)],
                              list(canvas[:, answer_start:t]), logits.shape[-1], config.mask_token_id, device,
                              [answer_ends(r, [config.eos_token_id]) for r in rows])
         logits, _ = prepare_logits(logits, settings, banned, history)

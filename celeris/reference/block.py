@@ -112,7 +112,7 @@ def generate_block(
                 hi = s + 1 if pending else t  # a pending first token is committed alone, before the sub-block
                 logits = _unit_logits(model, contract, canvas, unit, origin, hi - s)  # (1, L, V)
                 nfe += 1
-                history = History.of([sp], [canvas], [canvas[p : p + n]], logits.shape[-1], mask_id, device, [ends])
+                history = History.of(settings, [canvas], [canvas[p : p + n]], logits.shape[-1], mask_id, device, [ends])
                 block = canvas[s:hi].clone()
                 k = torch.ones(1, dtype=torch.long, device=device) if pending else \
                     schedule[min(step, num_steps - 1)].reshape(1)

@@ -194,7 +194,7 @@ def generate(
                                                     last_commit)
             logits, passes = _forward(model, canvas, step_attn, outputs, caches, window, is_prompt, settings)
             nfe += passes
-            history = History.of(rows, list(torch.where(attn, canvas, mask_id)),  # padding is not context
+            history = History.of(settings, list(torch.where(attn, canvas, mask_id)),  # padding is not context
                                  list(canvas[:, answer_start : answer_start + first.max_tokens]), logits.shape[-1],
                                  mask_id, device, [answer_ends(r, [eos_id]) for r in rows])
             step = commit_step(logits, canvas[:, span].clone(), mask_id, eos_id, banned,

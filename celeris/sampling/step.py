@@ -155,18 +155,16 @@ class History:
     counts: torch.Tensor | None = None
 
     @classmethod
-    def of(cls, rows: list[SamplingParams], contexts: list[torch.Tensor], answers: list[torch.Tensor],
+    def of(cls, settings: RowSettings, contexts: list[torch.Tensor], answers: list[torch.Tensor],
            vocab_size: int, mask_id: int, device: torch.device,
            ends: list[Collection[int]] | None = None) -> History | None:
-        """The history of rows whose prompt-and-answer tokens are ``contexts`` and answer tokens ``answers`` (1-D
-        int64 each, ``mask_id`` where not committed; counted up to each row's first id in ``ends``:
-        ``answer_counts``); None when no row has a penalty."""
-        repetition = any(r.repetition_penalty != 1 for r in rows)
-        counted = any(r.frequency_penalty != 0 or r.presence_penalty != 0 for r in rows)
-        if not (repetition or counted):
+        """The history of rows (``settings``: which penalties some row has) whose prompt-and-answer tokens are
+        ``contexts`` and answer tokens ``answers`` (1-D int64 each, ``mask_id`` where not committed; counted up to
+        each row's first id in ``ends``: ``answer_counts``); None when no row has a penalty."""
+        if not (settings.any_penalty or settings.any_count_penalty):
             return None
-        return cls(context_tokens(contexts, vocab_size, mask_id, device) if repetition else None,
-                   answer_counts(answers, vocab_size, mask_id, device, ends) if counted else None)
+        return cls(context_tokens(contexts, vocab_size, mask_id, device) if settings.any_penalty else None,
+                   answer_counts(answers, vocab_size, mask_id, device, ends) if settings.any_count_penalty else None)
 
     def add(self, tokens: list[int]) -> None:
         """Count newly committed ``tokens`` into a one-row history (verified decoding's ``DraftRow``)."""

@@ -124,8 +124,9 @@ def test_hf_generate_takes_the_models_penalties_as_celeris_applies_them(tokenize
     scores, ids = torch.randn(2, 50), torch.tensor([[3, 4, 7, 7, 9], [1, 1, 2, 5, 5]])  # prompt: 2 columns
     got = smollm2.answer_penalties(2, 0.5, 0.25)(ids, scores)
     rows = [SamplingParams(frequency_penalty=0.5, presence_penalty=0.25)] * 2
-    history = History.of(rows, list(ids), list(ids[:, 2:]), 50, 49, torch.device("cpu"))
-    want = apply_penalties(scores[:, None], RowSettings.from_params(rows, torch.device("cpu")), history)[:, 0]
+    settings = RowSettings.from_params(rows, torch.device("cpu"))
+    history = History.of(settings, list(ids), list(ids[:, 2:]), 50, 49, torch.device("cpu"))
+    want = apply_penalties(scores[:, None], settings, history)[:, 0]
     torch.testing.assert_close(got, want)
     model, tok = tiny_hf_causal_lm(tokenizer_dir)
     calls, real = [], model.generate

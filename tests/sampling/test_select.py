@@ -134,9 +134,10 @@ def test_frequency_and_presence_penalties_match_a_loop_over_the_answer_only():
     rows = [SamplingParams(frequency_penalty=0.5, presence_penalty=0.25, repetition_penalty=1.5),
             SamplingParams(frequency_penalty=-1.0)]
     cpu = torch.device("cpu")
-    history = History.of(rows, [torch.cat([torch.tensor(p), a]) for p, a in zip(prompts, answers, strict=True)],
+    settings = RowSettings.from_params(rows, cpu)
+    history = History.of(settings, [torch.cat([torch.tensor(p), a]) for p, a in zip(prompts, answers, strict=True)],
                          answers, 7, 0, cpu)
-    got = apply_penalties(logits, RowSettings.from_params(rows, cpu), history)
+    got = apply_penalties(logits, settings, history)
     for b, pos, v in itertools.product(range(2), range(3), range(7)):
         x, r = float(logits[b, pos, v]), rows[b]
         if v in prompts[b] or v in answers[b][answers[b] != 0].tolist():
@@ -145,7 +146,8 @@ def test_frequency_and_presence_penalties_match_a_loop_over_the_answer_only():
         x -= r.frequency_penalty * count + r.presence_penalty * (count > 0)
         assert abs(float(got[b, pos, v]) - x) < 1e-6, (b, pos, v)
     assert history.counts[0].tolist() == [0, 0, 0, 2, 0, 1, 0]  # the prompt's 1 and 2 not counted
-    assert History.of([SamplingParams()], [torch.tensor([1])], [torch.tensor([2])], 7, 0, cpu) is None
+    plain = RowSettings.from_params([SamplingParams()], cpu)
+    assert History.of(plain, [torch.tensor([1])], [torch.tensor([2])], 7, 0, cpu) is None
 
 
 # ---------------------------------------------------------------------------------------------
