@@ -39,6 +39,7 @@ from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
+import numpy as np
 import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
@@ -46,6 +47,7 @@ from torch import nn
 
 from celeris.config import resolve_max_model_len
 from celeris.models import cache, quantize
+from celeris.models.blocks import BLOCK_TYPES, BlockEmbedding, BlockError, BlockLinear
 from celeris.models.checkpoint import CheckpointError, TensorInfo, checkpoint_files, read_config, read_headers
 from celeris.models.gguf import (
     PERMUTED,
@@ -56,6 +58,7 @@ from celeris.models.gguf import (
     hf_tensor,
     open_reader,
     read_card,
+    unpermute,
 )
 from celeris.models.loader import (
     FORMATS,
@@ -85,7 +88,7 @@ from celeris.models.quantize import (
 VARIANT = "gguf-q"  # the cache entry's variant: the weights as --quantization gguf keeps them
 STATE_FILE = "model.safetensors"
 LAYOUT_KEY = "celeris.quantization"  # safetensors metadata key of the layout (JSON)
-LAYOUT_VERSION = 1  # raised when the stored form changes: an entry of another version is rebuilt
+LAYOUT_VERSION = 2  # raised when the stored form changes: an entry of another version is rebuilt
 CHUNK_BYTES = 16 << 20  # float32 bytes of rows dequantized at once on a first load (the embedding: blocks of rows)
 STORED_KEYS = {8: ("qweight", "scales"), 4: ("codes", "scales_and_zeros")}  # by bits; "bias" beside either
 
@@ -146,22 +149,30 @@ def quantized_state(path: Path, converted: Converted) -> tuple[dict[str, torch.T
     targets = match_tensors(model, fmt, {n: tuple(int(d) for d in reversed(t.shape.tolist()))
                                          for n, t in tensors.items()})
     linears = {name: m for name, m in model.named_modules() if isinstance(m, nn.Linear)}
-    chosen = {name: methods.get(name, parse_method("int8")) for name in linears}
-    for name, linear in linears.items():
-        check_shape(chosen[name], name, linear)
-    if "lm_head" in linears and linears["lm_head"].out_features != model.vocab_size:
-        raise QuantizationError(f"--quantization gguf: the head has {linears['lm_head'].out_features} rows for a "
-                                f"vocabulary of {model.vocab_size} (padded heads are not supported)")
     sources: dict[str, dict[str | None, str]] = {}  # parameter -> {part: Hugging Face name}
     for name, target in targets.items():
         param, part = split_part(target)
         sources.setdefault(param, {})[part] = name
-    packed, act = packed_parts(model), activation_dtype(torch.device("cpu"), torch.float32)
+    packed = packed_parts(model)
+    kinds = {param: {tensors[n].tensor_type.name for n in parts.values()} for param, parts in sources.items()}
+    blocks = {param.rpartition(".")[0]: kind for param, found in kinds.items() if len(found) == 1
+              and (kind := next(iter(found))) in BLOCK_TYPES and param.endswith(".weight")
+              and (param.rpartition(".")[0] in linears or param == "embed_tokens.weight")}
+    chosen = {name: methods.get(name, parse_method("int8")) for name in linears if name not in blocks}
+    for name in chosen:
+        check_shape(chosen[name], name, linears[name])
+    if "lm_head" in linears and linears["lm_head"].out_features != model.vocab_size:
+        raise QuantizationError(f"--quantization gguf: the head has {linears['lm_head'].out_features} rows for a "
+                                f"vocabulary of {model.vocab_size} (padded heads are not supported)")
+    act = activation_dtype(torch.device("cpu"), torch.float32)
     stored: dict[str, torch.Tensor] = {}
     for param, parts in sources.items():
         module, _, kind = param.rpartition(".")
         names = [parts[p] for p in packed[param]] if param in packed else [parts[None]]
-        if module in linears:
+        if module in blocks:  # the file's blocks as they are (the weight), a bias in float32
+            stored[f"{module}.{kind}"] = torch.cat([raw_rows(tensors[n], n, converted.config) for n in names]) \
+                if kind == "weight" else torch.cat([hf_tensor(tensors[n], n, converted.config) for n in names])
+        elif module in linears:
             quantizer = partial(quantize.stored_weight, method=chosen[module], act_dtype=act) if kind == "weight" \
                 else partial(_bias, act_dtype=act)
             form = _join([_read(tensors[n], n, converted.config, quantizer) for n in names])
@@ -171,7 +182,21 @@ def quantized_state(path: Path, converted: Converted) -> tuple[dict[str, torch.T
             stored.update({f"embed_tokens.{k}": v for k, v in form.items()})
         else:  # the norms, in float32
             stored[param] = hf_tensor(tensors[names[0]], names[0], converted.config)
-    return stored, _layout(stored, linears, chosen, act)
+    stored = {(k.removesuffix(".weight") + ".blocks" if k.removesuffix(".weight") in blocks else k): v
+              for k, v in stored.items()}
+    return stored, _layout(stored, linears, chosen, blocks, act)
+
+
+def raw_rows(tensor, name: str, config: dict) -> torch.Tensor:  # noqa: ANN001 - gguf.ReaderTensor
+    """One reader tensor's blocks as they are in the file: (rows, row_bytes) uint8 (a copy), a ``llama`` q/k's rows
+    unpermuted (``gguf.unpermute``: a row permutation, so it moves whole rows of blocks)."""
+    rows = int(tensor.shape[-1])
+    data = torch.from_numpy(np.array(tensor.data, copy=True)).view(torch.uint8).reshape(rows, -1)
+    if config["model_type"] in PERMUTED and ".self_attn.q_proj." in name:
+        return unpermute(data, config["num_attention_heads"]).contiguous()
+    if config["model_type"] in PERMUTED and ".self_attn.k_proj." in name:
+        return unpermute(data, config["num_key_value_heads"]).contiguous()
+    return data
 
 
 def chunk_rows(tensor, name: str, config: dict, max_bytes: int) -> list[tuple[int, int] | None]:  # noqa: ANN001
@@ -216,19 +241,24 @@ def _read(tensor, name: str, config: dict,  # noqa: ANN001 - gguf.ReaderTensor
 
 
 def _layout(stored: dict[str, torch.Tensor], linears: dict[str, nn.Module], chosen: dict[str, Method],
-            act: torch.dtype) -> dict:
-    """The layout of a stored form: each linear's method and ``quantize_model``'s report (the float32 bytes of the
-    linears' weights, and the bytes of the modules built from the stored form)."""
-    layers = {name: method_name(chosen[name]) for name in linears}
+            blocks: dict[str, str], act: torch.dtype) -> dict:
+    """The layout of a stored form: each quantized linear's method, each module kept in the file's blocks (its
+    block type; ``embed_tokens`` among them when the table is), and ``quantize_model``'s report (the float32 bytes
+    of the linears' weights, and the bytes of the stored weights)."""
+    layers = {name: method_name(chosen[name]) for name in chosen}
     before = sum(m.weight.numel() * 4 for m in linears.values())
-    after = sum(stored[f"embed_tokens.{k}"].numel() * stored[f"embed_tokens.{k}"].element_size()
-                for k in ("qweight", "scales"))
+    table = ("blocks",) if "embed_tokens" in blocks else ("qweight", "scales")
+    after = sum(stored[f"embed_tokens.{k}"].numel() * stored[f"embed_tokens.{k}"].element_size() for k in table)
     for name in linears:
+        if name in blocks:
+            after += sum(t.numel() * t.element_size() for k in ("blocks", "bias") if (t := stored.get(f"{name}.{k}"))
+                         is not None)
+            continue
         keys = [k for k in (*STORED_KEYS[chosen[name].bits], "bias") if f"{name}.{k}" in stored]
         module = linear_from_stored({k: stored[f"{name}.{k}"] for k in keys}, chosen[name], act)
         after += sum(b.numel() * b.element_size() for b in module.buffers())
     report = {"method": "gguf", "layers": len(linears), "weight_bytes_before": before, "weight_bytes_after": after}
-    return {"version": LAYOUT_VERSION, "method": "gguf", "layers": layers, "report": report}
+    return {"version": LAYOUT_VERSION, "method": "gguf", "layers": layers, "blocks": blocks, "report": report}
 
 
 def apply_stored(model: nn.Module, state: dict[str, torch.Tensor], layout: dict, dtype: torch.dtype) -> None:
@@ -251,25 +281,48 @@ def apply_stored(model: nn.Module, state: dict[str, torch.Tensor], layout: dict,
                     (module.out_features, module.in_features, module.bias is None):
                 raise CheckpointError(f"the stored layer '{name}' ({module.out_features} x {module.in_features}) "
                                       "does not fit the model")
-            parent, _, child = name.rpartition(".")
-            setattr(model.get_submodule(parent) if parent else model, child, module)
-            taken.update(f"{name}.{k}" for k in keys)
-        table = Int8Embedding.from_quantized(state["embed_tokens.qweight"], state["embed_tokens.scales"], dtype)
-    except (KeyError, AttributeError) as exc:
-        raise CheckpointError(f"the stored quantized model lacks {exc}") from None
-    if tuple(table.qweight.shape) != tuple(model.embed_tokens.weight.shape):
-        raise CheckpointError(f"the stored embedding is {tuple(table.qweight.shape)}, the model's "
+            _replace(model, name, module, taken, [f"{name}.{k}" for k in keys])
+        for name, kind in layout.get("blocks", {}).items():
+            if name == "embed_tokens":
+                continue
+            old = model.get_submodule(name)
+            if not isinstance(old, nn.Linear) or (old.bias is None) != (f"{name}.bias" not in state):
+                raise CheckpointError(f"the stored layer '{name}' does not fit the model")
+            module = BlockLinear(state[f"{name}.blocks"], kind, old.in_features, state.get(f"{name}.bias"))
+            if module.out_features != old.out_features:
+                raise CheckpointError(f"the stored layer '{name}' has {module.out_features} rows, not "
+                                      f"{old.out_features}")
+            _replace(model, name, module, taken, [f"{name}.blocks", f"{name}.bias"])
+        if "embed_tokens" in layout.get("blocks", {}):
+            table = BlockEmbedding(state["embed_tokens.blocks"], layout["blocks"]["embed_tokens"],
+                                   model.embed_tokens.embedding_dim, dtype)
+            shape, keys = (table.num_embeddings, table.embedding_dim), ("embed_tokens.blocks",)
+        else:
+            table = Int8Embedding.from_quantized(state["embed_tokens.qweight"], state["embed_tokens.scales"], dtype)
+            shape, keys = tuple(table.qweight.shape), ("embed_tokens.qweight", "embed_tokens.scales")
+    except (KeyError, AttributeError, BlockError) as exc:
+        raise CheckpointError(f"the stored quantized model lacks or misfits {exc}") from None
+    if tuple(shape) != tuple(model.embed_tokens.weight.shape):
+        raise CheckpointError(f"the stored embedding is {tuple(shape)}, the model's "
                               f"{tuple(model.embed_tokens.weight.shape)}")
     model.embed_tokens = table
-    taken.update(("embed_tokens.qweight", "embed_tokens.scales"))
+    taken.update(keys)
     rest = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items() if k not in taken}
     missing, unexpected = model.load_state_dict(rest, strict=False, assign=True)
-    missing = [k for k in missing if k.rpartition(".")[0] not in (*layout["layers"], "embed_tokens")]  # their own
+    own = (*layout["layers"], *layout.get("blocks", {}), "embed_tokens")
+    missing = [k for k in missing if k.rpartition(".")[0] not in own]  # their own
     if missing or unexpected:
         raise CheckpointError(f"the stored quantized model does not fit: missing {missing[:3]}, "
                               f"unexpected {unexpected[:3]}")
-    bind_head(model, act)
+    tied_blocks = model.lm_head is None and isinstance(table, BlockEmbedding)
+    bind_head(model, act, table.head(model.vocab_size) if tied_blocks else None)
     model.__dict__["_celeris_quantization"] = "gguf"
+
+
+def _replace(model: nn.Module, name: str, module: nn.Module, taken: set[str], keys: list[str]) -> None:
+    parent, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, child, module)
+    taken.update(keys)
 
 
 def load_entry(folder: Path, dtype: torch.dtype, max_model_len: int | None = None, max_num_seqs: int = 0,

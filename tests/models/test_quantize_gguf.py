@@ -1,5 +1,7 @@
-"""``--quantization gguf``: a GGUF's Q4_0/Q4_1/Q4_K tensors as group-32 int4 (Q4_1 recovered exactly), the others
-and the embedding as int8 rows, the head quantized (tiny GGUFs written here; SmolLM2's in the slow tier)."""
+"""``--quantization gguf``'s int4 / int8 path: a GGUF's Q4_0/Q4_1/Q4_K tensors as group-32 int4 (Q4_1 recovered
+exactly), the others and the embedding as int8 rows, the head quantized (tiny GGUFs written here; SmolLM2's in the
+slow tier). A module whose tensors are all one of Q4_0 / Q4_1 / Q8_0 keeps the file's blocks instead
+(tests/models/test_gguf_quantized.py); here that path is switched off, so these Q4_1 / Q8_0 files take the int path."""
 
 from __future__ import annotations
 
@@ -7,6 +9,7 @@ import pytest
 import torch
 
 from celeris.llm import LLM
+from celeris.models import gguf_quantized as GQ
 from celeris.models.quantize import Int4Linear, Int8Embedding, Int8Linear, QuantizationError, int4_group_quantize
 from tests.models.conftest_gguf import tiny_checkpoint, write_gguf
 
@@ -18,6 +21,7 @@ QUANT = {"ffn_gate": "Q4_1", "ffn_up": "Q4_1", "ffn_down": "Q4_1", "attn_q": "Q4
 @pytest.fixture
 def gguf_file(tmp_path, monkeypatch):
     monkeypatch.setenv("CELERIS_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(GQ, "BLOCK_TYPES", {})  # no module kept as blocks
     return write_gguf(tmp_path / "llama.gguf", tiny_checkpoint("llama"), quant=QUANT)
 
 

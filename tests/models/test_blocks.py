@@ -1,0 +1,137 @@
+"""The GGUF block kernel (celeris/models/kernels/gguf_blocks.c through celeris.models.blocks) against a slow PyTorch
+reference: gguf-py's own dequantization of blocks that gguf-py's own quantizer wrote, times activations rounded to
+int8 per 32-block as llama.cpp's reference quantize_row_q8_0 rounds them. Every code path the C file has (AVX-512
+VNNI, AVX2, plain C) is built here with the flags that select it and checked the same way; and a machine without a
+compiler runs on PyTorch's path after one warning line."""
+
+from __future__ import annotations
+
+import subprocess
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType, quants
+
+from celeris.models import blocks as B
+from celeris.models import kernels
+
+KINDS = ["Q4_0", "Q4_1", "Q8_0"]
+
+
+def file_blocks(kind: str, rows: int, cols: int, seed: int = 0) -> torch.Tensor:
+    """(rows, cols) random weights quantized by gguf-py into the file's blocks: (rows, row_bytes) uint8."""
+    w = np.random.default_rng(seed).standard_normal((rows, cols)).astype(np.float32)
+    return torch.from_numpy(quants.quantize(w, GGMLQuantizationType[kind]).copy()).view(torch.uint8)
+
+
+@pytest.fixture(scope="module")
+def variants(tmp_path_factory) -> dict[str, object]:
+    """The kernel built for each code path this CPU can run (by its compiler flags), loaded."""
+    cc = kernels.compiler()
+    if cc is None:
+        pytest.skip("no C compiler")
+    folder = tmp_path_factory.mktemp("kernels")
+    base = tuple(f for f in kernels.FLAGS if not f.startswith("-march"))
+    wanted = {"native": ("-march=native",), "avx2": ("-march=haswell",), "plain": ("-march=x86-64",)}
+    flags = subprocess.run(["grep", "-m1", "-o", "avx2", "/proc/cpuinfo"], capture_output=True, text=True).stdout
+    built = {}
+    for name, march in wanted.items():
+        if name == "avx2" and not flags:
+            continue
+        target = folder / f"{name}.so"
+        kernels.build(target, cc, (*march, *base))
+        built[name] = kernels.load(target)
+    return built
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("rows,cols", [(40, 64), (16, 96), (5, 32)])  # rows not a multiple of the tile; one block
+def test_every_code_path_equals_the_reference(variants, monkeypatch, kind, rows, cols):
+    blocks = file_blocks(kind, rows, cols)
+    want_weight = B.dequantize_blocks(blocks, kind, cols)
+    for name, lib in variants.items():
+        monkeypatch.setattr(kernels, "library", lambda lib=lib: lib)
+        layer = B.BlockLinear(blocks, kind, cols)
+        # the repacked tiles read back as the file's weights (w = u * d + m: one rounding of the product)
+        assert torch.allclose(layer.dequantize(), want_weight, rtol=0, atol=1e-6 * float(want_weight.abs().max()))
+        for m in (1, 3, 4, 9):  # single rows, partial and whole tiles of activation rows
+            x = torch.randn(m, cols, generator=torch.Generator().manual_seed(m)) * 3
+            x[0, :5] = 0.0  # a block may hold zeros; an all-zero block has scale 0
+            if m > 1:
+                x[1, :32] = 0.0
+            got, want = layer(x), B.reference_matmul(x, blocks, kind)
+            assert torch.allclose(got, want, rtol=1e-5, atol=1e-5 * float(want.abs().max())), (name, m)
+
+
+def test_the_native_build_uses_the_cpus_vectors(variants):
+    assert variants["plain"].celeris_simd_level() == 0
+    if "avx2" in variants:
+        assert variants["avx2"].celeris_simd_level() >= 1  # AVX2, or AVX-512 VNNI where haswell's flags allow none
+    assert variants["native"].celeris_simd_level() >= (1 if "avx2" in variants else 0)
+
+
+def test_kernel_is_near_the_float_product():
+    """With the real kernel: the int8 activations keep the product within about 1% of the float32 product."""
+    blocks = file_blocks("Q4_1", 64, 256)
+    x = torch.randn(8, 256)
+    want = x @ B.dequantize_blocks(blocks, "Q4_1", 256).T
+    got = B.BlockLinear(blocks, "Q4_1", 256)(x)
+    assert (got - want).norm() < 0.02 * want.norm()
+
+
+def test_embedding_rows_and_tied_head_share_the_blocks():
+    blocks = file_blocks("Q8_0", 50, 64)
+    table = B.BlockEmbedding(blocks, "Q8_0", 64, torch.float32)
+    ids = torch.tensor([[0, 49, 7], [7, 7, 3]])
+    want = B.dequantize_blocks(blocks, "Q8_0", 64)
+    assert torch.allclose(table(ids), want[ids], rtol=0, atol=1e-6 * float(want.abs().max()))
+    head = table.head(48)  # the first 48 rows score
+    if not head.fallback:
+        assert head.tiles.data_ptr() == table.tiles.data_ptr()  # no second copy
+    x = torch.randn(2, 64)
+    assert torch.allclose(head(x), B.reference_matmul(x, blocks[:48], "Q8_0"), rtol=1e-5, atol=1e-4)
+    with pytest.raises(IndexError, match="out of range"):
+        table(torch.tensor([50]))
+
+
+def test_bad_blocks_are_refused():
+    with pytest.raises(B.BlockError, match="not whole blocks"):
+        B.row_bytes("Q4_0", 48)
+    with pytest.raises(B.BlockError, match="not one of"):
+        B.row_bytes("Q6_K", 64)
+    with pytest.raises(B.BlockError, match=r"must be \(rows, 36\) uint8"):
+        B.BlockLinear(torch.zeros(4, 40, dtype=torch.uint8), "Q4_0", 64)
+
+
+def test_without_a_compiler_one_warning_and_the_pytorch_path(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("CELERIS_CACHE", str(tmp_path))
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    kernels.library.cache_clear()
+    try:
+        assert kernels.library() is None and kernels.library() is None
+        err = capsys.readouterr().err
+        assert err.count("warning: the GGUF block kernel is unavailable") == 1 and "Traceback" not in err
+        blocks = file_blocks("Q4_1", 8, 64)
+        layer = B.BlockLinear(blocks, "Q4_1", 64)
+        assert layer.fallback
+        x = torch.randn(3, 64)
+        assert torch.allclose(layer(x), x @ B.dequantize_blocks(blocks, "Q4_1", 64).T, atol=1e-5)
+        assert not list(tmp_path.rglob("*.so*"))  # nothing half-built left behind
+    finally:
+        kernels.library.cache_clear()
+
+
+def test_the_build_is_cached_and_written_whole(tmp_path, monkeypatch):
+    monkeypatch.setenv("CELERIS_CACHE", str(tmp_path))
+    kernels.library.cache_clear()
+    try:
+        if kernels.library() is None:
+            pytest.skip("no working C compiler")
+        built = list((tmp_path / "kernels").iterdir())
+        assert len(built) == 1 and built[0].suffix == ".so"  # no temporary file left
+        stamp = built[0].stat().st_mtime_ns
+        kernels.library.cache_clear()
+        assert kernels.library() is not None and built[0].stat().st_mtime_ns == stamp  # loaded, not rebuilt
+    finally:
+        kernels.library.cache_clear()
