@@ -186,11 +186,13 @@ class LLM:
             warnings.warn("LLM(max_batch_size=...) is deprecated; use max_num_seqs", DeprecationWarning, stacklevel=2)
             engine_kwargs["max_num_seqs"] = max_batch_size
         engine_kwargs.setdefault("max_waiting", OFFLINE_MAX_WAITING)
+        self.path = resolve_model(model)
+        pairing = read_pairing(self.path)  # a drafter folder: its target loads, with it beside
+        if pairing is not None and pairing.get("quantization") and engine_kwargs.get("quantization") is None:
+            engine_kwargs["quantization"] = pairing["quantization"]  # the pairing's target weights, unless asked
         self.engine_config = config = EngineConfig.from_kwargs(**engine_kwargs)
         quantization, max_model_len = config.quantization, config.max_model_len
-        self.path = resolve_model(model)
         spec = SpeculativeConfig.parse(config.speculative_config)
-        pairing = read_pairing(self.path)  # a drafter folder: its target loads, with it beside
         self.chat_by_default = bool(pairing and pairing.get("chat"))  # `celeris generate` uses the chat template
         if pairing is not None:
             if spec is None:

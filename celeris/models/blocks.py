@@ -114,6 +114,19 @@ def packed_matmul(x: torch.Tensor, packed: torch.Tensor, kind: str, out_features
     return y
 
 
+@torch.library.custom_op("celeris::block_matmul", mutates_args=())
+def block_matmul_op(x: torch.Tensor, tiles: torch.Tensor, type_id: int, out_features: int) -> torch.Tensor:
+    """``packed_matmul`` as a PyTorch operator, for ``torch.compile`` (a graph keeps it as one node instead of
+    breaking at a ctypes call); eager passes call ``packed_matmul`` directly (an operator's dispatch costs more)."""
+    kind = next(k for k, v in TYPE_IDS.items() if v == type_id)
+    return packed_matmul(x.contiguous(), tiles, kind, out_features)
+
+
+@block_matmul_op.register_fake
+def _(x: torch.Tensor, tiles: torch.Tensor, type_id: int, out_features: int) -> torch.Tensor:
+    return x.new_empty((x.shape[0], out_features))
+
+
 def _library() -> ctypes.CDLL:
     lib = kernels.library()
     if lib is None:
@@ -190,7 +203,10 @@ class BlockLinear(nn.Module):
         if self.fallback:
             out = F.linear(flat.float(), self.dense, self.bias)
         else:
-            out = packed_matmul(flat.float().contiguous(), self.tiles, self.kind, self.out_features)
+            if torch.compiler.is_compiling():
+                out = block_matmul_op(flat.float(), self.tiles, TYPE_IDS[self.kind], self.out_features)
+            else:
+                out = packed_matmul(flat.float().contiguous(), self.tiles, self.kind, self.out_features)
             if self.bias is not None:
                 out += self.bias
         return out.reshape(*x.shape[:-1], self.out_features).to(x.dtype)

@@ -46,7 +46,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from celeris.config import resolve_max_model_len
-from celeris.models import cache, quantize
+from celeris.models import cache, fast_ops, quantize
 from celeris.models.blocks import BLOCK_TYPES, BlockEmbedding, BlockError, BlockLinear
 from celeris.models.checkpoint import CheckpointError, TensorInfo, checkpoint_files, read_config, read_headers
 from celeris.models.gguf import (
@@ -316,6 +316,8 @@ def apply_stored(model: nn.Module, state: dict[str, torch.Tensor], layout: dict,
                               f"unexpected {unexpected[:3]}")
     tied_blocks = model.lm_head is None and isinstance(table, BlockEmbedding)
     bind_head(model, act, table.head(model.vocab_size) if tied_blocks else None)
+    if layout.get("blocks"):  # the block kernel's model: the small operators between its products in C too
+        fast_ops.enable(model)
     model.__dict__["_celeris_quantization"] = "gguf"
 
 

@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from celeris.models import fast_ops
 from celeris.models.rope import RopeScaling, apply_rope, rope_cos_sin
 
 
@@ -43,8 +44,11 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
+        self.fast = False  # celeris.models.fast_ops.enable: the CPU fast pass's kernel where it applies
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fast and (out := fast_ops.rms_norm(x, self.weight, self.eps)) is not None:
+            return out
         return F.rms_norm(x.float(), self.weight.shape, self.weight.float(), self.eps).to(x.dtype)  # one fused op
 
 
@@ -217,6 +221,7 @@ class Attention(nn.Module):
         rows = (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
         self.qkv_proj = nn.Linear(arch.hidden_size, rows, bias=arch.qkv_bias)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, arch.hidden_size, bias=arch.o_bias)
+        self.fast = False  # celeris.models.fast_ops.enable: the CPU fast pass's attention for a few queries
 
     def parts(self) -> dict[str, dict[str, int]]:
         """Packed projection -> {part: rows}, in the order the parts are stacked (the loader's packing step)."""
@@ -246,18 +251,26 @@ class Attention(nn.Module):
         cached positions. Without a mask or window a causal layout uses SDPA's ``is_causal`` fast path.
         """
         b, length, _ = x.shape
-        qkv = self.qkv_proj(x).view(b, length, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
+        qkv = self.qkv_proj(x)
+        if self.fast and cache is not None and window is not None and self.q_norm is None \
+                and self.rotary_dim == self.head_dim and (out := fast_ops.rope_cache_attention(
+                    qkv, cos, sin, cache.keys[layer_idx], cache.values[layer_idx], window, attn_mask,
+                    self.num_heads, self.num_kv_heads)) is not None:
+            return self.o_proj(out)  # RoPE, the cache write and attention in one kernel call
+        qkv = qkv.view(b, length, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
         q, k, v = qkv.split([self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=2)  # (B, L, H or Hkv, D)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H, L, D), (B, Hkv, L, D)
         q, k = self.rope(q, cos, sin), self.rope(k, cos, sin)
         k, v = update_cache(k, v, cache, layer_idx, window)  # (B, Hkv, T, D) with a window
+        is_causal = self.is_causal and attn_mask is None and window is None
+        if self.fast and (out := fast_ops.attention(q, k, v, attn_mask, is_causal)) is not None:
+            return self.o_proj(out)  # (B, L, H * D)
         # grouped-query attention: each K/V head serves a group of consecutive query heads (SDPA's enable_gqa,
         # without materialising the repeated K/V)
         out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=attn_mask, is_causal=self.is_causal and attn_mask is None and window is None,
-            enable_gqa=self.num_kv_heads != self.num_heads,
+            q, k, v, attn_mask=attn_mask, is_causal=is_causal, enable_gqa=self.num_kv_heads != self.num_heads,
         )  # (B, H, L, D)
         return self.o_proj(out.transpose(1, 2).reshape(b, length, -1))
 
@@ -273,13 +286,17 @@ class MLP(nn.Module):
         super().__init__()
         self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=bias)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+        self.fast = False  # celeris.models.fast_ops.enable: the CPU fast pass's silu(gate) * up
 
     def parts(self) -> dict[str, dict[str, int]]:
         """Packed projection -> {part: rows}, in stacking order."""
         return {"gate_up_proj": {"gate": self.down_proj.in_features, "up": self.down_proj.in_features}}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if self.fast and (hidden := fast_ops.silu_mul(gate_up)) is not None:
+            return self.down_proj(hidden)
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 

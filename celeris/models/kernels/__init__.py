@@ -1,8 +1,9 @@
-"""The C kernel for a GGUF file's own weight blocks (``gguf_blocks.c``), built on this machine at first use.
+"""The C kernels of the CPU's fast pass, built on this machine at first use: the products against a GGUF file's own
+weight blocks (``gguf_blocks.c``) and the small operators between them (``decode_ops.c``).
 
-``library()`` compiles ``gguf_blocks.c`` with the machine's C compiler (``$CC``, else ``cc`` or ``gcc``:
-``-O3 -march=native -fopenmp -shared -fPIC``) into ``<cache root>/kernels/gguf_blocks-<hash>.so``, the hash over
-the source, the flags, the compiler's version and the CPU's flags, so a new source, compiler or machine builds anew
+``library()`` compiles both files with the machine's C compiler (``$CC``, else ``cc`` or ``gcc``:
+``-O3 -march=native -fopenmp -shared -fPIC``) into one ``<cache root>/kernels/celeris-<hash>.so``, the hash over
+the sources, the flags, the compiler's version and the CPU's flags, so a new source, compiler or machine builds anew
 and a second process loads the built file (about 1 s to build, milliseconds to load). The file is written under a
 temporary name and moved into place, so a killed build never leaves a half-written library. The library is loaded
 with ``ctypes`` (no PyTorch headers, no Python extension ABI). Its OpenMP runtime is the one PyTorch already loaded
@@ -28,7 +29,7 @@ from pathlib import Path
 
 from celeris.models.cache import cache_root
 
-SOURCE = Path(__file__).with_name("gguf_blocks.c")
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("gguf_blocks.c", "decode_ops.c"))
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11")
 ABI_VERSION = 2  # celeris_abi_version() of the source this module calls
 DISABLE_ENV = "CELERIS_NO_KERNELS"  # set to 1: never build or load the kernel (the PyTorch path; for tests)
@@ -53,13 +54,13 @@ def build_key(cc: str) -> str:
         version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
     except (OSError, subprocess.SubprocessError):
         version = ""
-    parts = [SOURCE.read_bytes(), " ".join(FLAGS).encode(), version.encode(), _cpu_flags().encode(),
+    parts = [*(source.read_bytes() for source in SOURCES), " ".join(FLAGS).encode(), version.encode(), _cpu_flags().encode(),
              platform.machine().encode()]
     return hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
 
 
 def build(target: Path, cc: str, flags: tuple[str, ...] = FLAGS) -> None:
-    """Compile ``SOURCE`` into ``target`` with ``flags`` (written beside it under a temporary name, then moved into
+    """Compile ``SOURCES`` into ``target`` with ``flags`` (written beside it under a temporary name, then moved into
     place).
 
     Raises:
@@ -70,7 +71,7 @@ def build(target: Path, cc: str, flags: tuple[str, ...] = FLAGS) -> None:
     fd, tmp = tempfile.mkstemp(prefix=target.stem + "-", suffix=".so.tmp", dir=target.parent)
     os.close(fd)
     try:
-        done = subprocess.run([cc, *flags, str(SOURCE), "-o", tmp, "-lm"], capture_output=True, text=True,
+        done = subprocess.run([cc, *flags, *map(str, SOURCES), "-o", tmp, "-lm"], capture_output=True, text=True,
                               timeout=300)
         if done.returncode != 0:
             lines = [ln for ln in done.stderr.splitlines() if "error" in ln] or done.stderr.splitlines() or ["?"]
@@ -88,7 +89,14 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
             ("celeris_packed_bytes", [i32, i64, i64], i64),
             ("celeris_repack", [i32, ptr, i64, i64, ptr], i32),
             ("celeris_packed_rows", [i32, ptr, i64, i64, ptr, i64, ptr], i32),
-            ("celeris_packed_matmul", [i32, ptr, i64, i64, ptr, i64, ptr, i32], i32)):
+            ("celeris_packed_matmul", [i32, ptr, i64, i64, ptr, i64, ptr, i32], i32),
+            ("celeris_rms_norm", [ptr, ptr, i64, i64, ctypes.c_float, ptr], None),
+            ("celeris_silu_mul", [ptr, i64, i64, ptr], None),
+            ("celeris_attention", [ptr, i64, i64, i64, ptr, i64, i64, i64, ptr, i64, i64, i64, ptr, i64, i64, i64,
+                                   i64, i64, i64, i64, i64, i64, ctypes.c_float, ptr, i32], i32),
+            ("celeris_rope_cache_attention", [ptr, i64, i64, i64, i64, i64, ptr, ptr, i64, i64, ptr, i64, i64, i64,
+                                              ptr, i64, i64, i64, i64, ptr, ptr, i64, i64, i64, ctypes.c_float, ptr,
+                                              i32], i32)):
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = args, res
     return lib
@@ -112,7 +120,7 @@ def library() -> ctypes.CDLL | None:
     cc = compiler()
     if cc is None:
         return _unavailable("no C compiler (cc, gcc, or $CC) on the PATH")
-    target = cache_root() / "kernels" / f"gguf_blocks-{build_key(cc)}.so"
+    target = cache_root() / "kernels" / f"celeris-{build_key(cc)}.so"
     try:
         if not target.exists():
             build(target, cc)

@@ -44,7 +44,7 @@ enum { TYPE_Q4_0 = 2, TYPE_Q4_1 = 3, TYPE_Q8_0 = 8 }; /* ggml's type numbers (gg
 #define R 8
 #endif
 #define UNSIGNED_Q8 (SIMD == 2) /* vpdpbusd takes u = q + 128; vpmaddubsw would saturate, so AVX2 keeps q signed */
-#define MT 4                    /* activation rows sharing one unpacked weight record */
+#define MT 8                    /* activation rows sharing one unpacked weight record (at most) */
 
 typedef struct { float d; int32_t sum; int8_t qs[QK]; } block_act; /* one quantized activation block */
 
@@ -207,8 +207,9 @@ static void quantize_row(const float *x, int64_t K, block_act *out) { /* llama.c
 
 static int32_t group(const block_act *a, int j) { int32_t v; memcpy(&v, a->qs + 4 * j, 4); return v; }
 
-/* y[m, t*R .. t*R + R - 1] for one tile against activation rows 0 .. mt - 1 of xq (mt <= MT). */
-static void tile_dot(int type, const uint8_t *tile, int64_t nb, const block_act *xq, int64_t mt, float *acc_out) {
+/* y[m, t*R .. t*R + R - 1] for one tile against activation rows 0 .. mt - 1 of xq (mt <= MT); inlined for each
+ * constant mt (tile_dot_n), so that the accumulators stay in registers. */
+static inline __attribute__((always_inline)) void tile_dot(int type, const uint8_t *tile, int64_t nb, const block_act *xq, int64_t mt, float *acc_out) {
     const int64_t rec = record_bytes(type), cb = code_bytes(type);
     const int q8 = type == TYPE_Q8_0;
 #if SIMD == 2
@@ -305,6 +306,22 @@ static void tile_dot(int type, const uint8_t *tile, int64_t nb, const block_act 
 #endif
 }
 
+#define TILE_DOT_N(n) \
+    static void tile_dot_##n(int type, const uint8_t *tile, int64_t nb, const block_act *xq, float *out) { \
+        tile_dot(type, tile, nb, xq, n, out); \
+    }
+TILE_DOT_N(1)
+TILE_DOT_N(2)
+TILE_DOT_N(3)
+TILE_DOT_N(4)
+TILE_DOT_N(5)
+TILE_DOT_N(6)
+TILE_DOT_N(7)
+TILE_DOT_N(8)
+typedef void (*tile_dot_fn)(int, const uint8_t *, int64_t, const block_act *, float *);
+static const tile_dot_fn TILE_DOTS[MT + 1] = {0, tile_dot_1, tile_dot_2, tile_dot_3, tile_dot_4,
+                                              tile_dot_5, tile_dot_6, tile_dot_7, tile_dot_8};
+
 /* y (M, N) float32 = x (M, K) float32 @ W^T, W (N, K) repacked by celeris_repack. Returns 0, -1 for an unknown
  * type or shape, -2 when out of memory. */
 int celeris_packed_matmul(int type, const float *x, int64_t M, int64_t K, const uint8_t *packed, int64_t N,
@@ -322,7 +339,7 @@ int celeris_packed_matmul(int type, const float *x, int64_t M, int64_t K, const 
         const int64_t rows = N - t * R < R ? N - t * R : R;
         for (int64_t m0 = 0; m0 < M; m0 += MT) {
             const int64_t mt = M - m0 < MT ? M - m0 : MT;
-            tile_dot(type, packed + t * tile_bytes, nb, xq + m0 * nb, mt, out);
+            TILE_DOTS[mt](type, packed + t * tile_bytes, nb, xq + m0 * nb, out);
             for (int64_t i = 0; i < mt; i++) memcpy(y + (m0 + i) * N + t * R, out + i * R, (size_t)rows * 4);
         }
     }

@@ -1,0 +1,139 @@
+"""The small operators of the CPU's fast pass (``kernels/decode_ops.c``): RMSNorm, silu(gate) * up and attention of a
+few queries over a KV cache, in float32, for models whose linears run on the GGUF block kernel.
+
+Between two block products (each streams up to megabytes of weights), PyTorch's operator calls run with cold
+caches at several times their warm cost (measured: ``F.rms_norm`` of one 576-wide row 10.6 us warm, 34.8 us after a
+cache-evicting read; SDPA of one query over 160 keys 23 us and 52 us), and a width-1 pass of SmolLM2 makes about 300
+of them. ``enable(model)`` switches the model's ``RMSNorm``, ``Attention`` and ``MLP`` modules onto these kernels
+(their ``fast`` attribute); each call falls back to PyTorch's own operator for a shape or dtype it does not take
+(a non-float32 tensor, a prefill of more than ``MAX_FAST_QUERIES`` queries, a CUDA tensor), and the kernels compute
+the same functions (``tests/models/test_fast_ops.py`` compares them with PyTorch's).
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+from torch import nn
+
+from celeris.models import kernels
+
+MAX_FAST_QUERIES = 32  # attention queries per row up to which the C loop beats SDPA's flash kernel (decode, verify)
+
+
+def _ptr(t: torch.Tensor) -> ctypes.c_void_p:
+    return ctypes.c_void_p(t.data_ptr())
+
+
+def _fits(*tensors: torch.Tensor) -> bool:
+    return all(t.dtype == torch.float32 and t.device.type == "cpu" for t in tensors)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
+    """x (..., dim) float32 normalized and scaled by weight (dim,): same shape; None where the kernel does not
+    apply (the caller uses PyTorch's)."""
+    lib = kernels.library()
+    if lib is None or not _fits(x, weight):
+        return None
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    lib.celeris_rms_norm(_ptr(x), _ptr(weight), x.numel() // x.shape[-1], x.shape[-1], eps, _ptr(out))
+    return out
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
+    """gate_up (..., 2n) float32 -> silu(gate) * up (..., n); None where the kernel does not apply."""
+    lib = kernels.library()
+    if lib is None or not _fits(gate_up):
+        return None
+    gate_up = gate_up.contiguous()
+    n = gate_up.shape[-1] // 2
+    out = gate_up.new_empty((*gate_up.shape[:-1], n))
+    lib.celeris_silu_mul(_ptr(gate_up), gate_up.numel() // (2 * n), n, _ptr(out))
+    return out
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None,
+              is_causal: bool) -> torch.Tensor | None:
+    """SDPA (default scale 1 / sqrt(D)) of q (B, H, Lq, D) over k, v (B, H_kv, T, D) with grouped K/V heads and a
+    bool ``attn_mask`` (Lq, T) or broadcastable (B or 1, 1, Lq, T) (True: attend), or None: (B, Lq, H * D) float32,
+    the layout the output projection reads. None where the kernel does not apply: more than ``MAX_FAST_QUERIES``
+    queries, ``is_causal``, a mask of another shape or dtype, another dtype or device."""
+    lib = kernels.library()
+    b, h, lq, d = q.shape
+    hkv, t = k.shape[1], k.shape[2]
+    if lib is None or is_causal or lq > MAX_FAST_QUERIES or not _fits(q, k, v) or h % hkv:
+        return None
+    if not _mask_ok(attn_mask):
+        return None
+    q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
+    out = q.new_empty((b, lq, h * d))
+    mask = (None, 0, 0, 0, None) if attn_mask is None else _mask_args(attn_mask, lq, t)
+    rc = lib.celeris_attention(_ptr(q), q.stride(0), q.stride(1), q.stride(2), _ptr(k), k.stride(0), k.stride(1),
+                               k.stride(2), _ptr(v), v.stride(0), v.stride(1), v.stride(2), *mask[:4], b, h, hkv, lq,
+                               t, d, d ** -0.5, _ptr(out), torch.get_num_threads())
+    if rc != 0:
+        raise MemoryError("celeris_attention could not allocate its scratch rows")
+    return out
+
+
+def _mask_args(attn_mask: torch.Tensor, lq: int, t: int) -> tuple[ctypes.c_void_p, int, int, int, torch.Tensor]:
+    """(pointer, batch, query and key strides, the viewed tensor) of a bool mask (Lq, T) or (B or 1, 1, Lq, T)."""
+    m = attn_mask if attn_mask.dim() == 4 else attn_mask[None, None]
+    m = m.expand(m.shape[0], 1, lq, t).view(torch.uint8)
+    return _ptr(m), m.stride(0) if m.shape[0] > 1 else 0, m.stride(2), m.stride(3), m
+
+
+def _mask_ok(attn_mask: torch.Tensor | None) -> bool:
+    return attn_mask is None or (attn_mask.dtype == torch.bool and (
+        attn_mask.dim() == 2 or (attn_mask.dim() == 4 and attn_mask.shape[1] == 1)))
+
+
+def rope_cache_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, keys: torch.Tensor,
+                         values: torch.Tensor, window: tuple[int, int] | torch.Tensor, attn_mask: torch.Tensor | None,
+                         num_heads: int, num_kv_heads: int) -> torch.Tensor | None:
+    """What ``Attention.forward`` does after its q/k/v projection for a cached window pass, in one call: RoPE on
+    the queries and keys (cos, sin (B, 1, L, D), every dimension rotated), the keys and values written into one
+    layer's cache ``keys`` / ``values`` (B, H_kv, T, D) at the window's columns (a span (w0, w1) or per-row columns
+    (B, L) int64, as ``layers.update_cache`` writes them), and attention of the queries over all T cached positions
+    with ``attn_mask`` (as ``attention`` takes it). qkv (B, L, (H + 2 H_kv) * D) float32 -> (B, L, H * D); None
+    where the kernel does not apply (then nothing was written).
+
+    Raises:
+        IndexError: a window column outside the cache.
+    """
+    lib = kernels.library()
+    b, lq, _ = qkv.shape
+    t, d = keys.shape[2], keys.shape[3]
+    if lib is None or lq > MAX_FAST_QUERIES or not _fits(qkv, cos, sin, keys, values) or not _mask_ok(attn_mask) \
+            or keys.stride(-1) != 1 or values.stride(-1) != 1 or num_heads % num_kv_heads:
+        return None
+    cols = (window if isinstance(window, torch.Tensor) else torch.arange(*window)[None].expand(b, lq)) \
+        .to(torch.int64).contiguous()
+    qkv = qkv.contiguous()
+    cos, sin = cos.expand(b, 1, lq, d), sin.expand(b, 1, lq, d)
+    if cos.stride(-1) != 1 or sin.stride() != cos.stride():
+        cos, sin = cos.contiguous(), sin.contiguous()
+    mask = (None, 0, 0, 0, None) if attn_mask is None else _mask_args(attn_mask, lq, t)
+    out = qkv.new_empty((b, lq, num_heads * d))
+    rc = lib.celeris_rope_cache_attention(
+        _ptr(qkv), b, lq, num_heads, num_kv_heads, d, _ptr(cos), _ptr(sin), cos.stride(0), cos.stride(2),
+        _ptr(keys), keys.stride(0), keys.stride(1), keys.stride(2), _ptr(values), values.stride(0), values.stride(1),
+        values.stride(2), t, _ptr(cols), *mask[:4], d ** -0.5, _ptr(out), torch.get_num_threads())
+    if rc == -1:
+        raise IndexError(f"a window column is outside the cache of {t} positions")
+    if rc != 0:
+        raise MemoryError("celeris_rope_cache_attention could not allocate its scratch rows")
+    return out
+
+
+def enable(model: nn.Module) -> bool:
+    """Switch every module of ``model`` with a ``fast`` attribute (``RMSNorm``, ``Attention``, ``MLP``) onto these
+    kernels; returns False (and changes nothing) when the kernel library is unavailable."""
+    if kernels.library() is None:
+        return False
+    for module in model.modules():
+        if hasattr(module, "fast"):
+            module.fast = True
+    return True

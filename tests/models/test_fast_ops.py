@@ -1,0 +1,113 @@
+"""The CPU fast pass's small operators (celeris.models.fast_ops, kernels/decode_ops.c) against PyTorch's own:
+RMSNorm, silu(gate) * up, SDPA with grouped K/V heads and masks, and the fused RoPE + cache write + attention step
+against ``Attention.forward``'s PyTorch path on a tiny layer; a whole model with the fast operators computes what
+it computes without them, and a query's attention does not depend on the other queries of its pass (the verified
+path's widths)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from celeris.models import fast_ops, kernels
+from celeris.models.layers import Architecture, Attention, KVCache, TransformerLM, column_window
+from celeris.models.rope import rope_cos_sin
+
+pytestmark = pytest.mark.skipif(kernels.library() is None, reason="no C compiler: the fast operators are off")
+
+
+def test_rms_norm_and_silu_mul_equal_pytorchs():
+    x, w = torch.randn(3, 5, 96) * 4, torch.randn(96)
+    torch.testing.assert_close(fast_ops.rms_norm(x, w, 1e-5), F.rms_norm(x, (96,), w, 1e-5), rtol=1e-5, atol=1e-5)
+    gu = torch.randn(4, 2, 2 * 80) * 6
+    gu[0, 0, :4] = torch.tensor([-100.0, 100.0, 0.0, -30.0])  # exp's clamps and zero
+    gate, up = gu.chunk(2, dim=-1)
+    torch.testing.assert_close(fast_ops.silu_mul(gu), F.silu(gate) * up, rtol=1e-5, atol=1e-6)
+    assert fast_ops.rms_norm(x.double(), w.double(), 1e-5) is None  # another dtype: PyTorch's path
+
+
+def reference_attention(q, k, v, mask):  # noqa: ANN001, ANN201
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)  # (B, H, Lq, D)
+    return out.transpose(1, 2).reshape(q.shape[0], q.shape[2], -1)
+
+
+@pytest.mark.parametrize("mask_kind", ["none", "per-row", "shared", "2d"])
+def test_attention_equals_sdpa(mask_kind):
+    b, h, hkv, lq, t, d = 2, 6, 2, 5, 37, 32
+    q, k, v = torch.randn(b, h, lq, d), torch.randn(b, hkv, t, d), torch.randn(b, hkv, t, d)
+    k_view = torch.randn(b, hkv, t + 9, d)[:, :, :t]  # a strided view of a longer cache, as the engine's store
+    k_view.copy_(k)
+    mask = {"none": None, "per-row": torch.rand(b, 1, lq, t) > 0.3, "shared": torch.rand(1, 1, lq, t) > 0.3,
+            "2d": torch.rand(lq, t) > 0.3}[mask_kind]
+    if mask is not None:
+        mask[..., 0] = True  # every query attends somewhere (SDPA gives NaN for none)
+    got = fast_ops.attention(q, k_view, v, mask, is_causal=False)
+    torch.testing.assert_close(got, reference_attention(q, k, v, mask), rtol=1e-4, atol=1e-5)
+    assert fast_ops.attention(q, k, v, mask, is_causal=True) is None  # the causal flag: SDPA's own path
+    wide = torch.randn(b, h, fast_ops.MAX_FAST_QUERIES + 1, d)
+    assert fast_ops.attention(wide, k, v, None, is_causal=False) is None  # a prefill: SDPA's flash kernel
+
+
+def test_a_query_does_not_depend_on_the_other_queries():
+    q, k, v = torch.randn(1, 4, 8, 16), torch.randn(1, 2, 20, 16), torch.randn(1, 2, 20, 16)
+    full = fast_ops.attention(q, k, v, None, is_causal=False)
+    alone = fast_ops.attention(q[:, :, 3:4], k, v, None, is_causal=False)
+    assert torch.equal(full[:, 3:4], alone)  # bit for bit: verified decoding's widths give next-token's numbers
+
+
+def tiny_arch(**kw: object) -> Architecture:
+    base = dict(vocab_size=50, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
+                intermediate_size=96, rms_norm_eps=1e-6, rope_theta=10000.0, is_causal=True, logits_shift=1)
+    return Architecture(**{**base, **kw})
+
+
+@pytest.mark.parametrize("window_kind", ["span", "columns"])
+def test_rope_cache_attention_equals_the_layers_pytorch_path(window_kind):
+    torch.manual_seed(0)
+    layer = Attention(tiny_arch(qkv_bias=True)).eval()
+    b, t = 2, 12
+    positions = torch.arange(t)[None].expand(b, t)
+    cos, sin = rope_cos_sin(positions, 16, 10000.0)
+    x = torch.randn(b, t, 64)
+    caches = [KVCache([torch.randn(b, 2, t, 16)], [torch.randn(b, 2, t, 16)]) for _ in range(2)]
+    caches[1].keys[0].copy_(caches[0].keys[0])
+    caches[1].values[0].copy_(caches[0].values[0])
+    if window_kind == "span":
+        window, cols = (8, 11), torch.arange(8, 11)[None].expand(b, 3)
+    else:
+        window = cols = column_window([[5, 9, 10], [3, 4, 4]])  # the second row pads by repeating a column
+    mask = torch.arange(t)[None, None, None, :] <= cols[:, None, :, None]  # (B, 1, Lq, T) causal per column
+    xs, c, s = x.gather(1, cols[..., None].expand(-1, -1, 64)), cos.gather(2, cols[:, None, :, None].expand(
+        -1, -1, -1, 16)), sin.gather(2, cols[:, None, :, None].expand(-1, -1, -1, 16))
+    with torch.no_grad():
+        want = layer(xs, c, s, mask, cache=caches[0], layer_idx=0, window=window)
+        layer.fast = True
+        got = layer(xs, c, s, mask, cache=caches[1], layer_idx=0, window=window)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(caches[1].keys[0], caches[0].keys[0], rtol=1e-5, atol=1e-6)  # the same writes
+    torch.testing.assert_close(caches[1].values[0], caches[0].values[0], rtol=0, atol=0)
+
+
+def test_a_model_with_the_fast_operators_computes_the_same_logits():
+    class Config:
+        def architecture(self) -> Architecture:
+            return tiny_arch()
+
+    torch.manual_seed(0)
+    model = TransformerLM(Config()).eval()
+    ids = torch.randint(0, 50, (2, 14))
+    attn = torch.ones(2, 14, dtype=torch.bool)
+    attn[1, :3] = False  # a left-padded row
+    outputs = []
+    for fast in (False, True):
+        for m in model.modules():
+            if hasattr(m, "fast"):
+                m.fast = fast
+        cache = KVCache()
+        with torch.no_grad():
+            model.hidden_states(ids, attn, cache)  # a full pass (SDPA either way) fills the cache
+            step = model.hidden_states(ids, attn, cache, (10, 13))  # a window pass: the fast operators
+        outputs.append(model.logits(step))
+    torch.testing.assert_close(outputs[1], outputs[0], rtol=1e-4, atol=1e-4)
+    assert fast_ops.enable(model) and all(m.fast for m in model.modules() if hasattr(m, "fast"))
