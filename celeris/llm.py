@@ -188,8 +188,9 @@ class LLM:
         engine_kwargs.setdefault("max_waiting", OFFLINE_MAX_WAITING)
         self.path = resolve_model(model)
         pairing = read_pairing(self.path)  # a drafter folder: its target loads, with it beside
-        if pairing is not None and pairing.get("quantization") and engine_kwargs.get("quantization") is None:
-            engine_kwargs["quantization"] = pairing["quantization"]  # the pairing's target weights, unless asked
+        if pairing is not None and pairing.get("quantization") and engine_kwargs.get("quantization") is None \
+                and resolve_device(engine_kwargs.get("device")).type == "cpu":  # the pairing's CPU target, unless asked
+            engine_kwargs["quantization"] = pairing["quantization"]
         self.engine_config = config = EngineConfig.from_kwargs(**engine_kwargs)
         quantization, max_model_len = config.quantization, config.max_model_len
         spec = SpeculativeConfig.parse(config.speculative_config)

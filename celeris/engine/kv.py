@@ -20,7 +20,7 @@ from collections import OrderedDict
 import torch
 
 from celeris.engine.request import Request
-from celeris.models.layers import KVCache
+from celeris.models.layers import KVCache, zeros_on_demand
 from celeris.sampling.drafter import proposer_of
 from celeris.sampling.verified import MAX_DRAFTS
 
@@ -158,7 +158,8 @@ class KVStore:
     """The engine's one KV allocation: per layer a keys and a values tensor (num_rows, H_kv, row_len, D), H_kv the
     model's key/value heads (before grouped-query sharing), in the model's dtype on its device; sized once (rows:
     ``EngineConfig.max_num_seqs``; row_len: ``max_model_len`` plus ``ROW_SLACK`` columns a verified pass may write
-    past the answer) and allocated, zeros, at the first rows a path takes. Every mode path takes rows from it as a
+    past the answer) and allocated, zeros, at the first rows a path takes (on a CPU the zeros are pages the
+OS maps on first write, ``zeros_on_demand``: resident memory grows with the columns rows hold, not ``row_len``). Every mode path takes rows from it as a
     ``KVSegment`` and gives them back when its requests finish.
 
     Rows, not pages: every pass of every mode (the masked window pass, the block pass, the verified pass) reads a
@@ -242,8 +243,8 @@ class KVStore:
             raise KVStoreFullError("the KV store has no row length: give the engine a max_model_len")
         arch, p = self.model.arch, self._like()
         shape = (self.num_rows, arch.num_kv_heads, self.row_len, arch.head_dim)  # K/V heads, not the query heads
-        self.keys = [torch.zeros(shape, dtype=p.dtype, device=p.device) for _ in self.model.layers]
-        self.values = [torch.zeros(shape, dtype=p.dtype, device=p.device) for _ in self.model.layers]
+        self.keys = [zeros_on_demand(shape, p.dtype, p.device) for _ in self.model.layers]  # resident as written
+        self.values = [zeros_on_demand(shape, p.dtype, p.device) for _ in self.model.layers]
         if self.drafter is None and (proposer := proposer_of(self.model)) is not None:
             self.drafter = proposer.drafter
         if self.drafter is not None:

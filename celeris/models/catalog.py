@@ -68,8 +68,9 @@ PAIRING = "celeris.json"  # in a drafter folder: the target it drafts for, its s
 
 def read_pairing(folder: Path) -> dict | None:
     """A drafter folder's pairing (``celeris.json``: ``{"target": name or path, "speculative_config": {...},
-    "chat": bool}``), or None for any other checkpoint. Such a folder is a model of its own: the target loads with
-    this drafter beside it (``celeris.llm.LLM``).
+    "chat": bool, "quantization": the target's --quantization on a CPU unless one is asked}``), or None for any
+    other checkpoint. Such a folder is a model of its own: the target loads with this drafter beside it
+    (``celeris.llm.LLM``).
 
     Raises:
         CheckpointError: the file does not parse or names no target.

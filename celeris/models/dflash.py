@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from celeris.models.layers import RMSNorm, apply_rope, rope_cos_sin
+from celeris.models.layers import RMSNorm, apply_rope, rope_cos_sin, zeros_on_demand
 
 
 def build_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
@@ -280,8 +280,8 @@ class DFlashDraftModel(nn.Module):
         writes into: the engine's KV store holds them beside the target's layers)."""
         cfg, w = self.config, self.hidden_norm.weight
         shape = (num_rows, cfg.num_key_value_heads, num_cols, cfg.head_dim)
-        return ([torch.zeros(shape, dtype=w.dtype, device=w.device) for _ in self.layers],
-                [torch.zeros(shape, dtype=w.dtype, device=w.device) for _ in self.layers])
+        return ([zeros_on_demand(shape, w.dtype, w.device) for _ in self.layers],
+                [zeros_on_demand(shape, w.dtype, w.device) for _ in self.layers])
 
     def draft_logits(self, hidden: torch.Tensor, head_weight: torch.Tensor | nn.Module) -> torch.Tensor:
         """Scores over the draft vocabulary: hidden (B, L, d) -> (B, L, V_draft) float32 (row j: target id d2t[j]).

@@ -307,7 +307,8 @@ def apply_stored(model: nn.Module, state: dict[str, torch.Tensor], layout: dict,
                               f"{tuple(model.embed_tokens.weight.shape)}")
     model.embed_tokens = table
     taken.update(keys)
-    rest = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items() if k not in taken}
+    # copies: a tensor read from the entry is a view of its memory-mapped file, which it would keep resident
+    rest = {k: v.to(dtype, copy=True) if v.is_floating_point() else v.clone() for k, v in state.items() if k not in taken}
     missing, unexpected = model.load_state_dict(rest, strict=False, assign=True)
     own = (*layout["layers"], *layout.get("blocks", {}), "embed_tokens")
     missing = [k for k in missing if k.rpartition(".")[0] not in own]  # their own

@@ -26,6 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -69,6 +70,19 @@ class KVCache:
 
     keys: list[torch.Tensor] = field(default_factory=list)
     values: list[torch.Tensor] = field(default_factory=list)
+
+
+def zeros_on_demand(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """A zero tensor whose memory becomes resident only where it is written, for a KV store sized for the longest
+    request: on the CPU, NumPy's ``zeros`` (``calloc``: a large block is fresh pages the OS maps, all zero, on first
+    touch), so a row of 8,192 positions that holds 200 costs the pages of 200; elsewhere ``torch.zeros``."""
+    if torch.device(device).type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    count = 1
+    for n in shape:
+        count *= n
+    raw = np.zeros(count * torch.empty((), dtype=dtype).element_size(), dtype=np.uint8)
+    return torch.from_numpy(raw).view(dtype).reshape(shape)
 
 
 def positions_and_mask(
@@ -342,10 +356,14 @@ class TransformerLM(nn.Module):
         arch = self.arch = config.architecture()
         self.vocab_size, self.logits_shift, self.is_causal = arch.vocab_size, arch.logits_shift, arch.is_causal
         self.block_contract = getattr(config, "block_contract", None)
-        self.embed_tokens = nn.Embedding(arch.embedding_rows or arch.vocab_size, arch.hidden_size)
+        rows = arch.embedding_rows or arch.vocab_size
+        # on the meta device (a load that assigns every weight) no initialisation: Embedding's normal_ on meta
+        # imports PyTorch's Python meta kernels (about 800 modules, 74 MB resident) for values never read
+        meta = torch.empty(()).device.type == "meta"
+        self.embed_tokens = nn.Embedding(rows, arch.hidden_size, _weight=torch.empty(rows, arch.hidden_size)) \
+            if meta else nn.Embedding(rows, arch.hidden_size)
         self.layers = nn.ModuleList(Block(arch, partial(self.make_mlp, i)) for i in range(arch.num_layers))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
-        rows = arch.embedding_rows or arch.vocab_size
         self.lm_head = None if arch.tie_head else nn.Linear(arch.hidden_size, rows, bias=False)
 
     def make_mlp(self, index: int) -> nn.Module:
