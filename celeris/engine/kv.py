@@ -159,8 +159,8 @@ class KVStore:
     model's key/value heads (before grouped-query sharing), in the model's dtype on its device; sized once (rows:
     ``EngineConfig.max_num_seqs``; row_len: ``max_model_len`` plus ``ROW_SLACK`` columns a verified pass may write
     past the answer) and allocated, zeros, at the first rows a path takes (on a CPU the zeros are pages the
-OS maps on first write, ``zeros_on_demand``: resident memory grows with the columns rows hold, not ``row_len``). Every mode path takes rows from it as a
-    ``KVSegment`` and gives them back when its requests finish.
+    OS maps on first write, ``zeros_on_demand``: resident memory grows with the columns rows hold, not
+    ``row_len``). Every mode path takes rows from it as a ``KVSegment`` and gives them back when its requests finish.
 
     Rows, not pages: every pass of every mode (the masked window pass, the block pass, the verified pass) reads a
     dense (R, H_kv, T, D) cache in place, with per-row column windows, and writes its new columns into it; a row per
