@@ -44,16 +44,28 @@ def test_attention_equals_sdpa(mask_kind):
         mask[..., 0] = True  # every query attends somewhere (SDPA gives NaN for none)
     got = fast_ops.attention(q, k_view, v, mask, is_causal=False)
     torch.testing.assert_close(got, reference_attention(q, k, v, mask), rtol=1e-4, atol=1e-5)
-    assert fast_ops.attention(q, k, v, mask, is_causal=True) is None  # the causal flag: SDPA's own path
+    if mask is None:  # SDPA's causal flag (a prefill: T = Lq here, and T > Lq)
+        for keys in (lq, t):
+            want = F.scaled_dot_product_attention(q, k[:, :, :keys], v[:, :, :keys], is_causal=True, enable_gqa=True)
+            if keys > lq:  # SDPA aligns its causal mask top-left: the reference is the bottom-right mask
+                bottom_right = torch.ones(lq, keys, dtype=torch.bool).tril(keys - lq)
+                want = F.scaled_dot_product_attention(q, k, v, attn_mask=bottom_right, enable_gqa=True)
+            got = fast_ops.attention(q, k[:, :, :keys], v[:, :, :keys], None, is_causal=True)
+            torch.testing.assert_close(got, want.transpose(1, 2).reshape(b, lq, -1), rtol=1e-4, atol=1e-5)
     wide = torch.randn(b, h, fast_ops.MAX_FAST_QUERIES + 1, d)
-    assert fast_ops.attention(wide, k, v, None, is_causal=False) is None  # a prefill: SDPA's flash kernel
+    assert fast_ops.attention(wide, k, v, None, is_causal=False) is None  # a long prefill: SDPA's flash kernel
 
 
-def test_a_query_does_not_depend_on_the_other_queries():
+def test_a_query_does_not_depend_on_the_other_queries_nor_on_padding():
     q, k, v = torch.randn(1, 4, 8, 16), torch.randn(1, 2, 20, 16), torch.randn(1, 2, 20, 16)
     full = fast_ops.attention(q, k, v, None, is_causal=False)
     alone = fast_ops.attention(q[:, :, 3:4], k, v, None, is_causal=False)
     assert torch.equal(full[:, 3:4], alone)  # bit for bit: verified decoding's widths give next-token's numbers
+    pad = 5  # the same row left-padded by 5 masked keys (a batch's shorter prompt)
+    kp, vp = torch.cat([torch.randn(1, 2, pad, 16), k], 2), torch.cat([torch.randn(1, 2, pad, 16), v], 2)
+    mask = torch.ones(1, 1, 8, 20 + pad, dtype=torch.bool)
+    mask[..., :pad] = False
+    assert torch.equal(fast_ops.attention(q, kp, vp, mask, is_causal=False), full)
 
 
 def tiny_arch(**kw: object) -> Architecture:

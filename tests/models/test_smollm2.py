@@ -138,12 +138,14 @@ def test_the_default_with_its_drafter_speaks_as_the_target_alone(celeris_llm):
     """The embedded default (``smollm2-135m-instruct-dflash``: the target with the shipped drafter, as its
     ``celeris.json`` configures it) at batch 1: verified decoding whose drafts come from prompt lookup or the drafter,
     and whose greedy text is the target's own next-token text, under the default's frequency penalty, on the first
-    four prompts (64 tokens each)."""
+    four prompts (64 tokens each). The target alone is loaded as the default loads it (on a CPU the GGUF's blocks:
+    its pairing's quantization)."""
     from dataclasses import replace
 
     from celeris.llm import LLM
 
     default = LLM(max_num_seqs=8)
+    celeris_llm = LLM(ALIAS, max_num_seqs=8, quantization=default.engine_config.quantization)
     assert default.proposer is not None and default.proposer.enabled(1)  # the drafter drafts at batch 1
     params = default.default_params(max_tokens=NEW_TOKENS, temperature=0.0)
     assert params.decoding == "verified" and params.draft_source == "lookup_first" and params.frequency_penalty > 0
