@@ -48,68 +48,67 @@ void celeris_silu_mul(const float *gu, int64_t rows, int64_t n, float *out) {
     }
 }
 
-#define KB 16  /* keys scored together: one vector of dot products, the keys transposed into scratch */
+/* x . y over n floats, in 16 partial sums that the compiler keeps in vector lanes, added as a tree of halves (a
+ * single running sum is one chain of dependent additions, which it may not reorder). */
+static float dot(const float *x, const float *y, int64_t n) {
+    float part[16] = {0};
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16)
+        for (int j = 0; j < 16; j++) part[j] += x[i + j] * y[i + j];
+    for (int w = 8; w >= 1; w /= 2)
+        for (int j = 0; j < w; j++) part[j] += part[j + w];
+    float total = part[0];
+    for (; i < n; i++) total += x[i] * y[i];
+    return total;
+}
 
 /* Scaled dot-product attention (Vaswani et al. 2017) with grouped K/V heads (query head h reads K/V head
  * h / (H / Hkv), Ainslie et al. arXiv:2305.13245): q (B, H, Lq, D), k and v (B, Hkv, T, D), given by element
  * strides (b, head, position; the last dimension contiguous); mask (uint8, 1 = attend) by strides (b, query, key),
- * or NULL for every key; out (B, Lq, H, D) contiguous. Per (b, K/V head) the keys are transposed once into scratch
- * (D x T), so that each query's scores for KB keys at a time are D vector multiply-adds; then its softmax and
- * weighted sum of values run over its keys in position order. A query's numbers depend on nothing but its own
- * row, its keys and its mask: not on the other queries of the pass (its width), nor on masked keys (a left-padded
- * row gives the unpadded row's numbers). A query with no key to attend gets zeros. Returns 0, or -2 when out of
- * memory. */
+ * or NULL for every key; out (B, Lq, H, D) contiguous. Each query is computed alone over its keys in position
+ * order, a masked key skipped: its numbers depend on nothing but its own row, its keys and its mask, not on the
+ * other queries of the pass (its width), nor on masked keys (a left-padded row gives the unpadded row's numbers).
+ * A query with no key to attend gets zeros. Returns 0, or -2 when out of memory. */
 int celeris_attention(const float *q, int64_t qb, int64_t qh, int64_t ql, const float *k, int64_t kb, int64_t kh,
                       int64_t kt, const float *v, int64_t vb, int64_t vh, int64_t vt, const uint8_t *mask, int64_t mb,
                       int64_t ml, int64_t mt, int64_t B, int64_t H, int64_t Hkv, int64_t Lq, int64_t T, int64_t D,
                       float scale, float *out, int threads) {
-    const int64_t group = H / Hkv, work = B * Hkv, tpad = (T + KB - 1) / KB * KB;
-    const int64_t per_thread = D * tpad + tpad + D;
+    const int64_t group = H / Hkv, work = B * H * Lq;
     if (threads < 1) threads = 1;
-    float *scratch = (float *)malloc((size_t)per_thread * (size_t)threads * sizeof(float));
+    float *scratch = (float *)malloc((size_t)(T + D) * (size_t)threads * sizeof(float));
     if (!scratch) return -2;
-#pragma omp parallel for num_threads(threads) schedule(static) if (B * H * Lq * T * D >= (1 << 18))
+#pragma omp parallel for num_threads(threads) schedule(static) if (work * T * D >= (1 << 18))
     for (int64_t i = 0; i < work; i++) {
 #ifdef _OPENMP
-        float *ktr = scratch + (size_t)omp_get_thread_num() * (size_t)per_thread;
+        float *s = scratch + (size_t)omp_get_thread_num() * (size_t)(T + D);
 #else
-        float *ktr = scratch;
+        float *s = scratch;
 #endif
-        float *sr = ktr + D * tpad, *acc = sr + tpad;
-        const int64_t b = i / Hkv, g = i % Hkv;
+        float *acc = s + T;
+        const int64_t b = i / (H * Lq), h = (i / Lq) % H, l = i % Lq, g = h / group;
+        const float *qv = q + b * qb + h * qh + l * ql;
         const float *kbase = k + b * kb + g * kh, *vbase = v + b * vb + g * vh;
-        for (int64_t t = 0; t < tpad; t++)
-            for (int64_t d = 0; d < D; d++) ktr[d * tpad + t] = t < T ? kbase[t * kt + d] : 0.0f;
-        for (int64_t r = 0; r < group * Lq; r++) {  /* the group's query heads, each query of the pass */
-            const int64_t h = g * group + r / Lq, l = r % Lq;
-            const float *qv = q + b * qb + h * qh + l * ql;
-            const uint8_t *mrow = mask ? mask + b * mb + l * ml : NULL;
-            float top = -INFINITY;
-            for (int64_t t0 = 0; t0 < tpad; t0 += KB) {
-                float dots[KB] = {0};
-                for (int64_t d = 0; d < D; d++)
-                    for (int64_t j = 0; j < KB; j++) dots[j] += qv[d] * ktr[d * tpad + t0 + j];
-                for (int64_t j = 0; j < KB && t0 + j < T; j++) {
-                    const int keep = !mrow || mrow[(t0 + j) * mt];
-                    sr[t0 + j] = keep ? dots[j] * scale : -INFINITY;
-                    top = sr[t0 + j] > top ? sr[t0 + j] : top;
-                }
-            }
-            for (int64_t d = 0; d < D; d++) acc[d] = 0.0f;
-            float total = 0.0f;
-            if (top != -INFINITY) {
-                for (int64_t t = 0; t < T; t++) sr[t] = sr[t] == -INFINITY ? 0.0f : exp_fast(sr[t] - top);
-                for (int64_t t = 0; t < T; t++) {
-                    if (sr[t] == 0.0f) continue;  /* masked keys (and underflows) add nothing */
-                    total += sr[t];
-                    const float *vv = vbase + t * vt;
-                    for (int64_t d = 0; d < D; d++) acc[d] += sr[t] * vv[d];
-                }
-            }
-            float *o = out + ((b * Lq + l) * H + h) * D;
-            const float inv = total > 0.0f ? 1.0f / total : 0.0f;
-            for (int64_t d = 0; d < D; d++) o[d] = acc[d] * inv;
+        const uint8_t *mrow = mask ? mask + b * mb + l * ml : NULL;
+        float top = -INFINITY;
+        for (int64_t t = 0; t < T; t++) {
+            if (mrow && !mrow[t * mt]) { s[t] = -INFINITY; continue; }
+            s[t] = dot(qv, kbase + t * kt, D) * scale;
+            if (s[t] > top) top = s[t];
         }
+        for (int64_t d = 0; d < D; d++) acc[d] = 0.0f;
+        float total = 0.0f;
+        if (top != -INFINITY) {
+            for (int64_t t = 0; t < T; t++) s[t] = s[t] == -INFINITY ? 0.0f : exp_fast(s[t] - top);
+            for (int64_t t = 0; t < T; t++) {
+                if (s[t] == 0.0f) continue;  /* masked keys (and underflows) add nothing */
+                total += s[t];
+                const float *vv = vbase + t * vt;
+                for (int64_t d = 0; d < D; d++) acc[d] += s[t] * vv[d];
+            }
+        }
+        float *o = out + ((b * Lq + l) * H + h) * D;
+        const float inv = total > 0.0f ? 1.0f / total : 0.0f;
+        for (int64_t d = 0; d < D; d++) o[d] = acc[d] * inv;
     }
     free(scratch);
     return 0;
