@@ -97,8 +97,9 @@ def test_rope_cache_attention_equals_the_layers_pytorch_path(window_kind):
         layer.fast = True
         got = layer(xs, c, s, mask, cache=caches[1], layer_idx=0, window=window)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
-    torch.testing.assert_close(caches[1].keys[0], caches[0].keys[0], rtol=1e-5, atol=1e-6)  # the same writes
-    torch.testing.assert_close(caches[1].values[0], caches[0].values[0], rtol=0, atol=0)
+    # the same writes, bit for bit: RoPE in C rounds as PyTorch's does, so a pass on either path leaves the same
+    # keys (the verified and the next-token paths may reach the cache through different ones)
+    assert torch.equal(caches[1].keys[0], caches[0].keys[0]) and torch.equal(caches[1].values[0], caches[0].values[0])
 
 
 def test_a_model_with_the_fast_operators_computes_the_same_logits():

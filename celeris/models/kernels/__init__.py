@@ -30,7 +30,9 @@ from pathlib import Path
 from celeris.models.cache import cache_root
 
 SOURCES = tuple(Path(__file__).with_name(name) for name in ("gguf_blocks.c", "decode_ops.c"))
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11")
+# -ffp-contract=off: no fused multiply-add where the source has a product and a sum, so RoPE in C rounds as
+# PyTorch's elementwise x * cos + rotated * sin does, bit for bit (the block kernel's own FMAs are explicit)
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-shared", "-fPIC", "-std=c11")
 ABI_VERSION = 2  # celeris_abi_version() of the source this module calls
 DISABLE_ENV = "CELERIS_NO_KERNELS"  # set to 1: never build or load the kernel (the PyTorch path; for tests)
 
