@@ -24,6 +24,7 @@ from gguf import GGMLQuantizationType, quants
 from torch import nn
 
 from celeris.models import kernels
+from celeris.models.kernels import pointer
 
 QK = 32  # weights per block
 BLOCK_TYPES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}  # type name -> bytes per block of 32 weights
@@ -61,10 +62,6 @@ def _check(blocks: torch.Tensor, kind: str, in_features: int) -> None:
                          f"{row_bytes(kind, in_features)}) uint8, not {tuple(blocks.shape)} {blocks.dtype}")
 
 
-def _ptr(t: torch.Tensor) -> ctypes.c_void_p:
-    return ctypes.c_void_p(t.data_ptr())
-
-
 def repack(blocks: torch.Tensor, kind: str, in_features: int) -> torch.Tensor:
     """The file's blocks (N, row_bytes) uint8 repacked into the kernel's tiles (``gguf_blocks.c``): a 1-D uint8
     tensor of ``celeris_packed_bytes`` bytes, laid out for this machine's vector width.
@@ -78,7 +75,7 @@ def repack(blocks: torch.Tensor, kind: str, in_features: int) -> torch.Tensor:
     n = blocks.shape[0]
     out = torch.empty(lib.celeris_packed_bytes(TYPE_IDS[kind], n, in_features), dtype=torch.uint8)
     raw = blocks.contiguous()
-    rc = lib.celeris_repack(TYPE_IDS[kind], _ptr(raw), n, in_features, _ptr(out))
+    rc = lib.celeris_repack(TYPE_IDS[kind], pointer(raw), n, in_features, pointer(out))
     if rc != 0:
         raise BlockError(f"the kernel could not repack {kind} blocks of {n} x {in_features} (code {rc})")
     return out
@@ -92,8 +89,8 @@ def packed_rows(packed: torch.Tensor, kind: str, shape: tuple[int, int], ids: to
     """
     flat = ids.reshape(-1).to(torch.int64).contiguous()
     out = torch.empty((flat.numel(), shape[1]), dtype=torch.float32)
-    if _library().celeris_packed_rows(TYPE_IDS[kind], _ptr(packed), shape[0], shape[1], _ptr(flat), flat.numel(),
-                                      _ptr(out)) != 0:
+    if _library().celeris_packed_rows(TYPE_IDS[kind], pointer(packed), shape[0], shape[1], pointer(flat), flat.numel(),
+                                      pointer(out)) != 0:
         raise IndexError(f"token id out of range [0, {shape[0]})")
     return out
 
@@ -107,7 +104,7 @@ def packed_matmul(x: torch.Tensor, packed: torch.Tensor, kind: str, out_features
     """
     m, k = x.shape
     y = torch.empty((m, out_features), dtype=torch.float32)
-    rc = _library().celeris_packed_matmul(TYPE_IDS[kind], _ptr(x), m, k, _ptr(packed), out_features, _ptr(y),
+    rc = _library().celeris_packed_matmul(TYPE_IDS[kind], pointer(x), m, k, pointer(packed), out_features, pointer(y),
                                           torch.get_num_threads())
     if rc != 0:
         raise RuntimeError(f"celeris_packed_matmul returned {rc} for {kind} x ({m}, {k})")

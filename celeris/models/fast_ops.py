@@ -23,12 +23,9 @@ import torch
 from torch import nn
 
 from celeris.models import kernels
+from celeris.models.kernels import pointer
 
 MAX_FAST_QUERIES = 128  # queries per row up to which the C loop serves: decode, verify, short prefills
-
-
-def _ptr(t: torch.Tensor) -> ctypes.c_void_p:
-    return ctypes.c_void_p(t.data_ptr())
 
 
 def _fits(*tensors: torch.Tensor) -> bool:
@@ -43,7 +40,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor 
         return None
     x = x.contiguous()
     out = torch.empty_like(x)
-    lib.celeris_rms_norm(_ptr(x), _ptr(weight), x.numel() // x.shape[-1], x.shape[-1], eps, _ptr(out))
+    lib.celeris_rms_norm(pointer(x), pointer(weight), x.numel() // x.shape[-1], x.shape[-1], eps, pointer(out))
     return out
 
 
@@ -55,7 +52,7 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
     gate_up = gate_up.contiguous()
     n = gate_up.shape[-1] // 2
     out = gate_up.new_empty((*gate_up.shape[:-1], n))
-    lib.celeris_silu_mul(_ptr(gate_up), gate_up.numel() // (2 * n), n, _ptr(out))
+    lib.celeris_silu_mul(pointer(gate_up), gate_up.numel() // (2 * n), n, pointer(out))
     return out
 
 
@@ -75,20 +72,24 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torc
         attn_mask = torch.ones(lq, t, dtype=torch.bool).tril(t - lq)
     q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
     out = q.new_empty((b, lq, h * d))
-    mask = (None, 0, 0, 0, None) if attn_mask is None else _mask_args(attn_mask, lq, t)
-    rc = lib.celeris_attention(_ptr(q), q.stride(0), q.stride(1), q.stride(2), _ptr(k), k.stride(0), k.stride(1),
-                               k.stride(2), _ptr(v), v.stride(0), v.stride(1), v.stride(2), *mask[:4], b, h, hkv, lq,
-                               t, d, d ** -0.5, _ptr(out), torch.get_num_threads())
+    mask = _mask_args(attn_mask, lq, t)
+    rc = lib.celeris_attention(pointer(q), q.stride(0), q.stride(1), q.stride(2), pointer(k), k.stride(0), k.stride(1),
+                               k.stride(2), pointer(v), v.stride(0), v.stride(1), v.stride(2), *mask, b, h, hkv, lq,
+                               t, d, d ** -0.5, pointer(out), torch.get_num_threads())
     if rc != 0:
         raise MemoryError("celeris_attention could not allocate its scratch rows")
     return out
 
 
-def _mask_args(attn_mask: torch.Tensor, lq: int, t: int) -> tuple[ctypes.c_void_p, int, int, int, torch.Tensor]:
-    """(pointer, batch, query and key strides, the viewed tensor) of a bool mask (Lq, T) or (B or 1, 1, Lq, T)."""
+def _mask_args(attn_mask: torch.Tensor | None, lq: int, t: int) -> tuple[ctypes.c_void_p | None, int, int,
+                                                                         int]:
+    """(pointer, batch, query and key strides) of a bool mask (Lq, T) or (B or 1, 1, Lq, T), the kernels' mask
+    arguments; (None, 0, 0, 0) for no mask. The pointer is into ``attn_mask``'s own memory (a view, no copy)."""
+    if attn_mask is None:
+        return None, 0, 0, 0
     m = attn_mask if attn_mask.dim() == 4 else attn_mask[None, None]
     m = m.expand(m.shape[0], 1, lq, t).view(torch.uint8)
-    return _ptr(m), m.stride(0) if m.shape[0] > 1 else 0, m.stride(2), m.stride(3), m
+    return pointer(m), m.stride(0) if m.shape[0] > 1 else 0, m.stride(2), m.stride(3)
 
 
 def _mask_ok(attn_mask: torch.Tensor | None) -> bool:
@@ -121,12 +122,12 @@ def rope_cache_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     cos, sin = cos.expand(b, 1, lq, d), sin.expand(b, 1, lq, d)
     if cos.stride(-1) != 1 or sin.stride() != cos.stride():
         cos, sin = cos.contiguous(), sin.contiguous()
-    mask = (None, 0, 0, 0, None) if attn_mask is None else _mask_args(attn_mask, lq, t)
+    mask = _mask_args(attn_mask, lq, t)
     out = qkv.new_empty((b, lq, num_heads * d))
     rc = lib.celeris_rope_cache_attention(
-        _ptr(qkv), b, lq, num_heads, num_kv_heads, d, _ptr(cos), _ptr(sin), cos.stride(0), cos.stride(2),
-        _ptr(keys), keys.stride(0), keys.stride(1), keys.stride(2), _ptr(values), values.stride(0), values.stride(1),
-        values.stride(2), t, _ptr(cols), *mask[:4], d ** -0.5, _ptr(out), torch.get_num_threads())
+        pointer(qkv), b, lq, num_heads, num_kv_heads, d, pointer(cos), pointer(sin), cos.stride(0), cos.stride(2),
+        pointer(keys), keys.stride(0), keys.stride(1), keys.stride(2), pointer(values), values.stride(0), values.stride(1),
+        values.stride(2), t, pointer(cols), *mask, d ** -0.5, pointer(out), torch.get_num_threads())
     if rc == -1:
         raise IndexError(f"a window column is outside the cache of {t} positions")
     if rc != 0:

@@ -170,8 +170,10 @@ def quantized_state(path: Path, converted: Converted) -> tuple[dict[str, torch.T
         module, _, kind = param.rpartition(".")
         names = [parts[p] for p in packed[param]] if param in packed else [parts[None]]
         if module in blocks:  # the file's blocks as they are (the weight), a bias in float32
-            stored[f"{module}.{kind}"] = torch.cat([raw_rows(tensors[n], n, converted.config) for n in names]) \
-                if kind == "weight" else torch.cat([hf_tensor(tensors[n], n, converted.config) for n in names])
+            if kind == "weight":
+                stored[f"{module}.blocks"] = torch.cat([raw_rows(tensors[n], n, converted.config) for n in names])
+            else:
+                stored[param] = torch.cat([hf_tensor(tensors[n], n, converted.config) for n in names])
         elif module in linears:
             quantizer = partial(quantize.stored_weight, method=chosen[module], act_dtype=act) if kind == "weight" \
                 else partial(_bias, act_dtype=act)
@@ -182,8 +184,6 @@ def quantized_state(path: Path, converted: Converted) -> tuple[dict[str, torch.T
             stored.update({f"embed_tokens.{k}": v for k, v in form.items()})
         else:  # the norms, in float32
             stored[param] = hf_tensor(tensors[names[0]], names[0], converted.config)
-    stored = {(k.removesuffix(".weight") + ".blocks" if k.removesuffix(".weight") in blocks else k): v
-              for k, v in stored.items()}
     return stored, _layout(stored, linears, chosen, blocks, act)
 
 

@@ -1,8 +1,8 @@
 """The C kernels of the CPU's fast pass, built on this machine at first use: the products against a GGUF file's own
 weight blocks (``gguf_blocks.c``) and the small operators between them (``decode_ops.c``).
 
-``library()`` compiles both files with the machine's C compiler (``$CC``, else ``cc`` or ``gcc``:
-``-O3 -march=native -fopenmp -shared -fPIC``) into one ``<cache root>/kernels/celeris-<hash>.so``, the hash over
+``library()`` compiles both files with the machine's C compiler (``$CC``, else ``cc`` or ``gcc``; ``FLAGS``:
+``-O3 -march=native -fopenmp -ffp-contract=off``) into one ``<cache root>/kernels/celeris-<hash>.so``, the hash over
 the sources, the flags, the compiler's version and the CPU's flags, so a new source, compiler or machine builds anew
 and a second process loads the built file (about 1 s to build, milliseconds to load). The file is written under a
 temporary name and moved into place, so a killed build never leaves a half-written library. The library is loaded
@@ -27,6 +27,8 @@ import tempfile
 from functools import cache
 from pathlib import Path
 
+import torch
+
 from celeris.models.cache import cache_root
 
 SOURCES = tuple(Path(__file__).with_name(name) for name in ("gguf_blocks.c", "decode_ops.c"))
@@ -35,6 +37,11 @@ SOURCES = tuple(Path(__file__).with_name(name) for name in ("gguf_blocks.c", "de
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-shared", "-fPIC", "-std=c11")
 ABI_VERSION = 2  # celeris_abi_version() of the source this module calls
 DISABLE_ENV = "CELERIS_NO_KERNELS"  # set to 1: never build or load the kernel (the PyTorch path; for tests)
+
+
+def pointer(t: torch.Tensor) -> ctypes.c_void_p:
+    """The address of a tensor's first element, as a kernel argument (the caller keeps the tensor alive)."""
+    return ctypes.c_void_p(t.data_ptr())
 
 
 def compiler() -> str | None:
