@@ -257,15 +257,16 @@ def test_health_fails_on_a_stuck_engine_but_not_on_a_full_queue(serve_llm):
 def test_health_stays_ok_while_a_busy_engine_makes_progress(serve_llm):
     serving = make_serving(serve_llm, max_num_seqs=1, max_waiting=1)
     pace = paced_steps(serving, 0.05)
-    with BackgroundServer(create_app(serving, stall_timeout_s=0.3)) as srv:
-        busy = LONG  # 64 steps of 0.05 s: busy > 3 s each, far beyond the checks below
+    # 1 s: 20x one paced step, so a loaded 2-core machine (the other test worker) cannot pass for a stall
+    with BackgroundServer(create_app(serving, stall_timeout_s=1.0)) as srv:
+        busy = LONG  # 64 steps of 0.05 s: busy > 3 s each, two in turn: beyond the checks below
         threads = [threading.Thread(target=lambda: httpx.post(f"{srv.url}/v1/completions", json=busy, timeout=30))
                    for _ in range(2)]
         for t in threads:
             t.start()
         assert wait_until(lambda: serving.async_engine.num_in_flight == 2)
         assert httpx.post(f"{srv.url}/v1/completions", json={"prompt": "x"}, timeout=5).status_code == 429
-        for _ in range(10):  # 0.5 s > stall_timeout_s, with the queue full all along
+        for _ in range(30):  # 1.5 s > stall_timeout_s, with the queue full all along
             assert httpx.get(f"{srv.url}/health").status_code == 200
             time.sleep(0.05)
         assert serving.async_engine.num_in_flight == 2  # the queue was still full at the last check
