@@ -19,7 +19,7 @@ import time
 import torch
 
 from celeris import LLM
-from celeris.bench.chat import PROMPT_SETS, mismatches, systems
+from celeris.bench.chat import POLICY, PROMPT_SETS, mismatches, systems
 from celeris.llm import DEFAULT_MODEL
 
 
@@ -65,7 +65,8 @@ def main() -> None:
         for system, params, policy in systems(llm, args.max_tokens):
             if system not in ("target-next-token", "default"):
                 continue
-            llm.proposer.disable_by_batch_size, llm.proposer.lookup_disable_by_batch_size = policy or (None, None)
+            for key, value in zip(POLICY, policy or (None,) * len(POLICY), strict=True):
+                setattr(llm.proposer, key, value)
             llm.generate(prompts[:1], params)  # warm-up
             start, outs = time.perf_counter(), []
             for p in prompts:

@@ -6,8 +6,6 @@ compiler runs on PyTorch's path after one warning line."""
 
 from __future__ import annotations
 
-import subprocess
-
 import numpy as np
 import pytest
 import torch
@@ -23,26 +21,6 @@ def file_blocks(kind: str, rows: int, cols: int, seed: int = 0) -> torch.Tensor:
     """(rows, cols) random weights quantized by gguf-py into the file's blocks: (rows, row_bytes) uint8."""
     w = np.random.default_rng(seed).standard_normal((rows, cols)).astype(np.float32)
     return torch.from_numpy(quants.quantize(w, GGMLQuantizationType[kind]).copy()).view(torch.uint8)
-
-
-@pytest.fixture(scope="module")
-def variants(tmp_path_factory) -> dict[str, object]:
-    """The kernel built for each code path this CPU can run (by its compiler flags), loaded."""
-    cc = kernels.compiler()
-    if cc is None:
-        pytest.skip("no C compiler")
-    folder = tmp_path_factory.mktemp("kernels")
-    base = tuple(f for f in kernels.FLAGS if not f.startswith("-march"))
-    wanted = {"native": ("-march=native",), "avx2": ("-march=haswell",), "plain": ("-march=x86-64",)}
-    flags = subprocess.run(["grep", "-m1", "-o", "avx2", "/proc/cpuinfo"], capture_output=True, text=True).stdout
-    built = {}
-    for name, march in wanted.items():
-        if name == "avx2" and not flags:
-            continue
-        target = folder / f"{name}.so"
-        kernels.build(target, cc, (*march, *base))
-        built[name] = kernels.load(target)
-    return built
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -135,3 +113,17 @@ def test_the_build_is_cached_and_written_whole(tmp_path, monkeypatch):
         assert kernels.library() is not None and built[0].stat().st_mtime_ns == stamp  # loaded, not rebuilt
     finally:
         kernels.library.cache_clear()
+
+
+def test_float_linears_become_q8_0_blocks_as_gguf_py_quantizes_them():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 96), torch.nn.ReLU(), torch.nn.Linear(96, 8, bias=False))
+    x = torch.randn(3, 64)
+    want = model(x)
+    assert B.quantize_linears(model, "Q8_0") == 2
+    assert all(isinstance(model[i], B.BlockLinear) for i in (0, 2))
+    torch.testing.assert_close(model(x), want, atol=0.02 * float(want.abs().max()), rtol=0)  # Q8_0: 8 bits a weight
+    with pytest.raises(B.BlockError, match="not whole blocks of 32"):
+        B.quantize_linears(torch.nn.Sequential(torch.nn.Linear(48, 4)))
+    with pytest.raises(B.BlockError, match="cannot quantize"):
+        B.quantize_blocks(torch.randn(4, 48))

@@ -52,8 +52,6 @@ def test_attention_equals_sdpa(mask_kind):
                 want = F.scaled_dot_product_attention(q, k, v, attn_mask=bottom_right, enable_gqa=True)
             got = fast_ops.attention(q, k[:, :, :keys], v[:, :, :keys], None, is_causal=True)
             torch.testing.assert_close(got, want.transpose(1, 2).reshape(b, lq, -1), rtol=1e-4, atol=1e-5)
-    wide = torch.randn(b, h, fast_ops.MAX_FAST_QUERIES + 1, d)
-    assert fast_ops.attention(wide, k, v, None, is_causal=False) is None  # a long prefill: SDPA's flash kernel
 
 
 def test_a_query_does_not_depend_on_the_other_queries_nor_on_padding():
@@ -66,6 +64,29 @@ def test_a_query_does_not_depend_on_the_other_queries_nor_on_padding():
     mask = torch.ones(1, 1, 8, 20 + pad, dtype=torch.bool)
     mask[..., :pad] = False
     assert torch.equal(fast_ops.attention(q, kp, vp, mask, is_causal=False), full)
+
+
+@pytest.mark.parametrize("d", [64, 80, 24])  # whole vectors of dimensions, a tail, no whole vector
+def test_a_long_causal_prefill_equals_sdpa_and_each_query_is_computed_alone(d):
+    q, k, v = torch.randn(1, 6, 300, d), torch.randn(1, 2, 300, d), torch.randn(1, 2, 300, d)
+    got = fast_ops.attention(q, k, v, None, is_causal=True)
+    want = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    torch.testing.assert_close(got, want.transpose(1, 2).reshape(1, 300, -1), rtol=1e-4, atol=1e-5)
+    for i in (0, 17, 150, 299):  # query i alone over its keys: the prefill's numbers, bit for bit
+        alone = fast_ops.attention(q[:, :, i:i + 1], k[:, :, :i + 1], v[:, :, :i + 1], None, is_causal=False)
+        assert torch.equal(got[:, i:i + 1], alone), i
+
+
+def test_every_code_path_of_the_attention_rounds_alike(variants, monkeypatch):
+    """The AVX-512 loops (fused multiply-adds in vector lanes) give the plain C loops' numbers, bit for bit."""
+    q, k, v = torch.randn(2, 6, 40, 80), torch.randn(2, 2, 70, 80), torch.randn(2, 2, 70, 80)
+    mask = torch.rand(2, 1, 40, 70) > 0.4
+    mask[..., 0] = True
+    outs = {}
+    for name, lib in variants.items():
+        monkeypatch.setattr(kernels, "library", lambda lib=lib: lib)
+        outs[name] = fast_ops.attention(q, k, v, mask, is_causal=False)
+    assert all(torch.equal(o, outs["plain"]) for o in outs.values()), list(outs)
 
 
 def tiny_arch(**kw: object) -> Architecture:

@@ -48,68 +48,132 @@ void celeris_silu_mul(const float *gu, int64_t rows, int64_t n, float *out) {
     }
 }
 
-/* x . y over n floats, in 16 partial sums that the compiler keeps in vector lanes, added as a tree of halves (a
- * single running sum is one chain of dependent additions, which it may not reorder). */
-static float dot(const float *x, const float *y, int64_t n) {
-    float part[16] = {0};
-    int64_t i = 0;
-    for (; i + 16 <= n; i += 16)
-        for (int j = 0; j < 16; j++) part[j] += x[i + j] * y[i + j];
-    for (int w = 8; w >= 1; w /= 2)
-        for (int j = 0; j < w; j++) part[j] += part[j + w];
-    float total = part[0];
-    for (; i < n; i++) total += x[i] * y[i];
-    return total;
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+/* sc[j] = sum over d in order of q[d] * kT[d * 16 + j], j < 16, one fused multiply-add chain per key (16 keys
+ * transposed: dimension d of the 16 is contiguous); the AVX-512 loop rounds as the plain one does. */
+static inline void score_keys(const float *q, const float *kT, int64_t D, float *sc) {
+#if defined(__AVX512F__)
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t d = 0; d < D; d++) acc = _mm512_fmadd_ps(_mm512_set1_ps(q[d]), _mm512_loadu_ps(kT + d * 16), acc);
+    _mm512_storeu_ps(sc, acc);
+#else
+    for (int j = 0; j < 16; j++) sc[j] = 0.0f;
+    for (int64_t d = 0; d < D; d++)
+        for (int j = 0; j < 16; j++) sc[j] = fmaf(q[d], kT[d * 16 + j], sc[j]);
+#endif
+}
+
+/* acc[d] = sum over i in order of p[i] * v[keys[i] * vt + d], d < D, n kept keys: a fused multiply-add chain per
+ * dimension, added key after key; the AVX-512 loop (64 dimensions in registers at a time) rounds as the plain one. */
+static void weigh_values(const float *p, const int64_t *keys, int64_t n, const float *v, int64_t vt, int64_t D,
+                         float *acc) {
+    int64_t d0 = 0;
+#if defined(__AVX512F__)
+    for (; d0 + 64 <= D; d0 += 64) {
+        __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+        for (int64_t i = 0; i < n; i++) {
+            const float *vv = v + keys[i] * vt + d0;
+            const __m512 w = _mm512_set1_ps(p[i]);
+            a0 = _mm512_fmadd_ps(w, _mm512_loadu_ps(vv), a0);
+            a1 = _mm512_fmadd_ps(w, _mm512_loadu_ps(vv + 16), a1);
+            a2 = _mm512_fmadd_ps(w, _mm512_loadu_ps(vv + 32), a2);
+            a3 = _mm512_fmadd_ps(w, _mm512_loadu_ps(vv + 48), a3);
+        }
+        _mm512_storeu_ps(acc + d0, a0);
+        _mm512_storeu_ps(acc + d0 + 16, a1);
+        _mm512_storeu_ps(acc + d0 + 32, a2);
+        _mm512_storeu_ps(acc + d0 + 48, a3);
+    }
+#endif
+    for (int64_t d = d0; d < D; d++) acc[d] = 0.0f;
+    for (int64_t i = 0; i < n; i++) {
+        const float *vv = v + keys[i] * vt;
+        for (int64_t d = d0; d < D; d++) acc[d] = fmaf(p[i], vv[d], acc[d]);
+    }
 }
 
 /* Scaled dot-product attention (Vaswani et al. 2017) with grouped K/V heads (query head h reads K/V head
  * h / (H / Hkv), Ainslie et al. arXiv:2305.13245): q (B, H, Lq, D), k and v (B, Hkv, T, D), given by element
  * strides (b, head, position; the last dimension contiguous); mask (uint8, 1 = attend) by strides (b, query, key),
- * or NULL for every key; out (B, Lq, H, D) contiguous. Each query is computed alone over its keys in position
- * order, a masked key skipped: its numbers depend on nothing but its own row, its keys and its mask, not on the
- * other queries of the pass (its width), nor on masked keys (a left-padded row gives the unpadded row's numbers).
- * A query with no key to attend gets zeros. Returns 0, or -2 when out of memory. */
+ * or NULL for every key; out (B, Lq, H, D) contiguous.
+ *
+ * The arithmetic of a query is fixed by its own row, its keys and its mask alone, so that its numbers depend
+ * neither on the other queries of its pass (the pass's width: a verify pass gives a next-token step's numbers) nor
+ * on masked keys (a left-padded row gives the unpadded row's numbers): the score of each key is one fused
+ * multiply-add chain over d in order (scored KEYS_PER_VECTOR keys at a time, one key per vector lane, from a
+ * transposed copy of the keys made once per K/V head), masked keys are dropped, and the softmax's sum and its
+ * weighted values add the kept keys one by one in position order. A block of keys that the mask drops whole is
+ * not scored (half the work of a causal prefill). A query with no key to attend gets zeros.
+ * Returns 0, or -2 when out of memory. */
+#define KEYS_PER_VECTOR 16
 int celeris_attention(const float *q, int64_t qb, int64_t qh, int64_t ql, const float *k, int64_t kb, int64_t kh,
                       int64_t kt, const float *v, int64_t vb, int64_t vh, int64_t vt, const uint8_t *mask, int64_t mb,
                       int64_t ml, int64_t mt, int64_t B, int64_t H, int64_t Hkv, int64_t Lq, int64_t T, int64_t D,
                       float scale, float *out, int threads) {
-    const int64_t group = H / Hkv, work = B * H * Lq;
+    const int64_t group = H / Hkv, work = B * H * Lq, V = KEYS_PER_VECTOR;
+    const int64_t Tp = (T + V - 1) / V * V;  /* keys padded to whole vectors */
     if (threads < 1) threads = 1;
-    float *scratch = (float *)malloc((size_t)(T + D) * (size_t)threads * sizeof(float));
-    if (!scratch) return -2;
+    const int64_t nblk = Tp / V;
+    float *keys_t = (float *)malloc((size_t)(B * Hkv * D * Tp) * sizeof(float));
+    uint8_t *wanted = (uint8_t *)calloc((size_t)(B * nblk), 1);  /* a block some query of row b attends */
+    /* per thread: scores (Tp), the kept keys' indices (Tp) */
+    char *scratch = (char *)malloc((size_t)Tp * (sizeof(float) + sizeof(int64_t)) * (size_t)threads);
+    if (!keys_t || !wanted || !scratch) { free(keys_t); free(wanted); free(scratch); return -2; }
+    for (int64_t b = 0; b < B; b++)
+        for (int64_t t = 0; t < T; t++) {
+            uint8_t any = !mask;
+            for (int64_t l = 0; l < Lq && !any; l++) any = mask[b * mb + l * ml + t * mt] != 0;
+            wanted[b * nblk + t / V] |= any;
+        }
+#pragma omp parallel for num_threads(threads) schedule(static) if (B * Hkv * T * D >= (1 << 16))
+    for (int64_t i = 0; i < B * Hkv; i++) {  /* keys_t (B * Hkv, Tp / 16, D, 16): blocks of 16 keys transposed */
+        const float *kbase = k + (i / Hkv) * kb + (i % Hkv) * kh;
+        float *dst = keys_t + i * D * Tp;
+        for (int64_t t = 0; t < Tp; t++) {
+            if (!wanted[(i / Hkv) * nblk + t / V]) continue;  /* no query attends it: never read */
+            for (int64_t d = 0; d < D; d++) dst[(t / V) * D * V + d * V + t % V] = t < T ? kbase[t * kt + d] : 0.0f;
+        }
+    }
 #pragma omp parallel for num_threads(threads) schedule(static) if (work * T * D >= (1 << 18))
     for (int64_t i = 0; i < work; i++) {
 #ifdef _OPENMP
-        float *s = scratch + (size_t)omp_get_thread_num() * (size_t)(T + D);
+        char *mine = scratch + (size_t)omp_get_thread_num() * (size_t)Tp * (sizeof(float) + sizeof(int64_t));
 #else
-        float *s = scratch;
+        char *mine = scratch;
 #endif
-        float *acc = s + T;
+        float *s = (float *)mine;
+        int64_t *kept = (int64_t *)(mine + (size_t)Tp * sizeof(float));
         const int64_t b = i / (H * Lq), h = (i / Lq) % H, l = i % Lq, g = h / group;
         const float *qv = q + b * qb + h * qh + l * ql;
-        const float *kbase = k + b * kb + g * kh, *vbase = v + b * vb + g * vh;
+        const float *kT = keys_t + (b * Hkv + g) * D * Tp, *vbase = v + b * vb + g * vh;
         const uint8_t *mrow = mask ? mask + b * mb + l * ml : NULL;
-        float top = -INFINITY;
-        for (int64_t t = 0; t < T; t++) {
-            if (mrow && !mrow[t * mt]) { s[t] = -INFINITY; continue; }
-            s[t] = dot(qv, kbase + t * kt, D) * scale;
-            if (s[t] > top) top = s[t];
-        }
-        for (int64_t d = 0; d < D; d++) acc[d] = 0.0f;
-        float total = 0.0f;
-        if (top != -INFINITY) {
-            for (int64_t t = 0; t < T; t++) s[t] = s[t] == -INFINITY ? 0.0f : exp_fast(s[t] - top);
-            for (int64_t t = 0; t < T; t++) {
-                if (s[t] == 0.0f) continue;  /* masked keys (and underflows) add nothing */
-                total += s[t];
-                const float *vv = vbase + t * vt;
-                for (int64_t d = 0; d < D; d++) acc[d] += s[t] * vv[d];
+        float top = -INFINITY, sc[KEYS_PER_VECTOR];
+        int64_t n = 0;
+        for (int64_t t0 = 0; t0 < T; t0 += V) {
+            int any = 0;
+            for (int64_t t = t0; t < t0 + V && t < T; t++) any |= !mrow || mrow[t * mt];
+            if (!any) continue;  /* a block the mask drops whole is not scored */
+            score_keys(qv, kT + t0 * D, D, sc);
+            for (int64_t t = t0; t < t0 + V && t < T; t++) {
+                if (mrow && !mrow[t * mt]) continue;
+                s[n] = sc[t - t0] * scale;
+                kept[n++] = t;
+                if (s[n - 1] > top) top = s[n - 1];
             }
         }
+        float total = 0.0f;
+        for (int64_t j = 0; j < n; j++) s[j] = exp_fast(s[j] - top);
+        for (int64_t j = 0; j < n; j++) total += s[j];
         float *o = out + ((b * Lq + l) * H + h) * D;
+        weigh_values(s, kept, n, vbase, vt, D, o);
         const float inv = total > 0.0f ? 1.0f / total : 0.0f;
-        for (int64_t d = 0; d < D; d++) o[d] = acc[d] * inv;
+        for (int64_t d = 0; d < D; d++) o[d] *= inv;
     }
+    free(keys_t);
+    free(wanted);
     free(scratch);
     return 0;
 }
