@@ -22,7 +22,7 @@ from celeris.models.loader import CheckpointError, load_any, load_tokenizer
 from celeris.models.quantize import QuantizationError, quantize_model
 from celeris.params import SamplingParams, causal_defaults
 from celeris.sampling.block import contract_of
-from celeris.sampling.drafter import SpeculativeConfig, attach, load_proposer
+from celeris.sampling.drafter import BLOCK_METHOD, SpeculativeConfig, attach, load_proposer, quantize_drafter
 from celeris.sampling.logprobs import TokenLogprob
 from celeris.sampling.modes import (
     ContextLengthError,  # noqa: F401 - re-exported: serve/ maps it to a 400
@@ -232,11 +232,12 @@ class LLM:
         self.proposer = load_proposer(spec, self.model) if spec is not None else None
         if quantization not in (None, "gguf"):  # a transform after load, never inside a model file (gpt-fast's way)
             self.quantization = quantize_model(self.model, quantization, config.quantize_lm_head)
+        under_gguf = BLOCK_METHOD if torch.device(self.device).type == "cpu" else "int8"  # the block kernel: CPU
         drafter_method = spec.quantization if spec is not None and spec.quantization else (
-            "int8" if quantization == "gguf" else quantization)  # the drafter's float weights: int8 under gguf
+            under_gguf if quantization == "gguf" else quantization)  # the drafter's float weights
         if self.proposer is not None and drafter_method is not None:
             try:
-                quantize_model(self.proposer.drafter, drafter_method)
+                quantize_drafter(self.proposer, drafter_method)
             except QuantizationError as exc:  # name the setting that asked for it
                 if spec is None or not spec.quantization:
                     raise

@@ -253,3 +253,34 @@ class BlockEmbedding(nn.Module):
     def head(self, rows: int) -> BlockLinear:
         """A ``BlockLinear`` scoring the first ``rows`` rows, sharing this table's storage."""
         return BlockLinear.sharing(self, rows)
+
+
+def quantize_blocks(weight: torch.Tensor, kind: str = "Q8_0") -> torch.Tensor:
+    """A float weight (out, in) quantized by gguf-py into a GGUF's rows of ``kind`` blocks: (out, row_bytes) uint8,
+    as a file would hold them (``quants.quantize``, the format's own reference quantizer).
+
+    Raises:
+        BlockError: ``in`` is not a multiple of 32 or ``kind`` is not one of ``BLOCK_TYPES``.
+    """
+    if kind not in BLOCK_TYPES or weight.shape[-1] % QK:
+        raise BlockError(f"cannot quantize a ({', '.join(map(str, weight.shape))}) weight to {kind} blocks")
+    coded = quants.quantize(weight.detach().float().cpu().numpy(), GGMLQuantizationType[kind])
+    return torch.from_numpy(np.ascontiguousarray(coded)).view(torch.uint8)
+
+
+def quantize_linears(model: nn.Module, kind: str = "Q8_0") -> int:
+    """Replace every ``nn.Linear`` of ``model`` (in place, on the CPU) by a ``BlockLinear`` of its weight quantized
+    to ``kind`` blocks (``quantize_blocks``; the bias kept in float32). Returns the number of layers replaced.
+
+    Raises:
+        BlockError: a layer whose input width is not a multiple of 32 (checked before any is replaced).
+    """
+    targets = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.Linear)]
+    for name, m in targets:
+        if m.in_features % QK:
+            raise BlockError(f"{name}: {m.in_features} input columns are not whole blocks of {QK}")
+    for name, m in targets:
+        parent = model.get_submodule(name.rpartition(".")[0]) if "." in name else model
+        setattr(parent, name.rpartition(".")[2], BlockLinear(quantize_blocks(m.weight, kind), kind, m.in_features,
+                                                             None if m.bias is None else m.bias.detach()))
+    return len(targets)

@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from celeris.models import fast_ops
 from celeris.models.layers import RMSNorm, apply_rope, rope_cos_sin, zeros_on_demand
 
 
@@ -194,6 +195,7 @@ class DFlashAttention(nn.Module):
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, cfg.hidden_size, bias=False)
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.fast = False  # celeris.models.fast_ops.enable: the CPU fast pass's attention
 
     def forward(self, x: torch.Tensor, ctx: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 attn_mask: torch.Tensor | None, cache: DraftKVCache | None, layer_idx: int) -> torch.Tensor:
@@ -209,6 +211,8 @@ class DFlashAttention(nn.Module):
         q, k = apply_rope(q, cos[:, :, lc:], sin[:, :, lc:]), apply_rope(k, cos, sin)
         if cache is not None:
             k, v = cache.update(layer_idx, k, v)
+        if self.fast and (out := fast_ops.attention(q, k, v, attn_mask, is_causal=False)) is not None:
+            return self.o_proj(out)  # (B, Lq, H * D)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask,  # (B, H, Lq, D); K/V heads shared by
                                              enable_gqa=self.num_kv_heads != self.num_heads)  # groups of queries
         return self.o_proj(out.transpose(1, 2).reshape(b, lq, -1))

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from celeris.engine.verified import VerifiedDecoder, generate_verified
+from celeris.models import kernels
 from celeris.models.dflash import DFlashConfig, DFlashDraftModel
 from celeris.params import SamplingParams
 from celeris.reference.autoregressive import generate_autoregressive
@@ -236,6 +237,7 @@ def test_bad_speculative_configs_are_one_clear_line(raw, words):
     assert SpeculativeConfig.parse('{"model": "d", "num_speculative_tokens": 3}') == SpeculativeConfig("dflash", "d", 3)
     spec = SpeculativeConfig.parse('{"model": "d", "quantization": "int8", "draft_confidence_threshold": 0.3}')
     assert spec.quantization == "int8" and spec.draft_confidence_threshold == 0.3
+    assert SpeculativeConfig.parse('{"model": "d", "quantization": "q8_0"}').quantization == "q8_0"
     assert SpeculativeConfig.parse(spec.to_json()) == spec
 
 
@@ -276,6 +278,38 @@ def test_a_quantized_drafter_scores_its_draft_vocabulary_through_an_int8_head_an
     torch.testing.assert_close(head.dequantize(), rows, atol=float(rows.abs().max()) / 127, rtol=0)
     hidden = torch.randn(1, 3, rows.shape[1])
     torch.testing.assert_close(drafter.draft_logits(hidden, head), reference_linear(hidden, head), atol=0.05, rtol=0.02)
+    dec = VerifiedDecoder(target, len(PROMPTS), 64, proposer=proposer)
+    params = SamplingParams(max_tokens=12, early_exit=False, decoding="verified", draft_source="dflash")
+    rows_ = [dec.add(p, params) for p in PROMPTS]
+    while not all(r.finished for r in rows_):
+        dec.step()
+    assert proposer.calls > 0 and sum(dec.drafted) > 0
+    assert [r.answer[:12] for r in rows_] == [greedy(target, p, 12) for p in PROMPTS]
+
+
+@pytest.mark.skipif(kernels.library() is None, reason="no C compiler: the block kernel is off")
+def test_a_q8_0_drafter_runs_on_the_block_kernel_and_stays_lossless(target):
+    """``quantization`` q8_0: every linear of the drafter and its draft head become GGUF Q8_0 blocks (gguf-py's
+    quantizer) on the block kernel, with the fast pass's operators; the drafts change, the answers do not."""
+    from celeris.models.blocks import BlockLinear, dequantize_blocks, quantize_blocks
+    from celeris.models.quantize import quantization_of
+    from celeris.sampling.drafter import quantize_drafter
+
+    drafter = drafter_for(target, draft_vocab=32)
+    drafter.d2t = torch.arange(0, 64, 2)
+    weights = {n: m.weight.detach().clone() for n, m in drafter.named_modules() if isinstance(m, torch.nn.Linear)}
+    proposer = DFlashProposer(drafter, target, 3)
+    quantize_drafter(proposer, "q8_0")
+    assert quantization_of(drafter) == "q8_0"
+    for name, w in weights.items():
+        layer = drafter.get_submodule(name)
+        assert isinstance(layer, BlockLinear) and layer.kind == "Q8_0"
+        assert torch.equal(layer.dequantize(), dequantize_blocks(quantize_blocks(w), "Q8_0", w.shape[1]))
+    assert drafter.norm.fast and drafter.layers[0].self_attn.fast
+    head = proposer.draft_head()
+    assert isinstance(head, BlockLinear) and head.out_features == 32
+    rows = target.embed_tokens.weight.detach()[drafter.d2t]
+    torch.testing.assert_close(head.dequantize(), rows, atol=float(rows.abs().max()) / 100, rtol=0)
     dec = VerifiedDecoder(target, len(PROMPTS), 64, proposer=proposer)
     params = SamplingParams(max_tokens=12, early_exit=False, decoding="verified", draft_source="dflash")
     rows_ = [dec.add(p, params) for p in PROMPTS]
