@@ -31,6 +31,11 @@ def add_parsers(sub) -> None:  # noqa: ANN001 - argparse's subparsers action
                    "ids (0: the target's whole vocabulary)")
     t.add_argument("--init", help="hybrid: causal checkpoint to start from (name or folder), e.g. celeris-code-6m-ar; "
                    "dflash: a trained drafter (folder or a run's last.pt) to start from")
+    t.add_argument("--time-budget", help="dflash: stop after this much wall-clock time (90s, 30m, 2h) or at "
+                   "--max-steps, whichever comes first (a session-sized step)")
+    t.add_argument("--ship", help="dflash: at the end, replace the drafter in this folder by the trained one only if "
+                   "it accepts more on the held-out rows; the step is added to the folder's training-steps.jsonl "
+                   "and card either way (celeris.train.ship)")
     t.add_argument("--block-size", type=int, help="hybrid: drafting block length in tokens (default 4); dflash: "
                    "the drafter's block_size (default 8)")
     t.add_argument("--full-mask-prob", type=float, default=0.5, help="hybrid: share of fully masked noisy blocks")
@@ -88,6 +93,18 @@ def _train_dflash(args: argparse.Namespace) -> int:
         if not Path(args.init).exists():
             raise UsageError(f"--init {args.init}: no drafter folder or last.pt there")
         argv += ["--init", args.init]
+    if args.time_budget:
+        from celeris.train.ship import parse_duration
+
+        try:
+            parse_duration(args.time_budget)
+        except ValueError as exc:
+            raise UsageError(str(exc)) from None
+        argv += ["--time-budget", args.time_budget]
+    if args.ship:
+        if not (Path(args.ship) / "config.json").is_file():
+            raise UsageError(f"--ship {args.ship}: no drafter there (config.json)")
+        argv += ["--ship", args.ship]
     dflash.main(argv)
     if args.export:
         import shutil

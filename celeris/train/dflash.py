@@ -20,6 +20,7 @@ import argparse
 import json
 import math
 import pickle
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from celeris.models.dflash import DFlashConfig, DFlashDraftModel, save_dflash
+from celeris.train.ship import parse_duration, prior_steps, ship_if_better
 
 
 @dataclass
@@ -344,6 +346,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--init", type=Path, help="start from this trained drafter (folder or last.pt; "
                     "init_from_drafter) instead of the target's last layers alone; ignored when the run resumes")
+    ap.add_argument("--time-budget", help="stop after this much wall-clock time (90s, 30m, 2h; celeris.train.ship) "
+                    "or at --max-steps, whichever comes first")
+    ap.add_argument("--ship", type=Path, help="at the end, replace the drafter in this folder by the trained one "
+                    "only if it accepts more on the held-out rows (celeris.train.ship.ship_if_better)")
     return ap
 
 
@@ -372,6 +378,7 @@ def _save(model: DFlashDraftModel, opt: torch.optim.Optimizer, t2d: torch.Tensor
 def main(argv: list[str] | None = None) -> None:
     """Train (or resume) a drafter; see the module docstring."""
     args = build_parser().parse_args(argv)
+    budget_s = parse_duration(args.time_budget) if args.time_budget else math.inf
     torch.set_num_threads(args.threads)
     from safetensors.torch import load_file
 
@@ -408,8 +415,9 @@ def main(argv: list[str] | None = None) -> None:
         log.write(json.dumps(start) + "\n")
         log.flush()
         print(start, flush=True)
-    t0 = time.time()
-    while step < args.max_steps:
+    t0 = began = time.time()
+    first_step = step
+    while step < args.max_steps and time.time() - began < budget_s:
         model.train()
         gen = torch.Generator().manual_seed(args.seed * 1_000_003 + step)  # batches: a function of (seed, step)
         pick = torch.randint(len(rows), (args.batch_size,), generator=gen).tolist()
@@ -429,7 +437,8 @@ def main(argv: list[str] | None = None) -> None:
             print(f"step {step} loss {loss.item():.4f} {stats} lr {lr:.2e} {(time.time() - t0) / 20:.2f} s/step",
                   flush=True)
             t0 = time.time()
-        if step % args.eval_every == 0 or step == args.max_steps:
+        out_of_time = time.time() - began >= budget_s
+        if step % args.eval_every == 0 or step == args.max_steps or out_of_time:
             _save(model, opt, t2d, step, args)
             record = {"step": step, "loss": round(loss.item(), 4), **stats,
                       **acceptance(model.eval(), embed, held, args.block_size - 1)}
@@ -442,6 +451,13 @@ def main(argv: list[str] | None = None) -> None:
                 rows = load_rows(args.data, layer_ids, stored)
                 t2d = pick_vocabulary(model, rows, args.draft_vocab, keep)
                 print(f"{len(rows)} training rows", flush=True)
+    if args.ship is not None:
+        record = {"date": time.strftime("%Y-%m-%d"), "data": f"{len(rows)} rows ({args.data.name})",
+                  "steps": step - first_step, "total_steps": prior_steps(args.ship) + step - first_step,
+                  "core_hours": round((time.time() - began) * args.threads / 3600, 2),
+                  "command": "python -m celeris.train.dflash " + " ".join(argv if argv is not None else sys.argv[1:])}
+        result = ship_if_better(model, args.ship, lambda m: acceptance(m, embed, held, args.block_size - 1), record)
+        print({k: v for k, v in result.items() if k != "trained"}, flush=True)
 
 
 if __name__ == "__main__":

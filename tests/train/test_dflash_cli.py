@@ -27,7 +27,7 @@ def write_rows(folder, ids_list, prompt_len, width, layer_ids):
 
 
 @pytest.mark.slow  # transformers' import and a save_pretrained: ~12 s
-def test_train_dflash_checkpoints_resumes_and_exports_a_drafter_that_loads(tmp_path, capsys):
+def test_train_dflash_checkpoints_resumes_and_exports_a_drafter_that_loads(tmp_path, capsys, monkeypatch):
     from celeris.llm import LLM
     from celeris.reference.autoregressive import generate_autoregressive
     from tests.models.conftest_causal import tiny_causal
@@ -59,6 +59,22 @@ def test_train_dflash_checkpoints_resumes_and_exports_a_drafter_that_loads(tmp_p
     q = LLM(str(tmp_path / "target"), speculative_config={"model": str(tmp_path / "drafter"), "quantization": "int8"})
     assert quantization_of(q.proposer.drafter) == "int8" and quantization_of(q.model) is None  # the drafter alone
     assert q.generate([prompt], params)[0].token_ids == want.token_ids[0] and q.proposer.calls > 0
+
+    # a session-sized step: from the exported drafter, for a budget (a clock that moves 1 s a reading), shipped
+    # over it only if it accepts more; recorded either way
+    from celeris.train import dflash, ship
+
+    clock = iter(range(10**6))
+    monkeypatch.setattr(dflash.time, "time", lambda: float(next(clock)))
+    step_argv = [*argv[:-2], "--out", str(tmp_path / "run2"), "--init", str(tmp_path / "drafter"), "--max-steps",
+                 "100000", "--eval-every", "100000", "--time-budget", "30s", "--ship", str(tmp_path / "drafter")]
+    assert main(step_argv) == 0, capsys.readouterr().err
+    steps = [json.loads(x) for x in (tmp_path / "drafter" / ship.STEPS_FILE).read_text().splitlines()]
+    assert len(steps) == 1 and 1 <= steps[0]["steps"] < 30 and steps[0]["total_steps"] == steps[0]["steps"]
+    assert isinstance(steps[0]["replaced"], bool) and steps[0]["shipped_tau"] >= 1.0
+    history = [json.loads(x) for x in (tmp_path / "run2" / "history.jsonl").read_text().splitlines()]
+    assert history[0]["step"] == 0 and history[-1]["step"] == steps[0]["steps"]  # before and after, the same rows
+    assert ship.STEPS_HEADING in (tmp_path / "drafter" / "README.md").read_text()
 
 
 def stub_folders(tmp_path) -> None:
@@ -98,6 +114,16 @@ def test_the_other_objectives_keep_their_defaults(monkeypatch, tmp_path):
     monkeypatch.setattr(loop, "train", lambda cfg: seen.append(cfg) or {})
     assert main(["train", "--data", str(tmp_path / "data"), "--out", str(tmp_path / "run")]) == 0
     assert (seen[0].lr, seen[0].batch_size, seen[0].block_size) == (1.5e-3, 8, 4)
+
+
+@pytest.mark.parametrize("flags, words", [(["--time-budget", "2 days"], "give a positive duration"),
+                                          (["--ship", "nowhere"], "--ship nowhere: no drafter there")])
+def test_a_bad_budget_or_ship_folder_is_one_line_and_exit_2(tmp_path, capsys, flags, words):
+    stub_folders(tmp_path)
+    assert main(["train", "--objective", "dflash", "--data", str(tmp_path / "data"), "--heldout", str(tmp_path / "held"),
+                 "--target", str(tmp_path / "target"), "--out", str(tmp_path / "run"), *flags]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and words in err
 
 
 def test_a_missing_init_drafter_is_one_line_and_exit_2(tmp_path, capsys):
