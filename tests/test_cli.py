@@ -219,13 +219,15 @@ def test_causal_twin_generates_token_by_token_and_refuses_blocks(capsys, tiny_ch
 
 def test_bench_runs_the_embedded_twin_only_beside_the_embedded_model(tmp_path, monkeypatch):
     import celeris.llm
+    from celeris import load
     from celeris.cli import bench_ar_model
     from celeris.models.loader import CheckpointError
 
     for name in ("celeris-code-6m", "celeris-code-6m-ar", "other"):
         (tmp_path / name).mkdir()
-    monkeypatch.setattr(celeris.llm, "EMBEDDED", tmp_path)
-    monkeypatch.setattr(celeris.llm, "DEFAULT_MODEL", tmp_path / "celeris-code-6m")
+    for module in (load, celeris.llm):  # resolve_model reads celeris.load's; the bench compares with the facade's
+        monkeypatch.setattr(module, "EMBEDDED", tmp_path)
+        monkeypatch.setattr(module, "DEFAULT_MODEL", tmp_path / "celeris-code-6m")
     # the embedded twin by name (the bench records it; no path of this machine goes into bench.json)
     assert bench_ar_model(None, None) == "celeris-code-6m-ar"
     assert celeris.llm.resolve_model(bench_ar_model(None, None)) == tmp_path / "celeris-code-6m-ar"

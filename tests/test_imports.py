@@ -18,7 +18,8 @@ its own unit (a package, or the modules a unit names):
 2. ``models``
 3. ``sampling`` with ``params``
 4. ``reference`` and ``engine``
-5. ``llm`` with the package face ``celeris/__init__.py`` (``SamplingParams``, and ``LLM`` loaded lazily)
+5. ``llm`` (and ``load``, its steps) with the package face ``celeris/__init__.py`` (``SamplingParams``, and
+   ``LLM`` loaded lazily)
 6. ``serve``
 7. ``batch``, ``bench``, ``train``
 8. ``cli``
@@ -50,7 +51,7 @@ FLOORS: list[tuple[int, str, tuple[str, ...]]] = [
     (3, "sampling", ("celeris.sampling", "celeris.params")),
     (4, "reference", ("celeris.reference",)),
     (4, "engine", ("celeris.engine",)),
-    (5, "llm", ("celeris.llm",)),
+    (5, "llm", ("celeris.llm", "celeris.load")),
     (7, "bench", ("celeris.serve.loadtest",)),  # the old path of celeris.bench.loadtest, for one release
     (6, "serve", ("celeris.serve",)),
     (7, "batch", ("celeris.batch",)),
