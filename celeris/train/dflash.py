@@ -136,9 +136,10 @@ def dflash_loss(model: DFlashDraftModel, embed: torch.Tensor, ids: torch.Tensor,
     """
     cfg = model.config
     bs, (b, a) = cfg.block_size, anchors.shape
-    block = torch.full((b, a, bs), cfg.mask_token_id, dtype=torch.long)
+    dev = ids.device  # every tensor on the batch's device (a GPU step: celeris.train.gpu_drafter)
+    block = torch.full((b, a, bs), cfg.mask_token_id, dtype=torch.long, device=dev)
     block[:, :, 0] = ids.gather(1, anchors)
-    label_pos = anchors[:, :, None] + torch.arange(1, bs)  # (B, A, bs-1)
+    label_pos = anchors[:, :, None] + torch.arange(1, bs, device=dev)  # (B, A, bs-1)
     in_row = label_pos < lengths[:, None, None]
     targets = ids if targets is None else targets
     labels = targets.gather(1, label_pos.clamp(max=ids.shape[1] - 1).reshape(b, -1)).reshape(b, a, bs - 1)
@@ -148,7 +149,7 @@ def dflash_loss(model: DFlashDraftModel, embed: torch.Tensor, ids: torch.Tensor,
     logits = model.draft_logits(hidden, embed)  # (B, A, bs-1, V_draft)
     target = labels if t2d is None else t2d[labels]
     ok = in_row & valid[:, :, None] & (target >= 0)
-    weights = torch.exp(-torch.arange(bs - 1, dtype=torch.float32) / gamma).expand_as(ok) * ok
+    weights = torch.exp(-torch.arange(bs - 1, dtype=torch.float32, device=dev) / gamma).expand_as(ok) * ok
     ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.clamp(min=0).reshape(-1), reduction="none")
     loss = (ce * weights.reshape(-1)).sum() / weights.sum().clamp(min=1e-9)
     with torch.no_grad():
@@ -365,6 +366,30 @@ def drafter_config(tcfg: dict, args: argparse.Namespace, layer_ids: list[int]) -
                         target_layer_ids=layer_ids, draft_vocab=args.draft_vocab)
 
 
+def train_step(model: DFlashDraftModel, opt: torch.optim.Optimizer, embed: torch.Tensor, rows: list[Row],
+               t2d: torch.Tensor | None, step: int, lr: float, batch_size: int, anchors: int, gamma: float,
+               seed: int) -> tuple[torch.Tensor, dict]:
+    """One optimiser step at learning rate ``lr`` on ``batch_size`` rows drawn as a function of (``seed``, ``step``)
+    (so a resumed run draws what the uninterrupted one would), ``anchors`` blocks a row, on the device of
+    ``embed`` (the model's). Returns ``dflash_loss``'s (loss, stats)."""
+    model.train()
+    cfg = model.config
+    gen = torch.Generator().manual_seed(seed * 1_000_003 + step)
+    batch = [rows[i] for i in torch.randint(len(rows), (batch_size,), generator=gen).tolist()]
+    ids, labels, feats, starts, valid = batch_tensors(batch, anchors, cfg.block_size, cfg.mask_token_id, gen)
+    lengths = torch.tensor([len(r.ids) for r in batch])
+    ids, labels, feats, starts, valid, lengths = (t.to(embed.device) for t in (ids, labels, feats, starts, valid,
+                                                                                lengths))
+    for g in opt.param_groups:
+        g["lr"] = lr
+    loss, stats = dflash_loss(model, embed, ids, feats.float(), starts, valid, lengths, gamma, t2d, labels)
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+    return loss, stats
+
+
 def _save(model: DFlashDraftModel, opt: torch.optim.Optimizer, t2d: torch.Tensor | None, step: int,
           args: argparse.Namespace) -> None:
     """``out/last.pt`` written whole or not at all (a temporary file renamed over it)."""
@@ -418,20 +443,9 @@ def main(argv: list[str] | None = None) -> None:
     t0 = began = time.time()
     first_step = step
     while step < args.max_steps and time.time() - began < budget_s:
-        model.train()
-        gen = torch.Generator().manual_seed(args.seed * 1_000_003 + step)  # batches: a function of (seed, step)
-        pick = torch.randint(len(rows), (args.batch_size,), generator=gen).tolist()
-        batch = [rows[i] for i in pick]
-        ids, labels, feats, anchors, valid = batch_tensors(batch, args.anchors, args.block_size, args.mask_token_id, gen)
-        lengths = torch.tensor([len(r.ids) for r in batch])
         lr = args.lr * min(1.0, (step + 1) / args.warmup) * 0.5 * (1 + math.cos(math.pi * step / args.max_steps))
-        for g in opt.param_groups:
-            g["lr"] = lr
-        loss, stats = dflash_loss(model, embed, ids, feats.float(), anchors, valid, lengths, args.gamma, t2d, labels)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
+        loss, stats = train_step(model, opt, embed, rows, t2d, step, lr, args.batch_size, args.anchors, args.gamma,
+                                 args.seed)
         step += 1
         if step % 20 == 0:
             print(f"step {step} loss {loss.item():.4f} {stats} lr {lr:.2e} {(time.time() - t0) / 20:.2f} s/step",
