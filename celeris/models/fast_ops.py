@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from celeris.models import kernels
+from celeris.models.blocks import TYPE_IDS
 from celeris.models.kernels import pointer
 
 
@@ -109,26 +110,83 @@ def rope_cache_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     """
     lib = kernels.library()
     b, lq, _ = qkv.shape
-    t, d = keys.shape[2], keys.shape[3]
     if lib is None or not _fits(qkv, cos, sin, keys, values) or not _mask_ok(attn_mask) \
             or keys.stride(-1) != 1 or values.stride(-1) != 1 or num_heads % num_kv_heads:
         return None
-    cols = (window if isinstance(window, torch.Tensor) else torch.arange(*window)[None].expand(b, lq)) \
-        .to(torch.int64).contiguous()
+    t, d = keys.shape[2], keys.shape[3]
     qkv = qkv.contiguous()
-    cos, sin = cos.expand(b, 1, lq, d), sin.expand(b, 1, lq, d)
-    if cos.stride(-1) != 1 or sin.stride() != cos.stride():
-        cos, sin = cos.contiguous(), sin.contiguous()
-    mask = _mask_args(attn_mask, lq, t)
     out = qkv.new_empty((b, lq, num_heads * d))
-    rc = lib.celeris_rope_cache_attention(
-        pointer(qkv), b, lq, num_heads, num_kv_heads, d, pointer(cos), pointer(sin), cos.stride(0), cos.stride(2),
-        pointer(keys), keys.stride(0), keys.stride(1), keys.stride(2), pointer(values), values.stride(0), values.stride(1),
-        values.stride(2), t, pointer(cols), *mask, d ** -0.5, pointer(out), torch.get_num_threads())
+    args, _held = _window_args(b, lq, cos, sin, keys, values, window, attn_mask)
+    rc = lib.celeris_rope_cache_attention(pointer(qkv), b, lq, num_heads, num_kv_heads, d, *args, d ** -0.5,
+                                          pointer(out), torch.get_num_threads())
     if rc == -1:
         raise IndexError(f"a window column is outside the cache of {t} positions")
     if rc != 0:
         raise MemoryError("celeris_rope_cache_attention could not allocate its scratch rows")
+    return out
+
+
+def _window_args(b: int, lq: int, cos: torch.Tensor, sin: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                 window: tuple[int, int] | torch.Tensor, attn_mask: torch.Tensor | None) -> tuple[tuple, tuple]:
+    """The kernels' arguments from cos, sin to the mask (``celeris_rope_cache_attention``'s order) for a cached
+    window pass of B rows of L queries, and the tensors made for them (the caller holds them until its call
+    returns: the arguments are bare pointers)."""
+    t, d = keys.shape[2], keys.shape[3]
+    cols = (window if isinstance(window, torch.Tensor) else torch.arange(*window)[None].expand(b, lq)) \
+        .to(torch.int64).contiguous()
+    cos, sin = cos.expand(b, 1, lq, d), sin.expand(b, 1, lq, d)
+    if cos.stride(-1) != 1 or sin.stride() != cos.stride():
+        cos, sin = cos.contiguous(), sin.contiguous()
+    return (pointer(cos), pointer(sin), cos.stride(0), cos.stride(2), pointer(keys), keys.stride(0), keys.stride(1),
+            keys.stride(2), pointer(values), values.stride(0), values.stride(1), values.stride(2), t, pointer(cols),
+            *_mask_args(attn_mask, lq, t)), (cols, cos, sin)
+
+
+def fused_layer_fits(block: nn.Module) -> bool:
+    """Whether ``celeris_decoder_layer`` computes ``block`` (a ``layers.Block``): RMSNorms, attention without q/k
+    norms over the whole head dimension, SwiGLU, and every linear a ``BlockLinear`` on the kernel without a bias."""
+    attn, mlp = getattr(block, "attn", None), getattr(block, "mlp", None)
+    linears = [getattr(attn, "qkv_proj", None), getattr(attn, "o_proj", None), getattr(mlp, "gate_up_proj", None),
+               getattr(mlp, "down_proj", None)]
+    return all(getattr(m, "tiles", None) is not None and getattr(m, "bias", 0) is None for m in linears) \
+        and attn.q_norm is None and attn.rotary_dim == attn.head_dim and attn.num_heads % attn.num_kv_heads == 0 \
+        and type(mlp).__name__ == "MLP" and all(
+            getattr(n, "weight", None) is not None and n.weight.dtype == torch.float32
+            for n in (block.attn_norm, block.mlp_norm))
+
+
+def decoder_layer(block: nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                  attn_mask: torch.Tensor | None, cache: object = None, layer_idx: int = 0,
+                  window: tuple[int, int] | torch.Tensor | None = None) -> torch.Tensor | None:
+    """``block`` (``fused_layer_fits``) on x (B, L, d) float32 for a cached window pass (``Attention.forward``'s
+    arguments), in one kernel call (``celeris_decoder_layer``): (B, L, d), equal bit for bit to the module path;
+    None where it does not apply (then nothing was written).
+
+    Raises:
+        IndexError: a window column outside the cache.
+    """
+    lib = kernels.library()
+    if lib is None or cache is None or window is None:
+        return None
+    keys, values = cache.keys[layer_idx], cache.values[layer_idx]
+    if not _fits(x, cos, sin, keys, values) or not _mask_ok(attn_mask) or keys.stride(-1) != 1 \
+            or values.stride(-1) != 1:
+        return None
+    attn, mlp = block.attn, block.mlp
+    b, lq, dim = x.shape
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    qkv, o, gu, down = attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj
+    args, _held = _window_args(b, lq, cos, sin, keys, values, window, attn_mask)
+    rc = lib.celeris_decoder_layer(
+        pointer(x), b, lq, dim, pointer(block.attn_norm.weight), pointer(block.mlp_norm.weight), block.attn_norm.eps,
+        TYPE_IDS[qkv.kind], pointer(qkv.tiles), TYPE_IDS[o.kind], pointer(o.tiles), TYPE_IDS[gu.kind],
+        pointer(gu.tiles), TYPE_IDS[down.kind], pointer(down.tiles), attn.num_heads, attn.num_kv_heads,
+        attn.head_dim, down.in_features, *args, attn.head_dim ** -0.5, pointer(out), torch.get_num_threads())
+    if rc == -1:
+        raise IndexError(f"a window column is outside the cache of {keys.shape[2]} positions")
+    if rc != 0:
+        raise MemoryError("celeris_decoder_layer could not allocate its scratch rows")
     return out
 
 
@@ -140,4 +198,6 @@ def enable(model: nn.Module) -> bool:
     for module in model.modules():
         if hasattr(module, "fast"):
             module.fast = True
+        if hasattr(module, "fused"):  # a decoder layer the one-call kernel computes
+            module.fused = fused_layer_fits(module)
     return True

@@ -323,11 +323,14 @@ class Block(nn.Module):
         self.attn = Attention(arch)  # built before the MLP: random initialisation draws in this order
         self.mlp_norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.mlp = make_mlp()
+        self.fused = False  # celeris.models.fast_ops.enable: the whole layer in one kernel call where it fits
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn_mask: torch.Tensor | None, **cache_args
     ) -> torch.Tensor:
         """``cache_args``: ``cache``, ``layer_idx``, ``window`` as in ``Attention.forward``."""
+        if self.fused and (out := fast_ops.decoder_layer(self, x, cos, sin, attn_mask, **cache_args)) is not None:
+            return out
         x = x + self.attn(self.attn_norm(x), cos, sin, attn_mask, **cache_args)
         return x + self.mlp(self.mlp_norm(x))
 

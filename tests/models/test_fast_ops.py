@@ -145,3 +145,47 @@ def test_a_model_with_the_fast_operators_computes_the_same_logits():
         outputs.append(model.logits(step))
     torch.testing.assert_close(outputs[1], outputs[0], rtol=1e-4, atol=1e-4)
     assert fast_ops.enable(model) and all(m.fast for m in model.modules() if hasattr(m, "fast"))
+
+
+def test_a_whole_block_kernel_layer_in_one_call_equals_its_modules_bit_for_bit(monkeypatch):
+    """``celeris_decoder_layer`` (``Block.fused``): a model whose linears are Q8_0 blocks computes, for cached window
+    passes (a span and per-row columns), the same hidden states and the same cache writes as the fast operators
+    called module by module."""
+    from celeris.models.blocks import quantize_linears
+
+    class Config:
+        def architecture(self) -> Architecture:
+            return tiny_arch(hidden_size=64, intermediate_size=96)
+
+    torch.manual_seed(0)
+    model = TransformerLM(Config()).eval()
+    for block in model.layers:
+        quantize_linears(block, "Q8_0")
+    assert fast_ops.enable(model) and all(b.fused for b in model.layers)
+    ids = torch.randint(0, 50, (2, 14))
+    attn = torch.ones(2, 14, dtype=torch.bool)
+    attn[1, :3] = False  # a left-padded row
+    calls, real = [], fast_ops.decoder_layer
+
+    def counted(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        out = real(*args, **kwargs)
+        calls.append(out is not None)  # None: not a window pass, the modules compute it
+        return out
+
+    monkeypatch.setattr(fast_ops, "decoder_layer", counted)
+    runs = []
+    for fused in (False, True):
+        for b in model.layers:
+            b.fused = fused
+        cache = KVCache()
+        with torch.no_grad():
+            model.hidden_states(ids, attn, cache)  # a full pass fills the cache (no window: the modules either way)
+            span = model.hidden_states(ids, attn, cache, (10, 13))
+            cols = model.hidden_states(ids, attn, cache, column_window([[11, 12, 13], [9, 12, 12]]))
+        runs.append((span, cols, [k.clone() for k in cache.keys], [v.clone() for v in cache.values]))
+    (span0, cols0, k0, v0), (span1, cols1, k1, v1) = runs
+    assert sum(calls) == 2 * len(model.layers)  # the fused run's two window passes, every layer in one call
+    assert torch.equal(span1, span0) and torch.equal(cols1, cols0)
+    assert all(torch.equal(a, b) for a, b in zip(k0 + v0, k1 + v1, strict=True))
+    model.layers[0].attn.q_norm = torch.nn.Identity()  # a q/k norm: the one-call kernel does not take it
+    assert not fast_ops.fused_layer_fits(model.layers[0]) and fast_ops.fused_layer_fits(model.layers[1])

@@ -220,3 +220,54 @@ int celeris_rope_cache_attention(const float *qkv, int64_t B, int64_t L, int64_t
     free(q);
     return rc;
 }
+
+int celeris_packed_matmul(int type, const float *x, int64_t M, int64_t K, const uint8_t *packed, int64_t N,
+                          float *y, int threads); /* gguf_blocks.c */
+
+/* One pre-norm Llama decoder layer of a block-kernel model for a cached window pass, in one call (the fast pass's
+ * layer: a width-1 pass of SmolLM2 otherwise makes about ten Python-level calls a layer):
+ *   h = x + o(attention(rope(qkv(rms_norm(x, attn_norm)))))   with the cache written, as
+ *                                                             celeris_rope_cache_attention does;
+ *   out = h + down(silu(gate) * up)(rms_norm(h, mlp_norm))    gate and up stacked in one weight (2 I rows).
+ * x, out (B * L, d) float32 (out may not alias x); the weights repacked by celeris_repack with their GGUF types;
+ * cos, sin, the caches, cols, mask and scale as celeris_rope_cache_attention takes them. The same functions in
+ * the same order as the layer's modules call them, and the residual adds are single float additions, so out
+ * equals the module path's output bit for bit. Returns 0, -1 for a window column outside the cache or a shape
+ * a weight does not take, -2 when out of memory. */
+int celeris_decoder_layer(const float *x, int64_t B, int64_t L, int64_t d, const float *attn_norm,
+                          const float *mlp_norm, float eps, int qkv_type, const uint8_t *qkv, int o_type,
+                          const uint8_t *o, int gu_type, const uint8_t *gu, int down_type, const uint8_t *down,
+                          int64_t H, int64_t Hkv, int64_t D, int64_t I, const float *cos, const float *sin,
+                          int64_t cb, int64_t cl, float *kc, int64_t kb, int64_t kh, int64_t kt, float *vc,
+                          int64_t vb, int64_t vh, int64_t vt, int64_t T, const int64_t *cols, const uint8_t *mask,
+                          int64_t mb, int64_t ml, int64_t mt, float scale, float *out, int threads) {
+    const int64_t rows = B * L, width = (H + 2 * Hkv) * D;
+    const int64_t most = width > 2 * I ? width : 2 * I;
+    float *h = (float *)malloc((size_t)(rows * d) * sizeof(float));
+    float *wide = (float *)malloc((size_t)(rows * most) * sizeof(float));
+    float *mid = (float *)malloc((size_t)(rows * (H * D > I ? H * D : I)) * sizeof(float));
+    int rc = (!h || !wide || !mid) ? -2 : 0;
+    if (rc == 0) {
+        celeris_rms_norm(x, attn_norm, rows, d, eps, h);
+        rc = celeris_packed_matmul(qkv_type, h, rows, d, qkv, width, wide, threads);
+    }
+    if (rc == 0)
+        rc = celeris_rope_cache_attention(wide, B, L, H, Hkv, D, cos, sin, cb, cl, kc, kb, kh, kt, vc, vb, vh, vt, T,
+                                          cols, mask, mb, ml, mt, scale, mid, threads);
+    if (rc == 0) rc = celeris_packed_matmul(o_type, mid, rows, H * D, o, d, h, threads);
+    if (rc == 0) {
+        for (int64_t i = 0; i < rows * d; i++) out[i] = x[i] + h[i];
+        celeris_rms_norm(out, mlp_norm, rows, d, eps, h);
+        rc = celeris_packed_matmul(gu_type, h, rows, d, gu, 2 * I, wide, threads);
+    }
+    if (rc == 0) {
+        celeris_silu_mul(wide, rows, I, mid);
+        rc = celeris_packed_matmul(down_type, mid, rows, I, down, d, h, threads);
+    }
+    if (rc == 0)
+        for (int64_t i = 0; i < rows * d; i++) out[i] += h[i];
+    free(h);
+    free(wide);
+    free(mid);
+    return rc;
+}
