@@ -107,31 +107,40 @@ class KVSegment:
         self.store = store
         self.start = 0
         self.num_rows = 0
+        self._views: dict[str, tuple[list[torch.Tensor], int, int, list[torch.Tensor]]] = {}
 
-    def _rows(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-        """The segment's rows of each of the store's tensors, as views."""
-        return [t[self.start : self.start + self.num_rows] for t in tensors]
+    def _rows(self, name: str) -> list[torch.Tensor]:
+        """The segment's rows of each tensor of the store's list ``name``, as views, made again only when the rows
+        or the store's list changed (a pass asks for them several times, 30-odd slices each time)."""
+        tensors = getattr(self.store, name)
+        made = self._views.get(name)
+        if made is not None and made[0] is tensors and made[1:3] == (self.start, self.num_rows) \
+                and len(made[3]) == len(tensors):
+            return list(made[3])  # a list of its own: a caller may clear or extend it (a KVCache over it)
+        views = [t[self.start : self.start + self.num_rows] for t in tensors]
+        self._views[name] = (tensors, self.start, self.num_rows, views)
+        return list(views)
 
     @property
     def keys(self) -> list[torch.Tensor]:
         """Per layer the segment's rows of the store, (num_rows, H_kv, row_len, D) views ([] before allocation)."""
-        return self._rows(self.store.keys)
+        return self._rows("keys")
 
     @property
     def values(self) -> list[torch.Tensor]:
         """Per layer the segment's rows of the store's values, as ``keys``."""
-        return self._rows(self.store.values)
+        return self._rows("values")
 
     @property
     def draft_keys(self) -> list[torch.Tensor]:
         """Per drafter layer the segment's rows of the store's drafter keys, (num_rows, H_kv', draft_len, D')
         views ([] without a drafter)."""
-        return self._rows(self.store.draft_keys)
+        return self._rows("draft_keys")
 
     @property
     def draft_values(self) -> list[torch.Tensor]:
         """Per drafter layer the segment's rows of the store's drafter values, as ``draft_keys``."""
-        return self._rows(self.store.draft_values)
+        return self._rows("draft_values")
 
     @property
     def layers(self) -> list[torch.Tensor]:

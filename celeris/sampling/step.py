@@ -186,7 +186,11 @@ def apply_penalties(logits: torch.Tensor, settings: RowSettings, history: Histor
         logits = penalize_repetition(logits, history.seen, settings.repetition_penalty)
     if history.counts is not None and settings.any_count_penalty:
         counts = history.counts[:, None, :] if history.counts.dim() == 2 else history.counts
-        logits = logits - settings.frequency_penalty * counts - settings.presence_penalty * (counts > 0)
+        # a term whose penalty is 0 in every row subtracts exact zeros: left out, the same tensor at fewer passes
+        if bool(settings.frequency_penalty.any()):
+            logits = logits - settings.frequency_penalty * counts
+        if bool(settings.presence_penalty.any()):
+            logits = logits - settings.presence_penalty * (counts > 0)
     return logits
 
 
