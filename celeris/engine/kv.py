@@ -381,9 +381,9 @@ class KVPool:
                 continue
             del self._index[self.owners[row]]
             last = self.num_rows - 1
-            if row != last:  # move the last live row into the hole
+            if row != last:  # move the last live row into the hole: the columns passes see, not the whole row
                 for t in (*self.segment.keys, *self.segment.values):
-                    t[row] = t[last]
+                    t[row, :, : self.capacity_length] = t[last, :, : self.capacity_length]
                 self.owners[row] = self.owners[last]
                 self._index[self.owners[row]] = row
             self.owners.pop()

@@ -182,8 +182,9 @@ class VerifiedDecoder:
         """Free a row's pool slot (the last row moves into it, its drafter's layers too)."""
         i, last = self.rows.index(row), len(self.rows) - 1
         if i != last:
-            for t in self.segment.layers:
-                t[i] = t[last]
+            n = self.written(self.rows[last])
+            for t in self.segment.layers:  # the columns it wrote, not its whole row (pages the OS maps on write)
+                t[i, :, :n] = t[last, :, :n]
             self.tokens[i] = self.tokens[last]
             self.rows[i] = self.rows[last]
         self.rows.pop()
@@ -193,9 +194,17 @@ class VerifiedDecoder:
             if i != last and last >= self.num_prefilled + 1:  # a new row moved into the prefilled range
                 self._swap(i, self.num_prefilled)
 
+    @staticmethod
+    def written(row: DraftRow) -> int:
+        """Columns of its store row that ``row`` may have written: its prompt and answer, and its last pass's
+        drafts and slots (what moves with it)."""
+        return max(len(row.prompt_ids) + len(row.answer), row.slot_start + row.num_slots) + 1
+
     def _swap(self, i: int, j: int) -> None:
-        for t in (*self.segment.layers, self.tokens):
-            t[[i, j]] = t[[j, i]]
+        n = max(self.written(self.rows[i]), self.written(self.rows[j]))
+        for t in self.segment.layers:
+            t[[i, j], :, :n] = t[[j, i], :, :n]
+        self.tokens[[i, j]] = self.tokens[[j, i]]
         self.rows[i], self.rows[j] = self.rows[j], self.rows[i]
 
     @torch.no_grad()
