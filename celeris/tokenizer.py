@@ -180,7 +180,8 @@ class Tokenizer:
     def __init__(self, folder: str | Path, special_ids: dict[str, int] | None = None) -> None:
         path = Path(folder)
         folder = path.parent if path.is_file() else path
-        self._tok = HFTokenizer.from_file(str(path if path.is_file() else folder / "tokenizer.json"))
+        tokenizer_file = str(path if path.is_file() else folder / "tokenizer.json")
+        self._tok = HFTokenizer.from_file(tokenizer_file)
         cfg = read_json(folder / "tokenizer_config.json")
         self.chat_template: str | None = read_chat_template(folder, cfg)
         keys = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
@@ -197,7 +198,7 @@ class Tokenizer:
         # what the post-processor adds to a plain text (once per text, never per piece nor to a chat prompt)
         self._prefix_ids, self._suffix_ids = self._post_processor_ids()
         # A second instance that encodes special-token strings as plain text (so the shared one is never toggled).
-        self._text_tok = HFTokenizer.from_str(self._tok.to_str())
+        self._text_tok = HFTokenizer.from_file(tokenizer_file)  # the same file again: faster than to_str + from_str
         self._text_tok.encode_special_tokens = True
         reserved = {self.mask_token_id} | ({self.pad_token_id} - {self.eos_token_id})
         # The mask and pad strings: reserved ids that user text must never produce (pad only when it is not also

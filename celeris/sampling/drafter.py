@@ -242,9 +242,11 @@ class DFlashProposer:
         assistant the same way (``assistant_confidence_threshold``). The target still verifies what is kept."""
         if self.draft_confidence_threshold is None or not drafts:
             return drafts
-        probs = logits[: len(drafts)].float().softmax(-1)
-        chosen = probs.gather(1, torch.tensor(drafts, device=probs.device)[:, None])[:, 0]  # (k,)
-        return drafts[: int((chosen >= self.draft_confidence_threshold).long().cumprod(0).sum())]
+        for j, token in enumerate(drafts):  # row by row: the first unsure draft ends the scan (often the first)
+            row = logits[j].float()
+            if float(torch.exp(row[token] - torch.logsumexp(row, 0))) < self.draft_confidence_threshold:
+                return drafts[:j]
+        return drafts
 
     def capture(self) -> dict[int, torch.Tensor | None]:
         """The ``capture`` argument of a target pass: the layers whose outputs the drafter reads."""

@@ -132,8 +132,10 @@ int celeris_repack(int type, const uint8_t *raw, int64_t N, int64_t K, uint8_t *
     if (!celeris_packed_bytes(type, N, K)) return -1;
     const int64_t nb = K / QK, fb = file_block_bytes(type), rec = record_bytes(type), cb = code_bytes(type);
     const int64_t tiles = (N + R - 1) / R;
-    memset(out, 0, (size_t)celeris_packed_bytes(type, N, K));
-    for (int64_t t = 0; t < tiles; t++) {
+    int overflow = 0;
+#pragma omp parallel for schedule(static) reduction(| : overflow) if (N * K >= (1 << 20))
+    for (int64_t t = 0; t < tiles; t++) {  /* tiles are independent: a load repacks ~100 MB (0.5 s on one core) */
+        memset(out + t * nb * rec, 0, (size_t)(nb * rec));
         for (int64_t b = 0; b < nb; b++) {
             uint8_t *recp = out + (t * nb + b) * rec;
             uint16_t *dm = (uint16_t *)(recp + cb);
@@ -141,7 +143,7 @@ int celeris_repack(int type, const uint8_t *raw, int64_t N, int64_t K, uint8_t *
                 uint8_t u[QK];
                 float d, m;
                 read_block(type, raw + ((t * R + r) * nb + b) * fb, u, &d, &m);
-                if (fabsf(m) > 65504.0f) return -3;
+                if (fabsf(m) > 65504.0f) { overflow = 1; continue; }
                 for (int j = 0; j < 8; j++) {
                     for (int e = 0; e < 4; e++) {
                         const uint8_t v = u[4 * j + e];
@@ -155,7 +157,7 @@ int celeris_repack(int type, const uint8_t *raw, int64_t N, int64_t K, uint8_t *
             }
         }
     }
-    return 0;
+    return overflow ? -3 : 0;
 }
 
 /* out (n_ids, K) float32: rows ids[] of the repacked weight dequantized (w = u * d + m), for an embedding's gather
