@@ -44,6 +44,7 @@ from pathlib import Path
 import torch
 
 from celeris.bench import llamacpp, smollm2
+from celeris.bench.memory import own_process_memory
 from celeris.bench.quality import max_repeat_run
 from celeris.bench.quantized import load_width, parse_widths, speed_floor, width_report
 from celeris.bench.run import conditions, draft_counts, pass_cost_ms, run_system, write_json
@@ -80,6 +81,9 @@ class ChatBenchConfig:
     # machine's speed (clock, other jobs, warming caches) does not favour the systems that run last; tokens_per_s
     # is the median over rounds (``tokens_per_s_rounds`` holds each)
     rounds: int = 1
+    # each of default, target-next-token and llama.cpp loaded alone in a child process, its peak RSS measured
+    # there (celeris.bench.memory), beside the runs' peak of the one process holding every system
+    own_process_memory: bool = True
 
     def __post_init__(self) -> None:
         parse_widths(self.quantization)
@@ -196,6 +200,11 @@ def run_chat_bench(cfg: ChatBenchConfig) -> dict:
                                     batches, cfg, None)
                     add_round(run, again)
                     write_json(results, out)
+    if cfg.own_process_memory:
+        first = encoded[cfg.prompt_sets[0]][:2]
+        results["own_process"] = previous["own_process"] if same and "own_process" in previous else \
+            own_process_memory(llm, {"model": cfg.model, **options}, first, cfg.max_tokens, llama is not None)
+        write_json(results, out)
     if "pass_cost_ms_by_width" not in previous or not same:
         results["pass_cost_ms_by_width"] = {f"batch {b}": pass_cost_ms(llm.model, (1, 2, 4, 8, 16), repeats=10, batch=b)
                                             for b in (1, 8)}

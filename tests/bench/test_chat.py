@@ -40,7 +40,8 @@ def test_a_tiny_chat_bench_runs_every_system_resumes_and_finds_no_mismatch(tiny_
     monkeypatch.setitem(celeris.bench.chat.PROMPT_SETS, "mt-bench", lambda: ["a b", "c d e", "f"])
     spec = json.dumps({"model": str(tmp_path / "drafter"), "num_speculative_tokens": 3, "disable_by_batch_size": 2,
                        "lookup_disable_by_batch_size": 2})
-    cfg = ChatBenchConfig(model=str(tmp_path / "target"), prompt_sets=["mt-bench"], max_tokens=8, batch_sizes=[1, 2],
+    cfg = ChatBenchConfig(
+        own_process_memory=False, model=str(tmp_path / "target"), prompt_sets=["mt-bench"], max_tokens=8, batch_sizes=[1, 2],
                           num_prompts=3, warmup=0, out_dir=str(tmp_path / "out"), smollm2=False,
                           speculative_config=spec)
     results = run_chat_bench(cfg)
@@ -81,7 +82,8 @@ def test_rounds_rerun_every_system_in_a_rotated_order_and_resume(tiny_checkpoint
     order = []
     real = celeris.bench.chat.run_one
     monkeypatch.setattr(celeris.bench.chat, "run_one", lambda *a: order.append(a[2]) or real(*a))
-    cfg = ChatBenchConfig(model=str(tmp_path / "target"), prompt_sets=["mt-bench"], max_tokens=6, batch_sizes=[1],
+    cfg = ChatBenchConfig(
+        own_process_memory=False, model=str(tmp_path / "target"), prompt_sets=["mt-bench"], max_tokens=6, batch_sizes=[1],
                           num_prompts=2, warmup=0, out_dir=str(tmp_path / "out"), smollm2=False, llamacpp=False,
                           rounds=3)
     results = run_chat_bench(cfg)

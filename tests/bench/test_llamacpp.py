@@ -141,7 +141,8 @@ def test_the_chat_bench_runs_llama_cpp_on_the_same_gguf_and_prompt_ids(tiny_gguf
         tuple(prompts[1]): (lambda: chain(ref[1][:3], repeat(other)), ref[1][:3] + [other] * 3),
         tuple(prompts[2]): (lambda: chain(prompts[2][-2:], [eos], repeat(3)), prompts[2][-2:])}
     monkeypatch.setattr(FakeLlama, "default_script", staticmethod(lambda prompt: answers[tuple(prompt)][0]()))
-    cfg = ChatBenchConfig(model=str(tiny_gguf_chat), prompt_sets=["mt-bench"], max_tokens=6, batch_sizes=[1, 2],
+    cfg = ChatBenchConfig(
+        own_process_memory=False, model=str(tiny_gguf_chat), prompt_sets=["mt-bench"], max_tokens=6, batch_sizes=[1, 2],
                           num_prompts=3, warmup=0, out_dir=str(tmp_path / "out"), smollm2=False)
     results = run_chat_bench(cfg)
     assert [(r["system"], r["batch_size"]) for r in results["runs"]] == [
@@ -175,7 +176,8 @@ def test_the_chat_bench_leaves_llama_cpp_out_with_a_note(tiny_gguf_chat, fake_ll
     assert rc == 0 and "note: llama.cpp left out (--no-llamacpp)" in out and "llama.cpp " not in out.split("note:")[0]
     assert FakeLlama.made == []
     monkeypatch.setitem(sys.modules, "llama_cpp", None)  # not installed
-    cfg = ChatBenchConfig(model=str(tiny_gguf_chat), prompt_sets=["mt-bench"], max_tokens=4, batch_sizes=[1],
+    cfg = ChatBenchConfig(
+        own_process_memory=False, model=str(tiny_gguf_chat), prompt_sets=["mt-bench"], max_tokens=4, batch_sizes=[1],
                           num_prompts=1, warmup=0, out_dir=str(tmp_path / "b"), smollm2=False)
     results = run_chat_bench(cfg)
     assert [r["system"] for r in results["runs"]] == ["target-next-token", "target-lookup"]

@@ -81,7 +81,8 @@ def test_the_chat_bench_quantizes_the_drafter_too(tiny_checkpoint, tokenizer_dir
     save_dflash(drafter_for(target), tmp_path / "drafter", dtype=torch.float32)
     monkeypatch.setitem(celeris.bench.chat.PROMPT_SETS, "mt-bench", lambda: ["a b", "c d e"])
     spec = json.dumps({"model": str(tmp_path / "drafter"), "num_speculative_tokens": 3})
-    cfg = ChatBenchConfig(model=str(tmp_path / "target"), prompt_sets=["mt-bench"], max_tokens=8, batch_sizes=[1],
+    cfg = ChatBenchConfig(
+        own_process_memory=False, model=str(tmp_path / "target"), prompt_sets=["mt-bench"], max_tokens=8, batch_sizes=[1],
                           num_prompts=2, warmup=0, out_dir=str(tmp_path / "out"), smollm2=False,
                           speculative_config=spec, quantization="int8", quality_prompts=2)
     seen = []
