@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from celeris.config import EngineConfig, resolve_device, resolve_dtype
-from celeris.models import gguf_quantized, prepack
+from celeris.models import blocks, fast_ops, gguf_quantized, prepack
 from celeris.models.catalog import ALIASES, alias_path, read_pairing
 from celeris.models.catalog import EMBEDDED as CATALOG_EMBEDDED
 from celeris.models.gguf import find_gguf, prepare, read_card
@@ -227,7 +227,9 @@ def quantize(plan: Plan, loaded: Loaded) -> None:
         QuantizationError: a method whose kernel cannot take a layer or the device (a drafter's names its setting).
     """
     method, spec = plan.config.quantization, plan.spec
-    if method not in (None, "gguf"):
+    if method == BLOCK_METHOD:
+        loaded.quantization = quantize_to_blocks(loaded.model, plan.device)
+    elif method not in (None, "gguf"):
         loaded.quantization = quantize_model(loaded.model, method, plan.config.quantize_lm_head)
     under_gguf = BLOCK_METHOD if plan.device.type == "cpu" else "int8"  # the block kernel: CPU only
     drafter_method = spec.quantization if spec is not None and spec.quantization else (
@@ -240,6 +242,29 @@ def quantize(plan: Plan, loaded: Loaded) -> None:
         if spec is None or not spec.quantization:
             raise
         raise QuantizationError(f"speculative_config quantization {spec.quantization!r} (the drafter): {exc}") from None
+
+
+def quantize_to_blocks(model: nn.Module, device: torch.device) -> dict:
+    """``--quantization q8_0``: every linear layer of a float checkpoint (the head too; a tied head keeps the float
+    embedding) as GGUF Q8_0 blocks on the block kernel (``celeris.models.blocks.quantize_linears``, gguf-py's
+    quantizer), and the model's norms, attention and SwiGLU on the fast pass's operators (``fast_ops.enable``):
+    the CPU's fast pass for any model family, masked and block diffusion included. Returns the load report.
+
+    Raises:
+        QuantizationError: off the CPU, or a layer whose input width is not whole blocks of 32.
+    """
+    if device.type != "cpu":
+        raise QuantizationError(f"--quantization {BLOCK_METHOD} (the block kernel) runs on the CPU only")
+    before = sum(m.weight.numel() * m.weight.element_size() for m in model.modules() if isinstance(m, nn.Linear))
+    try:
+        layers = blocks.quantize_linears(model, "Q8_0")
+    except blocks.BlockError as exc:
+        raise QuantizationError(f"--quantization {BLOCK_METHOD}: {exc}") from None
+    fast_ops.enable(model)
+    model.__dict__["_celeris_quantization"] = BLOCK_METHOD
+    after = sum(b.numel() * b.element_size() for m in model.modules() if isinstance(m, blocks.BlockLinear)
+                for b in m.buffers())
+    return {"method": BLOCK_METHOD, "layers": layers, "weight_bytes_before": before, "weight_bytes_after": after}
 
 
 def place(plan: Plan, loaded: Loaded) -> None:

@@ -1,0 +1,44 @@
+"""Loading in named steps (celeris.load): ``--quantization q8_0`` puts any float checkpoint on the CPU's fast pass
+(every linear as GGUF Q8_0 blocks on the block kernel, the fast operators switched on) and stays close to the float
+model; it refuses a device or a width it cannot take in one clear error."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from celeris.llm import LLM
+from celeris.load import quantize_to_blocks
+from celeris.models import kernels
+from celeris.models.blocks import BlockLinear
+from celeris.models.quantize import QuantizationError, quantization_of
+from tests.conftest import TINY_LLM, tiny_model
+
+needs_kernels = pytest.mark.skipif(kernels.library() is None, reason="no C compiler: the block kernel is off")
+
+
+@needs_kernels
+def test_q8_0_puts_a_float_checkpoint_on_the_block_kernel_close_to_float(tiny_checkpoint):
+    plain = LLM(str(tiny_checkpoint), **TINY_LLM)
+    q = LLM(str(tiny_checkpoint), **TINY_LLM, quantization="q8_0")
+    assert quantization_of(q.model) == "q8_0" and q.quantization["layers"] > 0
+    assert not any(type(m) is torch.nn.Linear for m in q.model.modules())
+    assert all(isinstance(m, BlockLinear) for n, m in q.model.named_modules() if n.endswith(("qkv_proj", "down_proj")))
+    assert all(m.fast for m in q.model.modules() if hasattr(m, "fast"))
+    assert q.quantization["weight_bytes_after"] < q.quantization["weight_bytes_before"] / 3  # 34 bytes per 32
+    ids = torch.tensor([[5, 9, 11, 7, 3, 20]])
+    with torch.no_grad():
+        want, got = plain.model(ids), q.model(ids)
+    assert (got - want).abs().max() < 0.05 * want.abs().max()  # 8 bits a weight, a scale per 32
+    params = q.default_params(max_tokens=8)
+    out = q.generate([[5, 9, 11]], params)[0]
+    assert out.finish_reason in ("stop", "length") and len(out.token_ids) <= 8
+
+
+def test_q8_0_refuses_another_device_and_a_width_off_the_blocks():
+    model = tiny_model()
+    with pytest.raises(QuantizationError, match="runs on the CPU only"):
+        quantize_to_blocks(model, torch.device("cuda"))
+    odd = torch.nn.Sequential(torch.nn.Linear(48, 8))
+    with pytest.raises(QuantizationError, match="q8_0: .*48 input columns are not whole blocks of 32"):
+        quantize_to_blocks(odd, torch.device("cpu"))
