@@ -166,6 +166,8 @@ def resolve(model: str | Path | None, engine_kwargs: dict[str, Any], tokenizer: 
         raise CheckpointError(f"tokenizer '{tokenizer}' does not exist (give a folder holding tokenizer.json, "
                               "or a tokenizer.json file)")
     device = resolve_device(config.device)
+    if config.quantization == BLOCK_METHOD and device.type != "cpu":  # before any weight is read
+        raise QuantizationError(f"--quantization {BLOCK_METHOD} (the block kernel) runs on the CPU only, not {device}")
     return Plan(path, model_name(model), config, spec, pairing, bool(pairing and pairing.get("chat")), template,
                 tokenizer, device, resolve_dtype(config.dtype, device))
 
@@ -220,20 +222,21 @@ def read(plan: Plan, trust_remote_code: bool = False) -> Loaded:
 
 def quantize(plan: Plan, loaded: Loaded) -> None:
     """Step 3: the target's linears under a weight-only method (``gguf`` was applied by ``read``), and the drafter's
-    float weights: its ``speculative_config`` ``quantization``, else the target's (q8_0 on the block kernel under
-    ``gguf`` on a CPU, int8 elsewhere).
+    float weights: its ``speculative_config`` ``quantization``, else the target's method (q8_0 on the block kernel
+    under ``gguf`` or ``q8_0`` on a CPU; int8 under ``gguf`` elsewhere; none under none). The default pairing names
+    no drafter method of its own since 2026-12-06 (it named int8), so its drafter follows the target.
 
     Raises:
         QuantizationError: a method whose kernel cannot take a layer or the device (a drafter's names its setting).
     """
     method, spec = plan.config.quantization, plan.spec
     if method == BLOCK_METHOD:
-        loaded.quantization = quantize_to_blocks(loaded.model, plan.device)
+        loaded.quantization = quantize_to_blocks(loaded.model, plan.device, plan.config.quantize_lm_head)
     elif method not in (None, "gguf"):
         loaded.quantization = quantize_model(loaded.model, method, plan.config.quantize_lm_head)
     under_gguf = BLOCK_METHOD if plan.device.type == "cpu" else "int8"  # the block kernel: CPU only
     drafter_method = spec.quantization if spec is not None and spec.quantization else (
-        under_gguf if method == "gguf" else method)
+        under_gguf if method in ("gguf", BLOCK_METHOD) else method)
     if loaded.proposer is None or drafter_method is None:
         return
     try:
@@ -244,20 +247,22 @@ def quantize(plan: Plan, loaded: Loaded) -> None:
         raise QuantizationError(f"speculative_config quantization {spec.quantization!r} (the drafter): {exc}") from None
 
 
-def quantize_to_blocks(model: nn.Module, device: torch.device) -> dict:
-    """``--quantization q8_0``: every linear layer of a float checkpoint (the head too; a tied head keeps the float
-    embedding) as GGUF Q8_0 blocks on the block kernel (``celeris.models.blocks.quantize_linears``, gguf-py's
-    quantizer), and the model's norms, attention and SwiGLU on the fast pass's operators (``fast_ops.enable``):
-    the CPU's fast pass for any model family, masked and block diffusion included. Returns the load report.
+def quantize_to_blocks(model: nn.Module, device: torch.device, quantize_lm_head: bool = False) -> dict:
+    """``--quantization q8_0``: every linear layer of a float checkpoint (an untied head ``lm_head`` only with
+    ``quantize_lm_head``, as under the other methods; a tied head scores with the float embedding) as GGUF Q8_0
+    blocks on the block kernel (``celeris.models.blocks.quantize_linears``, gguf-py's quantizer), and the model's
+    norms, attention and SwiGLU on the fast pass's operators (``fast_ops.enable``): the CPU's fast pass for any
+    model family, masked and block diffusion included. Returns the load report.
 
     Raises:
         QuantizationError: off the CPU, or a layer whose input width is not whole blocks of 32.
     """
     if device.type != "cpu":
         raise QuantizationError(f"--quantization {BLOCK_METHOD} (the block kernel) runs on the CPU only")
-    before = sum(m.weight.numel() * m.weight.element_size() for m in model.modules() if isinstance(m, nn.Linear))
+    before = sum(m.weight.numel() * m.weight.element_size() for n, m in model.named_modules()
+                 if isinstance(m, nn.Linear) and (quantize_lm_head or n.rpartition(".")[2] != "lm_head"))
     try:
-        layers = blocks.quantize_linears(model, "Q8_0")
+        layers = blocks.quantize_linears(model, "Q8_0", () if quantize_lm_head else ("lm_head",))
     except blocks.BlockError as exc:
         raise QuantizationError(f"--quantization {BLOCK_METHOD}: {exc}") from None
     fast_ops.enable(model)

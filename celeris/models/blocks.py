@@ -75,7 +75,7 @@ def repack(blocks: torch.Tensor, kind: str, in_features: int) -> torch.Tensor:
     n = blocks.shape[0]
     out = torch.empty(lib.celeris_packed_bytes(TYPE_IDS[kind], n, in_features), dtype=torch.uint8)
     raw = blocks.contiguous()
-    rc = lib.celeris_repack(TYPE_IDS[kind], pointer(raw), n, in_features, pointer(out))
+    rc = lib.celeris_repack(TYPE_IDS[kind], pointer(raw), n, in_features, pointer(out), torch.get_num_threads())
     if rc != 0:
         raise BlockError(f"the kernel could not repack {kind} blocks of {n} x {in_features} (code {rc})")
     return out
@@ -268,14 +268,16 @@ def quantize_blocks(weight: torch.Tensor, kind: str = "Q8_0") -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(coded)).view(torch.uint8)
 
 
-def quantize_linears(model: nn.Module, kind: str = "Q8_0") -> int:
+def quantize_linears(model: nn.Module, kind: str = "Q8_0", skip: tuple[str, ...] = ()) -> int:
     """Replace every ``nn.Linear`` of ``model`` (in place, on the CPU) by a ``BlockLinear`` of its weight quantized
-    to ``kind`` blocks (``quantize_blocks``; the bias kept in float32). Returns the number of layers replaced.
+    to ``kind`` blocks (``quantize_blocks``; the bias kept in float32), but those whose last name is in ``skip``.
+    Returns the number of layers replaced.
 
     Raises:
         BlockError: a layer whose input width is not a multiple of 32 (checked before any is replaced).
     """
-    targets = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.Linear)]
+    targets = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.Linear)
+               and name.rpartition(".")[2] not in skip]
     for name, m in targets:
         if m.in_features % QK:
             raise BlockError(f"{name}: {m.in_features} input columns are not whole blocks of {QK}")

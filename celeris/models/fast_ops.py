@@ -64,7 +64,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torc
     lib = kernels.library()
     b, h, lq, d = q.shape
     hkv, t = k.shape[1], k.shape[2]
-    if lib is None or not _fits(q, k, v) or h % hkv or not _mask_ok(attn_mask):
+    if lib is None or not _fits(q, k, v) or h % hkv or not _mask_ok(attn_mask, b, lq, t) or k.shape[0] != b \
+            or v.shape[:3] != k.shape[:3]:
         return None
     if is_causal:  # SDPA's is_causal: query i attends keys up to i + T - Lq
         attn_mask = torch.ones(lq, t, dtype=torch.bool).tril(t - lq)
@@ -90,9 +91,17 @@ def _mask_args(attn_mask: torch.Tensor | None, lq: int, t: int) -> tuple[ctypes.
     return pointer(m), m.stride(0) if m.shape[0] > 1 else 0, m.stride(2), m.stride(3)
 
 
-def _mask_ok(attn_mask: torch.Tensor | None) -> bool:
-    return attn_mask is None or (attn_mask.dtype == torch.bool and (
-        attn_mask.dim() == 2 or (attn_mask.dim() == 4 and attn_mask.shape[1] == 1)))
+def _mask_ok(attn_mask: torch.Tensor | None, b: int, lq: int, t: int) -> bool:
+    """A mask the kernels take for B rows of Lq queries over T keys: None, bool (Lq, T), or bool (B or 1, 1, Lq, T)
+    (each dimension broadcastable as ``_mask_args`` expands it)."""
+    if attn_mask is None:
+        return True
+    if attn_mask.dtype != torch.bool:
+        return False
+    shape = attn_mask.shape
+    if attn_mask.dim() == 2:
+        return shape[0] in (1, lq) and shape[1] in (1, t)
+    return attn_mask.dim() == 4 and shape[0] in (1, b) and shape[1] == 1 and shape[2] in (1, lq) and shape[3] in (1, t)
 
 
 def rope_cache_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, keys: torch.Tensor,
@@ -110,8 +119,8 @@ def rope_cache_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     """
     lib = kernels.library()
     b, lq, _ = qkv.shape
-    if lib is None or not _fits(qkv, cos, sin, keys, values) or not _mask_ok(attn_mask) \
-            or keys.stride(-1) != 1 or values.stride(-1) != 1 or num_heads % num_kv_heads:
+    if lib is None or not _fits(qkv, cos, sin, keys, values) or keys.stride(-1) != 1 or values.stride(-1) != 1 \
+            or num_heads % num_kv_heads or not _window_ok(b, lq, keys, values, window, attn_mask):
         return None
     t, d = keys.shape[2], keys.shape[3]
     qkv = qkv.contiguous()
@@ -124,6 +133,15 @@ def rope_cache_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     if rc != 0:
         raise MemoryError("celeris_rope_cache_attention could not allocate its scratch rows")
     return out
+
+
+def _window_ok(b: int, lq: int, keys: torch.Tensor, values: torch.Tensor, window: tuple[int, int] | torch.Tensor,
+               attn_mask: torch.Tensor | None) -> bool:
+    """Whether a cached window pass of B rows of Lq queries fits the kernels: caches of B rows alike, a span of Lq
+    columns or (B, Lq) columns, and a mask ``_mask_ok`` takes."""
+    cols_ok = window.shape == (b, lq) if isinstance(window, torch.Tensor) else window[1] - window[0] == lq
+    return keys.shape[0] == b and values.shape[:3] == keys.shape[:3] and cols_ok \
+        and _mask_ok(attn_mask, b, lq, keys.shape[2])
 
 
 def _window_args(b: int, lq: int, cos: torch.Tensor, sin: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
@@ -148,11 +166,17 @@ def fused_layer_fits(block: nn.Module) -> bool:
     attn, mlp = getattr(block, "attn", None), getattr(block, "mlp", None)
     linears = [getattr(attn, "qkv_proj", None), getattr(attn, "o_proj", None), getattr(mlp, "gate_up_proj", None),
                getattr(mlp, "down_proj", None)]
-    return all(getattr(m, "tiles", None) is not None and getattr(m, "bias", 0) is None for m in linears) \
-        and attn.q_norm is None and attn.rotary_dim == attn.head_dim and attn.num_heads % attn.num_kv_heads == 0 \
-        and type(mlp).__name__ == "MLP" and all(
-            getattr(n, "weight", None) is not None and n.weight.dtype == torch.float32
-            for n in (block.attn_norm, block.mlp_norm))
+    if not all(getattr(m, "tiles", None) is not None and getattr(m, "bias", 0) is None for m in linears) \
+            or attn.q_norm is not None or attn.rotary_dim != attn.head_dim or attn.num_heads % attn.num_kv_heads \
+            or type(mlp).__name__ != "MLP":
+        return False
+    qkv, o, gu, down = linears
+    dim, heads = qkv.in_features, (attn.num_heads + 2 * attn.num_kv_heads) * attn.head_dim
+    norms = (block.attn_norm, block.mlp_norm)
+    return qkv.out_features == heads and o.in_features == attn.num_heads * attn.head_dim and o.out_features == dim \
+        and gu.in_features == dim and gu.out_features == 2 * down.in_features and down.out_features == dim \
+        and all(getattr(n, "weight", None) is not None and n.weight.dtype == torch.float32 and n.weight.numel() == dim
+                for n in norms) and block.attn_norm.eps == block.mlp_norm.eps  # the kernel takes one eps
 
 
 def decoder_layer(block: nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -169,8 +193,8 @@ def decoder_layer(block: nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: tor
     if lib is None or cache is None or window is None:
         return None
     keys, values = cache.keys[layer_idx], cache.values[layer_idx]
-    if not _fits(x, cos, sin, keys, values) or not _mask_ok(attn_mask) or keys.stride(-1) != 1 \
-            or values.stride(-1) != 1:
+    if not _fits(x, cos, sin, keys, values) or keys.stride(-1) != 1 or values.stride(-1) != 1 \
+            or not _window_ok(x.shape[0], x.shape[1], keys, values, window, attn_mask):
         return None
     attn, mlp = block.attn, block.mlp
     b, lq, dim = x.shape
@@ -185,6 +209,8 @@ def decoder_layer(block: nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: tor
         attn.head_dim, down.in_features, *args, attn.head_dim ** -0.5, pointer(out), torch.get_num_threads())
     if rc == -1:
         raise IndexError(f"a window column is outside the cache of {keys.shape[2]} positions")
+    if rc == -3:
+        raise RuntimeError("celeris_decoder_layer: a weight's product refused its shape (fused_layer_fits let it in)")
     if rc != 0:
         raise MemoryError("celeris_decoder_layer could not allocate its scratch rows")
     return out

@@ -84,6 +84,8 @@ def zeros_on_demand(shape: tuple[int, ...], dtype: torch.dtype, device: torch.de
     columns each, into a SmolLM2 store of 8 rows took 3.9 s and grew the process by gigabytes)."""
     if torch.device(device).type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
+    if not hasattr(mmap, "MAP_PRIVATE"):  # Windows: no private anonymous mapping by flags; NumPy's calloc instead
+        return torch.zeros(shape, dtype=dtype)
     count = 1
     for n in shape:
         count *= n

@@ -50,8 +50,8 @@ class SpeculativeConfig:
     and ``quantization`` (vLLM's key, here the weight-only method the drafter's float weights are quantized with at
     load: its linear layers and its draft head, whatever the target's width; ``q8_0`` (a Celeris name, CPU only):
     GGUF's Q8_0 blocks on the block kernel of ``celeris.models.blocks``, with the fast pass's operators; None: the
-    target's ``--quantization``, q8_0 under gguf). A quantized drafter changes the drafts, never the answer: the
-    target verifies every draft.
+    target's ``--quantization``: q8_0 under gguf or q8_0 on a CPU). A quantized drafter changes the drafts, never the
+    answer: the target verifies every draft.
     ``draft_confidence_threshold`` (a Celeris key, after transformers' ``assistant_confidence_threshold``): a pass
     verifies the drafter's leading drafts whose probability under the drafter is at least this (0 to
     ``num_speculative_tokens`` of them), so an unsure drafter costs a narrower target pass; None: all k.
@@ -243,8 +243,7 @@ class DFlashProposer:
         if self.draft_confidence_threshold is None or not drafts:
             return drafts
         for j, token in enumerate(drafts):  # row by row: the first unsure draft ends the scan (often the first)
-            row = logits[j].float()
-            if float(torch.exp(row[token] - torch.logsumexp(row, 0))) < self.draft_confidence_threshold:
+            if not float(logits[j].float().softmax(-1)[token]) >= self.draft_confidence_threshold:  # NaN: unsure
                 return drafts[:j]
         return drafts
 

@@ -35,7 +35,7 @@ SOURCES = tuple(Path(__file__).with_name(name) for name in ("gguf_blocks.c", "de
 # -ffp-contract=off: no fused multiply-add where the source has a product and a sum, so RoPE in C rounds as
 # PyTorch's elementwise x * cos + rotated * sin does, bit for bit (the block kernel's own FMAs are explicit)
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-shared", "-fPIC", "-std=c11")
-ABI_VERSION = 3  # celeris_abi_version() of the source this module calls
+ABI_VERSION = 4  # celeris_abi_version() of the source this module calls
 DISABLE_ENV = "CELERIS_NO_KERNELS"  # set to 1: never build or load the kernel (the PyTorch path; for tests)
 
 
@@ -96,7 +96,7 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     for name, args, res in (
             ("celeris_abi_version", [], i32), ("celeris_simd_level", [], i32), ("celeris_tile_rows", [], i32),
             ("celeris_packed_bytes", [i32, i64, i64], i64),
-            ("celeris_repack", [i32, ptr, i64, i64, ptr], i32),
+            ("celeris_repack", [i32, ptr, i64, i64, ptr, i32], i32),
             ("celeris_packed_rows", [i32, ptr, i64, i64, ptr, i64, ptr], i32),
             ("celeris_packed_matmul", [i32, ptr, i64, i64, ptr, i64, ptr, i32], i32),
             ("celeris_rms_norm", [ptr, ptr, i64, i64, ctypes.c_float, ptr], None),

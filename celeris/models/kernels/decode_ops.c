@@ -117,10 +117,11 @@ int celeris_attention(const float *q, int64_t qb, int64_t qh, int64_t ql, const 
     const int64_t Tp = (T + V - 1) / V * V;  /* keys padded to whole vectors */
     if (threads < 1) threads = 1;
     const int64_t nblk = Tp / V;
-    float *keys_t = (float *)malloc((size_t)(B * Hkv * D * Tp) * sizeof(float));
-    uint8_t *wanted = (uint8_t *)calloc((size_t)(B * nblk), 1);  /* a block some query of row b attends */
+    /* (+ 1: never a malloc of 0 bytes, which may give NULL) */
+    float *keys_t = (float *)malloc((size_t)(B * Hkv * D * Tp + 1) * sizeof(float));
+    uint8_t *wanted = (uint8_t *)calloc((size_t)(B * nblk + 1), 1);  /* a block some query of row b attends */
     /* per thread: scores (Tp), the kept keys' indices (Tp) */
-    char *scratch = (char *)malloc((size_t)Tp * (sizeof(float) + sizeof(int64_t)) * (size_t)threads);
+    char *scratch = (char *)malloc(((size_t)Tp * (sizeof(float) + sizeof(int64_t)) + 16) * (size_t)threads);
     if (!keys_t || !wanted || !scratch) { free(keys_t); free(wanted); free(scratch); return -2; }
     for (int64_t b = 0; b < B; b++)
         for (int64_t t = 0; t < T; t++) {
@@ -232,8 +233,8 @@ int celeris_packed_matmul(int type, const float *x, int64_t M, int64_t K, const 
  * x, out (B * L, d) float32 (out may not alias x); the weights repacked by celeris_repack with their GGUF types;
  * cos, sin, the caches, cols, mask and scale as celeris_rope_cache_attention takes them. The same functions in
  * the same order as the layer's modules call them, and the residual adds are single float additions, so out
- * equals the module path's output bit for bit. Returns 0, -1 for a window column outside the cache or a shape
- * a weight does not take, -2 when out of memory. */
+ * equals the module path's output bit for bit. Returns 0, -1 for a window column outside the cache (nothing
+ * written), -2 when out of memory, -3 for a shape a weight's product does not take. */
 int celeris_decoder_layer(const float *x, int64_t B, int64_t L, int64_t d, const float *attn_norm,
                           const float *mlp_norm, float eps, int qkv_type, const uint8_t *qkv, int o_type,
                           const uint8_t *o, int gu_type, const uint8_t *gu, int down_type, const uint8_t *down,
@@ -247,23 +248,22 @@ int celeris_decoder_layer(const float *x, int64_t B, int64_t L, int64_t d, const
     float *wide = (float *)malloc((size_t)(rows * most) * sizeof(float));
     float *mid = (float *)malloc((size_t)(rows * (H * D > I ? H * D : I)) * sizeof(float));
     int rc = (!h || !wide || !mid) ? -2 : 0;
-    if (rc == 0) {
-        celeris_rms_norm(x, attn_norm, rows, d, eps, h);
-        rc = celeris_packed_matmul(qkv_type, h, rows, d, qkv, width, wide, threads);
-    }
+    /* a product refusing its shape is -3 (the caller's bug), not the -1 of a window column outside the cache */
+#define PRODUCT(call) do { if (rc == 0) { rc = (call); if (rc == -1) rc = -3; } } while (0)
+    if (rc == 0) celeris_rms_norm(x, attn_norm, rows, d, eps, h);
+    PRODUCT(celeris_packed_matmul(qkv_type, h, rows, d, qkv, width, wide, threads));
     if (rc == 0)
         rc = celeris_rope_cache_attention(wide, B, L, H, Hkv, D, cos, sin, cb, cl, kc, kb, kh, kt, vc, vb, vh, vt, T,
                                           cols, mask, mb, ml, mt, scale, mid, threads);
-    if (rc == 0) rc = celeris_packed_matmul(o_type, mid, rows, H * D, o, d, h, threads);
+    PRODUCT(celeris_packed_matmul(o_type, mid, rows, H * D, o, d, h, threads));
     if (rc == 0) {
         for (int64_t i = 0; i < rows * d; i++) out[i] = x[i] + h[i];
         celeris_rms_norm(out, mlp_norm, rows, d, eps, h);
-        rc = celeris_packed_matmul(gu_type, h, rows, d, gu, 2 * I, wide, threads);
     }
-    if (rc == 0) {
-        celeris_silu_mul(wide, rows, I, mid);
-        rc = celeris_packed_matmul(down_type, mid, rows, I, down, d, h, threads);
-    }
+    PRODUCT(celeris_packed_matmul(gu_type, h, rows, d, gu, 2 * I, wide, threads));
+    if (rc == 0) celeris_silu_mul(wide, rows, I, mid);
+    PRODUCT(celeris_packed_matmul(down_type, mid, rows, I, down, d, h, threads));
+#undef PRODUCT
     if (rc == 0)
         for (int64_t i = 0; i < rows * d; i++) out[i] += h[i];
     free(h);

@@ -48,7 +48,7 @@ enum { TYPE_Q4_0 = 2, TYPE_Q4_1 = 3, TYPE_Q8_0 = 8 }; /* ggml's type numbers (gg
 
 typedef struct { float d; int32_t sum; int8_t qs[QK]; } block_act; /* one quantized activation block */
 
-int celeris_abi_version(void) { return 3; }
+int celeris_abi_version(void) { return 4; }
 int celeris_simd_level(void) { return SIMD; } /* 2: AVX-512 VNNI, 1: AVX2, 0: plain C */
 int celeris_tile_rows(void) { return R; }
 
@@ -126,14 +126,16 @@ static void read_block(int type, const uint8_t *blk, uint8_t u[QK], float *d, fl
     *m = type == TYPE_Q4_1 ? half_to_float(read_u16(blk + 2)) : -8.0f * *d;
 }
 
-/* Repack N rows of K weights in the file's blocks (N x K / 32 blocks of `type`, row-major) into tiles (above).
+/* Repack N rows of K weights in the file's blocks (N x K / 32 blocks of `type`, row-major) into tiles (above), on
+ * `threads` threads.
  * Returns 0, -1 for an unknown type or shape, -3 when m = -8d or -128d does not fit a half float. */
-int celeris_repack(int type, const uint8_t *raw, int64_t N, int64_t K, uint8_t *out) {
+int celeris_repack(int type, const uint8_t *raw, int64_t N, int64_t K, uint8_t *out, int threads) {
     if (!celeris_packed_bytes(type, N, K)) return -1;
     const int64_t nb = K / QK, fb = file_block_bytes(type), rec = record_bytes(type), cb = code_bytes(type);
     const int64_t tiles = (N + R - 1) / R;
     int overflow = 0;
-#pragma omp parallel for schedule(static) reduction(| : overflow) if (N * K >= (1 << 20))
+    if (threads < 1) threads = 1;
+#pragma omp parallel for num_threads(threads) schedule(static) reduction(| : overflow) if (N * K >= (1 << 20))
     for (int64_t t = 0; t < tiles; t++) {  /* tiles are independent: a load repacks ~100 MB (0.5 s on one core) */
         memset(out + t * nb * rec, 0, (size_t)(nb * rec));
         for (int64_t b = 0; b < nb; b++) {
