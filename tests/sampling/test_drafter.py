@@ -263,6 +263,17 @@ def test_a_confidence_threshold_verifies_only_the_drafts_the_drafter_is_sure_of(
     assert 0 < kept < 4 * (passes - len(PROMPTS))  # each row's first pass (its prefill) drafts nothing
 
 
+def assert_drafts_and_stays_lossless(target, proposer) -> None:  # noqa: ANN001
+    """Verified decoding of PROMPTS with ``proposer``'s drafts: it drafts, and every answer is the greedy one."""
+    dec = VerifiedDecoder(target, len(PROMPTS), 64, proposer=proposer)
+    params = SamplingParams(max_tokens=12, early_exit=False, decoding="verified", draft_source="dflash")
+    rows = [dec.add(p, params) for p in PROMPTS]
+    while not all(r.finished for r in rows):
+        dec.step()
+    assert proposer.calls > 0 and sum(dec.drafted) > 0
+    assert [r.answer[:12] for r in rows] == [greedy(target, p, 12) for p in PROMPTS]
+
+
 def test_a_quantized_drafter_scores_its_draft_vocabulary_through_an_int8_head_and_stays_lossless(target):
     """A drafter quantized at load (``speculative_config`` ``quantization``) keeps its pruned vocabulary's head rows
     as int8 (the float rows were a third of a drafter call on SmolLM2); the drafts change, the answers do not."""
@@ -278,13 +289,7 @@ def test_a_quantized_drafter_scores_its_draft_vocabulary_through_an_int8_head_an
     torch.testing.assert_close(head.dequantize(), rows, atol=float(rows.abs().max()) / 127, rtol=0)
     hidden = torch.randn(1, 3, rows.shape[1])
     torch.testing.assert_close(drafter.draft_logits(hidden, head), reference_linear(hidden, head), atol=0.05, rtol=0.02)
-    dec = VerifiedDecoder(target, len(PROMPTS), 64, proposer=proposer)
-    params = SamplingParams(max_tokens=12, early_exit=False, decoding="verified", draft_source="dflash")
-    rows_ = [dec.add(p, params) for p in PROMPTS]
-    while not all(r.finished for r in rows_):
-        dec.step()
-    assert proposer.calls > 0 and sum(dec.drafted) > 0
-    assert [r.answer[:12] for r in rows_] == [greedy(target, p, 12) for p in PROMPTS]
+    assert_drafts_and_stays_lossless(target, proposer)
 
 
 @pytest.mark.skipif(kernels.library() is None, reason="no C compiler: the block kernel is off")
@@ -310,13 +315,7 @@ def test_a_q8_0_drafter_runs_on_the_block_kernel_and_stays_lossless(target):
     assert isinstance(head, BlockLinear) and head.out_features == 32
     rows = target.embed_tokens.weight.detach()[drafter.d2t]
     torch.testing.assert_close(head.dequantize(), rows, atol=float(rows.abs().max()) / 100, rtol=0)
-    dec = VerifiedDecoder(target, len(PROMPTS), 64, proposer=proposer)
-    params = SamplingParams(max_tokens=12, early_exit=False, decoding="verified", draft_source="dflash")
-    rows_ = [dec.add(p, params) for p in PROMPTS]
-    while not all(r.finished for r in rows_):
-        dec.step()
-    assert proposer.calls > 0 and sum(dec.drafted) > 0
-    assert [r.answer[:12] for r in rows_] == [greedy(target, p, 12) for p in PROMPTS]
+    assert_drafts_and_stays_lossless(target, proposer)
 
 
 def test_the_prefix_cache_keeps_the_drafters_context_features(target, trained):
