@@ -24,7 +24,8 @@ import torch
 
 from celeris.config import EngineConfig
 from celeris.engine.blocks import BlockDecoder
-from celeris.engine.path import ModePath, PathContext, resolve_path
+from celeris.engine.masked import MaskedPath
+from celeris.engine.path import ModePath, PathContext, PathFactory
 from celeris.engine.request import Request
 from celeris.engine.runner import ModelRunner
 from celeris.engine.scheduler import Scheduler
@@ -35,6 +36,23 @@ from celeris.sampling.block import with_block_defaults
 from celeris.sampling.logprobs import prompt_entries
 from celeris.sampling.modes import MODES, check_fits_context, check_request
 from celeris.structured.grammar import row_constraints
+
+# the built-in modes' paths (``celeris.sampling.modes`` registers their checks on the floor below, without them)
+BUILTIN_PATHS: dict[str, PathFactory] = {"block": BlockDecoder, "verified": VerifiedPath, "masked": MaskedPath}
+
+
+def path_factory(mode: str) -> PathFactory:
+    """The factory of ``mode``'s path: the one its registration gives, else the built-in table's.
+
+    Raises:
+        ValueError: a mode registered without a path that is not a built-in one.
+    """
+    registered = MODES[mode].path
+    if registered is not None:
+        return registered
+    if mode not in BUILTIN_PATHS:
+        raise ValueError(f"decoding mode '{mode}' was registered without a path (give DecodingMode.path a factory)")
+    return BUILTIN_PATHS[mode]
 
 
 @dataclass(slots=True)
@@ -117,10 +135,10 @@ class Engine:
         self.scheduler.prefill_columns = self.prefill_columns
 
     def path(self, mode: str) -> ModePath:
-        """The path of ``mode`` (a key of ``celeris.sampling.modes.MODES``), made from its registered factory
+        """The path of ``mode`` (a key of ``celeris.sampling.modes.MODES``), made from its factory (``path_factory``)
         with this engine's shared parts (``PathContext``) the first time it is asked for."""
         if mode not in self.paths:
-            self.paths[mode] = resolve_path(MODES[mode].path)(self.context)
+            self.paths[mode] = path_factory(mode)(self.context)
         return self.paths[mode]
 
     def _groups(self, requests: list[Request]) -> list[tuple[str, list[Request]]]:

@@ -12,7 +12,6 @@ finishing each request. The built-in paths are ``celeris.engine.masked.MaskedPat
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
@@ -71,18 +70,3 @@ class ModePath(Protocol):
 # does not return it; ``token_cost`` counts the chunk. A path without it prefills every prompt whole.
 
 PathFactory = Callable[[PathContext], ModePath]
-
-
-def resolve_path(path: PathFactory | str) -> PathFactory:
-    """A mode's path factory: ``path`` itself, or the attribute a ``"module:attribute"`` string names.
-
-    Raises:
-        ValueError: a string without exactly one ``:``.
-        ImportError / AttributeError: the module or attribute does not exist.
-    """
-    if not isinstance(path, str):
-        return path
-    module, sep, attribute = path.partition(":")
-    if not sep or not module or not attribute or ":" in attribute:
-        raise ValueError(f"a mode's path must be a factory or 'module:attribute', got '{path}'")
-    return getattr(importlib.import_module(module), attribute)

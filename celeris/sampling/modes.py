@@ -5,10 +5,9 @@ The one registry of decoding modes (``MODES``). A mode is registered once (``reg
 predicate (which requests take it), the ``decoding`` value that names it (if any: then ``SamplingParams`` accepts
 that value, because registering the mode adds it to ``celeris.sampling.rules.COMMIT_RULES``, the table
 ``SamplingParams.decoding`` is validated against) and its engine path: the object that lays out a pass, commits
-its tokens and counts its token cost (``celeris.engine.path.ModePath``). The path is given as the factory itself
-or, for the built-in modes, which live on the engine's floor above this one, as a ``"module:attribute"`` string
-that the engine resolves when it first needs the path (vLLM's lazily registered models do the same). The
-built-in modes:
+its tokens and counts its token cost (``celeris.engine.path.ModePath``). The path is given as its factory; the
+built-in modes, whose paths live on the engine's floor above this one, give None, and the engine's own table
+(``celeris.engine.engine.BUILTIN_PATHS``) holds their paths: no class is named by a string. The built-in modes:
 
 - ``masked``: full-attention diffusion models (Celeris, LLaDA, Dream), and a causal model decoding one token per
   step through the same path (``block_length`` 1: the autoregressive twin, a hybrid model outside ``verified``);
@@ -57,7 +56,7 @@ class DecodingMode:
         selects: ``selects(model, params)``: whether a request with ``params`` on ``model`` takes this mode. The
             modes are asked in registration order; a request none selects takes ``DEFAULT_MODE``.
         path: the engine's path for this mode: a factory ``path(context) -> ModePath`` taking the engine's
-            shared parts (``celeris.engine.path.PathContext``), or ``"module:attribute"`` naming one.
+            shared parts (``celeris.engine.path.PathContext``); None for a built-in mode (the engine's table).
         rule: the ``decoding`` value that names this mode (a ``CommitRule`` with ``fn`` None: its ``help`` and the
             settings only it reads, ``params``), added to ``COMMIT_RULES`` under ``name``; None: no such value.
     """
@@ -65,7 +64,7 @@ class DecodingMode:
     name: str
     check: Check
     selects: Selects
-    path: Callable[..., object] | str
+    path: Callable[..., object] | None
     rule: CommitRule | None = None
 
 
@@ -153,10 +152,10 @@ def _always(model: torch.nn.Module, params: SamplingParams) -> bool:
 # the built-in modes; the order is the order ``mode_of`` asks them in (block before verified: a block model
 # asked for 'verified' is refused by the block check, naming ``decoding``)
 register_mode(DecodingMode("block", _check_block, lambda model, params: block_mode(model, params) is not None,
-                           "celeris.engine.blocks:BlockDecoder"))
+                           None))
 register_mode(DecodingMode("verified", check_verified_support, decoding_is("verified"),
-                           "celeris.engine.verified_path:VerifiedPath", rule=COMMIT_RULES["verified"]))
-register_mode(DecodingMode(DEFAULT_MODE, check_masked_support, _always, "celeris.engine.masked:MaskedPath"))
+                           None, rule=COMMIT_RULES["verified"]))
+register_mode(DecodingMode(DEFAULT_MODE, check_masked_support, _always, None))
 
 
 def check_request(model: torch.nn.Module, params: SamplingParams, has_suffix: bool = False,

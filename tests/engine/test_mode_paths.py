@@ -74,18 +74,19 @@ def test_a_requests_token_cost_comes_from_its_mode(hybrid):
         assert r.answer.tolist() == solo.answer.tolist()
 
 
-def test_every_registered_mode_names_a_path_the_engine_can_make(hybrid):
-    """The built-in modes name their paths as 'module:attribute' strings (the engine's floor is above the
-    registry's); each resolves, and the engine makes each path once, at the mode's first request."""
+def test_every_registered_mode_has_a_path_the_engine_can_make(hybrid):
+    """The built-in modes register no path (the engine's floor is above the registry's): the engine's own table
+    holds them, no class named by a string; the engine makes each path once, at the mode's first request."""
     from celeris.engine.blocks import BlockDecoder
+    from celeris.engine.engine import BUILTIN_PATHS, path_factory
     from celeris.engine.masked import MaskedPath
-    from celeris.engine.path import resolve_path
     from celeris.engine.verified_path import VerifiedPath
-    from celeris.sampling.modes import DEFAULT_MODE, MODES
+    from celeris.sampling.modes import DEFAULT_MODE, MODES, DecodingMode, register_mode, unregister_mode
 
     assert list(MODES)[:3] == ["block", "verified", "masked"] and DEFAULT_MODE == "masked"
     classes = {"block": BlockDecoder, "verified": VerifiedPath, "masked": MaskedPath}
-    assert {name: resolve_path(MODES[name].path) for name in classes} == classes
+    assert all(MODES[name].path is None for name in classes) and BUILTIN_PATHS == classes
+    assert {name: path_factory(name) for name in classes} == classes
     engine = Engine(hybrid, EngineConfig(max_num_seqs=3))
     assert engine.paths == {}  # nothing is made before a request of its mode arrives
     for i, params in enumerate(SETTINGS.values()):
@@ -96,8 +97,12 @@ def test_every_registered_mode_names_a_path_the_engine_can_make(hybrid):
     engine.add_request([9, 9], SETTINGS["block"])
     engine.step()
     assert all(engine.paths[mode] is path for mode, path in first.items())  # made once
-    with pytest.raises(ValueError, match="module:attribute"):
-        resolve_path("celeris.engine.masked.MaskedPath")
+    register_mode(DecodingMode("pathless", lambda *a: None, lambda *a: False, None))
+    try:
+        with pytest.raises(ValueError, match="registered without a path"):
+            path_factory("pathless")
+    finally:
+        unregister_mode("pathless")
 
 
 def test_a_mode_is_registered_once_and_its_decoding_value_goes_with_it():
