@@ -227,8 +227,27 @@ class DFlashMLP(nn.Module):
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
+        self.fast = False  # celeris.models.fast_ops.enable: the CPU fast pass's silu(gate) * up (after ``fuse``)
+
+    def fuse(self) -> None:
+        """Stack ``gate_proj`` and ``up_proj`` into one ``gate_up_proj`` (2 I, d) (one product a call instead of
+        two; the same rows, so a row-wise quantized product gives the same numbers); for inference only (the
+        state dict's names change)."""
+        fused = nn.Linear(self.gate_proj.in_features, 2 * self.gate_proj.out_features, bias=False,
+                          device=self.gate_proj.weight.device, dtype=self.gate_proj.weight.dtype)
+        with torch.no_grad():
+            fused.weight.copy_(torch.cat([self.gate_proj.weight, self.up_proj.weight]))
+        self.gate_up_proj = fused
+        del self.gate_proj, self.up_proj
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if not hasattr(self, "gate_up_proj"):
+            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate_up = self.gate_up_proj(x)
+        if self.fast and (hidden := fast_ops.silu_mul(gate_up)) is not None:
+            return self.down_proj(hidden)
+        gate, up = gate_up.chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DFlashLayer(nn.Module):

@@ -23,7 +23,7 @@ import torch
 
 from celeris.config import QUANTIZATION_METHODS
 from celeris.models import blocks, fast_ops
-from celeris.models.dflash import DFlashDraftModel, DraftKVCache, load_dflash
+from celeris.models.dflash import DFlashDraftModel, DFlashMLP, DraftKVCache, load_dflash
 from celeris.models.quantize import (
     QuantizationError,
     QuantizedLinear,
@@ -349,6 +349,9 @@ def quantize_drafter(proposer: DFlashProposer, method: str) -> None:
         return
     if next(drafter.parameters()).device.type != "cpu":
         raise QuantizationError(f"quantization {BLOCK_METHOD!r} (the block kernel) runs on the CPU only")
+    for module in drafter.modules():
+        if isinstance(module, DFlashMLP):
+            module.fuse()  # gate and up in one product
     try:
         blocks.quantize_linears(drafter, "Q8_0")
     except blocks.BlockError as exc:

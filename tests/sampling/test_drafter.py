@@ -306,11 +306,14 @@ def test_a_q8_0_drafter_runs_on_the_block_kernel_and_stays_lossless(target):
     proposer = DFlashProposer(drafter, target, 3)
     quantize_drafter(proposer, "q8_0")
     assert quantization_of(drafter) == "q8_0"
-    for name, w in weights.items():
+    fused = {n.replace("gate_proj", "gate_up_proj"): torch.cat([w, weights[n.replace("gate_proj", "up_proj")]])
+             for n, w in weights.items() if n.endswith("gate_proj")}  # gate and up stacked into one product
+    for name, w in {**{n: w for n, w in weights.items() if not n.endswith(("gate_proj", "up_proj"))},
+                    **fused}.items():
         layer = drafter.get_submodule(name)
         assert isinstance(layer, BlockLinear) and layer.kind == "Q8_0"
         assert torch.equal(layer.dequantize(), dequantize_blocks(quantize_blocks(w), "Q8_0", w.shape[1]))
-    assert drafter.norm.fast and drafter.layers[0].self_attn.fast
+    assert drafter.norm.fast and drafter.layers[0].self_attn.fast and drafter.layers[0].mlp.fast
     head = proposer.draft_head()
     assert isinstance(head, BlockLinear) and head.out_features == 32
     rows = target.embed_tokens.weight.detach()[drafter.d2t]
