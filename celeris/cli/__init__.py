@@ -46,6 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     command's own (``celeris batch``: ``BATCH_*``)."""
     try:
         args = build_parser().parse_args(argv)
+        args.argv = list(sys.argv[1:] if argv is None else argv)  # the command as typed (what a record names)
         _apply_threads(args)
         code = COMMANDS[args.command](args)
         sys.stdout.flush()  # a closed pipe shows here, not in the interpreter's last flush

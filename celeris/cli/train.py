@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 from pathlib import Path
 
 from celeris.cli.common import (
@@ -105,6 +106,9 @@ def _train_dflash(args: argparse.Namespace) -> int:
         if not (Path(args.ship) / "config.json").is_file():
             raise UsageError(f"--ship {args.ship}: no drafter there (config.json)")
         argv += ["--ship", args.ship]
+    typed = getattr(args, "argv", None)
+    if typed:  # the step's record names the command as typed, not the cache folder --target resolved to
+        argv += ["--record-command", "celeris " + shlex.join(typed)]
     dflash.main(argv)
     if args.export:
         import shutil

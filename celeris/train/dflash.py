@@ -20,6 +20,7 @@ import argparse
 import json
 import math
 import pickle
+import shlex
 import sys
 import time
 from dataclasses import dataclass
@@ -351,6 +352,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "or at --max-steps, whichever comes first")
     ap.add_argument("--ship", type=Path, help="at the end, replace the drafter in this folder by the trained one "
                     "only if it accepts more on the held-out rows (celeris.train.ship.ship_if_better)")
+    ap.add_argument("--record-command", help=argparse.SUPPRESS)  # `celeris train` gives the command as typed
     return ap
 
 
@@ -469,7 +471,8 @@ def main(argv: list[str] | None = None) -> None:
         record = {"date": time.strftime("%Y-%m-%d"), "data": f"{len(rows)} rows ({args.data.name})",
                   "steps": step - first_step, "total_steps": prior_steps(args.ship) + step - first_step,
                   "core_hours": round((time.time() - began) * args.threads / 3600, 2),
-                  "command": "python -m celeris.train.dflash " + " ".join(argv if argv is not None else sys.argv[1:])}
+                  "command": args.record_command or "python -m celeris.train.dflash " + shlex.join(
+                      argv if argv is not None else sys.argv[1:])}
         result = ship_if_better(model, args.ship, lambda m: acceptance(m, embed, held, args.block_size - 1), record)
         print({k: v for k, v in result.items() if k != "trained"}, flush=True)
 
