@@ -75,10 +75,16 @@ class RowSettings:
     # which optional stages some row needs, decided from the Python settings (no device sync in the step)
     any_cfg: bool = False
     any_penalty: bool = False
-    any_count_penalty: bool = False  # some row has a frequency or presence penalty
+    any_frequency_penalty: bool = False
+    any_presence_penalty: bool = False
     any_top_p: bool = False
     any_top_k: bool = False
     any_min_p: bool = False
+
+    @property
+    def any_count_penalty(self) -> bool:
+        """Some row has a frequency or presence penalty (what ``History.counts`` is for)."""
+        return self.any_frequency_penalty or self.any_presence_penalty
 
     @classmethod
     def from_params(cls, rows: list[SamplingParams], device: torch.device) -> RowSettings:
@@ -101,7 +107,8 @@ class RowSettings:
             rule_values={p: col(p)[:, None].double() for p in numeric},
             any_cfg=any(r.cfg_scale > 0 for r in rows),
             any_penalty=any(r.repetition_penalty != 1 for r in rows),
-            any_count_penalty=any(r.frequency_penalty != 0 or r.presence_penalty != 0 for r in rows),
+            any_frequency_penalty=any(r.frequency_penalty != 0 for r in rows),
+            any_presence_penalty=any(r.presence_penalty != 0 for r in rows),
             any_top_p=any(r.top_p < 1 for r in rows),
             any_top_k=any(r.top_k > 0 for r in rows),
             any_min_p=any(r.min_p > 0 for r in rows),
@@ -187,9 +194,9 @@ def apply_penalties(logits: torch.Tensor, settings: RowSettings, history: Histor
     if history.counts is not None and settings.any_count_penalty:
         counts = history.counts[:, None, :] if history.counts.dim() == 2 else history.counts
         # a term whose penalty is 0 in every row subtracts exact zeros: left out, the same tensor at fewer passes
-        if bool(settings.frequency_penalty.any()):
+        if settings.any_frequency_penalty:
             logits = logits - settings.frequency_penalty * counts
-        if bool(settings.presence_penalty.any()):
+        if settings.any_presence_penalty:
             logits = logits - settings.presence_penalty * (counts > 0)
     return logits
 
