@@ -131,9 +131,9 @@ class LLM:
         self.prepacked = loaded.prepacked  # linear layers prepacked for oneDNN, the drafter's and the head included
         self.engine_config.max_model_len = resolve_max_model_len(
             plan.config.max_model_len, self.model.config.max_position_embeddings, self.device)
-        self.tokenizer = load_tokenizer(self.path if tokenizer is None else tokenizer, self.model)
-        if tokenizer is not None and self.tokenizer.vocab_size > self.model.config.vocab_size:
-            raise CheckpointError(f"tokenizer '{tokenizer}' has {self.tokenizer.vocab_size} tokens, more than the "
+        self.tokenizer = load_tokenizer(self.path if plan.tokenizer is None else plan.tokenizer, self.model)
+        if plan.tokenizer is not None and self.tokenizer.vocab_size > self.model.config.vocab_size:
+            raise CheckpointError(f"tokenizer '{plan.tokenizer}' has {self.tokenizer.vocab_size} tokens, more than the "
                                   f"model's vocabulary of {self.model.config.vocab_size}")
         if plan.template is not None:
             self.tokenizer.chat_template = plan.template

@@ -8,12 +8,12 @@ prompts, 96 tokens, 1 thread, two rounds).
 from __future__ import annotations
 
 import time
-from dataclasses import replace
 
 import torch
 
-from celeris import LLM, SamplingParams
+from celeris import LLM
 from celeris.bench.chat import PROMPT_SETS
+from celeris.bench.run import next_token_params
 
 
 def main() -> None:
@@ -22,7 +22,7 @@ def main() -> None:
     layers = list(llm.model.layers)
     print("fused layers:", sum(b.fused for b in layers), "of", len(layers))
     base = llm.default_params(max_tokens=96, temperature=0.0)
-    plain = replace(base, decoding=SamplingParams.__dataclass_fields__["decoding"].default)
+    plain = next_token_params(base)
     texts = PROMPT_SETS["mt-bench"]()[:3] + PROMPT_SETS["gsm8k"]()[:2]
     prompts = [llm.tokenizer.encode_chat([{"role": "user", "content": t}]) for t in texts]
     tokens: dict[tuple[bool, str], list] = {}

@@ -8,19 +8,19 @@
 from __future__ import annotations
 
 import time
-from dataclasses import replace
 
 import torch
 
-from celeris import LLM, SamplingParams
+from celeris import LLM
 from celeris.bench.chat import PROMPT_SETS
+from celeris.bench.run import next_token_params
 
 
 def main() -> None:
     torch.set_num_threads(1)
     llm = LLM()
     base = llm.default_params(max_tokens=128, temperature=0.0)
-    plain = replace(base, decoding=SamplingParams.__dataclass_fields__["decoding"].default)
+    plain = next_token_params(base)
     systems = (("next-token", None, plain), ("default, no min gain", None, base), ("min gain 0.15", 0.15, base),
                ("min gain 0.3", 0.3, base))
     for name in ("mt-bench", "gsm8k"):

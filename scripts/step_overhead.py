@@ -12,12 +12,12 @@ from __future__ import annotations
 import argparse
 import time
 from collections import defaultdict
-from dataclasses import replace
 
 import torch
 
-from celeris import LLM, SamplingParams
+from celeris import LLM
 from celeris.bench.chat import PROMPT_SETS
+from celeris.bench.run import next_token_params
 
 
 def timed(clock: dict, key: str, fn):  # noqa: ANN001, ANN201 - wraps any callable
@@ -46,7 +46,7 @@ def main() -> None:
     llm.proposer.propose = timed(clock, "drafter calls", llm.proposer.propose)
     llm.engine.step = timed(clock, "steps", llm.engine.step)
     base = llm.default_params(max_tokens=args.max_tokens, temperature=0.0)
-    plain = replace(base, decoding=SamplingParams.__dataclass_fields__["decoding"].default)
+    plain = next_token_params(base)
     prompts = [llm.tokenizer.encode_chat([{"role": "user", "content": t}])
                for t in PROMPT_SETS[args.prompt_set]()[: args.num_prompts]]
     print(f"{args.prompt_set}, {args.num_prompts} prompts, {args.max_tokens} tokens, {args.threads} thread(s)")

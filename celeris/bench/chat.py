@@ -47,7 +47,7 @@ from celeris.bench import llamacpp, smollm2
 from celeris.bench.memory import own_process_memory
 from celeris.bench.quality import max_repeat_run
 from celeris.bench.quantized import load_width, parse_widths, speed_floor, width_report
-from celeris.bench.run import conditions, draft_counts, pass_cost_ms, run_system, write_json
+from celeris.bench.run import conditions, draft_counts, next_token_params, pass_cost_ms, run_system, write_json
 from celeris.data import gsm8k_questions, mt_bench_questions, summarisation_prompts
 from celeris.llm import LLM
 from celeris.params import SamplingParams
@@ -128,7 +128,7 @@ def systems(llm: LLM, max_tokens: int) -> list[tuple[str, SamplingParams | None,
     """(name, params, the proposer's policy during it (``POLICY``'s values; None: all off) per system; params
     None: transformers."""
     base = llm.default_params(max_tokens=max_tokens, temperature=0.0)
-    plain = replace(base, decoding=SamplingParams.__dataclass_fields__["decoding"].default)
+    plain = next_token_params(base)
     verified = replace(base, decoding="verified")
     out = [("target-next-token", plain, None), ("target-lookup", replace(verified, draft_source="lookup"), None)]
     if llm.proposer is not None:

@@ -14,15 +14,14 @@ import argparse
 import json
 import subprocess
 import sys
-from dataclasses import replace
 
 import torch
 
-from celeris.bench.run import peak_rss_mb
+from celeris.bench.run import next_token_params, peak_rss_mb
 from celeris.llm import LLM
-from celeris.params import SamplingParams
 
-SYSTEMS = ("default", "target-next-token", "llama.cpp")
+CELERIS_SYSTEMS = ("default", "target-next-token")  # what this module's child (``main``) runs
+SYSTEMS = (*CELERIS_SYSTEMS, "llama.cpp")
 # llama.cpp's child imports llama_cpp alone (not Celeris, which imports PyTorch: 200-odd MB of its own)
 LLAMA_CHILD = """
 import json, resource, sys
@@ -91,7 +90,7 @@ def run(job: dict) -> dict:
     llm = LLM(options.pop("model"), **options)
     params = llm.default_params(max_tokens=job["max_tokens"], temperature=0.0)
     if job["system"] == "target-next-token":
-        params = replace(params, decoding=SamplingParams.__dataclass_fields__["decoding"].default)
+        params = next_token_params(params)
     outs = [llm.generate([p], params)[0] for p in job["prompts"]]
     return {"peak_rss_mb": round(peak_rss_mb(), 1), "output_tokens": sum(len(o.token_ids) for o in outs)}
 
@@ -100,8 +99,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.parse_args()
     job = json.loads(sys.stdin.read())
-    if job.get("system") not in ("default", "target-next-token"):
-        raise SystemExit(f"unknown Celeris system {job.get('system')!r} (known: default, target-next-token)")
+    if job.get("system") not in CELERIS_SYSTEMS:
+        raise SystemExit(f"unknown Celeris system {job.get('system')!r} (known: {', '.join(CELERIS_SYSTEMS)})")
     print(json.dumps(run(job)), flush=True)
 
 

@@ -51,7 +51,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -101,6 +101,12 @@ class BenchConfig:
             raise ValueError(f"fast tokens per step must be >= 1, got {self.fast_tokens_per_step}")
         if not self.lengths or min(self.lengths) < 1:
             raise ValueError("output lengths must be >= 1")
+
+
+def next_token_params(params: SamplingParams) -> SamplingParams:
+    """``params`` with ``SamplingParams``' own default ``decoding`` (a causal model decodes it token by token, no
+    drafts): the target-next-token system beside a model whose defaults are verified decoding."""
+    return replace(params, decoding=SamplingParams.__dataclass_fields__["decoding"].default)
 
 
 def reset_peak_rss() -> bool:

@@ -94,18 +94,17 @@ def _train_dflash(args: argparse.Namespace) -> int:
         if not Path(args.init).exists():
             raise UsageError(f"--init {args.init}: no drafter folder or last.pt there")
         argv += ["--init", args.init]
-    if args.time_budget:
-        from celeris.train.ship import parse_duration
+    from celeris.train.ship import check_drafter_folder, parse_duration
 
-        try:
+    try:  # before the run: a usage error, not one at its end
+        if args.time_budget:
             parse_duration(args.time_budget)
-        except ValueError as exc:
-            raise UsageError(str(exc)) from None
-        argv += ["--time-budget", args.time_budget]
-    if args.ship:
-        if not (Path(args.ship) / "config.json").is_file():
-            raise UsageError(f"--ship {args.ship}: no drafter there (config.json)")
-        argv += ["--ship", args.ship]
+            argv += ["--time-budget", args.time_budget]
+        if args.ship:
+            check_drafter_folder(Path(args.ship))
+            argv += ["--ship", args.ship]
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
     typed = getattr(args, "argv", None)
     if typed:  # the step's record names the command as typed, not the cache folder --target resolved to
         argv += ["--record-command", "celeris " + shlex.join(typed)]

@@ -248,10 +248,14 @@ def pick_vocabulary(model: DFlashDraftModel, rows: list[Row], size: int, keep: l
     run picks it again whenever its rows change, and a resumed run from the rows it has then."""
     if not size:
         return None
-    vocab_size = model.config.vocab_size
-    model.d2t = draft_vocabulary(rows, size, vocab_size, keep)
-    t2d = torch.full((vocab_size,), -1, dtype=torch.long)
-    t2d[model.d2t] = torch.arange(size)
+    model.d2t = draft_vocabulary(rows, size, model.config.vocab_size, keep)
+    return target_to_draft(model.d2t, model.config.vocab_size)
+
+
+def target_to_draft(d2t: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """``t2d`` (V,) int64 on ``d2t``'s device: target id -> its row of the draft vocabulary ``d2t``, -1 outside."""
+    t2d = torch.full((vocab_size,), -1, dtype=torch.long, device=d2t.device)
+    t2d[d2t] = torch.arange(d2t.numel(), device=d2t.device)
     return t2d
 
 

@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 
 from celeris.models.dflash import DFlashDraftModel, load_dflash, save_dflash
-from celeris.train.dflash import Row, acceptance, load_rows, train_step
+from celeris.train.dflash import Row, acceptance, load_rows, target_to_draft, train_step
 from celeris.train.ship import parse_duration, prior_steps, ship_if_better
 
 REPO = Path(__file__).resolve().parents[2]
@@ -103,11 +103,8 @@ def train(model: DFlashDraftModel, embed: torch.Tensor, rows: list[Row], budget_
     """Train ``model`` (on ``embed``'s device) for ``budget_s`` seconds or ``max_steps`` steps, the learning rate
     warmed up over ``warmup`` steps and decayed on a cosine over the budget's time; returns ``{"steps",
     "seconds", "loss"}``."""
-    t2d = torch.full((embed.shape[0],), -1, dtype=torch.long, device=embed.device)
-    if model.d2t.numel() != embed.shape[0]:  # a pruned draft vocabulary: target id -> draft row
-        t2d[model.d2t] = torch.arange(model.d2t.numel(), device=embed.device)
-    else:
-        t2d = None
+    pruned = model.d2t.numel() != embed.shape[0]  # a pruned draft vocabulary: target id -> draft row
+    t2d = target_to_draft(model.d2t.to(embed.device), embed.shape[0]) if pruned else None
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr, weight_decay=0.0)
     began, step, loss = time.time(), 0, torch.tensor(float("nan"))
     while step < max_steps and (elapsed := time.time() - began) < budget_s:

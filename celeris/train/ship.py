@@ -44,6 +44,12 @@ def prior_steps(folder: Path) -> int:
     return next((r["total_steps"] for r in reversed(lines) if r.get("replaced")), 0)
 
 
+def check_drafter_folder(folder: Path) -> None:
+    """Raise ValueError (one line naming the flag) unless ``folder`` holds a drafter (its ``config.json``)."""
+    if not (folder / "config.json").is_file():
+        raise ValueError(f"--ship {folder}: no drafter there (config.json)")
+
+
 def weight_bytes(model: DFlashDraftModel) -> int:
     """Bytes of ``model``'s state in bfloat16: what ``save_dflash`` writes as ``model.safetensors`` (about)."""
     return sum(t.numel() * 2 for t in model.state_dict().values())
@@ -65,8 +71,7 @@ def ship_if_better(model: DFlashDraftModel, folder: Path, evaluate, record: dict
     Raises:
         ValueError: ``folder`` holds no drafter.
     """
-    if not (folder / "config.json").is_file():
-        raise ValueError(f"--ship {folder}: no drafter there (config.json)")
+    check_drafter_folder(folder)
     shipped = evaluate(load_dflash(folder).eval())
     trained = evaluate(model.eval())
     out = record | {"shipped_tau": shipped["tau"], "trained_tau": trained["tau"], "trained": trained}
