@@ -380,6 +380,7 @@ class TransformerLM(nn.Module):
         self.layers = nn.ModuleList(Block(arch, partial(self.make_mlp, i)) for i in range(arch.num_layers))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.lm_head = None if arch.tie_head else nn.Linear(arch.hidden_size, rows, bias=False)
+        self.layer_stack = None  # celeris.models.fast_ops.enable: every layer in one kernel call where all fit
 
     def make_mlp(self, index: int) -> nn.Module:
         """The feed-forward module of layer ``index``: a SwiGLU ``MLP`` (mixture-of-experts formats override)."""
@@ -449,6 +450,9 @@ class TransformerLM(nn.Module):
         cos, sin = rope_cos_sin(positions, self.arch.rotary_dim or self.arch.head_dim, self.arch.rope_theta,
                                 self.arch.rope_scaling)
         x = self.embed(ids)  # (B, Lq, d)
+        if self.layer_stack is not None and \
+                (out := self.layer_stack(x, cos, sin, attn_mask, cache, window, capture)) is not None:
+            return self.norm(out)
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, attn_mask, cache=cache, layer_idx=i, window=window)
             if capture is not None and i in capture:

@@ -42,6 +42,27 @@ def test_every_code_path_equals_the_reference(variants, monkeypatch, kind, rows,
             assert torch.allclose(got, want, rtol=1e-5, atol=1e-5 * float(want.abs().max())), (name, m)
 
 
+def test_every_code_path_rounds_activations_as_the_reference(variants):
+    """The activations' int8 codes, scales and code sums are the same bytes on every code path as llama.cpp's
+    reference rounding (halves away from zero), exact halves included."""
+    x = torch.randn(3, 96, generator=torch.Generator().manual_seed(0)) * 5
+    x[1, :32] = torch.cat([torch.tensor([127.0]), torch.arange(-15, 16) + 0.5])  # d = 1: x / d on exact halves
+    x[2, 32:64] = 0.0  # an all-zero block: scale 0, codes 0
+    xb = x.reshape(3, 3, 32)
+    d = xb.abs().amax(-1, keepdim=True) / 127
+    scaled = xb * torch.where(d > 0, 1 / torch.where(d > 0, d, 1), 0)
+    want = (scaled.sign() * torch.floor(scaled.abs() + 0.5)).to(torch.int8).reshape(3, 96)
+    for name, lib in variants.items():
+        codes, scales = torch.empty(3, 96, dtype=torch.int8), torch.empty(3, 3)
+        sums = torch.empty(3, 3, dtype=torch.int32)
+        assert lib.celeris_quantize_activations(kernels.pointer(x), 3, 96, kernels.pointer(codes),
+                                                kernels.pointer(scales), kernels.pointer(sums)) == 0
+        assert torch.equal(codes, want), name
+        assert torch.equal(scales, d.reshape(3, 3)), name
+        assert torch.equal(sums, want.reshape(3, 3, 32).int().sum(-1)), name
+    assert not torch.equal(want, torch.round(scaled).to(torch.int8).reshape(3, 96))  # halves to even would differ
+
+
 def test_the_native_build_uses_the_cpus_vectors(variants):
     assert variants["plain"].celeris_simd_level() == 0
     if "avx2" in variants:

@@ -11,7 +11,15 @@ import torch
 import torch.nn.functional as F
 
 from celeris.models import fast_ops, kernels
-from celeris.models.layers import Architecture, Attention, KVCache, TransformerLM, column_window
+from celeris.models.layers import (
+    Architecture,
+    Attention,
+    KVCache,
+    TransformerLM,
+    causal_mask,
+    column_window,
+    positions_and_mask,
+)
 from celeris.models.rope import rope_cos_sin
 
 pytestmark = pytest.mark.skipif(kernels.library() is None, reason="no C compiler: the fast operators are off")
@@ -173,6 +181,7 @@ def test_a_whole_block_kernel_layer_in_one_call_equals_its_modules_bit_for_bit(m
         return out
 
     monkeypatch.setattr(fast_ops, "decoder_layer", counted)
+    model.layer_stack = None  # layer by layer here (the one call for all layers: the next test)
     runs = []
     for fused in (False, True):
         for b in model.layers:
@@ -189,3 +198,54 @@ def test_a_whole_block_kernel_layer_in_one_call_equals_its_modules_bit_for_bit(m
     assert all(torch.equal(a, b) for a, b in zip(k0 + v0, k1 + v1, strict=True))
     model.layers[0].attn.q_norm = torch.nn.Identity()  # a q/k norm: the one-call kernel does not take it
     assert not fast_ops.fused_layer_fits(model.layers[0]) and fast_ops.fused_layer_fits(model.layers[1])
+
+
+def test_every_layer_in_one_call_equals_the_layer_calls_bit_for_bit(monkeypatch):
+    """``celeris_decoder_stack`` (``TransformerLM.layer_stack``): the same hidden states, cache writes and captured
+    layer outputs (a drafter's features) as one ``celeris_decoder_layer`` call a layer, for a span and per-row
+    columns; a layer switched off its kernel sends the pass back to the layer loop."""
+    from celeris.models.blocks import quantize_linears
+
+    class Config:
+        def architecture(self) -> Architecture:
+            return tiny_arch(hidden_size=64, intermediate_size=96)
+
+    torch.manual_seed(0)
+    model = TransformerLM(Config()).eval()
+    for block in model.layers:
+        quantize_linears(block, "Q8_0")
+    assert fast_ops.enable(model) and model.layer_stack is not None
+    stack = model.layer_stack
+    calls, real = [], fast_ops.LayerStack.__call__
+
+    def counted(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        out = real(*args, **kwargs)
+        calls.append(out is not None)
+        return out
+
+    monkeypatch.setattr(fast_ops.LayerStack, "__call__", counted)
+    ids = torch.randint(0, 50, (2, 14))
+    attn = torch.ones(2, 14, dtype=torch.bool)
+    attn[1, :3] = False
+    positions, mask = positions_and_mask(ids, attn)
+    window = column_window([[11, 12, 13], [9, 12, 12]])
+    runs = []
+    for one_call in (False, True):
+        model.layer_stack = stack if one_call else None
+        cache = KVCache()
+        capture = {0: None, len(model.layers) - 1: None}
+        with torch.no_grad():
+            model.hidden_states(ids, attn, cache)  # a full pass: the layer loop either way
+            span = model.hidden_states(ids, attn, cache, (10, 13))
+            cols = model.layout_hidden_states(ids.gather(1, window), positions.gather(1, window),
+                                              mask & causal_mask(14, window, ids.device), cache, window, capture)
+        runs.append((span, cols, capture, [k.clone() for k in cache.keys], [v.clone() for v in cache.values]))
+    (span0, cols0, cap0, k0, v0), (span1, cols1, cap1, k1, v1) = runs
+    assert calls.count(True) == 2  # the one-call run's two window passes
+    assert torch.equal(span1, span0) and torch.equal(cols1, cols0)
+    assert list(cap0) == list(cap1) and all(torch.equal(cap0[i], cap1[i]) for i in cap0)
+    assert all(torch.equal(a, b) for a, b in zip(k0 + v0, k1 + v1, strict=True))
+    model.layers[1].fused = False  # one layer off its kernel: the stack declines, the layer loop computes
+    with torch.no_grad():
+        again = model.hidden_states(ids, attn, cache, (10, 13))
+    assert calls[-1] is False and torch.equal(again, span0)

@@ -35,7 +35,7 @@ SOURCES = tuple(Path(__file__).with_name(name) for name in ("gguf_blocks.c", "de
 # -ffp-contract=off: no fused multiply-add where the source has a product and a sum, so RoPE in C rounds as
 # PyTorch's elementwise x * cos + rotated * sin does, bit for bit (the block kernel's own FMAs are explicit)
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-shared", "-fPIC", "-std=c11")
-ABI_VERSION = 4  # celeris_abi_version() of the source this module calls
+ABI_VERSION = 5  # celeris_abi_version() of the source this module calls
 DISABLE_ENV = "CELERIS_NO_KERNELS"  # set to 1: never build or load the kernel (the PyTorch path; for tests)
 
 
@@ -99,6 +99,7 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
             ("celeris_repack", [i32, ptr, i64, i64, ptr, i32], i32),
             ("celeris_packed_rows", [i32, ptr, i64, i64, ptr, i64, ptr], i32),
             ("celeris_packed_matmul", [i32, ptr, i64, i64, ptr, i64, ptr, i32], i32),
+            ("celeris_quantize_activations", [ptr, i64, i64, ptr, ptr, ptr], i32),
             ("celeris_rms_norm", [ptr, ptr, i64, i64, ctypes.c_float, ptr], None),
             ("celeris_silu_mul", [ptr, i64, i64, ptr], None),
             ("celeris_attention", [ptr, i64, i64, i64, ptr, i64, i64, i64, ptr, i64, i64, i64, ptr, i64, i64, i64,
@@ -108,7 +109,10 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
                                               i32], i32),
             ("celeris_decoder_layer", [ptr, i64, i64, i64, ptr, ptr, ctypes.c_float, i32, ptr, i32, ptr, i32, ptr, i32,
                                        ptr, i64, i64, i64, i64, ptr, ptr, i64, i64, ptr, i64, i64, i64, ptr, i64, i64,
-                                       i64, i64, ptr, ptr, i64, i64, i64, ctypes.c_float, ptr, i32], i32)):
+                                       i64, i64, ptr, ptr, i64, i64, i64, ctypes.c_float, ptr, i32], i32),
+            ("celeris_decoder_stack", [i64, ptr, ptr, i64, i64, i64, ctypes.c_float, i64, i64, i64, i64, ptr, ptr,
+                                       i64, i64, i64, i64, i64, i64, i64, i64, i64, ptr, ptr, i64, i64, i64,
+                                       ctypes.c_float, ptr, i32], i32)):
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = args, res
     return lib

@@ -7,6 +7,7 @@
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 #ifdef _OPENMP
 #include <omp.h>
 #endif
@@ -50,6 +51,35 @@ void celeris_silu_mul(const float *gu, int64_t rows, int64_t n, float *out) {
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
+#endif
+
+#if defined(__AVX512F__)
+/* r[c] = (r[0][c], ..., r[15][c]) for c < 16: a 16 x 16 float32 block transposed in registers (unpack pairs of
+ * rows, then pairs of pairs, then 128-bit lanes twice). */
+static inline void transpose_16x16(__m512 r[16]) {
+    __m512 t[16], s[16];
+    for (int i = 0; i < 8; i++) {
+        t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+    }
+    for (int g = 0; g < 4; g++) {  /* s[4g + k], 128-bit lane L: element 4L + k of rows 4g .. 4g + 3 */
+        const __m512d a = _mm512_castps_pd(t[4 * g]), b = _mm512_castps_pd(t[4 * g + 2]);
+        const __m512d c = _mm512_castps_pd(t[4 * g + 1]), e = _mm512_castps_pd(t[4 * g + 3]);
+        s[4 * g] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, b));
+        s[4 * g + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, b));
+        s[4 * g + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(c, e));
+        s[4 * g + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(c, e));
+    }
+    for (int k = 0; k < 4; k++) {
+        const __m512 u = _mm512_shuffle_f32x4(s[k], s[4 + k], 0x88), v = _mm512_shuffle_f32x4(s[k], s[4 + k], 0xdd);
+        const __m512 u2 = _mm512_shuffle_f32x4(s[8 + k], s[12 + k], 0x88);
+        const __m512 v2 = _mm512_shuffle_f32x4(s[8 + k], s[12 + k], 0xdd);
+        r[k] = _mm512_shuffle_f32x4(u, u2, 0x88);
+        r[4 + k] = _mm512_shuffle_f32x4(v, v2, 0x88);
+        r[8 + k] = _mm512_shuffle_f32x4(u, u2, 0xdd);
+        r[12 + k] = _mm512_shuffle_f32x4(v, v2, 0xdd);
+    }
+}
 #endif
 
 /* sc[j] = sum over d in order of q[d] * kT[d * 16 + j], j < 16, one fused multiply-add chain per key (16 keys
@@ -133,9 +163,23 @@ int celeris_attention(const float *q, int64_t qb, int64_t qh, int64_t ql, const 
     for (int64_t i = 0; i < B * Hkv; i++) {  /* keys_t (B * Hkv, Tp / 16, D, 16): blocks of 16 keys transposed */
         const float *kbase = k + (i / Hkv) * kb + (i % Hkv) * kh;
         float *dst = keys_t + i * D * Tp;
-        for (int64_t t = 0; t < Tp; t++) {
-            if (!wanted[(i / Hkv) * nblk + t / V]) continue;  /* no query attends it: never read */
-            for (int64_t d = 0; d < D; d++) dst[(t / V) * D * V + d * V + t % V] = t < T ? kbase[t * kt + d] : 0.0f;
+        for (int64_t t0 = 0; t0 < Tp; t0 += V) {
+            if (!wanted[(i / Hkv) * nblk + t0 / V]) continue;  /* no query attends it: never read */
+            float *blk = dst + (t0 / V) * D * V;
+#if defined(__AVX512F__)
+            if (D % V == 0) {  /* 16 keys x 16 dimensions at a time, transposed in registers (0 past T) */
+                for (int64_t d0 = 0; d0 < D; d0 += V) {
+                    __m512 r[16];
+                    for (int64_t j = 0; j < V; j++)
+                        r[j] = t0 + j < T ? _mm512_loadu_ps(kbase + (t0 + j) * kt + d0) : _mm512_setzero_ps();
+                    transpose_16x16(r);
+                    for (int64_t c = 0; c < V; c++) _mm512_storeu_ps(blk + (d0 + c) * V, r[c]);
+                }
+                continue;
+            }
+#endif
+            for (int64_t t = t0; t < t0 + V; t++)
+                for (int64_t d = 0; d < D; d++) blk[d * V + t % V] = t < T ? kbase[t * kt + d] : 0.0f;
         }
     }
 #pragma omp parallel for num_threads(threads) schedule(static) if (work * T * D >= (1 << 18))
@@ -235,22 +279,26 @@ int celeris_packed_matmul(int type, const float *x, int64_t M, int64_t K, const 
  * the same order as the layer's modules call them, and the residual adds are single float additions, so out
  * equals the module path's output bit for bit. Returns 0, -1 for a window column outside the cache (nothing
  * written), -2 when out of memory, -3 for a shape a weight's product does not take. */
-int celeris_decoder_layer(const float *x, int64_t B, int64_t L, int64_t d, const float *attn_norm,
-                          const float *mlp_norm, float eps, int qkv_type, const uint8_t *qkv, int o_type,
-                          const uint8_t *o, int gu_type, const uint8_t *gu, int down_type, const uint8_t *down,
-                          int64_t H, int64_t Hkv, int64_t D, int64_t I, const float *cos, const float *sin,
-                          int64_t cb, int64_t cl, float *kc, int64_t kb, int64_t kh, int64_t kt, float *vc,
-                          int64_t vb, int64_t vh, int64_t vt, int64_t T, const int64_t *cols, const uint8_t *mask,
-                          int64_t mb, int64_t ml, int64_t mt, float scale, float *out, int threads) {
+/* scratch rows of one layer call: h (rows, d), wide (rows, max((H + 2 Hkv) D, 2 I)), mid (rows, max(H D, I)) */
+static int64_t layer_scratch_floats(int64_t rows, int64_t d, int64_t H, int64_t Hkv, int64_t D, int64_t I) {
+    const int64_t width = (H + 2 * Hkv) * D;
+    return rows * (d + (width > 2 * I ? width : 2 * I) + (H * D > I ? H * D : I));
+}
+
+static int decoder_layer_into(const float *x, int64_t B, int64_t L, int64_t d, const float *attn_norm,
+                              const float *mlp_norm, float eps, int qkv_type, const uint8_t *qkv, int o_type,
+                              const uint8_t *o, int gu_type, const uint8_t *gu, int down_type, const uint8_t *down,
+                              int64_t H, int64_t Hkv, int64_t D, int64_t I, const float *cos, const float *sin,
+                              int64_t cb, int64_t cl, float *kc, int64_t kb, int64_t kh, int64_t kt, float *vc,
+                              int64_t vb, int64_t vh, int64_t vt, int64_t T, const int64_t *cols,
+                              const uint8_t *mask, int64_t mb, int64_t ml, int64_t mt, float scale, float *out,
+                              int threads, float *scratch) {
     const int64_t rows = B * L, width = (H + 2 * Hkv) * D;
-    const int64_t most = width > 2 * I ? width : 2 * I;
-    float *h = (float *)malloc((size_t)(rows * d) * sizeof(float));
-    float *wide = (float *)malloc((size_t)(rows * most) * sizeof(float));
-    float *mid = (float *)malloc((size_t)(rows * (H * D > I ? H * D : I)) * sizeof(float));
-    int rc = (!h || !wide || !mid) ? -2 : 0;
+    float *h = scratch, *wide = h + rows * d, *mid = wide + rows * (width > 2 * I ? width : 2 * I);
+    int rc = 0;
     /* a product refusing its shape is -3 (the caller's bug), not the -1 of a window column outside the cache */
 #define PRODUCT(call) do { if (rc == 0) { rc = (call); if (rc == -1) rc = -3; } } while (0)
-    if (rc == 0) celeris_rms_norm(x, attn_norm, rows, d, eps, h);
+    celeris_rms_norm(x, attn_norm, rows, d, eps, h);
     PRODUCT(celeris_packed_matmul(qkv_type, h, rows, d, qkv, width, wide, threads));
     if (rc == 0)
         rc = celeris_rope_cache_attention(wide, B, L, H, Hkv, D, cos, sin, cb, cl, kc, kb, kh, kt, vc, vb, vh, vt, T,
@@ -266,8 +314,55 @@ int celeris_decoder_layer(const float *x, int64_t B, int64_t L, int64_t d, const
 #undef PRODUCT
     if (rc == 0)
         for (int64_t i = 0; i < rows * d; i++) out[i] += h[i];
-    free(h);
-    free(wide);
-    free(mid);
+    return rc;
+}
+
+int celeris_decoder_layer(const float *x, int64_t B, int64_t L, int64_t d, const float *attn_norm,
+                          const float *mlp_norm, float eps, int qkv_type, const uint8_t *qkv, int o_type,
+                          const uint8_t *o, int gu_type, const uint8_t *gu, int down_type, const uint8_t *down,
+                          int64_t H, int64_t Hkv, int64_t D, int64_t I, const float *cos, const float *sin,
+                          int64_t cb, int64_t cl, float *kc, int64_t kb, int64_t kh, int64_t kt, float *vc,
+                          int64_t vb, int64_t vh, int64_t vt, int64_t T, const int64_t *cols, const uint8_t *mask,
+                          int64_t mb, int64_t ml, int64_t mt, float scale, float *out, int threads) {
+    float *scratch = (float *)malloc((size_t)layer_scratch_floats(B * L, d, H, Hkv, D, I) * sizeof(float));
+    if (!scratch) return -2;
+    const int rc = decoder_layer_into(x, B, L, d, attn_norm, mlp_norm, eps, qkv_type, qkv, o_type, o, gu_type, gu,
+                                      down_type, down, H, Hkv, D, I, cos, sin, cb, cl, kc, kb, kh, kt, vc, vb, vh,
+                                      vt, T, cols, mask, mb, ml, mt, scale, out, threads, scratch);
+    free(scratch);
+    return rc;
+}
+
+/* n decoder layers in one call (celeris_decoder_layer's, one after another), so that a pass makes one call from
+ * Python instead of one a layer. Layer i reads row i of `layers` (n, STACK_COLUMNS) int64: its attention and MLP
+ * norm weights, the types and repacked tiles of qkv, o, gate_up and down, its key and value caches (all layers'
+ * caches with the strides given), and an address (or 0) to copy its output (B * L, d) to (a drafter's captured
+ * features). x, out (B * L, d) float32, the rest as celeris_decoder_layer takes them. Returns as it does; -1 or -3
+ * stop at the failing layer (the layers before it have written their caches). */
+#define STACK_COLUMNS 13
+int celeris_decoder_stack(int64_t n, const int64_t *layers, const float *x, int64_t B, int64_t L, int64_t d,
+                          float eps, int64_t H, int64_t Hkv, int64_t D, int64_t I, const float *cos, const float *sin,
+                          int64_t cb, int64_t cl, int64_t kb, int64_t kh, int64_t kt, int64_t vb, int64_t vh,
+                          int64_t vt, int64_t T, const int64_t *cols, const uint8_t *mask, int64_t mb, int64_t ml,
+                          int64_t mt, float scale, float *out, int threads) {
+    const int64_t rows = B * L;
+    float *scratch = (float *)malloc((size_t)(layer_scratch_floats(rows, d, H, Hkv, D, I) + 2 * rows * d) *
+                                     sizeof(float));
+    if (!scratch) return -2;
+    float *ping = scratch + layer_scratch_floats(rows, d, H, Hkv, D, I), *pong = ping + rows * d;
+    const float *cur = x;
+    int rc = 0;
+    for (int64_t i = 0; i < n && rc == 0; i++) {
+        const int64_t *row = layers + i * STACK_COLUMNS;
+        float *dst = i == n - 1 ? out : (i % 2 ? pong : ping);
+        rc = decoder_layer_into(cur, B, L, d, (const float *)row[0], (const float *)row[1], eps, (int)row[2],
+                                (const uint8_t *)row[3], (int)row[4], (const uint8_t *)row[5], (int)row[6],
+                                (const uint8_t *)row[7], (int)row[8], (const uint8_t *)row[9], H, Hkv, D, I, cos, sin,
+                                cb, cl, (float *)row[10], kb, kh, kt, (float *)row[11], vb, vh, vt, T, cols, mask, mb,
+                                ml, mt, scale, dst, threads, scratch);
+        if (rc == 0 && row[12]) memcpy((float *)row[12], dst, (size_t)(rows * d) * sizeof(float));
+        cur = dst;
+    }
+    free(scratch);
     return rc;
 }

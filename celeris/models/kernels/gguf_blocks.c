@@ -48,7 +48,7 @@ enum { TYPE_Q4_0 = 2, TYPE_Q4_1 = 3, TYPE_Q8_0 = 8 }; /* ggml's type numbers (gg
 
 typedef struct { float d; int32_t sum; int8_t qs[QK]; } block_act; /* one quantized activation block */
 
-int celeris_abi_version(void) { return 4; }
+int celeris_abi_version(void) { return 5; }
 int celeris_simd_level(void) { return SIMD; } /* 2: AVX-512 VNNI, 1: AVX2, 0: plain C */
 int celeris_tile_rows(void) { return R; }
 
@@ -192,9 +192,61 @@ int celeris_packed_rows(int type, const uint8_t *packed, int64_t N, int64_t K, c
     return 0;
 }
 
-static void quantize_row(const float *x, int64_t K, block_act *out) { /* llama.cpp's quantize_row_q8_0 reference */
+#if SIMD == 2
+/* roundf of 16 floats (halves away from zero), exactly: truncate, then step away from zero where the dropped part
+ * is at least one half (v - trunc(v) is exact for these |v| <= 127.5) */
+static inline __m512i round_away(__m512 v) {
+    const __m512 t = _mm512_roundscale_ps(v, _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
+    const __mmask16 up = _mm512_cmp_ps_mask(_mm512_abs_ps(_mm512_sub_ps(v, t)), _mm512_set1_ps(0.5f), _CMP_GE_OQ);
+    const __m512 one = _mm512_or_ps(_mm512_set1_ps(1.0f), _mm512_and_ps(v, _mm512_set1_ps(-0.0f)));
+    return _mm512_cvttps_epi32(_mm512_mask_add_ps(t, up, t, one));
+}
+#elif SIMD == 1
+static inline __m256i round_away(__m256 v) {
+    const __m256 t = _mm256_round_ps(v, _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC), sign = _mm256_set1_ps(-0.0f);
+    const __m256 up = _mm256_cmp_ps(_mm256_andnot_ps(sign, _mm256_sub_ps(v, t)), _mm256_set1_ps(0.5f), _CMP_GE_OQ);
+    const __m256 one = _mm256_or_ps(_mm256_set1_ps(1.0f), _mm256_and_ps(v, sign));
+    return _mm256_cvttps_epi32(_mm256_add_ps(t, _mm256_and_ps(up, one)));
+}
+#endif
+
+/* llama.cpp's quantize_row_q8_0 reference (amax, d = amax / 127, q = roundf(x * (1 / d))), with the codes' sum;
+ * the vector loops give the same bytes as the plain one (a maximum and roundf are exact in any order). */
+static void quantize_row(const float *x, int64_t K, block_act *out) {
     for (int64_t b = 0; b < K / QK; b++) {
         const float *xb = x + b * QK;
+#if SIMD == 2
+        const __m512 x0 = _mm512_loadu_ps(xb), x1 = _mm512_loadu_ps(xb + 16);
+        const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(x0), _mm512_abs_ps(x1)));
+        const float d = amax / 127.0f, id = d ? 1.0f / d : 0.0f;
+        const __m512i q0 = round_away(_mm512_mul_ps(x0, _mm512_set1_ps(id)));
+        const __m512i q1 = round_away(_mm512_mul_ps(x1, _mm512_set1_ps(id)));
+        _mm_storeu_si128((__m128i *)out[b].qs, _mm512_cvtepi32_epi8(q0));
+        _mm_storeu_si128((__m128i *)(out[b].qs + 16), _mm512_cvtepi32_epi8(q1));
+        out[b].d = d;
+        out[b].sum = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+#elif SIMD == 1
+        const __m256 sign = _mm256_set1_ps(-0.0f);
+        __m256 m = _mm256_setzero_ps();
+        for (int j = 0; j < QK; j += 8) m = _mm256_max_ps(m, _mm256_andnot_ps(sign, _mm256_loadu_ps(xb + j)));
+        float lanes[8], amax = 0.0f;
+        _mm256_storeu_ps(lanes, m);
+        for (int j = 0; j < 8; j++) amax = amax > lanes[j] ? amax : lanes[j];
+        const float d = amax / 127.0f, id = d ? 1.0f / d : 0.0f;
+        __m256i total = _mm256_setzero_si256();
+        for (int j = 0; j < QK; j += 8) {
+            const __m256i q = round_away(_mm256_mul_ps(_mm256_loadu_ps(xb + j), _mm256_set1_ps(id)));
+            total = _mm256_add_epi32(total, q);
+            int32_t codes[8];
+            _mm256_storeu_si256((__m256i *)codes, q);
+            for (int e = 0; e < 8; e++) out[b].qs[j + e] = (int8_t)codes[e];
+        }
+        int32_t sums[8], sum = 0;
+        _mm256_storeu_si256((__m256i *)sums, total);
+        for (int e = 0; e < 8; e++) sum += sums[e];
+        out[b].d = d;
+        out[b].sum = sum;
+#else
         float amax = 0.0f;
         for (int j = 0; j < QK; j++) amax = fmaxf(amax, fabsf(xb[j]));
         const float d = amax / 127.0f, id = d ? 1.0f / d : 0.0f;
@@ -206,7 +258,23 @@ static void quantize_row(const float *x, int64_t K, block_act *out) { /* llama.c
         }
         out[b].d = d;
         out[b].sum = sum;
+#endif
     }
+}
+
+/* The activation rounding the products use, exported for tests: x (M, K) float32 -> codes (M, K) int8, scales
+ * (M, K / 32) float32 and code sums (M, K / 32) int32. Returns 0, or -1 for a K not a multiple of 32. */
+int celeris_quantize_activations(const float *x, int64_t M, int64_t K, int8_t *codes, float *scales, int32_t *sums) {
+    if (K % QK || M < 0) return -1;
+    block_act a[1];
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t b = 0; b < K / QK; b++) {
+            quantize_row(x + m * K + b * QK, QK, a);
+            memcpy(codes + m * K + b * QK, a->qs, QK);
+            scales[m * (K / QK) + b] = a->d;
+            sums[m * (K / QK) + b] = a->sum;
+        }
+    return 0;
 }
 
 static int32_t group(const block_act *a, int j) { int32_t v; memcpy(&v, a->qs + 4 * j, 4); return v; }
