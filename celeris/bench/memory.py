@@ -21,13 +21,17 @@ from celeris.bench.run import next_token_params, peak_rss_mb
 from celeris.llm import LLM
 
 CELERIS_SYSTEMS = ("default", "target-next-token")  # what this module's child (``main``) runs
-SYSTEMS = (*CELERIS_SYSTEMS, "llama.cpp")
+# llama.cpp twice: with the context the prompts need, and with Celeris's own context (``LLM.context_length``, the
+# n_ctx issue 48 compares at: llama.cpp allocates its whole KV cache up front, Celeris's store touches only the
+# positions requests hold)
+LLAMA_SYSTEMS = ("llama.cpp", "llama.cpp-full-context")
+SYSTEMS = (*CELERIS_SYSTEMS, *LLAMA_SYSTEMS)
 # llama.cpp's child imports llama_cpp alone (not Celeris, which imports PyTorch: 200-odd MB of its own)
 LLAMA_CHILD = """
 import json, resource, sys
 import llama_cpp
 job = json.loads(sys.stdin.read())
-n_ctx = max(map(len, job["prompts"])) + job["max_tokens"]
+n_ctx = job.get("n_ctx") or max(map(len, job["prompts"])) + job["max_tokens"]
 llama = llama_cpp.Llama(model_path=job["gguf"], n_ctx=n_ctx, n_threads=job["threads"], n_threads_batch=job["threads"],
                         n_batch=512, verbose=False, seed=0, last_n_tokens_size=n_ctx)
 stop, tokens = {llama.token_eos(), *job["end_ids"]}, 0
@@ -39,20 +43,23 @@ for prompt in job["prompts"]:
         tokens += 1
 peak = next((int(x.split()[1]) / 1024 for x in open("/proc/self/status") if x.startswith("VmHWM:")),
             resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
-print(json.dumps({"peak_rss_mb": round(peak, 1), "output_tokens": tokens}))
+print(json.dumps({"peak_rss_mb": round(peak, 1), "output_tokens": tokens, "n_ctx": n_ctx}))
 """
 
 
 def own_process_memory(llm: LLM, options: dict, prompts: list[list[int]], max_tokens: int,
                        with_llamacpp: bool) -> dict:
     """``own_process_rss`` of ``default``, ``target-next-token`` and (``with_llamacpp``) ``llama.cpp`` on
-    ``llm``'s ``.gguf`` file with ``llm``'s penalties and end ids, at the bench's threads: system -> result."""
+    ``llm``'s ``.gguf`` file with ``llm``'s penalties and end ids, at the bench's threads, with the context the
+    prompts need and with ``llm``'s context length (``llama.cpp-full-context``): system -> result."""
     base = llm.default_params()
     llama = {"gguf": str(llm.gguf_path), "end_ids": sorted(llm.end_token_ids),
              "penalties": {"repeat_penalty": base.repetition_penalty, "frequency_penalty": base.frequency_penalty,
                            "presence_penalty": base.presence_penalty}}
-    names = [n for n in SYSTEMS if n != "llama.cpp" or with_llamacpp]
-    return {n: own_process_rss(n, options, prompts, max_tokens, torch.get_num_threads(), llama) for n in names}
+    names = [n for n in SYSTEMS if n not in LLAMA_SYSTEMS or with_llamacpp]
+    contexts = {"llama.cpp-full-context": llm.context_length}
+    return {n: own_process_rss(n, options, prompts, max_tokens, torch.get_num_threads(),
+                               {**llama, "n_ctx": contexts.get(n)}) for n in names}
 
 
 def own_process_rss(system: str, options: dict, prompts: list[list[int]], max_tokens: int, threads: int,
@@ -65,7 +72,7 @@ def own_process_rss(system: str, options: dict, prompts: list[list[int]], max_to
         prompts: prompt ids, answered one after another.
         llama: for ``llama.cpp``: ``{"gguf": path, "end_ids": [...], "penalties": {llama.cpp's names: values}}``.
     """
-    if system == "llama.cpp":
+    if system in LLAMA_SYSTEMS:
         command = [sys.executable, "-c", LLAMA_CHILD]
         job = json.dumps({**(llama or {}), "prompts": prompts, "max_tokens": max_tokens, "threads": threads})
     else:

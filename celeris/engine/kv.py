@@ -310,6 +310,7 @@ class KVPool:
         self.capacity_length = 0
         self.owners: list[Row] = []
         self._index: dict[Row, int] = {}
+        self._views: dict[str, tuple[int, list[torch.Tensor], list[torch.Tensor]]] = {}
 
     @property
     def num_rows(self) -> int:
@@ -318,12 +319,26 @@ class KVPool:
     @property
     def keys(self) -> list[torch.Tensor]:
         """Per layer (R, H_kv, capacity_length, D) views of the live rows' keys ([] with no live row)."""
-        return [k[:, :, : self.capacity_length] for k in self.segment.keys] if self.owners else []
+        return self._columns("keys")
 
     @property
     def values(self) -> list[torch.Tensor]:
         """Per layer the live rows' values, as ``keys``."""
-        return [v[:, :, : self.capacity_length] for v in self.segment.values] if self.owners else []
+        return self._columns("values")
+
+    def _columns(self, name: str) -> list[torch.Tensor]:
+        """The first ``capacity_length`` columns of the segment's rows of ``name``, as views made again only when
+        the rows or the length changed (a step asks for them each pass: 30-odd slices a time)."""
+        if not self.owners:
+            return []
+        rows = getattr(self.segment, name)  # the segment's own cache of row views: the same objects until they move
+        made = self._views.get(name)
+        if made is not None and made[0] == self.capacity_length and len(made[1]) == len(rows) \
+                and all(a is b for a, b in zip(made[1], rows, strict=True)):
+            return list(made[2])
+        views = [t[:, :, : self.capacity_length] for t in rows]
+        self._views[name] = (self.capacity_length, rows, views)
+        return list(views)
 
     @property
     def nbytes(self) -> int:

@@ -19,6 +19,7 @@ Any other type (``dynamic``, ``longrope``, ...) is refused naming it.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, fields
 
@@ -129,13 +130,21 @@ def _yarn(dim: int, theta: float, s: RopeScaling, device: torch.device) -> tuple
     return interpolated * (1 - keep) + extrapolated * keep, float(attention)
 
 
+@functools.lru_cache(maxsize=16)
+def _frequencies(dim: int, theta: float, scaling: RopeScaling | None, device: torch.device) -> tuple[torch.Tensor,
+                                                                                                     float]:
+    """``rope_frequencies``, computed once per model and device (a decoding step would make it again each pass;
+    the tensor is shared: callers read it only)."""
+    return rope_frequencies(dim, theta, scaling, device)
+
+
 def rope_cos_sin(
     positions: torch.Tensor, head_dim: int, theta: float, scaling: RopeScaling | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotary tables (RoPE, arXiv:2104.09864): integer ``positions`` (B, L) -> cos, sin each (B, 1, L, head_dim),
     float32; ``scaling``: a context-extension scaling (its frequencies, and its attention factor multiplying cos
     and sin)."""
-    inv_freq, attention_factor = rope_frequencies(head_dim, theta, scaling, positions.device)  # (head_dim/2,)
+    inv_freq, attention_factor = _frequencies(head_dim, theta, scaling, positions.device)  # (head_dim/2,)
     angles = positions.float()[..., None] * inv_freq  # (B, L, head_dim/2)
     angles = torch.cat([angles, angles], dim=-1)  # (B, L, head_dim)
     if attention_factor == 1.0:

@@ -45,11 +45,13 @@ def test_every_system_reports_its_own_peak(tiny_checkpoint, tokenizer_dir, tmp_p
     (tmp_path / "fake" / "llama_cpp.py").write_text(FAKE_LLAMA_CPP)
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path / "fake"), os.environ.get("PYTHONPATH", "")]))
     results = own_process_memory(llm, options, [[5, 9, 11], [4, 6]], 4, with_llamacpp=True)
-    assert set(results) == {"default", "target-next-token", "llama.cpp"}
+    assert set(results) == {"default", "target-next-token", "llama.cpp", "llama.cpp-full-context"}
     for name, r in results.items():
         assert "error" not in r, (name, r)
         assert r["peak_rss_mb"] > 0 and r["output_tokens"] > 0
     assert results["llama.cpp"]["output_tokens"] == 2 * 4  # the fake never ends: max_tokens each
+    assert results["llama.cpp"]["n_ctx"] == 3 + 4  # the longest prompt and its answer
+    assert results["llama.cpp-full-context"]["n_ctx"] == llm.context_length  # Celeris's own context
     assert results["llama.cpp"]["peak_rss_mb"] < results["default"]["peak_rss_mb"]  # no PyTorch in its process
     bad = own_process_rss("nothing", options, [[5]], 2, 1)
     assert bad["error"].startswith("exit 1") and "unknown Celeris system" in bad["error"]
