@@ -202,7 +202,8 @@ class MaskedPath:
 
     def _guide(self, requests: list[Request], logits: torch.Tensor, cond: list[int], uncond: list[int]) -> torch.Tensor:
         """Rows ``cond`` of ``logits`` for every request, CFG applied to the guided ones (rows ``uncond``)."""
-        out = logits[cond]
+        # every pool row in order (no CFG row, the usual case): the logits as they are, not a copy of them
+        out = logits if len(cond) == logits.shape[0] and cond == list(range(len(cond))) else logits[cond]
         guided_rows = [i for i, r in enumerate(requests) if r.params.cfg_scale > 0]
         if guided_rows:
             scale = torch.tensor([requests[i].params.cfg_scale for i in guided_rows], device=self.runner.device)

@@ -237,6 +237,26 @@ class LayerStack:
         self.eps, self.dims = first.attn_norm.eps, (first.attn.num_heads, first.attn.num_kv_heads,
                                                     first.attn.head_dim, first.mlp.down_proj.in_features)
 
+    def _caches(self, keys: list[torch.Tensor], values: list[torch.Tensor]) -> torch.Tensor | None:
+        """(n, 2) int64 addresses of each layer's key and value cache, or None when the layers' caches differ in
+        shape, strides, dtype or device (or a last dimension is not contiguous); checked again only when the cache
+        tensors are not the objects of the last pass (an engine's KV pool hands out the same views step after
+        step)."""
+        last = getattr(self, "_last", None)
+        if last is not None and len(last[0]) == len(keys) and all(a is b for a, b in zip(last[0], keys, strict=True)) \
+                and all(a is b for a, b in zip(last[1], values, strict=True)):
+            return last[2]
+        k0, v0 = keys[0], values[0]
+        if k0.stride(-1) != 1 or v0.stride(-1) != 1 \
+                or any(k.shape != k0.shape or k.stride() != k0.stride() or k.dtype != k0.dtype or k.device != k0.device
+                       for k in keys) \
+                or any(v.shape != v0.shape or v.stride() != v0.stride() or v.dtype != v0.dtype or v.device != v0.device
+                       for v in values):
+            return None
+        caches = torch.tensor([[k.data_ptr(), v.data_ptr()] for k, v in zip(keys, values, strict=True)])
+        self._last = (list(keys), list(values), caches)  # held: the addresses stay those tensors'
+        return caches
+
     def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn_mask: torch.Tensor | None,
                  cache: object, window: tuple[int, int] | torch.Tensor | None,
                  capture: dict[int, torch.Tensor | None] | None = None) -> torch.Tensor | None:
@@ -253,20 +273,16 @@ class LayerStack:
         keys, values = cache.keys, cache.values
         n = len(self.blocks)
         if len(keys) != n or len(values) != n or not _fits(x, cos, sin, keys[0], values[0]) \
-                or keys[0].stride(-1) != 1 or values[0].stride(-1) != 1 \
                 or not _window_ok(x.shape[0], x.shape[1], keys[0], values[0], window, attn_mask):
             return None
-        kshape, kstride, vshape, vstride = keys[0].shape, keys[0].stride(), values[0].shape, values[0].stride()
-        if any(k.shape != kshape or k.stride() != kstride or k.device != keys[0].device for k in keys) \
-                or any(v.shape != vshape or v.stride() != vstride or v.dtype != values[0].dtype for v in values) \
-                or any(k.dtype != keys[0].dtype for k in keys):
+        caches = self._caches(keys, values)
+        if caches is None:
             return None
         b, lq, dim = x.shape
         x = x.contiguous()
         out = torch.empty_like(x)
         table = self.table.clone()
-        table[:, 10] = torch.tensor([k.data_ptr() for k in keys])
-        table[:, 11] = torch.tensor([v.data_ptr() for v in values])
+        table[:, 10:12] = caches
         for i in capture or ():
             if 0 <= i < n:
                 capture[i] = torch.empty_like(x)
@@ -278,7 +294,7 @@ class LayerStack:
                                        *args[:4], *args[5:8], *args[9:], d ** -0.5, pointer(out),
                                        torch.get_num_threads())
         if rc == -1:
-            raise IndexError(f"a window column is outside the cache of {kshape[2]} positions")
+            raise IndexError(f"a window column is outside the cache of {keys[0].shape[2]} positions")
         if rc == -3:
             raise RuntimeError("celeris_decoder_stack: a weight's product refused its shape")
         if rc != 0:
