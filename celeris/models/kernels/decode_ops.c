@@ -82,46 +82,113 @@ static inline void transpose_16x16(__m512 r[16]) {
 }
 #endif
 
-/* sc[j] = sum over d in order of q[d] * kT[d * 16 + j], j < 16, one fused multiply-add chain per key (16 keys
- * transposed: dimension d of the 16 is contiguous); the AVX-512 loop rounds as the plain one does. */
-static inline void score_keys(const float *q, const float *kT, int64_t D, float *sc) {
+#define HEADS_AT_ONCE 4  /* query heads of one K/V head computed together (their chains interleaved) */
+
+/* sc[e][j] = sum over d in order of q[e][d] * kT[d * 16 + j], j < 16, for nh <= HEADS_AT_ONCE queries: one fused
+ * multiply-add chain per query and key (16 keys transposed: dimension d of the 16 is contiguous), the queries'
+ * chains interleaved; the AVX-512 loop rounds as the plain one does. */
+static inline void score_keys(const float *const *q, int64_t nh, const float *kT, int64_t D, float *sc) {
 #if defined(__AVX512F__)
-    __m512 acc = _mm512_setzero_ps();
-    for (int64_t d = 0; d < D; d++) acc = _mm512_fmadd_ps(_mm512_set1_ps(q[d]), _mm512_loadu_ps(kT + d * 16), acc);
-    _mm512_storeu_ps(sc, acc);
+    __m512 acc[HEADS_AT_ONCE];
+    for (int e = 0; e < HEADS_AT_ONCE; e++) acc[e] = _mm512_setzero_ps();
+    for (int64_t d = 0; d < D; d++) {
+        const __m512 keys = _mm512_loadu_ps(kT + d * 16);
+        for (int64_t e = 0; e < nh; e++) acc[e] = _mm512_fmadd_ps(_mm512_set1_ps(q[e][d]), keys, acc[e]);
+    }
+    for (int64_t e = 0; e < nh; e++) _mm512_storeu_ps(sc + e * 16, acc[e]);
 #else
-    for (int j = 0; j < 16; j++) sc[j] = 0.0f;
-    for (int64_t d = 0; d < D; d++)
-        for (int j = 0; j < 16; j++) sc[j] = fmaf(q[d], kT[d * 16 + j], sc[j]);
+    for (int64_t e = 0; e < nh; e++) {
+        for (int j = 0; j < 16; j++) sc[e * 16 + j] = 0.0f;
+        for (int64_t d = 0; d < D; d++)
+            for (int j = 0; j < 16; j++) sc[e * 16 + j] = fmaf(q[e][d], kT[d * 16 + j], sc[e * 16 + j]);
+    }
 #endif
 }
 
-/* acc[d] = sum over i in order of p[i] * v[keys[i] * vt + d], d < D, n kept keys: a fused multiply-add chain per
- * dimension, added key after key; the AVX-512 loop (64 dimensions in registers at a time) rounds as the plain one. */
-static void weigh_values(const float *p, const int64_t *keys, int64_t n, const float *v, int64_t vt, int64_t D,
-                         float *acc) {
+/* The scaled scores of nh queries (q[e], D) over the T keys of one K/V head (kT: blocks of 16 keys transposed)
+ * that the mask row keeps (mrow, stride mt; NULL: all): s[e * stride + i] for the i-th kept key, kept[i] its
+ * position; then each query's scores replaced by exp(score - its maximum) (the softmax's numerators). Blocks the
+ * mask drops whole are not scored. Returns the number of kept keys. */
+static int64_t score_heads(const float *const *q, int64_t nh, const float *kT, int64_t D, int64_t T,
+                           const uint8_t *mrow, int64_t mt, float scale, float *s, int64_t stride, int64_t *kept) {
+    const int64_t V = 16;
+    float sc[HEADS_AT_ONCE * 16], top[HEADS_AT_ONCE];
+    for (int e = 0; e < HEADS_AT_ONCE; e++) top[e] = -INFINITY;
+    int64_t n = 0;
+    for (int64_t t0 = 0; t0 < T; t0 += V) {
+        int any = 0, all = t0 + V <= T;
+        for (int64_t t = t0; t < t0 + V && t < T; t++) {
+            const int keep = !mrow || mrow[t * mt];
+            any |= keep;
+            all &= keep;
+        }
+        if (!any) continue;  /* a block the mask drops whole is not scored */
+        score_keys(q, nh, kT + t0 * D, D, sc);
+        if (all) {  /* every key of the block kept */
+            for (int64_t e = 0; e < nh; e++)
+                for (int64_t j = 0; j < V; j++) {
+                    const float x = sc[e * 16 + j] * scale;
+                    s[e * stride + n + j] = x;
+                    top[e] = x > top[e] ? x : top[e];
+                }
+            for (int64_t j = 0; j < V; j++) kept[n + j] = t0 + j;
+            n += V;
+            continue;
+        }
+        for (int64_t t = t0; t < t0 + V && t < T; t++) {
+            if (mrow && !mrow[t * mt]) continue;
+            for (int64_t e = 0; e < nh; e++) {
+                const float x = sc[e * 16 + t - t0] * scale;
+                s[e * stride + n] = x;
+                top[e] = x > top[e] ? x : top[e];
+            }
+            kept[n++] = t;
+        }
+    }
+    for (int64_t e = 0; e < nh; e++)
+        for (int64_t j = 0; j < n; j++) s[e * stride + j] = exp_fast(s[e * stride + j] - top[e]);
+    return n;
+}
+
+/* o[e][d] = (sum over i in order of p[e][i] * v[keys[i] * vt + d]) / (sum over i in order of p[e][i]), d < D, for
+ * nh queries' softmax numerators p[e] = s + e * stride over n kept keys: per query and dimension one fused
+ * multiply-add chain added key after key (the queries' chains interleaved: 64 dimensions of up to
+ * HEADS_AT_ONCE queries in registers at a time); a query with no kept key gets zeros. The AVX-512 loop rounds as
+ * the plain one. */
+static void weigh_values(const float *s, int64_t stride, int64_t nh, const int64_t *keys, int64_t n,
+                         const float *v, int64_t vt, int64_t D, float *const *o) {
     int64_t d0 = 0;
 #if defined(__AVX512F__)
     for (; d0 + 64 <= D; d0 += 64) {
-        __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+        __m512 a[HEADS_AT_ONCE][4];
+        for (int e = 0; e < HEADS_AT_ONCE; e++)
+            for (int c = 0; c < 4; c++) a[e][c] = _mm512_setzero_ps();
         for (int64_t i = 0; i < n; i++) {
             const float *vv = v + keys[i] * vt + d0;
-            const __m512 w = _mm512_set1_ps(p[i]);
-            a0 = _mm512_fmadd_ps(w, _mm512_loadu_ps(vv), a0);
-            a1 = _mm512_fmadd_ps(w, _mm512_loadu_ps(vv + 16), a1);
-            a2 = _mm512_fmadd_ps(w, _mm512_loadu_ps(vv + 32), a2);
-            a3 = _mm512_fmadd_ps(w, _mm512_loadu_ps(vv + 48), a3);
+            const __m512 v0 = _mm512_loadu_ps(vv), v1 = _mm512_loadu_ps(vv + 16), v2 = _mm512_loadu_ps(vv + 32),
+                         v3 = _mm512_loadu_ps(vv + 48);
+            for (int64_t e = 0; e < nh; e++) {
+                const __m512 w = _mm512_set1_ps(s[e * stride + i]);
+                a[e][0] = _mm512_fmadd_ps(w, v0, a[e][0]);
+                a[e][1] = _mm512_fmadd_ps(w, v1, a[e][1]);
+                a[e][2] = _mm512_fmadd_ps(w, v2, a[e][2]);
+                a[e][3] = _mm512_fmadd_ps(w, v3, a[e][3]);
+            }
         }
-        _mm512_storeu_ps(acc + d0, a0);
-        _mm512_storeu_ps(acc + d0 + 16, a1);
-        _mm512_storeu_ps(acc + d0 + 32, a2);
-        _mm512_storeu_ps(acc + d0 + 48, a3);
+        for (int64_t e = 0; e < nh; e++)
+            for (int c = 0; c < 4; c++) _mm512_storeu_ps(o[e] + d0 + 16 * c, a[e][c]);
     }
 #endif
-    for (int64_t d = d0; d < D; d++) acc[d] = 0.0f;
-    for (int64_t i = 0; i < n; i++) {
-        const float *vv = v + keys[i] * vt;
-        for (int64_t d = d0; d < D; d++) acc[d] = fmaf(p[i], vv[d], acc[d]);
+    for (int64_t e = 0; e < nh; e++) {
+        for (int64_t d = d0; d < D; d++) o[e][d] = 0.0f;
+        for (int64_t i = 0; i < n; i++) {
+            const float *vv = v + keys[i] * vt;
+            for (int64_t d = d0; d < D; d++) o[e][d] = fmaf(s[e * stride + i], vv[d], o[e][d]);
+        }
+        float total = 0.0f;
+        for (int64_t i = 0; i < n; i++) total += s[e * stride + i];
+        const float inv = total > 0.0f ? 1.0f / total : 0.0f;
+        for (int64_t d = 0; d < D; d++) o[e][d] *= inv;
     }
 }
 
@@ -150,8 +217,9 @@ int celeris_attention(const float *q, int64_t qb, int64_t qh, int64_t ql, const 
     /* (+ 1: never a malloc of 0 bytes, which may give NULL) */
     float *keys_t = (float *)malloc((size_t)(B * Hkv * D * Tp + 1) * sizeof(float));
     uint8_t *wanted = (uint8_t *)calloc((size_t)(B * nblk + 1), 1);  /* a block some query of row b attends */
-    /* per thread: scores (Tp), the kept keys' indices (Tp) */
-    char *scratch = (char *)malloc(((size_t)Tp * (sizeof(float) + sizeof(int64_t)) + 16) * (size_t)threads);
+    /* per thread: the kept keys' indices (Tp), then the scores of HEADS_AT_ONCE heads (Tp each) */
+    const size_t scratch_bytes = (size_t)Tp * (sizeof(int64_t) + HEADS_AT_ONCE * sizeof(float)) + 64;
+    char *scratch = (char *)malloc(scratch_bytes * (size_t)threads);
     if (!keys_t || !wanted || !scratch) { free(keys_t); free(wanted); free(scratch); return -2; }
     for (int64_t b = 0; b < B; b++)
         for (int64_t t = 0; t < T; t++) {
@@ -182,40 +250,30 @@ int celeris_attention(const float *q, int64_t qb, int64_t qh, int64_t ql, const 
                 for (int64_t d = 0; d < D; d++) blk[d * V + t % V] = t < T ? kbase[t * kt + d] : 0.0f;
         }
     }
+    /* one work item: a query position of a row and one K/V head's group of query heads, which share the item's
+     * kept keys (the mask is per row and query) and its transposed keys and values: their chains interleave */
+    const int64_t items = B * Hkv * Lq;
 #pragma omp parallel for num_threads(threads) schedule(static) if (work * T * D >= (1 << 18))
-    for (int64_t i = 0; i < work; i++) {
+    for (int64_t i = 0; i < items; i++) {
 #ifdef _OPENMP
-        char *mine = scratch + (size_t)omp_get_thread_num() * (size_t)Tp * (sizeof(float) + sizeof(int64_t));
+        char *mine = scratch + (size_t)omp_get_thread_num() * scratch_bytes;
 #else
         char *mine = scratch;
 #endif
-        float *s = (float *)mine;
-        int64_t *kept = (int64_t *)(mine + (size_t)Tp * sizeof(float));
-        const int64_t b = i / (H * Lq), h = (i / Lq) % H, l = i % Lq, g = h / group;
-        const float *qv = q + b * qb + h * qh + l * ql;
+        int64_t *kept = (int64_t *)mine;
+        float *s = (float *)(mine + (size_t)Tp * sizeof(int64_t));  /* (group, Tp) scores */
+        const int64_t b = i / (Hkv * Lq), g = (i / Lq) % Hkv, l = i % Lq;
         const float *kT = keys_t + (b * Hkv + g) * D * Tp, *vbase = v + b * vb + g * vh;
         const uint8_t *mrow = mask ? mask + b * mb + l * ml : NULL;
-        float top = -INFINITY, sc[KEYS_PER_VECTOR];
-        int64_t n = 0;
-        for (int64_t t0 = 0; t0 < T; t0 += V) {
-            int any = 0;
-            for (int64_t t = t0; t < t0 + V && t < T; t++) any |= !mrow || mrow[t * mt];
-            if (!any) continue;  /* a block the mask drops whole is not scored */
-            score_keys(qv, kT + t0 * D, D, sc);
-            for (int64_t t = t0; t < t0 + V && t < T; t++) {
-                if (mrow && !mrow[t * mt]) continue;
-                s[n] = sc[t - t0] * scale;
-                kept[n++] = t;
-                if (s[n - 1] > top) top = s[n - 1];
-            }
+        for (int64_t h0 = 0; h0 < group; h0 += HEADS_AT_ONCE) {
+            const int64_t nh = group - h0 < HEADS_AT_ONCE ? group - h0 : HEADS_AT_ONCE;
+            const float *qv[HEADS_AT_ONCE];
+            for (int64_t e = 0; e < nh; e++) qv[e] = q + b * qb + (g * group + h0 + e) * qh + l * ql;
+            const int64_t n = score_heads(qv, nh, kT, D, T, mrow, mt, scale, s, Tp, kept);
+            float *o[HEADS_AT_ONCE];
+            for (int64_t e = 0; e < nh; e++) o[e] = out + ((b * Lq + l) * H + g * group + h0 + e) * D;
+            weigh_values(s, Tp, nh, kept, n, vbase, vt, D, o);
         }
-        float total = 0.0f;
-        for (int64_t j = 0; j < n; j++) s[j] = exp_fast(s[j] - top);
-        for (int64_t j = 0; j < n; j++) total += s[j];
-        float *o = out + ((b * Lq + l) * H + h) * D;
-        weigh_values(s, kept, n, vbase, vt, D, o);
-        const float inv = total > 0.0f ? 1.0f / total : 0.0f;
-        for (int64_t d = 0; d < D; d++) o[d] *= inv;
     }
     free(keys_t);
     free(wanted);
