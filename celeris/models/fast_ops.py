@@ -207,13 +207,19 @@ def decoder_layer(block: nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: tor
         TYPE_IDS[qkv.kind], pointer(qkv.tiles), TYPE_IDS[o.kind], pointer(o.tiles), TYPE_IDS[gu.kind],
         pointer(gu.tiles), TYPE_IDS[down.kind], pointer(down.tiles), attn.num_heads, attn.num_kv_heads,
         attn.head_dim, down.in_features, *args, attn.head_dim ** -0.5, pointer(out), torch.get_num_threads())
-    if rc == -1:
-        raise IndexError(f"a window column is outside the cache of {keys.shape[2]} positions")
-    if rc == -3:
-        raise RuntimeError("celeris_decoder_layer: a weight's product refused its shape (fused_layer_fits let it in)")
-    if rc != 0:
-        raise MemoryError("celeris_decoder_layer could not allocate its scratch rows")
+    _check_layer_rc(rc, "celeris_decoder_layer", keys.shape[2])
     return out
+
+
+def _check_layer_rc(rc: int, kernel: str, positions: int) -> None:
+    """Raise for a one-call layer kernel's return code: -1 IndexError (a window column outside the cache), -3
+    RuntimeError (a product refused its shape: ``fused_layer_fits`` let it in), another non-zero MemoryError."""
+    if rc == -1:
+        raise IndexError(f"a window column is outside the cache of {positions} positions")
+    if rc == -3:
+        raise RuntimeError(f"{kernel}: a weight's product refused its shape (fused_layer_fits let it in)")
+    if rc != 0:
+        raise MemoryError(f"{kernel} could not allocate its scratch rows")
 
 
 class LayerStack:
@@ -293,12 +299,7 @@ class LayerStack:
         rc = lib.celeris_decoder_stack(n, pointer(table), pointer(x), b, lq, dim, self.eps, h, hkv, d, inter,
                                        *args[:4], *args[5:8], *args[9:], d ** -0.5, pointer(out),
                                        torch.get_num_threads())
-        if rc == -1:
-            raise IndexError(f"a window column is outside the cache of {keys[0].shape[2]} positions")
-        if rc == -3:
-            raise RuntimeError("celeris_decoder_stack: a weight's product refused its shape")
-        if rc != 0:
-            raise MemoryError("celeris_decoder_stack could not allocate its scratch rows")
+        _check_layer_rc(rc, "celeris_decoder_stack", keys[0].shape[2])
         return out
 
 

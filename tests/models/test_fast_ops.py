@@ -155,10 +155,8 @@ def test_a_model_with_the_fast_operators_computes_the_same_logits():
     assert fast_ops.enable(model) and all(m.fast for m in model.modules() if hasattr(m, "fast"))
 
 
-def test_a_whole_block_kernel_layer_in_one_call_equals_its_modules_bit_for_bit(monkeypatch):
-    """``celeris_decoder_layer`` (``Block.fused``): a model whose linears are Q8_0 blocks computes, for cached window
-    passes (a span and per-row columns), the same hidden states and the same cache writes as the fast operators
-    called module by module."""
+def q8_0_model() -> TransformerLM:
+    """A tiny random Llama whose every linear is Q8_0 blocks on the kernel (gguf-py's quantizer), seed 0."""
     from celeris.models.blocks import quantize_linears
 
     class Config:
@@ -169,6 +167,14 @@ def test_a_whole_block_kernel_layer_in_one_call_equals_its_modules_bit_for_bit(m
     model = TransformerLM(Config()).eval()
     for block in model.layers:
         quantize_linears(block, "Q8_0")
+    return model
+
+
+def test_a_whole_block_kernel_layer_in_one_call_equals_its_modules_bit_for_bit(monkeypatch):
+    """``celeris_decoder_layer`` (``Block.fused``): a model whose linears are Q8_0 blocks computes, for cached window
+    passes (a span and per-row columns), the same hidden states and the same cache writes as the fast operators
+    called module by module."""
+    model = q8_0_model()
     assert fast_ops.enable(model) and all(b.fused for b in model.layers)
     ids = torch.randint(0, 50, (2, 14))
     attn = torch.ones(2, 14, dtype=torch.bool)
@@ -204,16 +210,7 @@ def test_every_layer_in_one_call_equals_the_layer_calls_bit_for_bit(monkeypatch)
     """``celeris_decoder_stack`` (``TransformerLM.layer_stack``): the same hidden states, cache writes and captured
     layer outputs (a drafter's features) as one ``celeris_decoder_layer`` call a layer, for a span and per-row
     columns; a layer switched off its kernel sends the pass back to the layer loop."""
-    from celeris.models.blocks import quantize_linears
-
-    class Config:
-        def architecture(self) -> Architecture:
-            return tiny_arch(hidden_size=64, intermediate_size=96)
-
-    torch.manual_seed(0)
-    model = TransformerLM(Config()).eval()
-    for block in model.layers:
-        quantize_linears(block, "Q8_0")
+    model = q8_0_model()
     assert fast_ops.enable(model) and model.layer_stack is not None
     stack = model.layer_stack
     calls, real = [], fast_ops.LayerStack.__call__
