@@ -3,9 +3,10 @@
 Two measurements, each per setting (``name=value``: ``frequency_penalty=0.2``, ``repetition_penalty=1.1``, ...; the
 default's own value is overridden, so ``frequency_penalty=0`` measures the default without its penalty):
 
-- ``writing``: twelve open-ended writing requests of our own (not a bench set: an email, a story, a recipe, a
+- ``writing``: thirteen open-ended writing requests of our own (not a bench set: an email, a story, a recipe, a
   poem, ...), greedy, 256 tokens, one batch: how many answers end by themselves before the length cap, how many
-  hold a run of one token longer than 8 (the bench's repetition share), the answers' distinct-2 and mean length;
+  hold a run of one token longer than 8 (the bench's repetition share), how many repeat a line 3 times or more,
+  the answers' distinct-2 and mean length;
   the answers go to ``--out`` (``penalty-<setting>.json``) to be read;
 - ``acceptance``: the bench's first 8 MT-Bench and GSM8K prompts through the chat template, 128 tokens, one prompt
   at a time (batch 1, where the default drafts): tokens per target pass (answer tokens / the target's forward
@@ -40,14 +41,23 @@ WRITING = [
     "What are the pros and cons of working from home?",
     "Write an announcement that the office will be closed on Monday.",
     "Tell me about the history of the bicycle.",
+    "Write a short poem about the ocean.",  # looped on the fast pass (issue 48's closing notes)
 ]
 
 
-def quality(ids: list[list[int]], max_tokens: int) -> dict:
-    """Counts over answers (token ids each): ended before ``max_tokens``, looping (a run of one token > 8),
-    distinct-2, mean length."""
+def repeats_a_line(text: str, times: int = 3) -> bool:
+    """Whether some line of ``text`` with three words or more occurs ``times`` times or more (a loop of lines, as
+    "Abe aria, aria of the sea." line after line, which no run of one token shows)."""
+    lines = [x.strip() for x in text.splitlines() if len(x.split()) >= 3]
+    return any(lines.count(x) >= times for x in set(lines))
+
+
+def quality(ids: list[list[int]], max_tokens: int, texts: list[str] | None = None) -> dict:
+    """Counts over answers (token ids each): ended before ``max_tokens``, looping (a run of one token > 8), line
+    loops (``repeats_a_line``, given the texts), distinct-2, mean length."""
+    lines = {} if texts is None else {"line_loops": sum(map(repeats_a_line, texts))}
     return {"ended": sum(len(i) < max_tokens for i in ids), "looping": sum(max_repeat_run(i) > 8 for i in ids),
-            "distinct_2": distinct_2(ids), "mean_tokens": round(sum(map(len, ids)) / len(ids), 1)}
+            **lines, "distinct_2": distinct_2(ids), "mean_tokens": round(sum(map(len, ids)) / len(ids), 1)}
 
 
 def main() -> None:
@@ -67,7 +77,8 @@ def main() -> None:
             params = llm.default_params(max_tokens=256, **{name: float(value)})
             answers = llm.generate([llm.tokenizer.encode_chat([{"role": "user", "content": p}]) for p in WRITING],
                                    params)
-            record = {"setting": setting, "measure": "writing", **quality([a.token_ids for a in answers], 256)}
+            record = {"setting": setting, "measure": "writing",
+                      **quality([a.token_ids for a in answers], 256, [a.text for a in answers])}
             print(json.dumps(record), flush=True)
             (out / f"penalty-{setting}.json").write_text(json.dumps({**record, "texts": [a.text for a in answers]},
                                                                     indent=1))
