@@ -6,6 +6,8 @@ path's widths)."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -242,6 +244,9 @@ def test_every_layer_in_one_call_equals_the_layer_calls_bit_for_bit(monkeypatch)
     assert torch.equal(span1, span0) and torch.equal(cols1, cols0)
     assert list(cap0) == list(cap1) and all(torch.equal(cap0[i], cap1[i]) for i in cap0)
     assert all(torch.equal(a, b) for a, b in zip(k0 + v0, k1 + v1, strict=True))
+    twin = copy.deepcopy(model)  # a deep copy's stack reads the copy's weights, whatever becomes of the original
+    assert twin.layer_stack.blocks[0] is twin.layers[0]
+    assert int(twin.layer_stack.table[0, 3]) == twin.layers[0].attn.qkv_proj.tiles.data_ptr()
     model.layers[1].fused = False  # one layer off its kernel: the stack declines, the layer loop computes
     with torch.no_grad():
         again = model.hidden_states(ids, attn, cache, (10, 13))
