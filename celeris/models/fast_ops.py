@@ -229,8 +229,6 @@ class LayerStack:
     done once. The weights' addresses are read once, here (``enable`` builds the stack again); the caches'
     addresses every pass. Same numbers as calling ``decoder_layer`` layer after layer, bit for bit."""
 
-    COLUMNS = 13  # STACK_COLUMNS in decode_ops.c
-
     def __init__(self, blocks: list[nn.Module]) -> None:
         self.blocks = blocks
         rows, self._held = [], []
@@ -239,7 +237,8 @@ class LayerStack:
             self._held += [b.attn_norm.weight, b.mlp_norm.weight, *(m.tiles for m in linears)]  # kept alive
             rows.append([b.attn_norm.weight.data_ptr(), b.mlp_norm.weight.data_ptr(),
                          *(v for m in linears for v in (TYPE_IDS[m.kind], m.tiles.data_ptr())), 0, 0, 0])
-        self.table = torch.tensor(rows, dtype=torch.int64)  # (n, COLUMNS); the caches' columns set per pass
+        # (n, 13): STACK_COLUMNS in decode_ops.c; the caches' columns (10, 11) and the capture's (12) set per pass
+        self.table = torch.tensor(rows, dtype=torch.int64)
         first = blocks[0]
         self.eps, self.dims = first.attn_norm.eps, (first.attn.num_heads, first.attn.num_kv_heads,
                                                     first.attn.head_dim, first.mlp.down_proj.in_features)
@@ -319,7 +318,8 @@ def enable(model: nn.Module) -> bool:
             module.fast = True
         if hasattr(module, "fused"):  # a decoder layer the one-call kernel computes
             module.fused = fused_layer_fits(module)
-        if hasattr(module, "layer_stack"):  # a model whose layers all fit: one call a pass
+    for module in model.modules():  # after the layers' own flags: a model whose layers all fit, one call a pass
+        if hasattr(module, "layer_stack"):
             layers = list(module.layers)
-            module.layer_stack = LayerStack(layers) if layers and all(fused_layer_fits(b) for b in layers) else None
+            module.layer_stack = LayerStack(layers) if layers and all(b.fused for b in layers) else None
     return True

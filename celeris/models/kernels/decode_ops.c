@@ -82,6 +82,7 @@ static inline void transpose_16x16(__m512 r[16]) {
 }
 #endif
 
+#define KEYS_PER_VECTOR 16  /* keys scored at a time, one per lane of a 512-bit vector */
 #define HEADS_AT_ONCE 4  /* query heads of one K/V head computed together (their chains interleaved) */
 
 /* sc[e][j] = sum over d in order of q[e][d] * kT[d * 16 + j], j < 16, for nh <= HEADS_AT_ONCE queries: one fused
@@ -111,8 +112,8 @@ static inline void score_keys(const float *const *q, int64_t nh, const float *kT
  * mask drops whole are not scored. Returns the number of kept keys. */
 static int64_t score_heads(const float *const *q, int64_t nh, const float *kT, int64_t D, int64_t T,
                            const uint8_t *mrow, int64_t mt, float scale, float *s, int64_t stride, int64_t *kept) {
-    const int64_t V = 16;
-    float sc[HEADS_AT_ONCE * 16], top[HEADS_AT_ONCE];
+    const int64_t V = KEYS_PER_VECTOR;
+    float sc[HEADS_AT_ONCE * KEYS_PER_VECTOR], top[HEADS_AT_ONCE];
     for (int e = 0; e < HEADS_AT_ONCE; e++) top[e] = -INFINITY;
     int64_t n = 0;
     for (int64_t t0 = 0; t0 < T; t0 += V) {
@@ -127,7 +128,7 @@ static int64_t score_heads(const float *const *q, int64_t nh, const float *kT, i
         if (all) {  /* every key of the block kept */
             for (int64_t e = 0; e < nh; e++)
                 for (int64_t j = 0; j < V; j++) {
-                    const float x = sc[e * 16 + j] * scale;
+                    const float x = sc[e * V + j] * scale;
                     s[e * stride + n + j] = x;
                     top[e] = x > top[e] ? x : top[e];
                 }
@@ -138,7 +139,7 @@ static int64_t score_heads(const float *const *q, int64_t nh, const float *kT, i
         for (int64_t t = t0; t < t0 + V && t < T; t++) {
             if (mrow && !mrow[t * mt]) continue;
             for (int64_t e = 0; e < nh; e++) {
-                const float x = sc[e * 16 + t - t0] * scale;
+                const float x = sc[e * V + t - t0] * scale;
                 s[e * stride + n] = x;
                 top[e] = x > top[e] ? x : top[e];
             }
@@ -205,7 +206,6 @@ static void weigh_values(const float *s, int64_t stride, int64_t nh, const int64
  * weighted values add the kept keys one by one in position order. A block of keys that the mask drops whole is
  * not scored (half the work of a causal prefill). A query with no key to attend gets zeros.
  * Returns 0, or -2 when out of memory. */
-#define KEYS_PER_VECTOR 16
 int celeris_attention(const float *q, int64_t qb, int64_t qh, int64_t ql, const float *k, int64_t kb, int64_t kh,
                       int64_t kt, const float *v, int64_t vb, int64_t vh, int64_t vt, const uint8_t *mask, int64_t mb,
                       int64_t ml, int64_t mt, int64_t B, int64_t H, int64_t Hkv, int64_t Lq, int64_t T, int64_t D,
@@ -261,7 +261,7 @@ int celeris_attention(const float *q, int64_t qb, int64_t qh, int64_t ql, const 
         char *mine = scratch;
 #endif
         int64_t *kept = (int64_t *)mine;
-        float *s = (float *)(mine + (size_t)Tp * sizeof(int64_t));  /* (group, Tp) scores */
+        float *s = (float *)(mine + (size_t)Tp * sizeof(int64_t));  /* (HEADS_AT_ONCE, Tp) scores */
         const int64_t b = i / (Hkv * Lq), g = (i / Lq) % Hkv, l = i % Lq;
         const float *kT = keys_t + (b * Hkv + g) * D * Tp, *vbase = v + b * vb + g * vh;
         const uint8_t *mrow = mask ? mask + b * mb + l * ml : NULL;
