@@ -29,9 +29,8 @@ from dataclasses import MISSING, dataclass, field, fields
 from types import MappingProxyType
 
 from celeris.sampling.cache import CACHE_MODES
-from celeris.sampling.rules import COMMIT_RULES, NEEDS, REMASKING, CommitRule
+from celeris.sampling.rules import COMMIT_RULES, DRAFT_SOURCES, NEEDS, REMASKING, CommitRule
 
-DRAFT_SOURCES = ("lookup_first", "slots", "lookup", "dflash")
 # Settings whose provenance ``explicit_settings`` records besides the rule settings: a default answer length (not
 # the caller's) is lowered to what fits the context, with its steps (``celeris.llm.LLM.fit_max_tokens``); a default
 # ``block_length`` a block model cannot use becomes its contract's (``celeris.sampling.block.with_block_defaults``).
@@ -86,7 +85,8 @@ def setting(default: object = MISSING, *, default_factory: Callable[[], object] 
 
 def _registry(table: str) -> Callable[[], Mapping[str, object]]:
     """The registry ``table`` as a function, so choices are read at call time."""
-    return {"decoding": lambda: COMMIT_RULES, "remasking": lambda: REMASKING, "cache": lambda: CACHE_MODES}[table]
+    return {"decoding": lambda: COMMIT_RULES, "remasking": lambda: REMASKING, "cache": lambda: CACHE_MODES,
+            "draft_source": lambda: DRAFT_SOURCES}[table]
 
 
 @dataclass(slots=True)
@@ -174,7 +174,7 @@ class SamplingParams:
                                         help="with a delayed cache: also a full refresh every N blocks (0 = never)")
     suffix_window: int = setting(0, low=0, help="passes see only this many masked columns past the block (DPad, "
                                  "arXiv:2508.14148; 0 = the whole canvas)")
-    draft_source: str | None = setting(None, choices=DRAFT_SOURCES, unset="lookup_first", per_row=True,
+    draft_source: str | None = setting(None, choices=_registry("draft_source"), unset="lookup_first", per_row=True,
                                        help="verified decoding's drafts: prompt lookup first (then the drafter or "
                                        "the mask slots), the model's mask slots, prompt lookup only, or the DFlash "
                                        "drafter only (--speculative-config)")

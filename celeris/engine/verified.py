@@ -5,18 +5,20 @@ store) and ``generate_verified`` (a whole batch through one decoder); a row's cu
 
 What verified decoding is, and the rules it follows (drafts, verification, grammars), is
 ``celeris.sampling.verified``'s docstring; this module runs the model and owns the keys/values
-(``celeris.engine.kv.PrefixCache`` for prompt prefixes; a long prompt's chunks, ``DraftRow.plan_chunk``).
+(``celeris.engine.kv.PrefixCache`` for prompt prefixes; a long prompt's chunks, ``DraftRow.plan_chunk``); the
+drafts come from each row's ``draft_source`` proposer (``celeris.engine.proposers``), asked once a step for all
+its rows.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import replace
 
 import torch
 
 from celeris.engine.draft_rows import DraftRow, VerifiedOutput, forward, pass_mask, row_logprobs
 from celeris.engine.kv import BLOCK_SIZE, PREFIX_CACHE_TOKENS, ROW_SLACK, KVStore, PrefixCache
+from celeris.engine.proposers import DraftAsk, Drafts, Proposer, make_proposer
 from celeris.models.layers import KVCache
 from celeris.params import SamplingParams
 from celeris.sampling.drafter import DFlashProposer, DraftState, proposer_of
@@ -34,12 +36,8 @@ from celeris.sampling.verified import (
     MAX_DRAFTS,
     check_draft_source,
     check_verified_support,
-    grammar_lookup_drafts,
-    grammar_slot_drafts,
-    lookup_drafts,
     mask_slots,
     penalize_along,
-    slot_drafts,
     verify_drafts,
     verify_under_grammar,
 )
@@ -108,6 +106,13 @@ class VerifiedDecoder:
         self.prefix_cache = PrefixCache(prefix_cache_tokens) if prefix_cache_tokens else None
         # with a drafter: the target features of cached prefixes, (1, 1, BLOCK_SIZE, n * d) per block
         self.feature_cache = PrefixCache(prefix_cache_tokens) if prefix_cache_tokens and self.proposer else None
+        self.proposers: dict[str, Proposer] = {}  # draft_source -> its proposer, made at the first row asking
+
+    def proposer_for(self, source: str) -> Proposer:
+        """The proposer of ``draft_source`` ``source`` (``celeris.engine.proposers``), made at its first use."""
+        if source not in self.proposers:
+            self.proposers[source] = make_proposer(source, self)
+        return self.proposers[source]
 
     @property
     def keys(self) -> list[torch.Tensor]:
@@ -144,7 +149,7 @@ class VerifiedDecoder:
         k = params.num_speculative_tokens or self.k
         if k > MAX_DRAFTS:
             raise ValueError(f"num_speculative_tokens must be <= {MAX_DRAFTS}, got {k}")
-        slots = 0 if params.draft_source == "lookup" else min(k, self.slots)
+        slots = self.proposer_for(params.draft_source).first_slots(k)
         if self.segment.store.num_free_rows < 1:
             raise ValueError(f"the verified decoder's KV store holds at most {self.max_rows} rows, all taken")
         self.segment.grow(1)  # the new row: len(self.rows)
@@ -268,6 +273,7 @@ class VerifiedDecoder:
                 continue
             logits, feats = self._run(lo, hi, fresh)
             raw = self.raw_logits
+            asks = []
             for i in live:
                 row = self.rows[i]
                 if row.prefilling:  # a chunk of its prompt is in its row now: nothing to verify yet
@@ -275,8 +281,12 @@ class VerifiedDecoder:
                         self.proposer.queue(row.draft_state, feats[i - lo, : row.chunk])
                     row.num_cached, row.chunk = row.num_cached + row.chunk, 0
                     continue
-                out.append((row, self._advance(i, logits[i - lo], None if feats is None else feats[i - lo],
-                                               None if raw is None else raw[i - lo])))
+                new, ask = self._advance(i, logits[i - lo], None if feats is None else feats[i - lo],
+                                         None if raw is None else raw[i - lo])
+                out.append((row, new))
+                if ask is not None:
+                    asks.append(ask)
+            self._propose(asks)
         self.num_prefilled = n_old  # rows still prefilling in chunks stay after the prefilled ones
         for i in [i for i in range(n_old, len(self.rows)) if self.rows[i].passes]:
             if i != self.num_prefilled:
@@ -291,34 +301,6 @@ class VerifiedDecoder:
         if row.history is None:
             return logits
         return apply_penalties(logits[None], row.penalty_settings, row.history)[0]
-
-    def draft(self, row: DraftRow, slot_logits: torch.Tensor) -> tuple[list[int], list]:
-        """The next drafts of ``row`` from its mask slots' logits (slots, V), and their distributions (sampling)."""
-        if row.constraint is not None:
-            return grammar_slot_drafts(row.constraint, slot_logits, row.params, row.generator)
-        return slot_drafts(slot_logits, row.params, row.generator)
-
-    def dflash_drafts(self, i: int, last_token: int, start: int, vocab: int) -> tuple[list[int], list]:
-        """Row i's drafter drafts after ``last_token`` at column ``start``: its argmax at every temperature (checked
-        against the grammar's copy when the row has one; only the leading ones the drafter is sure of with a
-        ``draft_confidence_threshold``), with one-hot draft distributions when sampling. The
-        drafter's keys/values live in the row's drafter layers of the KV store (bound before each call: rows move),
-        unless the store holds another drafter's (it was allocated before this one was attached): then in the
-        row's ``DraftState`` alone."""
-        row = self.rows[i]
-        if self.segment.store.drafter is self.proposer.drafter:
-            row.draft_state.cache.bind([k[i : i + 1] for k in self.segment.draft_keys],
-                                       [v[i : i + 1] for v in self.segment.draft_values])
-        logits = self.penalized(row, self.proposer.propose(row.draft_state, last_token, start, row.k))  # (k, V)
-        if row.constraint is not None:
-            greedy = replace(row.params, temperature=0.0)
-            drafts, _ = grammar_slot_drafts(row.constraint, logits, greedy, row.generator)
-        else:
-            drafts = logits.argmax(-1).tolist()
-        drafts = self.proposer.confident(logits, drafts)
-        probs = [] if row.params.temperature == 0 else [
-            torch.nn.functional.one_hot(torch.tensor(t), vocab).double() for t in drafts]
-        return drafts, probs
 
     @staticmethod
     def verify(row: DraftRow, logits: torch.Tensor) -> tuple[int, list[int]]:
@@ -335,11 +317,11 @@ class VerifiedDecoder:
         return a, (row.drafts[:a] + [token])[:left]
 
     def _advance(self, i: int, logits: torch.Tensor, feats: torch.Tensor | None = None,
-                 raw: torch.Tensor | None = None) -> list[int]:
-        """Verify row i's drafts with its pass's logits (Lw, V), commit, and lay out its next pass. ``feats``
-        (Lw, n * d): the target features of the pass's columns, with a drafter; ``raw``: the logits before the ban
-        (raw log-probabilities asked)."""
-        row, k = self.rows[i], self.rows[i].k
+                 raw: torch.Tensor | None = None) -> tuple[list[int], DraftAsk | None]:
+        """Verify row i's drafts with its pass's logits (Lw, V) and commit. ``feats`` (Lw, n * d): the target
+        features of the pass's columns, with a drafter; ``raw``: the logits before the ban (raw log-probabilities
+        asked). Returns the tokens committed and, unless the row finished, its ask for the next pass's drafts."""
+        row = self.rows[i]
         cols = row.columns
         row.passes += 1
         c0 = cols.index(row.pending if row.pending >= 0 else len(row.prompt_ids) - 1)
@@ -354,9 +336,7 @@ class VerifiedDecoder:
             self.accepted[j] += j < a
         if m:
             row.acceptance_lengths.append(a)
-        if row.draft_state is not None and row.draft_state.from_drafter:  # what its call brought (draft_min_gain)
-            self.proposer.record(row.draft_state, a)
-            row.draft_state.from_drafter = False
+        self.proposer_for(row.params.draft_source).observe(row, a)
         hit = next((j for j, t in enumerate(new) if t in row.end_ids), None)
         if row.params.early_exit and hit is not None:
             new = new[: hit + 1]
@@ -376,37 +356,33 @@ class VerifiedDecoder:
             row.hit_eos = True
         if len(row.answer) >= n or row.hit_eos:
             row.finished = True
-            return new
-        pending = base + len(new) - 1  # its keys/values are computed by the next pass
-        policy = row.params.draft_source
-        slots_valid = a == m  # every draft held: the slots saw the right prefix and drafted pending + 1 ..
-        look = policy == "lookup" or policy == "lookup_first" and (self.proposer is None or
-                                                                self.proposer.lookup_enabled(len(self.rows)))
-        lookup = lookup_drafts(row.prompt_ids + row.answer, k) if look else []
-        if row.constraint is not None:
-            lookup = grammar_lookup_drafts(row.constraint, lookup)
-        if lookup:
-            row.drafts = lookup
-            row.draft_probs = [] if row.params.temperature == 0 else [
-                torch.nn.functional.one_hot(torch.tensor(t), logits.shape[-1]).double() for t in lookup]
-        elif self.proposer is not None and (policy == "dflash" or policy == "lookup_first" and
-                                            self.proposer.enabled(len(self.rows)) and
-                                            self.proposer.worth_calling(row.draft_state)):
-            row.drafts, row.draft_probs = self.dflash_drafts(i, new[-1], pending, logits.shape[-1])
-            row.draft_state.from_drafter = True
-        elif slots_valid and row.num_slots:
-            s = cols.index(row.slot_start)
-            row.drafts, row.draft_probs = self.draft(row, self.penalized(row, logits[s : s + row.num_slots]))
-        else:
-            row.drafts, row.draft_probs = [], []
+            return new, None
+        # the slots drafted pending + 1 .. when every draft held (they saw the accepted prefix)
+        s = cols.index(row.slot_start) if a == m and row.num_slots else None
+        slot_logits = None if s is None else logits[s : s + row.num_slots]
+        return new, DraftAsk(i, row, new[-1], base + len(new) - 1, logits.shape[-1], slot_logits)
+
+    def _propose(self, asks: list[DraftAsk]) -> None:
+        """The next drafts of every asking row, one proposer call per ``draft_source``, and the next passes' layout:
+        pending (the last committed token, whose keys/values the next pass computes), the drafts, the mask slots."""
+        by_source: dict[str, list[DraftAsk]] = {}
+        for ask in asks:
+            by_source.setdefault(ask.row.params.draft_source, []).append(ask)
+        for source, group in by_source.items():
+            for ask, drafts in zip(group, self.proposer_for(source).propose(group), strict=True):
+                self._lay_out(ask, drafts)
+
+    def _lay_out(self, ask: DraftAsk, drafts: Drafts) -> None:
+        """Write a row's drafts and mask slots after its pending token (its columns of the next pass)."""
+        i, row, pending = ask.index, ask.row, ask.pending
+        row.drafts, row.draft_probs = drafts.tokens, drafts.probs
+        if row.draft_state is not None:
+            row.draft_state.from_drafter = drafts.from_drafter
         self.tokens[i, pending + 1 : pending + 1 + len(row.drafts)] = torch.tensor(row.drafts, dtype=torch.long,
                                                                                    device=self.device)
         row.pending, row.slot_start = pending, pending + 1 + len(row.drafts)
-        # slots are computed unless the drafts came from prompt lookup: the next drafts will then most likely
-        # come from lookup too (if not, the pass after next drafts with slots again)
-        row.num_slots = 0 if policy == "lookup" or lookup else min(k, self.slots)
+        row.num_slots = drafts.slots
         self.tokens[i, row.slot_start : row.slot_start + row.num_slots] = self.model.config.mask_token_id
-        return new
 
 
 @torch.no_grad()

@@ -159,6 +159,31 @@ COMMIT_RULES: dict[str, CommitRule] = {
                            params=("draft_source", "num_speculative_tokens")),
 }
 
+@dataclass(frozen=True, slots=True)
+class DraftSource:
+    """One ``draft_source`` value of verified decoding (``SamplingParams.draft_source``).
+
+    Attributes:
+        help: one line for the CLI's and the docs' lists.
+        check: a plug-in's ``check(params, drafter, slots)``, raising ValueError whose message starts with the
+            parameter, for draft settings it cannot serve (the built-ins' rules are
+            ``celeris.sampling.verified.check_draft_source``); None: nothing to refuse.
+        proposer: a plug-in's proposer factory ``proposer(decoder)`` (``celeris.engine.proposers.register_proposer``);
+            None for the built-ins, whose proposers are the engine's own table (``BUILTIN_PROPOSERS``).
+    """
+
+    help: str
+    check: Callable[..., None] | None = None
+    proposer: Callable[..., object] | None = None
+
+
+DRAFT_SOURCES: dict[str, DraftSource] = {
+    "lookup_first": DraftSource("prompt lookup where the context repeats, else the DFlash drafter or the mask slots"),
+    "slots": DraftSource("a hybrid model's own mask slots"),
+    "lookup": DraftSource("prompt lookup only (any causal model)"),
+    "dflash": DraftSource("the DFlash drafter only (--speculative-config)"),
+}
+
 # remasking name -> confidence; Dream's ``maskgit_plus`` is ``low_confidence``.
 REMASKING: dict[str, Confidence] = {
     "low_confidence": Confidence(low_confidence, "probability of the predicted token (LLaDA; Dream's maskgit_plus)"),

@@ -70,6 +70,7 @@ import torch
 
 from celeris.params import SamplingParams
 from celeris.sampling.drafter import DFlashProposer, check_num_drafts, proposer_of
+from celeris.sampling.rules import DRAFT_SOURCES
 from celeris.sampling.select import NEG_INF, probs
 from celeris.sampling.step import History, RowSettings, apply_penalties
 from celeris.structured.grammar import Constraint, _bits
@@ -111,8 +112,14 @@ def mask_slots(model: torch.nn.Module, proposer: DFlashProposer | None) -> int:
 def check_draft_source(params: SamplingParams, proposer: DFlashProposer | None, slots: int) -> None:
     """Raise ValueError (first word: the parameter) when ``params.draft_source`` and ``num_speculative_tokens``
     cannot draft with ``proposer`` (a DFlash drafter, or None) and ``slots`` mask slots (``mask_slots``): the one
-    check of the draft settings, run at admission (``check_verified_support``) and by ``VerifiedDecoder.add``."""
+    check of the draft settings, run at admission (``check_verified_support``) and by ``VerifiedDecoder.add``; a
+    plug-in source (``celeris.sampling.rules.DraftSource``) is checked by its own ``check``."""
     source, k = params.draft_source, params.num_speculative_tokens
+    plugin = DRAFT_SOURCES[source]
+    if plugin.proposer is not None:  # a plug-in's source (``celeris.engine.proposers.register_proposer``)
+        if plugin.check is not None:
+            plugin.check(params, proposer, slots)
+        return
     if source == "dflash" and proposer is None:
         raise ValueError("draft_source 'dflash' needs a DFlash drafter beside the model (--speculative-config "
                          "'{\"method\": \"dflash\", \"model\": PATH}')")

@@ -207,10 +207,10 @@ def test_num_speculative_tokens_sets_the_drafts_per_pass_and_keeps_the_greedy_an
     model = make_model(seed=5, is_causal=True)
     params = SamplingParams(max_tokens=n, steps=n, early_exit=False, decoding="verified", draft_source="lookup",
                             num_speculative_tokens=8)
-    from celeris.engine import verified  # the decoder looks its drafts up there
+    from celeris.engine.proposers import lookup  # the prompt-lookup proposer looks its drafts up there
 
     asked = []
-    monkeypatch.setattr(verified, "lookup_drafts", lambda tokens, k: asked.append(k) or lookup_drafts(tokens, k))
+    monkeypatch.setattr(lookup, "lookup_drafts", lambda tokens, k: asked.append(k) or lookup_drafts(tokens, k))
     wide = generate_verified(model, [repetitive], params)
     assert wide.token_ids == [greedy(model, repetitive, n)] and set(asked) == {8}
     with pytest.raises(ValueError, match="num_speculative_tokens 4 exceeds the 3 mask slots"):
