@@ -43,6 +43,8 @@ from celeris.sampling.verified import (
 )
 from celeris.structured.grammar import Constraint, row_constraints
 
+KEY_BUCKET = 64  # a pass's keys run to a multiple of this many columns (its cache views change once per bucket)
+
 
 class VerifiedDecoder:
     """Continuous batching for verified decoding: rows join and leave between passes.
@@ -107,6 +109,7 @@ class VerifiedDecoder:
         # with a drafter: the target features of cached prefixes, (1, 1, BLOCK_SIZE, n * d) per block
         self.feature_cache = PrefixCache(prefix_cache_tokens) if prefix_cache_tokens and self.proposer else None
         self.proposers: dict[str, Proposer] = {}  # draft_source -> its proposer, made at the first row asking
+        self._views: tuple | None = None  # the last pass's cache views (``_cache_views``)
 
     def proposer_for(self, source: str) -> Proposer:
         """The proposer of ``draft_source`` ``source`` (``celeris.engine.proposers``), made at its first use."""
@@ -212,6 +215,18 @@ class VerifiedDecoder:
         self.tokens[[i, j]] = self.tokens[[j, i]]
         self.rows[i], self.rows[j] = self.rows[j], self.rows[i]
 
+    def _cache_views(self, lo: int, hi: int, length: int) -> KVCache:
+        """The first ``length`` columns of store rows [lo, hi) of every layer, as views made again only when the
+        rows, the segment or the length changed (a pass makes 60-odd; the fast pass's layer stack then also reads
+        their addresses once, not each pass)."""
+        keys, values = self.keys, self.values  # the segment's own row views: the same objects until rows move
+        made = self._views
+        if made is not None and made[0] == (lo, hi, length) and made[1] is keys[0] and made[2] is values[0]:
+            return KVCache(list(made[3]), list(made[4]))
+        views = [t[lo:hi, :, :length] for t in keys], [t[lo:hi, :, :length] for t in values]
+        self._views = ((lo, hi, length), keys[0], values[0], *views)
+        return KVCache(list(views[0]), list(views[1]))
+
     @torch.no_grad()
     def _run(self, lo: int, hi: int, fresh: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One pass over pool rows [lo, hi): (hi - lo, Lw, V) logits of each row's ``columns``, and with a drafter
@@ -228,8 +243,9 @@ class VerifiedDecoder:
             for j, r in enumerate(rows):  # a cached prefix (copied into the pool row by ``add``)
                 for new, pool in zip((*cache.keys, *cache.values), (*self.keys, *self.values), strict=True):
                     new[j, :, : r.num_cached] = pool[lo + j, :, : r.num_cached]
-        else:
-            cache = KVCache([t[lo:hi, :, :length] for t in self.keys], [t[lo:hi, :, :length] for t in self.values])
+        else:  # the keys run to a multiple of KEY_BUCKET: the same views for many passes (masked past ``length``)
+            length = min(-(-length // KEY_BUCKET) * KEY_BUCKET, self.max_len)
+            cache = self._cache_views(lo, hi, length)
         mask = pass_mask(columns, torch.tensor([r.slot_start for r in rows], device=self.device),
                           torch.tensor([r.num_slots for r in rows], device=self.device), length)
         # a prefill reads only its last prompt column and slots (``_advance``; a chunk, none): the head runs on those

@@ -112,7 +112,9 @@ def sample_tokens(
     Returns:
         (B, L) int64 token ids.
     """
-    greedy = logits.argmax(-1)  # (B, L)
+    from celeris.models import fast_ops  # here: `import celeris` with its SamplingParams loads no model module
+
+    greedy = fast_ops.argmax(logits)  # (B, L)
     if not bool((temperature > 0).any()):
         return greedy
     needs = [g if t > 0 else None for g, t in zip(generators, temperature.tolist(), strict=True)]

@@ -68,6 +68,7 @@ from __future__ import annotations
 
 import torch
 
+from celeris.models import fast_ops
 from celeris.params import SamplingParams
 from celeris.sampling.drafter import DFlashProposer, check_num_drafts, proposer_of
 from celeris.sampling.rules import DRAFT_SOURCES
@@ -162,7 +163,7 @@ def verify_drafts(p_logits: torch.Tensor, drafts: list[int], q_probs: list[torch
     (temperature > 0 only). Random draws come from the row's own CPU generator.
     """
     if params.temperature == 0:
-        greedy = p_logits.argmax(-1).tolist()
+        greedy = fast_ops.argmax(p_logits).tolist()
         a = 0
         while a < len(drafts) and drafts[a] == greedy[a]:
             a += 1
@@ -190,22 +191,23 @@ def penalize_along(logits: torch.Tensor, history: History, drafts: list[int], se
     Returns:
         (m + 1, V) penalized logits (a new tensor).
     """
-    width = logits.shape[0]
-    seen = None if history.seen is None else history.seen.expand(width, -1).clone()  # (m + 1, V)
-    counts = None if history.counts is None else history.counts.expand(width, -1).clone()
-    for j, token in enumerate(drafts[: width - 1]):
-        if seen is not None:
-            seen[j + 1 :, token] = True
-        if counts is not None:
-            counts[j + 1 :, token] += 1
-    along = History(None if seen is None else seen[None], None if counts is None else counts[None])
-    return apply_penalties(logits[None], settings, along)[0]
+    out = apply_penalties(logits[None], settings, history)[0]  # every position under the row's tokens so far
+    # then the entries the drafts change: position p's token t, seen and counted once more per d_j = t, j <= p;
+    # the same elementwise float operations on those entries alone give the same values as on whole rows
+    entries = [(p, t, drafts[:p].count(t)) for p in range(1, logits.shape[0]) for t in set(drafts[:p])]
+    if not entries:
+        return out
+    rows, tokens, extra = (torch.tensor(column, device=logits.device) for column in zip(*entries, strict=True))
+    seen = None if history.seen is None else torch.ones((1, len(entries)), dtype=torch.bool, device=logits.device)
+    counts = None if history.counts is None else (history.counts[0, tokens] + extra.to(history.counts.dtype))[None]
+    out[rows, tokens] = apply_penalties(logits[rows, tokens][None, None], settings, History(seen, counts))[0, 0]
+    return out
 
 
 def slot_drafts(slot_logits: torch.Tensor, params: SamplingParams, gen: torch.Generator) -> tuple[list[int], list]:
     """Drafts from the k mask slots' logits (k, V): argmax at temperature 0, else samples and their q."""
     if params.temperature == 0:
-        return slot_logits.argmax(-1).tolist(), []
+        return fast_ops.argmax(slot_logits).tolist(), []
     q = probs(slot_logits, params.temperature, params.top_p).cpu()  # (k, V)
     return torch.multinomial(q, 1, generator=gen)[:, 0].tolist(), list(q)
 
@@ -248,7 +250,7 @@ def greedy_token(constraint: Constraint, logits: torch.Tensor, remaining: int) -
     before the budget rule. The unmasked argmax is checked first (one ``validate_tokens`` call): when the grammar
     accepts it, it is also the masked argmax (ties resolve to the lowest id in both), and no mask is computed."""
     if not constraint.is_forced(remaining):
-        top = int(logits.argmax())
+        top = int(fast_ops.argmax(logits))
         if constraint.accepts(top):
             return top
     return int(_masked(constraint, logits, remaining).argmax())
@@ -316,7 +318,7 @@ def grammar_slot_drafts(constraint: Constraint, slot_logits: torch.Tensor, param
     for logits in slot_logits:
         if matcher.is_stopped() or matcher.is_error():
             break
-        top = int(logits.argmax())
+        top = int(fast_ops.argmax(logits))
         if params.temperature == 0 and top < n and matcher.validate_tokens([top]) == 1:
             token = top  # the grammar accepts the slot's argmax: it is the masked argmax too
         else:

@@ -251,3 +251,31 @@ def test_every_layer_in_one_call_equals_the_layer_calls_bit_for_bit(monkeypatch)
     with torch.no_grad():
         again = model.hidden_states(ids, attn, cache, (10, 13))
     assert calls[-1] is False and torch.equal(again, span0)
+
+
+def test_argmax_equals_torchs_on_ties_nans_infinities_and_signed_zeros_on_every_build(variants):
+    """The kernel's argmax takes the first largest value, a NaN counting as the largest, as ``torch.argmax`` does,
+    on every code path (vector bodies and scalar tails: rows of 49,152, 37 and 5 values)."""
+    g = torch.Generator().manual_seed(0)
+    rows = []
+    for n in (49152, 37, 5):
+        x = torch.randn(8, n, generator=g)
+        x[1, n // 3], x[1, n - 1] = 50.0, 50.0  # a tie: the first wins
+        x[2, n // 2], x[2, 1] = float("nan"), float("nan")  # NaNs: the first NaN
+        x[3] = float("-inf")  # all -inf: index 0
+        x[4, 0], x[4, n - 1] = float("inf"), float("inf")
+        x[5] = 0.0
+        x[5, n // 2] = -0.0  # signed zeros are equal: the first
+        x[6, : n // 2] = -1.0
+        x[6, n // 2 :] = 0.0  # the largest only in the tail half
+        x[7, -1] = 9.0  # the largest last (in a scalar tail where n is not a multiple of the vector)
+        rows.append(x)
+    for name, lib in variants.items():
+        for x in rows:
+            out = torch.empty(8, dtype=torch.long)
+            lib.celeris_argmax_rows(kernels.pointer(x), 8, x.shape[1], kernels.pointer(out))
+            assert torch.equal(out, x.argmax(-1)), (name, x.shape[1])
+    for x in rows:  # the wrapper, any leading shape, and torch's own path for what the kernel does not take
+        assert torch.equal(fast_ops.argmax(x.reshape(2, 4, -1)), x.reshape(2, 4, -1).argmax(-1))
+        assert torch.equal(fast_ops.argmax(x[0]), x[0].argmax(-1))
+        assert torch.equal(fast_ops.argmax(x.double()), x.double().argmax(-1))

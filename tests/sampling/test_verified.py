@@ -245,3 +245,28 @@ def test_a_penalty_keeps_the_penalized_next_token_answer(hybrid, source, name):
         assert answers == reference.token_ids, r
     assert got[0] != got[2]  # the penalty matters on these prompts
     assert out.accepted[1] > 0  # second drafts were accepted: their positions' context held the first
+
+
+def test_penalize_along_equals_penalizing_each_position_with_its_own_history_bit_for_bit():
+    """The penalties at the verify positions touch only the entries the drafts change; the slow reference gives every
+    position its own full history (the row's tokens and the drafts before it) and penalizes whole rows."""
+    from celeris.sampling.step import History, RowSettings, apply_penalties
+    from celeris.sampling.verified import penalize_along
+
+    torch.manual_seed(0)
+    vocab, prompt, answer = 50, [3, 4, 5, 3], [7, 7, 9]
+    logits = torch.randn(6, vocab) * 4
+    for drafts in ([7, 2, 7, 7, 11], [1], [], [2, 3, 4, 5, 6]):
+        for p in (SamplingParams(repetition_penalty=1.3, frequency_penalty=0.4, presence_penalty=0.25),
+                  SamplingParams(frequency_penalty=0.2), SamplingParams(repetition_penalty=0.8)):
+            settings = RowSettings.from_params([p], torch.device("cpu"))
+            history = History.of(settings, [torch.tensor(prompt + answer)], [torch.tensor(answer)], vocab, 0,
+                                 torch.device("cpu"))
+            width = len(drafts) + 1
+            expected = torch.stack([apply_penalties(logits[j][None, None], settings, History.of(
+                settings, [torch.tensor(prompt + answer + drafts[:j])], [torch.tensor(answer + drafts[:j])], vocab, 0,
+                torch.device("cpu")))[0, 0] for j in range(width)])
+            before = logits.clone()
+            got = penalize_along(logits[:width], history, drafts, settings)
+            assert torch.equal(got, expected), (drafts, p)
+            assert torch.equal(logits, before)  # the input is left as it is

@@ -7,6 +7,7 @@ from dataclasses import replace
 
 from celeris.engine.draft_rows import DraftRow
 from celeris.engine.proposers.base import DraftAsk, Drafts, Proposer, one_hot
+from celeris.models import fast_ops
 from celeris.sampling.verified import grammar_slot_drafts
 
 
@@ -33,7 +34,7 @@ class DFlashDrafts(Proposer):
         if row.constraint is not None:
             tokens, _ = grammar_slot_drafts(row.constraint, logits, replace(row.params, temperature=0.0), row.generator)
         else:
-            tokens = logits.argmax(-1).tolist()
+            tokens = fast_ops.argmax(logits).tolist()
         tokens = drafter.confident(logits, tokens)
         return Drafts(tokens, one_hot(tokens, ask.vocab, row.params.temperature), 0, from_drafter=True)
 

@@ -41,6 +41,51 @@ void celeris_rms_norm(const float *x, const float *w, int64_t rows, int64_t dim,
     }
 }
 
+/* out[r] = the index of the largest of x[r * n .. r * n + n), the first one where several are equal, a NaN counting
+ * as larger than any number (the first NaN): torch.argmax's rule. Two passes over a row: its largest value (or
+ * whether it holds a NaN), then the first index holding it. */
+#if defined(__AVX512F__) || defined(__AVX2__)
+#include <immintrin.h>
+#endif
+static int64_t argmax_row(const float *x, int64_t n) {
+    int64_t i = 0;
+    float top = -INFINITY;
+    int nan = 0;
+#if defined(__AVX512F__)
+    __m512 m = _mm512_set1_ps(-INFINITY);
+    __mmask16 unordered = 0;
+    for (; i + 16 <= n; i += 16) {
+        const __m512 v = _mm512_loadu_ps(x + i);
+        unordered |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+        m = _mm512_max_ps(m, v);
+    }
+    nan = unordered != 0;
+    top = _mm512_reduce_max_ps(m);
+#elif defined(__AVX2__)
+    __m256 m = _mm256_set1_ps(-INFINITY), unordered = _mm256_setzero_ps();
+    for (; i + 8 <= n; i += 8) {
+        const __m256 v = _mm256_loadu_ps(x + i);
+        unordered = _mm256_or_ps(unordered, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+        m = _mm256_max_ps(m, v);
+    }
+    nan = _mm256_movemask_ps(unordered) != 0;
+    float lanes[8];
+    _mm256_storeu_ps(lanes, m);
+    for (int j = 0; j < 8; j++) top = lanes[j] > top ? lanes[j] : top;
+#endif
+    for (; i < n; i++) {
+        nan |= isnan(x[i]);
+        top = x[i] > top ? x[i] : top;
+    }
+    for (int64_t j = 0; j < n; j++)
+        if (nan ? isnan(x[j]) : x[j] == top) return j;
+    return 0;  /* n == 0 */
+}
+
+void celeris_argmax_rows(const float *x, int64_t rows, int64_t n, int64_t *out) {
+    for (int64_t r = 0; r < rows; r++) out[r] = argmax_row(x + r * n, n);
+}
+
 /* out[r] = silu(gu[r, :n]) * gu[r, n:] for gu (rows, 2n), out (rows, n) (SwiGLU, Shazeer arXiv:2002.05202). */
 void celeris_silu_mul(const float *gu, int64_t rows, int64_t n, float *out) {
     for (int64_t r = 0; r < rows; r++) {
