@@ -73,6 +73,7 @@ class MaskedPath:
         # a causal model scores token t from the hidden state at t - 1 (logits_shift 1): its window passes compute
         # that column and score it unshifted, never the mask column t itself (``_next_token_columns``)
         self.next_token = self.is_causal and getattr(context.model, "logits_shift", 0) == 1
+        self._settings: tuple[list, RowSettings] | None = None  # the last step's rows' settings (``_settings_of``)
 
     def token_cost(self, requests: list[Request]) -> int:
         """Tokens the step's passes over ``requests`` process (the scheduler's budget): a request prefilling in
@@ -121,7 +122,7 @@ class MaskedPath:
             batch, logits, block = [batch[i] for i in rows], logits[rows], block[rows]
             if not batch:
                 return []
-        settings = RowSettings.from_params([r.params for r in batch], logits.device)
+        settings = self._settings_of(batch, logits.device)
         num_tokens = torch.tensor([r.tokens_this_step() for r in batch], device=logits.device)
         history = History.of(settings, [r.canvas for r in batch], [r.answer for r in batch],
                              logits.shape[-1], self.mask_id, logits.device, [r.ends(self.eos_id) for r in batch])
@@ -147,6 +148,15 @@ class MaskedPath:
         if any(r.is_finished for r in batch):  # free finished requests' KV rows now, not at the next step
             self.runner.release({r for r in stepped if not r.is_finished})
         return batch
+
+    def _settings_of(self, batch: list[Request], device: torch.device) -> RowSettings:
+        """The rows' ``RowSettings``, made again only when the batch's requests changed (a step of the same requests
+        reads the same settings: requests' ``params`` are not changed after admission)."""
+        params = [r.params for r in batch]
+        made = self._settings
+        if made is None or len(made[0]) != len(params) or any(a is not b for a, b in zip(made[0], params, strict=True)):
+            made = self._settings = (params, RowSettings.from_params(params, device))
+        return made[1]
 
     def _record_logprobs(self, batch: list[Request], logits: torch.Tensor, new_block: torch.Tensor,
                          committed: torch.Tensor, settings: RowSettings, history: History | None,
@@ -307,7 +317,9 @@ class MaskedPath:
         uncond = [pool.row(r, "uncond") for r in requests if r.params.cfg_scale > 0]
         logits = self._guide(requests, logits, cond, uncond)
         spans = [r.block_span for r in requests]
-        block = self._block_tokens(canvas[cond], [s for s, _ in spans], [e - s for s, e in spans], block_width)
+        block = torch.full((len(requests), block_width), self.pad_id, dtype=torch.long)  # columns past a block: pad
+        for i, (s, e) in enumerate(spans):  # each request's block, from its own canvas (its cond row's tokens)
+            block[i, : e - s] = requests[i].canvas[s:e]
         return logits, block.to(self.runner.device)
 
     @staticmethod

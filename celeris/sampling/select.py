@@ -7,6 +7,8 @@ of the block being denoised) and V (vocabulary).
 
 from __future__ import annotations
 
+import sys
+
 import torch
 
 NEG_INF = float("-inf")
@@ -98,7 +100,7 @@ def min_p_filter(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
 
 def sample_tokens(
     logits: torch.Tensor, temperature: torch.Tensor, generators: list[torch.Generator],
-    lengths: list[int] | None = None,
+    lengths: list[int] | None = None, sampling: bool | None = None,
 ) -> torch.Tensor:
     """Gumbel-max sampling in float64 (arXiv:2409.02908: low-precision noise hurts quality).
 
@@ -108,14 +110,17 @@ def sample_tokens(
     Args:
         logits: (B, L, V) float32. temperature: (B,) float.
         lengths: each row's own block width (<= L; ``uniform``), None: all L.
+        sampling: whether some row's temperature is above 0, when the caller knows (``RowSettings.any_sampling``);
+            None: read from ``temperature``.
 
     Returns:
         (B, L) int64 token ids.
     """
-    from celeris.models import fast_ops  # here: `import celeris` with its SamplingParams loads no model module
-
-    greedy = fast_ops.argmax(logits)  # (B, L)
-    if not bool((temperature > 0).any()):
+    # the kernel's argmax once the model side is loaded (`import celeris` with its SamplingParams loads no model
+    # module); the same ids as torch's
+    fast_ops = sys.modules.get("celeris.models.fast_ops")
+    greedy = logits.argmax(-1) if fast_ops is None else fast_ops.argmax(logits)  # (B, L)
+    if not (bool((temperature > 0).any()) if sampling is None else sampling):
         return greedy
     needs = [g if t > 0 else None for g, t in zip(generators, temperature.tolist(), strict=True)]
     u = uniform(tuple(logits.shape), needs, logits.device, lengths).clamp_(min=1e-300)  # (B, L, V)

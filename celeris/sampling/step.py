@@ -80,6 +80,7 @@ class RowSettings:
     any_top_p: bool = False
     any_top_k: bool = False
     any_min_p: bool = False
+    any_sampling: bool | None = None  # some row samples (temperature > 0); None: not known (read the tensor)
 
     @property
     def any_count_penalty(self) -> bool:
@@ -112,6 +113,7 @@ class RowSettings:
             any_top_p=any(r.top_p < 1 for r in rows),
             any_top_k=any(r.top_k > 0 for r in rows),
             any_min_p=any(r.min_p > 0 for r in rows),
+            any_sampling=any(r.temperature > 0 for r in rows),
         )
 
 
@@ -299,7 +301,7 @@ def denoise_step(
     """
     logits, unfiltered = prepare_logits(logits, settings, banned_ids, history, allowed,
                                         keep_unfiltered=confidence_from == "unfiltered")
-    x0 = sample_tokens(logits, settings.temperature, generators, lengths)  # (B, L)
+    x0 = sample_tokens(logits, settings.temperature, generators, lengths, settings.any_sampling)  # (B, L)
     probs = (logits if unfiltered is None else unfiltered).softmax(-1)  # (B, L, V)
     is_masked = block == mask_id  # (B, L)
     conf = torch.full(x0.shape, NEG_INF, dtype=torch.float64, device=x0.device)
