@@ -302,6 +302,37 @@ def denoise_step(
     logits, unfiltered = prepare_logits(logits, settings, banned_ids, history, allowed,
                                         keep_unfiltered=confidence_from == "unfiltered")
     x0 = sample_tokens(logits, settings.temperature, generators, lengths, settings.any_sampling)  # (B, L)
+    if allowed is None and force is None and (single := commit_single(logits, x0, block, mask_id, num_tokens,
+                                                                       settings, confidence_from)) is not None:
+        return single
+    return rank_and_commit(logits, unfiltered, x0, block, mask_id, num_tokens, settings, generators, lengths, force)
+
+
+SINGLE_RULES = ("fixed", "low_confidence_static")  # commit rules that commit the one masked position of a block
+
+
+def commit_single(logits: torch.Tensor, x0: torch.Tensor, block: torch.Tensor, mask_id: int,
+                  num_tokens: torch.Tensor, settings: RowSettings, confidence_from: str) -> tuple | None:
+    """``rank_and_commit``'s result without its confidences, where it is known without them: a block of one column
+    (next-token decoding through the masked path), every row committing its ``num_tokens`` >= 1 most confident
+    masked positions by probability (``fixed``, ``low_confidence``, from the filtered logits). Such a rule commits
+    the masked position unless its confidence is NaN, which happens only when the filtered logits hold a NaN or
+    +inf, or nothing but -inf: then ``x0``'s logit (the argmax, or a Gumbel-max sample, of those logits) is not
+    finite, and this returns None (the caller ranks). (B, 1, V) filtered logits, (B, 1) ``x0`` and ``block``."""
+    if block.shape[1] != 1 or confidence_from != "filtered" or any(r != "low_confidence" for r in settings.remasking) \
+            or any(d not in SINGLE_RULES for d in settings.decoding) or bool((num_tokens < 1).any()):
+        return None
+    if not bool(torch.isfinite(logits.gather(-1, x0[..., None])).all()):
+        return None
+    chosen = block == mask_id  # (B, 1)
+    return torch.where(chosen, x0, block), chosen
+
+
+def rank_and_commit(logits: torch.Tensor, unfiltered: torch.Tensor | None, x0: torch.Tensor, block: torch.Tensor,
+                    mask_id: int, num_tokens: torch.Tensor, settings: RowSettings, generators: list[torch.Generator],
+                    lengths: list[int] | None, force: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``denoise_step`` after its predictions ``x0`` (B, L): each row's confidences (its remasking) ranked by its
+    commit rule, the ``force``d positions added; returns (new block (B, L), committed (B, L) bool)."""
     probs = (logits if unfiltered is None else unfiltered).softmax(-1)  # (B, L, V)
     is_masked = block == mask_id  # (B, L)
     conf = torch.full(x0.shape, NEG_INF, dtype=torch.float64, device=x0.device)

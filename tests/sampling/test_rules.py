@@ -175,3 +175,36 @@ def test_toy_rule_through_sampler_engine_cli_and_http(toy_rule, llm, folder, cap
         unregister_commit_rule("toy")  # gone from the registry: the same request is refused, naming the field
         reply = httpx.post(f"{server.url}/v1/completions", json=body, timeout=30)
         assert reply.status_code == 400 and reply.json()["error"]["param"] == "decoding"
+
+
+def test_a_block_of_one_commits_as_the_ranked_rules_do_without_their_confidences():
+    """``commit_single`` (a block of one column, the fixed rule by probability) gives what ranking the confidences
+    gives (``rank_and_commit``), greedy and sampled, with penalties and filters; a row whose logits are NaN, +inf or
+    all -inf (its confidence is NaN) is left to the ranking, where it commits nothing."""
+    from celeris.sampling.select import sample_tokens
+    from celeris.sampling.step import History, RowSettings, commit_single, denoise_step, prepare_logits, rank_and_commit
+
+    mask, vocab = 0, 40
+    rows = [SamplingParams(temperature=0.0, frequency_penalty=0.5), SamplingParams(temperature=0.8, top_p=0.9),
+            SamplingParams(temperature=0.0, repetition_penalty=1.3), SamplingParams(temperature=1.2, top_k=5)]
+    settings = RowSettings.from_params(rows, torch.device("cpu"))
+    history = History.of(settings, [torch.tensor([3, 4, 5])] * 4, [torch.tensor([4, 4])] * 4, vocab, mask,
+                         torch.device("cpu"))
+    block = torch.tensor([[mask], [mask], [7], [mask]])  # row 2 holds a committed token: nothing to commit there
+    for seed in range(5):
+        logits = torch.randn(4, 1, vocab, generator=torch.Generator().manual_seed(seed)) * 3
+        if seed == 4:
+            logits[1, 0, 5] = float("nan")
+            logits[3] = float("-inf")
+        args = (block, mask, [mask], torch.ones(4, dtype=torch.long), settings)
+        got = denoise_step(logits, *args, [torch.Generator().manual_seed(1) for _ in rows], history)
+        filtered, _ = prepare_logits(logits, settings, [mask], history)
+        gens = [torch.Generator().manual_seed(1) for _ in rows]
+        x0 = sample_tokens(filtered, settings.temperature, gens)
+        want = rank_and_commit(filtered, None, x0, block, mask, torch.ones(4, dtype=torch.long), settings, gens, None,
+                               None)
+        assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True)), seed
+        single = commit_single(filtered, x0, block, mask, torch.ones(4, dtype=torch.long), settings, "filtered")
+        assert (single is None) == (seed == 4)  # the NaN and -inf rows go to the ranking
+        if seed == 4:
+            assert want[1][[1, 3]].sum() == 0  # where it commits nothing
