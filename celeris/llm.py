@@ -141,15 +141,26 @@ class LLM:
         self.generation_config: dict = load.generation_defaults(plan, loaded)
         # every id that ends an answer: end-of-text, the generation config's eos_token_id list, end-of-turn
         self.end_token_ids = self.tokenizer.end_token_ids(self.path, self.generation_config)
-        # llguidance's view of the tokenizer, for requests with a grammar (structured output, tool calls)
-        self.grammar_tokenizer = grammar_tokenizer(self.tokenizer, self.model.config.vocab_size)
-        self.engine = Engine(self.model, self.engine_config, self.end_token_ids, self.grammar_tokenizer)
+        self._grammar_tokenizer: object | None = None  # built at the first request with a grammar (its property)
+        self._grammar_built = False
+        self.engine = Engine(self.model, self.engine_config, self.end_token_ids,
+                             grammar_tokenizer_loader=lambda: self.grammar_tokenizer)
         self.context_length = self.engine_config.max_model_len  # what a request may hold (max_model_len)
         # the loaded model's objects (modules, tensors, tokenizer tables) out of the collector's generations, as
         # vLLM's engine core and SGLang's scheduler do after start-up: a decoding step's garbage otherwise makes
         # the collector walk all of them (measured: gc 2-4% of a SmolLM2 width-1 step); no gc.collect() first
         # (84 ms of a 1 s load; what garbage the load left is small and stays)
         gc.freeze()
+
+    @property
+    def grammar_tokenizer(self) -> object | None:
+        """llguidance's view of the tokenizer, for requests with a grammar (structured output, tool calls): built
+        at its first use (about 0.2 s for SmolLM2's 49,152 tokens, which a load that serves no grammar never pays);
+        None when llguidance cannot read this tokenizer (``celeris.structured.grammar_tokenizer``)."""
+        if not self._grammar_built:
+            self._grammar_tokenizer = grammar_tokenizer(self.tokenizer, self.model.config.vocab_size)
+            self._grammar_built = True
+        return self._grammar_tokenizer
 
     def default_params(self, **overrides: object) -> SamplingParams:
         """SamplingParams from the model's ``generation_config.json`` with ``overrides`` applied (a block model's

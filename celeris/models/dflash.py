@@ -233,10 +233,9 @@ class DFlashMLP(nn.Module):
         """Stack ``gate_proj`` and ``up_proj`` into one ``gate_up_proj`` (2 I, d) (one product a call instead of
         two; the same rows, so a row-wise quantized product gives the same numbers); for inference only (the
         state dict's names change)."""
-        fused = nn.Linear(self.gate_proj.in_features, 2 * self.gate_proj.out_features, bias=False,
-                          device=self.gate_proj.weight.device, dtype=self.gate_proj.weight.dtype)
-        with torch.no_grad():
-            fused.weight.copy_(torch.cat([self.gate_proj.weight, self.up_proj.weight]))
+        fused = nn.Linear(self.gate_proj.in_features, 2 * self.gate_proj.out_features, bias=False, device="meta")
+        with torch.no_grad():  # its weight is the stacked rows (built on meta: no random init to overwrite)
+            fused.weight = nn.Parameter(torch.cat([self.gate_proj.weight, self.up_proj.weight]))
         self.gate_up_proj = fused
         del self.gate_proj, self.up_proj
 

@@ -127,7 +127,7 @@ class OpenAIServing(RunDriver):
         if async_engine is None:
             if engine is None:
                 engine = Engine(llm.model, engine_config or EngineConfig(), llm.end_token_ids,
-                                getattr(llm, "grammar_tokenizer", None))
+                                grammar_tokenizer_loader=lambda: getattr(llm, "grammar_tokenizer", None))
             # the engine's queue counts free running slots, so it admits max_num_seqs + max_waiting in all
             async_engine = AsyncEngine(engine, max_in_flight=engine.config.max_num_seqs + engine.config.max_waiting,
                                        on_stats=self.metrics.set_queue_stats)

@@ -241,3 +241,29 @@ def test_a_grammar_that_admits_no_answer_is_refused_for_the_tokenizer(json_llm):
     assert not answer_matches(loop, json_llm.grammar_tokenizer, [])
     with pytest.raises(GrammarError, match="admits no finite JSON value"):
         schema_grammar({"type": "array", "items": {"$ref": "#"}, "minItems": 1})
+
+
+def test_the_grammar_tokenizer_is_built_at_the_first_request_with_a_grammar(tmp_path):
+    """A load builds no llguidance tokenizer (a cold start that serves no grammar never pays for it); the engine
+    builds it at its first constrained request, which then validates, and keeps it."""
+    from celeris.structured import grammar as grammar_module
+
+    llm = LLM(build_tiny_checkpoint(tmp_path, TEXTS, "tiny-lazy", 256, GEN, is_causal=True), **TINY_LLM)
+    built = []
+    real = grammar_module._grammar_tokenizer.__wrapped__
+
+    def counting(*args):  # the uncached builder, counted
+        built.append(args[1:])
+        return real(*args)
+
+    grammar_module._grammar_tokenizer.cache_clear()
+    original, grammar_module._grammar_tokenizer = grammar_module._grammar_tokenizer, counting
+    try:
+        llm.generate("def f(x):", SamplingParams(max_tokens=8, steps=8, block_length=1))
+        assert built == []
+        out = llm.generate('{"color":', params_for(schema_grammar(SCHEMAS["enum"])))[0]
+        jsonschema.validate(json.loads(out.text), SCHEMAS["enum"])
+        llm.generate('{"color":', params_for(schema_grammar(SCHEMAS["enum"])))
+        assert len(built) == 1 and llm.grammar_tokenizer is llm.engine.grammar_tokenizer is not None
+    finally:
+        grammar_module._grammar_tokenizer = original
