@@ -110,6 +110,7 @@ class VerifiedDecoder:
         self.feature_cache = PrefixCache(prefix_cache_tokens) if prefix_cache_tokens and self.proposer else None
         self.proposers: dict[str, Proposer] = {}  # draft_source -> its proposer, made at the first row asking
         self._views: tuple | None = None  # the last pass's cache views (``_cache_views``)
+        self._keys_index: torch.Tensor | None = None  # key columns of the last length (``_key_columns``)
 
     def proposer_for(self, source: str) -> Proposer:
         """The proposer of ``draft_source`` ``source`` (``celeris.engine.proposers``), made at its first use."""
@@ -215,6 +216,12 @@ class VerifiedDecoder:
         self.tokens[[i, j]] = self.tokens[[j, i]]
         self.rows[i], self.rows[j] = self.rows[j], self.rows[i]
 
+    def _key_columns(self, length: int) -> torch.Tensor:
+        """(length,) int64 0 .. length - 1 on the device, kept while the length stays (it changes once a bucket)."""
+        if self._keys_index is None or self._keys_index.numel() != length:
+            self._keys_index = torch.arange(length, device=self.device)
+        return self._keys_index
+
     def _cache_views(self, lo: int, hi: int, length: int) -> KVCache:
         """The first ``length`` columns of store rows [lo, hi) of every layer, as views made again only when the
         rows, the segment or the length changed (a pass makes 60-odd; the fast pass's layer stack then also reads
@@ -246,8 +253,11 @@ class VerifiedDecoder:
         else:  # the keys run to a multiple of KEY_BUCKET: the same views for many passes (masked past ``length``)
             length = min(-(-length // KEY_BUCKET) * KEY_BUCKET, self.max_len)
             cache = self._cache_views(lo, hi, length)
-        mask = pass_mask(columns, torch.tensor([r.slot_start for r in rows], device=self.device),
-                          torch.tensor([r.num_slots for r in rows], device=self.device), length)
+        if any(r.num_slots for r in rows):
+            mask = pass_mask(columns, torch.tensor([r.slot_start for r in rows], device=self.device),
+                             torch.tensor([r.num_slots for r in rows], device=self.device), length)
+        else:  # no mask slots (drafts of prompt lookup or a drafter): every column causal, ``pass_mask``'s rule
+            mask = (self._key_columns(length)[None, None, :] <= columns[:, :, None])[:, None]
         # a prefill reads only its last prompt column and slots (``_advance``; a chunk, none): the head runs on those
         first = [min(len(r.prompt_ids) - 1 - r.num_cached, len(r.columns) - 1) for r in rows] if fresh else None
         capture = self.proposer.capture() if self.proposer else None

@@ -284,10 +284,13 @@ class LayerStack:
 
     def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn_mask: torch.Tensor | None,
                  cache: object, window: tuple[int, int] | torch.Tensor | None,
-                 capture: dict[int, torch.Tensor | None] | None = None) -> torch.Tensor | None:
-        """Every layer on x (B, L, d) float32 for a cached window pass: (B, L, d) before the final norm, with
-        ``capture`` (layer index -> None) filled with those layers' outputs (B, L, d); None where it does not apply
-        (a layer switched off its kernel, a cache of other strides: nothing was written).
+                 capture: dict[int, torch.Tensor | None] | None = None,
+                 final_norm: nn.Module | None = None) -> torch.Tensor | None:
+        """Every layer on x (B, L, d) float32 for a cached window pass: (B, L, d) before the final norm, or after
+        ``final_norm`` (the model's ``RMSNorm``, on the kernel: the same call as its module's, without the module's
+        dispatch after a pass has evicted the caches), with ``capture`` (layer index -> None) filled with those
+        layers' outputs (B, L, d); None where it does not apply (a layer switched off its kernel, a cache of other
+        strides: nothing was written).
 
         Raises:
             IndexError: a window column outside the cache.
@@ -319,6 +322,11 @@ class LayerStack:
                                        *args[:4], *args[5:8], *args[9:], d ** -0.5, pointer(out),
                                        torch.get_num_threads())
         _check_layer_rc(rc, "celeris_decoder_stack", keys[0].shape[2])
+        if final_norm is not None:  # in place: the kernel sums a row's squares before it writes the row
+            w = final_norm.weight
+            if not (getattr(final_norm, "fast", False) and _fits(w) and w.numel() == dim):
+                return final_norm(out)
+            lib.celeris_rms_norm(pointer(out), pointer(w), b * lq, dim, final_norm.eps, pointer(out))
         return out
 
 

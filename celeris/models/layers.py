@@ -451,8 +451,8 @@ class TransformerLM(nn.Module):
                                 self.arch.rope_scaling)
         x = self.embed(ids)  # (B, Lq, d)
         if self.layer_stack is not None and \
-                (out := self.layer_stack(x, cos, sin, attn_mask, cache, window, capture)) is not None:
-            return self.norm(out)
+                (out := self.layer_stack(x, cos, sin, attn_mask, cache, window, capture, self.norm)) is not None:
+            return out  # the final norm applied in the stack's call
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, attn_mask, cache=cache, layer_idx=i, window=window)
             if capture is not None and i in capture:
