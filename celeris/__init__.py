@@ -3,7 +3,7 @@
 Public API (mirrors vLLM): ``LLM(model).generate(prompts, SamplingParams(...))``.
 """
 
-from celeris.params import SamplingParams
+from celeris.sampling.params import SamplingParams
 
 __all__ = ["LLM", "SamplingParams"]
 __version__ = "0.1.0"

@@ -25,7 +25,6 @@ from celeris.load import (  # noqa: F401 - re-exported: the CLI, the bench and t
     resolve_model,
 )
 from celeris.models.loader import CheckpointError, load_tokenizer
-from celeris.params import SamplingParams
 from celeris.sampling.block import contract_of
 from celeris.sampling.logprobs import TokenLogprob
 from celeris.sampling.modes import (
@@ -34,6 +33,7 @@ from celeris.sampling.modes import (
     check_fits_context,
     check_request,
 )
+from celeris.sampling.params import SamplingParams
 from celeris.sampling.step import check_prompts
 from celeris.structured.grammar import grammar_tokenizer, stops_apply
 from celeris.text import cut_at_stop

@@ -30,7 +30,6 @@ from celeris.models.catalog import EMBEDDED as CATALOG_EMBEDDED
 from celeris.models.gguf import find_gguf, prepare, read_card
 from celeris.models.loader import CheckpointError, load_any
 from celeris.models.quantize import QuantizationError, quantize_model
-from celeris.params import causal_defaults
 from celeris.sampling.block import contract_of
 from celeris.sampling.drafter import (
     BLOCK_METHOD,
@@ -40,6 +39,7 @@ from celeris.sampling.drafter import (
     load_proposer,
     quantize_drafter,
 )
+from celeris.sampling.params import causal_defaults
 from celeris.tokenizer import read_chat_template_file
 
 EMBEDDED = CATALOG_EMBEDDED

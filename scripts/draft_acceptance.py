@@ -21,8 +21,8 @@ import torch
 from celeris.engine.verified import VerifiedDecoder
 from celeris.llm import resolve_model
 from celeris.models.loader import load_model
-from celeris.params import SamplingParams
 from celeris.reference.autoregressive import generate_autoregressive
+from celeris.sampling.params import SamplingParams
 from celeris.train.loop import load_run
 
 

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from celeris.engine.verified import generate_verified
-from celeris.params import SamplingParams
+from celeris.sampling.params import SamplingParams
 from celeris.train.loop import load_run
 
 

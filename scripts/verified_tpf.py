@@ -18,7 +18,7 @@ from celeris.bench.quality import heal_prompt, load_humaneval
 from celeris.engine.verified import generate_verified
 from celeris.llm import resolve_model
 from celeris.models.loader import load_model
-from celeris.params import SamplingParams
+from celeris.sampling.params import SamplingParams
 from celeris.tokenizer import Tokenizer
 from celeris.train.loop import load_run
 

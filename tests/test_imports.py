@@ -319,7 +319,7 @@ def test_import_celeris_and_its_sampling_params_load_no_model_module():
     code): checked in a child interpreter, since this one has imported everything (the child of
     ``tests.fixtures.fresh_interpreter``, which checks the moved modules' old paths after this)."""
     loaded = fresh_interpreter()["celeris_modules"]
-    assert "celeris.params" in loaded
+    assert "celeris.sampling.params" in loaded and "celeris.params" not in loaded  # the old path is not needed
     assert [m for m in loaded if m == "celeris.models" or m.startswith("celeris.models.")] == []
     assert "celeris.llm" not in loaded  # LLM is loaded on first use
 

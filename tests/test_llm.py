@@ -11,8 +11,8 @@ import torch
 
 from celeris.llm import LLM, RequestOutput
 from celeris.models.loader import CheckpointError
-from celeris.params import SamplingParams
 from celeris.reference.masked import generate
+from celeris.sampling.params import SamplingParams
 
 PROMPTS = ["def fibonacci(n):", "import os", "class Stack:\n    def push(self, item):\n"]
 

@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 
-from celeris.params import SamplingParams
+from celeris.sampling.params import SamplingParams
 
 
 @pytest.mark.parametrize(
@@ -168,21 +168,21 @@ RULE_VALUES = {"threshold": 0.2, "factor": 2.0, "entropy_bound": 1.0, "draft_sou
 
 def unread_choice(name: str) -> tuple[str, str]:
     """(picker field, a choice of it whose rule does not read ``name``)."""
-    from celeris.params import declared, rule_settings
+    from celeris.sampling.params import declared, rule_settings
 
     picker, choices = rule_settings()[name]
     return picker, next(c for c in declared()[picker].valid_choices() if c not in choices)
 
 
 def test_every_rule_setting_is_checked():
-    from celeris.params import rule_settings
+    from celeris.sampling.params import rule_settings
 
     assert set(RULE_VALUES) == set(rule_settings())
 
 
 @pytest.mark.parametrize("name", list(RULE_VALUES))
 def test_setting_for_an_unchosen_rule_is_an_error_naming_both(name):
-    from celeris.params import rule_settings
+    from celeris.sampling.params import rule_settings
 
     picker, unread = unread_choice(name)
     with pytest.raises(ValueError, match=rf"^{name} applies to .*got {picker}='{unread}'"):
@@ -204,7 +204,7 @@ def test_threshold_without_threshold_decoding_is_refused():
 @pytest.mark.parametrize("name", list(RULE_VALUES))
 def test_a_model_default_never_causes_the_error(name):
     """A generation_config.json default for a rule the caller switches away from is not the caller's setting."""
-    from celeris.params import rule_settings
+    from celeris.sampling.params import rule_settings
 
     picker, unread = unread_choice(name)
     defaults = {name: RULE_VALUES[name], picker: rule_settings()[name][1][0]}
@@ -214,7 +214,7 @@ def test_a_model_default_never_causes_the_error(name):
 
 
 def test_unset_rule_settings_take_their_defaults_and_replace_keeps_the_record():
-    from celeris.params import declared, rule_settings
+    from celeris.sampling.params import declared, rule_settings
 
     p = SamplingParams()
     unset = {n: declared()[n].unset for n in rule_settings()}
@@ -234,7 +234,7 @@ OFF_VALUES = {"remasking": "low_confidence", "top_k": 0, "min_p": 0.0, "cache_re
 
 def test_only_the_off_values_are_exempt():
     """Every rule setting's unset value is either an "off" (exempt when sent) or a default that counts when sent."""
-    from celeris.params import declared, rule_settings
+    from celeris.sampling.params import declared, rule_settings
 
     off = {n: declared()[n].unset for n in rule_settings() if declared()[n].unset_means_off}
     assert off == OFF_VALUES
@@ -244,7 +244,7 @@ def test_only_the_off_values_are_exempt():
 def test_a_rule_setting_given_at_its_default_value_counts(name):
     """Issue 28 item 4: threshold 0.9, factor 1.0, entropy_bound 0.5 (and draft_source 'lookup_first') without
     their rule were accepted and ignored because they equal the unset value; a value the caller gave counts."""
-    from celeris.params import declared
+    from celeris.sampling.params import declared
 
     picker, unread = unread_choice(name)
     value = declared()[name].unset

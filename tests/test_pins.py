@@ -24,8 +24,8 @@ import torch
 
 from celeris.engine.verified import generate_verified
 from celeris.llm import EMBEDDED, LLM
-from celeris.params import SamplingParams
 from celeris.reference.masked import generate
+from celeris.sampling.params import SamplingParams
 
 PINS = Path(__file__).parent / "pins.json"
 PROMPTS = ["def add(a, b):\n", "Hello, how are"]

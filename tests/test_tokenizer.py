@@ -7,7 +7,7 @@ import pytest
 
 from celeris.llm import LLM
 from celeris.models.loader import load_any, load_tokenizer
-from celeris.params import SamplingParams
+from celeris.sampling.params import SamplingParams
 from celeris.tokenizer import Tokenizer
 from tests.conftest import REPO_ROOT
 from tests.fixtures.chat_templates import write_published

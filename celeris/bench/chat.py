@@ -50,7 +50,7 @@ from celeris.bench.quantized import load_width, parse_widths, speed_floor, width
 from celeris.bench.run import conditions, draft_counts, next_token_params, pass_cost_ms, run_system, write_json
 from celeris.data import gsm8k_questions, mt_bench_questions, summarisation_prompts
 from celeris.llm import LLM
-from celeris.params import SamplingParams
+from celeris.sampling.params import SamplingParams
 
 PROMPT_SETS = {"mt-bench": mt_bench_questions, "gsm8k": gsm8k_questions, "summarisation": summarisation_prompts}
 

@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from celeris.llm import LLM
-from celeris.params import SamplingParams
+from celeris.sampling.params import SamplingParams
 
 # quality floors of issue 29, per method family (top-1 agreement at least, mean KL in nats at most)
 FLOORS = {"int8": (0.99, 0.01), "int4": (0.90, 0.1),

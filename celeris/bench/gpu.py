@@ -33,8 +33,8 @@ from celeris.config import EngineConfig
 from celeris.engine import Engine
 from celeris.models.llada import LLaDAConfig, LLaDAModel
 from celeris.models.sdar import SDARConfig, SDARModel
-from celeris.params import SamplingParams
 from celeris.reference.masked import generate
+from celeris.sampling.params import SamplingParams
 
 
 def sync(device: torch.device) -> None:

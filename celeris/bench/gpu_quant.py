@@ -35,7 +35,7 @@ from celeris.bench.divergence import EMBEDDED_MODES, floor_of, floor_warning, hu
 from celeris.bench.gpu import open_device, peak_memory_gb, sync, timed_engine_run
 from celeris.bench.run import pass_cost_ms
 from celeris.models.quantize import Int4Linear, parse_method, quantize_linear, quantize_model, reference_linear
-from celeris.params import SamplingParams
+from celeris.sampling.params import SamplingParams
 
 METHODS = ("int8", "int4", "fp8")
 SPEED_WIDTHS = ("float32", "bfloat16", *METHODS, "bfloat16+compile")

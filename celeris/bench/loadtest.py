@@ -183,7 +183,7 @@ LOAD_SETTINGS = ("steps", "block_length", "decoding", "cache")  # sampling setti
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from celeris.params import add_setting_flags  # the server's declaration of these settings
+    from celeris.sampling.params import add_setting_flags  # the server's declaration of these settings
 
     p = argparse.ArgumentParser(prog="python -m celeris.bench.loadtest", description=__doc__.split("\n\n")[0])
     p.add_argument("--url", help="target server base URL (default: start `celeris serve` in a separate process)")

@@ -17,7 +17,7 @@ from pathlib import Path
 from celeris.data import humaneval_problems
 from celeris.data.completions import cut_function_body, has_code, heal_prompt, parses
 from celeris.llm import LLM
-from celeris.params import SamplingParams
+from celeris.sampling.params import SamplingParams
 
 
 def load_humaneval(path: str | Path | None = None) -> list[dict]:

@@ -16,7 +16,7 @@ from celeris.bench.divergence import floor_warning, measure_divergence
 from celeris.config import QUANTIZATION_METHODS
 from celeris.llm import LLM
 from celeris.models.quantize import resident_weight_bytes
-from celeris.params import SamplingParams
+from celeris.sampling.params import SamplingParams
 
 BENCH_WIDTHS = ("bfloat16", *QUANTIZATION_METHODS)  # what the bench's --quantization list may name
 HEAD_SUFFIX = "+lm_head"  # a width with its head quantized too (--quantize-lm-head for that width alone)

@@ -61,10 +61,10 @@ from celeris.bench.quality import cut_function_body, has_code, heal_prompt, load
 from celeris.bench.quantized import load_width, parse_widths, width_report
 from celeris.llm import LLM
 from celeris.models.layers import KVCache
-from celeris.params import SamplingParams
 from celeris.reference.autoregressive import generate_autoregressive
 from celeris.reference.block import generate_block
 from celeris.sampling.block import contract_of
+from celeris.sampling.params import SamplingParams
 from celeris.sampling.verified import draft_length
 
 

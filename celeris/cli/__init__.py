@@ -1,7 +1,7 @@
 """`celeris generate | chat | serve | batch | eval | bench | train | data | models | cache`: the command line.
 
 The sampling flags of `generate`, `chat` and `eval` are derived from ``SamplingParams``' declaration
-(``celeris.params``) when the parser is built, with the choices the rule and cache registries hold then.
+(``celeris.sampling.params``) when the parser is built, with the choices the rule and cache registries hold then.
 
 Every user mistake ends with one line on stderr naming the problem and exit
 code 2, never a traceback (batch jobs: 0 all lines succeeded, 3 some failed,

@@ -197,9 +197,9 @@ def _speculative_config(raw: str | None, model: str | None) -> str | None:
 
 
 def _sampling_args(p: argparse.ArgumentParser) -> None:
-    """The model flags, one flag per ``SamplingParams`` setting (``celeris.params.add_setting_flags``: derived
+    """The model flags, one flag per ``SamplingParams`` setting (``celeris.sampling.params.add_setting_flags``: derived
     from its declaration, choices read from the registries now) and ``--json-schema``."""
-    from celeris.params import add_setting_flags
+    from celeris.sampling.params import add_setting_flags
 
     _model_args(p)
     add_setting_flags(p)
@@ -234,7 +234,7 @@ def _grammar(args: argparse.Namespace) -> str | None:
 def _params(llm_defaults: dict, args: argparse.Namespace, llm=None):  # noqa: ANN001 - celeris.llm.LLM, loaded lazily
     """The flags' SamplingParams over the model's defaults (a flag not given is None: the default); with the
     loaded ``llm``, as its ``default_params`` reads them (a block model's steps are per block)."""
-    from celeris.params import SamplingParams, declared
+    from celeris.sampling.params import SamplingParams, declared
 
     given = {name: getattr(args, name) for name, spec in declared().items() if spec.cli is not False}
     if llm is not None:

@@ -10,9 +10,9 @@ from dataclasses import dataclass, field
 import torch
 
 from celeris.models.layers import KVCache
-from celeris.params import SamplingParams
 from celeris.sampling.drafter import DraftState
 from celeris.sampling.logprobs import TokenLogprob, entries
+from celeris.sampling.params import SamplingParams
 from celeris.sampling.select import top_p_filter
 from celeris.sampling.step import History, RowSettings
 from celeris.structured.grammar import Constraint

@@ -32,10 +32,10 @@ from celeris.engine.runner import ModelRunner
 from celeris.engine.scheduler import Scheduler
 from celeris.engine.verified import VerifiedDecoder
 from celeris.engine.verified_path import VerifiedPath
-from celeris.params import SamplingParams
 from celeris.sampling.block import with_block_defaults
 from celeris.sampling.logprobs import prompt_entries
 from celeris.sampling.modes import MODES, check_fits_context, check_request
+from celeris.sampling.params import SamplingParams
 from celeris.structured.grammar import row_constraints
 
 # the built-in modes' paths (``celeris.sampling.modes`` registers their checks on the floor below, without them)

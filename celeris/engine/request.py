@@ -8,9 +8,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from celeris.params import SamplingParams
 from celeris.sampling.cache import CACHE_MODES, cache_window, visible_end
 from celeris.sampling.logprobs import TokenLogprob
+from celeris.sampling.params import SamplingParams
 from celeris.sampling.schedule import block_plan, num_transfer_tokens
 from celeris.sampling.step import check_prompts, make_generator
 

@@ -20,8 +20,8 @@ from celeris.engine.draft_rows import DraftRow, VerifiedOutput, forward, pass_ma
 from celeris.engine.kv import BLOCK_SIZE, PREFIX_CACHE_TOKENS, ROW_SLACK, KVStore, PrefixCache
 from celeris.engine.proposers import DraftAsk, Drafts, Proposer, make_proposer
 from celeris.models.layers import KVCache
-from celeris.params import SamplingParams
 from celeris.sampling.drafter import DFlashProposer, DraftState, proposer_of
+from celeris.sampling.params import SamplingParams
 from celeris.sampling.select import NEG_INF
 from celeris.sampling.step import (
     History,

@@ -13,9 +13,9 @@ import time
 import torch
 
 from celeris.models.layers import KVCache
-from celeris.params import SamplingParams
 from celeris.sampling.block import answer_ends
 from celeris.sampling.output import GenerationOutput, build_canvas, cut_at_eos
+from celeris.sampling.params import SamplingParams
 from celeris.sampling.select import sample_tokens
 from celeris.sampling.step import (
     History,

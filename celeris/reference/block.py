@@ -14,7 +14,6 @@ from collections.abc import Callable
 import torch
 
 from celeris.models.contract import DecodingContract, layout_mask
-from celeris.params import SamplingParams
 from celeris.sampling.block import (
     Unit,
     answer_ends,
@@ -28,6 +27,7 @@ from celeris.sampling.block import (
     with_block_defaults,
 )
 from celeris.sampling.output import GenerationOutput
+from celeris.sampling.params import SamplingParams
 from celeris.sampling.step import (
     History,
     NoProgressError,

@@ -16,12 +16,12 @@ from collections.abc import Callable
 import torch
 
 from celeris.models.layers import KVCache, column_window
-from celeris.params import SamplingParams
 from celeris.reference.block import generate_block
 from celeris.sampling.block import answer_ends
 from celeris.sampling.cache import CACHE_MODES, cache_window, visible_end
 from celeris.sampling.modes import check_request, mode_of
 from celeris.sampling.output import GenerationOutput, answer_done, build_canvas, cut_at_eos
+from celeris.sampling.params import SamplingParams
 from celeris.sampling.schedule import block_plan, num_transfer_tokens
 from celeris.sampling.step import (
     History,

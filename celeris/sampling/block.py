@@ -38,7 +38,7 @@ from dataclasses import replace
 import torch
 
 from celeris.models.contract import DecodingContract
-from celeris.params import SamplingParams
+from celeris.sampling.params import SamplingParams
 from celeris.sampling.rules import COMMIT_RULES
 from celeris.sampling.schedule import num_transfer_tokens
 

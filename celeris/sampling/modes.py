@@ -34,9 +34,9 @@ from dataclasses import dataclass
 
 import torch
 
-from celeris.params import SamplingParams, register_commit_rule, unregister_commit_rule
 from celeris.sampling.block import block_mode, check_block_support
 from celeris.sampling.cache import CACHE_MODES
+from celeris.sampling.params import SamplingParams, register_commit_rule, unregister_commit_rule
 from celeris.sampling.rules import COMMIT_RULES, CommitRule
 from celeris.sampling.verified import check_verified_support
 

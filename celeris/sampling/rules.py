@@ -4,10 +4,10 @@ and the remasking confidences (which ones), each declaring the ``SamplingParams`
 The reference sampler (``celeris.reference.masked``) and the engine share ``denoise_step``
 (``celeris.sampling.step``), which looks rules up here and never names one. ``SamplingParams`` takes its
 ``decoding`` and ``remasking`` choices from these dicts and refuses a setting the chosen rule does not read
-(``celeris.params.rule_settings``), so a new rule that reuses existing settings is one function and one
-``celeris.params.register_commit_rule`` call; one that needs a new setting also declares that field in
+(``celeris.sampling.params.rule_settings``), so a new rule that reuses existing settings is one function and one
+``celeris.sampling.params.register_commit_rule`` call; one that needs a new setting also declares that field in
 ``SamplingParams``. This module holds the tables only: registering checks a rule's params against the fields of
-``SamplingParams``, so it lives in ``celeris.params``, which reads these tables (never the other way round).
+``SamplingParams``, so it lives in ``celeris.sampling.params``, which reads these tables (never the other way round).
 The registries are read at call time (validation, CLI choices, HTTP), so a rule registered after import works
 everywhere.
 

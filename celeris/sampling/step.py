@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from celeris.params import SamplingParams
+from celeris.sampling.params import SamplingParams
 from celeris.sampling.rules import COMMIT_RULES, NEEDS, REMASKING
 from celeris.sampling.select import NEG_INF, min_p_filter, sample_tokens, top_k_filter, top_p_filter
 from celeris.structured.grammar import Constraint, constrain_commits, grammar_step

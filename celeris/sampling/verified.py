@@ -69,8 +69,8 @@ from __future__ import annotations
 import torch
 
 from celeris.models import fast_ops
-from celeris.params import SamplingParams
 from celeris.sampling.drafter import DFlashProposer, check_num_drafts, proposer_of
+from celeris.sampling.params import SamplingParams
 from celeris.sampling.rules import DRAFT_SOURCES
 from celeris.sampling.select import NEG_INF, probs
 from celeris.sampling.step import History, RowSettings, apply_penalties

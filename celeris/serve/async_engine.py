@@ -24,8 +24,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from celeris.engine import Engine, QueueFullError
-from celeris.params import SamplingParams
 from celeris.sampling.logprobs import TokenLogprob
+from celeris.sampling.params import SamplingParams
 
 logger = logging.getLogger(__name__)
 

@@ -25,8 +25,8 @@ from celeris.text import (  # noqa: F401 (re-exported for one release: celeris.t
 )
 
 if TYPE_CHECKING:
-    from celeris.params import SamplingParams
     from celeris.sampling.logprobs import TokenLogprob
+    from celeris.sampling.params import SamplingParams
     from celeris.serve.async_engine import StepEvent
 
 

@@ -9,13 +9,13 @@ pass; ``unsupported_params`` names those set to anything else, and the serving l
 
 Celeris extensions (extra body fields of the ``openai`` client) are derived from ``SamplingParams``' declaration
 (every field whose ``Setting.http`` is set: ``steps``, ``block_length``, ``top_k``, ``remasking``, ``decoding``,
-``threshold``, ``cache``, ``repetition_penalty``, vLLM's ``stop_token_ids`` ... ; ``celeris.params``; OpenAI's own
+``threshold``, ``cache``, ``repetition_penalty``, vLLM's ``stop_token_ids`` ... ; ``celeris.sampling.params``; OpenAI's own
 ``frequency_penalty`` and ``presence_penalty`` come the same way), plus
 ``stream_mode`` (``"text"``, or ``"denoise"``: every chunk carries the whole answer canvas). None takes the model's
 ``generation_config.json`` value. Their ranges and choices (the registries' keys, read at call time) are checked
 by ``SamplingParams`` when the serving layer builds it, so Python, the CLI, HTTP and batch jobs refuse the same
 values with the same message (400 naming the parameter); a setting that only some rules read (``threshold``
-without ``decoding: "threshold"``, ...: ``celeris.params.rule_settings``) is refused with 400 naming both.
+without ``decoding: "threshold"``, ...: ``celeris.sampling.params.rule_settings``) is refused with 400 naming both.
 Responses carry ``choice.celeris`` (``DecodingDetails``) and ``usage.nfe``.
 """
 
@@ -28,7 +28,7 @@ from typing import Annotated, Any, ClassVar, Literal
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, create_model, model_serializer
 
 from celeris.chat_template import check_template_kwargs
-from celeris.params import declared, field_type
+from celeris.sampling.params import declared, field_type
 from celeris.serve.errors import APIError as APIError
 from celeris.serve.errors import ErrorInfo as ErrorInfo
 from celeris.serve.errors import ErrorResponse as ErrorResponse
@@ -162,7 +162,7 @@ class SamplingRequest(SamplingExtensions):
     (``SamplingExtensions``)."""
 
     model: str | None = None
-    # The float settings' ranges live in SamplingParams (celeris.params), so Python, the CLI, HTTP and batch
+    # The float settings' ranges live in SamplingParams (celeris.sampling.params), so Python, the CLI, HTTP and batch
     # jobs refuse the same values with the same message (400 naming the valid range).
     temperature: float | None = None
     top_p: float | None = None

@@ -33,8 +33,8 @@ from typing import Any
 from celeris.config import SERVER_MAX_WAITING, EngineConfig
 from celeris.engine import Engine, QueueFullError
 from celeris.llm import LLM, ContextLengthError
-from celeris.params import SamplingParams, rename_deprecated
 from celeris.sampling.logprobs import TokenLogprob
+from celeris.sampling.params import SamplingParams, rename_deprecated
 from celeris.serve.async_engine import AsyncEngine, EngineDeadError, EngineInput
 from celeris.serve.chat import chat_choice, chat_chunks
 from celeris.serve.errors import check_token_ids, parameter_error

@@ -20,8 +20,8 @@ import torch
 from tokenizers import Tokenizer
 
 from celeris.data.completions import cut_function_body, has_code, heal_prompt
-from celeris.params import SamplingParams
 from celeris.reference.autoregressive import generate_autoregressive
+from celeris.sampling.params import SamplingParams
 
 # a function header (any indentation) followed by an indented triple-quoted docstring
 _FUNCTION = re.compile(r'^([ \t]*)def \w+\([^\n]*\)[^\n]*:\n\1[ \t]+(?:"""|\'\'\')[\s\S]*?(?:"""|\'\'\')\n', re.M)

@@ -28,7 +28,7 @@ from tqdm import tqdm
 
 from celeris.models.celeris import CelerisConfig, CelerisModel, count_parameters
 from celeris.models.loader import load_model, save_checkpoint
-from celeris.params import causal_defaults
+from celeris.sampling.params import causal_defaults
 from celeris.tokenizer import write_tokenizer_config
 from celeris.train.data import load_tokens
 from celeris.train.gate import function_prompts, parse_rate

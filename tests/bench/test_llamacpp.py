@@ -126,8 +126,8 @@ def test_the_chat_bench_runs_llama_cpp_on_the_same_gguf_and_prompt_ids(tiny_gguf
                                                                         tmp_path):
     from celeris.bench.chat import ChatBenchConfig, run_chat_bench
     from celeris.llm import LLM
-    from celeris.params import SamplingParams
     from celeris.reference.autoregressive import generate_autoregressive
+    from celeris.sampling.params import SamplingParams
 
     llm = LLM(str(tiny_gguf_chat))
     assert llm.gguf_path == tiny_gguf_chat

@@ -118,7 +118,7 @@ def test_hf_generate_takes_the_models_penalties_as_celeris_applies_them(tokenize
     """transformers' side of the bench decodes with the Celeris model's penalties: the frequency and presence
     penalties (a processor of ours: transformers has CTRL's only) count the generated tokens alone, as
     ``apply_penalties`` does; ``generate`` gets it and CTRL's penalty under transformers' own name."""
-    from celeris.params import SamplingParams
+    from celeris.sampling.params import SamplingParams
     from celeris.sampling.step import History, RowSettings, apply_penalties
 
     scores, ids = torch.randn(2, 50), torch.tensor([[3, 4, 7, 7, 9], [1, 1, 2, 5, 5]])  # prompt: 2 columns

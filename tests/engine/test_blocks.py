@@ -12,9 +12,9 @@ from celeris.config import EngineConfig
 from celeris.engine import Engine
 from celeris.models.contract import layout_mask
 from celeris.models.loader import load_any
-from celeris.params import SamplingParams
 from celeris.reference.block import generate_block
 from celeris.sampling.block import block_units
+from celeris.sampling.params import SamplingParams
 from tests.models.conftest_block_formats import write_fast_dllm, write_sdar
 
 PROMPTS = [[5, 6, 7], [8, 9, 10, 11, 12, 13], [14], [20, 21, 22, 23, 24, 25, 26, 27, 28]]

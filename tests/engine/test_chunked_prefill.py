@@ -13,10 +13,10 @@ import torch
 from celeris.config import EngineConfig
 from celeris.engine import Engine
 from celeris.engine.request import Request
-from celeris.params import SamplingParams
 from celeris.reference.autoregressive import generate_autoregressive
 from celeris.reference.masked import generate
 from celeris.sampling.drafter import DFlashProposer, attach, proposer_of
+from celeris.sampling.params import SamplingParams
 from tests.conftest import tiny_model
 from tests.engine.test_engine import run_to_end
 from tests.sampling.test_drafter import drafter_for

@@ -18,9 +18,9 @@ from celeris.config import EngineConfig
 from celeris.engine import Engine
 from celeris.engine.request import Request
 from celeris.models.loader import load_any
-from celeris.params import SamplingParams
 from celeris.reference.autoregressive import generate_autoregressive
 from celeris.reference.block import generate_block
+from celeris.sampling.params import SamplingParams
 from tests.engine.test_chunked_prefill import LONG, SHORT, run, spy_schedule
 from tests.models.conftest_block_formats import write_fast_dllm, write_llada2, write_sdar
 

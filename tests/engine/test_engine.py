@@ -9,8 +9,8 @@ import torch
 from celeris.config import EngineConfig
 from celeris.engine import Engine, RequestStatus
 from celeris.models.loader import load_any
-from celeris.params import SamplingParams
 from celeris.reference.masked import generate
+from celeris.sampling.params import SamplingParams
 from tests.conftest import tiny_model
 from tests.models.conftest_formats import write_dream, write_llada
 

@@ -8,8 +8,8 @@ import torch
 
 from celeris.config import EngineConfig
 from celeris.engine import Engine
-from celeris.params import SamplingParams
 from celeris.reference.masked import generate
+from celeris.sampling.params import SamplingParams
 from celeris.sampling.step import NoProgressError
 from tests.conftest import tiny_model
 from tests.engine.test_engine import run_to_end

@@ -10,7 +10,7 @@ from celeris.config import EngineConfig
 from celeris.engine.blocks import BlockRow
 from celeris.engine.engine import Engine
 from celeris.engine.verified import DraftRow
-from celeris.params import SamplingParams
+from celeris.sampling.params import SamplingParams
 
 SETTINGS = {
     "masked": SamplingParams(max_tokens=6, block_length=1, steps=6, cache="delayed", early_exit=False),

@@ -6,7 +6,7 @@ import pytest
 
 from celeris.config import EngineConfig
 from celeris.engine import Engine, QueueFullError, RequestStatus
-from celeris.params import SamplingParams
+from celeris.sampling.params import SamplingParams
 from tests.conftest import tiny_model
 from tests.engine.test_engine import PROMPTS
 

@@ -13,8 +13,8 @@ import torch
 from celeris.config import EngineConfig
 from celeris.engine.engine import Engine
 from celeris.engine.kv import ROW_SLACK
-from celeris.params import SamplingParams
 from celeris.sampling.drafter import DFlashProposer, attach
+from celeris.sampling.params import SamplingParams
 from tests.conftest import tiny_model
 from tests.sampling.test_drafter import drafter_for
 

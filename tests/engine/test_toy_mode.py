@@ -21,8 +21,8 @@ from celeris.engine.engine import Engine
 from celeris.engine.path import PathContext
 from celeris.engine.request import Request
 from celeris.llm import LLM
-from celeris.params import SamplingParams
 from celeris.sampling.modes import DecodingMode, decoding_is, mode_of, register_mode, unregister_mode
+from celeris.sampling.params import SamplingParams
 from celeris.sampling.rules import COMMIT_RULES, CommitRule
 from celeris.serve.app import BackgroundServer, create_app
 from tests.conftest import build_tiny_checkpoint

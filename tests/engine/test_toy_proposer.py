@@ -18,8 +18,8 @@ from celeris.config import EngineConfig
 from celeris.engine.engine import Engine
 from celeris.engine.proposers import DraftAsk, Drafts, Proposer, one_hot, register_proposer, unregister_proposer
 from celeris.llm import LLM
-from celeris.params import SamplingParams
 from celeris.reference.autoregressive import generate_autoregressive
+from celeris.sampling.params import SamplingParams
 from celeris.sampling.rules import DRAFT_SOURCES
 from celeris.serve.app import BackgroundServer, create_app
 from tests.conftest import build_tiny_checkpoint, tiny_model

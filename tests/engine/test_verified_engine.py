@@ -7,8 +7,8 @@ import pytest
 
 from celeris.config import EngineConfig
 from celeris.engine.engine import Engine
-from celeris.params import SamplingParams
 from celeris.reference.autoregressive import generate_autoregressive
+from celeris.sampling.params import SamplingParams
 from tests.conftest import tiny_model
 
 

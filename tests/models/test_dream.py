@@ -17,7 +17,7 @@ import torch
 from celeris.llm import LLM
 from celeris.models.dream import DreamModel
 from celeris.models.loader import CheckpointError, load_any, load_tokenizer
-from celeris.params import SamplingParams
+from celeris.sampling.params import SamplingParams
 from tests.models.conftest_formats import padded_batch, ref_attention, ref_rms, ref_rope, write_dream
 
 

@@ -19,8 +19,8 @@ import torch
 from celeris.llm import LLM
 from celeris.models.llada import LLaDAModel
 from celeris.models.loader import CheckpointError, estimate_memory, load_any, load_tokenizer, read_headers
-from celeris.params import SamplingParams
 from celeris.reference.masked import generate
+from celeris.sampling.params import SamplingParams
 from tests.models.conftest_formats import (
     llada_shapes,
     padded_batch,

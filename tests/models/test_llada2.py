@@ -13,8 +13,8 @@ from celeris.config import EngineConfig
 from celeris.engine import Engine
 from celeris.models.llada2 import LLaDA2Model
 from celeris.models.loader import CheckpointError, load_any
-from celeris.params import SamplingParams
 from celeris.reference.block import generate_block
+from celeris.sampling.params import SamplingParams
 from tests.models.conftest_block_formats import write_llada2
 from tests.models.conftest_formats import ref_rms, ref_rope
 

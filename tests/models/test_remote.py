@@ -18,8 +18,8 @@ import torch
 
 from celeris.models.celeris import CelerisModel
 from celeris.models.loader import CheckpointError, detect_format, load_any
-from celeris.params import SamplingParams
 from celeris.reference.masked import generate
+from celeris.sampling.params import SamplingParams
 from tests.models.conftest_formats import save_weights, write_tokenizer
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

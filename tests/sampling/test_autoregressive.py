@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from celeris.models.celeris import CelerisConfig, CelerisModel
-from celeris.params import SamplingParams
 from celeris.reference.autoregressive import generate_autoregressive
+from celeris.sampling.params import SamplingParams
 
 
 def tiny_causal(seed: int = 0) -> CelerisModel:

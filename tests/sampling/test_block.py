@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from celeris.models.contract import CONTRACTS
-from celeris.params import SamplingParams
 from celeris.sampling.block import block_units, check_block_support, padded_length
+from celeris.sampling.params import SamplingParams
 from celeris.sampling.rules import COMMIT_RULES
 from celeris.sampling.select import NEG_INF
 

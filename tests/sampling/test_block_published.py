@@ -12,8 +12,8 @@ import torch
 from celeris.config import EngineConfig
 from celeris.engine import Engine
 from celeris.models.loader import load_any
-from celeris.params import SamplingParams
 from celeris.reference.block import generate_block
+from celeris.sampling.params import SamplingParams
 from tests.models.conftest_block_formats import write_sdar
 
 PAIRS = [(5, 6), (6, 9), (7, 8), (3, 2)]  # (prompt length, max_tokens); block size 4

@@ -7,9 +7,9 @@ import pytest
 
 from celeris.config import EngineConfig
 from celeris.engine import Engine
-from celeris.params import SamplingParams
 from celeris.reference.masked import generate
 from celeris.sampling.cache import CACHE_MODES, CachePolicy, cache_window
+from celeris.sampling.params import SamplingParams
 from tests.conftest import tiny_model
 
 BLOCKS = [(0, 4), (4, 8), (8, 12)]

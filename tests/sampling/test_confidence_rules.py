@@ -11,8 +11,8 @@ import torch.nn.functional as F
 from celeris.config import EngineConfig
 from celeris.engine import Engine
 from celeris.models.loader import load_any
-from celeris.params import SamplingParams
 from celeris.reference.masked import generate
+from celeris.sampling.params import SamplingParams
 from celeris.sampling.step import RowSettings, confidence_rule, denoise_step
 from tests.engine.test_engine import run_to_end
 from tests.models.conftest_formats import write_llada

@@ -11,9 +11,9 @@ import torch.nn.functional as F
 from celeris.engine.verified import VerifiedDecoder, generate_verified
 from celeris.models import kernels
 from celeris.models.dflash import DFlashConfig, DFlashDraftModel
-from celeris.params import SamplingParams
 from celeris.reference.autoregressive import generate_autoregressive
 from celeris.sampling.drafter import DFlashProposer, SpeculativeConfig, attach, check_drafter
+from celeris.sampling.params import SamplingParams
 from celeris.sampling.step import banned_token_ids
 from celeris.sampling.verified import check_verified_support
 from celeris.train.dflash import Row, batch_tensors, dflash_loss

@@ -14,8 +14,8 @@ import math
 import pytest
 import torch
 
-from celeris.params import SamplingParams
 from celeris.reference.masked import generate
+from celeris.sampling.params import SamplingParams
 from tests.conftest import tiny_model
 
 

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from celeris.models.loader import load_any
-from celeris.params import SamplingParams
 from celeris.reference.masked import generate
+from celeris.sampling.params import SamplingParams
 from tests.models.conftest_formats import write_dream, write_llada
 
 WRITERS = {"llada": write_llada, "dream": write_dream}

@@ -10,9 +10,9 @@ import torch
 
 from celeris.engine.verified import VerifiedDecoder
 from celeris.models.contract import CONTRACTS
-from celeris.params import SamplingParams
 from celeris.sampling.drafter import DFlashProposer, attach
 from celeris.sampling.modes import MODES, check_request, mode_of
+from celeris.sampling.params import SamplingParams
 from celeris.sampling.verified import check_verified_support
 from tests.conftest import tiny_model
 from tests.sampling.test_drafter import drafter_for

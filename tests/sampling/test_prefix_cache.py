@@ -11,8 +11,8 @@ from celeris.config import EngineConfig
 from celeris.engine.engine import Engine
 from celeris.engine.kv import BLOCK_SIZE, PrefixCache
 from celeris.engine.verified import VerifiedDecoder
-from celeris.params import SamplingParams
 from celeris.reference.autoregressive import generate_autoregressive
+from celeris.sampling.params import SamplingParams
 from tests.conftest import tiny_model
 
 BASE = torch.randint(1, 60, (40,), generator=torch.Generator().manual_seed(0)).tolist()

@@ -13,8 +13,8 @@ import torch
 
 from celeris.cli import main
 from celeris.llm import LLM
-from celeris.params import SamplingParams, register_commit_rule, rule_settings, unregister_commit_rule
 from celeris.reference.masked import generate
+from celeris.sampling.params import SamplingParams, register_commit_rule, rule_settings, unregister_commit_rule
 from celeris.sampling.rules import (
     COMMIT_RULES,
     CommitRule,

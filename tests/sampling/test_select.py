@@ -94,7 +94,7 @@ def test_low_confidence_is_probability_of_prediction():
 
 def test_repetition_penalty_matches_a_loop_and_moves_the_argmax():
     """CTRL penalty: seen tokens' positive logits divided by theta, negative ones multiplied; others unchanged."""
-    from celeris.params import SamplingParams
+    from celeris.sampling.params import SamplingParams
     from celeris.sampling.step import History, RowSettings, context_tokens, denoise_step, penalize_repetition
 
     torch.manual_seed(0)
@@ -124,7 +124,7 @@ def test_repetition_penalty_matches_a_loop_and_moves_the_argmax():
 def test_frequency_and_presence_penalties_match_a_loop_over_the_answer_only():
     """OpenAI's penalties: logit - frequency * count - presence * (count > 0), counts over the answer so far (not
     the prompt, not uncommitted mask positions), after CTRL's penalty over prompt and answer (vLLM's order)."""
-    from celeris.params import SamplingParams
+    from celeris.sampling.params import SamplingParams
     from celeris.sampling.step import History, RowSettings, apply_penalties
 
     torch.manual_seed(1)

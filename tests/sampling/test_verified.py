@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from celeris.engine.verified import DraftRow, VerifiedDecoder, generate_verified
-from celeris.params import SamplingParams
 from celeris.reference.autoregressive import generate_autoregressive
+from celeris.sampling.params import SamplingParams
 from celeris.sampling.verified import accept_draft, check_verified_support, lookup_drafts
 from tests.conftest import tiny_model
 

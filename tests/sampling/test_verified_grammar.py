@@ -11,8 +11,8 @@ import torch
 from celeris.engine import Engine
 from celeris.engine.verified import DraftRow, VerifiedDecoder, generate_verified
 from celeris.llm import LLM
-from celeris.params import SamplingParams
 from celeris.reference.masked import generate
+from celeris.sampling.params import SamplingParams
 from celeris.sampling.verified import grammar_lookup_drafts, verify_under_grammar
 from celeris.structured.grammar import Constraint, row_constraints, schema_grammar, tool_call_grammar
 from tests.conftest import build_tiny_checkpoint

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from celeris.params import SamplingParams
+from celeris.sampling.params import SamplingParams
 from celeris.serve.errors import parameter_error
 
 CASES = [

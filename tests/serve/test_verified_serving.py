@@ -9,7 +9,7 @@ import httpx
 import pytest
 
 from celeris.llm import LLM
-from celeris.params import SamplingParams
+from celeris.sampling.params import SamplingParams
 from celeris.serve.app import BackgroundServer, create_app
 from tests.conftest import build_tiny_checkpoint
 from tests.serve.conftest import CONTEXT, TEXTS, make_serving

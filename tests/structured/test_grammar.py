@@ -8,8 +8,8 @@ import pytest
 
 from celeris.engine import Engine
 from celeris.llm import LLM
-from celeris.params import SamplingParams
 from celeris.reference.masked import generate
+from celeris.sampling.params import SamplingParams
 from celeris.structured.grammar import (
     TOOL_CALL_CLOSE,
     TOOL_CALL_OPEN,

@@ -11,7 +11,7 @@ import torch
 
 from celeris.llm import LLM
 from celeris.models.loader import load_model
-from celeris.params import SamplingParams
+from celeris.sampling.params import SamplingParams
 from celeris.train import loop
 from celeris.train.loop import TrainConfig, get_batch, lr_at, train
 from tests.conftest import TINY_TRAIN_MODEL

@@ -150,7 +150,7 @@ def test_hybrid_layout_equals_incremental_inference(make_model):
     """Clean stream == the causal model's own forward; each fully masked noisy block == what verified
     decoding computes for the true prefix followed by that many mask slots (one pass, block-bidirectional)."""
     from celeris.engine.verified import VerifiedDecoder
-    from celeris.params import SamplingParams
+    from celeris.sampling.params import SamplingParams
     from celeris.train.objective import hybrid_hidden_states
 
     block = 4

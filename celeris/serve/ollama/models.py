@@ -11,7 +11,7 @@ import hashlib
 from datetime import UTC, datetime
 
 from celeris.models.prepack import weight_tensors
-from celeris.params import rename_deprecated
+from celeris.sampling.params import rename_deprecated
 from celeris.serve.errors import APIError
 from celeris.serve.ollama.protocol import ModelDetails, ModelEntry, ShowResponse
 
