@@ -1,7 +1,7 @@
 """Per-step overhead of the engine beside its forward passes (issue 48, item 4): for next-token decoding and the
 default's verified decoding at batch 1, the wall time of each ``Engine.step`` split into the target's passes (the
 model entries the runner calls: ``forward``, ``layout_hidden_states``, ``logits``), the drafter's calls
-(``DFlashProposer.propose``) and the rest (scheduler, sampler, penalties, stop strings, bookkeeping), in
+(``DFlashProposer.propose_draft_vocab``) and the rest (scheduler, sampler, penalties, stop strings, bookkeeping), in
 microseconds per step, on the chat bench's first prompts.
 
     OMP_NUM_THREADS=1 python scripts/step_overhead.py --threads 1 --num-prompts 4 --max-tokens 128
@@ -43,7 +43,7 @@ def main() -> None:
     model = llm.model
     for name in ("forward", "layout_hidden_states", "logits"):  # the runner's eager entries look these up per call
         setattr(model, name, timed(clock, "target passes", getattr(model, name)))
-    llm.proposer.propose = timed(clock, "drafter calls", llm.proposer.propose)
+    llm.proposer.propose_draft_vocab = timed(clock, "drafter calls", llm.proposer.propose_draft_vocab)
     llm.engine.step = timed(clock, "steps", llm.engine.step)
     base = llm.default_params(max_tokens=args.max_tokens, temperature=0.0)
     plain = next_token_params(base)

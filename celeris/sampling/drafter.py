@@ -236,14 +236,16 @@ class DFlashProposer:
         """Fold one drafter call's accepted drafts (0 when it drafted none it was sure of) into the row's gain."""
         state.gain += GAIN_WEIGHT * (accepted - state.gain)
 
-    def confident(self, logits: torch.Tensor, drafts: list[int]) -> list[int]:
+    def confident(self, logits: torch.Tensor, drafts: list[int], columns: list[int] | None = None) -> list[int]:
         """The leading ``drafts`` whose probability under the drafter's ``logits`` (k, V) is at least
         ``draft_confidence_threshold`` (all of them without one): transformers' assisted generation stops its
-        assistant the same way (``assistant_confidence_threshold``). The target still verifies what is kept."""
+        assistant the same way (``assistant_confidence_threshold``). The target still verifies what is kept.
+        ``columns``: each draft's column of ``logits`` when they are not its id (scores over the pruned draft
+        vocabulary: ``propose_draft_vocab``)."""
         if self.draft_confidence_threshold is None or not drafts:
             return drafts
-        for j, token in enumerate(drafts):  # row by row: the first unsure draft ends the scan (often the first)
-            if not float(logits[j].float().softmax(-1)[token]) >= self.draft_confidence_threshold:  # NaN: unsure
+        for j, column in enumerate(drafts if columns is None else columns):  # the first unsure draft ends the scan
+            if not float(logits[j].float().softmax(-1)[column]) >= self.draft_confidence_threshold:  # NaN: unsure
                 return drafts[:j]
         return drafts
 
@@ -285,7 +287,25 @@ class DFlashProposer:
     @torch.no_grad()
     def propose(self, state: DraftState, last_token: int, start: int, k: int) -> torch.Tensor:
         """Draft logits (k, V) float32 over the target's vocabulary for the k tokens after ``last_token`` at column
-        ``start``; the features of every column before ``start`` must be in the cache or queued.
+        ``start`` (-inf outside a pruned draft vocabulary: ``propose_draft_vocab``'s scores put in place); the
+        features of every column before ``start`` must be in the cache or queued.
+
+        Raises:
+            RuntimeError: the queued features do not cover the columns up to ``start`` (a bookkeeping bug).
+        """
+        logits, ids = self.propose_draft_vocab(state, last_token, start, k)
+        if ids is None:
+            return logits
+        full = torch.full((k, self.target.config.vocab_size), NEG_INF, device=logits.device)
+        return full.index_copy_(1, ids, logits)
+
+    @torch.no_grad()
+    def propose_draft_vocab(self, state: DraftState, last_token: int, start: int,
+                            k: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``propose``'s scores where the drafter has them: (k, V_draft) float32 over its pruned vocabulary with the
+        target id of each column (``d2t``, (V_draft,) int64, ascending), or (k, V) and None when it scores the whole
+        vocabulary. Penalties, the argmax and the confidence then read V_draft columns, not V (a sixth of SmolLM2's
+        49,152 with the shipped 8,192).
 
         Raises:
             RuntimeError: the queued features do not cover the columns up to ``start`` (a bookkeeping bug).
@@ -309,10 +329,8 @@ class DFlashProposer:
         out = hidden[0, 1 : 1 + k].to(next(target.parameters()).dtype)  # (k, d)
         d2t = self.drafter.d2t
         if d2t.numel() == target.config.vocab_size:
-            return target.logits(out)  # (k, V)
-        pruned = self.drafter.draft_logits(out[None], self.draft_head())[0]  # (k, V_draft)
-        full = torch.full((k, target.config.vocab_size), NEG_INF, device=out.device)
-        return full.index_copy_(1, d2t, pruned)
+            return target.logits(out), None  # (k, V)
+        return self.drafter.draft_logits(out[None], self.draft_head())[0], d2t  # (k, V_draft)
 
 
 def load_proposer(config: SpeculativeConfig, target: torch.nn.Module) -> DFlashProposer:

@@ -194,14 +194,15 @@ def drafter_log(with_drafter):
     """Every drafter call's (block start, argmax drafts), in order, while the test runs."""
     proposer, log = proposer_of(with_drafter), []
 
-    def spy(state: object, last_token: int, start: int, k: int) -> torch.Tensor:
-        logits = type(proposer).propose(proposer, state, last_token, start, k)
-        log.append((start, logits.argmax(-1).tolist()))
-        return logits
+    def spy(state: object, last_token: int, start: int, k: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        logits, ids = type(proposer).propose_draft_vocab(proposer, state, last_token, start, k)
+        top = logits.argmax(-1)
+        log.append((start, (top if ids is None else ids[top]).tolist()))
+        return logits, ids
 
-    proposer.propose = spy
+    proposer.propose_draft_vocab = spy  # what the DFlash proposer calls (``propose`` puts its scores in place)
     yield log
-    del proposer.propose
+    del proposer.propose_draft_vocab
 
 
 def drafted_run(model: torch.nn.Module, config: EngineConfig, prompts: list[list[int]],

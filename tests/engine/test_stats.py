@@ -88,14 +88,15 @@ def test_the_store_holds_the_drafters_layers_beside_the_targets(with_drafter):
     verified row with its drafter context mid-answer."""
     model, drafter = with_drafter
     proposer, drafts = model.__dict__["_celeris_proposer"], []
-    propose = proposer.propose
+    propose = proposer.propose_draft_vocab  # what the DFlash proposer calls
 
-    def spy(*args: object) -> torch.Tensor:  # every drafter call's argmax drafts, in order
-        logits = propose(*args)
-        drafts.append(logits.argmax(-1).tolist())
-        return logits
+    def spy(*args: object) -> tuple[torch.Tensor, torch.Tensor | None]:  # every drafter call's argmax drafts
+        logits, ids = propose(*args)
+        top = logits.argmax(-1)
+        drafts.append((top if ids is None else ids[top]).tolist())
+        return logits, ids
 
-    proposer.propose = spy
+    proposer.propose_draft_vocab = spy
     rows, max_len = 3, 48
     verified = SamplingParams(max_tokens=16, steps=16, block_length=1, decoding="verified", early_exit=False,
                               draft_source="dflash")

@@ -5,10 +5,26 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import torch
+
 from celeris.engine.draft_rows import DraftRow
 from celeris.engine.proposers.base import DraftAsk, Drafts, Proposer, one_hot
 from celeris.models import fast_ops
+from celeris.sampling.select import NEG_INF
+from celeris.sampling.step import History, apply_penalties
 from celeris.sampling.verified import grammar_slot_drafts
+
+
+def penalized(row: DraftRow, logits: torch.Tensor, ids: torch.Tensor | None) -> torch.Tensor:
+    """A row's draft logits (k, V) with its penalties over its tokens so far, or (k, V_draft) with those of the
+    target ids ``ids`` of their columns (the same values at those ids); as is without a penalty. Drafts are only
+    guesses, so the drafts of one block do not penalize each other; verification does (``penalize_along``)."""
+    if row.history is None:
+        return logits
+    history = row.history if ids is None else History(
+        None if row.history.seen is None else row.history.seen[:, ids],
+        None if row.history.counts is None else row.history.counts[:, ids])
+    return apply_penalties(logits[None], row.penalty_settings, history)[0]
 
 
 class DFlashDrafts(Proposer):
@@ -30,12 +46,17 @@ class DFlashDrafts(Proposer):
         if decoder.segment.store.drafter is drafter.drafter:
             row.draft_state.cache.bind([k[ask.index : ask.index + 1] for k in decoder.segment.draft_keys],
                                        [v[ask.index : ask.index + 1] for v in decoder.segment.draft_values])
-        logits = decoder.penalized(row, drafter.propose(row.draft_state, ask.last_token, ask.pending, row.k))  # (k, V)
-        if row.constraint is not None:
-            tokens, _ = grammar_slot_drafts(row.constraint, logits, replace(row.params, temperature=0.0), row.generator)
-        else:
-            tokens = fast_ops.argmax(logits).tolist()
-        tokens = drafter.confident(logits, tokens)
+        logits, ids = drafter.propose_draft_vocab(row.draft_state, ask.last_token, ask.pending, row.k)
+        logits = penalized(row, logits, ids)  # (k, V_draft) or (k, V)
+        if row.constraint is not None:  # the grammar's mask is over the target's vocabulary
+            full = logits if ids is None else torch.full(
+                (logits.shape[0], ask.vocab), NEG_INF, device=logits.device).index_copy_(1, ids, logits)
+            tokens, _ = grammar_slot_drafts(row.constraint, full, replace(row.params, temperature=0.0), row.generator)
+            tokens = drafter.confident(full, tokens)
+        else:  # the argmax over the draft vocabulary's columns (ascending ids: ties resolve as over the whole)
+            columns = fast_ops.argmax(logits)
+            tokens = (columns if ids is None else ids[columns]).tolist()
+            tokens = drafter.confident(logits, tokens, columns.tolist())
         return Drafts(tokens, one_hot(tokens, ask.vocab, row.params.temperature), 0, from_drafter=True)
 
     def observe(self, row: DraftRow, accepted: int) -> None:
