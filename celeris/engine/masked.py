@@ -74,6 +74,7 @@ class MaskedPath:
         # that column and score it unshifted, never the mask column t itself (``_next_token_columns``)
         self.next_token = self.is_causal and getattr(context.model, "logits_shift", 0) == 1
         self._settings: tuple[list, RowSettings] | None = None  # the last step's rows' settings (``_settings_of``)
+        self._counts: dict[Request, tuple] = {}  # next-token decoding: each request's answer counts (``_history``)
 
     def token_cost(self, requests: list[Request]) -> int:
         """Tokens the step's passes over ``requests`` process (the scheduler's budget): a request prefilling in
@@ -103,8 +104,9 @@ class MaskedPath:
         return 2 if request.params.cfg_scale > 0 else 1
 
     def release(self) -> None:
-        """Free the KV rows of finished or aborted requests."""
+        """Free the KV rows (and penalty counts) of finished or aborted requests."""
         self.runner.release({r for r, _ in self.runner.pool.owners if not r.is_finished})
+        self._counts = {r: c for r, c in self._counts.items() if not r.is_finished}
 
     @torch.no_grad()
     def step(self, batch: list[Request]) -> list[Request]:
@@ -124,8 +126,7 @@ class MaskedPath:
                 return []
         settings = self._settings_of(batch, logits.device)
         num_tokens = torch.tensor([r.tokens_this_step() for r in batch], device=logits.device)
-        history = History.of(settings, [r.canvas for r in batch], [r.answer for r in batch],
-                             logits.shape[-1], self.mask_id, logits.device, [r.ends(self.eos_id) for r in batch])
+        history = self._history(batch, settings, logits.shape[-1], logits.device)
         widths = [r.block_span[1] - r.block_span[0] for r in batch]
         step = commit_step(logits, block, self.mask_id, self.eos_id, self.banned_ids, num_tokens, settings,
                            [r.generator for r in batch], history, widths, self.confidence_from,
@@ -148,6 +149,32 @@ class MaskedPath:
         if any(r.is_finished for r in batch):  # free finished requests' KV rows now, not at the next step
             self.runner.release({r for r in stepped if not r.is_finished})
         return batch
+
+    def _history(self, batch: list[Request], settings: RowSettings, vocab: int, device: torch.device) -> History | None:
+        """The rows' penalty history (``History.of``). Under next-token decoding with frequency or presence penalties
+        only, each request's answer counts are kept and grow by the tokens committed since its last step (each adds
+        1.0: the same counts, up to the first end id), not counted again over the whole answer every step."""
+        if not self.next_token or settings.any_penalty or not settings.any_count_penalty:
+            return History.of(settings, [r.canvas for r in batch], [r.answer for r in batch], vocab, self.mask_id,
+                              device, [r.ends(self.eos_id) for r in batch])
+        return History(None, torch.stack([self._answer_counts(r, vocab, device) for r in batch]))
+
+    def _answer_counts(self, r: Request, vocab: int, device: torch.device) -> torch.Tensor:
+        """(V,) float32 counts of r's committed answer tokens before its first end id (``answer_counts``' rule);
+        next-token decoding commits the answer left to right, so positions [0, block start) are its tokens."""
+        done = r.block_span[0] - r.answer_start
+        counted, counts, ended = self._counts.get(r, (0, None, False))
+        if counts is None or counts.numel() != vocab or done < counted:  # new, or its answer was reset
+            counted, counts, ended = 0, torch.zeros(vocab, device=device), False
+        if done > counted and not ended:
+            ids, ends = r.answer[counted:done].tolist(), r.ends(self.eos_id)
+            cut = next((j for j, t in enumerate(ids) if t in ends), None)
+            if cut is not None:
+                ids, ended = ids[:cut], True
+            if ids:
+                counts.index_add_(0, torch.tensor(ids, device=device), torch.ones(len(ids), device=device))
+        self._counts[r] = (done, counts, ended)
+        return counts
 
     def _settings_of(self, batch: list[Request], device: torch.device) -> RowSettings:
         """The rows' ``RowSettings``, made again only when the batch's requests changed (a step of the same requests

@@ -281,3 +281,28 @@ def test_the_end_of_text_fill_does_not_count_for_the_frequency_penalty():
         request = engine.add_request([5, 6], params)
         run_to_end(engine)
         assert request.answer[:4].tolist() == [10, 11, 12, eos], penalty
+
+
+def test_next_token_answer_counts_grow_as_the_full_count_gives_them():
+    """The masked path's kept answer counts (next-token decoding with a frequency penalty) equal ``answer_counts``
+    over the answer at every step: tokens repeated, an end id in the middle (nothing after it counts), and an answer
+    reset to masks (counted again from the start)."""
+    from celeris.sampling.step import answer_counts
+
+    model = tiny_model(is_causal=True)
+    engine = Engine(model, EngineConfig(max_num_seqs=1))
+    eos, vocab, mask = model.config.eos_token_id, model.config.vocab_size, model.config.mask_token_id
+    params = SamplingParams(max_tokens=8, steps=8, block_length=1, cache="delayed", early_exit=False,
+                            frequency_penalty=0.5)
+    r = engine.add_request([5, 6, 7], params)
+    path = engine.path("masked")
+    answer = [9, 9, 11, eos, 9, 12, 9, 13]
+    for step in [*range(9), 2, 5]:  # the last two: the answer reset to its first 2, then grown again
+        r.block_idx = min(step, len(r.blocks) - 1)
+        r.canvas[r.answer_start :] = mask
+        r.canvas[r.answer_start : r.answer_start + step] = torch.tensor(answer[:step])
+        kept = path._answer_counts(r, vocab, torch.device("cpu"))
+        want = answer_counts([r.canvas[r.answer_start : r.block_span[0]]], vocab, mask, torch.device("cpu"),
+                             [r.ends(eos)])[0]
+        assert torch.equal(kept, want), step
+    assert float(kept[9]) == 2  # the 9s after the end id are not counted
