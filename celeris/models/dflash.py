@@ -283,6 +283,7 @@ class DFlashDraftModel(nn.Module):
         self.fc = nn.Linear(len(cfg.target_layer_ids) * cfg.hidden_size, cfg.hidden_size, bias=False)
         self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.register_buffer("d2t", torch.arange(cfg.draft_vocab or cfg.vocab_size), persistent=False)
+        self.draft_stack = None  # celeris.models.fast_ops.enable: every layer in one kernel call where all fit
 
     def forward(self, noise_embedding: torch.Tensor, target_hidden: torch.Tensor, positions: torch.Tensor,
                 cache: DraftKVCache | None = None, attn_mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -290,8 +291,11 @@ class DFlashDraftModel(nn.Module):
         ctx = self.hidden_norm(self.fc(target_hidden.to(dtype)))  # (B, Lc, d)
         x = noise_embedding.to(dtype)
         cos, sin = rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta)  # (B, 1, Lc + Lq, D)
-        for i, layer in enumerate(self.layers):
-            x = layer(x, ctx, cos, sin, attn_mask, cache, i)
+        if self.draft_stack is not None and (out := self.draft_stack(x, ctx, cos, sin, attn_mask, cache)) is not None:
+            x = out  # every layer in one kernel call (``celeris.models.fast_ops.DraftStack``)
+        else:
+            for i, layer in enumerate(self.layers):
+                x = layer(x, ctx, cos, sin, attn_mask, cache, i)
         if cache is not None:
             cache.advance(ctx.shape[1] + x.shape[1])
         return self.norm(x)

@@ -279,3 +279,52 @@ def test_argmax_equals_torchs_on_ties_nans_infinities_and_signed_zeros_on_every_
         assert torch.equal(fast_ops.argmax(x.reshape(2, 4, -1)), x.reshape(2, 4, -1).argmax(-1))
         assert torch.equal(fast_ops.argmax(x[0]), x[0].argmax(-1))
         assert torch.equal(fast_ops.argmax(x.double()), x.double().argmax(-1))
+
+
+def test_the_drafter_stack_equals_the_drafters_modules_bit_for_bit():
+    """A DFlash drafter on the block kernel (Q8_0 projections, fused gate/up, the fast operators) gives the same
+    block hidden states and the same cached keys/values with its layers in one kernel call (``DraftStack``) as
+    through its modules, over two calls (the second reads the first's context from the bound cache)."""
+    from celeris.models import blocks
+    from celeris.models.dflash import DFlashConfig, DFlashDraftModel, DFlashMLP, DraftKVCache
+
+    torch.manual_seed(0)
+    cfg = DFlashConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                       num_key_value_heads=2, head_dim=16, vocab_size=50, num_target_layers=6, block_size=4,
+                       rope_theta=10000.0, mask_token_id=3, target_layer_ids=[1, 4])
+    model = DFlashDraftModel(cfg).eval()
+    for m in model.modules():
+        if isinstance(m, DFlashMLP):
+            m.fuse()
+    blocks.quantize_linears(model, "Q8_0")
+    assert fast_ops.enable(model) and model.draft_stack is not None
+    real, ran, caches = model.draft_stack, [], []
+
+    def stack(*args: object) -> torch.Tensor | None:  # the stack, noting whether it computed (not fell back)
+        out = real(*args)
+        ran.append(out is not None)
+        return out
+
+    for stacked in (True, False):
+        model.draft_stack, cache, outs = stack if stacked else None, DraftKVCache(), []
+        cache.bind(*model.cache_buffers(1, 32))
+        for start, new in ((5, 5), (9, 4)):  # two calls: 5 context columns, then 4 more
+            feats = torch.randn(1, new, 2 * cfg.hidden_size, generator=torch.Generator().manual_seed(start))
+            block = torch.randn(1, cfg.block_size, cfg.hidden_size, generator=torch.Generator().manual_seed(start + 1))
+            positions = torch.arange(cache.length, start + cfg.block_size)[None]
+            outs.append(model(block, feats, positions, cache))
+            cache.crop(start)
+        caches.append((outs, [k.clone() for k in cache.keys], [v.clone() for v in cache.values], cache.length))
+    (a, ka, va, la), (b, kb, vb, lb) = caches
+    assert ran == [True, True] and la == lb == 9
+    assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+    assert all(torch.equal(x[:, :, :9], y[:, :, :9]) for x, y in zip(ka + va, kb + vb, strict=True))
+    assert float(a[1].abs().max()) > 0
+    twin = copy.deepcopy(model)  # a copy's stack reads the copy's weights (its table holds their addresses)
+    twin.draft_stack = copy.deepcopy(real, {id(layer): c for layer, c in zip(model.layers, twin.layers, strict=True)})
+    ours = {t.data_ptr() for t in twin.draft_stack._held}
+    assert ours.isdisjoint(t.data_ptr() for t in real._held)
+    assert ours == {t.data_ptr() for b in twin.layers for t in (
+        b.input_layernorm.weight, b.post_attention_layernorm.weight, b.self_attn.q_norm.weight,
+        b.self_attn.k_norm.weight, *(x.tiles for x in (b.self_attn.q_proj, b.self_attn.k_proj, b.self_attn.v_proj,
+                                                       b.self_attn.o_proj, b.mlp.gate_up_proj, b.mlp.down_proj)))}

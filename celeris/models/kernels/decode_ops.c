@@ -469,3 +469,70 @@ int celeris_decoder_stack(int64_t n, const int64_t *layers, const float *x, int6
     free(scratch);
     return rc;
 }
+
+/* A DFlash drafter's layers (z-lab/dflash ``DFlashDraftModel``; Qwen3 layers whose keys and values also read the
+ * context) for one row's draft block, in one call, as ``celeris.models.dflash.DFlashLayer`` computes them:
+ *   hn = rms_norm(x, in_norm); q = rms_norm(q(hn)) per head (q_norm); both = [ctx; hn]
+ *   k = rms_norm(k(both)) per head (k_norm); v = v(both); rope on q (the block's positions) and k (all)
+ *   the keys and values written into the caches at columns filled .. filled + Lc + Lq - 1
+ *   x += o(attention(q, every cached key and value up to there))   (no mask: the block sees all of them)
+ *   x += down(silu(gate) * up)(rms_norm(x, post_norm))
+ * x (Lq, d) the block's embeddings, ctx (Lc, d) the projected context features (shared by the layers), cos, sin
+ * (Lc + Lq, D) contiguous for the context's positions then the block's; layers (n, DRAFT_COLUMNS) int64: the
+ * norms' addresses (in, post, q, k), the (type, tiles) of q, k, v, o, gate_up, down, then the layer's key and
+ * value caches (Hkv, C, D with strides kh, kt; C columns). The same kernels in the same order as the modules'
+ * fast path, so out (Lq, d) equals it bit for bit. Returns 0, -1 when the columns pass C, -2 out of memory,
+ * -3 for a shape a weight's product does not take. */
+#define DRAFT_COLUMNS 18
+int celeris_dflash_stack(int64_t n, const int64_t *layers, const float *x, int64_t Lq, const float *ctx, int64_t Lc,
+                         int64_t d, float eps, int64_t H, int64_t Hkv, int64_t D, int64_t I, const float *cos,
+                         const float *sin, int64_t filled, int64_t C, int64_t kh, int64_t kt, float scale, float *out,
+                         int threads) {
+    const int64_t nb = Lc + Lq, T = filled + nb;
+    if (filled < 0 || T > C) return -1;
+    const int64_t qw = H * D, kw = Hkv * D, wide = 2 * I > qw ? 2 * I : qw;
+    const size_t floats = (size_t)(Lq * d + Lq * qw + 2 * nb * kw + nb * d + Lq * qw + Lq * wide + Lq * (I > qw ? I : qw)
+                                   + Lq * d);
+    float *buf = (float *)malloc((floats + 1) * sizeof(float));
+    if (!buf) return -2;
+    float *hn = buf, *q = hn + Lq * d, *k = q + Lq * qw, *v = k + nb * kw, *both = v + nb * kw, *qr = both + nb * d,
+          *w = qr + Lq * qw, *mid = w + Lq * wide, *h = mid + Lq * (I > qw ? I : qw);
+    int rc = 0;
+#define PRODUCT(call) do { if (rc == 0) { rc = (call); if (rc == -1) rc = -3; } } while (0)
+    memcpy(out, x, (size_t)(Lq * d) * sizeof(float));
+    memcpy(both, ctx, (size_t)(Lc * d) * sizeof(float));
+    for (int64_t i = 0; i < n && rc == 0; i++) {
+        const int64_t *row = layers + i * DRAFT_COLUMNS;
+        float *kc = (float *)row[16], *vc = (float *)row[17];
+        celeris_rms_norm(out, (const float *)row[0], Lq, d, eps, hn);
+        PRODUCT(celeris_packed_matmul((int)row[4], hn, Lq, d, (const uint8_t *)row[5], qw, q, threads));
+        if (rc == 0) celeris_rms_norm(q, (const float *)row[2], Lq * H, D, eps, q);
+        memcpy(both + Lc * d, hn, (size_t)(Lq * d) * sizeof(float));
+        PRODUCT(celeris_packed_matmul((int)row[6], both, nb, d, (const uint8_t *)row[7], kw, k, threads));
+        if (rc == 0) celeris_rms_norm(k, (const float *)row[3], nb * Hkv, D, eps, k);
+        PRODUCT(celeris_packed_matmul((int)row[8], both, nb, d, (const uint8_t *)row[9], kw, v, threads));
+        if (rc != 0) break;
+        for (int64_t l = 0; l < Lq; l++)
+            for (int64_t hh = 0; hh < H; hh++)
+                rope_head(q + (l * H + hh) * D, cos + (Lc + l) * D, sin + (Lc + l) * D, D, qr + (l * H + hh) * D);
+        for (int64_t j = 0; j < nb; j++)
+            for (int64_t hh = 0; hh < Hkv; hh++) {
+                rope_head(k + (j * Hkv + hh) * D, cos + j * D, sin + j * D, D, kc + hh * kh + (filled + j) * kt);
+                memcpy(vc + hh * kh + (filled + j) * kt, v + (j * Hkv + hh) * D, (size_t)D * sizeof(float));
+            }
+        rc = celeris_attention(qr, Lq * qw, D, qw, kc, 0, kh, kt, vc, 0, kh, kt, NULL, 0, 0, 0, 1, H, Hkv, Lq, T, D,
+                               scale, mid, threads);
+        PRODUCT(celeris_packed_matmul((int)row[10], mid, Lq, qw, (const uint8_t *)row[11], d, h, threads));
+        if (rc != 0) break;
+        for (int64_t j = 0; j < Lq * d; j++) out[j] += h[j];
+        celeris_rms_norm(out, (const float *)row[1], Lq, d, eps, hn);
+        PRODUCT(celeris_packed_matmul((int)row[12], hn, Lq, d, (const uint8_t *)row[13], 2 * I, w, threads));
+        if (rc == 0) celeris_silu_mul(w, Lq, I, mid);
+        PRODUCT(celeris_packed_matmul((int)row[14], mid, Lq, I, (const uint8_t *)row[15], d, h, threads));
+        if (rc == 0)
+            for (int64_t j = 0; j < Lq * d; j++) out[j] += h[j];
+    }
+#undef PRODUCT
+    free(buf);
+    return rc;
+}
