@@ -7,6 +7,7 @@ import time
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -141,8 +142,6 @@ class LLM:
         self.generation_config: dict = load.generation_defaults(plan, loaded)
         # every id that ends an answer: end-of-text, the generation config's eos_token_id list, end-of-turn
         self.end_token_ids = self.tokenizer.end_token_ids(self.path, self.generation_config)
-        self._grammar_tokenizer: object | None = None  # built at the first request with a grammar (its property)
-        self._grammar_built = False
         self.engine = Engine(self.model, self.engine_config, self.end_token_ids,
                              grammar_tokenizer_loader=lambda: self.grammar_tokenizer)
         self.context_length = self.engine_config.max_model_len  # what a request may hold (max_model_len)
@@ -152,15 +151,12 @@ class LLM:
         # (84 ms of a 1 s load; what garbage the load left is small and stays)
         gc.freeze()
 
-    @property
+    @cached_property
     def grammar_tokenizer(self) -> object | None:
         """llguidance's view of the tokenizer, for requests with a grammar (structured output, tool calls): built
         at its first use (about 0.2 s for SmolLM2's 49,152 tokens, which a load that serves no grammar never pays);
         None when llguidance cannot read this tokenizer (``celeris.structured.grammar_tokenizer``)."""
-        if not self._grammar_built:
-            self._grammar_tokenizer = grammar_tokenizer(self.tokenizer, self.model.config.vocab_size)
-            self._grammar_built = True
-        return self._grammar_tokenizer
+        return grammar_tokenizer(self.tokenizer, self.model.config.vocab_size)
 
     def default_params(self, **overrides: object) -> SamplingParams:
         """SamplingParams from the model's ``generation_config.json`` with ``overrides`` applied (a block model's

@@ -231,11 +231,14 @@ class MaskedPath:
         """CFG's unconditional input: prompt and suffix replaced by the mask token."""
         return torch.where(is_answer, canvas, self.mask_id)
 
-    def _block_tokens(self, canvas: torch.Tensor, starts: list[int], widths: list[int], block_width: int) -> torch.Tensor:
-        """(B, block_width) tokens of each row's block from a (B, T) canvas; columns past a row's width hold the pad id."""
-        cols = torch.tensor(starts)[:, None] + torch.arange(block_width)[None]
-        block = canvas.gather(1, cols.clamp(max=canvas.shape[1] - 1))
-        return torch.where(torch.arange(block_width)[None] < torch.tensor(widths)[:, None], block, self.pad_id)
+    def _block_tokens(self, requests: list[Request], block_width: int) -> torch.Tensor:
+        """(B, block_width) tokens of each request's block, read from its own canvas; columns past a request's block
+        hold the pad id (so they are never committed)."""
+        block = torch.full((len(requests), block_width), self.pad_id, dtype=torch.long)
+        for i, r in enumerate(requests):
+            s, e = r.block_span
+            block[i, : e - s] = r.canvas[s:e]
+        return block
 
     def _guide(self, requests: list[Request], logits: torch.Tensor, cond: list[int], uncond: list[int]) -> torch.Tensor:
         """Rows ``cond`` of ``logits`` for every request, CFG applied to the guided ones (rows ``uncond``)."""
@@ -284,8 +287,7 @@ class MaskedPath:
                                            [v[row, :, cols] for v in cache.values])
                     self.runner.pool.reserve(r, kind, r.num_tokens)  # window passes see the whole canvas
         logits = self._guide(requests, logits, list(range(b)), list(range(b, b + len(uncond_rows))))
-        widths = [e - s for s, e in spans]
-        return logits, self._block_tokens(canvas, [align] * b, widths, block_width).to(self.runner.device)
+        return logits, self._block_tokens(requests, block_width).to(self.runner.device)
 
     def _window_pass(self, requests: list[Request], block_width: int) -> tuple[torch.Tensor, torch.Tensor]:
         """One window pass over every live pool row, or two when a few rows need far more columns than the rest.
@@ -343,11 +345,7 @@ class MaskedPath:
         cond = [pool.row(r) for r in requests]
         uncond = [pool.row(r, "uncond") for r in requests if r.params.cfg_scale > 0]
         logits = self._guide(requests, logits, cond, uncond)
-        spans = [r.block_span for r in requests]
-        block = torch.full((len(requests), block_width), self.pad_id, dtype=torch.long)  # columns past a block: pad
-        for i, (s, e) in enumerate(spans):  # each request's block, from its own canvas (its cond row's tokens)
-            block[i, : e - s] = requests[i].canvas[s:e]
-        return logits, block.to(self.runner.device)
+        return logits, self._block_tokens(requests, block_width).to(self.runner.device)
 
     @staticmethod
     def _next_token_columns(r: Request, cols: list[int]) -> tuple[list[int], int]:

@@ -26,7 +26,6 @@ from celeris.sampling.select import NEG_INF
 from celeris.sampling.step import (
     History,
     RowSettings,
-    apply_penalties,
     banned_token_ids,
     check_prompts,
     make_generator,
@@ -319,14 +318,6 @@ class VerifiedDecoder:
                 self._swap(i, self.num_prefilled)
             self.num_prefilled += 1
         return out
-
-    @staticmethod
-    def penalized(row: DraftRow, logits: torch.Tensor) -> torch.Tensor:
-        """A row's draft logits (k, V) with its penalties over its tokens so far (as is, without one): drafts are
-        only guesses, so the drafts of one block do not penalize each other; verification does (``penalize_along``)."""
-        if row.history is None:
-            return logits
-        return apply_penalties(logits[None], row.penalty_settings, row.history)[0]
 
     @staticmethod
     def verify(row: DraftRow, logits: torch.Tensor) -> tuple[int, list[int]]:

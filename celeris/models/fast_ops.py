@@ -374,10 +374,11 @@ class DraftStack:
     SmolLM2's drafter, its weights 13 MB). Same numbers as the modules, bit for bit."""
 
     def __init__(self, layers: list[nn.Module]) -> None:
-        self.layers, rows, self._held = layers, [], []
+        self.layers, rows, self._held, self._fast = layers, [], [], []
         for layer in layers:
             a, m = layer.self_attn, layer.mlp
             norms = (layer.input_layernorm, layer.post_attention_layernorm, a.q_norm, a.k_norm)
+            self._fast += [*norms, a, m]  # modules whose fast flag the call checks (the rest is fixed at enable)
             linears = (a.q_proj, a.k_proj, a.v_proj, a.o_proj, m.gate_up_proj, m.down_proj)
             self._held += [*(n.weight for n in norms), *(x.tiles for x in linears)]  # kept alive
             rows.append([*(n.weight.data_ptr() for n in norms),
@@ -396,14 +397,15 @@ class DraftStack:
         """The layers on the block x (1, Lq, d) float32 with the projected context ctx (1, Lc, d) and cos, sin
         (1, 1, Lc + Lq, D): (1, Lq, d) before the final norm, the cache's buffers written at its next Lc + Lq
         columns (the caller counts them: ``DraftKVCache.advance``); None where it does not apply (a mask, a batch,
-        a cache grown in tensors of its own, other dtypes: nothing was written).
+        a cache grown in tensors of its own, other dtypes, a module switched off the fast operators since
+        ``enable`` built the stack: nothing was written).
 
         Raises:
             ValueError: the cache's buffers hold fewer columns than the call needs (``DraftKVCache.update``'s).
         """
         lib = kernels.library()
         if lib is None or attn_mask is not None or getattr(cache, "filled", None) is None or x.shape[0] != 1 \
-                or ctx.shape[0] != 1 or not _fits(x, ctx, cos, sin) or not all(draft_layer_fits(b) for b in self.layers):
+                or ctx.shape[0] != 1 or not _fits(x, ctx, cos, sin) or not all(m.fast for m in self._fast):
             return None
         keys, values = cache.keys, cache.values
         k0 = keys[0] if keys else None

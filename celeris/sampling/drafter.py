@@ -294,10 +294,7 @@ class DFlashProposer:
             RuntimeError: the queued features do not cover the columns up to ``start`` (a bookkeeping bug).
         """
         logits, ids = self.propose_draft_vocab(state, last_token, start, k)
-        if ids is None:
-            return logits
-        full = torch.full((k, self.target.config.vocab_size), NEG_INF, device=logits.device)
-        return full.index_copy_(1, ids, logits)
+        return over_target_vocab(logits, ids, self.target.config.vocab_size)
 
     @torch.no_grad()
     def propose_draft_vocab(self, state: DraftState, last_token: int, start: int,
@@ -331,6 +328,14 @@ class DFlashProposer:
         if d2t.numel() == target.config.vocab_size:
             return target.logits(out), None  # (k, V)
         return self.drafter.draft_logits(out[None], self.draft_head())[0], d2t  # (k, V_draft)
+
+
+def over_target_vocab(logits: torch.Tensor, ids: torch.Tensor | None, vocab: int) -> torch.Tensor:
+    """Draft scores (k, V_draft) over a pruned draft vocabulary put at their target ids ``ids`` of a (k, ``vocab``)
+    float32 tensor, -inf elsewhere; ``logits`` as they are when ``ids`` is None (already over the whole vocabulary)."""
+    if ids is None:
+        return logits
+    return torch.full((logits.shape[0], vocab), NEG_INF, device=logits.device).index_copy_(1, ids, logits)
 
 
 def load_proposer(config: SpeculativeConfig, target: torch.nn.Module) -> DFlashProposer:

@@ -16,6 +16,7 @@ from typing import ClassVar
 import torch
 
 from celeris.engine.draft_rows import DraftRow
+from celeris.sampling.step import History, apply_penalties
 
 
 @dataclass(slots=True)
@@ -65,13 +66,25 @@ def one_hot(tokens: list[int], vocab: int, temperature: float) -> list:
     return [] if temperature == 0 else [torch.nn.functional.one_hot(torch.tensor(t), vocab).double() for t in tokens]
 
 
+def penalized(row: DraftRow, logits: torch.Tensor, ids: torch.Tensor | None = None) -> torch.Tensor:
+    """A row's draft logits (k, V) with its penalties over its tokens so far, or (k, V_draft) with those of the
+    target ids ``ids`` of their columns (the same values at those ids); as is without a penalty. Drafts are only
+    guesses, so the drafts of one block do not penalize each other; verification does (``penalize_along``)."""
+    if row.history is None:
+        return logits
+    history = row.history if ids is None else History(
+        None if row.history.seen is None else row.history.seen[:, ids],
+        None if row.history.counts is None else row.history.counts[:, ids])
+    return apply_penalties(logits[None], row.penalty_settings, history)[0]
+
+
 class Proposer:
     """One ``draft_source``'s proposer, made by the decoder at the first row that asks for it.
 
     Args:
         decoder: the verified decoder it drafts for: its ``proposer`` (the DFlash drafter beside the target, or
-            None), ``slots`` (mask slots the target drafts), ``rows`` (the rows running), ``segment`` (their KV
-            rows) and ``penalized`` (a row's penalties over draft logits).
+            None), ``slots`` (mask slots the target drafts), ``rows`` (the rows running) and ``segment`` (their KV
+            rows).
     """
 
     name: ClassVar[str] = ""

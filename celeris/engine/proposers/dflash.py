@@ -5,30 +5,15 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-import torch
-
 from celeris.engine.draft_rows import DraftRow
-from celeris.engine.proposers.base import DraftAsk, Drafts, Proposer, one_hot
+from celeris.engine.proposers.base import DraftAsk, Drafts, Proposer, one_hot, penalized
 from celeris.models import fast_ops
-from celeris.sampling.select import NEG_INF
-from celeris.sampling.step import History, apply_penalties
+from celeris.sampling.drafter import over_target_vocab
 from celeris.sampling.verified import grammar_slot_drafts
 
 
-def penalized(row: DraftRow, logits: torch.Tensor, ids: torch.Tensor | None) -> torch.Tensor:
-    """A row's draft logits (k, V) with its penalties over its tokens so far, or (k, V_draft) with those of the
-    target ids ``ids`` of their columns (the same values at those ids); as is without a penalty. Drafts are only
-    guesses, so the drafts of one block do not penalize each other; verification does (``penalize_along``)."""
-    if row.history is None:
-        return logits
-    history = row.history if ids is None else History(
-        None if row.history.seen is None else row.history.seen[:, ids],
-        None if row.history.counts is None else row.history.counts[:, ids])
-    return apply_penalties(logits[None], row.penalty_settings, history)[0]
-
-
 class DFlashDrafts(Proposer):
-    """One drafter call per row (``DFlashProposer.propose``): its argmax at every temperature (checked against a
+    """One drafter call per row (``DFlashProposer.propose_draft_vocab``): its argmax at every temperature (checked against a
     copy of the grammar when the row has one), the leading drafts the drafter is sure of under a
     ``draft_confidence_threshold``, one-hot distributions when sampling; its passes compute no mask slots."""
 
@@ -49,8 +34,7 @@ class DFlashDrafts(Proposer):
         logits, ids = drafter.propose_draft_vocab(row.draft_state, ask.last_token, ask.pending, row.k)
         logits = penalized(row, logits, ids)  # (k, V_draft) or (k, V)
         if row.constraint is not None:  # the grammar's mask is over the target's vocabulary
-            full = logits if ids is None else torch.full(
-                (logits.shape[0], ask.vocab), NEG_INF, device=logits.device).index_copy_(1, ids, logits)
+            full = over_target_vocab(logits, ids, ask.vocab)
             tokens, _ = grammar_slot_drafts(row.constraint, full, replace(row.params, temperature=0.0), row.generator)
             tokens = drafter.confident(full, tokens)
         else:  # the argmax over the draft vocabulary's columns (ascending ids: ties resolve as over the whole)

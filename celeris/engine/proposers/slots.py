@@ -3,7 +3,7 @@ the row's drafts (``celeris.sampling.verified``'s layout), and when every draft 
 
 from __future__ import annotations
 
-from celeris.engine.proposers.base import DraftAsk, Drafts, Proposer
+from celeris.engine.proposers.base import DraftAsk, Drafts, Proposer, penalized
 from celeris.sampling.verified import grammar_slot_drafts, slot_drafts
 
 
@@ -24,7 +24,7 @@ class MaskSlots(Proposer):
         row, slots = ask.row, self.first_slots(ask.row.k)
         if ask.slot_logits is None:
             return Drafts([], [], slots)
-        logits = self.decoder.penalized(row, ask.slot_logits)
+        logits = penalized(row, ask.slot_logits)
         if row.constraint is not None:
             return Drafts(*grammar_slot_drafts(row.constraint, logits, row.params, row.generator), slots)
         return Drafts(*slot_drafts(logits, row.params, row.generator), slots)
