@@ -265,7 +265,7 @@ class DFlashProposer:
     @torch.no_grad()
     def draft_head(self) -> torch.Tensor | QuantizedLinear:
         """(V_draft, d) rows of the target's head for the drafter's pruned vocabulary (``d2t``), in the head's
-        dtype, gathered once and kept: every call of ``propose`` scores with them (gathering them per call, or
+        dtype, gathered once and kept: every call of ``propose_draft_vocab`` scores with them (gathering them per call, or
         dequantizing them from an int8 table per call, cost as much as the drafter's own layers). When the drafter
         is quantized (``quantization_of``), the rows are kept as that method's head (int8 per channel:
         ``head_method``) and score through its kernel: the float rows were a third of a float32 drafter call."""
@@ -285,23 +285,13 @@ class DFlashProposer:
         return self._draft_head
 
     @torch.no_grad()
-    def propose(self, state: DraftState, last_token: int, start: int, k: int) -> torch.Tensor:
-        """Draft logits (k, V) float32 over the target's vocabulary for the k tokens after ``last_token`` at column
-        ``start`` (-inf outside a pruned draft vocabulary: ``propose_draft_vocab``'s scores put in place); the
-        features of every column before ``start`` must be in the cache or queued.
-
-        Raises:
-            RuntimeError: the queued features do not cover the columns up to ``start`` (a bookkeeping bug).
-        """
-        logits, ids = self.propose_draft_vocab(state, last_token, start, k)
-        return over_target_vocab(logits, ids, self.target.config.vocab_size)
-
-    @torch.no_grad()
     def propose_draft_vocab(self, state: DraftState, last_token: int, start: int,
                             k: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """``propose``'s scores where the drafter has them: (k, V_draft) float32 over its pruned vocabulary with the
-        target id of each column (``d2t``, (V_draft,) int64, ascending), or (k, V) and None when it scores the whole
-        vocabulary. Penalties, the argmax and the confidence then read V_draft columns, not V (a sixth of SmolLM2's
+        """Draft scores for the k tokens after ``last_token`` at column ``start``, where the drafter has them:
+        (k, V_draft) float32 over its pruned vocabulary with the target id of each column (``d2t``, (V_draft,)
+        int64, ascending), or (k, V) and None when it scores the whole vocabulary (``over_target_vocab`` puts the
+        scores in place over V). The features of every column before ``start`` must be in the cache or queued.
+        Penalties, the argmax and the confidence then read V_draft columns, not V (a sixth of SmolLM2's
         49,152 with the shipped 8,192).
 
         Raises:

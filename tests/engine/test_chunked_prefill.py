@@ -200,7 +200,7 @@ def drafter_log(with_drafter):
         log.append((start, (top if ids is None else ids[top]).tolist()))
         return logits, ids
 
-    proposer.propose_draft_vocab = spy  # what the DFlash proposer calls (``propose`` puts its scores in place)
+    proposer.propose_draft_vocab = spy  # what the DFlash proposer calls
     yield log
     del proposer.propose_draft_vocab
 
