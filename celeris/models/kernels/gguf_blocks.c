@@ -46,7 +46,8 @@ enum { TYPE_Q4_0 = 2, TYPE_Q4_1 = 3, TYPE_Q8_0 = 8 }; /* ggml's type numbers (gg
 #define UNSIGNED_Q8 (SIMD == 2) /* vpdpbusd takes u = q + 128; vpmaddubsw would saturate, so AVX2 keeps q signed */
 #define MT 8                    /* activation rows sharing one unpacked weight record (at most) */
 
-typedef struct { float d; int32_t sum; int8_t qs[QK]; } block_act; /* one quantized activation block */
+/* one quantized activation block: scale d, the codes' sum, and d * sum (made once a row, not once a tile) */
+typedef struct { float d; int32_t sum; float dsum; int8_t qs[QK]; } block_act;
 
 int celeris_abi_version(void) { return 7; }
 int celeris_simd_level(void) { return SIMD; } /* 2: AVX-512 VNNI, 1: AVX2, 0: plain C */
@@ -225,6 +226,7 @@ static void quantize_row(const float *x, int64_t K, block_act *out) {
         _mm_storeu_si128((__m128i *)(out[b].qs + 16), _mm512_cvtepi32_epi8(q1));
         out[b].d = d;
         out[b].sum = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+        out[b].dsum = d * (float)out[b].sum;
 #elif SIMD == 1
         const __m256 sign = _mm256_set1_ps(-0.0f);
         __m256 m = _mm256_setzero_ps();
@@ -246,6 +248,7 @@ static void quantize_row(const float *x, int64_t K, block_act *out) {
         for (int e = 0; e < 8; e++) sum += sums[e];
         out[b].d = d;
         out[b].sum = sum;
+        out[b].dsum = d * (float)sum;
 #else
         float amax = 0.0f;
         for (int j = 0; j < QK; j++) amax = fmaxf(amax, fabsf(xb[j]));
@@ -258,6 +261,7 @@ static void quantize_row(const float *x, int64_t K, block_act *out) {
         }
         out[b].d = d;
         out[b].sum = sum;
+        out[b].dsum = d * (float)sum;
 #endif
     }
 }
@@ -320,7 +324,7 @@ static inline __attribute__((always_inline)) void tile_dot(int type, const uint8
             }
             const __m512 dot = _mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1));
             acc[t] = _mm512_fmadd_ps(dot, _mm512_mul_ps(d, _mm512_set1_ps(a->d)), acc[t]);
-            acc[t] = _mm512_fmadd_ps(m, _mm512_set1_ps(a->d * (float)a->sum), acc[t]);
+            acc[t] = _mm512_fmadd_ps(m, _mm512_set1_ps(a->dsum), acc[t]);
         }
     }
     for (int64_t t = 0; t < mt; t++) _mm512_storeu_ps(acc_out + t * R, acc[t]);
@@ -359,7 +363,7 @@ static inline __attribute__((always_inline)) void tile_dot(int type, const uint8
                 s = _mm256_madd_epi16(p, ones);
             }
             acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(d, _mm256_set1_ps(a->d)), acc[t]);
-            acc[t] = _mm256_fmadd_ps(m, _mm256_set1_ps(a->d * (float)a->sum), acc[t]);
+            acc[t] = _mm256_fmadd_ps(m, _mm256_set1_ps(a->dsum), acc[t]);
         }
     }
     for (int64_t t = 0; t < mt; t++) _mm256_storeu_ps(acc_out + t * R, acc[t]);
