@@ -46,8 +46,7 @@ enum { TYPE_Q4_0 = 2, TYPE_Q4_1 = 3, TYPE_Q8_0 = 8 }; /* ggml's type numbers (gg
 #define UNSIGNED_Q8 (SIMD == 2) /* vpdpbusd takes u = q + 128; vpmaddubsw would saturate, so AVX2 keeps q signed */
 #define MT 8                    /* activation rows sharing one unpacked weight record (at most) */
 
-/* one quantized activation block: scale d, the codes' sum, and d * sum (made once a row, not once a tile) */
-typedef struct { float d; int32_t sum; float dsum; int8_t qs[QK]; } block_act;
+typedef struct { float d; int32_t sum; float dsum; int8_t qs[QK]; } block_act; /* dsum = d * sum */ /* one quantized activation block */
 
 int celeris_abi_version(void) { return 7; }
 int celeris_simd_level(void) { return SIMD; } /* 2: AVX-512 VNNI, 1: AVX2, 0: plain C */
@@ -213,7 +212,7 @@ static inline __m256i round_away(__m256 v) {
 
 /* llama.cpp's quantize_row_q8_0 reference (amax, d = amax / 127, q = roundf(x * (1 / d))), with the codes' sum;
  * the vector loops give the same bytes as the plain one (a maximum and roundf are exact in any order). */
-static void quantize_row(const float *x, int64_t K, block_act *out) {
+static void quantize_row(const float *x, int64_t K, block_act *out, int64_t stride) {
     for (int64_t b = 0; b < K / QK; b++) {
         const float *xb = x + b * QK;
 #if SIMD == 2
@@ -222,11 +221,11 @@ static void quantize_row(const float *x, int64_t K, block_act *out) {
         const float d = amax / 127.0f, id = d ? 1.0f / d : 0.0f;
         const __m512i q0 = round_away(_mm512_mul_ps(x0, _mm512_set1_ps(id)));
         const __m512i q1 = round_away(_mm512_mul_ps(x1, _mm512_set1_ps(id)));
-        _mm_storeu_si128((__m128i *)out[b].qs, _mm512_cvtepi32_epi8(q0));
-        _mm_storeu_si128((__m128i *)(out[b].qs + 16), _mm512_cvtepi32_epi8(q1));
-        out[b].d = d;
-        out[b].sum = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
-        out[b].dsum = d * (float)out[b].sum;
+        _mm_storeu_si128((__m128i *)out[b * stride].qs, _mm512_cvtepi32_epi8(q0));
+        _mm_storeu_si128((__m128i *)(out[b * stride].qs + 16), _mm512_cvtepi32_epi8(q1));
+        out[b * stride].d = d;
+        out[b * stride].sum = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+        out[b * stride].dsum = d * (float)out[b * stride].sum;
 #elif SIMD == 1
         const __m256 sign = _mm256_set1_ps(-0.0f);
         __m256 m = _mm256_setzero_ps();
@@ -241,14 +240,14 @@ static void quantize_row(const float *x, int64_t K, block_act *out) {
             total = _mm256_add_epi32(total, q);
             int32_t codes[8];
             _mm256_storeu_si256((__m256i *)codes, q);
-            for (int e = 0; e < 8; e++) out[b].qs[j + e] = (int8_t)codes[e];
+            for (int e = 0; e < 8; e++) out[b * stride].qs[j + e] = (int8_t)codes[e];
         }
         int32_t sums[8], sum = 0;
         _mm256_storeu_si256((__m256i *)sums, total);
         for (int e = 0; e < 8; e++) sum += sums[e];
-        out[b].d = d;
-        out[b].sum = sum;
-        out[b].dsum = d * (float)sum;
+        out[b * stride].d = d;
+        out[b * stride].sum = sum;
+        out[b * stride].dsum = d * (float)sum;
 #else
         float amax = 0.0f;
         for (int j = 0; j < QK; j++) amax = fmaxf(amax, fabsf(xb[j]));
@@ -256,12 +255,12 @@ static void quantize_row(const float *x, int64_t K, block_act *out) {
         int32_t sum = 0;
         for (int j = 0; j < QK; j++) {
             const int q = (int)roundf(xb[j] * id);
-            out[b].qs[j] = (int8_t)q;
+            out[b * stride].qs[j] = (int8_t)q;
             sum += q;
         }
-        out[b].d = d;
-        out[b].sum = sum;
-        out[b].dsum = d * (float)sum;
+        out[b * stride].d = d;
+        out[b * stride].sum = sum;
+        out[b * stride].dsum = d * (float)sum;
 #endif
     }
 }
@@ -273,7 +272,7 @@ int celeris_quantize_activations(const float *x, int64_t M, int64_t K, int8_t *c
     block_act a[1];
     for (int64_t m = 0; m < M; m++)
         for (int64_t b = 0; b < K / QK; b++) {
-            quantize_row(x + m * K + b * QK, QK, a);
+            quantize_row(x + m * K + b * QK, QK, a, 1);
             memcpy(codes + m * K + b * QK, a->qs, QK);
             scales[m * (K / QK) + b] = a->d;
             sums[m * (K / QK) + b] = a->sum;
@@ -303,28 +302,29 @@ static inline __attribute__((always_inline)) void tile_dot(int type, const uint8
     const __m512i low = _mm512_set1_epi8(0x0f);
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *recp = tile + b * rec;
-        __m512i w[8];
+        const block_act *a = xq + b * MT;  /* row t's block: a[t] */
+        __m512i s[MT];
+        for (int64_t t = 0; t < mt; t++) s[t] = _mm512_setzero_si512();
+        /* group j of every row before group j + 1 of any: the rows' chains interleave in program order */
         if (q8) {
-            for (int j = 0; j < 8; j++) w[j] = _mm512_loadu_si512((const void *)(recp + 64 * j));
+            for (int j = 0; j < 8; j++) {
+                const __m512i w = _mm512_loadu_si512((const void *)(recp + 64 * j));
+                for (int64_t t = 0; t < mt; t++) DPBUSD_BCST(s[t], w, a[t].qs + 4 * j);
+            }
         } else {
             for (int g = 0; g < 4; g++) {
                 const __m512i v = _mm512_loadu_si512((const void *)(recp + 64 * g));
-                w[g] = _mm512_and_si512(v, low);
-                w[g + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+                const __m512i lo = _mm512_and_si512(v, low), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+                for (int64_t t = 0; t < mt; t++) DPBUSD_BCST(s[t], lo, a[t].qs + 4 * g);
+                for (int64_t t = 0; t < mt; t++) DPBUSD_BCST(s[t], hi, a[t].qs + 4 * g + 16);
             }
         }
         const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(recp + cb)));
         const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(recp + cb + 2 * R)));
         for (int64_t t = 0; t < mt; t++) {
-            const block_act *a = xq + t * nb + b;
-            __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
-            for (int j = 0; j < 8; j += 2) {  /* the group broadcast from memory inside the instruction ({1to16}) */
-                DPBUSD_BCST(s0, w[j], a->qs + 4 * j);
-                DPBUSD_BCST(s1, w[j + 1], a->qs + 4 * j + 4);
-            }
-            const __m512 dot = _mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1));
-            acc[t] = _mm512_fmadd_ps(dot, _mm512_mul_ps(d, _mm512_set1_ps(a->d)), acc[t]);
-            acc[t] = _mm512_fmadd_ps(m, _mm512_set1_ps(a->dsum), acc[t]);
+            const __m512 dot = _mm512_cvtepi32_ps(s[t]);
+            acc[t] = _mm512_fmadd_ps(dot, _mm512_mul_ps(d, _mm512_set1_ps(a[t].d)), acc[t]);
+            acc[t] = _mm512_fmadd_ps(m, _mm512_set1_ps(a[t].dsum), acc[t]);
         }
     }
     for (int64_t t = 0; t < mt; t++) _mm512_storeu_ps(acc_out + t * R, acc[t]);
@@ -347,7 +347,7 @@ static inline __attribute__((always_inline)) void tile_dot(int type, const uint8
         const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(recp + cb)));
         const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(recp + cb + 2 * R)));
         for (int64_t t = 0; t < mt; t++) {
-            const block_act *a = xq + t * nb + b;
+            const block_act *a = xq + b * MT + t;
             __m256i s;
             if (q8) { /* signed weights: |w| times the activation given w's sign (each pair sum fits int16) */
                 s = _mm256_setzero_si256();
@@ -374,7 +374,7 @@ static inline __attribute__((always_inline)) void tile_dot(int type, const uint8
         for (int r = 0; r < R; r++) {
             const float d = half_to_float(read_u16(recp + cb + 2 * r)), m = half_to_float(read_u16(recp + cb + 2 * (R + r)));
             for (int64_t t = 0; t < mt; t++) {
-                const block_act *a = xq + t * nb + b;
+                const block_act *a = xq + b * MT + t;
                 int32_t dot = 0;
                 for (int j = 0; j < 8; j++) {
                     for (int e = 0; e < 4; e++) {
@@ -413,18 +413,20 @@ int celeris_packed_matmul(int type, const float *x, int64_t M, int64_t K, const 
                           float *y, int threads) {
     if (!celeris_packed_bytes(type, N, K) || M < 0) return -1;
     const int64_t nb = K / QK, tiles = (N + R - 1) / R, tile_bytes = nb * record_bytes(type);
-    block_act *xq = (block_act *)malloc((size_t)(M * nb + 1) * sizeof(block_act));
+    /* rows in chunks of MT, block-major inside a chunk (block b of row t at chunk + b * MT + t): a tile's rows
+     * read one block at constant offsets from one address */
+    block_act *xq = (block_act *)malloc((size_t)(((M + MT - 1) / MT) * MT * nb + 1) * sizeof(block_act));
     if (!xq) return -2;
     if (threads < 1) threads = 1;
 #pragma omp parallel for num_threads(threads) schedule(static) if (M >= 16)
-    for (int64_t m = 0; m < M; m++) quantize_row(x + m * K, K, xq + m * nb);
+    for (int64_t m = 0; m < M; m++) quantize_row(x + m * K, K, xq + (m / MT) * MT * nb + m % MT, MT);
 #pragma omp parallel for num_threads(threads) schedule(static) if (N * M * K >= (1 << 17))
     for (int64_t t = 0; t < tiles; t++) {
         float out[MT * R];
         const int64_t rows = N - t * R < R ? N - t * R : R;
         for (int64_t m0 = 0; m0 < M; m0 += MT) {
             const int64_t mt = M - m0 < MT ? M - m0 : MT;
-            TILE_DOTS[mt](type, packed + t * tile_bytes, nb, xq + m0 * nb, out);
+            TILE_DOTS[mt](type, packed + t * tile_bytes, nb, xq + m0 * nb, out);  /* m0 * nb: chunk m0 / MT */
             for (int64_t i = 0; i < mt; i++) memcpy(y + (m0 + i) * N + t * R, out + i * R, (size_t)rows * 4);
         }
     }
