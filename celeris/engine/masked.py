@@ -113,6 +113,9 @@ class MaskedPath:
         """One denoising step for ``batch`` (running masked requests): commit, count (``Request.record_step``),
         advance or finish each; a request prefilling in chunks computes its chunk instead. Returns the requests
         that stepped (``batch`` less those prefilling)."""
+        self.runner.release(set(batch))  # (passes does it too; here so that the rows' order is final)
+        pool = self.runner.pool  # in the order of their KV rows (new ones last): the logits then need no reordering
+        batch = sorted(batch, key=lambda r: len(pool.owners) if pool.row(r) is None else pool.row(r))
         logits, block = self.passes(batch)
         stepped = batch  # every running request, prefilling ones included: they keep their KV rows
         prefilled = [r for r in batch if r.is_prefilling]
@@ -214,9 +217,10 @@ class MaskedPath:
         block_width = max(e - s for s, e in (r.block_span for r in requests))
         logits = block = None
         passes = [(rows, self._full_pass) for rows in self._full_groups(requests, full)]
-        for rows, forward in (*passes, (windowed, self._window_pass)):
-            if not rows:
-                continue
+        passes = [(rows, forward) for rows, forward in (*passes, (windowed, self._window_pass)) if rows]
+        if len(passes) == 1:  # one pass over every row, in order: its logits as they are (not copied)
+            return passes[0][1](requests, block_width)
+        for rows, forward in passes:
             g_logits, g_block = forward([requests[i] for i in rows], block_width)
             if logits is None:
                 logits = g_logits.new_empty((len(requests), block_width, g_logits.shape[-1]))
