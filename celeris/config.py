@@ -9,7 +9,7 @@ import torch
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # weight-only quantization methods (EngineConfig.quantization, vLLM's --quantization; celeris.models.quantize)
-QUANTIZATION_METHODS = ("int8", "int4", "int4-g64", "int4-g128", "fp8", "gguf", "q8_0")
+QUANTIZATION_METHODS = ("int8", "int4", "int4-g64", "int4-g128", "fp8", "gguf", "q8_0", "none")
 LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")  # EngineConfig.logprobs_mode (celeris.sampling.logprobs)
 CPU_MAX_MODEL_LEN = 4096  # default cap of max_model_len on a CPU: the KV store of 8 rows stays a few hundred MiB
 
@@ -88,6 +88,8 @@ class EngineConfig:
     quantization: str | None = _knob(None, "quantization of every linear layer after load (weight-only; fp8: W8A8): "
                                      + ", ".join(QUANTIZATION_METHODS) + " (int4: groups of 32 input columns; q8_0: "
                                      "GGUF Q8_0 blocks on the CPU's block kernel and fast pass, any float checkpoint; "
+                                     "none: the checkpoint's own weights, where its celeris.json names a CPU "
+                                     "quantization; "
                                      "the KV cache stays in --dtype; docs/quantization.md)", metavar="METHOD")
     quantize_lm_head: bool = _knob(False, "with --quantization: quantize the output head too (default: kept in "
                                    "--dtype)")
@@ -115,6 +117,8 @@ class EngineConfig:
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
         check_quantization(self.quantization)
+        if self.quantization == "none":  # asked for explicitly: no checkpoint's CPU quantization applies
+            self.quantization = None
         if self.quantize_lm_head and self.quantization is None:
             raise ValueError("quantize_lm_head needs a quantization (e.g. --quantization int8)")
 

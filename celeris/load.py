@@ -25,7 +25,7 @@ from torch import nn
 
 from celeris.config import EngineConfig, resolve_device, resolve_dtype
 from celeris.models import blocks, fast_ops, gguf_quantized, prepack
-from celeris.models.catalog import ALIASES, alias_path, read_pairing
+from celeris.models.catalog import ALIASES, alias_path, read_pairing, read_settings
 from celeris.models.catalog import EMBEDDED as CATALOG_EMBEDDED
 from celeris.models.gguf import find_gguf, prepare, read_card
 from celeris.models.loader import CheckpointError, load_any
@@ -121,7 +121,8 @@ class Plan:
 
     Attributes:
         path: the checkpoint to read (a drafter folder's target in its place); ``name``: the served name.
-        config: the engine settings (``EngineConfig``), a pairing's CPU quantization applied unless one was given.
+        config: the engine settings (``EngineConfig``), the folder's CPU quantization (``celeris.json``: a
+            pairing's, or the checkpoint's own) applied on a CPU unless one was given (``none``: not applied).
         spec: the drafter to load beside the target (the pairing's, or ``speculative_config``'s), or None.
         pairing: the drafter folder's ``celeris.json``, or None; ``chat_by_default``: its ``chat`` flag.
         template: a chat template replacing the tokenizer's, or None; ``tokenizer``: a tokenizer replacing the
@@ -152,9 +153,10 @@ def resolve(model: str | Path | None, engine_kwargs: dict[str, Any], tokenizer: 
     """
     path = resolve_model(model)
     pairing = read_pairing(path)  # a drafter folder: its target loads, with it beside
-    if pairing is not None and pairing.get("quantization") and engine_kwargs.get("quantization") is None \
-            and resolve_device(engine_kwargs.get("device")).type == "cpu":  # the pairing's CPU target, unless asked
-        engine_kwargs = {**engine_kwargs, "quantization": pairing["quantization"]}
+    cpu_method = (read_settings(path) or {}).get("quantization")  # the pairing's target's, or the checkpoint's own
+    if cpu_method and engine_kwargs.get("quantization") is None \
+            and resolve_device(engine_kwargs.get("device")).type == "cpu":  # on a CPU, unless one is asked
+        engine_kwargs = {**engine_kwargs, "quantization": cpu_method}
     config = EngineConfig.from_kwargs(**engine_kwargs)
     spec = SpeculativeConfig.parse(config.speculative_config)
     if pairing is not None:

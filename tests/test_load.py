@@ -42,3 +42,41 @@ def test_q8_0_refuses_another_device_and_a_width_off_the_blocks():
     odd = torch.nn.Sequential(torch.nn.Linear(48, 8))
     with pytest.raises(QuantizationError, match="q8_0: .*48 input columns are not whole blocks of 32"):
         quantize_to_blocks(odd, torch.device("cpu"))
+
+
+@needs_kernels
+def test_a_checkpoints_own_cpu_quantization_applies_unless_none_is_asked(tiny_checkpoint, tmp_path):
+    """A checkpoint folder's ``celeris.json`` without a target (the shipped code models') names its CPU
+    quantization: it applies when none is asked, ``none`` keeps the float weights, another method wins; such a
+    file is not a drafter pairing (the folder lists as an embedded checkpoint of its own)."""
+    import json
+    import shutil
+
+    from celeris.models.catalog import read_pairing, read_settings
+
+    folder = tmp_path / "ckpt"
+    shutil.copytree(tiny_checkpoint, folder)
+    (folder / "celeris.json").write_text(json.dumps({"quantization": "q8_0"}))
+    assert read_pairing(folder) is None and read_settings(folder) == {"quantization": "q8_0"}
+    assert quantization_of(LLM(str(folder), **TINY_LLM).model) == "q8_0"
+    plain = LLM(str(folder), **TINY_LLM, quantization="none")
+    assert quantization_of(plain.model) is None and not any(isinstance(m, BlockLinear) for m in plain.model.modules())
+    assert quantization_of(LLM(str(folder), **TINY_LLM, quantization="int8").model) == "int8"
+
+
+def test_none_means_the_checkpoints_own_weights_and_takes_no_head_option():
+    from celeris.config import EngineConfig
+
+    assert EngineConfig(quantization="none").quantization is None
+    with pytest.raises(ValueError, match="quantize_lm_head needs a quantization"):
+        EngineConfig(quantization="none", quantize_lm_head=True)
+
+
+@needs_kernels
+def test_the_shipped_code_models_load_as_q8_0_on_a_cpu():
+    """The embedded code models load on the block kernel on a CPU (their cards: per pass 2.6-4.6x float32, within
+    int8's quality floors, ``celeris.bench.divergence``); the pins and the divergence reference ask for ``none``."""
+    for name in ("celeris-code-6m", "celeris-code-6m-hybrid", "celeris-code-6m-ar"):
+        llm = LLM(name, device="cpu")
+        assert quantization_of(llm.model) == "q8_0", name
+        assert all(m.fast for m in llm.model.modules() if hasattr(m, "fast")), name

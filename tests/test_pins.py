@@ -93,7 +93,7 @@ def decode(llm: LLM, cases: dict[str, dict]) -> dict[str, dict[str, list[list[in
 def compute_all(root: Path) -> dict:
     """Every model's pins, as ``tests/pins.json`` stores them."""
     torch.set_num_threads(1)
-    return {name: decode(LLM(model_folder(name, root), device="cpu", dtype="float32"), cases)
+    return {name: decode(LLM(model_folder(name, root), device="cpu", dtype="float32", quantization="none"), cases)
             for name, cases in MODELS.items()}
 
 
@@ -106,7 +106,7 @@ def pins() -> dict:
 def test_tokens_match_the_pins(name: str, pins: dict, tmp_path_factory: pytest.TempPathFactory) -> None:
     """Every case's tokens, reference sampler and engine, equal the pinned ones."""
     torch.set_num_threads(1)
-    llm = LLM(model_folder(name, tmp_path_factory.mktemp("pins")), device="cpu", dtype="float32")
+    llm = LLM(model_folder(name, tmp_path_factory.mktemp("pins")), device="cpu", dtype="float32", quantization="none")
     got = decode(llm, MODELS[name])
     assert set(got) == set(pins[name])
     for case, paths in got.items():

@@ -65,10 +65,10 @@ def load_width(width: str, load: Callable[..., LLM], quantize_lm_head: bool = Fa
     ``+compile`` name (``float32+compile``: no other option)."""
     compiled = {"enforce_eager": False} if width.endswith(COMPILE_SUFFIX) else {}
     base = base_width(width)
-    if base == "float32":
-        return load(**compiled)
+    if base == "float32":  # "none": not a checkpoint's own CPU quantization (the code models' q8_0)
+        return load(quantization="none", **compiled)
     if base == "bfloat16":
-        return load(dtype="bfloat16", **compiled)
+        return load(dtype="bfloat16", quantization="none", **compiled)
     head = quantize_lm_head or has_head(width)
     return load(quantization=base, quantize_lm_head=head, **compiled)
 

@@ -61,6 +61,7 @@ from celeris.bench.quality import cut_function_body, has_code, heal_prompt, load
 from celeris.bench.quantized import load_width, parse_widths, width_report
 from celeris.llm import LLM
 from celeris.models.layers import KVCache
+from celeris.models.quantize import quantization_of
 from celeris.reference.autoregressive import generate_autoregressive
 from celeris.reference.block import generate_block
 from celeris.sampling.block import contract_of
@@ -378,19 +379,26 @@ def run_systems(systems: list, batches: list, llm: LLM, warmup: int, engines: li
 
 def add_width_reports(results: dict, llm: LLM, widths: dict[str, LLM], cfg: BenchConfig, texts: list[str],
                       hybrid: bool) -> None:
-    """``results["widths"]``: quality (against this model, on the first prompts) and pass cost of every other
-    weight width, with their warnings in ``results["notes"]``."""
+    """``results["widths"]``: quality (against this model unquantized, on the first prompts) and pass cost of every
+    other weight width, with their warnings in ``results["notes"]``; a model loaded quantized by default (the code
+    models' q8_0 on a CPU) is measured as one of them, against its float weights loaded beside it."""
     room = llm.context_length - cfg.lengths[0]
     quality_prompts = [llm.tokenizer.encode(t)[-room:] for t in texts]
+    reference, method = llm, quantization_of(llm.model)
+    if method is not None:
+        reference = LLM(cfg.model, quantization="none", dtype=cfg.dtype, tokenizer=cfg.tokenizer,
+                        chat_template=cfg.chat_template, max_model_len=cfg.max_model_len)
+        widths = {method: llm, **widths}
     results["widths"] = {}
     for width, other in widths.items():
-        report, warning = width_report(llm, other, width, quality_prompts, fast_quality_params(llm, cfg, hybrid),
+        report, warning = width_report(reference, other, width, quality_prompts,
+                                       fast_quality_params(reference, cfg, hybrid),
                                        lambda m: pass_cost_ms(m.model, runner=m.engine.runner))
         results["widths"][width] = report
         if warning:
             results["notes"].append(warning)
-    results["widths"]["reference"] = {"pass_cost_ms_by_width": results.get("pass_cost_ms_by_width")
-                                      or pass_cost_ms(llm.model)}
+    results["widths"]["reference"] = {"pass_cost_ms_by_width": pass_cost_ms(reference.model) if method else
+                                      results.get("pass_cost_ms_by_width") or pass_cost_ms(llm.model)}
 
 
 def run_bench(cfg: BenchConfig) -> dict:

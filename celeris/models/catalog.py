@@ -66,14 +66,13 @@ def alias_path(name: str) -> Path:
 PAIRING = "celeris.json"  # in a drafter folder: the target it drafts for, its speculative config, chat by default
 
 
-def read_pairing(folder: Path) -> dict | None:
-    """A drafter folder's pairing (``celeris.json``: ``{"target": name or path, "speculative_config": {...},
-    "chat": bool, "quantization": the target's --quantization on a CPU unless one is asked}``), or None for any
-    other checkpoint. Such a folder is a model of its own: the target loads with this drafter beside it
-    (``celeris.llm.LLM``).
+def read_settings(folder: Path) -> dict | None:
+    """A checkpoint folder's ``celeris.json``, or None without one: a drafter folder's pairing (``read_pairing``),
+    or a checkpoint's own settings (``{"quantization": its --quantization on a CPU unless one is asked,
+    "description": ..., "measured": ...}``, no ``target``).
 
     Raises:
-        CheckpointError: the file does not parse or names no target.
+        CheckpointError: the file does not parse, or is not an object.
     """
     import json
 
@@ -84,8 +83,26 @@ def read_pairing(folder: Path) -> dict | None:
         raw = json.loads(file.read_text())
     except json.JSONDecodeError as exc:
         raise CheckpointError(f"{file} is not JSON: {exc.msg}") from None
-    if not isinstance(raw, dict) or not isinstance(raw.get("target"), str):
-        raise CheckpointError(f"{file} names no target model")
+    if not isinstance(raw, dict):
+        raise CheckpointError(f"{file} is not a JSON object")
+    return raw
+
+
+def read_pairing(folder: Path) -> dict | None:
+    """A drafter folder's pairing (``celeris.json``: ``{"target": name or path, "speculative_config": {...},
+    "chat": bool, "quantization": the target's --quantization on a CPU unless one is asked}``), or None for any
+    other checkpoint (a ``celeris.json`` without ``target`` or ``speculative_config`` holds the checkpoint's own
+    settings). Such a folder is a model of its own: the target loads with this drafter beside it
+    (``celeris.llm.LLM``).
+
+    Raises:
+        CheckpointError: the file does not parse, or pairs a drafter but names no target.
+    """
+    raw = read_settings(folder)
+    if raw is None or ("target" not in raw and "speculative_config" not in raw):
+        return None
+    if not isinstance(raw.get("target"), str):
+        raise CheckpointError(f"{Path(folder) / PAIRING} names no target model")
     return raw
 
 

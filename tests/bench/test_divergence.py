@@ -22,7 +22,7 @@ NUM_PROMPTS = 8
 _LOADED: dict[tuple[str, str | None], LLM] = {}
 
 
-def loaded(model: str, quantization: str | None = None) -> LLM:
+def loaded(model: str, quantization: str = "none") -> LLM:  # "none": float32, the reference
     key = (model, quantization)
     if key not in _LOADED:
         _LOADED[key] = LLM(model, device="cpu", quantization=quantization)

@@ -35,9 +35,10 @@ def test_a_width_with_its_head_loads_the_method_with_the_head_quantized():
     for width in ("int4", "int4+lm_head", "bfloat16", "int4+lm_head+compile", "float32+compile"):
         load_width(width, load)
     assert calls == [{"quantization": "int4", "quantize_lm_head": False},
-                     {"quantization": "int4", "quantize_lm_head": True}, {"dtype": "bfloat16"},
+                     {"quantization": "int4", "quantize_lm_head": True},
+                     {"dtype": "bfloat16", "quantization": "none"},  # float widths: no checkpoint's CPU default
                      {"quantization": "int4", "quantize_lm_head": True, "enforce_eager": False},
-                     {"enforce_eager": False}]
+                     {"quantization": "none", "enforce_eager": False}]
 
 
 def check_widths(results: dict, widths: list[str]) -> None:
