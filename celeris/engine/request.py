@@ -11,7 +11,7 @@ import torch
 from celeris.sampling.cache import CACHE_MODES, cache_window, visible_end
 from celeris.sampling.logprobs import TokenLogprob
 from celeris.sampling.params import SamplingParams
-from celeris.sampling.schedule import block_plan, num_transfer_tokens
+from celeris.sampling.schedule import block_plan
 from celeris.sampling.step import check_prompts, make_generator
 
 NO_PROGRESS = "no_progress"  # error code: a denoising step committed nothing (see ``Engine.step``)
@@ -133,9 +133,17 @@ class Request:
     def _new_block(self) -> None:
         s, e = self.block_span
         self.block_steps = min(self.steps_per_block, e - s)
-        num_masked = (self.canvas[s:e] == self.mask_id).sum().reshape(1)
-        self.schedule = num_transfer_tokens(num_masked, self.block_steps)[0]  # (S,)
+        num_masked = self._masked_in(s, e)
+        base, extra = divmod(num_masked, self.block_steps)  # num_transfer_tokens' linear schedule, in Python ints
+        self.schedule = [base + (i < extra) for i in range(self.block_steps)]  # (S,): tokens per step
         self.step_in_block = 0
+
+    def _masked_in(self, s: int, e: int) -> int:
+        """Masked positions among canvas columns [s, e) (a block of one column, next-token decoding's, read as one
+        element: a step makes one of these calls per request)."""
+        if e - s == 1:
+            return int(int(self.canvas[s]) == self.mask_id)
+        return int((self.canvas[s:e] == self.mask_id).sum())
 
     def cache_columns(self) -> tuple[list[int], int] | None:
         """Canvas columns this step computes with a KV cache and where the block starts among them, or
@@ -184,7 +192,7 @@ class Request:
         columns it filled): move to the next block, or finish (end of answer / early exit)."""
         self.step_in_block += 1
         s, e = self.block_span
-        if bool((self.canvas[s:e] == self.mask_id).any()):
+        if self._masked_in(s, e):
             return
         answer_so_far = self.canvas[self.answer_start : e].tolist()
         hit_eos = not self.ends(eos_id).isdisjoint(answer_so_far)

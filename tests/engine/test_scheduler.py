@@ -34,3 +34,25 @@ def test_queue_limit_counts_free_slots_and_aborts_free_places():
         engine.add_request([5, 6], params)
     assert engine.abort("r2")  # an aborted waiting request gives its place back before any step
     engine.add_request([5, 6], params, request_id="r3")
+
+
+def test_a_requests_block_schedule_is_the_linear_schedule():
+    """``Request`` keeps its block's schedule in Python ints (a step reads it per request); it must equal
+    ``num_transfer_tokens`` (LLaDA's linear schedule) for blocks of one column and of many, a partly filled
+    block included."""
+    import torch
+
+    from celeris.engine.request import Request
+    from celeris.sampling.params import SamplingParams
+    from celeris.sampling.schedule import num_transfer_tokens
+
+    for max_tokens, block_length, steps in ((1, 1, 1), (7, 7, 3), (16, 8, 6), (10, 4, 10)):
+        r = Request("r", [5, 6], SamplingParams(max_tokens=max_tokens, block_length=block_length, steps=steps), 1)
+        s, e = r.block_span
+        want = num_transfer_tokens(torch.tensor([e - s]), min(r.steps_per_block, e - s))[0].tolist()
+        assert r.schedule == want
+        assert r.tokens_this_step() == want[0]
+    r = Request("r", [5, 6], SamplingParams(max_tokens=8, block_length=8, steps=3), 1)
+    r.canvas[r.answer_start : r.answer_start + 3] = 9  # three of the block's eight columns filled
+    r._new_block()
+    assert r.schedule == num_transfer_tokens(torch.tensor([5]), 3)[0].tolist() == [2, 2, 1]
