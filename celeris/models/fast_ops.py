@@ -58,6 +58,34 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def penalized_argmax(logits: torch.Tensor, counts: torch.Tensor | None, frequency: torch.Tensor | None,
+                     presence: torch.Tensor | None, banned_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Greedy decoding's token per row in one kernel pass: the argmax (torch's rule) of ``logits`` (B, V) float32
+    less ``frequency`` (B,) x ``counts`` (B, V) and ``presence`` (B,) x (counts > 0) (each None: left out), the
+    ``banned_ids`` at -inf: the same float operations as ``celeris.sampling.step.apply_penalties`` and the ban,
+    so the same ids. Returns (ids (B,) int64, their penalized logits (B,) float32), or None where the kernel
+    does not apply (the caller takes PyTorch's path)."""
+    lib = kernels.library()
+    tensors = [t for t in (logits, counts, frequency, presence) if t is not None]
+    if lib is None or not _fits(*tensors) or logits.dim() != 2 or (counts is None) != (frequency is None and
+                                                                                       presence is None):
+        return None
+    if counts is not None and counts.shape != logits.shape:
+        return None
+    b, v = logits.shape
+    logits = logits.contiguous()
+    counts = None if counts is None else counts.contiguous()
+    frequency = None if frequency is None else frequency.reshape(b).contiguous()
+    presence = None if presence is None else presence.reshape(b).contiguous()
+    banned = torch.tensor(banned_ids, dtype=torch.int64)
+    ids, values, scratch = torch.empty(b, dtype=torch.int64), torch.empty(b), torch.empty(v)
+    lib.celeris_penalized_argmax(pointer(logits), b, v, None if counts is None else pointer(counts),
+                                 None if frequency is None else pointer(frequency),
+                                 None if presence is None else pointer(presence), pointer(banned), banned.numel(),
+                                 pointer(scratch), pointer(ids), pointer(values))
+    return ids, values
+
+
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
     """gate_up (..., 2n) float32 -> silu(gate) * up (..., n); None where the kernel does not apply."""
     lib = kernels.library()

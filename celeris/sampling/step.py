@@ -8,6 +8,7 @@ correction -> progress check that every masked and block path runs.
 from __future__ import annotations
 
 import random
+import sys
 from collections.abc import Collection
 from dataclasses import dataclass
 
@@ -299,6 +300,9 @@ def denoise_step(
     Returns:
         (new block (B, L) int64, committed positions (B, L) bool).
     """
+    if allowed is None and force is None and (single := greedy_single(logits, block, mask_id, banned_ids, num_tokens,
+                                                                       settings, history, confidence_from)) is not None:
+        return single
     logits, unfiltered = prepare_logits(logits, settings, banned_ids, history, allowed,
                                         keep_unfiltered=confidence_from == "unfiltered")
     x0 = sample_tokens(logits, settings.temperature, generators, lengths, settings.any_sampling)  # (B, L)
@@ -309,6 +313,35 @@ def denoise_step(
 
 
 SINGLE_RULES = ("fixed", "low_confidence_static")  # commit rules that commit the one masked position of a block
+
+
+def greedy_single(logits: torch.Tensor, block: torch.Tensor, mask_id: int, banned_ids: list[int],
+                  num_tokens: torch.Tensor, settings: RowSettings, history: History | None,
+                  confidence_from: str) -> tuple | None:
+    """``denoise_step``'s result for greedy next-token decoding through the masked path (a block of one column, no
+    sampling, top-k/p or min-p, no repetition penalty: ``commit_single``'s case) in one kernel pass a row
+    (``celeris.models.fast_ops.penalized_argmax``: the frequency and presence penalties, the ban and the argmax,
+    the same ids as ``prepare_logits`` then ``sample_tokens``); None where that does not apply or a row's chosen
+    logit is not finite (then the caller's path decides, as ``commit_single``). (B, 1, V) logits, (B, 1) block."""
+    fast_ops = sys.modules.get("celeris.models.fast_ops")  # the model side loaded (as ``sample_tokens``)
+    if fast_ops is None or block.shape[1] != 1 or settings.any_sampling is not False or settings.any_top_p \
+            or settings.any_top_k or settings.any_min_p or settings.any_penalty or confidence_from != "filtered" \
+            or any(r != "low_confidence" for r in settings.remasking) \
+            or any(d not in SINGLE_RULES for d in settings.decoding):
+        return None
+    counts = None
+    if history is not None and settings.any_count_penalty:
+        counts = history.counts if history.counts is not None and history.counts.dim() == 2 else None
+        if counts is None:
+            return None
+    frequency = settings.frequency_penalty if counts is not None and settings.any_frequency_penalty else None
+    presence = settings.presence_penalty if counts is not None and settings.any_presence_penalty else None
+    done = fast_ops.penalized_argmax(logits[:, 0], counts, frequency, presence, banned_ids)
+    if done is None or bool((num_tokens < 1).any()) or not bool(torch.isfinite(done[1]).all()):
+        return None
+    x0 = done[0][:, None].to(block.device)
+    chosen = block == mask_id  # (B, 1)
+    return torch.where(chosen, x0, block), chosen
 
 
 def commit_single(logits: torch.Tensor, x0: torch.Tensor, block: torch.Tensor, mask_id: int,

@@ -328,3 +328,71 @@ def test_the_drafter_stack_equals_the_drafters_modules_bit_for_bit():
         b.input_layernorm.weight, b.post_attention_layernorm.weight, b.self_attn.q_norm.weight,
         b.self_attn.k_norm.weight, *(x.tiles for x in (b.self_attn.q_proj, b.self_attn.k_proj, b.self_attn.v_proj,
                                                        b.self_attn.o_proj, b.mlp.gate_up_proj, b.mlp.down_proj)))}
+
+
+def test_penalized_argmax_equals_the_penalties_the_ban_and_torchs_argmax_on_every_build(variants):
+    """``celeris_penalized_argmax`` (greedy next-token decoding's commit in one pass) gives the ids and values of
+    ``apply_penalties`` (frequency, presence: OpenAI's), then the banned ids at -inf, then ``torch.argmax``: with
+    ties the penalties make, NaNs, infinities, a banned largest value, negative penalties, on every code path."""
+    from celeris.sampling.params import SamplingParams
+    from celeris.sampling.step import History, RowSettings, apply_penalties
+
+    g = torch.Generator().manual_seed(1)
+    for n in (49152, 37):
+        x = torch.randn(6, n, generator=g)
+        counts = torch.randint(0, 4, (6, n), generator=g).float()
+        x[1, 3], counts[1, 3] = 99.0, 0.0  # the largest, banned below
+        x[2, n // 2] = float("nan")
+        x[3, : n // 2] = float("-inf")
+        x[4, 7], x[4, 9], counts[4, 7], counts[4, 9] = 5.4, 5.2, 1.0, 0.0  # 5.4 - 0.2 * 1 ties 5.2 (or nearly)
+        x[5, 0] = float("inf")
+        banned = [3, n - 1]
+        for fp, pp in ((0.2, 0.0), (0.0, 0.5), (0.3, -0.4), (0.0, 0.0)):
+            rows = [SamplingParams(frequency_penalty=fp, presence_penalty=pp)] * 6
+            settings = RowSettings.from_params(rows, torch.device("cpu"))
+            want = apply_penalties(x[:, None].clone(), settings, History(None, counts))[:, 0]
+            want[:, banned] = float("-inf")
+            freq = torch.full((6,), fp) if fp else None
+            pres = torch.full((6,), pp) if pp else None
+            uses = freq is not None or pres is not None
+            for name, lib in variants.items():
+                ids, values, scratch = torch.empty(6, dtype=torch.long), torch.empty(6), torch.empty(n)
+                b = torch.tensor(banned)
+                lib.celeris_penalized_argmax(kernels.pointer(x), 6, n, kernels.pointer(counts) if uses else None,
+                                             None if freq is None else kernels.pointer(freq),
+                                             None if pres is None else kernels.pointer(pres), kernels.pointer(b), 2,
+                                             kernels.pointer(scratch), kernels.pointer(ids), kernels.pointer(values))
+                assert torch.equal(ids, want.argmax(-1)), (name, n, fp, pp)
+                chosen = want.gather(1, ids[:, None])[:, 0]  # its penalized logit (NaN where a NaN won)
+                assert torch.equal(values.nan_to_num(7.0), chosen.nan_to_num(7.0)), (name, n, fp, pp)
+            got = fast_ops.penalized_argmax(x, counts if uses else None, freq, pres, banned)
+            assert got is not None and torch.equal(got[0], want.argmax(-1))
+    assert fast_ops.penalized_argmax(x.double(), None, None, None, []) is None  # not the kernel's: torch's path
+
+
+def test_greedy_next_token_commits_as_the_full_sampler_does():
+    """``greedy_single`` (the kernel's one pass) commits what ``prepare_logits`` + ``sample_tokens`` +
+    ``commit_single`` commit for a one-column block, with and without penalties; it steps aside (None) for sampling,
+    a repetition penalty, or a chosen logit that is not finite."""
+    from celeris.sampling.params import SamplingParams
+    from celeris.sampling.select import sample_tokens
+    from celeris.sampling.step import History, RowSettings, commit_single, greedy_single, prepare_logits
+
+    g = torch.Generator().manual_seed(2)
+    logits = torch.randn(4, 1, 300, generator=g)
+    counts = torch.randint(0, 3, (4, 300), generator=g).float()
+    block = torch.tensor([[1], [1], [7], [1]])  # row 2 already committed
+    num = torch.ones(4, dtype=torch.long)
+    for params in (SamplingParams(frequency_penalty=0.2), SamplingParams(presence_penalty=0.7), SamplingParams()):
+        settings = RowSettings.from_params([params] * 4, torch.device("cpu"))
+        history = History(None, counts) if settings.any_count_penalty else None
+        got = greedy_single(logits, block, 1, [1, 2], num, settings, history, "filtered")
+        filtered, _ = prepare_logits(logits, settings, [1, 2], history)
+        x0 = sample_tokens(filtered, settings.temperature, [None] * 4, None, settings.any_sampling)
+        want = commit_single(filtered, x0, block, 1, num, settings, "filtered")
+        assert got is not None and all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+    for params in (SamplingParams(temperature=0.7), SamplingParams(repetition_penalty=1.2)):
+        assert greedy_single(logits, block, 1, [1, 2], num, RowSettings.from_params([params] * 4, torch.device("cpu")),
+                             None, "filtered") is None
+    settings = RowSettings.from_params([SamplingParams()] * 4, torch.device("cpu"))
+    assert greedy_single(torch.full((4, 1, 300), float("-inf")), block, 1, [], num, settings, None, "filtered") is None

@@ -86,6 +86,33 @@ void celeris_argmax_rows(const float *x, int64_t rows, int64_t n, int64_t *out) 
     for (int64_t r = 0; r < rows; r++) out[r] = argmax_row(x + r * n, n);
 }
 
+/* Greedy next-token decoding's commit in one pass over a row: y = x[r] - fp[r] * c[r] (when fp is not NULL), then
+ * y -= pp[r] * (c[r] > 0) (when pp is not NULL), the ids banned[0 .. nbanned) set to -inf, out[r] = argmax(y)
+ * (argmax_row's rule: torch's) and value[r] = y[out[r]]. The same float operations in the same order as
+ * celeris.sampling.step.apply_penalties (OpenAI's frequency and presence penalties) then the banned ids, so the
+ * same ids; without the (rows, n) temporaries those make (after a pass, with cold caches, they cost more than
+ * the arithmetic). x, c (rows, n) float32; scratch n floats. */
+void celeris_penalized_argmax(const float *x, int64_t rows, int64_t n, const float *c, const float *fp,
+                              const float *pp, const int64_t *banned, int64_t nbanned, float *scratch, int64_t *out,
+                              float *value) {
+    for (int64_t r = 0; r < rows; r++) {
+        const float *xr = x + r * n, *cr = c ? c + r * n : NULL;
+        const float f = fp ? fp[r] : 0.0f, p = pp ? pp[r] : 0.0f;
+        if (fp && pp)
+            for (int64_t j = 0; j < n; j++) scratch[j] = (xr[j] - f * cr[j]) - p * (cr[j] > 0.0f ? 1.0f : 0.0f);
+        else if (fp)
+            for (int64_t j = 0; j < n; j++) scratch[j] = xr[j] - f * cr[j];
+        else if (pp)
+            for (int64_t j = 0; j < n; j++) scratch[j] = xr[j] - p * (cr[j] > 0.0f ? 1.0f : 0.0f);
+        else
+            memcpy(scratch, xr, (size_t)n * sizeof(float));
+        for (int64_t k = 0; k < nbanned; k++)
+            if (banned[k] >= 0 && banned[k] < n) scratch[banned[k]] = -INFINITY;
+        out[r] = argmax_row(scratch, n);
+        value[r] = n ? scratch[out[r]] : -INFINITY;
+    }
+}
+
 /* out[r] = silu(gu[r, :n]) * gu[r, n:] for gu (rows, 2n), out (rows, n) (SwiGLU, Shazeer arXiv:2002.05202). */
 void celeris_silu_mul(const float *gu, int64_t rows, int64_t n, float *out) {
     for (int64_t r = 0; r < rows; r++) {
