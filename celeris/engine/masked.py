@@ -160,7 +160,8 @@ class MaskedPath:
         if not self.next_token or settings.any_penalty or not settings.any_count_penalty:
             return History.of(settings, [r.canvas for r in batch], [r.answer for r in batch], vocab, self.mask_id,
                               device, [r.ends(self.eos_id) for r in batch])
-        return History(None, torch.stack([self._answer_counts(r, vocab, device) for r in batch]))
+        counts = [self._answer_counts(r, vocab, device) for r in batch]
+        return History(None, counts[0][None] if len(counts) == 1 else torch.stack(counts))  # read, never written
 
     def _answer_counts(self, r: Request, vocab: int, device: torch.device) -> torch.Tensor:
         """(V,) float32 counts of r's committed answer tokens before its first end id (``answer_counts``' rule);
