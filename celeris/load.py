@@ -225,7 +225,8 @@ def read(plan: Plan, trust_remote_code: bool = False) -> Loaded:
 def quantize(plan: Plan, loaded: Loaded) -> None:
     """Step 3: the target's linears under a weight-only method (``gguf`` was applied by ``read``), and the drafter's
     float weights: its ``speculative_config`` ``quantization``, else the target's method (q8_0 on the block kernel
-    under ``gguf`` or ``q8_0`` on a CPU; int8 under ``gguf`` elsewhere; none under none). The default pairing names
+    under ``gguf`` or ``q8_0`` on a CPU; int8 under ``gguf`` elsewhere; none under none; ``none`` named: its float
+    weights). The default pairing names
     no drafter method of its own since 2026-12-06 (it named int8), so its drafter follows the target.
 
     Raises:
@@ -239,7 +240,7 @@ def quantize(plan: Plan, loaded: Loaded) -> None:
     under_gguf = BLOCK_METHOD if plan.device.type == "cpu" else "int8"  # the block kernel: CPU only
     drafter_method = spec.quantization if spec is not None and spec.quantization else (
         under_gguf if method in ("gguf", BLOCK_METHOD) else method)
-    if loaded.proposer is None or drafter_method is None:
+    if loaded.proposer is None or drafter_method in (None, "none"):  # "none": the drafter keeps its float weights
         return
     try:
         quantize_drafter(loaded.proposer, drafter_method)

@@ -81,3 +81,15 @@ def test_the_shipped_code_models_load_as_q8_0_on_a_cpu():
         llm = LLM(name, device="cpu")
         assert quantization_of(llm.model) == "q8_0", name
         assert all(m.fast for m in llm.model.modules() if hasattr(m, "fast")), name
+
+
+def test_none_keeps_a_drafters_float_weights_and_is_no_bench_width():
+    """``speculative_config`` ``quantization`` ``none``: the drafter's own float weights (not the target's method);
+    the bench's width list refuses ``none`` (float32 is that width)."""
+    from celeris.bench.quantized import parse_widths
+    from celeris.sampling.drafter import SpeculativeConfig
+
+    spec = SpeculativeConfig.parse({"method": "dflash", "model": "x", "quantization": "none"})
+    assert spec.quantization == "none"
+    with pytest.raises(ValueError):
+        parse_widths("none")

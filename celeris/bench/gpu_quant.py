@@ -88,7 +88,7 @@ def quality(device: torch.device, smoke: bool) -> list[dict]:
     def load(model: str, width: str) -> LLM:  # float32 unless bfloat16: CUDA's default dtype is bfloat16
         if (model, width) not in loaded:
             loaded[model, width] = LLM(model, device=str(device), dtype="bfloat16" if width == "bfloat16" else
-                                       "float32", quantization=None if width in ("float32", "bfloat16") else width)
+                                       "float32", quantization="none" if width in ("float32", "bfloat16") else width)
         return loaded[model, width]
 
     rows = []
@@ -150,7 +150,7 @@ def drafter_modes(device: torch.device) -> list[dict]:
             attach(target, None)
         same = sum(a == b for x, y in zip(out.token_ids, own, strict=True) for a, b in zip(x, y, strict=True))
         llm = LLM("celeris-code-6m-hybrid", device=str(device), dtype="float32",
-                  quantization=None if width == "float32" else width)
+                  quantization="none" if width == "float32" else width)
         text = llm.generate(["x = "], llm.default_params(max_tokens=24, temperature=0.0, decoding="verified",
                                                          grammar=schema_grammar(schema)))[0].text
         try:

@@ -18,7 +18,8 @@ from celeris.llm import LLM
 from celeris.models.quantize import resident_weight_bytes
 from celeris.sampling.params import SamplingParams
 
-BENCH_WIDTHS = ("bfloat16", *QUANTIZATION_METHODS)  # what the bench's --quantization list may name
+# what the bench's --quantization list may name ("none" is what float32 already is: a checkpoint's own weights)
+BENCH_WIDTHS = ("bfloat16", *(m for m in QUANTIZATION_METHODS if m != "none"))
 HEAD_SUFFIX = "+lm_head"  # a width with its head quantized too (--quantize-lm-head for that width alone)
 COMPILE_SUFFIX = "+compile"  # a width whose model runs under torch.compile (--compile for that width alone)
 COMPILED_BASELINE = "float32" + COMPILE_SUFFIX  # the unquantized model compiled, beside the eager one

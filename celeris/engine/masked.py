@@ -233,9 +233,12 @@ class MaskedPath:
         """``rows`` (indices into ``requests``) split into groups of full passes that each pad little: a full pass
         left-pads every row to its longest block start, so 8 new prompts of 52 to 87 tokens computed 8 x 87
         positions for 523 real ones. Rows sorted by block start join a group while its padded positions stay
-        within ``1 + waste`` of what the rows would compute alone (each padded up to the length bucket). A row's
+        within ``1 + waste`` of what the rows would compute alone (each padded up to the length bucket), on a CPU
+        (an accelerator keeps one pass). A row's
         numbers do not depend on the rows beside it on the CPU's fast pass (the block kernel and the C attention
         compute each row alone), so there it changes time, not tokens."""
+        if self.runner.device.type != "cpu":  # an accelerator computes a padded batch in parallel: one pass
+            return [rows] if rows else []
         bucket = self.runner.length_bucket
         width = {i: -(-(requests[i].block_span[0] + 1) // bucket) * bucket for i in rows}
         groups: list[list[int]] = []

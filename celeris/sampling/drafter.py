@@ -103,7 +103,8 @@ class SpeculativeConfig:
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
                 raise ValueError(f"speculative_config {key} must be a positive integer, got {v!r}")
         quantization = raw.get("quantization")
-        drafter_methods = [m for m in QUANTIZATION_METHODS if m != "gguf"]  # a drafter folder holds float weights
+        # a drafter folder holds float weights; "none" keeps them (not the target's method, which None follows)
+        drafter_methods = [m for m in QUANTIZATION_METHODS if m != "gguf"]
         if quantization is not None and quantization not in drafter_methods:
             raise ValueError(f"speculative_config quantization {quantization!r} is not one for a drafter's float "
                              f"weights ({', '.join(drafter_methods)})")
