@@ -113,7 +113,7 @@ class MaskedPath:
         """One denoising step for ``batch`` (running masked requests): commit, count (``Request.record_step``),
         advance or finish each; a request prefilling in chunks computes its chunk instead. Returns the requests
         that stepped (``batch`` less those prefilling)."""
-        self.runner.release(set(batch))  # (passes does it too; here so that the rows' order is final)
+        self.runner.release(set(batch))  # first: it moves rows, and the order below is the rows' own
         pool = self.runner.pool  # in the order of their KV rows (new ones last): the logits then need no reordering
         batch = sorted(batch, key=lambda r: len(pool.owners) if pool.row(r) is None else pool.row(r))
         logits, block = self.passes(batch)
@@ -209,8 +209,7 @@ class MaskedPath:
             and block (B, Lb) int64 current block tokens (columns past a short block
             hold the pad id, so they are never committed). Lb is the longest block.
         """
-        self.runner.release(set(requests))
-        for r in requests:
+        for r in requests:  # (the rows of requests not among them were released by ``step``)
             if r.is_prefilling:  # its row, filled a chunk at a time by the window pass
                 self.runner.pool.reserve(r, "cond", r.num_tokens)
         full = [i for i, r in enumerate(requests) if self._needs_full_pass(r)]
@@ -234,9 +233,8 @@ class MaskedPath:
         left-pads every row to its longest block start, so 8 new prompts of 52 to 87 tokens computed 8 x 87
         positions for 523 real ones. Rows sorted by block start join a group while its padded positions stay
         within ``1 + waste`` of what the rows would compute alone (each padded up to the length bucket), on a CPU
-        (an accelerator keeps one pass). A row's
-        numbers do not depend on the rows beside it on the CPU's fast pass (the block kernel and the C attention
-        compute each row alone), so there it changes time, not tokens."""
+        (an accelerator keeps one pass). A row's numbers do not depend on the rows beside it on the CPU's fast pass
+        (the block kernel and the C attention compute each row alone), so there it changes time, not tokens."""
         if self.runner.device.type != "cpu":  # an accelerator computes a padded batch in parallel: one pass
             return [rows] if rows else []
         bucket = self.runner.length_bucket

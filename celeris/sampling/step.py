@@ -324,10 +324,9 @@ def greedy_single(logits: torch.Tensor, block: torch.Tensor, mask_id: int, banne
     the same ids as ``prepare_logits`` then ``sample_tokens``); None where that does not apply or a row's chosen
     logit is not finite (then the caller's path decides, as ``commit_single``). (B, 1, V) logits, (B, 1) block."""
     fast_ops = sys.modules.get("celeris.models.fast_ops")  # the model side loaded (as ``sample_tokens``)
-    if fast_ops is None or block.shape[1] != 1 or settings.any_sampling is not False or settings.any_top_p \
-            or settings.any_top_k or settings.any_min_p or settings.any_penalty or confidence_from != "filtered" \
-            or any(r != "low_confidence" for r in settings.remasking) \
-            or any(d not in SINGLE_RULES for d in settings.decoding):
+    if fast_ops is None or settings.any_sampling is not False or settings.any_top_p or settings.any_top_k \
+            or settings.any_min_p or settings.any_penalty \
+            or not commits_its_column(block, num_tokens, settings, confidence_from):
         return None
     counts = None
     if history is not None and settings.any_count_penalty:
@@ -337,9 +336,23 @@ def greedy_single(logits: torch.Tensor, block: torch.Tensor, mask_id: int, banne
     frequency = settings.frequency_penalty if counts is not None and settings.any_frequency_penalty else None
     presence = settings.presence_penalty if counts is not None and settings.any_presence_penalty else None
     done = fast_ops.penalized_argmax(logits[:, 0], counts, frequency, presence, banned_ids)
-    if done is None or bool((num_tokens < 1).any()) or not bool(torch.isfinite(done[1]).all()):
+    if done is None or not bool(torch.isfinite(done[1]).all()):
         return None
-    x0 = done[0][:, None].to(block.device)
+    return _commit_column(done[0][:, None].to(block.device), block, mask_id)
+
+
+def commits_its_column(block: torch.Tensor, num_tokens: torch.Tensor, settings: RowSettings,
+                       confidence_from: str) -> bool:
+    """Whether every row's rule commits the masked position of its block of one column whatever the confidences
+    (``fixed``, ``low_confidence`` from the filtered logits, ``num_tokens`` >= 1): ``commit_single``'s and
+    ``greedy_single``'s case. (B, 1) block, (B,) num_tokens."""
+    return block.shape[1] == 1 and confidence_from == "filtered" \
+        and all(r == "low_confidence" for r in settings.remasking) \
+        and all(d in SINGLE_RULES for d in settings.decoding) and not bool((num_tokens < 1).any())
+
+
+def _commit_column(x0: torch.Tensor, block: torch.Tensor, mask_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(new block, committed) of blocks of one column whose masked position takes ``x0`` (B, 1)."""
     chosen = block == mask_id  # (B, 1)
     return torch.where(chosen, x0, block), chosen
 
@@ -352,13 +365,10 @@ def commit_single(logits: torch.Tensor, x0: torch.Tensor, block: torch.Tensor, m
     the masked position unless its confidence is NaN, which happens only when the filtered logits hold a NaN or
     +inf, or nothing but -inf: then ``x0``'s logit (the argmax, or a Gumbel-max sample, of those logits) is not
     finite, and this returns None (the caller ranks). (B, 1, V) filtered logits, (B, 1) ``x0`` and ``block``."""
-    if block.shape[1] != 1 or confidence_from != "filtered" or any(r != "low_confidence" for r in settings.remasking) \
-            or any(d not in SINGLE_RULES for d in settings.decoding) or bool((num_tokens < 1).any()):
+    if not commits_its_column(block, num_tokens, settings, confidence_from) \
+            or not bool(torch.isfinite(logits.gather(-1, x0[..., None])).all()):
         return None
-    if not bool(torch.isfinite(logits.gather(-1, x0[..., None])).all()):
-        return None
-    chosen = block == mask_id  # (B, 1)
-    return torch.where(chosen, x0, block), chosen
+    return _commit_column(x0, block, mask_id)
 
 
 def rank_and_commit(logits: torch.Tensor, unfiltered: torch.Tensor | None, x0: torch.Tensor, block: torch.Tensor,
