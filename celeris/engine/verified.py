@@ -35,6 +35,8 @@ from celeris.sampling.verified import (
     MAX_DRAFTS,
     check_draft_source,
     check_verified_support,
+    greedy_accept,
+    greedy_along,
     mask_slots,
     penalize_along,
     verify_drafts,
@@ -325,6 +327,12 @@ class VerifiedDecoder:
         (penalized in place first, when the row has a penalty, as next-token decoding penalizes each position once
         it is committed: ``penalize_along``): (drafts accepted, the tokens to commit, cut at ``max_tokens``)."""
         left = row.params.max_tokens - len(row.answer)
+        if row.history is not None and row.constraint is None and row.params.temperature == 0 \
+                and row.params.logprobs is None:  # nothing reads the penalized logits: the kernel's one pass
+            greedy = greedy_along(logits, row.history, row.drafts, row.penalty_settings)
+            if greedy is not None:
+                a, token = greedy_accept(row.drafts, greedy)
+                return a, (row.drafts[:a] + [token])[:left]
         if row.history is not None:
             logits[:] = penalize_along(logits, row.history, row.drafts, row.penalty_settings)
         if row.constraint is not None:  # the grammar-masked head checks the drafts (verify_under_grammar)

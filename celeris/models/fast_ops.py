@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import copy
 import ctypes
+import functools
+import itertools
 
 import torch
 from torch import nn
@@ -58,31 +60,55 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
+@functools.lru_cache(maxsize=16)
+def _banned(ids: tuple[int, ...]) -> torch.Tensor | None:
+    """The banned ids as the kernel reads them (int64), made once per set (a model bans the same few every step)."""
+    return torch.tensor(ids, dtype=torch.int64) if ids else None
+
+
+def _per_row(t: torch.Tensor, rows: int) -> torch.Tensor:
+    """A penalty's (rows,) float32 values from one per row or one for all (any shape of that many elements)."""
+    t = t.reshape(-1)
+    return t.contiguous() if t.numel() == rows else t.expand(rows).contiguous()
+
+
 def penalized_argmax(logits: torch.Tensor, counts: torch.Tensor | None, frequency: torch.Tensor | None,
-                     presence: torch.Tensor | None, banned_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor] | None:
+                     presence: torch.Tensor | None, banned_ids: list[int],
+                     extra: list[list[tuple[int, int]]] | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
     """Greedy decoding's token per row in one kernel pass: the argmax (torch's rule) of ``logits`` (B, V) float32
     less ``frequency`` (B,) x ``counts`` (B, V) and ``presence`` (B,) x (counts > 0) (each None: left out), the
     ``banned_ids`` at -inf: the same float operations as ``celeris.sampling.step.apply_penalties`` and the ban,
-    so the same ids. Returns (ids (B,) int64, their penalized logits (B,) float32), or None where the kernel
-    does not apply (the caller takes PyTorch's path)."""
+    so the same ids. ``counts`` may be (1, V), one row for all; ``extra``: per row, (token, n) pairs that row counts
+    n more times (verified decoding's positions after drafts: ``celeris.sampling.verified.penalize_along``).
+    Returns (ids (B,) int64, their penalized logits (B,) float32), or None where the kernel does not apply (the
+    caller takes PyTorch's path)."""
     lib = kernels.library()
     tensors = [t for t in (logits, counts, frequency, presence) if t is not None]
     if lib is None or not _fits(*tensors) or logits.dim() != 2 or (counts is None) != (frequency is None and
                                                                                        presence is None):
         return None
-    if counts is not None and counts.shape != logits.shape:
-        return None
     b, v = logits.shape
+    if counts is not None and (counts.dim() != 2 or counts.shape[1] != v or counts.shape[0] not in (1, b)):
+        return None
+    if extra is not None and (counts is None or len(extra) != b):
+        return None
     logits = logits.contiguous()
     counts = None if counts is None else counts.contiguous()
-    frequency = None if frequency is None else frequency.reshape(b).contiguous()
-    presence = None if presence is None else presence.reshape(b).contiguous()
-    banned = torch.tensor(banned_ids, dtype=torch.int64)
+    frequency = None if frequency is None else _per_row(frequency, b)
+    presence = None if presence is None else _per_row(presence, b)
+    banned = _banned(tuple(banned_ids))
+    table = None  # offsets, tokens, counts (the kernel's ``extra``), when some row counts a token more
+    if extra is not None and any(extra):
+        flat = [pair for row in extra for pair in row]
+        table = torch.tensor([0, *itertools.accumulate(len(e) for e in extra), *(t for t, _ in flat),
+                              *(n for _, n in flat)], dtype=torch.int64)
     ids, values, scratch = torch.empty(b, dtype=torch.int64), torch.empty(b), torch.empty(v)
     lib.celeris_penalized_argmax(pointer(logits), b, v, None if counts is None else pointer(counts),
+                                 0 if counts is None or counts.shape[0] == 1 else v,
                                  None if frequency is None else pointer(frequency),
-                                 None if presence is None else pointer(presence), pointer(banned), banned.numel(),
-                                 pointer(scratch), pointer(ids), pointer(values))
+                                 None if presence is None else pointer(presence),
+                                 None if table is None else pointer(table), None if banned is None else pointer(banned),
+                                 len(banned_ids), pointer(scratch), pointer(ids), pointer(values))
     return ids, values
 
 

@@ -155,6 +155,15 @@ def accept_draft(p: torch.Tensor, q: torch.Tensor, draft: int, generator: torch.
     return residual / residual.sum() if float(residual.sum()) > 0 else p
 
 
+def greedy_accept(drafts: list[int], greedy: list[int]) -> tuple[int, int]:
+    """Greedy verification: (the drafts that equal the target's argmax ``greedy`` (m + 1 ids) before the first that
+    does not, the argmax after them)."""
+    a = 0
+    while a < len(drafts) and drafts[a] == greedy[a]:
+        a += 1
+    return a, greedy[a]
+
+
 def verify_drafts(p_logits: torch.Tensor, drafts: list[int], q_probs: list[torch.Tensor], params: SamplingParams,
             gen: torch.Generator) -> tuple[int, int]:
     """Check one row's drafts: (number accepted, the next-token head's token after them).
@@ -163,11 +172,7 @@ def verify_drafts(p_logits: torch.Tensor, drafts: list[int], q_probs: list[torch
     (temperature > 0 only). Random draws come from the row's own CPU generator.
     """
     if params.temperature == 0:
-        greedy = fast_ops.argmax(p_logits).tolist()
-        a = 0
-        while a < len(drafts) and drafts[a] == greedy[a]:
-            a += 1
-        return a, greedy[a]
+        return greedy_accept(drafts, fast_ops.argmax(p_logits).tolist())
     p = probs(p_logits, params.temperature, params.top_p).cpu()  # (m + 1, V)
     for a, (d, q) in enumerate(zip(drafts, q_probs, strict=True)):
         residual = accept_draft(p[a], q, d, gen)
@@ -202,6 +207,25 @@ def penalize_along(logits: torch.Tensor, history: History, drafts: list[int], se
     counts = None if history.counts is None else (history.counts[0, tokens] + extra.to(history.counts.dtype))[None]
     out[rows, tokens] = apply_penalties(logits[rows, tokens][None, None], settings, History(seen, counts))[0, 0]
     return out
+
+
+def greedy_along(logits: torch.Tensor, history: History, drafts: list[int],
+                 settings: RowSettings) -> list[int] | None:
+    """The argmax of ``penalize_along(logits, history, drafts, settings)`` at each of the m + 1 verify positions,
+    in one kernel pass over the positions (``fast_ops.penalized_argmax``: the row's counts once, the drafts before
+    each position as extra counts of their entries; the same float operations, so the same ids), without the
+    (m + 1, V) penalized copy; None where the kernel does not take it (CTRL's repetition penalty, no kernel, a
+    history of positions): the caller then penalizes and takes the argmax. (m + 1, V) float32 logits, banned ids
+    already at -inf."""
+    if settings.any_penalty or history.counts is None or history.counts.dim() != 2:
+        return None
+    extra = [sorted((t, drafts[:p].count(t)) for t in set(drafts[:p])) for p in range(logits.shape[0])]
+    frequency = settings.frequency_penalty if settings.any_frequency_penalty else None
+    presence = settings.presence_penalty if settings.any_presence_penalty else None
+    if frequency is None and presence is None:
+        return fast_ops.argmax(logits).tolist()
+    done = fast_ops.penalized_argmax(logits, history.counts, frequency, presence, [], extra)
+    return None if done is None else done[0].tolist()
 
 
 def slot_drafts(slot_logits: torch.Tensor, params: SamplingParams, gen: torch.Generator) -> tuple[list[int], list]:

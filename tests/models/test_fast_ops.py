@@ -7,6 +7,7 @@ path's widths)."""
 from __future__ import annotations
 
 import copy
+import itertools
 
 import pytest
 import torch
@@ -359,8 +360,8 @@ def test_penalized_argmax_equals_the_penalties_the_ban_and_torchs_argmax_on_ever
                 ids, values, scratch = torch.empty(6, dtype=torch.long), torch.empty(6), torch.empty(n)
                 b = torch.tensor(banned)
                 lib.celeris_penalized_argmax(kernels.pointer(x), 6, n, kernels.pointer(counts) if uses else None,
-                                             None if freq is None else kernels.pointer(freq),
-                                             None if pres is None else kernels.pointer(pres), kernels.pointer(b), 2,
+                                             n, None if freq is None else kernels.pointer(freq),
+                                             None if pres is None else kernels.pointer(pres), None, kernels.pointer(b), 2,
                                              kernels.pointer(scratch), kernels.pointer(ids), kernels.pointer(values))
                 assert torch.equal(ids, want.argmax(-1)), (name, n, fp, pp)
                 chosen = want.gather(1, ids[:, None])[:, 0]  # its penalized logit (NaN where a NaN won)
@@ -368,6 +369,51 @@ def test_penalized_argmax_equals_the_penalties_the_ban_and_torchs_argmax_on_ever
             got = fast_ops.penalized_argmax(x, counts if uses else None, freq, pres, banned)
             assert got is not None and torch.equal(got[0], want.argmax(-1))
     assert fast_ops.penalized_argmax(x.double(), None, None, None, []) is None  # not the kernel's: torch's path
+
+
+def test_penalized_argmax_along_drafts_equals_penalize_along_then_torchs_argmax_on_every_build(variants):
+    """With one row of counts for all positions and per-position extra counts (verified decoding's positions after
+    each draft), the kernel gives the argmax of ``penalize_along`` after the ban, on every code path: drafts that
+    repeat a token, a draft that is the top logit, penalties of either sign."""
+    from celeris.sampling.params import SamplingParams
+    from celeris.sampling.step import History, RowSettings
+    from celeris.sampling.verified import penalize_along
+
+    g = torch.Generator().manual_seed(2)
+    n = 49152
+    for drafts in ([5, 9, 5, 11, 5, 2, 9], [], [42], [7, 7, 7]):
+        m = len(drafts)
+        x = torch.randn(m + 1, n, generator=g)
+        counts = torch.randint(0, 3, (1, n), generator=g).float()
+        x[:, 5] = 3.9  # a repeated draft near the top: its extra counts decide the argmax
+        x[:, 42] = 4.1
+        x[:, 7] = 4.0
+        banned = [3, n - 1]
+        x[:, 3] = 99.0
+        for fp, pp in ((0.2, 0.0), (0.0, 0.5), (0.3, -0.4), (-0.5, 0.0)):
+            settings = RowSettings.from_params([SamplingParams(frequency_penalty=fp, presence_penalty=pp)],
+                                               torch.device("cpu"))
+            banned_x = x.clone()
+            banned_x[:, banned] = float("-inf")
+            want = penalize_along(banned_x, History(None, counts.clone()), drafts, settings).argmax(-1)
+            extra = [sorted((t, drafts[:p].count(t)) for t in set(drafts[:p])) for p in range(m + 1)]
+            freq = torch.tensor([fp]) if fp else None
+            pres = torch.tensor([pp]) if pp else None
+            got = fast_ops.penalized_argmax(x, counts, freq, pres, banned, extra)
+            assert got is not None and torch.equal(got[0], want), (drafts, fp, pp)
+            table = torch.tensor([0, *itertools.accumulate(len(e) for e in extra), *(t for e in extra for t, _ in e),
+                                  *(c for e in extra for _, c in e)])  # offsets, tokens, counts
+            b = torch.tensor(banned)
+            fr, pr = (None if t is None else t.expand(m + 1).contiguous() for t in (freq, pres))  # kept alive
+            for name, lib in variants.items():
+                ids, values, scratch = torch.empty(m + 1, dtype=torch.long), torch.empty(m + 1), torch.empty(n)
+                lib.celeris_penalized_argmax(
+                    kernels.pointer(x), m + 1, n, kernels.pointer(counts), 0,
+                    None if fr is None else kernels.pointer(fr), None if pr is None else kernels.pointer(pr),
+                    kernels.pointer(table), kernels.pointer(b), 2,
+                    kernels.pointer(scratch), kernels.pointer(ids), kernels.pointer(values))
+                assert torch.equal(ids, want), (name, drafts, fp, pp)
+    assert fast_ops.penalized_argmax(x, None, None, None, [], [[]] * (m + 1)) is None  # extras need counts
 
 
 def test_greedy_next_token_commits_as_the_full_sampler_does():

@@ -35,7 +35,7 @@ SOURCES = tuple(Path(__file__).with_name(name) for name in ("gguf_blocks.c", "de
 # -ffp-contract=off: no fused multiply-add where the source has a product and a sum, so RoPE in C rounds as
 # PyTorch's elementwise x * cos + rotated * sin does, bit for bit (the block kernel's own FMAs are explicit)
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-shared", "-fPIC", "-std=c11")
-ABI_VERSION = 8  # celeris_abi_version() of the source this module calls
+ABI_VERSION = 9  # celeris_abi_version() of the source this module calls
 DISABLE_ENV = "CELERIS_NO_KERNELS"  # set to 1: never build or load the kernel (the PyTorch path; for tests)
 
 
@@ -103,7 +103,7 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
             ("celeris_rms_norm", [ptr, ptr, i64, i64, ctypes.c_float, ptr], None),
             ("celeris_silu_mul", [ptr, i64, i64, ptr], None),
             ("celeris_argmax_rows", [ptr, i64, i64, ptr], None),
-            ("celeris_penalized_argmax", [ptr, i64, i64, ptr, ptr, ptr, ptr, i64, ptr, ptr, ptr], None),
+            ("celeris_penalized_argmax", [ptr, i64, i64, ptr, i64, ptr, ptr, ptr, ptr, i64, ptr, ptr, ptr], None),
             ("celeris_dflash_stack", [i64, ptr, ptr, i64, ptr, i64, i64, ctypes.c_float, i64, i64, i64, i64, ptr, ptr,
                                       i64, i64, i64, i64, ctypes.c_float, ptr, i32], i32),
             ("celeris_attention", [ptr, i64, i64, i64, ptr, i64, i64, i64, ptr, i64, i64, i64, ptr, i64, i64, i64,

@@ -43,7 +43,7 @@ void celeris_rms_norm(const float *x, const float *w, int64_t rows, int64_t dim,
 
 /* out[r] = the index of the largest of x[r * n .. r * n + n), the first one where several are equal, a NaN counting
  * as larger than any number (the first NaN): torch.argmax's rule. Two passes over a row: its largest value (or
- * whether it holds a NaN), then the first index holding it. */
+ * whether it holds a NaN), then the first index holding it (16 or 8 compared at a time). */
 #if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
@@ -77,7 +77,23 @@ static int64_t argmax_row(const float *x, int64_t n) {
         nan |= isnan(x[i]);
         top = x[i] > top ? x[i] : top;
     }
-    for (int64_t j = 0; j < n; j++)
+    int64_t j = 0;
+#if defined(__AVX512F__)
+    const __m512 want = _mm512_set1_ps(top);
+    for (; j + 16 <= n; j += 16) {
+        const __m512 v = _mm512_loadu_ps(x + j);
+        const __mmask16 hit = nan ? _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q) : _mm512_cmp_ps_mask(v, want, _CMP_EQ_OQ);
+        if (hit) return j + __builtin_ctz(hit);
+    }
+#elif defined(__AVX2__)
+    const __m256 want = _mm256_set1_ps(top);
+    for (; j + 8 <= n; j += 8) {
+        const __m256 v = _mm256_loadu_ps(x + j);
+        const int hit = _mm256_movemask_ps(nan ? _mm256_cmp_ps(v, v, _CMP_UNORD_Q) : _mm256_cmp_ps(v, want, _CMP_EQ_OQ));
+        if (hit) return j + __builtin_ctz(hit);
+    }
+#endif
+    for (; j < n; j++)  /* the tail; the whole row without SIMD (x == top: the same rule as the vector compare) */
         if (nan ? isnan(x[j]) : x[j] == top) return j;
     return 0;  /* n == 0 */
 }
@@ -86,26 +102,45 @@ void celeris_argmax_rows(const float *x, int64_t rows, int64_t n, int64_t *out) 
     for (int64_t r = 0; r < rows; r++) out[r] = argmax_row(x + r * n, n);
 }
 
-/* Greedy next-token decoding's commit in one pass over a row: y = x[r] - fp[r] * c[r] (when fp is not NULL), then
+/* y - f * c then - p * (c > 0): apply_penalties' float operations on one entry (f, p: 0 and unused when absent). */
+static inline float penalize_entry(float x, float c, int has_f, float f, int has_p, float p) {
+    if (has_f) x = x - f * c;
+    if (has_p) x = x - p * (c > 0.0f ? 1.0f : 0.0f);
+    return x;
+}
+
+/* Greedy decoding's commit in one pass over a row: y = x[r] - fp[r] * c[r] (when fp is not NULL), then
  * y -= pp[r] * (c[r] > 0) (when pp is not NULL), the ids banned[0 .. nbanned) set to -inf, out[r] = argmax(y)
  * (argmax_row's rule: torch's) and value[r] = y[out[r]]. The same float operations in the same order as
  * celeris.sampling.step.apply_penalties (OpenAI's frequency and presence penalties) then the banned ids, so the
  * same ids; without the (rows, n) temporaries those make (after a pass, with cold caches, they cost more than
- * the arithmetic). x, c (rows, n) float32; scratch n floats. */
-void celeris_penalized_argmax(const float *x, int64_t rows, int64_t n, const float *c, const float *fp,
-                              const float *pp, const int64_t *banned, int64_t nbanned, float *scratch, int64_t *out,
-                              float *value) {
+ * the arithmetic). x (rows, n) float32; c's row r at c + r * c_stride (c_stride 0: one row of counts for all);
+ * extra (NULL: none) holds rows + 1 offsets, then E = extra[rows] tokens, then their E counts: row r counts token
+ * tok[e] cnt[e] more times, e in extra[r] .. extra[r + 1] (verified decoding's verify positions: the row's counts
+ * plus the drafts before each, celeris.sampling.verified.penalize_along, whose int64 counts become float32 before
+ * the sum, as here); scratch n floats. */
+void celeris_penalized_argmax(const float *x, int64_t rows, int64_t n, const float *c, int64_t c_stride,
+                              const float *fp, const float *pp, const int64_t *extra, const int64_t *banned,
+                              int64_t nbanned, float *scratch, int64_t *out, float *value) {
+    const int64_t *tok = extra ? extra + rows + 1 : NULL, *cnt = extra ? tok + extra[rows] : NULL;
     for (int64_t r = 0; r < rows; r++) {
-        const float *xr = x + r * n, *cr = c ? c + r * n : NULL;
+        const float *xr = x + r * n, *cr = c ? c + r * c_stride : NULL;
         const float f = fp ? fp[r] : 0.0f, p = pp ? pp[r] : 0.0f;
+        int64_t j = 0;  /* the loops below vectorize as written (gcc -O3; explicit intrinsics measured no faster) */
         if (fp && pp)
-            for (int64_t j = 0; j < n; j++) scratch[j] = (xr[j] - f * cr[j]) - p * (cr[j] > 0.0f ? 1.0f : 0.0f);
+            for (; j < n; j++) scratch[j] = (xr[j] - f * cr[j]) - p * (cr[j] > 0.0f ? 1.0f : 0.0f);
         else if (fp)
-            for (int64_t j = 0; j < n; j++) scratch[j] = xr[j] - f * cr[j];
+            for (; j < n; j++) scratch[j] = xr[j] - f * cr[j];
         else if (pp)
-            for (int64_t j = 0; j < n; j++) scratch[j] = xr[j] - p * (cr[j] > 0.0f ? 1.0f : 0.0f);
+            for (; j < n; j++) scratch[j] = xr[j] - p * (cr[j] > 0.0f ? 1.0f : 0.0f);
         else
             memcpy(scratch, xr, (size_t)n * sizeof(float));
+        if (extra && cr)
+            for (int64_t e = extra[r]; e < extra[r + 1]; e++) {
+                const int64_t t = tok[e];
+                if (t >= 0 && t < n) scratch[t] = penalize_entry(xr[t], cr[t] + (float)cnt[e], fp != NULL, f,
+                                                                 pp != NULL, p);
+            }
         for (int64_t k = 0; k < nbanned; k++)
             if (banned[k] >= 0 && banned[k] < n) scratch[banned[k]] = -INFINITY;
         out[r] = argmax_row(scratch, n);

@@ -51,7 +51,7 @@ enum { TYPE_Q4_0 = 2, TYPE_Q4_1 = 3, TYPE_Q8_0 = 8 }; /* ggml's type numbers (gg
 
 typedef struct { float d; int32_t sum; float dsum; int8_t qs[QK]; } block_act; /* dsum = d * sum */ /* one quantized activation block */
 
-int celeris_abi_version(void) { return 8; }
+int celeris_abi_version(void) { return 9; }
 int celeris_simd_level(void) { return SIMD; } /* 2: AVX-512 VNNI, 1: AVX2, 0: plain C */
 int celeris_tile_rows(void) { return R; }
 
