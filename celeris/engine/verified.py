@@ -280,7 +280,8 @@ class VerifiedDecoder:
                             self.feature_cache.insert(r.prompt_ids[:b], known[None, None, a:b], a)
         wants = self.logprobs_mode == "raw_logprobs" and any(r.params.logprobs is not None for r in rows)
         self.raw_logits = logits.clone() if wants else None  # asking for nothing costs nothing
-        logits[..., self.banned] = NEG_INF
+        if self.banned:  # (an empty list still costs an indexing call)
+            logits[..., self.banned] = NEG_INF
         self.nfe += 1
         return logits, feats
 
