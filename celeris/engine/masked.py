@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import torch
 
-from celeris.engine.path import PathContext
+from celeris.engine.path import PathContext, pad_groups
 from celeris.engine.request import NO_PROGRESS, Request
 from celeris.engine.runner import ModelRunner
 from celeris.models.layers import KVCache, column_window, gather_positions
@@ -228,24 +228,14 @@ class MaskedPath:
             logits[rows], block[rows] = g_logits, g_block
         return logits, block
 
-    def _full_groups(self, requests: list[Request], rows: list[int], waste: float = 0.125) -> list[list[int]]:
-        """``rows`` (indices into ``requests``) split into groups of full passes that each pad little: a full pass
-        left-pads every row to its longest block start, so 8 new prompts of 52 to 87 tokens computed 8 x 87
-        positions for 523 real ones. Rows sorted by block start join a group while its padded positions stay
-        within ``1 + waste`` of what the rows would compute alone (each padded up to the length bucket), on a CPU
-        (an accelerator keeps one pass). A row's numbers do not depend on the rows beside it on the CPU's fast pass
-        (the block kernel and the C attention compute each row alone), so there it changes time, not tokens."""
+    def _full_groups(self, requests: list[Request], rows: list[int]) -> list[list[int]]:
+        """``rows`` (indices into ``requests``) split into groups of full passes that each pad little
+        (``celeris.engine.path.pad_groups``: a full pass left-pads every row to its longest block start), each row's
+        width its block start padded up to the length bucket, on a CPU (an accelerator keeps one pass)."""
         if self.runner.device.type != "cpu":  # an accelerator computes a padded batch in parallel: one pass
             return [rows] if rows else []
         bucket = self.runner.length_bucket
-        width = {i: -(-(requests[i].block_span[0] + 1) // bucket) * bucket for i in rows}
-        groups: list[list[int]] = []
-        for i in sorted(rows, key=lambda i: width[i]):
-            if groups and (len(groups[-1]) + 1) * width[i] <= (1 + waste) * sum(width[j] for j in (*groups[-1], i)):
-                groups[-1].append(i)
-            else:
-                groups.append([i])
-        return [sorted(g) for g in groups]
+        return pad_groups({i: -(-(requests[i].block_span[0] + 1) // bucket) * bucket for i in rows})
 
     def _needs_full_pass(self, r: Request) -> bool:
         pool = self.runner.pool

@@ -70,3 +70,22 @@ class ModePath(Protocol):
 # does not return it; ``token_cost`` counts the chunk. A path without it prefills every prompt whole.
 
 PathFactory = Callable[[PathContext], ModePath]
+
+
+PAD_WASTE = 0.125  # a group's padded columns stay within 1 + this of what its rows compute alone (``pad_groups``)
+
+
+def pad_groups(widths: dict[int, int], waste: float = PAD_WASTE) -> list[list[int]]:
+    """The rows of ``widths`` (row -> the columns its prefill computes alone) split into groups of passes that each
+    pad little, each group's rows in ascending order: a pass pads every row to its widest, so 8 new prompts of 52 to
+    87 tokens in one pass computed 8 x 87 columns for 523 real ones. Rows sorted by width join a group while its
+    padded columns stay within ``1 + waste`` of its rows' own. For the CPU, where a row's numbers on the fast pass do
+    not depend on the rows beside it (the block kernel and the C attention compute each row alone), so grouping
+    changes time, not tokens; an accelerator computes a padded batch in parallel and keeps one pass."""
+    groups: list[list[int]] = []
+    for i in sorted(widths, key=widths.__getitem__):
+        if groups and (len(groups[-1]) + 1) * widths[i] <= (1 + waste) * sum(widths[j] for j in (*groups[-1], i)):
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    return [sorted(g) for g in groups]

@@ -12,12 +12,14 @@ its rows.
 
 from __future__ import annotations
 
+import itertools
 import time
 
 import torch
 
 from celeris.engine.draft_rows import DraftRow, VerifiedOutput, forward, pass_mask, row_logprobs
 from celeris.engine.kv import BLOCK_SIZE, PREFIX_CACHE_TOKENS, ROW_SLACK, KVStore, PrefixCache
+from celeris.engine.path import pad_groups
 from celeris.engine.proposers import DraftAsk, Drafts, Proposer, make_proposer
 from celeris.models.layers import KVCache
 from celeris.sampling.drafter import DFlashProposer, DraftState, proposer_of
@@ -295,7 +297,7 @@ class VerifiedDecoder:
         """
         out = []
         n_old = self.num_prefilled
-        for lo, hi, fresh in ((0, n_old, False), (n_old, len(self.rows), True)):
+        for lo, hi, fresh in ((0, n_old, False), *self._prefill_groups(n_old)):
             live = [i for i in range(lo, hi) if not self.rows[i].finished]
             if not [i for i in live if self.rows[i].chunk or not self.rows[i].prefilling]:  # none, or all paused
                 continue
@@ -321,6 +323,24 @@ class VerifiedDecoder:
                 self._swap(i, self.num_prefilled)
             self.num_prefilled += 1
         return out
+
+    def _prefill_groups(self, lo: int) -> list[tuple[int, int, bool]]:
+        """The prefill passes of rows [lo, n) (new rows, or chunks): one pass, or on a CPU groups that each pad
+        little (``celeris.engine.path.pad_groups`` over each row's columns; 8 GSM8K prompts in one pass padded
+        their prefill by about a half), the rows reordered so that each group is a range of rows: (lo, hi, True)
+        per pass."""
+        n = len(self.rows)
+        if n - lo < 2 or self.device.type != "cpu":
+            return [(lo, n, True)] if n > lo else []
+        groups = pad_groups({i: len(self.rows[i].columns) for i in range(lo, n)})
+        if len(groups) == 1:
+            return [(lo, n, True)]
+        for p, row in enumerate([self.rows[i] for g in groups for i in g]):  # each group's rows side by side
+            q = self.rows.index(row, lo)
+            if q != lo + p:
+                self._swap(lo + p, q)
+        bounds = list(itertools.accumulate((len(g) for g in groups), initial=lo))
+        return [(a, b, True) for a, b in itertools.pairwise(bounds)]
 
     @staticmethod
     def verify(row: DraftRow, logits: torch.Tensor) -> tuple[int, list[int]]:
