@@ -181,6 +181,13 @@ def verify_drafts(p_logits: torch.Tensor, drafts: list[int], q_probs: list[torch
     return len(drafts), int(torch.multinomial(p[len(drafts)], 1, generator=gen))
 
 
+def draft_counts(drafts: list[int], positions: int) -> list[list[tuple[int, int]]]:
+    """Per verify position p < ``positions`` (the logits after d_p; p = 0: after the pending token), the (token, n)
+    pairs its history counts beyond the row's own: each distinct token of d_1 .. d_p with its count there (none at
+    p = 0). What ``penalize_along`` and ``greedy_along`` add to the row's history."""
+    return [[(t, drafts[:p].count(t)) for t in set(drafts[:p])] for p in range(positions)]
+
+
 def penalize_along(logits: torch.Tensor, history: History, drafts: list[int], settings: RowSettings) -> torch.Tensor:
     """The penalties (``apply_penalties``: CTRL's repetition penalty, OpenAI's frequency and presence penalties) at
     one row's m + 1 verify positions, each with its own history: position j (the logits after d_j; j = 0: after the
@@ -199,7 +206,7 @@ def penalize_along(logits: torch.Tensor, history: History, drafts: list[int], se
     out = apply_penalties(logits[None], settings, history)[0]  # every position under the row's tokens so far
     # then the entries the drafts change: position p's token t, seen and counted once more per d_j = t, j <= p;
     # the same elementwise float operations on those entries alone give the same values as on whole rows
-    entries = [(p, t, drafts[:p].count(t)) for p in range(1, logits.shape[0]) for t in set(drafts[:p])]
+    entries = [(p, t, n) for p, extra in enumerate(draft_counts(drafts, logits.shape[0])) for t, n in extra]
     if not entries:
         return out
     rows, tokens, extra = (torch.tensor(column, device=logits.device) for column in zip(*entries, strict=True))
@@ -219,12 +226,10 @@ def greedy_along(logits: torch.Tensor, history: History, drafts: list[int],
     already at -inf."""
     if settings.any_penalty or history.counts is None or history.counts.dim() != 2:
         return None
-    extra = [sorted((t, drafts[:p].count(t)) for t in set(drafts[:p])) for p in range(logits.shape[0])]
     frequency = settings.frequency_penalty if settings.any_frequency_penalty else None
     presence = settings.presence_penalty if settings.any_presence_penalty else None
-    if frequency is None and presence is None:
-        return fast_ops.argmax(logits).tolist()
-    done = fast_ops.penalized_argmax(logits, history.counts, frequency, presence, [], extra)
+    done = fast_ops.penalized_argmax(logits, history.counts, frequency, presence, [],
+                                     draft_counts(drafts, logits.shape[0]))
     return None if done is None else done[0].tolist()
 
 
