@@ -25,6 +25,7 @@ import torch
 
 from celeris.config import EngineConfig
 from celeris.engine.blocks import BlockDecoder
+from celeris.engine.kv import PREFIX_CACHE_TOKENS
 from celeris.engine.masked import MaskedPath
 from celeris.engine.path import ModePath, PathContext, PathFactory
 from celeris.engine.request import Request
@@ -82,7 +83,8 @@ class EngineStats:
         kv_bytes: bytes of the engine's one KV store (``celeris.engine.kv.KVStore``: 0 until a request first takes
             rows, then its whole allocation, a DFlash drafter's layers included; prefix caches not included): the
             one KV figure.
-        prefix_cache_queries / prefix_cache_hits: prompt tokens looked up in the verified path's prefix cache,
+        prefix_cache_queries / prefix_cache_hits: prompt tokens looked up in the engine's prefix cache (the KV
+            store's, ``celeris.engine.kv.PrefixCache``: the verified path's and the masked path's causal prefills),
             and of those the tokens whose keys/values came from it (vLLM's ``prefix_cache_queries``/``_hits``).
         drafted / accepted: per draft position j = 1..k, drafts checked and accepted under verified decoding.
     """
@@ -125,7 +127,8 @@ class Engine:
         # columns per row of a full pass otherwise: a 40-token prompt's prefill cost 64 columns)
         bucket = 1 if self.config.enforce_eager else self.config.length_bucket
         self.runner = ModelRunner(model, self.config.enforce_eager, bucket, self.config.max_num_seqs,
-                                  self.max_model_len)
+                                  self.max_model_len,
+                                  PREFIX_CACHE_TOKENS if self.config.enable_prefix_caching else 0)
         self.mask_id, self.eos_id = config.mask_token_id, config.eos_token_id
         self.end_ids = frozenset(end_ids if end_ids is not None else [self.eos_id])
         self.model = model
@@ -177,6 +180,8 @@ class Engine:
     def reset_prefix_cache(self) -> bool:
         """Empty the prefix caches (vLLM's ``reset_prefix_cache``): the next prompts are prefilled in full. Running
         requests are unaffected (a row copies the cached keys/values it uses). Returns True."""
+        if self.runner.kv.prefix_cache is not None:
+            self.runner.kv.prefix_cache.clear()
         if self.drafter is not None:
             self.drafter.reset_prefix_cache()
         return True
@@ -265,8 +270,7 @@ class Engine:
 
     def stats(self) -> EngineStats:
         """The engine's counters and its one KV figure (``EngineStats``), without reaching into its paths."""
-        drafter = self.drafter
-        cache = drafter.prefix_cache if drafter is not None else None
+        drafter, cache = self.drafter, self.runner.kv.prefix_cache
         return EngineStats(
             num_waiting=len(self.scheduler.waiting),
             num_running=sum(not r.is_finished for r in self.scheduler.running),

@@ -195,11 +195,15 @@ class KVStore:
         row_len: columns per row (None: unknown, and any row taken raises).
         drafter: a DFlash drafter (``DFlashDraftModel``) whose layers every row holds too; None: the drafter of
             the proposer attached to ``model`` at allocation (``proposer_of``), if any.
+        prefix_cache_tokens: bound of the engine's one ``PrefixCache`` (``prefix_cache``), prompt tokens; 0: none.
+            Every path whose prefill is causal and exact reads and fills it (the verified path, the masked path's
+            causal decoding under the ``delayed`` cache), so a prompt prefilled by one mode serves the others.
     """
 
     def __init__(self, model: torch.nn.Module, num_rows: int, row_len: int | None,
-                 drafter: torch.nn.Module | None = None) -> None:
+                 drafter: torch.nn.Module | None = None, prefix_cache_tokens: int = 0) -> None:
         self.model, self.num_rows, self.row_len, self.drafter = model, num_rows, row_len, drafter
+        self.prefix_cache = PrefixCache(prefix_cache_tokens) if prefix_cache_tokens else None
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
         self.draft_keys: list[torch.Tensor] = []

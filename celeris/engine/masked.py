@@ -28,12 +28,18 @@ Chunked prefill (``celeris.engine.scheduler``), for a causal model under the ``d
 prefilling takes a row of the pool at once (``KVPool.reserve``) and computes its step's chunk of prompt columns as
 its columns of the window pass (logits unused, nothing committed); its first step then computes just its first
 block, reading the prompt's keys/values from its row, exact as a full pass is for a causal model.
+
+Automatic prefix caching, under the same conditions (``MaskedPath.prefill_columns``): a new request's KV row first
+takes the keys/values of the longest cached block-aligned prefix of its prompt from the engine's prefix cache
+(``celeris.engine.kv.PrefixCache``, the verified path's too), and its first step is a window pass over the rest of
+its prompt and its first block; after that step its prompt's full blocks are cached.
 """
 
 from __future__ import annotations
 
 import torch
 
+from celeris.engine.kv import BLOCK_SIZE
 from celeris.engine.path import PathContext, pad_groups
 from celeris.engine.request import NO_PROGRESS, Request
 from celeris.engine.runner import ModelRunner
@@ -75,6 +81,7 @@ class MaskedPath:
         self.next_token = self.is_causal and getattr(context.model, "logits_shift", 0) == 1
         self._settings: tuple[list, RowSettings] | None = None  # the last step's rows' settings (``_settings_of``)
         self._counts: dict[Request, tuple] = {}  # next-token decoding: each request's answer counts (``_history``)
+        self.prefix_cache = self.runner.kv.prefix_cache  # the engine's (``_read_prefix``), None when off
 
     def token_cost(self, requests: list[Request]) -> int:
         """Tokens the step's passes over ``requests`` process (the scheduler's budget): a request prefilling in
@@ -114,6 +121,8 @@ class MaskedPath:
         advance or finish each; a request prefilling in chunks computes its chunk instead. Returns the requests
         that stepped (``batch`` less those prefilling)."""
         self.runner.release(set(batch))  # first: it moves rows, and the order below is the rows' own
+        for r in batch:
+            self._read_prefix(r)
         pool = self.runner.pool  # in the order of their KV rows (new ones last): the logits then need no reordering
         batch = sorted(batch, key=lambda r: len(pool.owners) if pool.row(r) is None else pool.row(r))
         logits, block = self.passes(batch)
@@ -127,6 +136,8 @@ class MaskedPath:
             batch, logits, block = [batch[i] for i in rows], logits[rows], block[rows]
             if not batch:
                 return []
+        for r in batch:
+            self._store_prefix(r)
         settings = self._settings_of(batch, logits.device)
         num_tokens = torch.tensor([r.tokens_this_step() for r in batch], device=logits.device)
         history = self._history(batch, settings, logits.shape[-1], logits.device)
@@ -152,6 +163,41 @@ class MaskedPath:
         if any(r.is_finished for r in batch):  # free finished requests' KV rows now, not at the next step
             self.runner.release({r for r in stepped if not r.is_finished})
         return batch
+
+    def _caches_prefix(self, r: Request) -> bool:
+        """Whether ``r``'s prompt goes through the engine's prefix cache: a prompt whose keys/values are exact
+        however they are computed (``prefill_columns``: a causal model under the ``delayed`` cache, no CFG, no
+        suffix), with prefix caching on (``EngineConfig.enable_prefix_caching``)."""
+        return self.prefix_cache is not None and self.prefill_columns(r) > 0
+
+    def _read_prefix(self, r: Request) -> None:
+        """At a new request's first step: copy the keys/values of the longest cached prefix of its prompt
+        (``PrefixCache.lookup``) into a KV row taken for it, so that its first step computes only the rest of its
+        prompt and its first block (``Request.cache_columns``); a chunked prefill then starts after them."""
+        pool = self.runner.pool
+        if r.num_steps or r.num_computed or pool.row(r) is not None or not self._caches_prefix(r):
+            return
+        n, kv = self.prefix_cache.lookup(r.prompt_ids)
+        if not n:
+            return
+        row = pool.reserve(r, "cond", r.num_tokens)
+        for t, block in zip((*pool.keys, *pool.values), kv, strict=True):
+            t[row, :, :n] = block
+        r.num_cached = n
+        if r.prefill_target:  # its chunks go on after the cached prefix
+            r.num_computed = n
+            r.prefill_chunk = min(r.prefill_chunk, max(0, r.prefill_target - n))
+
+    def _store_prefix(self, r: Request) -> None:
+        """After a request's first committed step (its prompt's keys/values are all in its KV row): store its
+        prompt's full blocks past the cached prefix in the engine's prefix cache (``PrefixCache.insert``)."""
+        if r.num_steps or not self._caches_prefix(r):
+            return
+        start, end = r.num_cached, r.answer_start // BLOCK_SIZE * BLOCK_SIZE
+        if end > start:
+            pool, row = self.runner.pool, self.runner.pool.row(r)
+            kv = torch.stack([t[row, :, start:end] for t in (*pool.keys, *pool.values)])  # (2 * layers, H, n, D)
+            self.prefix_cache.insert(r.prompt_ids[:end], kv, start)
 
     def _history(self, batch: list[Request], settings: RowSettings, vocab: int, device: torch.device) -> History | None:
         """The rows' penalty history (``History.of``). Under next-token decoding with frequency or presence penalties

@@ -77,6 +77,9 @@ class Request:
     prefill_target: int = 0
     num_computed: int = 0
     prefill_chunk: int = 0
+    # Prompt tokens whose keys/values its KV row took from the engine's prefix cache (``celeris.engine.kv``) at its
+    # first step, under the masked path's causal decoding: its first step computes only the columns after them.
+    num_cached: int = 0
 
     def __post_init__(self) -> None:
         check_prompts([self.prompt_ids])
@@ -149,9 +152,11 @@ class Request:
         """Canvas columns this step computes with a KV cache and where the block starts among them, or
         None for a full pass: the cache policy's rule (``celeris.sampling.cache.cache_window``, plus
         ``stale_cols`` at a block's first step under a policy that ``rewrites_stale``). After a chunked prefill
-        (``prefill_target``) the first step computes just the first block: the prompt's keys/values are cached."""
-        if self.prefill_target and self.block_idx == 0 and self.step_in_block == 0:  # the prompt is in the cache
-            return list(range(*self.block_span)), 0
+        (``prefill_target``) the first step computes just the first block: the prompt's keys/values are cached;
+        after a prefix cache hit (``num_cached``) it computes the rest of the prompt and the first block."""
+        if (self.prefill_target or self.num_cached) and self.block_idx == 0 and self.step_in_block == 0:
+            start = self.block_span[0] if self.prefill_target else self.num_cached  # the prompt's columns held
+            return list(range(start, self.block_span[1])), self.block_span[0] - start
         window = cache_window(self.params.cache, self.blocks, self.block_idx, self.answer_start, self.visible_end,
                               self.step_in_block, self.params.cache_refresh)
         if window is None:

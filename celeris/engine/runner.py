@@ -44,7 +44,8 @@ class CompiledForward:
 class ModelRunner:
     """Owns the model (compiled once when ``enforce_eager`` is False), its device and the engine's one KV store
     (``kv``: ``celeris.engine.kv.KVStore``, ``kv_rows`` rows of ``max_model_len`` + ``ROW_SLACK`` columns, with
-    the layers of a DFlash drafter attached to the model beside its own), from
+    the layers of a DFlash drafter attached to the model beside its own, and the engine's prefix cache of
+    ``prefix_cache_tokens`` prompt tokens, ``kv.prefix_cache``, when not 0), from
     which every mode path takes its rows (``pool``: the masked path's, ``celeris.engine.kv.KVPool``); the passes
     are the mode paths' (``celeris.engine.masked`` for masked diffusion). Every path calls the model through the
     runner: ``model`` (the masked path's forward), ``hidden_states`` and ``logits`` (the block path),
@@ -56,7 +57,7 @@ class ModelRunner:
     """
 
     def __init__(self, model: torch.nn.Module, enforce_eager: bool = True, length_bucket: int = 1,
-                 kv_rows: int = 8, max_model_len: int | None = None) -> None:
+                 kv_rows: int = 8, max_model_len: int | None = None, prefix_cache_tokens: int = 0) -> None:
         # speed features are transforms applied here, never inside the model file; the entries into the model
         # (the block and verified paths', and the masked path's forward) are compiled the same way (dynamic shapes)
         self.hidden_states = _entry(model, "hidden_states", enforce_eager)
@@ -72,7 +73,8 @@ class ModelRunner:
         self.device = next(model.parameters()).device
         self.mask_id = model.config.mask_token_id
         self.pad_id = model.config.pad_token_id
-        self.kv = KVStore(model, kv_rows, None if max_model_len is None else max_model_len + ROW_SLACK)
+        self.kv = KVStore(model, kv_rows, None if max_model_len is None else max_model_len + ROW_SLACK,
+                          prefix_cache_tokens=prefix_cache_tokens)
         self.pool = KVPool(self.kv)  # the masked path's rows
         self.num_split_passes = 0  # window steps run as a shared pass plus one for the wide rows (_window_pass)
 

@@ -78,7 +78,8 @@ class VerifiedDecoder:
         max_rows: most rows at once. max_tokens: longest prompt + answer, tokens (the store adds the
             2 * ``MAX_DRAFTS`` + 2 columns the last pass's drafts and slots may need); both are the store's
             when ``store`` is given.
-        prefix_cache_tokens: most prompt tokens whose keys/values the prefix cache keeps (LRU); 0 turns it off.
+        prefix_cache_tokens: most prompt tokens whose keys/values the prefix cache of its own store keeps (LRU); 0
+            turns it off. With ``store`` given, the store's ``prefix_cache`` serves instead (None: off).
         entry: what a pass calls (``layout_hidden_states``, ``logits``): the engine's runner; None: the model.
         store: the engine's KV store to take rows from; None: one of its own.
     """
@@ -93,7 +94,7 @@ class VerifiedDecoder:
         self.k = self.proposer.k if self.proposer else self.slots or LOOKUP_DRAFTS  # the default k
         self.pad = ROW_SLACK  # 2 * MAX_DRAFTS + 2 columns
         store = store or KVStore(model, max_rows, None if max_tokens is None else max_tokens + self.pad,
-                                 self.proposer.drafter if self.proposer else None)
+                                 self.proposer.drafter if self.proposer else None, prefix_cache_tokens)
         if store.row_len is None:
             raise ValueError("verified decoding needs a max_model_len (its rows hold prompt + answer + drafts)")
         self.segment = store.segment()
@@ -108,9 +109,10 @@ class VerifiedDecoder:
         self.nfe = 0
         self.logprobs_mode = "raw_logprobs"  # EngineConfig.logprobs_mode (celeris.sampling.logprobs), set by the engine
         self.raw_logits: torch.Tensor | None = None  # the last pass's logits before the ban, when a row asks
-        self.prefix_cache = PrefixCache(prefix_cache_tokens) if prefix_cache_tokens else None
+        self.prefix_cache = store.prefix_cache  # the store's (the engine's one, shared with the masked path)
         # with a drafter: the target features of cached prefixes, (1, 1, BLOCK_SIZE, n * d) per block
-        self.feature_cache = PrefixCache(prefix_cache_tokens) if prefix_cache_tokens and self.proposer else None
+        self.feature_cache = PrefixCache(self.prefix_cache.max_blocks * BLOCK_SIZE) \
+            if self.prefix_cache is not None and self.proposer else None
         self.proposers: dict[str, Proposer] = {}  # draft_source -> its proposer, made at the first row asking
         self._views: tuple | None = None  # the last pass's cache views (``_cache_views``)
         self._keys_index: torch.Tensor | None = None  # key columns of the last length (``_key_columns``)
@@ -185,7 +187,8 @@ class VerifiedDecoder:
         return row
 
     def reset_prefix_cache(self) -> None:
-        """Empty the prefix cache and the drafter's feature cache (rows already running keep what they copied)."""
+        """Empty the prefix cache (its store's: the engine's one, when it has one) and the drafter's feature cache
+        (rows already running keep what they copied)."""
         for cache in (self.prefix_cache, self.feature_cache):
             if cache is not None:
                 cache.clear()

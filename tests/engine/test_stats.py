@@ -61,7 +61,9 @@ def test_one_store_sized_for_exactly_three_modes_holds_them_at_once(hybrid):
     assert done.kv_bytes == stats.kv_bytes and store.num_free_rows == rows  # every row given back, kept allocated
     assert done.num_running == 0 and done.num_steps > 1
     assert len(done.drafted) == len(done.accepted) >= 1 and sum(done.drafted) >= sum(done.accepted)
-    assert done.prefix_cache_queries == 3 and done.prefix_cache_hits == 0  # one prompt of 3 tokens, no block reused
+    # the engine's one prefix cache: the verified prompt and the masked one (causal, delayed cache) looked up, 3
+    # tokens each, no block reused; the block request's prefill (its own attention) does not use it
+    assert done.prefix_cache_queries == 6 and done.prefix_cache_hits == 0
 
 
 def drafter_bytes(drafter, rows: int, tokens: int) -> int:
