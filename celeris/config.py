@@ -48,8 +48,9 @@ class EngineConfig:
             ``length_bucket`` tokens so few shapes are compiled).
         length_bucket: with ``enforce_eager`` False, canvas lengths are padded up to a multiple of this (eager
             passes are never padded: padding only saves compiles).
-        enable_prefix_caching: verified decoding reuses the keys/values of prompt prefixes other requests
-            prefilled (automatic prefix caching, vLLM's name; ``celeris.engine.kv``).
+        enable_prefix_caching: verified decoding and a causal model's next-token decoding (``delayed`` cache)
+            reuse the keys/values of prompt prefixes other requests prefilled (automatic prefix caching, vLLM's
+            name; the engine's one ``celeris.engine.kv.PrefixCache``).
         max_model_len: most tokens (prompt + answer) one request may hold (vLLM's name); the KV store is sized
             from it (``max_num_seqs`` rows of it, K/V heads). None: the model's context window, capped at
             ``CPU_MAX_MODEL_LEN`` on a CPU (``resolve_max_model_len``).
@@ -79,7 +80,7 @@ class EngineConfig:
     enforce_eager: bool = _knob(True, "torch.compile the model (slow first request)", flag="--compile", invert=True)
     length_bucket: int = _knob(32, "with --compile: canvas lengths are padded up to a multiple of this (few "
                                 "compiled shapes; eager passes are never padded)")
-    enable_prefix_caching: bool = _knob(True, "verified decoding recomputes every prompt (no reuse of shared "
+    enable_prefix_caching: bool = _knob(True, "verified and next-token decoding recompute every prompt (no reuse of shared "
                                         "prompt prefixes' keys/values)", flag="--no-enable-prefix-caching",
                                         invert=True)
     max_model_len: int | None = _knob(None, "most tokens (prompt + answer) one request may hold; sizes the KV "
