@@ -20,9 +20,10 @@ Systems, each on the same prompts, output length and batch size, all at temperat
   same prompt ids, greedy, its own quantized kernels; a batch's prompts run one after another), else a note.
 
 Each engine system's timed calls start with the prefix cache emptied (``LLM.reset_prefix_cache``, after the
-warm-up): next-token decoding and llama.cpp prefill every prompt, so a verified system must not take a prompt it saw
-in the warm-up, a previous system or round from the cache (blocks its own earlier prompts share, the chat
-template's system prompt, still count: ``prefix_cache_hit_tokens``).
+warm-up): no engine system may take a prompt it saw in the warm-up, a previous system or round from the cache
+(llama.cpp is reset before every prompt, so it prefills each in full); blocks its own earlier prompts share, the
+chat template's system prompt, still count, for next-token decoding and the verified systems alike (the engine's
+one prefix cache: ``prefix_cache_hit_tokens``).
 
 Per system: tokens/s, TTFT, p50/p95 latency, tokens per target pass, drafter passes, acceptance per draft position,
 peak RSS, the answers' repetition share (a run of one token longer than 8) and distinct-2, and every greedy text

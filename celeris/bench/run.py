@@ -154,8 +154,8 @@ def run_system(name: str, decode, batches: list[list[int]], warmup: int,
 
     The first warm-up call is timed on its own (``first_request_s``: caches and allocations are cold).
     ``before_timed`` runs after the warm-up, before the timed calls (the engine's ``reset_prefix_cache``: the
-    warm-up's prompts, and a previous system's or round's, must not be timed from cached keys/values, which the
-    next-token path and llama.cpp never have; prompts of earlier batches in the timed run may still share blocks,
+    warm-up's prompts, and a previous system's or round's, must not be timed from cached keys/values, which
+    llama.cpp never has; prompts of earlier batches in the timed run may still share blocks,
     e.g. a chat template's system prompt, as in serving).
     ``peak_rss_mb`` is the process's peak over this system's calls where it can be reset (``reset_peak_rss``):
     the models already loaded plus what this system allocates; else the process's peak since start.
