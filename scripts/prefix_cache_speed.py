@@ -5,7 +5,9 @@ Three engines on the same loaded SmolLM2 (`LLM`): prefix caching on with the cac
 prompt or a conversation's earlier turns are), and off. Each call decodes 1 token (the prefill and first step) of 8
 GSM8K questions after the first 300 in the chat template, next-token decoding; best of ``--repeats`` seconds.
 
-    OMP_NUM_THREADS=1 python scripts/prefix_cache_speed.py --threads 1
+    OMP_NUM_THREADS=1 python scripts/prefix_cache_speed.py --threads 1 --questions GSM8K_TEST_JSONL
+
+(``--questions``: GSM8K's test.jsonl, one {"question": ...} per line; the development copy beside the repo.)
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--questions", type=Path, default=Path("../shared/data/gsm8k/test.jsonl"))
+    ap.add_argument("--questions", type=Path, required=True, help="GSM8K's test.jsonl")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     rows = [json.loads(line) for line in args.questions.read_text().splitlines()[300:308]]
