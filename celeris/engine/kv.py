@@ -74,6 +74,13 @@ class PrefixCache:
         """Drop every stored block (the counters stay: they count lookups since the cache was made)."""
         self.blocks.clear()
 
+    def insert_row(self, prompt_ids: list[int], keys: list[torch.Tensor], values: list[torch.Tensor], row: int,
+                   start: int, end: int) -> None:
+        """``insert`` the blocks of columns [start, end) of ``prompt_ids`` (multiples of ``BLOCK_SIZE``) from row
+        ``row`` of a cache's per-layer ``keys``/``values`` (rows, H, T, D), stacked in this cache's layout."""
+        kv = torch.stack([t[row, :, start:end] for t in (*keys, *values)])  # (2 * layers, H, end - start, D)
+        self.insert(prompt_ids[:end], kv, start)
+
     def insert(self, prompt_ids: list[int], kv: torch.Tensor, start: int = 0) -> None:
         """Store the full blocks of ``prompt_ids`` from column ``start`` on (a multiple of ``BLOCK_SIZE``).
 

@@ -195,9 +195,8 @@ class MaskedPath:
             return
         start, end = r.num_cached, r.answer_start // BLOCK_SIZE * BLOCK_SIZE
         if end > start:
-            pool, row = self.runner.pool, self.runner.pool.row(r)
-            kv = torch.stack([t[row, :, start:end] for t in (*pool.keys, *pool.values)])  # (2 * layers, H, n, D)
-            self.prefix_cache.insert(r.prompt_ids[:end], kv, start)
+            pool = self.runner.pool
+            self.prefix_cache.insert_row(r.prompt_ids, pool.keys, pool.values, pool.row(r), start, end)
 
     def _history(self, batch: list[Request], settings: RowSettings, vocab: int, device: torch.device) -> History | None:
         """The rows' penalty history (``History.of``). Under next-token decoding with frequency or presence penalties

@@ -278,8 +278,7 @@ class VerifiedDecoder:
                     # the new full blocks, as far as the pass computed (a chunk stops short of the prompt's end)
                     a, b = (n // BLOCK_SIZE * BLOCK_SIZE for n in (r.num_cached, min(len(r.prompt_ids), cols[j][-1] + 1)))
                     if b > a:
-                        kv = torch.stack([t[j, :, a:b] for t in (*cache.keys, *cache.values)])  # (2 * layers, H, b - a, D)
-                        self.prefix_cache.insert(r.prompt_ids[:b], kv, a)
+                        self.prefix_cache.insert_row(r.prompt_ids, cache.keys, cache.values, j, a, b)
                         if self.feature_cache is not None:  # the features of columns [0, num_cached) are queued
                             known = torch.cat([*r.draft_state.queued, feats[j]])  # columns 0, 1, ..
                             self.feature_cache.insert(r.prompt_ids[:b], known[None, None, a:b], a)

@@ -7,7 +7,6 @@ from __future__ import annotations
 import torch
 
 from celeris.engine.draft_rows import DraftRow
-from celeris.engine.kv import PREFIX_CACHE_TOKENS
 from celeris.engine.path import PathContext
 from celeris.engine.verified import VerifiedDecoder
 from celeris.sampling.verified import MAX_DRAFTS
@@ -78,8 +77,8 @@ class VerifiedPath:
         prompt, under chunked prefill), the others advance by their accepted drafts plus one token; committed
         tokens are final at once. Returns the requests that advanced (``batch`` less those prefilling)."""
         if self.decoder is None:
+            # the store's prefix cache serves (the engine made it from ``enable_prefix_caching``)
             self.decoder = VerifiedDecoder(self.model, self.config.max_num_seqs, self.max_model_len,
-                                           PREFIX_CACHE_TOKENS if self.config.enable_prefix_caching else 0,
                                            entry=self.entry, store=self.entry.kv)
             self.decoder.logprobs_mode = self.config.logprobs_mode
         running = set(batch)
