@@ -47,16 +47,22 @@ class PrefixCache:
         self.query_tokens = 0
         self.hit_tokens = 0
 
-    def lookup(self, prompt_ids: list[int]) -> tuple[int, torch.Tensor | None]:
+    def lookup(self, prompt_ids: list[int], max_tokens: int | None = None) -> tuple[int, torch.Tensor | None]:
         """The longest cached prefix of ``prompt_ids`` that leaves at least its last token to compute.
+
+        Args:
+            prompt_ids: the prompt's token ids.
+            max_tokens: take at most this many tokens (the caller can use no more: the verified decoder with a
+                drafter reuses only as far as its feature cache reaches); None: no bound.
 
         Returns:
             (n, kv): n cached tokens (a multiple of ``BLOCK_SIZE``, < len(prompt_ids)) and their keys/values
-            (2 * num_layers, H, n, D), or (0, None) on a miss. Counts the query and its hit tokens.
+            (2 * num_layers, H, n, D), or (0, None) on a miss. Counts the query and the n tokens it serves.
         """
         found: list[tuple[int, ...]] = []
         # never the last prompt token: the first pass needs its logits, so it must be computed
-        for end in range(BLOCK_SIZE, len(prompt_ids), BLOCK_SIZE):
+        stop = len(prompt_ids) if max_tokens is None else min(len(prompt_ids), max_tokens + 1)
+        for end in range(BLOCK_SIZE, stop, BLOCK_SIZE):
             key = tuple(prompt_ids[:end])
             if key not in self.blocks:
                 break
@@ -307,10 +313,11 @@ class KVPool:
     unconditional row), in a ``KVSegment`` of the engine's ``KVStore``.
 
     Row r holds its canvas's keys/values at columns [0, n_r) (left-aligned, so RoPE positions equal columns); the
-    columns after n_r are masked. A row is taken when the request's first full pass stores its cache, rewritten by
-    later full passes (refreshes), updated in place by window passes, and given back when the request leaves by
-    moving the last live row into the hole. So the live rows are always [0, R): one contiguous view that a window
-    pass reads and writes in place, with no per-step copying (the paged/slot cache of vLLM, in its simplest form).
+    columns after n_r are masked. A row is taken when the request's first full pass stores its cache (or at its
+    first step, when it copies a prefix-cache hit in), rewritten by later full passes (refreshes), updated in place
+    by window passes, and given back when the request leaves by moving the last live row into the hole. So the live
+    rows are always [0, R): one contiguous view that a window pass reads and writes in place, with no per-step
+    copying (the paged/slot cache of vLLM, in its simplest form).
     A pass sees the first ``capacity_length`` columns: the longest canvas stored since the pool was last empty,
     rounded up to ``col_block`` (so passes keep few shapes), at most the store's ``row_len``.
     """

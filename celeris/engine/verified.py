@@ -171,13 +171,12 @@ class VerifiedDecoder:
         if row.history is not None:  # what its penalties read (``penalize_along``)
             row.penalty_settings = settings
         if self.prefix_cache is not None:  # copy the cached prefix's keys/values into the row's pool row
-            row.num_cached, kv = self.prefix_cache.lookup(row.prompt_ids)
-            if self.feature_cache is not None:  # the drafter's context for that prefix, as far as it reaches
-                n, feats = self.feature_cache.lookup(row.prompt_ids)
-                row.num_cached = min(row.num_cached, n)
-                if row.num_cached:
-                    self.proposer.queue(row.draft_state, feats[0, 0, : row.num_cached])
-                    kv = kv[:, :, : row.num_cached]
+            reach, feats = None, None  # with a drafter: only as far as its context (features) for the prefix reaches
+            if self.feature_cache is not None:
+                reach, feats = self.feature_cache.lookup(row.prompt_ids)
+            row.num_cached, kv = self.prefix_cache.lookup(row.prompt_ids, reach)
+            if feats is not None and row.num_cached:
+                self.proposer.queue(row.draft_state, feats[0, 0, : row.num_cached])
             if kv is not None and row.num_cached:
                 for t, block in zip((*self.keys, *self.values), kv, strict=True):
                     t[len(self.rows), :, : row.num_cached] = block

@@ -100,7 +100,7 @@ class ServerMetrics:
 
 class _DraftCollector:
     """Prometheus collector over each model's ``engine.stats()`` (``celeris.engine.engine.EngineStats``): the
-    verified path's draft and prefix-cache counters."""
+    verified path's draft counters and the engine prefix cache's counters."""
 
     def __init__(self) -> None:
         self.engines: dict[str, object] = {}  # model name -> engine
@@ -116,7 +116,7 @@ class _DraftCollector:
         per_pos = CounterMetricFamily("celeris_spec_decode_num_accepted_tokens_per_pos",
                                       "Accepted draft tokens by draft position", labels=["position", "model"])
         queries = CounterMetricFamily("celeris_prefix_cache_queries", "Prompt tokens looked up in the prefix cache "
-                                      "(verified decoding; vLLM's prefix_cache_queries)", labels=["model"])
+                                      "(vLLM's prefix_cache_queries)", labels=["model"])
         hits = CounterMetricFamily("celeris_prefix_cache_hits", "Prompt tokens whose keys/values came from the prefix "
                                    "cache (vLLM's prefix_cache_hits)", labels=["model"])
         for model, engine in list(self.engines.items()):

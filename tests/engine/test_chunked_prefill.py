@@ -243,3 +243,22 @@ def test_chunked_prefill_with_a_drafter_fills_and_reads_the_prefix_cache(with_dr
     for prompt in prompts:
         alone += drafted_run(with_drafter, EngineConfig(max_num_seqs=2), [prompt], drafter_log)[2]
     assert chunked == alone
+
+
+def test_blocks_without_drafter_features_serve_no_drafted_request(with_drafter, drafter_log):
+    """Next-token decoding stores LONG's two blocks with no drafter features; a DFlash request on LONG then reuses
+    none of them (its drafter would lack their context), and the engine counts no hit for it: a hit is what a
+    request took, not what the cache held. Once the verified request has stored its features, the same prompt hits."""
+    engine = Engine(with_drafter, EngineConfig(max_num_seqs=2, enable_prefix_caching=True))
+    engine.add_request(LONG, AR)
+    run(engine)
+    assert engine.stats().prefix_cache_hits == 0 and len(engine.runner.kv.prefix_cache.blocks) == 2
+    drafted = engine.add_request(LONG, DFLASH)
+    run(engine)
+    assert engine.stats().prefix_cache_hits == 0 and engine.stats().prefix_cache_queries == 2 * len(LONG)
+    again = engine.add_request(LONG, DFLASH)
+    run(engine)
+    assert engine.stats().prefix_cache_hits == 32 == engine.drafter.feature_cache.hit_tokens
+    eos = with_drafter.config.eos_token_id
+    want = generate_autoregressive(with_drafter, [LONG], DFLASH).token_ids[0]
+    assert drafted.final_prefix(eos) == again.final_prefix(eos) == want

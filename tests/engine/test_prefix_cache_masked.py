@@ -91,3 +91,26 @@ def test_an_engine_without_prefix_caching_looks_nothing_up(hybrid):
     decode(engine, FIRST, AR)
     assert decode(engine, FIRST, AR).num_cached == 0
     assert engine.runner.kv.prefix_cache is None and engine.stats().prefix_cache_queries == 0
+
+
+def test_a_hit_beside_running_rows_and_an_abort_after_a_hit(hybrid):
+    """A prompt that hits joins while another request is mid-answer (its row copied beside a live row, the two
+    stepped together): both answers are the references'. A request aborted right after its hit leaves the pool and
+    the cache usable: the next hit on the same blocks still gives the reference's tokens."""
+    engine = Engine(hybrid, EngineConfig(max_num_seqs=3, max_model_len=96))
+    decode(engine, FIRST, AR)
+    other = engine.add_request([7, 3, 9, 21], AR)
+    engine.step()
+    engine.step()  # ``other`` has its row and a few tokens
+    joined = engine.add_request(SECOND, AR)
+    run_to_end(engine)
+    assert joined.num_cached == 2 * BLOCK_SIZE
+    eos = hybrid.config.eos_token_id
+    assert other.final_prefix(eos) == reference(hybrid, [7, 3, 9, 21], AR)
+    assert joined.final_prefix(eos) == reference(hybrid, SECOND, AR)
+    aborted = engine.add_request(SECOND, AR)
+    engine.step()  # its first step: the hit copied in, one window pass
+    assert aborted.num_cached == 2 * BLOCK_SIZE and engine.abort(aborted.request_id)
+    after = decode(engine, FIRST, AR)
+    assert after.num_cached == 2 * BLOCK_SIZE and not engine.has_unfinished()
+    assert after.final_prefix(eos) == reference(hybrid, FIRST, AR)
