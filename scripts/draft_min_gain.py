@@ -25,21 +25,24 @@ from pathlib import Path
 
 import torch
 
-from celeris.bench.chat import PROMPT_SETS
-from celeris.bench.run import draft_counts
+from celeris.bench.chat import PROMPT_SETS, distinct_2
+from celeris.bench.run import draft_counts, next_token_params
 from celeris.llm import DEFAULT_MODEL, LLM
 from celeris.sampling.drafter import PROBE_EVERY
 
 
-def run(llm: LLM, prompts: list[list[int]], max_tokens: int) -> dict:
-    """Decode ``prompts`` one at a time with the default model's policy; counts and seconds."""
+def run(llm: LLM, prompts: list[list[int]], max_tokens: int, next_token: bool = False) -> dict:
+    """Decode ``prompts`` one at a time with the default model's policy (``next_token``: the target's own
+    next-token decoding instead, the text the default must equal); counts and seconds. The prefix cache is emptied
+    before each prompt, so no prompt's prefill is served by an earlier one's."""
     proposer = llm.proposer
     calls = proposer.calls
-    params = replace(llm.default_params(max_tokens=max_tokens, temperature=0.0), decoding="verified",
-                     draft_source="lookup_first")
+    base = llm.default_params(max_tokens=max_tokens, temperature=0.0)
+    params = next_token_params(base) if next_token else replace(base, decoding="verified", draft_source="lookup_first")
     before = sum(d for d, _ in draft_counts(llm))
     passes, answers, start = 0, [], time.perf_counter()
     for p in prompts:
+        llm.engine.reset_prefix_cache()
         req = llm.engine.add_request(p, llm.fit_max_tokens(params, len(p)))
         while llm.engine.has_unfinished():
             llm.engine.step()
@@ -63,6 +66,9 @@ def main() -> None:
     ap.add_argument("--probe-every", default=str(PROBE_EVERY))
     ap.add_argument("--costs", type=Path, required=True, help="a chat bench's bench.json (pass_cost_ms_by_width)")
     ap.add_argument("--call-cost", type=float, default=0.132)
+    ap.add_argument("--next-token", action="store_true",
+                    help="also decode next-token (once a round, first): whether each answer equals it, and the time "
+                         "ratio (measured, so only on an idle machine)")
     args = ap.parse_args()
     probes = [int(e) for e in args.probe_every.split(",")]
     # without a gain the probe interval does nothing: "none" runs once
@@ -80,19 +86,31 @@ def main() -> None:
         prompts = [llm.tokenizer.encode_chat([{"role": "user", "content": t}])
                    for t in PROMPT_SETS[name]()[: args.num_prompts]]
         runs: dict = {c: [] for c in configs}
+        plain: list[dict] = []
         for r in range(args.rounds):
+            if args.next_token:
+                plain.append(run(llm, prompts, args.max_tokens, next_token=True))
             for c in configs[r % len(configs):] + configs[: r % len(configs)]:
                 llm.proposer.draft_min_gain, llm.proposer.probe_every = c
                 runs[c].append(run(llm, prompts, args.max_tokens))
         first = runs[configs[0]][0]["answers"]
+        if plain:
+            secs = statistics.median(y["seconds"] for y in plain)
+            print(f"{name} next-token: tokens {plain[0]['tokens']} seconds {secs:.1f} "
+                  f"({plain[0]['tokens'] / secs:.2f} tokens/s) distinct-2 {distinct_2(plain[0]['answers'])}", flush=True)
         for c in configs:
             x = runs[c][0]
             secs = statistics.median(y["seconds"] for y in runs[c])
             estimate = x["tokens"] * c1 / (x["passes"] * c1 + x["drafts"] * slope + x["calls"] * args.call_cost * c1)
+            equal = ""
+            if plain:
+                same = sum(a == b for a, b in zip(x["answers"], plain[0]["answers"], strict=True))
+                ratio = statistics.median(y["seconds"] for y in plain) / secs
+                equal = f" equal to next-token {same}/{len(prompts)}, measured {ratio:.3f}x next-token"
             print(f"{name} gain {c[0]} probe every {c[1]}: passes {x['passes']} calls {x['calls']} drafts "
-                  f"{x['drafts']} tokens/pass {x['tokens'] / x['passes']:.3f} estimate {estimate:.3f}x next-token, "
-                  f"seconds {secs:.1f} ({x['tokens'] / secs:.2f} tokens/s) same answers {x['answers'] == first}",
-                  flush=True)
+                  f"{x['drafts']} tokens {x['tokens']} tokens/pass {x['tokens'] / x['passes']:.3f} estimate "
+                  f"{estimate:.3f}x next-token, seconds {secs:.1f} ({x['tokens'] / secs:.2f} tokens/s) distinct-2 "
+                  f"{distinct_2(x['answers'])} same answers {x['answers'] == first}{equal}", flush=True)
 
 
 if __name__ == "__main__":

@@ -74,7 +74,25 @@ SUBJECTS = ["travel", "cooking", "a small business", "school", "the weather", "s
             "a video game", "bridges", "a first aid kit", "a neighbour", "the post office", "a fitness plan",
             "a storm", "coral reefs", "a budget", "a pizza", "the Olympics", "a lighthouse", "an online course",
             "a classroom rule", "electric cars", "a picnic", "honey", "a magic trick", "a podcast", "forests",
-            "a lost wallet", "a team meeting"]
+            "a lost wallet", "a team meeting",
+            # added 2026-12-07 (seventh session, issue 49's new rows): 101 more subjects, another 2,020 questions
+            "a thunderstorm", "glaciers", "a bus route", "a charity run", "sourdough bread", "a job offer",
+            "a science museum", "owls", "a haunted house", "a school bus", "the solar system", "tea", "a skate park",
+            "a rental apartment", "a vegetable soup", "earthquakes", "a music festival", "a spelling bee",
+            "a comic book", "a houseplant", "a grocery list", "a violin", "sharks", "a garage sale", "a snowstorm",
+            "a swimming pool", "a pen pal", "a castle", "a recipe blog", "a train station", "wind turbines",
+            "a dog walker", "a time capsule", "a science teacher", "pirates", "a mountain bike", "a kite",
+            "a hospital nurse", "a street market", "a village", "a treasure map", "solar panels", "a yoga class",
+            "a bank account", "an ice cream shop", "a submarine", "a city map", "a holiday card", "a history exam",
+            "a chemistry lab", "a sandwich", "the rainforest", "a spaceship", "a fire station", "a smartwatch",
+            "a lemonade stand", "a soccer match", "whales", "a clock tower", "a cookbook", "a roommate",
+            "a parking lot", "a mystery novel", "a zoo keeper", "a birthday cake", "an art class",
+            "a baseball game", "a tent", "a dance recital", "an old map", "a printer", "a sunflower",
+            "a bookstore", "a cruise ship", "a vending machine", "a hiking trail", "a thank-you note",
+            "a weather report", "a password", "a toolbox", "a spreadsheet", "a sleepover", "the Great Wall",
+            "a bee hive", "an orchestra", "a water filter", "a scooter", "a haircut", "an island",
+            "a cat cafe", "a road trip", "a paper airplane", "a compost bin", "a quiz show", "a microscope",
+            "a fishing trip", "a canoe", "a marketing plan", "a lunch box", "a family recipe", "a rocket launch"]
 ASK_TEMPLATES = ["Write one question that a user might ask an AI assistant about {subject}. The question {kind}. "
                  "Reply with the question only.",  # of 15 tried: 9 gave a question (varied); 15 (plainer)
                  "Make up a question about {subject} that {kind}. Write only the question, nothing else."]
@@ -136,37 +154,59 @@ def clean_question(text: str) -> str:
     return "" if refusal or "?" not in text else text
 
 
-def write_questions(llama, tokenizer, out: Path) -> int:  # noqa: ANN001 - llama_cpp.Llama
-    """The target writes one question per (template, kind, subject), greedily, through llama.cpp on the same GGUF.
+def write_questions(generate, tokenizer, out: Path, batch_size: int = 1) -> int:  # noqa: ANN001
+    """The target writes one question per (template, kind, subject), greedily.
 
-    Appends ``{"id", "kind", "subject", "question"}`` lines to ``out`` (resumable: written ids are skipped); a
-    question that is empty, longer than 600 characters, already written or one of MT-Bench's turns is dropped.
-    Returns the number of questions in ``out``."""
-    from celeris.bench import llamacpp
-
+    ``generate(prompts)`` gives the answer ids of a batch of token-id prompts (llama.cpp on the same GGUF one after
+    another, or Celeris's engine in one batch: ``--generator``). Appends ``{"id", "kind", "subject", "question"}``
+    lines to ``out`` (resumable: written ids are skipped; a batch is written once answered); a question that is
+    empty, longer than 600 characters, already written or one of MT-Bench's turns is dropped. Returns the number
+    of questions in ``out``."""
     done = [json.loads(x) for x in out.read_text().splitlines() if x.strip()] if out.is_file() else []
     seen_ids, seen = {q["id"] for q in done}, {q["question"] for q in done} | mt_bench_turns()
     kept = sum(1 for q in done if q["question"])
-    for (t, template), (k, kind), subject in itertools.product(enumerate(ASK_TEMPLATES), enumerate(QUESTION_KINDS),
-                                                               SUBJECTS):
-        qid = f"self-{t}-{k}-{subject.replace(' ', '_')}"
-        if qid in seen_ids:
-            continue
-        ask = template.format(subject=subject, kind=kind)
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": ask}], tokenize=True,
-                                            add_generation_prompt=True)
-        ids = list(ids["input_ids"]) if hasattr(ids, "keys") else list(ids)
-        answer, _, _ = llamacpp.generate(llama, [ids], 160, end_ids=[tokenizer.eos_token_id])
-        question = clean_question(tokenizer.decode(answer[0], skip_special_tokens=True))
-        ok = 0 < len(question) <= 600 and question not in seen
-        with out.open("a") as f:  # a dropped one is stored with an empty question, so a resume skips it
-            f.write(json.dumps({"id": qid, "kind": kind, "subject": subject, "question": question if ok else ""})
-                    + "\n")
-        seen_ids.add(qid)
-        if ok:
-            seen.add(question)
-            kept += 1
+    todo = [(f"self-{t}-{k}-{subject.replace(' ', '_')}", kind, subject, template.format(subject=subject, kind=kind))
+            for (t, template), (k, kind), subject in itertools.product(enumerate(ASK_TEMPLATES),
+                                                                      enumerate(QUESTION_KINDS), SUBJECTS)]
+    todo = [q for q in todo if q[0] not in seen_ids]
+    for b in range(0, len(todo), batch_size):
+        batch = todo[b : b + batch_size]
+        prompts = []
+        for *_, ask in batch:
+            ids = tokenizer.apply_chat_template([{"role": "user", "content": ask}], tokenize=True,
+                                                add_generation_prompt=True)
+            prompts.append(list(ids["input_ids"]) if hasattr(ids, "keys") else list(ids))
+        lines = []
+        for (qid, kind, subject, _), answer in zip(batch, generate(prompts), strict=True):
+            question = clean_question(tokenizer.decode(answer, skip_special_tokens=True))
+            ok = 0 < len(question) <= 600 and question not in seen
+            # a dropped one is stored with an empty question, so a resume skips it
+            lines.append(json.dumps({"id": qid, "kind": kind, "subject": subject, "question": question if ok else ""}))
+            if ok:
+                seen.add(question)
+                kept += 1
+        with out.open("a") as f:
+            f.write("".join(line + "\n" for line in lines))
+        print(f"{len(seen_ids) + b + len(batch)} asked, {kept} questions kept", flush=True)
     return kept
+
+
+def question_writer(generator: str, threads: int, end_id: int, llama=None):  # noqa: ANN001, ANN201 - a callable
+    """``write_questions``'s ``generate``: greedy answers of at most 160 tokens (ended by ``end_id``) from llama.cpp
+    (``llama``, or the GGUF loaded here; one prompt after another) or from Celeris's engine on the default's target
+    (next-token decoding, one batch)."""
+    if generator == "celeris":
+        from celeris import LLM
+
+        torch.set_num_threads(threads)
+        llm = LLM("smollm2-135m-instruct")
+        params = llm.default_params(max_tokens=160, temperature=0.0, frequency_penalty=0.0)
+        return lambda prompts: [o.token_ids for o in llm.generate(prompts, params)]
+    from celeris.bench import llamacpp
+    from celeris.models.catalog import alias_path
+
+    llama = llama or llamacpp.load(alias_path("smollm2-135m-instruct"), 2048)
+    return lambda prompts: [llamacpp.generate(llama, [p], 160, end_ids=[end_id])[0][0] for p in prompts]
 
 
 LAYER_IDS = (1, 15, 27)  # target decoder layers whose outputs are stored (DFlash's target_layer_ids candidates)
@@ -329,7 +369,21 @@ def main() -> None:
     ap.add_argument("--write-questions", action="store_true",
                     help="first let the target write questions (llama.cpp) into OUT/questions.jsonl; they are then "
                          "answered like the other prompts")
+    ap.add_argument("--questions-only", choices=("llamacpp", "celeris"),
+                    help="instead: only write the questions (OUT/questions.jsonl), by llama.cpp or by Celeris's engine "
+                         "at --batch-size (then answer them with scripts/penalized_data.py)")
+    ap.add_argument("--threads", type=int, default=1, help="threads of --questions-only celeris")
     args = ap.parse_args()
+    if args.questions_only:
+        args.out.mkdir(parents=True, exist_ok=True)
+        from transformers import AutoTokenizer
+
+        from celeris.bench.smollm2 import hf_folder
+
+        tokenizer = AutoTokenizer.from_pretrained(hf_folder())
+        writer = question_writer(args.questions_only, args.threads, tokenizer.eos_token_id)
+        print(f"{write_questions(writer, tokenizer, args.out / 'questions.jsonl', args.batch_size)} questions")
+        return
     if args.export:
         print(f"{export_rows(args.export, args.out)} rows written to {args.out}")
         return
@@ -348,7 +402,8 @@ def main() -> None:
         llama = llamacpp.load(alias_path("smollm2-135m-instruct"), 2048)
     args.out.mkdir(parents=True, exist_ok=True)
     if args.write_questions:
-        print(f"{write_questions(llama, tokenizer, args.out / 'questions.jsonl')} questions", flush=True)
+        writer = question_writer("llamacpp", args.threads, tokenizer.eos_token_id, llama)
+        print(f"{write_questions(writer, tokenizer, args.out / 'questions.jsonl')} questions", flush=True)
     todo = (heldout_prompts(args.shared, args.heldout) if args.heldout
             else prompts(args.shared, args.holdout_gsm8k, args.holdout_stories, args.seed, args.out / "questions.jsonl"))
     todo = todo[: args.limit] if args.limit else todo

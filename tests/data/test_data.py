@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import fnmatch
 import hashlib
+import json
 import re
 import tomllib
 from pathlib import Path
@@ -35,18 +36,64 @@ def test_each_set_matches_its_source_md(path):
 @pytest.mark.skipif(not (SHARED / "data/tinystories").is_dir(), reason="needs ../shared/data/tinystories")
 def test_the_summarisation_paragraphs_are_the_held_out_head_of_tinystories():
     """SOURCE.md's recipe rebuilds the shipped file, and the drafter's training prompts hold all of it out."""
-    import importlib.util
-
     text = (SHARED / "data/tinystories/tinystories-valid-hf-export-head.txt").read_text(encoding="utf-8")
     paragraphs = [p.strip() for p in text.split("\n\n") if 200 <= len(p.strip()) <= 1200]
     shipped = [r["text"] for r in data.read_jsonl(data.TINYSTORIES)]
     assert shipped == paragraphs[:100]
     assert data.summarisation_prompts()[0] == f"{data.SUMMARISE}\n\n{shipped[0]}"
-    spec = importlib.util.spec_from_file_location("drafter_data", REPO / "scripts/drafter_data.py")
-    drafter_data = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(drafter_data)
-    trained = {m["content"] for row in drafter_data.prompts(SHARED, 300, 300, 0) for m in row["messages"]}
+    trained = {m["content"] for row in drafter_data().prompts(SHARED, 300, 300, 0) for m in row["messages"]}
     assert not any(p in t for p in shipped for t in trained)
+
+
+def drafter_data():  # noqa: ANN201 - the script's module
+    """``scripts/drafter_data.py`` as a module (a script, not part of the package)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("drafter_data", REPO / "scripts/drafter_data.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+class FakeTokenizer:
+    """A chat template and decoding over ids that are the characters' code points."""
+
+    def apply_chat_template(self, messages: list[dict], tokenize: bool, add_generation_prompt: bool) -> list[int]:
+        return [ord(c) for c in messages[0]["content"]]
+
+    def decode(self, ids: list[int], skip_special_tokens: bool) -> str:
+        return "".join(map(chr, ids))
+
+
+def test_written_questions_are_kept_dropped_and_resumed_in_batches(tmp_path, monkeypatch):
+    """``write_questions`` asks every (template, kind, subject) once, in batches of the generator's size: a reply
+    with a question is kept, one without (no '?'), a repeat and an MT-Bench turn are stored empty, and a second
+    call asks only what the first left (what a resumed data job does)."""
+    module = drafter_data()
+    monkeypatch.setattr(module, "ASK_TEMPLATES", ["About {subject}: {kind}"])
+    monkeypatch.setattr(module, "QUESTION_KINDS", ["q", "no"])
+    monkeypatch.setattr(module, "SUBJECTS", ["cats", "dogs", "tea"])
+    mt_bench = next(t for t in sorted(module.mt_bench_turns()) if module.clean_question(t) == t and len(t) < 600)
+    replies = {"About cats: q": "Why do cats purr?", "About dogs: q": "Why do cats purr?",  # a repeat
+               "About tea: q": mt_bench, "About cats: no": "Sure, here is a poem."}
+    calls = []
+
+    def generate(prompts: list[list[int]]) -> list[list[int]]:
+        calls.append(len(prompts))
+        asks = ["".join(map(chr, p)) for p in prompts]
+        return [[ord(c) for c in replies.get(a, f"How is {a.replace(':', '')}?")] for a in asks]
+
+    out = tmp_path / "questions.jsonl"
+    monkeypatch.setattr(module, "SUBJECTS", ["cats", "dogs"])  # a first run over two subjects
+    assert module.write_questions(generate, FakeTokenizer(), out, batch_size=3) == 2
+    assert calls == [3, 1]
+    monkeypatch.setattr(module, "SUBJECTS", ["cats", "dogs", "tea"])  # subjects added: only theirs are asked
+    assert module.write_questions(generate, FakeTokenizer(), out, batch_size=3) == 3
+    assert calls == [3, 1, 2]
+    rows = {r["id"]: r["question"] for r in map(json.loads, out.read_text().splitlines())}
+    assert rows == {"self-0-0-cats": "Why do cats purr?", "self-0-0-dogs": "", "self-0-0-tea": "",
+                    "self-0-1-cats": "", "self-0-1-dogs": "How is About dogs no?",
+                    "self-0-1-tea": "How is About tea no?"}
 
 
 def test_every_shipped_file_is_package_data():
