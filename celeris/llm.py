@@ -27,6 +27,7 @@ from celeris.load import (  # noqa: F401 - re-exported: the CLI, the bench and t
 )
 from celeris.models.loader import CheckpointError, load_tokenizer
 from celeris.sampling.block import contract_of
+from celeris.sampling.dry import attach_vocabulary
 from celeris.sampling.logprobs import TokenLogprob
 from celeris.sampling.modes import (
     ContextLengthError,  # noqa: F401 - re-exported: serve/ maps it to a 400
@@ -142,6 +143,9 @@ class LLM:
         self.generation_config: dict = load.generation_defaults(plan, loaded)
         # every id that ends an answer: end-of-text, the generation config's eos_token_id list, end-of-turn
         self.end_token_ids = self.tokenizer.end_token_ids(self.path, self.generation_config)
+        # DRY's sequence breakers are matched on the vocabulary's texts, decoded at the first request with DRY
+        attach_vocabulary(self.model, lambda: self.tokenizer.token_texts(min(self.tokenizer.vocab_size,
+                                                                             self.model.config.vocab_size)))
         self.engine = Engine(self.model, self.engine_config, self.end_token_ids,
                              grammar_tokenizer_loader=lambda: self.grammar_tokenizer)
         self.context_length = self.engine_config.max_model_len  # what a request may hold (max_model_len)

@@ -343,6 +343,11 @@ class Tokenizer:
         """Token ids -> text; special tokens are dropped unless ``skip_special_tokens`` is False."""
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
+    def token_texts(self, count: int) -> list[str]:
+        """The text of each id below ``count`` decoded alone, special tokens kept (DRY's sequence breakers are
+        matched on them: ``celeris.sampling.dry.breaker_ids``)."""
+        return self._tok.decode_batch([[i] for i in range(count)], skip_special_tokens=False)
+
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
                             tools: list[dict] | None = None, **template_kwargs: object) -> str:
         """Render ``messages`` ([{"role", "content", ...}, ...]) with the checkpoint's Jinja chat template as Hugging

@@ -11,6 +11,7 @@ import torch
 
 from celeris.models.layers import KVCache
 from celeris.sampling.drafter import DraftState
+from celeris.sampling.dry import DrySettings
 from celeris.sampling.logprobs import TokenLogprob, entries
 from celeris.sampling.params import SamplingParams
 from celeris.sampling.select import top_p_filter
@@ -104,6 +105,7 @@ class DraftRow:
     draft_state: DraftState | None = None  # its DFlash drafter's cache and queued features (with a drafter)
     history: History | None = None  # with a penalty: its tokens so far ((1, V) each; ``penalize_along``), else None
     penalty_settings: RowSettings | None = None  # with a penalty: its settings as one row's tensors
+    dry: DrySettings | None = None  # its DRY settings (``celeris.sampling.dry``), None: no DRY
     counting: bool = True  # its history still counts committed tokens (False once an end id came: ``History.add``)
     acceptance_lengths: list[int] = field(default_factory=list)  # drafts accepted, per pass that checked drafts
     answer: list[int] = field(default_factory=list)

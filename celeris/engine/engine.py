@@ -34,6 +34,7 @@ from celeris.engine.scheduler import Scheduler
 from celeris.engine.verified import VerifiedDecoder
 from celeris.engine.verified_path import VerifiedPath
 from celeris.sampling.block import with_block_defaults
+from celeris.sampling.dry import DrySettings
 from celeris.sampling.logprobs import prompt_entries
 from celeris.sampling.modes import MODES, check_fits_context, check_request
 from celeris.sampling.params import SamplingParams
@@ -231,6 +232,7 @@ class Engine:
         stops = frozenset(params.stop_token_ids) if params.grammar is None else frozenset()
         request.stop_ids = (frozenset() if params.ignore_eos else self.end_ids) | stops
         request.constraint = row_constraints([params], self.grammar_tokenizer if params.grammar is not None else None)[0]
+        request.dry = DrySettings.of(params, self.model)
         self.scheduler.add(request)
         return request
 

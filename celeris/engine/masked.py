@@ -37,6 +37,8 @@ its prompt and its first block; after that step its prompt's full blocks are cac
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from celeris.engine.kv import BLOCK_SIZE
@@ -45,6 +47,7 @@ from celeris.engine.request import NO_PROGRESS, Request
 from celeris.engine.runner import ModelRunner
 from celeris.models.layers import KVCache, column_window, gather_positions
 from celeris.sampling.cache import CACHE_MODES
+from celeris.sampling.dry import dry_penalties
 from celeris.sampling.logprobs import committed_entries
 from celeris.sampling.step import (
     History,
@@ -201,12 +204,18 @@ class MaskedPath:
     def _history(self, batch: list[Request], settings: RowSettings, vocab: int, device: torch.device) -> History | None:
         """The rows' penalty history (``History.of``). Under next-token decoding with frequency or presence penalties
         only, each request's answer counts are kept and grow by the tokens committed since its last step (each adds
-        1.0: the same counts, up to the first end id), not counted again over the whole answer every step."""
+        1.0: the same counts, up to the first end id), not counted again over the whole answer every step. A request
+        with DRY (only under next-token decoding: ``check_request``) adds its penalties after its committed tokens,
+        the columns before its block (``celeris.sampling.dry``)."""
+        dry = None
+        if any(r.dry is not None for r in batch):
+            dry = [[None if r.dry is None else dry_penalties(r.canvas[: r.block_span[0]].tolist(), r.dry)] for r in batch]
         if not self.next_token or settings.any_penalty or not settings.any_count_penalty:
-            return History.of(settings, [r.canvas for r in batch], [r.answer for r in batch], vocab, self.mask_id,
-                              device, [r.ends(self.eos_id) for r in batch])
+            history = History.of(settings, [r.canvas for r in batch], [r.answer for r in batch], vocab, self.mask_id,
+                                 device, [r.ends(self.eos_id) for r in batch])
+            return history if dry is None else replace(history or History(), dry=dry)
         counts = [self._answer_counts(r, vocab, device) for r in batch]
-        return History(None, counts[0][None] if len(counts) == 1 else torch.stack(counts))  # read, never written
+        return History(None, counts[0][None] if len(counts) == 1 else torch.stack(counts), dry)  # read, never written
 
     def _answer_counts(self, r: Request, vocab: int, device: torch.device) -> torch.Tensor:
         """(V,) float32 counts of r's committed answer tokens before its first end id (``answer_counts``' rule);

@@ -59,6 +59,8 @@ class Request:
     stop_ids: frozenset[int] | None = None
     # The grammar state of a constrained request (``celeris.structured.grammar.Constraint``), else None.
     constraint: object | None = None
+    # Its DRY settings (``celeris.sampling.dry.DrySettings``, breakers as ids), set at admission; None: no DRY.
+    dry: object | None = None
     # With ``params.logprobs``: answer position -> its committed token's entry (``celeris.sampling.logprobs``).
     logprob_entries: dict[int, TokenLogprob] = field(default_factory=dict)
     # With ``params.prompt_logprobs``: one entry per prompt token (None for the first), filled at its first step.

@@ -23,6 +23,7 @@ from celeris.engine.path import pad_groups
 from celeris.engine.proposers import DraftAsk, Drafts, Proposer, make_proposer
 from celeris.models.layers import KVCache
 from celeris.sampling.drafter import DFlashProposer, DraftState, proposer_of
+from celeris.sampling.dry import DrySettings
 from celeris.sampling.params import SamplingParams
 from celeris.sampling.select import NEG_INF
 from celeris.sampling.step import (
@@ -170,6 +171,7 @@ class VerifiedDecoder:
                                  self.model.config.vocab_size, self.model.config.mask_token_id, self.device)
         if row.history is not None:  # what its penalties read (``penalize_along``)
             row.penalty_settings = settings
+        row.dry = DrySettings.of(params, self.model)
         if self.prefix_cache is not None:  # copy the cached prefix's keys/values into the row's pool row
             reach, feats = None, None  # with a drafter: only as far as its context (features) for the prefix reaches
             if self.feature_cache is not None:
@@ -349,14 +351,15 @@ class VerifiedDecoder:
         (penalized in place first, when the row has a penalty, as next-token decoding penalizes each position once
         it is committed: ``penalize_along``): (drafts accepted, the tokens to commit, cut at ``max_tokens``)."""
         left = row.params.max_tokens - len(row.answer)
-        if row.history is not None and row.constraint is None and row.params.temperature == 0 \
+        if row.history is not None and row.dry is None and row.constraint is None and row.params.temperature == 0 \
                 and row.params.logprobs is None:  # nothing reads the penalized logits: the kernel's one pass
             greedy = greedy_along(logits, row.history, row.drafts, row.penalty_settings)
             if greedy is not None:
                 a, token = greedy_accept(row.drafts, greedy)
                 return a, (row.drafts[:a] + [token])[:left]
-        if row.history is not None:
-            logits[:] = penalize_along(logits, row.history, row.drafts, row.penalty_settings)
+        if row.history is not None or row.dry is not None:  # DRY: each position after its own tokens and drafts
+            logits[:] = penalize_along(logits, row.history, row.drafts, row.penalty_settings,
+                                       row.prompt_ids + row.answer, row.dry)
         if row.constraint is not None:  # the grammar-masked head checks the drafts (verify_under_grammar)
             return verify_under_grammar(row.constraint, logits, row.drafts, row.draft_probs, row.params,
                                         row.generator, left)

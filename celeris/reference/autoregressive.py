@@ -14,6 +14,7 @@ import torch
 
 from celeris.models.layers import KVCache
 from celeris.sampling.block import answer_ends
+from celeris.sampling.dry import DrySettings
 from celeris.sampling.output import GenerationOutput, build_canvas, cut_at_eos
 from celeris.sampling.params import SamplingParams
 from celeris.sampling.select import sample_tokens
@@ -62,6 +63,7 @@ def generate_autoregressive(
     canvas, attn, _, answer_start = build_canvas(prompt_ids, n, config.pad_token_id, config.pad_token_id, None, device)
     attn[:, answer_start:] = True  # answer positions become real tokens as they are written
     settings = RowSettings.from_params(rows, device)
+    dry = [DrySettings.of(r, model) for r in rows]  # DRY after each row's prompt and answer so far
     generators = [make_generator(r.seed) for r in rows]
     cache = KVCache() if use_cache else None
     banned = banned_token_ids(config)
@@ -75,7 +77,7 @@ def generate_autoregressive(
         # the context so far (prompt and answer, not padding) and the answer so far
         history = History.of(settings, [row[:t][a[:t]] for row, a in zip(canvas, attn, strict=True)],
                              list(canvas[:, answer_start:t]), logits.shape[-1], config.mask_token_id, device,
-                             [answer_ends(r, [config.eos_token_id]) for r in rows])
+                             [answer_ends(r, [config.eos_token_id]) for r in rows], dry)
         logits, _ = prepare_logits(logits, settings, banned, history)
         canvas[:, t] = sample_tokens(logits, settings.temperature, generators)[:, 0]
         if t == answer_start:

@@ -175,10 +175,15 @@ def check_request(model: torch.nn.Module, params: SamplingParams, has_suffix: bo
     Raises:
         ValueError: a setting the mode cannot run on this model (the message starts with the parameter:
             ``celeris.sampling.block.check_block_support``, ``celeris.sampling.verified.check_verified_support``,
-            ``check_masked_support``, a plug-in mode's ``check``), or a stop token id outside the vocabulary.
+            ``check_masked_support``, a plug-in mode's ``check``), DRY where it does not apply (a model that is
+            not causal, a mode other than next-token and verified decoding), or a stop token id outside the
+            vocabulary.
     """
     mode = mode_of(model, params)
     MODES[mode].check(model, params, has_suffix)
+    if params.dry_multiplier and not (getattr(model.config, "is_causal", False) and mode in ("masked", "verified")):
+        raise ValueError("dry_multiplier applies to next-token and verified decoding of an autoregressive (causal) "
+                         f"model (celeris.sampling.dry), not to '{mode}' decoding of this one; set it to 0")
     vocab = getattr(model.config, "vocab_size", None) if vocab_size is None else vocab_size
     if vocab is not None and any(t >= vocab for t in params.stop_token_ids):
         raise ValueError(f"stop_token_ids must be ids below the vocabulary size {vocab}; got {params.stop_token_ids}")

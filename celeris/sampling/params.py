@@ -77,6 +77,9 @@ class Setting:
         return tuple(self.choices()) if callable(self.choices) else self.choices
 
 
+DRY_SEQUENCE_BREAKERS = ("\n", ":", '"', "*")  # DRY's default breakers, llama.cpp's (common/common.h; sampling/dry.py)
+
+
 def setting(default: object = MISSING, *, default_factory: Callable[[], object] | object = MISSING,
             **spec: object) -> object:
     """A dataclass field carrying its ``Setting`` (``spec``) as metadata."""
@@ -147,6 +150,18 @@ class SamplingParams:
     presence_penalty: float = setting(0.0, low=-2.0, high=2.0, per_row=True,
                                       help="OpenAI's presence penalty (0 = off): the logit of every token the answer "
                                       "holds so far minus this (the prompt not counted)")
+    dry_multiplier: float = setting(0.0, low=0.0, high=100.0, per_row=True,
+                                    help="DRY's strength (llama.cpp's dry_multiplier; 0 = off; 0.8 is the usual value): "
+                                    "a token that would extend a repeat of L >= dry_allowed_length earlier tokens loses "
+                                    "dry_multiplier * dry_base ** (L - dry_allowed_length) (celeris.sampling.dry)")
+    dry_base: float = setting(1.75, low=1.0, high=100.0, per_row=True, help="DRY's base (llama.cpp's dry_base)")
+    dry_allowed_length: int = setting(2, low=0, high=1_000_000, per_row=True,
+                                      help="DRY: repeats of at most this many tokens are not penalized")
+    dry_penalty_last_n: int = setting(-1, low=-1, high=1_000_000_000, per_row=True,
+                                      help="DRY: tokens of the context (prompt and answer) it looks at (-1: all, 0: off)")
+    dry_sequence_breakers: list[str] = setting(default_factory=lambda: list(DRY_SEQUENCE_BREAKERS), per_row=True,
+                                               cli=False, help="DRY: strings that end every repeat (each token whose "
+                                               "text contains one; llama.cpp's defaults)")
     seed: int | None = setting(None, low=0, high=MAX_SEED, per_row=True, http=False,
                                help="per-request RNG seed (None: a fresh one)")
     stop: list[str] = setting(default_factory=list, per_row=True, http=False, cli={"action": "append"},

@@ -10,10 +10,11 @@ from __future__ import annotations
 import random
 import sys
 from collections.abc import Collection
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
+from celeris.sampling.dry import DrySettings, apply_dry, dry_penalties
 from celeris.sampling.params import SamplingParams
 from celeris.sampling.rules import COMMIT_RULES, NEEDS, REMASKING
 from celeris.sampling.select import NEG_INF, min_p_filter, sample_tokens, top_k_filter, top_p_filter
@@ -163,18 +164,28 @@ class History:
 
     seen: torch.Tensor | None = None
     counts: torch.Tensor | None = None
+    dry: list[list[dict[int, float] | None]] | None = None  # per row and position, DRY's penalties (``dry_penalties``)
 
     @classmethod
     def of(cls, settings: RowSettings, contexts: list[torch.Tensor], answers: list[torch.Tensor],
            vocab_size: int, mask_id: int, device: torch.device,
-           ends: list[Collection[int]] | None = None) -> History | None:
+           ends: list[Collection[int]] | None = None, dry: list[DrySettings | None] | None = None,
+           dry_contexts: list[torch.Tensor] | None = None) -> History | None:
         """The history of rows (``settings``: which penalties some row has) whose prompt-and-answer tokens are
         ``contexts`` and answer tokens ``answers`` (1-D int64 each, ``mask_id`` where not committed; counted up to
-        each row's first id in ``ends``: ``answer_counts``); None when no row has a penalty."""
-        if not (settings.any_penalty or settings.any_count_penalty):
+        each row's first id in ``ends``: ``answer_counts``); with ``dry`` (each row's DRY settings or None), DRY's
+        penalties after each row's committed tokens in order, ``dry_contexts`` (1-D int64 each; default
+        ``contexts``). None when no row has a penalty."""
+        any_dry = dry is not None and any(d is not None for d in dry)
+        if not (settings.any_penalty or settings.any_count_penalty or any_dry):
             return None
+        penalties = None
+        if any_dry:
+            texts = contexts if dry_contexts is None else dry_contexts
+            penalties = [[None if d is None else dry_penalties(t.tolist(), d)] for d, t in zip(dry, texts, strict=True)]
         return cls(context_tokens(contexts, vocab_size, mask_id, device) if settings.any_penalty else None,
-                   answer_counts(answers, vocab_size, mask_id, device, ends) if settings.any_count_penalty else None)
+                   answer_counts(answers, vocab_size, mask_id, device, ends) if settings.any_count_penalty else None,
+                   penalties)
 
     def add(self, tokens: list[int]) -> None:
         """Count newly committed ``tokens`` into a one-row history (verified decoding's ``DraftRow``)."""
@@ -188,10 +199,13 @@ class History:
 def apply_penalties(logits: torch.Tensor, settings: RowSettings, history: History | None) -> torch.Tensor:
     """The penalties in vLLM's order (``apply_penalties``): CTRL's repetition penalty (``penalize_repetition``), then
     OpenAI's frequency and presence penalties, ``logit - frequency_penalty * count - presence_penalty * (count > 0)``
-    (OpenAI's API reference, "Frequency and presence penalties"). logits (B, L, V) float32; rows without a
-    penalty unchanged; a new tensor when some row has one."""
+    (OpenAI's API reference, "Frequency and presence penalties"), then DRY's (``history.dry``,
+    ``celeris.sampling.dry``: llama.cpp's order). logits (B, L, V) float32; rows without a penalty unchanged; a new
+    tensor when some row has one."""
     if history is None:
         return logits
+    if history.dry is not None:
+        return apply_dry(apply_penalties(logits, settings, replace(history, dry=None)).clone(), history.dry)
     if history.seen is not None and settings.any_penalty:
         logits = penalize_repetition(logits, history.seen, settings.repetition_penalty)
     if history.counts is not None and settings.any_count_penalty:
@@ -326,7 +340,8 @@ def greedy_single(logits: torch.Tensor, block: torch.Tensor, mask_id: int, banne
     fast_ops = sys.modules.get("celeris.models.fast_ops")  # the model side loaded (as ``sample_tokens``)
     if fast_ops is None or settings.any_sampling is not False or settings.any_top_p or settings.any_top_k \
             or settings.any_min_p or settings.any_penalty \
-            or not commits_its_column(block, num_tokens, settings, confidence_from):
+            or not commits_its_column(block, num_tokens, settings, confidence_from) \
+            or (history is not None and history.dry is not None):  # DRY: prepare_logits's order
         return None
     counts = None
     if history is not None and settings.any_count_penalty:

@@ -70,6 +70,7 @@ import torch
 
 from celeris.models import fast_ops
 from celeris.sampling.drafter import DFlashProposer, check_num_drafts, proposer_of
+from celeris.sampling.dry import DrySettings, apply_dry, dry_penalties
 from celeris.sampling.params import SamplingParams
 from celeris.sampling.rules import DRAFT_SOURCES
 from celeris.sampling.select import NEG_INF, probs
@@ -188,7 +189,8 @@ def draft_counts(drafts: list[int], positions: int) -> list[list[tuple[int, int]
     return [[(t, drafts[:p].count(t)) for t in set(drafts[:p])] for p in range(positions)]
 
 
-def penalize_along(logits: torch.Tensor, history: History, drafts: list[int], settings: RowSettings) -> torch.Tensor:
+def penalize_along(logits: torch.Tensor, history: History | None, drafts: list[int], settings: RowSettings | None,
+                   context: list[int] | None = None, dry: DrySettings | None = None) -> torch.Tensor:
     """The penalties (``apply_penalties``: CTRL's repetition penalty, OpenAI's frequency and presence penalties) at
     one row's m + 1 verify positions, each with its own history: position j (the logits after d_j; j = 0: after the
     pending token) reads the row's tokens so far plus the drafts d_1 .. d_j, the history next-token decoding
@@ -196,13 +198,26 @@ def penalize_along(logits: torch.Tensor, history: History, drafts: list[int], se
     the verified answer is exactly the penalized next-token answer (temperature 0), or distributed as it
     (speculative sampling).
 
+    With ``dry`` (the row's DRY settings, ``celeris.sampling.dry``), DRY's penalties follow at each position,
+    after ``context`` (the row's prompt and answer so far) and the drafts before it, as ``apply_penalties`` orders
+    them.
+
     Args:
-        logits: (m + 1, V) float next-token logits. history: the row's, (1, V) tensors (``History.of``).
-        drafts: d_1 .. d_m. settings: the row's ``RowSettings``.
+        logits: (m + 1, V) float next-token logits. history: the row's, (1, V) tensors (``History.of``), or None
+            (DRY alone). drafts: d_1 .. d_m. settings: the row's ``RowSettings`` (None with no history).
 
     Returns:
         (m + 1, V) penalized logits (a new tensor).
     """
+    out = _penalize_drafts(logits, history, drafts, settings) if history is not None else logits.clone()
+    if dry is not None:
+        found = [dry_penalties(context + drafts[:p], dry) for p in range(logits.shape[0])]
+        out = apply_dry(out[None], [found])[0]
+    return out
+
+
+def _penalize_drafts(logits: torch.Tensor, history: History, drafts: list[int], settings: RowSettings) -> torch.Tensor:
+    """``penalize_along`` without DRY: the repetition, frequency and presence penalties at each position."""
     out = apply_penalties(logits[None], settings, history)[0]  # every position under the row's tokens so far
     # then the entries the drafts change: position p's token t, seen and counted once more per d_j = t, j <= p;
     # the same elementwise float operations on those entries alone give the same values as on whole rows

@@ -80,6 +80,8 @@ def test_wrong_content_type(server):
     ("/v1/completions", {"prompt": "x", "repetition_penalty": 0}, "repetition_penalty"),
     ("/v1/completions", {"prompt": "x", "presence_penalty": 2.5}, "presence_penalty"),  # OpenAI's range [-2, 2]
     ("/v1/chat/completions", {"messages": CHAT, "frequency_penalty": -3}, "frequency_penalty"),
+    ("/v1/completions", {"prompt": "x", "dry_multiplier": -1}, "dry_multiplier"),
+    ("/v1/completions", {"prompt": "x", "dry_base": 0.5}, "dry_base"),
     ("/v1/completions", {"prompt": "x", "cache": "bogus"}, "cache"),
     ("/v1/completions", {"prompt": "x", "cache_refresh": -1}, "cache_refresh"),
     ("/v1/completions", {"prompt": "x", "suffix_window": -1}, "suffix_window"),

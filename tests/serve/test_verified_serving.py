@@ -54,6 +54,10 @@ def test_verified_completion_equals_next_token_decoding_and_is_counted(hybrid_se
     r = client.completions.create(model="tiny-serve", prompt=prompt, max_tokens=12, frequency_penalty=1.5,
                                   presence_penalty=0.5)  # OpenAI's own parameters
     assert r.choices[0].text == penalized != next_token
+    dry = {"dry_multiplier": 2.0, "dry_allowed_length": 1, "dry_sequence_breakers": []}  # DRY, llama.cpp's names
+    penalized = llm.generate(prompt, llm.default_params(decoding="fixed", early_exit=True, **dry))[0].text
+    r = client.completions.create(model="tiny-serve", prompt=prompt, max_tokens=12, extra_body=dry)
+    assert r.choices[0].text == penalized != next_token
     metrics = httpx.get(f"{hybrid_server.url}/metrics").text
     drafted = [line for line in metrics.splitlines() if line.startswith("celeris_spec_decode_num_draft_tokens_total")]
     assert drafted and float(drafted[0].split()[-1]) > 0
