@@ -96,12 +96,6 @@ SUBJECTS = ["travel", "cooking", "a small business", "school", "the weather", "s
 ASK_TEMPLATES = ["Write one question that a user might ask an AI assistant about {subject}. The question {kind}. "
                  "Reply with the question only.",  # of 15 tried: 9 gave a question (varied); 15 (plainer)
                  "Make up a question about {subject} that {kind}. Write only the question, nothing else."]
-# Requests in MT-Bench's imperative form ("Write a ...", "Pretend you are ..."), which the templates above drop
-# (their replies must hold a question mark); added 2026-12-07 (seventh session), ids self-2-* and self-3-*.
-REQUEST_TEMPLATES = ["Write one message that a user might send to an AI assistant about {subject}. The message {kind}. "
-                     "Reply with the message only.",
-                     "Give an example of a task about {subject} that a user could ask an AI assistant to do. The task "
-                     "{kind}. Write only the user's request."]
 MODULES = ["os", "os.path", "json", "re", "math", "itertools", "functools", "collections", "string", "textwrap",
            "statistics", "random", "shutil", "pathlib", "datetime", "heapq", "bisect", "csv", "glob", "fnmatch"]
 
@@ -160,20 +154,8 @@ def clean_question(text: str) -> str:
     return "" if refusal or "?" not in text else text
 
 
-def clean_request(text: str) -> str:
-    """The request inside the target's reply (as ``clean_question``, but a request needs no question mark: at
-    least five words), or '' when the reply holds none (an offer of help, a refusal)."""
-    text = text.strip()
-    if ":" in text.split("\n")[0][:40]:
-        text = text.split(":", 1)[1]
-    text = text.strip().strip('"').strip()
-    refusal = text.startswith(("I'm", "I am", "What a ", "Sure", "Of course", "Here")) or "AI assistant" in text
-    return "" if refusal or len(text.split()) < 5 else text
-
-
 def write_questions(generate, tokenizer, out: Path, batch_size: int = 1) -> int:  # noqa: ANN001
-    """The target writes one question per (template, kind, subject), greedily (or a request, for
-    ``REQUEST_TEMPLATES``, cleaned by ``clean_request``).
+    """The target writes one question per (template, kind, subject), greedily.
 
     ``generate(prompts)`` gives the answer ids of a batch of token-id prompts (llama.cpp on the same GGUF one after
     another, or Celeris's engine in one batch: ``--generator``). Appends ``{"id", "kind", "subject", "question"}``
@@ -183,9 +165,8 @@ def write_questions(generate, tokenizer, out: Path, batch_size: int = 1) -> int:
     done = [json.loads(x) for x in out.read_text().splitlines() if x.strip()] if out.is_file() else []
     seen_ids, seen = {q["id"] for q in done}, {q["question"] for q in done} | mt_bench_turns()
     kept = sum(1 for q in done if q["question"])
-    templates = ASK_TEMPLATES + REQUEST_TEMPLATES  # a reply to the second kind is cleaned as a request
     todo = [(f"self-{t}-{k}-{subject.replace(' ', '_')}", kind, subject, template.format(subject=subject, kind=kind))
-            for (t, template), (k, kind), subject in itertools.product(enumerate(templates),
+            for (t, template), (k, kind), subject in itertools.product(enumerate(ASK_TEMPLATES),
                                                                       enumerate(QUESTION_KINDS), SUBJECTS)]
     todo = [q for q in todo if q[0] not in seen_ids]
     for b in range(0, len(todo), batch_size):
@@ -197,8 +178,7 @@ def write_questions(generate, tokenizer, out: Path, batch_size: int = 1) -> int:
             prompts.append(list(ids["input_ids"]) if hasattr(ids, "keys") else list(ids))
         lines = []
         for (qid, kind, subject, _), answer in zip(batch, generate(prompts), strict=True):
-            clean = clean_request if int(qid.split("-")[1]) >= len(ASK_TEMPLATES) else clean_question
-            question = clean(tokenizer.decode(answer, skip_special_tokens=True))
+            question = clean_question(tokenizer.decode(answer, skip_special_tokens=True))
             ok = 0 < len(question) <= 600 and question not in seen
             # a dropped one is stored with an empty question, so a resume skips it
             lines.append(json.dumps({"id": qid, "kind": kind, "subject": subject, "question": question if ok else ""}))

@@ -71,7 +71,6 @@ def test_written_questions_are_kept_dropped_and_resumed_in_batches(tmp_path, mon
     call asks only what the first left (what a resumed data job does)."""
     module = drafter_data()
     monkeypatch.setattr(module, "ASK_TEMPLATES", ["About {subject}: {kind}"])
-    monkeypatch.setattr(module, "REQUEST_TEMPLATES", [])
     monkeypatch.setattr(module, "QUESTION_KINDS", ["q", "no"])
     monkeypatch.setattr(module, "SUBJECTS", ["cats", "dogs", "tea"])
     mt_bench = next(t for t in sorted(module.mt_bench_turns()) if module.clean_question(t) == t and len(t) < 600)
@@ -95,12 +94,6 @@ def test_written_questions_are_kept_dropped_and_resumed_in_batches(tmp_path, mon
     assert rows == {"self-0-0-cats": "Why do cats purr?", "self-0-0-dogs": "", "self-0-0-tea": "",
                     "self-0-1-cats": "", "self-0-1-dogs": "How is About dogs no?",
                     "self-0-1-tea": "How is About tea no?"}
-    monkeypatch.setattr(module, "REQUEST_TEMPLATES", ["Ask for {subject}"])  # a request needs no question mark
-    monkeypatch.setitem(replies, "Ask for cats", "Write a letter to my cat, please.")
-    monkeypatch.setitem(replies, "Ask for dogs", "Sure, what would you like?")
-    assert module.write_questions(generate, FakeTokenizer(), out, batch_size=8) == 5
-    rows = {r["id"]: r["question"] for r in map(json.loads, out.read_text().splitlines())}
-    assert rows["self-1-0-cats"] == "Write a letter to my cat, please." and rows["self-1-1-dogs"] == ""
 
 
 def test_every_shipped_file_is_package_data():
