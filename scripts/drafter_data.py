@@ -92,7 +92,32 @@ SUBJECTS = ["travel", "cooking", "a small business", "school", "the weather", "s
             "a weather report", "a password", "a toolbox", "a spreadsheet", "a sleepover", "the Great Wall",
             "a bee hive", "an orchestra", "a water filter", "a scooter", "a haircut", "an island",
             "a cat cafe", "a road trip", "a paper airplane", "a compost bin", "a quiz show", "a microscope",
-            "a fishing trip", "a canoe", "a marketing plan", "a lunch box", "a family recipe", "a rocket launch"]
+            "a fishing trip", "a canoe", "a marketing plan", "a lunch box", "a family recipe", "a rocket launch",
+            # added 2026-12-07 (seventh session): 147 more subjects, another 2,940 questions
+            "a bus driver", "a snowman", "a cooking class", "a dishwasher", "a ferry", "a pottery class",
+            "a skating rink", "a map app", "a hot air balloon", "a summer camp", "a mountain cabin", "a tennis match",
+            "a street musician", "a water bottle", "a tram", "a dentist", "a shopping list", "a bird feeder",
+            "a rain jacket", "a chess club", "a laundry day", "a school garden", "a photo album", "a city bike",
+            "a bread oven", "a train conductor", "a desert island", "a night sky", "a group project", "a fruit salad",
+            "a telescope", "a jigsaw puzzle", "a library card", "a vegetable garden", "a rowing boat", "a fire drill",
+            "a science book", "a family dinner", "a kitchen timer", "a ski trip", "a scarecrow", "a post card",
+            "a weather balloon", "a snail", "a stamp collection", "a tree house", "a hiking boot", "a sailing lesson",
+            "a cinema", "a rooftop garden", "a laptop battery", "a music teacher", "a pen", "a street food stall",
+            "a wind chime", "a class trip", "a goldfish", "a piggy bank", "a coffee machine", "a snow day",
+            "a bridge builder", "a paper map", "a farm tractor", "a campfire", "a city square", "a rain barrel",
+            "a chocolate factory", "a fossil", "a bowling alley", "a subway map", "a tailor", "a wedding speech",
+            "a job fair", "a radio show", "a community center", "a clothes swap", "a puppet show", "a trail map",
+            "an old bicycle", "an email inbox", "an apple orchard", "an aquarium", "an art museum", "an elevator",
+            "an umbrella", "an ant colony", "an astronaut", "an electric kettle", "an escape room", "an ice rink",
+            "a cheese shop", "a spice rack", "a sewing machine", "a hardware store", "a mobile game", "a bus ticket",
+            "a robot vacuum", "a music box", "a calendar", "a thermometer", "a flashlight", "a backpack",
+            "a pair of glasses", "a newspaper stand", "a carpool", "a birthday party", "a graduation",
+            "a neighbourhood watch", "a noisy neighbour", "a school library", "a flat tyre", "a ferris wheel",
+            "a parade", "a recycling bin", "a lemon tree", "a sunrise", "a sunset", "a thunder cloud", "a rainbow",
+            "a tide pool", "a seashell", "a pine forest", "a waterfall", "a canyon", "a cave", "a meadow", "a pond",
+            "a harbour", "a windmill", "a greenhouse", "a barn", "a beehive box", "a dog park", "a cat toy",
+            "a hamster", "a parrot", "a horse ride", "a rabbit", "a turtle", "a frog", "a butterfly", "a spider web",
+            "a moth", "a dragonfly", "a school choir", "a drum kit", "a guitar lesson"]
 ASK_TEMPLATES = ["Write one question that a user might ask an AI assistant about {subject}. The question {kind}. "
                  "Reply with the question only.",  # of 15 tried: 9 gave a question (varied); 15 (plainer)
                  "Make up a question about {subject} that {kind}. Write only the question, nothing else."]
