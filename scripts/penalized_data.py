@@ -42,7 +42,8 @@ def answer(llm, rows: list[dict], max_tokens: int) -> list[dict]:  # noqa: ANN00
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--src", type=Path, required=True, help="rows whose prompts are answered (JSON lines)")
+    ap.add_argument("--src", type=Path, required=True, help="rows whose prompts are answered (JSON lines), or a "
+                    "questions file of drafter_data.py --questions-only")
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--model", default="smollm2-135m-instruct-dflash")
     ap.add_argument("--batch-size", type=int, default=8)
@@ -54,6 +55,10 @@ def main() -> None:
     from celeris import LLM
 
     rows = [json.loads(x) for x in args.src.read_text().splitlines() if x.strip()]
+    # a questions file of ``drafter_data.py --questions-only`` (its dropped questions are empty): one-turn prompts
+    rows = [r if "messages" in r else {"id": r["id"], "source": "self",
+                                       "messages": [{"role": "user", "content": r["question"]}]}
+            for r in rows if r.get("messages") or r.get("question")]
     rows = [r for r in rows if len(r["messages"]) == 1]
     done = {json.loads(x)["id"] for x in args.out.read_text().splitlines() if x.strip()} if args.out.is_file() else set()
     todo = [r for r in rows if r["id"] not in done]
