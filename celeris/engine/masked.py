@@ -47,7 +47,7 @@ from celeris.engine.request import NO_PROGRESS, Request
 from celeris.engine.runner import ModelRunner
 from celeris.models.layers import KVCache, column_window, gather_positions
 from celeris.sampling.cache import CACHE_MODES
-from celeris.sampling.dry import dry_penalties
+from celeris.sampling.dry import row_penalties
 from celeris.sampling.logprobs import committed_entries
 from celeris.sampling.step import (
     History,
@@ -207,9 +207,9 @@ class MaskedPath:
         1.0: the same counts, up to the first end id), not counted again over the whole answer every step. A request
         with DRY (only under next-token decoding: ``check_request``) adds its penalties after its committed tokens,
         the columns before its block (``celeris.sampling.dry``)."""
-        dry = None
+        dry = None  # the columns before its block are its committed tokens (no slices on the hot path without DRY)
         if any(r.dry is not None for r in batch):
-            dry = [[None if r.dry is None else dry_penalties(r.canvas[: r.block_span[0]].tolist(), r.dry)] for r in batch]
+            dry = row_penalties([r.dry for r in batch], [r.canvas[: r.block_span[0]] for r in batch])
         if not self.next_token or settings.any_penalty or not settings.any_count_penalty:
             history = History.of(settings, [r.canvas for r in batch], [r.answer for r in batch], vocab, self.mask_id,
                                  device, [r.ends(self.eos_id) for r in batch])

@@ -128,6 +128,14 @@ def dry_penalties(tokens: Sequence[int], dry: DrySettings) -> dict[int, float]:
     return out
 
 
+def row_penalties(dry: Sequence[DrySettings | None], contexts: Sequence[torch.Tensor]) -> list[list[dict | None]] | None:
+    """``History.dry`` for one position a row: each row's ``dry_penalties`` after its ``contexts`` (1-D int64, its
+    committed tokens in order), None for a row without DRY; None when no row has DRY."""
+    if all(d is None for d in dry):
+        return None
+    return [[None if d is None else dry_penalties(t.tolist(), d)] for d, t in zip(dry, contexts, strict=True)]
+
+
 def apply_dry(logits: torch.Tensor, penalties: Sequence[Sequence[dict[int, float] | None]]) -> torch.Tensor:
     """``logits`` (B, L, V) float32 less each position's penalties (``penalties[b][l]``, a ``dry_penalties``
     result, or None for a row without DRY), in place; returned."""

@@ -14,7 +14,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from celeris.sampling.dry import DrySettings, apply_dry, dry_penalties
+from celeris.sampling.dry import DrySettings, apply_dry, row_penalties
 from celeris.sampling.params import SamplingParams
 from celeris.sampling.rules import COMMIT_RULES, NEEDS, REMASKING
 from celeris.sampling.select import NEG_INF, min_p_filter, sample_tokens, top_k_filter, top_p_filter
@@ -169,20 +169,14 @@ class History:
     @classmethod
     def of(cls, settings: RowSettings, contexts: list[torch.Tensor], answers: list[torch.Tensor],
            vocab_size: int, mask_id: int, device: torch.device,
-           ends: list[Collection[int]] | None = None, dry: list[DrySettings | None] | None = None,
-           dry_contexts: list[torch.Tensor] | None = None) -> History | None:
+           ends: list[Collection[int]] | None = None, dry: list[DrySettings | None] | None = None) -> History | None:
         """The history of rows (``settings``: which penalties some row has) whose prompt-and-answer tokens are
         ``contexts`` and answer tokens ``answers`` (1-D int64 each, ``mask_id`` where not committed; counted up to
         each row's first id in ``ends``: ``answer_counts``); with ``dry`` (each row's DRY settings or None), DRY's
-        penalties after each row's committed tokens in order, ``dry_contexts`` (1-D int64 each; default
-        ``contexts``). None when no row has a penalty."""
-        any_dry = dry is not None and any(d is not None for d in dry)
-        if not (settings.any_penalty or settings.any_count_penalty or any_dry):
+        penalties after each row's context (``row_penalties``). None when no row has a penalty."""
+        penalties = None if dry is None else row_penalties(dry, contexts)
+        if not (settings.any_penalty or settings.any_count_penalty or penalties is not None):
             return None
-        penalties = None
-        if any_dry:
-            texts = contexts if dry_contexts is None else dry_contexts
-            penalties = [[None if d is None else dry_penalties(t.tolist(), d)] for d, t in zip(dry, texts, strict=True)]
         return cls(context_tokens(contexts, vocab_size, mask_id, device) if settings.any_penalty else None,
                    answer_counts(answers, vocab_size, mask_id, device, ends) if settings.any_count_penalty else None,
                    penalties)
